@@ -1,0 +1,3 @@
+from dapo.cli import main
+
+raise SystemExit(main())

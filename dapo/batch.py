@@ -1,0 +1,114 @@
+"""Episodes (one graded response each), padding, and the mini/micro-batch split.
+
+Shapes: B = responses, P = prompt tokens (left padded), T = response tokens (right padded).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Episode:
+    """One response with everything the update needs; tensors are 1-D and unpadded."""
+
+    prompt_ids: torch.Tensor
+    response_ids: torch.Tensor
+    sampler_logprobs: torch.Tensor
+    truncated: bool
+    correct: bool
+    reward: float
+    text: str = ""
+    advantage: float = 0.0
+    trainable: bool = True
+    """False when overlong filtering masks this response out of the loss."""
+    old_logprobs: torch.Tensor | None = None
+    """log pi_old, recomputed before the update (or the sampler's)."""
+    ref_logprobs: torch.Tensor | None = None
+    """log pi_ref of the frozen reference, only with a KL penalty."""
+
+    @property
+    def length(self) -> int:
+        return int(self.response_ids.numel())
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return self.length if self.trainable else 0
+
+
+@dataclass
+class Batch:
+    prompt_ids_BP: torch.Tensor
+    prompt_mask_BP: torch.Tensor
+    response_ids_BT: torch.Tensor
+    response_mask_BT: torch.Tensor
+    """Every real response token (for old log-probs and metrics)."""
+    loss_mask_BT: torch.Tensor
+    """Tokens that count in the loss: real and not overlong-filtered."""
+    advantages_B: torch.Tensor
+    sampler_logprobs_BT: torch.Tensor
+
+    def to(self, device: torch.device | str) -> Batch:
+        return Batch(**{k: v.to(device) for k, v in vars(self).items()})
+
+
+def collate(episodes: Sequence[Episode], *, pad_id: int) -> Batch:
+    """Left-pad prompts and right-pad responses so that every response starts at column P."""
+    num = len(episodes)
+    width_p = max(e.prompt_ids.numel() for e in episodes)
+    width_t = max(e.length for e in episodes)
+    prompt_ids = torch.full((num, width_p), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros((num, width_p), dtype=torch.long)
+    response_ids = torch.full((num, width_t), pad_id, dtype=torch.long)
+    response_mask = torch.zeros((num, width_t), dtype=torch.bool)
+    logprobs = torch.zeros((num, width_t), dtype=torch.float32)
+    for i, e in enumerate(episodes):
+        p, t = e.prompt_ids.numel(), e.length
+        prompt_ids[i, width_p - p :] = e.prompt_ids
+        prompt_mask[i, width_p - p :] = 1
+        response_ids[i, :t] = e.response_ids
+        response_mask[i, :t] = True
+        logprobs[i, :t] = e.sampler_logprobs
+    trainable = torch.tensor([e.trainable for e in episodes], dtype=torch.bool)
+    return Batch(
+        prompt_ids_BP=prompt_ids,
+        prompt_mask_BP=prompt_mask,
+        response_ids_BT=response_ids,
+        response_mask_BT=response_mask,
+        loss_mask_BT=response_mask & trainable[:, None],
+        advantages_B=torch.tensor([e.advantage for e in episodes], dtype=torch.float32),
+        sampler_logprobs_BT=logprobs,
+    )
+
+
+def split_minibatches(num: int, size: int, *, generator: torch.Generator) -> list[list[int]]:
+    """A seeded permutation of ``range(num)`` cut into chunks of ``size`` responses."""
+    order = torch.randperm(num, generator=generator).tolist()
+    return [order[i : i + size] for i in range(0, num, size)]
+
+
+def split_microbatches(
+    episodes: Sequence[Episode], indices: Sequence[int], *, max_tokens: int
+) -> list[list[int]]:
+    """Greedy chunks of ``indices`` whose padded size rows x (P + T) stays within ``max_tokens``.
+
+    A single response longer than the budget still gets a micro-batch of its own. The split
+    changes memory only: every micro-batch loss is divided by the whole mini-batch's count.
+    """
+    chunks: list[list[int]] = []
+    current: list[int] = []
+    width = 0
+    for i in indices:
+        e = episodes[i]
+        w = max(width, e.prompt_ids.numel() + e.length)
+        if current and w * (len(current) + 1) > max_tokens:
+            chunks.append(current)
+            current, w = [], e.prompt_ids.numel() + e.length
+        current.append(i)
+        width = w
+    if current:
+        chunks.append(current)
+    return chunks

@@ -1,0 +1,434 @@
+"""Typed configuration: dataclass defaults are the paper's (Qwen2.5-32B, spec table).
+
+Resolution order, each layer overriding the one before:
+
+1. base scale: ``paper`` (the dataclass defaults) or ``demo`` (the embedded CPU task);
+2. algorithm preset: ``dapo`` (default) or ``grpo`` (the spec's naive baseline);
+3. a YAML file (``--config``), whose top-level ``base:`` and ``preset:`` pick 1 and 2;
+4. dotted command-line overrides, ``optim.lr=1e-5``.
+
+Every batch size names its unit, because unit confusion is what users of other RL frameworks
+trip over most: prompts per step, responses per prompt, responses per mini-batch, tokens per
+micro-batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+AGG_CHOICES = ("token-mean", "seq-mean-token-mean")
+ON_MAX_ROUNDS_CHOICES = ("error", "train")
+DTYPE_CHOICES = ("float32", "bfloat16", "float16")
+BASES = ("paper", "demo")
+PRESETS = ("dapo", "grpo")
+
+
+@dataclass
+class ModelConfig:
+    path: str = "embedded"
+    """A local Hugging Face model directory, or ``embedded`` for the built-in tiny Qwen2."""
+    dtype: str = "float32"
+    """Parameter dtype: float32, bfloat16 or float16."""
+    cache_dir: str = "~/.cache/dapo"
+    """Where the embedded model's warm-started weights are cached (rebuilt if absent)."""
+    warmup_steps: int = 400
+    """Supervised warm-start steps for the embedded model (RL needs a policy that is sometimes
+    right); ignored for a model loaded from ``path``."""
+
+
+@dataclass
+class DataConfig:
+    task: str = "arith"
+    """The embedded task; real Parquet data arrives with ``train_file`` / ``val_file``."""
+    num_train: int = 5000
+    """Training problems drawn from the embedded task."""
+    num_val: int = 256
+    """Held-out problems, disjoint from the training ones."""
+    min_terms: int = 2
+    """Fewest terms in an embedded arithmetic problem."""
+    max_terms: int = 4
+    """Most terms in an embedded arithmetic problem (more terms: longer, harder responses)."""
+    operators: str = "+"
+    """Operators the embedded task draws from (any of ``+-``)."""
+    seed: int = 1234
+    """Seed of the embedded task's problems."""
+
+
+@dataclass
+class RolloutConfig:
+    group_size: int = 16
+    """G, responses per prompt (paper: 16)."""
+    max_new_tokens: int = 20480
+    """L_max, the generation limit in tokens (paper: 20480)."""
+    temperature: float = 1.0
+    """Sampling temperature for training rollouts (paper: 1.0)."""
+    top_p: float = 1.0
+    """Nucleus sampling for training rollouts (paper: 1.0)."""
+
+
+@dataclass
+class AlgoConfig:
+    eps_low: float = 0.2
+    """Lower clip range epsilon_low (paper: 0.2)."""
+    eps_high: float = 0.28
+    """Upper clip range epsilon_high; Clip-Higher when above eps_low (paper: 0.28)."""
+    loss_agg: str = "token-mean"
+    """token-mean (DAPO token-level loss) or seq-mean-token-mean (GRPO sample-level loss)."""
+    kl_coef: float = 0.0
+    """beta of the k3 KL penalty to a frozen reference model (DAPO: 0, no reference model)."""
+    overlong_shaping: bool = True
+    """Soft overlong punishment R_length (DAPO §3.4)."""
+    l_cache: int = 4096
+    """L_cache, the soft-punishment buffer in tokens (paper: 4096)."""
+    overlong_factor: float = 1.0
+    """Multiplier of the overlong penalty (paper: 1.0)."""
+    overlong_filter: bool = False
+    """Mask the loss of truncated responses (the ablation's overlong filtering). Off in DAPO,
+    which punishes softly instead; when neither is on, truncated responses score -1."""
+    adv_eps: float = 1e-6
+    """eps in (R - mean) / (std + eps)."""
+
+
+@dataclass
+class SamplingConfig:
+    dynamic: bool = True
+    """Dynamic sampling: keep only groups with 0 < #correct < G (DAPO §3.2)."""
+    max_rounds: int = 10
+    """Generation rounds per step before giving up on filling N groups; 0 = unbounded."""
+    on_max_rounds: str = "error"
+    """After max_rounds: ``error`` stops the run, ``train`` trains on the groups kept so far."""
+    prompts_per_round: int = 0
+    """Prompts drawn per generation round; 0 = prompts_per_step."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    """Rollout steps (each: generate, filter, then epochs x mini-batch updates)."""
+    prompts_per_step: int = 512
+    """N, prompts (groups) trained on per step (paper: 512)."""
+    responses_per_minibatch: int = 512
+    """Responses per gradient update (paper: 512, so 16 updates per step at G=16)."""
+    tokens_per_microbatch: int = 16384
+    """Padded tokens per forward/backward; only memory, never the gradient, depends on it."""
+    epochs: int = 1
+    """mu, passes over each step's responses."""
+    recompute_old_logprobs: bool = True
+    """Recompute pi_old log-probs with a forward pass instead of trusting the sampler's."""
+    seed: int = 0
+    """Seed of prompt order, sampling and initialisation."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    """AdamW learning rate (paper: 1e-6)."""
+    warmup_steps: int = 20
+    """Linear warm-up, in rollout steps (paper: 20)."""
+    weight_decay: float = 0.1
+    """AdamW weight decay."""
+    beta1: float = 0.9
+    beta2: float = 0.999
+    grad_clip: float = 1.0
+    """Clip the gradient norm of each update to this (0 = off)."""
+
+
+@dataclass
+class EvalConfig:
+    every: int = 5
+    """Held-out evaluation every this many steps (0 = only at start and end)."""
+    num_samples: int = 32
+    """k of avg@k (paper: 32)."""
+    temperature: float = 1.0
+    """Paper: 1.0."""
+    top_p: float = 0.7
+    """Paper: 0.7."""
+    max_new_tokens: int = 0
+    """0 = the rollout's L_max."""
+
+
+@dataclass
+class RunConfig:
+    out_dir: str = "runs"
+    """Run directories are created under this one."""
+    name: str = ""
+    """Run directory name; empty = <preset>-<timestamp>."""
+    preset: str = "dapo"
+    """Algorithm preset applied before the YAML file and overrides: dapo or grpo."""
+    base: str = "paper"
+    """Scale the config started from: paper or demo."""
+    threads: int = 0
+    """torch CPU threads; 0 = torch's default."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # Derived figures, printed at start so the units are never in doubt.
+    @property
+    def responses_per_step(self) -> int:
+        return self.train.prompts_per_step * self.rollout.group_size
+
+    @property
+    def updates_per_step(self) -> int:
+        per_epoch = -(-self.responses_per_step // self.train.responses_per_minibatch)
+        return per_epoch * self.train.epochs
+
+
+# ----------------------------------------------------------------------------- presets
+
+
+def paper() -> Config:
+    """The paper's Qwen2.5-32B setup (spec, "Paper hyper-parameters")."""
+    return Config()
+
+
+def demo() -> Config:
+    """The embedded CPU demo: a ~0.5M-parameter Qwen2 on multi-term additions, minutes."""
+    cfg = Config()
+    cfg.run.base = "demo"
+    cfg.rollout.group_size = 8
+    cfg.rollout.max_new_tokens = 40
+    cfg.algo.l_cache = 12
+    cfg.train.steps = 40
+    cfg.train.prompts_per_step = 32
+    cfg.train.responses_per_minibatch = 128
+    cfg.train.tokens_per_microbatch = 16384
+    cfg.sampling.prompts_per_round = 48
+    cfg.optim.lr = 1e-4
+    cfg.optim.warmup_steps = 2
+    cfg.optim.weight_decay = 0.0
+    cfg.eval.every = 10
+    cfg.eval.num_samples = 4
+    return cfg
+
+
+def apply_preset(cfg: Config, preset: str) -> None:
+    """Set the algorithm fields of ``preset`` in place.
+
+    ``grpo`` is the spec's naive baseline: symmetric clip, sample-level loss, a KL penalty to a
+    frozen reference, hard -1 for truncated responses, no dynamic sampling.
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"run.preset: unknown preset {preset!r}; choose one of {PRESETS}")
+    cfg.run.preset = preset
+    fresh = AlgoConfig()
+    if preset == "dapo":
+        cfg.algo.eps_high = fresh.eps_high
+        cfg.algo.loss_agg = "token-mean"
+        cfg.algo.kl_coef = 0.0
+        cfg.algo.overlong_shaping = True
+        cfg.algo.overlong_filter = False
+        cfg.sampling.dynamic = True
+    else:
+        cfg.algo.eps_high = cfg.algo.eps_low
+        cfg.algo.loss_agg = "seq-mean-token-mean"
+        cfg.algo.kl_coef = 0.001  # verl's GRPO default kl_loss_coef
+        cfg.algo.overlong_shaping = False
+        cfg.algo.overlong_filter = False
+        cfg.sampling.dynamic = False
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _field_types(section: Any) -> dict[str, Any]:
+    hints = typing.get_type_hints(type(section))
+    return {f.name: hints[f.name] for f in dataclasses.fields(section)}
+
+
+def _coerce(value: Any, typ: Any, where: str) -> Any:
+    """Check ``value`` against the field type; ints are accepted where floats are expected."""
+    origin = typing.get_origin(typ)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(typ)
+        if value is None and type(None) in args:
+            return None
+        typ = next(a for a in args if a is not type(None))
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+    elif typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif typ is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    name = getattr(typ, "__name__", str(typ))
+    raise ValueError(f"{where}: expected {name}, got {value!r} ({type(value).__name__})")
+
+
+def set_value(cfg: Config, dotted: str, value: Any) -> None:
+    """Set ``section.field`` on ``cfg``; unknown names list what exists."""
+    section_name, _, name = dotted.partition(".")
+    sections = [f.name for f in dataclasses.fields(cfg)]
+    if section_name not in sections or not name:
+        raise ValueError(f"unknown config key {dotted!r}; sections are {', '.join(sections)}")
+    section = getattr(cfg, section_name)
+    types_ = _field_types(section)
+    if name not in types_:
+        raise ValueError(
+            f"unknown config key {dotted!r}; {section_name} has {', '.join(sorted(types_))}"
+        )
+    setattr(section, name, _coerce(value, types_[name], dotted))
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``a.b=v`` -> (``a.b``, v) with v read as a YAML scalar (1e-5, true, null, text)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise ValueError(f"override {text!r} is not of the form section.field=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    # YAML 1.1 reads "1e-5" as a string; a float field wants the number.
+    if isinstance(value, str):
+        try:
+            value = float(value) if any(c in value for c in ".eE") else value
+        except ValueError:
+            pass
+    return key.strip(), value
+
+
+def _flatten(tree: dict[str, Any], where: str) -> list[tuple[str, Any]]:
+    out = []
+    for section, values in tree.items():
+        if not isinstance(values, dict):
+            raise ValueError(
+                f"{where}: top-level key {section!r} must be a section mapping (e.g. "
+                f"'optim: {{lr: 1e-6}}'), or one of base, preset"
+            )
+        out.extend((f"{section}.{k}", v) for k, v in values.items())
+    return out
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    *,
+    base: str | None = None,
+    preset: str | None = None,
+) -> Config:
+    """Resolve base -> preset -> YAML file -> dotted overrides, then validate."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except OSError as exc:
+            raise ValueError(f"cannot read config file {path}: {exc.strerror}") from exc
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{path}: not valid YAML: {exc}") from exc
+        if not isinstance(tree, dict):
+            raise ValueError(f"{path}: the top level must be a mapping of sections")
+        tree = dict(tree)
+    parsed = [parse_override(o) for o in overrides]
+    base = (
+        base
+        or tree.pop("base", None)
+        or _pick(parsed, "run.base")
+        or ("paper" if path is not None else "demo")
+    )
+    preset = preset or tree.pop("preset", None) or _pick(parsed, "run.preset") or "dapo"
+    if base not in BASES:
+        raise ValueError(f"base: unknown base {base!r}; choose one of {BASES}")
+    cfg = demo() if base == "demo" else paper()
+    apply_preset(cfg, preset)
+    for key, value in _flatten(tree, str(path)):
+        set_value(cfg, key, value)
+    for key, value in parsed:
+        set_value(cfg, key, value)
+    validate(cfg)
+    return cfg
+
+
+def _pick(parsed: list[tuple[str, Any]], key: str) -> Any:
+    values = [v for k, v in parsed if k == key]
+    return values[-1] if values else None
+
+
+def validate(cfg: Config) -> None:
+    """Reject values that cannot work, naming the field and what is allowed."""
+    errors = []
+
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            errors.append(msg)
+
+    a, r, t, s, o, e = cfg.algo, cfg.rollout, cfg.train, cfg.sampling, cfg.optim, cfg.eval
+    need(a.eps_low >= 0, f"algo.eps_low must be >= 0, got {a.eps_low}")
+    need(a.eps_high >= a.eps_low, f"algo.eps_high must be >= algo.eps_low, got {a.eps_high}")
+    need(a.loss_agg in AGG_CHOICES, f"algo.loss_agg must be one of {AGG_CHOICES}")
+    need(a.kl_coef >= 0, f"algo.kl_coef must be >= 0, got {a.kl_coef}")
+    need(a.overlong_factor >= 0, "algo.overlong_factor must be >= 0")
+    if a.overlong_shaping:
+        need(
+            0 < a.l_cache <= r.max_new_tokens,
+            f"algo.l_cache must be in (0, rollout.max_new_tokens={r.max_new_tokens}] when "
+            f"algo.overlong_shaping is on, got {a.l_cache}",
+        )
+    need(
+        r.group_size >= 2,
+        f"rollout.group_size must be >= 2 (advantages compare within a group), got {r.group_size}",
+    )
+    need(r.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1")
+    need(r.temperature > 0, "rollout.temperature must be > 0")
+    need(0 < r.top_p <= 1, "rollout.top_p must be in (0, 1]")
+    need(s.max_rounds >= 0, "sampling.max_rounds must be >= 0 (0 = unbounded)")
+    need(
+        s.on_max_rounds in ON_MAX_ROUNDS_CHOICES,
+        f"sampling.on_max_rounds must be one of {ON_MAX_ROUNDS_CHOICES}",
+    )
+    need(s.prompts_per_round >= 0, "sampling.prompts_per_round must be >= 0")
+    need(t.steps >= 0, "train.steps must be >= 0")
+    need(t.prompts_per_step >= 1, "train.prompts_per_step must be >= 1")
+    need(t.responses_per_minibatch >= 1, "train.responses_per_minibatch must be >= 1")
+    need(t.tokens_per_microbatch >= 1, "train.tokens_per_microbatch must be >= 1")
+    need(t.epochs >= 1, "train.epochs must be >= 1")
+    need(o.lr > 0, "optim.lr must be > 0")
+    need(o.warmup_steps >= 0, "optim.warmup_steps must be >= 0")
+    need(o.grad_clip >= 0, "optim.grad_clip must be >= 0 (0 = off)")
+    need(e.every >= 0, "eval.every must be >= 0")
+    need(e.num_samples >= 1, "eval.num_samples must be >= 1")
+    need(0 < e.top_p <= 1, "eval.top_p must be in (0, 1]")
+    need(e.temperature > 0, "eval.temperature must be > 0")
+    need(cfg.model.dtype in DTYPE_CHOICES, f"model.dtype must be one of {DTYPE_CHOICES}")
+    need(cfg.run.preset in PRESETS, f"run.preset must be one of {PRESETS}")
+    need(cfg.run.base in BASES, f"run.base must be one of {BASES}")
+    need(
+        set(cfg.data.operators) <= set("+-") and cfg.data.operators != "",
+        "data.operators must be a non-empty string of + and -",
+    )
+    need(
+        1 <= cfg.data.min_terms <= cfg.data.max_terms,
+        "data.min_terms must be >= 1 and <= data.max_terms",
+    )
+    if errors:
+        raise ValueError("invalid config:\n  " + "\n  ".join(errors))
+
+
+def dump_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

@@ -1,0 +1,67 @@
+"""Held-out validation: avg@k accuracy under the paper's protocol (temperature 1.0, top_p 0.7)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from dapo.data import Problem
+from dapo.rewards import get_reward_fn
+from dapo.rollout import generate
+
+
+def render_prompt(tokenizer, problem: Problem) -> str:
+    """Chat-format problems go through the tokenizer's chat template when it has one."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(
+            list(problem.messages), add_generation_prompt=True, tokenize=False
+        )
+    return "\n\n".join(m["content"] for m in problem.messages)
+
+
+def evaluate(
+    model,
+    tokenizer,
+    problems: Sequence[Problem],
+    *,
+    num_samples: int,
+    temperature: float,
+    top_p: float,
+    max_new_tokens: int,
+    seed: int,
+    prompts_per_batch: int = 64,
+) -> dict[str, float]:
+    """avg@k: the mean correctness over k samples of every problem; also length and truncation.
+
+    Seeded per batch, so the same weights give the same figures.
+    """
+    was_training = model.training
+    model.eval()
+    correct, lengths, truncated = [], [], []
+    for start in range(0, len(problems), prompts_per_batch):
+        chunk = problems[start : start + prompts_per_batch]
+        ro = generate(
+            model,
+            tokenizer,
+            [render_prompt(tokenizer, p) for p in chunk],
+            group_size=num_samples,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed + start,
+        )
+        for i, text in enumerate(ro.texts):
+            p = chunk[i // num_samples]
+            correct.append(get_reward_fn(p.data_source)(text, p.answer).correct)
+        lengths.extend(ro.lengths_B.tolist())
+        truncated.extend(ro.truncated_B.tolist())
+    model.train(was_training)
+    acc = torch.tensor(correct, dtype=torch.float64)
+    return {
+        "val/accuracy": float(acc.mean()),
+        "val/response_len_mean": float(torch.tensor(lengths, dtype=torch.float64).mean()),
+        "val/truncated_frac": float(torch.tensor(truncated, dtype=torch.float64).mean()),
+        "val/num_problems": float(len(problems)),
+        "val/num_samples": float(num_samples),
+    }

@@ -1,0 +1,465 @@
+"""The DAPO training step and loop. No maths here: every formula is in :mod:`dapo.algo`.
+
+One step, top to bottom (spec, "One training step"):
+
+1. draw prompts, sample G responses each, grade them, shape rewards      ``rollout_round``
+2. dynamic sampling: repeat 1 until N mixed groups are kept              ``sampling.collect_groups``
+3. group-normalised advantages                                           ``assign_advantages``
+4. pi_old (and pi_ref) log-probs, then mu epochs of mini-batch updates   ``update``
+
+Data-parallel ranks only add all-reduces: the divisor of each mini-batch (``num_tokens``) and
+the group decisions are explicit values computed here, not hidden inside the loss.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dapo import algo
+from dapo.batch import Episode, collate, split_microbatches, split_minibatches
+from dapo.config import Config, dump_yaml
+from dapo.data import Problem, PromptSampler
+from dapo.evaluate import evaluate, render_prompt
+from dapo.metrics import MetricsLogger
+from dapo.model import response_logprobs
+from dapo.rewards import get_reward_fn
+from dapo.rollout import generate
+from dapo.sampling import Group, SamplingResult, collect_groups
+
+
+def derive_seed(*parts: object) -> int:
+    """A 63-bit seed from (run seed, step, round, ...), so a resumed run repeats the sequence."""
+    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+@dataclass
+class TrainState:
+    cfg: Config
+    model: torch.nn.Module
+    tokenizer: object
+    optimizer: torch.optim.Optimizer
+    sampler: PromptSampler
+    ref_model: torch.nn.Module | None = None
+    step: int = 0
+    history: list[dict] = field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------- 1. rollout
+
+
+def shape_rewards(episodes: Sequence[Episode], cfg: Config) -> None:
+    """R = R_correct + R_length (soft overlong punishment), or overlong filtering, in place.
+
+    With neither technique on, a truncated response scores a hard -1 (the naive baseline).
+    """
+    a = cfg.algo
+    if a.overlong_shaping:
+        lengths = torch.tensor([e.length for e in episodes])
+        penalty = algo.overlong_penalty(
+            lengths, cfg.rollout.max_new_tokens, a.l_cache, a.overlong_factor
+        )
+        for e, p in zip(episodes, penalty.tolist(), strict=True):
+            e.reward += p
+    if a.overlong_filter:
+        for e in episodes:
+            e.trainable = not e.truncated
+    if not a.overlong_shaping and not a.overlong_filter:
+        for e in episodes:
+            if e.truncated:
+                e.reward = -1.0
+
+
+def rollout_round(state: TrainState, problems: list[Problem], *, seed: int) -> list[Group]:
+    """G responses for each problem, graded and shaped, as one group per problem."""
+    cfg, tok = state.cfg, state.tokenizer
+    G = cfg.rollout.group_size
+    state.model.eval()
+    ro = generate(
+        state.model,
+        tok,
+        [render_prompt(tok, p) for p in problems],
+        group_size=G,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        seed=seed,
+    )
+    groups = []
+    for i, problem in enumerate(problems):
+        grade = get_reward_fn(problem.data_source)
+        episodes = []
+        for b in range(i * G, (i + 1) * G):
+            length = int(ro.lengths_B[b])
+            score = grade(ro.texts[b], problem.answer)
+            episodes.append(
+                Episode(
+                    prompt_ids=ro.prompt_ids_BP[b][ro.prompt_mask_BP[b].bool()].cpu(),
+                    response_ids=ro.response_ids_BT[b, :length].cpu(),
+                    sampler_logprobs=ro.logprobs_BT[b, :length].float().cpu(),
+                    truncated=bool(ro.truncated_B[b]),
+                    correct=score.correct,
+                    reward=score.score,
+                    text=ro.texts[b],
+                )
+            )
+        shape_rewards(episodes, cfg)
+        groups.append(Group(problem.uid, episodes))
+    return groups
+
+
+# ----------------------------------------------------------------------------- 3. advantages
+
+
+def assign_advantages(groups: Sequence[Group], *, eps: float) -> None:
+    """Â_i = (R_i - mean(R_group)) / (std(R_group) + eps), the same for every token of o_i."""
+    if not groups:
+        return
+    scores_nG = torch.tensor([[e.reward for e in g.episodes] for g in groups], dtype=torch.float64)
+    adv_nG = algo.group_advantages(scores_nG, eps=eps)
+    for g, row in zip(groups, adv_nG.tolist(), strict=True):
+        for e, a in zip(g.episodes, row, strict=True):
+            e.advantage = a
+
+
+# ----------------------------------------------------------------------------- 4. update
+
+
+@torch.no_grad()
+def _fill_logprobs(model, episodes: list[Episode], attr: str, state: TrainState) -> None:
+    """Forward passes without gradient to store pi_old or pi_ref log-probs on each episode."""
+    cfg, pad_id = state.cfg, state.tokenizer.pad_token_id
+    device = next(model.parameters()).device
+    model.eval()
+    order = list(range(len(episodes)))
+    for micro in split_microbatches(episodes, order, max_tokens=cfg.train.tokens_per_microbatch):
+        b = collate([episodes[i] for i in micro], pad_id=pad_id).to(device)
+        logp_BT, _ = response_logprobs(
+            model,
+            b.prompt_ids_BP,
+            b.prompt_mask_BP,
+            b.response_ids_BT,
+            b.response_mask_BT,
+            temperature=cfg.rollout.temperature,
+        )
+        for row, i in enumerate(micro):
+            setattr(episodes[i], attr, logp_BT[row, : episodes[i].length].float().cpu())
+
+
+def update(state: TrainState, episodes: list[Episode], *, lr: float) -> dict[str, float]:
+    """mu epochs over the step's responses, one optimizer update per mini-batch.
+
+    Each micro-batch loss is divided by the token count (token-mean) or sequence count
+    (seq-mean-token-mean) of its whole mini-batch, so the accumulated gradient is exactly the
+    mini-batch gradient, whatever the micro-batch split (DAPO §3.3).
+    """
+    cfg, model = state.cfg, state.model
+    if cfg.train.recompute_old_logprobs:
+        _fill_logprobs(model, episodes, "old_logprobs", state)
+    else:
+        for e in episodes:
+            e.old_logprobs = e.sampler_logprobs
+    if state.ref_model is not None:
+        _fill_logprobs(state.ref_model, episodes, "ref_logprobs", state)
+    for group in state.optimizer.param_groups:
+        group["lr"] = lr
+
+    model.train()
+    gen = torch.Generator().manual_seed(derive_seed(cfg.train.seed, state.step, "minibatch"))
+    sums: dict[str, float] = {}
+    for _epoch in range(cfg.train.epochs):
+        for mini in split_minibatches(
+            len(episodes), cfg.train.responses_per_minibatch, generator=gen
+        ):
+            mini_sums = accumulate_gradients(state, [episodes[i] for i in mini])
+            if mini_sums is None:
+                continue  # every response of this mini-batch was overlong-filtered
+            if cfg.optim.grad_clip > 0:
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+            else:
+                grads = [p.grad for p in model.parameters() if p.grad is not None]
+                norm = torch.nn.utils.get_total_norm(grads)
+            state.optimizer.step()
+            state.optimizer.zero_grad(set_to_none=True)
+            mini_sums["grad_norm"] = float(norm)
+            mini_sums["updates"] = 1.0
+            for k, v in mini_sums.items():
+                sums[k] = sums.get(k, 0.0) + v
+
+    updates = max(sums.get("updates", 0.0), 1.0)
+    tokens = max(sums.get("tokens", 0.0), 1.0)
+    out = {
+        "train/loss": sums.get("loss", 0.0) / updates,
+        "train/entropy": sums.get("entropy_sum", 0.0) / tokens,
+        "train/token_prob_mean": sums.get("prob_sum", 0.0) / tokens,
+        "train/grad_norm": sums.get("grad_norm", 0.0) / updates,
+        "train/updates": sums.get("updates", 0.0),
+        "train/lr": lr,
+        "train/tokens": sums.get("tokens", 0.0) / cfg.train.epochs,
+        "clip/low_frac": sums.get("clip_low", 0.0) / tokens,
+        "clip/high_frac": sums.get("clip_high", 0.0) / tokens,
+        "clip/high_prob_mean": sums.get("clip_high_prob_sum", 0.0)
+        / max(sums.get("num_clip_high", 0.0), 1.0),
+    }
+    if state.ref_model is not None:
+        out["train/kl"] = sums.get("kl_sum", 0.0) / max(sums.get("kl_den", 0.0), 1.0)
+    return out
+
+
+def accumulate_gradients(state: TrainState, episodes: list[Episode]) -> dict[str, float] | None:
+    """Backward over the micro-batches of one mini-batch; returns metric sums, None if empty.
+
+    The divisor, ``num_tokens`` (or ``num_seqs``), is the whole mini-batch's: with
+    data-parallel ranks it becomes an all-reduced sum, and nothing else changes.
+    """
+    cfg, model = state.cfg, state.model
+    device = next(model.parameters()).device
+    num_tokens = sum(e.num_loss_tokens for e in episodes)
+    num_seqs = sum(1 for e in episodes if e.num_loss_tokens > 0)
+    if num_tokens == 0:
+        return None
+    seq_agg = cfg.algo.loss_agg == "seq-mean-token-mean"
+    sums: dict[str, float] = {}
+
+    def add(key: str, value: float) -> None:
+        sums[key] = sums.get(key, 0.0) + value
+
+    order = range(len(episodes))
+    for micro in split_microbatches(episodes, order, max_tokens=cfg.train.tokens_per_microbatch):
+        eps = [episodes[i] for i in micro]
+        b = collate(eps, pad_id=state.tokenizer.pad_token_id).to(device)
+        old_BT = _pad([e.old_logprobs for e in eps], b.response_ids_BT.shape).to(device)
+        logp_BT, entropy_BT = response_logprobs(
+            model,
+            b.prompt_ids_BP,
+            b.prompt_mask_BP,
+            b.response_ids_BT,
+            b.response_mask_BT,
+            temperature=cfg.rollout.temperature,
+            with_entropy=True,
+        )
+        loss, stats = algo.policy_loss(
+            logp_BT,
+            old_BT,
+            b.advantages_B.to(device),
+            b.loss_mask_BT,
+            eps_low=cfg.algo.eps_low,
+            eps_high=cfg.algo.eps_high,
+            agg=cfg.algo.loss_agg,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            return_stats=True,
+        )
+        if state.ref_model is not None:
+            ref_BT = _pad([e.ref_logprobs for e in eps], b.response_ids_BT.shape).to(device)
+            kl = algo.aggregate(
+                algo.kl_k3(logp_BT, ref_BT),
+                b.loss_mask_BT,
+                agg=cfg.algo.loss_agg,
+                num_tokens=num_tokens,
+                num_seqs=num_seqs,
+            )
+            loss = loss + cfg.algo.kl_coef * kl
+            add("kl_sum", float(kl.detach()) * (num_seqs if seq_agg else num_tokens))
+        loss.backward()
+        n = float(stats["num_tokens"])
+        mask = b.loss_mask_BT
+        add("tokens", n)
+        add("loss", float(loss.detach()))
+        add("entropy_sum", float(entropy_BT[mask].sum()))
+        add("prob_sum", float(old_BT.exp()[mask].sum()))
+        add("clip_low", float(stats["clip_low_frac"]) * n)
+        add("clip_high", float(stats["clip_high_frac"]) * n)
+        add("clip_high_prob_sum", float(stats["clip_high_prob_mean"] * stats["num_clip_high"]))
+        add("num_clip_high", float(stats["num_clip_high"]))
+    if state.ref_model is not None:
+        add("kl_den", float(num_seqs if seq_agg else num_tokens))
+    return sums
+
+
+def _pad(rows: list[torch.Tensor], shape: torch.Size) -> torch.Tensor:
+    out = torch.zeros(shape, dtype=torch.float32)
+    for i, r in enumerate(rows):
+        out[i, : r.numel()] = r
+    return out
+
+
+# ----------------------------------------------------------------------------- the step
+
+
+def lr_at(cfg: Config, step: int) -> float:
+    """Linear warm-up over ``optim.warmup_steps`` rollout steps, then constant (paper)."""
+    if cfg.optim.warmup_steps == 0:
+        return cfg.optim.lr
+    return cfg.optim.lr * min(1.0, (step + 1) / cfg.optim.warmup_steps)
+
+
+def train_step(state: TrainState) -> dict[str, float]:
+    cfg = state.cfg
+    t0 = time.perf_counter()
+    n_prompts = cfg.sampling.prompts_per_round or cfg.train.prompts_per_step
+    if not cfg.sampling.dynamic:
+        n_prompts = cfg.train.prompts_per_step
+
+    def draw_round(round_index: int) -> list[Group]:
+        problems = state.sampler.next(n_prompts)
+        seed = derive_seed(cfg.train.seed, state.step, round_index, "rollout")
+        return rollout_round(state, problems, seed=seed)
+
+    result = collect_groups(
+        draw_round,
+        num_groups=cfg.train.prompts_per_step,
+        dynamic=cfg.sampling.dynamic,
+        max_rounds=cfg.sampling.max_rounds,
+        on_max_rounds=cfg.sampling.on_max_rounds,
+    )
+    t_gen = time.perf_counter() - t0
+
+    assign_advantages(result.groups, eps=cfg.algo.adv_eps)
+    episodes = [e for g in result.groups for e in g.episodes]
+    t1 = time.perf_counter()
+    metrics = update(state, episodes, lr=lr_at(cfg, state.step)) if episodes else {}
+    t_train = time.perf_counter() - t1
+
+    metrics.update(rollout_metrics(result))
+    step_s = time.perf_counter() - t0
+    metrics.update(
+        {
+            "perf/step_s": step_s,
+            "perf/generate_s": t_gen,
+            "perf/train_s": t_train,
+            "perf/gen_tokens_per_s": result.tokens_generated / max(t_gen, 1e-9),
+            "perf/train_tokens_per_s": metrics.get("train/tokens", 0.0)
+            * cfg.train.epochs
+            / max(t_train, 1e-9),
+        }
+    )
+    state.step += 1
+    return metrics
+
+
+def rollout_metrics(result: SamplingResult) -> dict[str, float]:
+    """Figures over every response generated this step, and what dynamic sampling cost."""
+    eps = [e for g in result.generated for e in g.episodes]
+    lengths = torch.tensor([e.length for e in eps], dtype=torch.float64)
+    kept = len(result.groups)
+    return {
+        "rollout/accuracy": sum(e.correct for e in eps) / len(eps),
+        "rollout/reward_mean": sum(e.reward for e in eps) / len(eps),
+        "rollout/response_len_mean": float(lengths.mean()),
+        "rollout/response_len_max": float(lengths.max()),
+        "rollout/truncated_frac": sum(e.truncated for e in eps) / len(eps),
+        "sampling/rounds": float(result.rounds),
+        "sampling/prompts_drawn": float(result.prompts_drawn),
+        "sampling/groups_mixed": float(result.groups_mixed),
+        "sampling/groups_kept": float(kept),
+        "sampling/kept_frac": kept / max(result.prompts_drawn, 1),
+        "sampling/tokens_generated": float(result.tokens_generated),
+        "sampling/tokens_per_kept_group": result.tokens_generated / max(kept, 1),
+        "sampling/exhausted": float(result.exhausted),
+    }
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def make_run_dir(cfg: Config) -> Path:
+    name = cfg.run.name or f"{cfg.run.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = Path(cfg.run.out_dir) / name
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise FileExistsError(
+            f"run directory {run_dir} already holds a run; pick another run.name or remove it"
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def build_state(cfg: Config, model, tokenizer, train_problems: list[Problem]) -> TrainState:
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=cfg.optim.lr,
+        betas=(cfg.optim.beta1, cfg.optim.beta2),
+        weight_decay=cfg.optim.weight_decay,
+    )
+    ref_model = None
+    if cfg.algo.kl_coef > 0:
+        # The naive-GRPO KL anchor: a frozen copy of the starting policy.
+        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+    sampler = PromptSampler(train_problems, seed=cfg.train.seed)
+    return TrainState(cfg, model, tokenizer, optimizer, sampler, ref_model=ref_model)
+
+
+def fit(
+    cfg: Config,
+    model,
+    tokenizer,
+    train_problems: list[Problem],
+    val_problems: list[Problem],
+    *,
+    run_dir: Path,
+    stream=None,
+) -> dict[str, float]:
+    """Train for ``cfg.train.steps`` steps, evaluating at start, every ``eval.every`` and end."""
+    stream = stream or sys.stdout
+    (run_dir / "config.yaml").write_text(dump_yaml(cfg))
+    state = build_state(cfg, model, tokenizer, train_problems)
+    logger = MetricsLogger(run_dir / "metrics.jsonl", stream=stream)
+
+    def validate_now() -> dict[str, float]:
+        return evaluate(
+            model,
+            tokenizer,
+            val_problems,
+            num_samples=cfg.eval.num_samples,
+            temperature=cfg.eval.temperature,
+            top_p=cfg.eval.top_p,
+            max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
+            seed=derive_seed(cfg.train.seed, "eval"),
+        )
+
+    start = validate_now()
+    logger.log(0, start)
+    print(
+        f"held-out accuracy at start: {start['val/accuracy']:.3f} "
+        f"(avg@{cfg.eval.num_samples} over {len(val_problems)} problems)",
+        file=stream,
+    )
+    last = start
+    t_start = time.perf_counter()
+    try:
+        while state.step < cfg.train.steps:
+            metrics = train_step(state)
+            if cfg.eval.every and state.step % cfg.eval.every == 0 and state.step < cfg.train.steps:
+                metrics.update(validate_now())
+            if state.step == cfg.train.steps:
+                last = validate_now()
+                metrics.update(last)
+            logger.log(state.step, metrics)
+    finally:
+        logger.close()
+    model.save_pretrained(run_dir / "model")
+    tokenizer.save_pretrained(run_dir / "model")
+    summary = {
+        "steps": state.step,
+        "val/accuracy_start": start["val/accuracy"],
+        "val/accuracy_end": last["val/accuracy"],
+        "train_seconds": time.perf_counter() - t_start,
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(
+        f"held-out accuracy: {summary['val/accuracy_start']:.3f} -> "
+        f"{summary['val/accuracy_end']:.3f} "
+        f"({100 * (summary['val/accuracy_end'] - summary['val/accuracy_start']):+.1f} points) "
+        f"after {state.step} steps; model saved to {run_dir / 'model'}",
+        file=stream,
+    )
+    return summary

@@ -1,0 +1,35 @@
+"""Shared fixtures: a tiny tokenizer and an untrained tiny Qwen2 policy, built in-process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dapo.demo import TinyModelSpec, build_tokenizer, tiny_qwen2
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+@pytest.fixture(autouse=True)
+def _few_threads():
+    torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture()
+def tiny_model(tokenizer):
+    spec = TinyModelSpec(
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        max_positions=256,
+    )
+    return tiny_qwen2(tokenizer, spec, seed=0)

@@ -1,0 +1,104 @@
+import pytest
+
+from dapo.config import Config, apply_preset, demo, load_config, paper, parse_override
+
+
+def test_defaults_are_the_papers():
+    cfg = paper()
+    assert (cfg.algo.eps_low, cfg.algo.eps_high) == (0.2, 0.28)
+    assert cfg.algo.loss_agg == "token-mean"
+    assert cfg.algo.kl_coef == 0.0
+    assert (cfg.rollout.max_new_tokens, cfg.algo.l_cache) == (20480, 4096)
+    assert cfg.rollout.group_size == 16
+    assert cfg.train.prompts_per_step == 512
+    assert cfg.train.responses_per_minibatch == 512
+    assert cfg.optim.lr == 1e-6 and cfg.optim.warmup_steps == 20
+    assert (cfg.eval.num_samples, cfg.eval.temperature, cfg.eval.top_p) == (32, 1.0, 0.7)
+    # 512 prompts x 16 responses in mini-batches of 512 responses: 16 updates per step.
+    assert cfg.responses_per_step == 8192
+    assert cfg.updates_per_step == 16
+
+
+def test_grpo_preset_is_the_naive_baseline():
+    cfg = paper()
+    apply_preset(cfg, "grpo")
+    assert cfg.algo.eps_high == cfg.algo.eps_low == 0.2
+    assert cfg.algo.loss_agg == "seq-mean-token-mean"
+    assert cfg.algo.kl_coef > 0
+    assert not cfg.algo.overlong_shaping and not cfg.algo.overlong_filter
+    assert not cfg.sampling.dynamic
+    apply_preset(cfg, "dapo")
+    assert cfg.algo.eps_high == 0.28 and cfg.sampling.dynamic and cfg.algo.kl_coef == 0
+
+
+def test_no_arguments_gives_the_demo():
+    cfg = load_config()
+    assert cfg.run.base == "demo" and cfg.run.preset == "dapo"
+    assert cfg.model.path == "embedded"
+    assert cfg.to_dict() == demo().to_dict()
+
+
+def test_yaml_then_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("base: demo\npreset: grpo\noptim:\n  lr: 3.0e-4\ntrain:\n  steps: 7\n")
+    cfg = load_config(path, ["optim.lr=1e-5", "algo.overlong_filter=true", "run.name=x"])
+    assert cfg.run.preset == "grpo" and cfg.run.base == "demo"
+    assert cfg.optim.lr == 1e-5  # command line beats the file
+    assert cfg.train.steps == 7
+    assert cfg.algo.overlong_filter is True
+    assert cfg.run.name == "x"
+
+
+def test_yaml_file_starts_from_paper_by_default(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  steps: 3\n")
+    cfg = load_config(path)
+    assert cfg.run.base == "paper" and cfg.train.prompts_per_step == 512
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("optim.lrr=1", "unknown config key 'optim.lrr'; optim has"),
+        ("optimizer.lr=1", "sections are"),
+        ("optim.lr=fast", "optim.lr: expected float"),
+        ("train.steps=1.5", "train.steps: expected int"),
+        ("algo.dynamic=true", "unknown config key 'algo.dynamic'"),
+        ("algo.eps_high=0.1", "algo.eps_high must be >= algo.eps_low"),
+        (
+            "algo.loss_agg=mean",
+            "algo.loss_agg must be one of ('token-mean', 'seq-mean-token-mean')",
+        ),
+        ("sampling.on_max_rounds=skip", "sampling.on_max_rounds must be one of ('error', 'train')"),
+        ("rollout.group_size=1", "rollout.group_size must be >= 2"),
+        ("algo.l_cache=100", "algo.l_cache must be in (0, rollout.max_new_tokens=40]"),
+        ("noequals", "is not of the form section.field=value"),
+        ("run.preset=ppo", "unknown preset 'ppo'"),
+    ],
+)
+def test_bad_values_name_the_field(override, message):
+    with pytest.raises(ValueError) as info:
+        load_config(None, [override])
+    assert message in str(info.value)
+
+
+def test_bad_yaml_names_the_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("optim: [1, 2\n")
+    with pytest.raises(ValueError, match="bad.yaml: not valid YAML"):
+        load_config(path)
+    path.write_text("lr: 1e-5\n")
+    with pytest.raises(ValueError, match="top-level key 'lr' must be a section"):
+        load_config(path)
+    with pytest.raises(ValueError, match="cannot read config file"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_override_values_are_typed():
+    assert parse_override("optim.lr=1e-5") == ("optim.lr", 1e-5)
+    assert parse_override("train.steps=3") == ("train.steps", 3)
+    assert parse_override("algo.overlong_filter=false") == ("algo.overlong_filter", False)
+    assert parse_override("run.name=my-run") == ("run.name", "my-run")
+    cfg = load_config(None, ["optim.lr=1"])  # an int is a fine float
+    assert isinstance(cfg.optim.lr, float) and cfg.optim.lr == 1.0
+    assert isinstance(Config().optim.lr, float)

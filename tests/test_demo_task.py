@@ -1,0 +1,49 @@
+from dapo.arith import make_splits, worked_solution
+from dapo.data import PROMPT_PREFIX, PROMPT_SUFFIX, PromptSampler
+from dapo.evaluate import render_prompt
+from dapo.rewards import math_score
+
+
+def test_worked_solution_is_graded_correct():
+    text, answer = worked_solution([7, 3, 2, 5], ["+", "-", "+"])
+    assert text == "7 + 3 = 10\n10 - 2 = 8\n8 + 5 = 13\nAnswer: 13"
+    assert answer == 13
+    assert math_score(text, "13").correct
+    assert not math_score(text, "12").correct
+
+
+def test_splits_are_disjoint_deterministic_and_in_the_dapo_format():
+    train, val = make_splits(500, 200, seed=5)
+    again, val_again = make_splits(900, 200, seed=5)
+    assert [p.uid for p, _ in val] == [p.uid for p, _ in val_again]  # held-out fixed
+    assert [p.messages for p, _ in train] == [p.messages for p, _ in again[:500]]
+    assert not {p.messages[0]["content"] for p, _ in train} & {
+        p.messages[0]["content"] for p, _ in val
+    }
+    for p, solution in train[:50]:
+        content = p.messages[0]["content"]
+        assert content.startswith(PROMPT_PREFIX) and content.endswith(PROMPT_SUFFIX)
+        assert math_score(solution, p.answer).correct
+
+
+def test_tokenizer_round_trips_task_text(tokenizer):
+    train, _ = make_splits(100, 10, seed=0, operators="+-")
+    for p, solution in train:
+        text = render_prompt(tokenizer, p) + solution
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert tokenizer.unk_token_id not in ids
+        assert tokenizer.decode(ids) == text
+
+
+def test_sampler_epochs_are_permutations_and_resumable():
+    train, _ = make_splits(10, 1, seed=0)
+    problems = [p for p, _ in train]
+    s = PromptSampler(problems, seed=3)
+    first = s.next(10)
+    assert sorted(p.uid for p in first) == sorted(p.uid for p in problems)
+    s.next(4)
+    state = s.state_dict()
+    rest = s.next(9)
+    s2 = PromptSampler(problems, seed=3)
+    s2.load_state_dict(state)
+    assert [p.uid for p in s2.next(9)] == [p.uid for p in rest]

@@ -1,0 +1,95 @@
+"""A short real run through the command line: warm-up, rollouts, updates, evaluation, saving."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from dapo.cli import main
+
+SMALL = [
+    "model.warmup_steps=30",
+    "train.steps=2",
+    "train.prompts_per_step=4",
+    "sampling.prompts_per_round=8",
+    "sampling.on_max_rounds=train",
+    "train.responses_per_minibatch=16",
+    "train.tokens_per_microbatch=700",
+    "data.num_train=200",
+    "data.num_val=8",
+    "eval.num_samples=2",
+    "eval.every=1",
+]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.mark.parametrize("preset", ["dapo", "grpo"])
+def test_train_end_to_end(tmp_path, cache_dir, preset, capsys):
+    args = [
+        "train",
+        "--preset",
+        preset,
+        f"model.cache_dir={cache_dir}",
+        f"run.out_dir={tmp_path}",
+        "run.name=r",
+        *SMALL,
+    ]
+    assert main(args) == 0
+    run = tmp_path / "r"
+    out = capsys.readouterr().out
+    assert "4 prompts/step x 8 responses/prompt = 32 responses/step" in out
+    assert "held-out accuracy:" in out
+
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [0, 1, 2]
+    for key in (
+        "val/accuracy",
+        "rollout/accuracy",
+        "rollout/reward_mean",
+        "train/entropy",
+        "rollout/response_len_mean",
+        "rollout/response_len_max",
+        "clip/high_frac",
+        "clip/low_frac",
+        "train/token_prob_mean",
+        "sampling/rounds",
+        "sampling/prompts_drawn",
+        "sampling/groups_kept",
+        "sampling/tokens_generated",
+        "perf/gen_tokens_per_s",
+        "perf/step_s",
+        "rollout/truncated_frac",
+    ):
+        assert key in lines[1] or key in lines[2], key
+    assert 0.0 <= lines[2]["val/accuracy"] <= 1.0
+    assert ("train/kl" in lines[1]) == (preset == "grpo")
+    assert lines[1]["sampling/groups_kept"] <= 4
+
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["val/accuracy_end"] == lines[2]["val/accuracy"]
+    assert "preset: " + preset in (run / "config.yaml").read_text()
+
+    trained = AutoModelForCausalLM.from_pretrained(run / "model")
+    start = AutoModelForCausalLM.from_pretrained(next(cache_dir.glob("embedded-*")))
+    changed = [
+        not torch.equal(a, b) for a, b in zip(trained.parameters(), start.parameters(), strict=True)
+    ]
+    assert sum(changed) > len(changed) // 2  # the RL updates reached most tensors
+
+
+def test_refuses_to_overwrite_a_run(tmp_path, cache_dir, capsys):
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "metrics.jsonl").write_text("{}\n")
+    code = main(["train", f"run.out_dir={tmp_path}", "run.name=r", f"model.cache_dir={cache_dir}"])
+    assert code == 2
+    assert "already holds a run" in capsys.readouterr().err
+
+
+def test_config_error_exits_2_naming_the_field(capsys):
+    assert main(["train", "optim.lr=-1"]) == 2
+    assert "optim.lr must be > 0" in capsys.readouterr().err

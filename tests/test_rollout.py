@@ -1,0 +1,69 @@
+import torch
+
+from dapo.model import response_logprobs
+from dapo.rollout import generate
+
+PROMPTS = ["User: What is 2 + 3?\nAssistant:\n", "Compute 7 + 1 + 4.\n"]  # different lengths
+
+
+def test_shapes_masks_and_lengths_agree(tiny_model, tokenizer):
+    ro = generate(tiny_model, tokenizer, PROMPTS, group_size=3, max_new_tokens=12, seed=0)
+    assert ro.prompt_ids_BP.shape[0] == ro.response_ids_BT.shape[0] == 6
+    # Left padding: every prompt ends at the last column, the shorter one starts later.
+    assert ro.prompt_mask_BP[:, -1].all()
+    assert ro.prompt_mask_BP[0].sum() != ro.prompt_mask_BP[3].sum()
+    assert torch.equal(ro.prompt_ids_BP[0], ro.prompt_ids_BP[2])  # rows 0..2 are prompt 0
+    eos = tokenizer.eos_token_id
+    for b in range(6):
+        n = int(ro.lengths_B[b])
+        assert ro.response_mask_BT[b, :n].all() and not ro.response_mask_BT[b, n:].any()
+        ids = ro.response_ids_BT[b, :n].tolist()
+        if ro.truncated_B[b]:
+            assert n == 12 and eos not in ids
+        else:
+            assert ids[-1] == eos and eos not in ids[:-1]
+        assert (ro.response_ids_BT[b, n:] == tokenizer.pad_token_id).all()
+        assert ro.texts[b] == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_sampler_logprobs_equal_a_fresh_forward_pass(tiny_model, tokenizer):
+    """pi_old from the sampler is the model's own distribution at the sampling temperature."""
+    for temperature in (1.0, 0.7):
+        ro = generate(
+            tiny_model,
+            tokenizer,
+            PROMPTS,
+            group_size=4,
+            max_new_tokens=16,
+            temperature=temperature,
+            seed=1,
+        )
+        with torch.no_grad():
+            logp_BT, _ = response_logprobs(
+                tiny_model,
+                ro.prompt_ids_BP,
+                ro.prompt_mask_BP,
+                ro.response_ids_BT,
+                ro.response_mask_BT,
+                temperature=temperature,
+            )
+        mask = ro.response_mask_BT
+        torch.testing.assert_close(logp_BT[mask], ro.logprobs_BT[mask], rtol=0, atol=1e-4)
+        assert (ro.logprobs_BT[~mask] == 0).all()
+
+
+def test_same_seed_same_samples(tiny_model, tokenizer):
+    a = generate(tiny_model, tokenizer, PROMPTS, group_size=2, max_new_tokens=10, seed=7)
+    b = generate(tiny_model, tokenizer, PROMPTS, group_size=2, max_new_tokens=10, seed=7)
+    c = generate(tiny_model, tokenizer, PROMPTS, group_size=2, max_new_tokens=10, seed=8)
+    assert torch.equal(a.response_ids_BT, b.response_ids_BT)
+    assert not torch.equal(a.response_ids_BT, c.response_ids_BT)
+
+
+def test_checkpoint_generation_config_does_not_leak_into_sampling(tiny_model, tokenizer):
+    """A checkpoint's top_k / repetition penalty must not change the sampling distribution."""
+    ref = generate(tiny_model, tokenizer, PROMPTS, group_size=2, max_new_tokens=10, seed=3)
+    tiny_model.generation_config.top_k = 1
+    tiny_model.generation_config.repetition_penalty = 5.0
+    got = generate(tiny_model, tokenizer, PROMPTS, group_size=2, max_new_tokens=10, seed=3)
+    assert torch.equal(ref.response_ids_BT, got.response_ids_BT)

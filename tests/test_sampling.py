@@ -1,0 +1,80 @@
+import pytest
+import torch
+
+from dapo.batch import Episode
+from dapo.sampling import DynamicSamplingExhausted, Group, collect_groups
+
+
+def _group(uid: str, correct: list[bool]) -> Group:
+    eps = [
+        Episode(
+            prompt_ids=torch.tensor([1]),
+            response_ids=torch.tensor([2, 3]),
+            sampler_logprobs=torch.zeros(2),
+            truncated=False,
+            correct=c,
+            reward=1.0 if c else -1.0,
+        )
+        for c in correct
+    ]
+    return Group(uid, eps)
+
+
+def _rounds(patterns: list[list[list[bool]]]):
+    """A fake generator: round r returns the groups of patterns[r]."""
+    calls = []
+
+    def draw(round_index: int) -> list[Group]:
+        calls.append(round_index)
+        return [_group(f"r{round_index}g{i}", c) for i, c in enumerate(patterns[round_index])]
+
+    return draw, calls
+
+
+ALL_RIGHT, ALL_WRONG, MIXED = [True] * 4, [False] * 4, [True, False, False, True]
+
+
+def test_keeps_only_mixed_groups_and_fills_exactly_n():
+    draw, calls = _rounds(
+        [
+            [ALL_RIGHT, MIXED, ALL_WRONG, MIXED],  # 2 mixed
+            [MIXED, ALL_WRONG, MIXED, MIXED],  # 3 mixed: 5 total, cut to 4
+        ]
+    )
+    res = collect_groups(draw, num_groups=4, dynamic=True, max_rounds=5, on_max_rounds="error")
+    assert calls == [0, 1]
+    assert [g.uid for g in res.groups] == ["r0g1", "r0g3", "r1g0", "r1g2"]
+    assert all(0 < sum(g.correct) < 4 for g in res.groups)
+    assert (res.rounds, res.prompts_drawn, res.groups_mixed) == (2, 8, 5)
+    assert len(res.generated) == 8 and not res.exhausted
+    assert res.tokens_generated == 8 * 4 * 2
+
+
+def test_max_rounds_error_says_what_to_do():
+    draw, calls = _rounds([[ALL_RIGHT, MIXED]] * 10)
+    with pytest.raises(DynamicSamplingExhausted) as info:
+        collect_groups(draw, num_groups=4, dynamic=True, max_rounds=3, on_max_rounds="error")
+    assert calls == [0, 1, 2]
+    msg = str(info.value)
+    assert "kept 3 of 4 groups after 3 rounds" in msg
+    assert "sampling.max_rounds" in msg and "sampling.on_max_rounds=train" in msg
+
+
+def test_max_rounds_train_returns_what_was_kept():
+    draw, calls = _rounds([[ALL_RIGHT, MIXED]] * 10)
+    res = collect_groups(draw, num_groups=4, dynamic=True, max_rounds=2, on_max_rounds="train")
+    assert calls == [0, 1] and res.exhausted
+    assert [g.uid for g in res.groups] == ["r0g1", "r1g1"]
+
+
+def test_zero_max_rounds_is_unbounded():
+    draw, calls = _rounds([[ALL_WRONG]] * 20 + [[MIXED]])
+    res = collect_groups(draw, num_groups=1, dynamic=True, max_rounds=0, on_max_rounds="error")
+    assert len(calls) == 21 and len(res.groups) == 1
+
+
+def test_without_dynamic_sampling_every_group_is_kept_after_one_round():
+    draw, calls = _rounds([[ALL_RIGHT, ALL_WRONG, MIXED]])
+    res = collect_groups(draw, num_groups=3, dynamic=False, max_rounds=5, on_max_rounds="error")
+    assert calls == [0]
+    assert [g.uid for g in res.groups] == ["r0g0", "r0g1", "r0g2"]

@@ -1,0 +1,119 @@
+import pytest
+import torch
+
+from dapo.batch import Episode, collate, split_microbatches
+from dapo.config import load_config
+from dapo.data import Problem
+from dapo.sampling import Group
+from dapo.trainer import (
+    accumulate_gradients,
+    assign_advantages,
+    build_state,
+    derive_seed,
+    lr_at,
+    shape_rewards,
+)
+
+
+def _episode(length: int, *, correct=True, truncated=False, prompt_len=5, seed=0) -> Episode:
+    g = torch.Generator().manual_seed(seed)
+    return Episode(
+        prompt_ids=torch.randint(5, 60, (prompt_len,), generator=g),
+        response_ids=torch.randint(5, 60, (length,), generator=g),
+        sampler_logprobs=-torch.rand(length, generator=g),
+        truncated=truncated,
+        correct=correct,
+        reward=1.0 if correct else -1.0,
+    )
+
+
+def _cfg(*overrides: str):
+    return load_config(None, ["rollout.max_new_tokens=20", "algo.l_cache=4", *overrides])
+
+
+def test_soft_overlong_punishment_adds_to_the_correctness_reward():
+    # l_max 20, l_cache 4: free up to 16, then -1/4 per token, -1 at 20.
+    eps = [_episode(16), _episode(17), _episode(18, correct=False), _episode(20, truncated=True)]
+    shape_rewards(eps, _cfg())
+    assert [e.reward for e in eps] == [1.0, 0.75, -1.5, 0.0]
+    assert all(e.trainable for e in eps)
+
+
+def test_overlong_filter_masks_truncated_responses_only():
+    eps = [_episode(20, truncated=True), _episode(19, correct=False)]
+    shape_rewards(eps, _cfg("algo.overlong_shaping=false", "algo.overlong_filter=true"))
+    assert [e.trainable for e in eps] == [False, True]
+    assert [e.reward for e in eps] == [1.0, -1.0]  # filtered, not punished
+    assert [e.num_loss_tokens for e in eps] == [0, 19]
+    b = collate(eps, pad_id=0)
+    assert b.loss_mask_BT.sum(dim=1).tolist() == [0, 19]
+    assert b.response_mask_BT.sum(dim=1).tolist() == [20, 19]
+
+
+def test_naive_baseline_scores_truncation_minus_one():
+    eps = [_episode(20, truncated=True, correct=True), _episode(18)]
+    shape_rewards(eps, _cfg("run.preset=grpo"))
+    assert [e.reward for e in eps] == [-1.0, 1.0]
+
+
+def test_group_advantages_are_assigned_per_group():
+    groups = [
+        Group("a", [_episode(3, correct=c) for c in (True, False, False, False)]),
+        Group("b", [_episode(3, correct=True) for _ in range(4)]),
+    ]
+    assign_advantages(groups, eps=0.0)
+    # rewards [1,-1,-1,-1]: mean -0.5, unbiased std 1 -> [1.5, -0.5, -0.5, -0.5]
+    assert [e.advantage for e in groups[0].episodes] == pytest.approx([1.5, -0.5, -0.5, -0.5])
+    assert [e.advantage for e in groups[1].episodes] == [0.0] * 4
+
+
+def test_microbatches_cover_every_index_within_the_budget():
+    eps = [_episode(n, prompt_len=4, seed=n) for n in (10, 3, 8, 1, 12, 6)]
+    chunks = split_microbatches(eps, range(6), max_tokens=40)
+    assert sorted(i for c in chunks for i in c) == list(range(6))
+    for c in chunks:
+        width = max(4 + eps[i].length for i in c)
+        assert len(c) == 1 or width * len(c) <= 40
+
+
+def _grads_after_accumulation(tiny_model, tokenizer, episodes, *overrides):
+    cfg = _cfg(*overrides)
+    state = build_state(cfg, tiny_model, tokenizer, [Problem("p", (), "1")])
+    tiny_model.zero_grad(set_to_none=True)
+    sums = accumulate_gradients(state, episodes)
+    return [p.grad.clone() for p in tiny_model.parameters()], sums
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_gradient_is_independent_of_the_microbatch_split(tiny_model, tokenizer, agg):
+    """DAPO's token-level loss divides by the whole mini-batch's token count: one micro-batch or
+    many must give the same gradient through a real transformer."""
+    torch.manual_seed(0)
+    eps = [
+        _episode(n, seed=n, prompt_len=3 + n % 4, correct=n % 2 == 0) for n in (12, 2, 7, 1, 9, 4)
+    ]
+    for i, e in enumerate(eps):
+        e.advantage = (-1.0) ** i * (0.5 + i / 10)
+        e.old_logprobs = e.sampler_logprobs
+    whole, s1 = _grads_after_accumulation(
+        tiny_model, tokenizer, eps, f"algo.loss_agg={agg}", "train.tokens_per_microbatch=100000"
+    )
+    split, s2 = _grads_after_accumulation(
+        tiny_model, tokenizer, eps, f"algo.loss_agg={agg}", "train.tokens_per_microbatch=16"
+    )
+    assert s2["tokens"] == s1["tokens"] == sum(e.length for e in eps)
+    for a, b in zip(whole, split, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert s1["loss"] == pytest.approx(s2["loss"], rel=1e-5)
+
+
+def test_lr_warms_up_linearly_over_rollout_steps():
+    cfg = load_config(None, ["optim.lr=1e-3", "optim.warmup_steps=4"])
+    assert [lr_at(cfg, s) for s in range(6)] == pytest.approx(
+        [2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3]
+    )
+
+
+def test_seeds_differ_per_step_and_round_and_repeat():
+    assert derive_seed(0, 1, 2) == derive_seed(0, 1, 2)
+    assert len({derive_seed(0, s, r) for s in range(10) for r in range(10)}) == 100
