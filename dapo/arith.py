@@ -8,6 +8,7 @@ the overlong shaping of the demo bite.
 
 from __future__ import annotations
 
+import hashlib
 import random
 
 from dapo.data import Problem, dapo_prompt
@@ -20,6 +21,9 @@ PHRASINGS = (
     "Calculate {expr}.",
 )
 DATA_SOURCE = "arith"
+# Part of the embedded model's cache key: bump it whenever the problems a seed gives change.
+TASK_VERSION = 1
+SOLUTION_STYLES = ("steps", "direct", "mixed")
 
 
 def _expression(rng: random.Random, min_terms: int, max_terms: int, max_operand: int, ops: str):
@@ -29,61 +33,85 @@ def _expression(rng: random.Random, min_terms: int, max_terms: int, max_operand:
     return terms, ops
 
 
-def worked_solution(terms: list[int], ops: list[str]) -> tuple[str, int]:
-    """One line per operation, then the answer line the DAPO prompt asks for."""
+def worked_solution(terms: list[int], ops: list[str], style: str = "steps") -> tuple[str, int]:
+    """The solution text and the answer.
+
+    ``steps``: one line per operation (``7 + 3 = 10``, ``10 - 2 = 8``, ...); ``direct``: the
+    whole expression equals the result on one line. Both end with the ``Answer:`` line the
+    DAPO prompt asks for. (``mixed`` is resolved to one of the two by ``make_splits``.)
+    """
+    if style not in SOLUTION_STYLES[:2]:
+        raise ValueError(f"solution style must be one of {SOLUTION_STYLES}, got {style!r}")
     lines, acc = [], terms[0]
     for op, t in zip(ops, terms[1:], strict=True):
         nxt = acc + t if op == "+" else acc - t
         lines.append(f"{acc} {op} {t} = {nxt}")
         acc = nxt
+    if style == "direct":
+        lines = [f"{_expr(terms, ops)} = {acc}"]
     lines.append(f"Answer: {acc}")
     return "\n".join(lines), acc
+
+
+def _expr(terms: list[int], ops: list[str]) -> str:
+    return " ".join([str(terms[0])] + [f"{o} {t}" for o, t in zip(ops, terms[1:], strict=True)])
+
+
+# Share of the problem space each split owns. A problem's split is a function of its text alone,
+# so the splits never share a problem, while each one samples the same mix of 2- to 5-term
+# problems (drawing distinct problems instead would exhaust the 81 two-term ones and skew it).
+SPLIT_SHARES = (("val", 0.1), ("warmup", 0.3), ("train", 0.6))
+
+
+def split_of(expr: str) -> str:
+    """The split that owns ``expr``: a stable hash of its text, cut by ``SPLIT_SHARES``."""
+    u = int.from_bytes(hashlib.sha256(expr.encode()).digest()[:8], "little") / 2**64
+    for name, share in SPLIT_SHARES:
+        if u < share:
+            return name
+        u -= share
+    return SPLIT_SHARES[-1][0]
 
 
 def make_splits(
     num_train: int,
     num_val: int,
+    num_warmup: int = 0,
     *,
     seed: int,
     min_terms: int = 2,
-    max_terms: int = 4,
+    max_terms: int = 5,
     max_operand: int = 9,
     operators: str = "+",
-) -> tuple[list[tuple[Problem, str]], list[tuple[Problem, str]]]:
-    """Disjoint (train, held-out) lists of (problem, worked solution) pairs.
+    style: str = "direct",
+) -> tuple[list[tuple[Problem, str]], ...]:
+    """(train, held-out, warm-up) lists of (problem, worked solution) pairs, i.i.d. per split.
 
-    The held-out split is drawn first, so its problems do not change with ``num_train``.
+    No problem is in two splits. The warm-up split is for the supervised warm-start only: were
+    it the RL training split, the warm-started policy would have memorised the problems RL
+    trains on, and RL would learn nothing that carries over to held-out problems. A split may
+    repeat a problem (there are only 81 two-term sums), as a sample of the task would.
     """
+    if max_terms > 2 and max_operand < 2:
+        raise ValueError("data.max_operand must be >= 2")
+    wanted = {"train": num_train, "val": num_val, "warmup": num_warmup}
+    out: dict[str, list[tuple[Problem, str]]] = {name: [] for name in wanted}
     rng = random.Random(seed)
-    seen: set[str] = set()
-    splits = []
-    for split, n in (("val", num_val), ("train", num_train)):
-        out: list[tuple[Problem, str]] = []
-        attempts = 0
-        while len(out) < n:
-            attempts += 1
-            if attempts > 100 * n + 1000:
-                raise ValueError(
-                    f"could not draw {num_train} + {num_val} distinct problems with "
-                    f"{min_terms}-{max_terms} terms up to {max_operand} ({operators!r}); lower "
-                    "data.num_train / data.num_val or raise data.max_terms"
-                )
-            terms, ops = _expression(rng, min_terms, max_terms, max_operand, operators)
-            expr = " ".join(
-                [str(terms[0])] + [f"{o} {t}" for o, t in zip(ops, terms[1:], strict=True)]
-            )
-            if expr in seen:
-                continue
-            seen.add(expr)
-            text = rng.choice(PHRASINGS).format(expr=expr)
-            solution, answer = worked_solution(terms, ops)
-            problem = Problem(
-                uid=f"arith-{split}-{len(out)}",
-                messages=({"role": "user", "content": dapo_prompt(text)},),
-                answer=str(answer),
-                data_source=DATA_SOURCE,
-            )
-            out.append((problem, solution))
-        splits.append(out)
-    val, train = splits
-    return train, val
+    while any(len(out[k]) < n for k, n in wanted.items()):
+        terms, ops = _expression(rng, min_terms, max_terms, max_operand, operators)
+        expr = _expr(terms, ops)
+        # Drawn before the split check, so one split's size never shifts another's stream.
+        text = rng.choice(PHRASINGS).format(expr=expr)
+        this_style = style if style != "mixed" else rng.choice(SOLUTION_STYLES[:2])
+        split = split_of(expr)
+        if len(out[split]) >= wanted[split]:
+            continue
+        solution, answer = worked_solution(terms, ops, this_style)
+        problem = Problem(
+            uid=f"arith-{split}-{len(out[split])}",
+            messages=({"role": "user", "content": dapo_prompt(text)},),
+            answer=str(answer),
+            data_source=DATA_SOURCE,
+        )
+        out[split].append((problem, solution))
+    return out["train"], out["val"], out["warmup"]

@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 
 from dapo.config import BASES, PRESETS, Config, dump_yaml, load_config
+from dapo.data import Problem
+from dapo.model import DTYPES
 
 
 def _describe(cfg: Config) -> str:
@@ -25,22 +27,29 @@ def _describe(cfg: Config) -> str:
     )
 
 
-def load_policy(cfg: Config, train_examples: list[tuple[str, str]] | None = None, log=print):
-    """The policy and tokenizer: the embedded tiny Qwen2 (warm-started) or a local HF directory."""
-    from dapo import demo
+def load_policy(cfg: Config, warmup_pairs: list[tuple[Problem, str]], log=print):
+    """The policy and tokenizer: the embedded tiny Qwen2, warm-started on ``warmup_pairs``
+    (problem, worked solution), or a local Hugging Face directory."""
+    from dapo import arith, demo
+    from dapo.evaluate import render_prompt
 
     if cfg.model.path == "embedded":
         spec = demo.WarmupSpec(steps=cfg.model.warmup_steps, seed=cfg.train.seed)
+        tok = demo.build_tokenizer()
+        shape = demo.TinyModelSpec(
+            hidden_size=cfg.model.embedded_hidden,
+            intermediate_size=2 * cfg.model.embedded_hidden,
+            num_layers=cfg.model.embedded_layers,
+        )
         return demo.load_embedded(
-            train_examples or [],
+            [(render_prompt(tok, p), solution) for p, solution in warmup_pairs],
             cache_dir=cfg.model.cache_dir,
+            spec=shape,
             warmup=spec,
-            task_key=vars(cfg.data),
+            task_key=(vars(cfg.data), arith.TASK_VERSION),
             log=log,
         )
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from dapo.model import DTYPES
 
     path = Path(cfg.model.path)
     if not (path / "config.json").exists():
@@ -55,9 +64,16 @@ def load_policy(cfg: Config, train_examples: list[tuple[str, str]] | None = None
     return model, tokenizer
 
 
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"model.device={name} but no CUDA device is visible; use model.device=cpu")
+    return torch.device(name)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from dapo import arith
-    from dapo.evaluate import render_prompt
     from dapo.trainer import fit, make_run_dir
 
     cfg = load_config(args.config, args.overrides, base=args.base, preset=args.preset)
@@ -72,27 +88,20 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"run directory: {run_dir}")
 
     d = cfg.data
-    train_pairs, val_pairs = arith.make_splits(
+    train_pairs, val_pairs, warmup_pairs = arith.make_splits(
         d.num_train,
         d.num_val,
+        d.num_warmup if cfg.model.path == "embedded" else 0,
         seed=d.seed,
         min_terms=d.min_terms,
         max_terms=d.max_terms,
         operators=d.operators,
+        style=d.solution,
     )
     train_problems = [p for p, _ in train_pairs]
     val_problems = [p for p, _ in val_pairs]
-    tokenizer_for_prompts = None
-    if cfg.model.path == "embedded":
-        from dapo.demo import build_tokenizer
-
-        tokenizer_for_prompts = build_tokenizer()
-    examples = (
-        [(render_prompt(tokenizer_for_prompts, p), s) for p, s in train_pairs]
-        if tokenizer_for_prompts is not None
-        else None
-    )
-    model, tokenizer = load_policy(cfg, examples)
+    model, tokenizer = load_policy(cfg, warmup_pairs)
+    model.to(_device(cfg.model.device), dtype=DTYPES[cfg.model.dtype])
     fit(cfg, model, tokenizer, train_problems, val_problems, run_dir=run_dir)
     return 0
 

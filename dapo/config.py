@@ -36,27 +36,38 @@ class ModelConfig:
     """A local Hugging Face model directory, or ``embedded`` for the built-in tiny Qwen2."""
     dtype: str = "float32"
     """Parameter dtype: float32, bfloat16 or float16."""
+    device: str = "auto"
+    """``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``."""
     cache_dir: str = "~/.cache/dapo"
     """Where the embedded model's warm-started weights are cached (rebuilt if absent)."""
     warmup_steps: int = 400
     """Supervised warm-start steps for the embedded model (RL needs a policy that is sometimes
     right); ignored for a model loaded from ``path``."""
+    embedded_hidden: int = 128
+    """Hidden size of the embedded Qwen2."""
+    embedded_layers: int = 2
+    """Decoder layers of the embedded Qwen2."""
 
 
 @dataclass
 class DataConfig:
     task: str = "arith"
     """The embedded task; real Parquet data arrives with ``train_file`` / ``val_file``."""
-    num_train: int = 5000
-    """Training problems drawn from the embedded task."""
+    num_train: int = 20000
+    """RL training problems drawn from the embedded task."""
     num_val: int = 256
     """Held-out problems, disjoint from the training ones."""
+    num_warmup: int = 4000
+    """Problems of the embedded model's supervised warm-start, disjoint from both."""
     min_terms: int = 2
     """Fewest terms in an embedded arithmetic problem."""
-    max_terms: int = 4
+    max_terms: int = 5
     """Most terms in an embedded arithmetic problem (more terms: longer, harder responses)."""
     operators: str = "+"
     """Operators the embedded task draws from (any of ``+-``)."""
+    solution: str = "direct"
+    """Worked-solution style of the warm-up: ``direct`` (one line) or ``steps`` (a line per
+    operation)."""
     seed: int = 1234
     """Seed of the embedded task's problems."""
 
@@ -203,22 +214,26 @@ def paper() -> Config:
 
 
 def demo() -> Config:
-    """The embedded CPU demo: a ~0.5M-parameter Qwen2 on multi-term additions, minutes."""
+    """The embedded CPU demo: a ~0.3M-parameter Qwen2 on 2- to 5-term additions, minutes."""
     cfg = Config()
     cfg.run.base = "demo"
-    cfg.rollout.group_size = 8
-    cfg.rollout.max_new_tokens = 40
-    cfg.algo.l_cache = 12
-    cfg.train.steps = 40
+    cfg.model.warmup_steps = 200
+    cfg.rollout.group_size = 16
+    cfg.rollout.max_new_tokens = 24
+    cfg.algo.l_cache = 8
+    cfg.train.steps = 120
     cfg.train.prompts_per_step = 32
     cfg.train.responses_per_minibatch = 128
     cfg.train.tokens_per_microbatch = 16384
-    cfg.sampling.prompts_per_round = 48
-    cfg.optim.lr = 1e-4
+    cfg.sampling.prompts_per_round = 40
+    cfg.optim.lr = 3e-4
     cfg.optim.warmup_steps = 2
     cfg.optim.weight_decay = 0.0
-    cfg.eval.every = 10
+    cfg.eval.every = 20
     cfg.eval.num_samples = 4
+    # The demo measures the policy it trains: samples at the training temperature, no top-p
+    # (the paper's protocol, top_p 0.7, is the paper base's default).
+    cfg.eval.top_p = 1.0
     return cfg
 
 
@@ -416,6 +431,10 @@ def validate(cfg: Config) -> None:
     need(0 < e.top_p <= 1, "eval.top_p must be in (0, 1]")
     need(e.temperature > 0, "eval.temperature must be > 0")
     need(cfg.model.dtype in DTYPE_CHOICES, f"model.dtype must be one of {DTYPE_CHOICES}")
+    need(
+        cfg.model.device in ("auto", "cpu", "cuda") or cfg.model.device.startswith("cuda:"),
+        f"model.device must be auto, cpu, cuda or cuda:N, got {cfg.model.device!r}",
+    )
     need(cfg.run.preset in PRESETS, f"run.preset must be one of {PRESETS}")
     need(cfg.run.base in BASES, f"run.base must be one of {BASES}")
     need(

@@ -183,11 +183,9 @@ def update(state: TrainState, episodes: list[Episode], *, lr: float) -> dict[str
             mini_sums = accumulate_gradients(state, [episodes[i] for i in mini])
             if mini_sums is None:
                 continue  # every response of this mini-batch was overlong-filtered
-            if cfg.optim.grad_clip > 0:
-                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-            else:
-                grads = [p.grad for p in model.parameters() if p.grad is not None]
-                norm = torch.nn.utils.get_total_norm(grads)
+            # An infinite max_norm measures the norm without clipping (grad_clip = 0: off).
+            max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
             state.optimizer.step()
             state.optimizer.zero_grad(set_to_none=True)
             mini_sums["grad_norm"] = float(norm)

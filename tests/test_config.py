@@ -71,7 +71,7 @@ def test_yaml_file_starts_from_paper_by_default(tmp_path):
         ),
         ("sampling.on_max_rounds=skip", "sampling.on_max_rounds must be one of ('error', 'train')"),
         ("rollout.group_size=1", "rollout.group_size must be >= 2"),
-        ("algo.l_cache=100", "algo.l_cache must be in (0, rollout.max_new_tokens=40]"),
+        ("algo.l_cache=100", "algo.l_cache must be in (0, rollout.max_new_tokens=24]"),
         ("noequals", "is not of the form section.field=value"),
         ("run.preset=ppo", "unknown preset 'ppo'"),
     ],

@@ -8,18 +8,25 @@ def test_worked_solution_is_graded_correct():
     text, answer = worked_solution([7, 3, 2, 5], ["+", "-", "+"])
     assert text == "7 + 3 = 10\n10 - 2 = 8\n8 + 5 = 13\nAnswer: 13"
     assert answer == 13
+    direct, _ = worked_solution([7, 3, 2, 5], ["+", "-", "+"], style="direct")
+    assert direct == "7 + 3 - 2 + 5 = 13\nAnswer: 13"
     assert math_score(text, "13").correct
     assert not math_score(text, "12").correct
 
 
+def _contents(pairs):
+    return {p.messages[0]["content"] for p, _ in pairs}
+
+
 def test_splits_are_disjoint_deterministic_and_in_the_dapo_format():
-    train, val = make_splits(500, 200, seed=5)
-    again, val_again = make_splits(900, 200, seed=5)
-    assert [p.uid for p, _ in val] == [p.uid for p, _ in val_again]  # held-out fixed
+    train, val, warmup = make_splits(500, 200, 300, seed=5)
+    again, val_again, _ = make_splits(900, 200, seed=5)
+    assert len(train) == 500 and len(val) == 200 and len(warmup) == 300
+    assert [p.messages for p, _ in val] == [p.messages for p, _ in val_again]  # held-out fixed
     assert [p.messages for p, _ in train] == [p.messages for p, _ in again[:500]]
-    assert not {p.messages[0]["content"] for p, _ in train} & {
-        p.messages[0]["content"] for p, _ in val
-    }
+    # The warm-start never sees an RL or held-out problem, and RL never a held-out one.
+    assert not _contents(train) & _contents(val)
+    assert not _contents(warmup) & (_contents(train) | _contents(val))
     for p, solution in train[:50]:
         content = p.messages[0]["content"]
         assert content.startswith(PROMPT_PREFIX) and content.endswith(PROMPT_SUFFIX)
@@ -27,7 +34,7 @@ def test_splits_are_disjoint_deterministic_and_in_the_dapo_format():
 
 
 def test_tokenizer_round_trips_task_text(tokenizer):
-    train, _ = make_splits(100, 10, seed=0, operators="+-")
+    train, _, _ = make_splits(100, 10, seed=0, operators="+-", style="steps")
     for p, solution in train:
         text = render_prompt(tokenizer, p) + solution
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -36,7 +43,7 @@ def test_tokenizer_round_trips_task_text(tokenizer):
 
 
 def test_sampler_epochs_are_permutations_and_resumable():
-    train, _ = make_splits(10, 1, seed=0)
+    train, _, _ = make_splits(10, 1, seed=0)
     problems = [p for p, _ in train]
     s = PromptSampler(problems, seed=3)
     first = s.next(10)

@@ -10,6 +10,7 @@ from dapo.cli import main
 
 SMALL = [
     "model.warmup_steps=30",
+    "rollout.group_size=4",
     "train.steps=2",
     "train.prompts_per_step=4",
     "sampling.prompts_per_round=8",
@@ -42,7 +43,7 @@ def test_train_end_to_end(tmp_path, cache_dir, preset, capsys):
     assert main(args) == 0
     run = tmp_path / "r"
     out = capsys.readouterr().out
-    assert "4 prompts/step x 8 responses/prompt = 32 responses/step" in out
+    assert "4 prompts/step x 4 responses/prompt = 16 responses/step" in out
     assert "held-out accuracy:" in out
 
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
