@@ -50,9 +50,11 @@ class Batch:
     """Tokens that count in the loss: real and not overlong-filtered."""
     advantages_B: torch.Tensor
     sampler_logprobs_BT: torch.Tensor
+    old_logprobs_BT: torch.Tensor | None = None
+    ref_logprobs_BT: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> Batch:
-        return Batch(**{k: v.to(device) for k, v in vars(self).items()})
+        return Batch(**{k: None if v is None else v.to(device) for k, v in vars(self).items()})
 
 
 def collate(episodes: Sequence[Episode], *, pad_id: int) -> Batch:
@@ -64,14 +66,12 @@ def collate(episodes: Sequence[Episode], *, pad_id: int) -> Batch:
     prompt_mask = torch.zeros((num, width_p), dtype=torch.long)
     response_ids = torch.full((num, width_t), pad_id, dtype=torch.long)
     response_mask = torch.zeros((num, width_t), dtype=torch.bool)
-    logprobs = torch.zeros((num, width_t), dtype=torch.float32)
     for i, e in enumerate(episodes):
         p, t = e.prompt_ids.numel(), e.length
         prompt_ids[i, width_p - p :] = e.prompt_ids
         prompt_mask[i, width_p - p :] = 1
         response_ids[i, :t] = e.response_ids
         response_mask[i, :t] = True
-        logprobs[i, :t] = e.sampler_logprobs
     trainable = torch.tensor([e.trainable for e in episodes], dtype=torch.bool)
     return Batch(
         prompt_ids_BP=prompt_ids,
@@ -80,8 +80,20 @@ def collate(episodes: Sequence[Episode], *, pad_id: int) -> Batch:
         response_mask_BT=response_mask,
         loss_mask_BT=response_mask & trainable[:, None],
         advantages_B=torch.tensor([e.advantage for e in episodes], dtype=torch.float32),
-        sampler_logprobs_BT=logprobs,
+        sampler_logprobs_BT=_pad_rows([e.sampler_logprobs for e in episodes], width_t),
+        old_logprobs_BT=_pad_rows([e.old_logprobs for e in episodes], width_t),
+        ref_logprobs_BT=_pad_rows([e.ref_logprobs for e in episodes], width_t),
     )
+
+
+def _pad_rows(rows: list[torch.Tensor | None], width: int) -> torch.Tensor | None:
+    """Right-pad 1-D float rows with zeros; None when any row is missing (not computed yet)."""
+    if any(r is None for r in rows):
+        return None
+    out = torch.zeros((len(rows), width), dtype=torch.float32)
+    for i, r in enumerate(rows):
+        out[i, : r.numel()] = r
+    return out
 
 
 def split_minibatches(num: int, size: int, *, generator: torch.Generator) -> list[list[int]]:

@@ -125,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    # Loading/saving bars of a tiny model are noise in a log that prints one line per step.
+    hf_logging.disable_progress_bar()
     try:
         return args.func(args)
     except (ValueError, FileExistsError) as exc:

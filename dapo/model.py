@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from dapo.algo import entropy_from_logits, token_logprobs_from_logits
+from dapo.batch import Batch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -47,3 +48,18 @@ def response_logprobs(
         with torch.no_grad():
             entropy_BT = entropy_from_logits(logits_BTV.detach())
     return logp_BT, entropy_BT
+
+
+def batch_logprobs(
+    model, batch: Batch, *, temperature: float = 1.0, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`response_logprobs` of a collated :class:`~dapo.batch.Batch`."""
+    return response_logprobs(
+        model,
+        batch.prompt_ids_BP,
+        batch.prompt_mask_BP,
+        batch.response_ids_BT,
+        batch.response_mask_BT,
+        temperature=temperature,
+        with_entropy=with_entropy,
+    )

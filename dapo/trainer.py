@@ -30,7 +30,7 @@ from dapo.config import Config, dump_yaml
 from dapo.data import Problem, PromptSampler
 from dapo.evaluate import evaluate, render_prompt
 from dapo.metrics import MetricsLogger
-from dapo.model import response_logprobs
+from dapo.model import batch_logprobs
 from dapo.rewards import get_reward_fn
 from dapo.rollout import generate
 from dapo.sampling import Group, SamplingResult, collect_groups
@@ -143,14 +143,7 @@ def _fill_logprobs(model, episodes: list[Episode], attr: str, state: TrainState)
     order = list(range(len(episodes)))
     for micro in split_microbatches(episodes, order, max_tokens=cfg.train.tokens_per_microbatch):
         b = collate([episodes[i] for i in micro], pad_id=pad_id).to(device)
-        logp_BT, _ = response_logprobs(
-            model,
-            b.prompt_ids_BP,
-            b.prompt_mask_BP,
-            b.response_ids_BT,
-            b.response_mask_BT,
-            temperature=cfg.rollout.temperature,
-        )
+        logp_BT, _ = batch_logprobs(model, b, temperature=cfg.rollout.temperature)
         for row, i in enumerate(micro):
             setattr(episodes[i], attr, logp_BT[row, : episodes[i].length].float().cpu())
 
@@ -235,20 +228,13 @@ def accumulate_gradients(state: TrainState, episodes: list[Episode]) -> dict[str
     for micro in split_microbatches(episodes, order, max_tokens=cfg.train.tokens_per_microbatch):
         eps = [episodes[i] for i in micro]
         b = collate(eps, pad_id=state.tokenizer.pad_token_id).to(device)
-        old_BT = _pad([e.old_logprobs for e in eps], b.response_ids_BT.shape).to(device)
-        logp_BT, entropy_BT = response_logprobs(
-            model,
-            b.prompt_ids_BP,
-            b.prompt_mask_BP,
-            b.response_ids_BT,
-            b.response_mask_BT,
-            temperature=cfg.rollout.temperature,
-            with_entropy=True,
+        logp_BT, entropy_BT = batch_logprobs(
+            model, b, temperature=cfg.rollout.temperature, with_entropy=True
         )
         loss, stats = algo.policy_loss(
             logp_BT,
-            old_BT,
-            b.advantages_B.to(device),
+            b.old_logprobs_BT,
+            b.advantages_B,
             b.loss_mask_BT,
             eps_low=cfg.algo.eps_low,
             eps_high=cfg.algo.eps_high,
@@ -258,9 +244,8 @@ def accumulate_gradients(state: TrainState, episodes: list[Episode]) -> dict[str
             return_stats=True,
         )
         if state.ref_model is not None:
-            ref_BT = _pad([e.ref_logprobs for e in eps], b.response_ids_BT.shape).to(device)
             kl = algo.aggregate(
-                algo.kl_k3(logp_BT, ref_BT),
+                algo.kl_k3(logp_BT, b.ref_logprobs_BT),
                 b.loss_mask_BT,
                 agg=cfg.algo.loss_agg,
                 num_tokens=num_tokens,
@@ -274,7 +259,7 @@ def accumulate_gradients(state: TrainState, episodes: list[Episode]) -> dict[str
         add("tokens", n)
         add("loss", float(loss.detach()))
         add("entropy_sum", float(entropy_BT[mask].sum()))
-        add("prob_sum", float(old_BT.exp()[mask].sum()))
+        add("prob_sum", float(b.old_logprobs_BT.exp()[mask].sum()))
         add("clip_low", float(stats["clip_low_frac"]) * n)
         add("clip_high", float(stats["clip_high_frac"]) * n)
         add("clip_high_prob_sum", float(stats["clip_high_prob_mean"] * stats["num_clip_high"]))
@@ -282,13 +267,6 @@ def accumulate_gradients(state: TrainState, episodes: list[Episode]) -> dict[str
     if state.ref_model is not None:
         add("kl_den", float(num_seqs if seq_agg else num_tokens))
     return sums
-
-
-def _pad(rows: list[torch.Tensor], shape: torch.Size) -> torch.Tensor:
-    out = torch.zeros(shape, dtype=torch.float32)
-    for i, r in enumerate(rows):
-        out[i, : r.numel()] = r
-    return out
 
 
 # ----------------------------------------------------------------------------- the step
