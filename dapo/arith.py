@@ -1,9 +1,10 @@
 """The embedded task: multi-term integer arithmetic in the DAPO prompt format.
 
-Deterministic from a seed, no download. A problem such as ``Compute 7 + 3 - 2 + 5.`` has a
-worked solution of one line per operation and a final ``Answer: 13`` line, so responses
-grow with the number of terms (2 to 4 terms: about 10 to 25 tokens), which is what makes
-the overlong shaping of the demo bite.
+Deterministic from a seed, no download. A problem such as ``Compute 7 + 3 + 2 + 5.`` has a
+worked solution, either on one line (``7 + 3 + 2 + 5 = 17``, the demo's ``direct`` style) or
+one line per operation (``steps``), then the ``Answer: 17`` line the DAPO prompt asks for.
+Responses grow with the number of terms (2 to 5 terms: 10 to 18 tokens in the direct style),
+so the demo's L_max and L_cache are set just above the longest correct answer.
 """
 
 from __future__ import annotations
@@ -92,8 +93,6 @@ def make_splits(
     trains on, and RL would learn nothing that carries over to held-out problems. A split may
     repeat a problem (there are only 81 two-term sums), as a sample of the task would.
     """
-    if max_terms > 2 and max_operand < 2:
-        raise ValueError("data.max_operand must be >= 2")
     wanted = {"train": num_train, "val": num_val, "warmup": num_warmup}
     out: dict[str, list[tuple[Problem, str]]] = {name: [] for name in wanted}
     rng = random.Random(seed)

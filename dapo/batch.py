@@ -49,7 +49,6 @@ class Batch:
     loss_mask_BT: torch.Tensor
     """Tokens that count in the loss: real and not overlong-filtered."""
     advantages_B: torch.Tensor
-    sampler_logprobs_BT: torch.Tensor
     old_logprobs_BT: torch.Tensor | None = None
     ref_logprobs_BT: torch.Tensor | None = None
 
@@ -80,7 +79,6 @@ def collate(episodes: Sequence[Episode], *, pad_id: int) -> Batch:
         response_mask_BT=response_mask,
         loss_mask_BT=response_mask & trainable[:, None],
         advantages_B=torch.tensor([e.advantage for e in episodes], dtype=torch.float32),
-        sampler_logprobs_BT=_pad_rows([e.sampler_logprobs for e in episodes], width_t),
         old_logprobs_BT=_pad_rows([e.old_logprobs for e in episodes], width_t),
         ref_logprobs_BT=_pad_rows([e.ref_logprobs for e in episodes], width_t),
     )
@@ -112,15 +110,16 @@ def split_microbatches(
     """
     chunks: list[list[int]] = []
     current: list[int] = []
-    width = 0
+    width_p = width_t = 0
     for i in indices:
         e = episodes[i]
-        w = max(width, e.prompt_ids.numel() + e.length)
-        if current and w * (len(current) + 1) > max_tokens:
+        # collate pads prompts and responses separately: the width is max P + max T.
+        p, t = max(width_p, e.prompt_ids.numel()), max(width_t, e.length)
+        if current and (p + t) * (len(current) + 1) > max_tokens:
             chunks.append(current)
-            current, w = [], e.prompt_ids.numel() + e.length
+            current, p, t = [], e.prompt_ids.numel(), e.length
         current.append(i)
-        width = w
+        width_p, width_t = p, t
     if current:
         chunks.append(current)
     return chunks

@@ -14,6 +14,7 @@ import torch
 from dapo.config import BASES, PRESETS, Config, dump_yaml, load_config
 from dapo.data import Problem
 from dapo.model import DTYPES
+from dapo.sampling import DynamicSamplingExhausted
 
 
 def _describe(cfg: Config) -> str:
@@ -33,8 +34,9 @@ def load_policy(cfg: Config, warmup_pairs: list[tuple[Problem, str]], log=print)
     from dapo import arith, demo
     from dapo.evaluate import render_prompt
 
+    d = cfg.data
     if cfg.model.path == "embedded":
-        spec = demo.WarmupSpec(steps=cfg.model.warmup_steps, seed=cfg.train.seed)
+        spec = demo.WarmupSpec(steps=cfg.model.sft_steps, seed=cfg.train.seed)
         tok = demo.build_tokenizer()
         shape = demo.TinyModelSpec(
             hidden_size=cfg.model.embedded_hidden,
@@ -46,7 +48,16 @@ def load_policy(cfg: Config, warmup_pairs: list[tuple[Problem, str]], log=print)
             cache_dir=cfg.model.cache_dir,
             spec=shape,
             warmup=spec,
-            task_key=(vars(cfg.data), arith.TASK_VERSION),
+            # Only what shapes the warm-up examples: RL and held-out sizes don't.
+            task_key=(
+                arith.TASK_VERSION,
+                d.seed,
+                d.min_terms,
+                d.max_terms,
+                d.operators,
+                d.solution,
+                d.num_warmup,
+            ),
             log=log,
         )
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -118,7 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--print-config", action="store_true", help="print the resolved config as YAML and exit"
     )
-    train.add_argument("overrides", nargs="*", metavar="section.field=value")
+    train.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="section.field=value",
+        help="config overrides applied last, e.g. optim.lr=1e-5 algo.eps_high=0.28",
+    )
     train.set_defaults(func=cmd_train)
     return parser
 
@@ -131,6 +147,6 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
     try:
         return args.func(args)
-    except (ValueError, FileExistsError) as exc:
+    except (ValueError, FileExistsError, DynamicSamplingExhausted) as exc:
         print(f"dapo: error: {exc}", file=sys.stderr)
         return 2

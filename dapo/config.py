@@ -15,6 +15,7 @@ micro-batch.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -23,9 +24,13 @@ from typing import Any
 
 import yaml
 
-AGG_CHOICES = ("token-mean", "seq-mean-token-mean")
+from dapo.algo import AGG_MODES
+from dapo.model import DTYPES
+
+AGG_CHOICES = AGG_MODES
 ON_MAX_ROUNDS_CHOICES = ("error", "train")
-DTYPE_CHOICES = ("float32", "bfloat16", "float16")
+DTYPE_CHOICES = tuple(DTYPES)
+SOLUTION_CHOICES = ("direct", "steps", "mixed")
 BASES = ("paper", "demo")
 PRESETS = ("dapo", "grpo")
 
@@ -40,11 +45,11 @@ class ModelConfig:
     """``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``."""
     cache_dir: str = "~/.cache/dapo"
     """Where the embedded model's warm-started weights are cached (rebuilt if absent)."""
-    warmup_steps: int = 400
-    """Supervised warm-start steps for the embedded model (RL needs a policy that is sometimes
+    sft_steps: int = 400
+    """Supervised warm-start steps of the embedded model (RL needs a policy that is sometimes
     right); ignored for a model loaded from ``path``."""
     embedded_hidden: int = 128
-    """Hidden size of the embedded Qwen2."""
+    """Hidden size of the embedded Qwen2 (a multiple of its 4 attention heads)."""
     embedded_layers: int = 2
     """Decoder layers of the embedded Qwen2."""
 
@@ -52,7 +57,7 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     task: str = "arith"
-    """The embedded task; real Parquet data arrives with ``train_file`` / ``val_file``."""
+    """The embedded task (the only one so far: ``arith``)."""
     num_train: int = 20000
     """RL training problems drawn from the embedded task."""
     num_val: int = 256
@@ -66,8 +71,8 @@ class DataConfig:
     operators: str = "+"
     """Operators the embedded task draws from (any of ``+-``)."""
     solution: str = "direct"
-    """Worked-solution style of the warm-up: ``direct`` (one line) or ``steps`` (a line per
-    operation)."""
+    """Worked-solution style of the warm-up: ``direct`` (one line), ``steps`` (a line per
+    operation) or ``mixed`` (either, at random)."""
     seed: int = 1234
     """Seed of the embedded task's problems."""
 
@@ -214,12 +219,16 @@ def paper() -> Config:
 
 
 def demo() -> Config:
-    """The embedded CPU demo: a ~0.3M-parameter Qwen2 on 2- to 5-term additions, minutes."""
+    """The embedded CPU demo: a 0.3M-parameter Qwen2 on 2- to 5-term additions, minutes.
+
+    L_max 28 with L_cache 8 leaves 20 tokens penalty-free, room for the longest correct answer
+    (18 tokens with EOS), so the soft punishment only bites on responses that wander.
+    """
     cfg = Config()
     cfg.run.base = "demo"
-    cfg.model.warmup_steps = 200
+    cfg.model.sft_steps = 200
     cfg.rollout.group_size = 16
-    cfg.rollout.max_new_tokens = 24
+    cfg.rollout.max_new_tokens = 28
     cfg.algo.l_cache = 8
     cfg.train.steps = 120
     cfg.train.prompts_per_step = 32
@@ -361,21 +370,22 @@ def load_config(
             raise ValueError(f"{path}: the top level must be a mapping of sections")
         tree = dict(tree)
     parsed = [parse_override(o) for o in overrides]
-    base = (
-        base
-        or tree.pop("base", None)
-        or _pick(parsed, "run.base")
-        or ("paper" if path is not None else "demo")
-    )
-    preset = preset or tree.pop("preset", None) or _pick(parsed, "run.preset") or "dapo"
+    # base and preset shape everything else, so they are resolved first, from the most
+    # specific source: flag, then dotted override, then the file (top level or run section).
+    run_section = tree.get("run") if isinstance(tree.get("run"), dict) else {}
+    file_base = tree.pop("base", None) or run_section.get("base")
+    file_preset = tree.pop("preset", None) or run_section.get("preset")
+    base = base or _pick(parsed, "run.base") or file_base
+    base = base or ("paper" if path is not None else "demo")
+    preset = preset or _pick(parsed, "run.preset") or file_preset or "dapo"
     if base not in BASES:
-        raise ValueError(f"base: unknown base {base!r}; choose one of {BASES}")
+        raise ValueError(f"run.base: unknown base {base!r}; choose one of {BASES}")
     cfg = demo() if base == "demo" else paper()
     apply_preset(cfg, preset)
-    for key, value in _flatten(tree, str(path)):
-        set_value(cfg, key, value)
-    for key, value in parsed:
-        set_value(cfg, key, value)
+    resolved = {"run.base", "run.preset"}
+    for key, value in _flatten(tree, str(path)) + parsed:
+        if key not in resolved:
+            set_value(cfg, key, value)
     validate(cfg)
     return cfg
 
@@ -437,6 +447,22 @@ def validate(cfg: Config) -> None:
     )
     need(cfg.run.preset in PRESETS, f"run.preset must be one of {PRESETS}")
     need(cfg.run.base in BASES, f"run.base must be one of {BASES}")
+    m, d = cfg.model, cfg.data
+    need(m.sft_steps >= 1, f"model.sft_steps must be >= 1, got {m.sft_steps}")
+    need(
+        m.embedded_hidden >= 4 and m.embedded_hidden % 4 == 0,
+        f"model.embedded_hidden must be a positive multiple of 4, got {m.embedded_hidden}",
+    )
+    need(m.embedded_layers >= 1, "model.embedded_layers must be >= 1")
+    need(d.task == "arith", f"data.task must be 'arith' (the embedded task), got {d.task!r}")
+    need(d.solution in SOLUTION_CHOICES, f"data.solution must be one of {SOLUTION_CHOICES}")
+    need(d.num_train >= 1 and d.num_val >= 1, "data.num_train and data.num_val must be >= 1")
+    need(d.num_warmup >= 1, "data.num_warmup must be >= 1")
+    need(math.isfinite(r.temperature), "rollout.temperature must be finite")
+    need(e.max_new_tokens >= 0, "eval.max_new_tokens must be >= 0 (0 = rollout.max_new_tokens)")
+    need(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)")
+    need(o.weight_decay >= 0, "optim.weight_decay must be >= 0")
+    need(cfg.run.threads >= 0, "run.threads must be >= 0 (0 = torch's default)")
     need(
         set(cfg.data.operators) <= set("+-") and cfg.data.operators != "",
         "data.operators must be a non-empty string of + and -",

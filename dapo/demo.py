@@ -70,7 +70,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 @dataclass(frozen=True)
 class TinyModelSpec:
-    """The embedded policy: a real Qwen2 architecture at about a million parameters."""
+    """The embedded policy: a real Qwen2 architecture, 0.3M parameters at the defaults."""
 
     hidden_size: int = 128
     intermediate_size: int = 256
@@ -168,7 +168,8 @@ def load_embedded(
     identifies them in the cache key, so a different task never reuses another's weights.
     """
     tokenizer = build_tokenizer()
-    key = _cache_key(spec, warmup, task_key, torch.__version__)
+    vocab = sorted(tokenizer.get_vocab().items())
+    key = _cache_key(spec, warmup, task_key, vocab, PIECE_PATTERN, torch.__version__)
     target = Path(cache_dir).expanduser() / f"embedded-{key}"
     if (target / "model.safetensors").exists():
         model = Qwen2ForCausalLM.from_pretrained(target)

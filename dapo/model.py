@@ -41,7 +41,11 @@ def response_logprobs(
         use_cache=False,
     )
     # Position P-1+t predicts response token t; the last position predicts past the end.
-    logits_BTV = out.logits[:, :-1].float() / temperature
+    # No float() here: the log-prob and entropy functions upcast in chunks, so a bf16 model
+    # never holds a float32 copy of [B, T, V].
+    logits_BTV = out.logits[:, :-1]
+    if temperature != 1.0:
+        logits_BTV = logits_BTV / temperature
     logp_BT = token_logprobs_from_logits(logits_BTV, response_ids_BT)
     entropy_BT = None
     if with_entropy:

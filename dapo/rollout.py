@@ -26,10 +26,6 @@ class Rollout:
     """True where no EOS came within max_new_tokens."""
     texts: list[str]
 
-    @property
-    def num_tokens(self) -> int:
-        return int(self.lengths_B.sum())
-
 
 class _SampledLogprobs(LogitsProcessor):
     """Records log pi(token) of each sampled token without keeping [B, T, V] logits.

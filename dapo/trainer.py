@@ -19,7 +19,7 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -51,7 +51,6 @@ class TrainState:
     sampler: PromptSampler
     ref_model: torch.nn.Module | None = None
     step: int = 0
-    history: list[dict] = field(default_factory=list)
 
 
 # ----------------------------------------------------------------------------- 1. rollout
@@ -173,9 +172,14 @@ def update(state: TrainState, episodes: list[Episode], *, lr: float) -> dict[str
         for mini in split_minibatches(
             len(episodes), cfg.train.responses_per_minibatch, generator=gen
         ):
-            mini_sums = accumulate_gradients(state, [episodes[i] for i in mini])
-            if mini_sums is None:
+            batch = [episodes[i] for i in mini]
+            # The loss divisors of the whole mini-batch (with data-parallel ranks: all-reduced
+            # sums), fixed before the first micro-batch; DAPO §3.3.
+            num_tokens = sum(e.num_loss_tokens for e in batch)
+            num_seqs = sum(1 for e in batch if e.num_loss_tokens > 0)
+            if num_tokens == 0:
                 continue  # every response of this mini-batch was overlong-filtered
+            mini_sums = accumulate_gradients(state, batch, num_tokens=num_tokens, num_seqs=num_seqs)
             # An infinite max_norm measures the norm without clipping (grad_clip = 0: off).
             max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
@@ -206,18 +210,17 @@ def update(state: TrainState, episodes: list[Episode], *, lr: float) -> dict[str
     return out
 
 
-def accumulate_gradients(state: TrainState, episodes: list[Episode]) -> dict[str, float] | None:
-    """Backward over the micro-batches of one mini-batch; returns metric sums, None if empty.
+def accumulate_gradients(
+    state: TrainState, episodes: list[Episode], *, num_tokens: int, num_seqs: int
+) -> dict[str, float]:
+    """Backward over the micro-batches of ``episodes``; returns metric sums.
 
-    The divisor, ``num_tokens`` (or ``num_seqs``), is the whole mini-batch's: with
-    data-parallel ranks it becomes an all-reduced sum, and nothing else changes.
+    Every micro-batch loss is divided by ``num_tokens`` (token-mean) or ``num_seqs``
+    (seq-mean-token-mean) of the whole mini-batch, never by its own count, so the accumulated
+    gradient is the mini-batch gradient whatever the split.
     """
     cfg, model = state.cfg, state.model
     device = next(model.parameters()).device
-    num_tokens = sum(e.num_loss_tokens for e in episodes)
-    num_seqs = sum(1 for e in episodes if e.num_loss_tokens > 0)
-    if num_tokens == 0:
-        return None
     seq_agg = cfg.algo.loss_agg == "seq-mean-token-mean"
     sums: dict[str, float] = {}
 
@@ -282,9 +285,10 @@ def lr_at(cfg: Config, step: int) -> float:
 def train_step(state: TrainState) -> dict[str, float]:
     cfg = state.cfg
     t0 = time.perf_counter()
-    n_prompts = cfg.sampling.prompts_per_round or cfg.train.prompts_per_step
-    if not cfg.sampling.dynamic:
-        n_prompts = cfg.train.prompts_per_step
+    # Without dynamic sampling every group is kept, so one round of exactly N prompts.
+    n_prompts = cfg.train.prompts_per_step
+    if cfg.sampling.dynamic and cfg.sampling.prompts_per_round:
+        n_prompts = cfg.sampling.prompts_per_round
 
     def draw_round(round_index: int) -> list[Group]:
         problems = state.sampler.next(n_prompts)

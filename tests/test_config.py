@@ -71,9 +71,16 @@ def test_yaml_file_starts_from_paper_by_default(tmp_path):
         ),
         ("sampling.on_max_rounds=skip", "sampling.on_max_rounds must be one of ('error', 'train')"),
         ("rollout.group_size=1", "rollout.group_size must be >= 2"),
-        ("algo.l_cache=100", "algo.l_cache must be in (0, rollout.max_new_tokens=24]"),
+        ("algo.l_cache=100", "algo.l_cache must be in (0, rollout.max_new_tokens=28]"),
         ("noequals", "is not of the form section.field=value"),
         ("run.preset=ppo", "unknown preset 'ppo'"),
+        ("model.sft_steps=0", "model.sft_steps must be >= 1"),
+        ("model.embedded_hidden=30", "model.embedded_hidden must be a positive multiple of 4"),
+        ("data.solution=essay", "data.solution must be one of ('direct', 'steps', 'mixed')"),
+        ("data.task=gsm8k", "data.task must be 'arith'"),
+        ("data.num_val=0", "data.num_train and data.num_val must be >= 1"),
+        ("optim.beta2=1", "optim.beta1 and optim.beta2 must be in [0, 1)"),
+        ("rollout.temperature=.inf", "rollout.temperature must be finite"),
     ],
 )
 def test_bad_values_name_the_field(override, message):
@@ -102,3 +109,19 @@ def test_override_values_are_typed():
     cfg = load_config(None, ["optim.lr=1"])  # an int is a fine float
     assert isinstance(cfg.optim.lr, float) and cfg.optim.lr == 1.0
     assert isinstance(Config().optim.lr, float)
+
+
+def test_preset_comes_from_the_most_specific_source(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("preset: grpo\nbase: demo\n")
+    # an override beats the file, and the preset's fields follow the name
+    cfg = load_config(path, ["run.preset=dapo"])
+    assert cfg.run.preset == "dapo" and cfg.algo.loss_agg == "token-mean"
+    # the flag beats both, and a flag beside a file that names a preset is no error
+    cfg = load_config(path, ["run.preset=dapo"], preset="grpo", base="demo")
+    assert cfg.run.preset == "grpo" and cfg.algo.kl_coef > 0 and not cfg.sampling.dynamic
+    # the run section of a file works like the top-level key
+    path.write_text("run:\n  preset: grpo\n  base: demo\n  name: x\n")
+    cfg = load_config(path)
+    assert cfg.run.preset == "grpo" and cfg.algo.loss_agg == "seq-mean-token-mean"
+    assert cfg.run.base == "demo" and cfg.run.name == "x"

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 from dapo.cli import main
 
 SMALL = [
-    "model.warmup_steps=30",
+    "model.sft_steps=30",
     "rollout.group_size=4",
     "train.steps=2",
     "train.prompts_per_step=4",

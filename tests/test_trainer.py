@@ -68,11 +68,11 @@ def test_group_advantages_are_assigned_per_group():
 
 
 def test_microbatches_cover_every_index_within_the_budget():
-    eps = [_episode(n, prompt_len=4, seed=n) for n in (10, 3, 8, 1, 12, 6)]
+    eps = [_episode(n, prompt_len=2 + n % 5, seed=n) for n in (10, 3, 8, 1, 12, 6)]
     chunks = split_microbatches(eps, range(6), max_tokens=40)
     assert sorted(i for c in chunks for i in c) == list(range(6))
     for c in chunks:
-        width = max(4 + eps[i].length for i in c)
+        width = max(eps[i].prompt_ids.numel() for i in c) + max(eps[i].length for i in c)
         assert len(c) == 1 or width * len(c) <= 40
 
 
@@ -80,7 +80,12 @@ def _grads_after_accumulation(tiny_model, tokenizer, episodes, *overrides):
     cfg = _cfg(*overrides)
     state = build_state(cfg, tiny_model, tokenizer, [Problem("p", (), "1")])
     tiny_model.zero_grad(set_to_none=True)
-    sums = accumulate_gradients(state, episodes)
+    sums = accumulate_gradients(
+        state,
+        episodes,
+        num_tokens=sum(e.num_loss_tokens for e in episodes),
+        num_seqs=len(episodes),
+    )
     return [p.grad.clone() for p in tiny_model.parameters()], sums
 
 
