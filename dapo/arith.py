@@ -42,7 +42,7 @@ def worked_solution(terms: list[int], ops: list[str], style: str = "steps") -> t
     DAPO prompt asks for. (``mixed`` is resolved to one of the two by ``make_splits``.)
     """
     if style not in SOLUTION_STYLES[:2]:
-        raise ValueError(f"solution style must be one of {SOLUTION_STYLES}, got {style!r}")
+        raise ValueError(f"solution style must be one of {SOLUTION_STYLES[:2]}, got {style!r}")
     lines, acc = [], terms[0]
     for op, t in zip(ops, terms[1:], strict=True):
         nxt = acc + t if op == "+" else acc - t

@@ -32,19 +32,17 @@ def load_policy(cfg: Config, warmup_pairs: list[tuple[Problem, str]], log=print)
     """The policy and tokenizer: the embedded tiny Qwen2, warm-started on ``warmup_pairs``
     (problem, worked solution), or a local Hugging Face directory."""
     from dapo import arith, demo
-    from dapo.evaluate import render_prompt
 
     d = cfg.data
     if cfg.model.path == "embedded":
         spec = demo.WarmupSpec(steps=cfg.model.sft_steps, seed=cfg.train.seed)
-        tok = demo.build_tokenizer()
         shape = demo.TinyModelSpec(
             hidden_size=cfg.model.embedded_hidden,
             intermediate_size=2 * cfg.model.embedded_hidden,
             num_layers=cfg.model.embedded_layers,
         )
         return demo.load_embedded(
-            [(render_prompt(tok, p), solution) for p, solution in warmup_pairs],
+            warmup_pairs,
             cache_dir=cfg.model.cache_dir,
             spec=shape,
             warmup=spec,

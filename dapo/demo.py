@@ -23,7 +23,8 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from dapo import arith
-from dapo.data import PROMPT_PREFIX, PROMPT_SUFFIX
+from dapo.data import PROMPT_PREFIX, PROMPT_SUFFIX, Problem
+from dapo.evaluate import render_prompt
 
 # Words keep their leading space (as in GPT-2's byte-level BPE), digits are single tokens so
 # that numbers of any size are spelled, and every other character is a token of its own.
@@ -154,7 +155,7 @@ def _cache_key(*parts: object) -> str:
 
 
 def load_embedded(
-    examples: list[tuple[str, str]],
+    pairs: list[tuple[Problem, str]],
     *,
     cache_dir: str | Path,
     spec: TinyModelSpec = TinyModelSpec(),
@@ -164,8 +165,9 @@ def load_embedded(
 ):
     """The warm-started tiny policy, from the cache or built (deterministically) and cached.
 
-    ``examples`` are (prompt text, worked solution) pairs of the training split; ``task_key``
-    identifies them in the cache key, so a different task never reuses another's weights.
+    ``pairs`` are (problem, worked solution) pairs of the warm-up split, rendered only when
+    the model is built; ``task_key`` identifies them in the cache key, so a different task
+    never reuses another's weights.
     """
     tokenizer = build_tokenizer()
     vocab = sorted(tokenizer.get_vocab().items())
@@ -180,6 +182,7 @@ def load_embedded(
     )
     start = time.perf_counter()
     model = tiny_qwen2(tokenizer, spec, seed=warmup.seed)
+    examples = [(render_prompt(tokenizer, p), solution) for p, solution in pairs]
     losses = warm_start(model, tokenizer, examples, warmup)
     log(f"warm-up done in {time.perf_counter() - start:.0f} s, final loss {losses[-1]:.3f}")
     # Write to a temporary sibling and rename, so an interrupted build never leaves a cache
