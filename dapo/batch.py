@@ -29,6 +29,8 @@ class Episode:
     """log pi_old, recomputed before the update (or the sampler's)."""
     ref_logprobs: torch.Tensor | None = None
     """log pi_ref of the frozen reference, only with a KL penalty."""
+    reward_fault: str = ""
+    """Why the verifier failed on this response (graded incorrect), or empty."""
 
     @property
     def length(self) -> int:

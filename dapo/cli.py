@@ -8,13 +8,14 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from dapo.config import BASES, PRESETS, Config, dump_yaml, load_config
-from dapo.data import Problem
-from dapo.model import DTYPES
-from dapo.sampling import DynamicSamplingExhausted
+# Only the standard library at module level: verifier worker processes re-run the ``dapo``
+# console script (multiprocessing's spawn/forkserver do that to a __main__ script), and each
+# one would otherwise import torch and transformers, seconds per worker.
+if TYPE_CHECKING:
+    from dapo.config import Config
+    from dapo.data import Problem
 
 
 def _describe(cfg: Config) -> str:
@@ -26,6 +27,16 @@ def _describe(cfg: Config) -> str:
         f"{cfg.updates_per_step} gradient updates/step; micro-batches of <= "
         f"{t.tokens_per_microbatch} padded tokens; L_max {r.max_new_tokens} tokens"
     )
+
+
+def _check_model_path(cfg: Config) -> Path:
+    path = Path(cfg.model.path)
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"model.path={path} is not a Hugging Face model directory (no config.json); "
+            "give a directory written by save_pretrained, or model.path=embedded"
+        )
+    return path
 
 
 def load_policy(cfg: Config, warmup_pairs: list[tuple[Problem, str]], log=print):
@@ -60,12 +71,9 @@ def load_policy(cfg: Config, warmup_pairs: list[tuple[Problem, str]], log=print)
         )
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = Path(cfg.model.path)
-    if not (path / "config.json").exists():
-        raise ValueError(
-            f"model.path={path} is not a Hugging Face model directory (no config.json); "
-            "give a directory written by save_pretrained, or model.path=embedded"
-        )
+    from dapo.model import DTYPES
+
+    path = _check_model_path(cfg)
     tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -73,7 +81,9 @@ def load_policy(cfg: Config, warmup_pairs: list[tuple[Problem, str]], log=print)
     return model, tokenizer
 
 
-def _device(name: str) -> torch.device:
+def _device(name: str):
+    import torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
@@ -81,19 +91,62 @@ def _device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    from dapo import arith
-    from dapo.trainer import fit, make_run_dir
+def _resolve_config(args: argparse.Namespace) -> tuple[Config, Path | None]:
+    """The run's config; with --resume, the saved one under any flags and overrides given."""
+    from dapo import rundir
+    from dapo.config import load_config, run_changing_differences
 
-    cfg = load_config(args.config, args.overrides, base=args.base, preset=args.preset)
+    if not args.resume:
+        return load_config(args.config, args.overrides, base=args.base, preset=args.preset), None
+    if args.overwrite:
+        raise ValueError("--resume continues a run and --overwrite replaces it: give one")
+    run_dir = rundir.existing_run_dir(args.resume)
+    saved_path = run_dir / "config.yaml"
+    saved = load_config(saved_path)
+    cfg = load_config(args.config or saved_path, args.overrides, base=args.base, preset=args.preset)
+    differences = run_changing_differences(saved, cfg)
+    if differences and not args.force:
+        listing = "\n  ".join(differences)
+        raise ValueError(
+            f"--resume {run_dir}: the config differs from the run's in fields that change the "
+            f"run:\n  {listing}\nthe resumed run would not be the run that was started. Drop "
+            "these changes, or add --force to resume with them anyway (the old config.yaml is "
+            "kept beside the new one)"
+        )
+    return cfg, run_dir
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import torch
+
+    from dapo import arith, checkpoint, rundir
+    from dapo.config import dump_yaml
+    from dapo.model import DTYPES
+    from dapo.rewards import get_reward_fn
+    from dapo.trainer import fit
+
+    # Everything that can be wrong with the command is checked before a model is loaded.
+    cfg, run_dir = _resolve_config(args)
     if args.print_config:
         print(dump_yaml(cfg), end="")
         return 0
+    resume = run_dir is not None
+    if run_dir is None:
+        run_dir = rundir.new_run_dir(cfg, overwrite=args.overwrite)
+    elif checkpoint.find_latest(run_dir) is None:
+        raise ValueError(
+            f"--resume {run_dir}: no complete checkpoint there (it stopped before its first "
+            "one); start it again with --overwrite"
+        )
+    rundir.check_writable(run_dir)
+    rundir.check_space(run_dir, cfg)
+    device = _device(cfg.model.device)
+    if cfg.model.path != "embedded":
+        _check_model_path(cfg)
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     torch.manual_seed(cfg.train.seed)
     print(_describe(cfg))
-    run_dir = make_run_dir(cfg)
     print(f"run directory: {run_dir}")
 
     d = cfg.data
@@ -109,13 +162,20 @@ def cmd_train(args: argparse.Namespace) -> int:
     )
     train_problems = [p for p, _ in train_pairs]
     val_problems = [p for p, _ in val_pairs]
+    for source in sorted({p.data_source for p in train_problems + val_problems}):
+        get_reward_fn(source)  # an unknown data_source fails here, not at the first rollout
+    rundir.write_config(run_dir, cfg)
+    # A resumed run starts from the same policy (it is the KL reference) and then loads the
+    # checkpoint's weights over it.
     model, tokenizer = load_policy(cfg, warmup_pairs)
-    model.to(_device(cfg.model.device), dtype=DTYPES[cfg.model.dtype])
-    fit(cfg, model, tokenizer, train_problems, val_problems, run_dir=run_dir)
+    model.to(device, dtype=DTYPES[cfg.model.dtype])
+    fit(cfg, model, tokenizer, train_problems, val_problems, run_dir=run_dir, resume=resume)
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from dapo.config import BASES, PRESETS
+
     parser = argparse.ArgumentParser(prog="dapo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a policy with DAPO (default: the CPU demo)")
@@ -126,6 +186,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument(
         "--print-config", action="store_true", help="print the resolved config as YAML and exit"
+    )
+    train.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue the run in RUN_DIR from its latest complete checkpoint",
+    )
+    train.add_argument(
+        "--force",
+        action="store_true",
+        help="with --resume: accept config changes that make the run differ from the saved one",
+    )
+    train.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the run already in the run directory (default: refuse)",
     )
     train.add_argument(
         "overrides",
@@ -141,10 +216,21 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from transformers.utils import logging as hf_logging
 
+    from dapo.checkpoint import CheckpointError
+    from dapo.interrupt import RunStopped
+    from dapo.sampling import DynamicSamplingExhausted
+    from dapo.trainer import NonFiniteError
+
     # Loading/saving bars of a tiny model are noise in a log that prints one line per step.
     hf_logging.disable_progress_bar()
     try:
         return args.func(args)
-    except (ValueError, FileExistsError, DynamicSamplingExhausted) as exc:
+    except (ValueError, FileExistsError) as exc:
         print(f"dapo: error: {exc}", file=sys.stderr)
         return 2
+    except (DynamicSamplingExhausted, CheckpointError, NonFiniteError) as exc:
+        print(f"dapo: error: {exc}", file=sys.stderr)
+        return 1
+    except RunStopped as exc:
+        print(f"dapo: {exc}", file=sys.stderr)
+        return exc.exit_code

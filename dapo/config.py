@@ -30,6 +30,7 @@ from dapo.model import DTYPES
 AGG_CHOICES = AGG_MODES
 ON_MAX_ROUNDS_CHOICES = ("error", "train")
 DTYPE_CHOICES = tuple(DTYPES)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SOLUTION_CHOICES = ("direct", "steps", "mixed")
 BASES = ("paper", "demo")
 PRESETS = ("dapo", "grpo")
@@ -140,6 +141,12 @@ class TrainConfig:
     """Recompute pi_old log-probs with a forward pass instead of trusting the sampler's."""
     seed: int = 0
     """Seed of prompt order, sampling and initialisation."""
+    save_every: int = 20
+    """Checkpoint every this many steps, and always after the last; 0 = only after the last."""
+    keep_checkpoints: int = 3
+    """How many of the newest checkpoints to keep; older ones are deleted once a newer is safe."""
+    max_consecutive_skips: int = 10
+    """Stop after this many updates in a row skipped for a non-finite loss or gradient norm."""
 
 
 @dataclass
@@ -171,6 +178,17 @@ class EvalConfig:
 
 
 @dataclass
+class RewardConfig:
+    workers: int = 1
+    """Verifier processes. A response that makes the verifier raise, hang or exhaust memory is
+    graded incorrect and counted; 0 grades in-process, where a hang cannot be stopped."""
+    timeout_s: float = 10.0
+    """Seconds one response may take to grade before its worker is killed."""
+    memory_mb: int = 2048
+    """Address-space limit of each verifier process, MiB; 0 = no limit."""
+
+
+@dataclass
 class RunConfig:
     out_dir: str = "runs"
     """Run directories are created under this one."""
@@ -194,6 +212,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def to_dict(self) -> dict[str, Any]:
@@ -433,6 +452,13 @@ def validate(cfg: Config) -> None:
     need(t.responses_per_minibatch >= 1, "train.responses_per_minibatch must be >= 1")
     need(t.tokens_per_microbatch >= 1, "train.tokens_per_microbatch must be >= 1")
     need(t.epochs >= 1, "train.epochs must be >= 1")
+    need(t.save_every >= 0, "train.save_every must be >= 0 (0 = only after the last step)")
+    need(t.keep_checkpoints >= 1, "train.keep_checkpoints must be >= 1")
+    need(t.max_consecutive_skips >= 1, "train.max_consecutive_skips must be >= 1")
+    rw = cfg.reward
+    need(rw.workers >= 0, "reward.workers must be >= 0 (0 = grade in-process)")
+    need(rw.timeout_s > 0, "reward.timeout_s must be > 0")
+    need(rw.memory_mb >= 0, "reward.memory_mb must be >= 0 (0 = no limit)")
     need(o.lr > 0, "optim.lr must be > 0")
     need(o.warmup_steps >= 0, "optim.warmup_steps must be >= 0")
     need(o.grad_clip >= 0, "optim.grad_clip must be >= 0 (0 = off)")
@@ -477,3 +503,37 @@ def validate(cfg: Config) -> None:
 
 def dump_yaml(cfg: Config) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+# ----------------------------------------------------------------------------- resume
+
+# Fields a resume may change without changing the trajectory it continues: where things are
+# written, how often, how long the run goes on, and how verifier processes are run.
+RESUME_SAFE_FIELDS = frozenset(
+    {
+        "run.out_dir",
+        "run.name",
+        "run.threads",
+        "model.cache_dir",
+        "train.steps",
+        "train.save_every",
+        "train.keep_checkpoints",
+        "train.max_consecutive_skips",
+        "eval.every",
+        "reward.workers",
+        "reward.timeout_s",
+        "reward.memory_mb",
+    }
+)
+
+
+def run_changing_differences(saved: Config, new: Config) -> list[str]:
+    """``section.field: saved -> new`` for every difference that would change the run."""
+    out = []
+    a, b = saved.to_dict(), new.to_dict()
+    for section, fields in a.items():
+        for name, old in fields.items():
+            key = f"{section}.{name}"
+            if key not in RESUME_SAFE_FIELDS and b[section][name] != old:
+                out.append(f"{key}: {old!r} -> {b[section][name]!r}")
+    return out

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from dapo.data import Problem
-from dapo.rewards import get_reward_fn
+from dapo.reward_pool import Job, RewardPool
 from dapo.rollout import generate
 
 
@@ -31,11 +31,15 @@ def evaluate(
     max_new_tokens: int,
     seed: int,
     prompts_per_batch: int = 64,
+    pool: RewardPool | None = None,
 ) -> dict[str, float]:
     """avg@k: the mean correctness over k samples of every problem; also length and truncation.
 
-    Seeded per batch, so the same weights give the same figures.
+    Seeded per batch, so the same weights give the same figures. ``pool`` grades (default:
+    in-process); a response the verifier fails on counts as incorrect and in ``val/reward_faults``.
     """
+    pool = pool or RewardPool(workers=0)
+    faults = 0
     was_training = model.training
     model.eval()
     correct, lengths, truncated = [], [], []
@@ -51,9 +55,13 @@ def evaluate(
             top_p=top_p,
             seed=seed + start,
         )
+        jobs = []
         for i, text in enumerate(ro.texts):
             p = chunk[i // num_samples]
-            correct.append(get_reward_fn(p.data_source)(text, p.answer).correct)
+            jobs.append(Job(p.data_source, text, p.answer))
+        graded = pool.grade(jobs)
+        correct.extend(s.correct for s in graded.scores)
+        faults += len(graded.faults)
         lengths.extend(ro.lengths_B.tolist())
         truncated.extend(ro.truncated_B.tolist())
     model.train(was_training)
@@ -64,4 +72,5 @@ def evaluate(
         "val/truncated_frac": float(torch.tensor(truncated, dtype=torch.float64).mean()),
         "val/num_problems": float(len(problems)),
         "val/num_samples": float(num_samples),
+        "val/reward_faults": float(faults),
     }

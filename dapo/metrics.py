@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -29,11 +30,11 @@ class MetricsLogger:
     def __init__(self, path: Path, stream: TextIO | None = None) -> None:
         self.path = path
         self.stream = stream
-        self._file = path.open("a", encoding="utf-8")
+        self._file = path.open("ab")  # binary: tell() is a byte offset
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **{k: _clean(v) for k, v in sorted(metrics.items())}}
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write((json.dumps(record) + "\n").encode())
         self._file.flush()
         if self.stream is not None:
             parts = [f"step {step:>4}"]
@@ -41,6 +42,32 @@ class MetricsLogger:
                 if metrics.get(key) is not None:
                     parts.append(f"{short} {format(metrics[key], fmt)}")
             print("  ".join(parts), file=self.stream, flush=True)
+
+    def sync(self) -> int:
+        """Flush to disk; the byte size, which a checkpoint records as its metrics offset."""
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        return self._file.tell()
+
+    def truncate(self, size: int) -> None:
+        """Cut the log back to ``size`` bytes (a checkpoint's offset): steps logged after that
+        checkpoint, and a line half-written by a crash, are dropped before the run re-does them."""
+        actual = self.path.stat().st_size
+        if actual < size:
+            raise ValueError(
+                f"{self.path} is {actual} bytes but the checkpoint logged {size}: it was cut or "
+                "edited since; restore it, or start the run again with --overwrite"
+            )
+        if size:
+            with self.path.open("rb") as f:
+                f.seek(size - 1)
+                if f.read(1) != b"\n":
+                    raise ValueError(
+                        f"{self.path}: byte {size} is not the end of a line; the file was edited "
+                        "since the checkpoint, restore it or start again with --overwrite"
+                    )
+        self._file.truncate(size)
+        self._file.seek(size)
 
     def close(self) -> None:
         self._file.close()

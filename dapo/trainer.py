@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -24,16 +25,17 @@ from pathlib import Path
 
 import torch
 
-from dapo import algo
+from dapo import algo, checkpoint
 from dapo.batch import Episode, collate, split_microbatches, split_minibatches
-from dapo.config import Config, dump_yaml
+from dapo.config import Config
 from dapo.data import Problem, PromptSampler
 from dapo.evaluate import evaluate, render_prompt
+from dapo.interrupt import GracefulStop, RunStopped, StepAborted
 from dapo.metrics import MetricsLogger
 from dapo.model import batch_logprobs
-from dapo.rewards import get_reward_fn
+from dapo.reward_pool import Job, RewardPool
 from dapo.rollout import generate
-from dapo.sampling import Group, SamplingResult, collect_groups
+from dapo.sampling import DynamicSamplingExhausted, Group, SamplingResult, collect_groups
 
 
 def derive_seed(*parts: object) -> int:
@@ -50,7 +52,15 @@ class TrainState:
     optimizer: torch.optim.Optimizer
     sampler: PromptSampler
     ref_model: torch.nn.Module | None = None
+    pool: RewardPool | None = None
+    """Grades responses; None grades in-process (exceptions caught, hangs not stoppable)."""
     step: int = 0
+    consecutive_skips: int = 0
+    """Updates skipped in a row for a non-finite loss or gradient norm."""
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive updates had a non-finite loss or gradient norm."""
 
 
 # ----------------------------------------------------------------------------- 1. rollout
@@ -93,13 +103,26 @@ def rollout_round(state: TrainState, problems: list[Problem], *, seed: int) -> l
         top_p=cfg.rollout.top_p,
         seed=seed,
     )
+    jobs = [
+        Job(problems[b // G].data_source, ro.texts[b], problems[b // G].answer)
+        for b in range(len(ro.texts))
+    ]
+    graded = (state.pool or RewardPool(workers=0)).grade(jobs)
+    if graded.faults:
+        first = graded.faults[0]
+        print(
+            f"dapo: warning: step {state.step + 1}: the verifier failed on "
+            f"{len(graded.faults)} response(s), graded incorrect; first: {first.kind}: "
+            f"{first.detail}",
+            file=sys.stderr,
+        )
+    fault_of = {f.index: f.kind for f in graded.faults}
     groups = []
     for i, problem in enumerate(problems):
-        grade = get_reward_fn(problem.data_source)
         episodes = []
         for b in range(i * G, (i + 1) * G):
             length = int(ro.lengths_B[b])
-            score = grade(ro.texts[b], problem.answer)
+            score = graded.scores[b]
             episodes.append(
                 Episode(
                     prompt_ids=ro.prompt_ids_BP[b][ro.prompt_mask_BP[b].bool()].cpu(),
@@ -109,6 +132,7 @@ def rollout_round(state: TrainState, problems: list[Problem], *, seed: int) -> l
                     correct=score.correct,
                     reward=score.score,
                     text=ro.texts[b],
+                    reward_fault=fault_of.get(b, ""),
                 )
             )
         shape_rewards(episodes, cfg)
@@ -182,10 +206,25 @@ def update(state: TrainState, episodes: list[Episode], *, lr: float) -> dict[str
             mini_sums = accumulate_gradients(state, batch, num_tokens=num_tokens, num_seqs=num_seqs)
             # An infinite max_norm measures the norm without clipping (grad_clip = 0: off).
             max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+            if not (math.isfinite(mini_sums["loss"]) and math.isfinite(norm)):
+                # One NaN step poisons Adam's moments for good: drop this update, keep going.
+                state.optimizer.zero_grad(set_to_none=True)
+                sums["skipped"] = sums.get("skipped", 0.0) + 1.0
+                state.consecutive_skips += 1
+                if state.consecutive_skips >= cfg.train.max_consecutive_skips:
+                    raise NonFiniteError(
+                        f"step {state.step + 1}: {state.consecutive_skips} updates in a row had "
+                        f"a non-finite loss or gradient norm (loss {mini_sums['loss']}, grad "
+                        f"norm {norm}), so training stopped. The last checkpoint is untouched. "
+                        "Try a lower optim.lr, optim.grad_clip > 0, or model.dtype=float32 or "
+                        "bfloat16 instead of float16, and check the data and the model."
+                    )
+                continue
+            state.consecutive_skips = 0
             state.optimizer.step()
             state.optimizer.zero_grad(set_to_none=True)
-            mini_sums["grad_norm"] = float(norm)
+            mini_sums["grad_norm"] = norm
             mini_sums["updates"] = 1.0
             for k, v in mini_sums.items():
                 sums[k] = sums.get(k, 0.0) + v
@@ -198,6 +237,7 @@ def update(state: TrainState, episodes: list[Episode], *, lr: float) -> dict[str
         "train/token_prob_mean": sums.get("prob_sum", 0.0) / tokens,
         "train/grad_norm": sums.get("grad_norm", 0.0) / updates,
         "train/updates": sums.get("updates", 0.0),
+        "train/skipped_updates": sums.get("skipped", 0.0),
         "train/lr": lr,
         "train/tokens": sums.get("tokens", 0.0) / cfg.train.epochs,
         "clip/low_frac": sums.get("clip_low", 0.0) / tokens,
@@ -338,6 +378,7 @@ def rollout_metrics(result: SamplingResult) -> dict[str, float]:
         "rollout/response_len_mean": float(lengths.mean()),
         "rollout/response_len_max": float(lengths.max()),
         "rollout/truncated_frac": sum(e.truncated for e in eps) / len(eps),
+        "reward/faults": float(sum(1 for e in eps if e.reward_fault)),
         "sampling/rounds": float(result.rounds),
         "sampling/prompts_drawn": float(result.prompts_drawn),
         "sampling/groups_mixed": float(result.groups_mixed),
@@ -350,17 +391,6 @@ def rollout_metrics(result: SamplingResult) -> dict[str, float]:
 
 
 # ----------------------------------------------------------------------------- the loop
-
-
-def make_run_dir(cfg: Config) -> Path:
-    name = cfg.run.name or f"{cfg.run.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = Path(cfg.run.out_dir) / name
-    if run_dir.exists() and any(run_dir.iterdir()):
-        raise FileExistsError(
-            f"run directory {run_dir} already holds a run; pick another run.name or remove it"
-        )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
 
 
 def build_state(cfg: Config, model, tokenizer, train_problems: list[Problem]) -> TrainState:
@@ -387,12 +417,35 @@ def fit(
     *,
     run_dir: Path,
     stream=None,
+    resume: bool = False,
 ) -> dict[str, float]:
-    """Train for ``cfg.train.steps`` steps, evaluating at start, every ``eval.every`` and end."""
+    """Train for ``cfg.train.steps`` steps, evaluating at start, every ``eval.every`` and end.
+
+    With ``resume``, the latest complete checkpoint in ``run_dir`` is restored first (the model
+    given must be the starting policy: it is the KL reference) and ``metrics.jsonl`` is cut back
+    to what that checkpoint had logged, so no step is missing or logged twice.
+    """
     stream = stream or sys.stdout
-    (run_dir / "config.yaml").write_text(dump_yaml(cfg))
+    run_dir = Path(run_dir)
     state = build_state(cfg, model, tokenizer, train_problems)
-    logger = MetricsLogger(run_dir / "metrics.jsonl", stream=stream)
+    r = cfg.reward
+    state.pool = RewardPool(workers=r.workers, timeout_s=r.timeout_s, memory_mb=r.memory_mb)
+    try:
+        return _run(state, val_problems, run_dir=run_dir, stream=stream, resume=resume)
+    except (NonFiniteError, DynamicSamplingExhausted) as exc:
+        nan = isinstance(exc, NonFiniteError)
+        fix = "optim.lr=<lower>" if nan else "sampling.max_rounds=<more>"
+        raise type(exc)(
+            f"{exc} The run directory is intact; resume from its last checkpoint with a changed "
+            f"config: dapo train --resume {run_dir} {fix} --force"
+        ) from None
+    finally:
+        state.pool.close()
+
+
+def _run(state: TrainState, val_problems, *, run_dir: Path, stream, resume: bool) -> dict:
+    cfg, model, tokenizer = state.cfg, state.model, state.tokenizer
+    t = cfg.train
 
     def validate_now() -> dict[str, float]:
         return evaluate(
@@ -404,37 +457,98 @@ def fit(
             top_p=cfg.eval.top_p,
             max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
             seed=derive_seed(cfg.train.seed, "eval"),
+            pool=state.pool,
         )
 
-    start = validate_now()
-    logger.log(0, start)
-    print(
-        f"held-out accuracy at start: {start['val/accuracy']:.3f} "
-        f"(avg@{cfg.eval.num_samples} over {len(val_problems)} problems)",
-        file=stream,
-    )
-    last = start
+    logger = MetricsLogger(run_dir / "metrics.jsonl", stream=stream)
     t_start = time.perf_counter()
+    elapsed_before = 0.0
+    saved_at: int | None = None
+    if resume:
+        ckpt = checkpoint.find_latest(run_dir)
+        if ckpt is None:
+            raise checkpoint.CheckpointError(
+                f"{run_dir} has no complete checkpoint to resume from; start it again with "
+                f"--overwrite, or choose another run.name"
+            )
+        info = checkpoint.load(ckpt, model=model, optimizer=state.optimizer)
+        state.step = info["step"]
+        state.sampler.load_state_dict(info["sampler"])
+        state.consecutive_skips = info["consecutive_skips"]
+        start, last = info["val_start"], info["val_last"]
+        elapsed_before = info["train_seconds"]
+        logger.truncate(info["metrics_bytes"])
+        saved_at = state.step
+        print(f"resumed from {ckpt} at step {state.step}", file=stream)
+
+    def save() -> Path:
+        nonlocal saved_at
+        ckpt = checkpoint.save(
+            run_dir,
+            step=state.step,
+            model=model,
+            tokenizer=tokenizer,
+            optimizer=state.optimizer,
+            trainer_state={
+                "sampler": state.sampler.state_dict(),
+                "consecutive_skips": state.consecutive_skips,
+                "val_start": start,
+                "val_last": last,
+                "train_seconds": elapsed_before + time.perf_counter() - t_start,
+                "metrics_bytes": logger.sync(),
+            },
+            keep=t.keep_checkpoints,
+        )
+        saved_at = state.step
+        return ckpt
+
+    stop = GracefulStop()
     try:
-        while state.step < cfg.train.steps:
-            metrics = train_step(state)
-            if cfg.eval.every and state.step % cfg.eval.every == 0 and state.step < cfg.train.steps:
-                metrics.update(validate_now())
-            if state.step == cfg.train.steps:
-                last = validate_now()
-                metrics.update(last)
-            logger.log(state.step, metrics)
+        with stop:
+            if not resume:
+                start = last = validate_now()
+                logger.log(0, start)
+                print(
+                    f"held-out accuracy at start: {start['val/accuracy']:.3f} "
+                    f"(avg@{cfg.eval.num_samples} over {len(val_problems)} problems)",
+                    file=stream,
+                )
+            while state.step < t.steps and not stop.requested:
+                metrics = train_step(state)
+                is_last = state.step == t.steps
+                if is_last or (cfg.eval.every and state.step % cfg.eval.every == 0):
+                    last = validate_now()
+                    metrics.update(last)
+                logger.log(state.step, metrics)
+                if is_last or stop.requested or (t.save_every and state.step % t.save_every == 0):
+                    save()
+            if saved_at != state.step:
+                save()
+            if stop.requested and state.step < t.steps:
+                raise RunStopped(
+                    f"stopped by {stop.name} after step {state.step} of {t.steps}; checkpoint "
+                    f"saved. Resume with: dapo train --resume {run_dir}",
+                    stop.signum,
+                )
+            checkpoint.export_model(model, tokenizer, run_dir / "model")
+    except StepAborted:
+        ckpt = checkpoint.read_pointer(run_dir)
+        where = f"the last checkpoint is {ckpt.name}" if ckpt else "no checkpoint was written"
+        raise RunStopped(
+            f"{stop.name} received twice: step {state.step + 1} aborted and not saved; {where}. "
+            f"Resume with: dapo train --resume {run_dir}",
+            stop.signum or 2,
+        ) from None
     finally:
         logger.close()
-    model.save_pretrained(run_dir / "model")
-    tokenizer.save_pretrained(run_dir / "model")
+
     summary = {
         "steps": state.step,
         "val/accuracy_start": start["val/accuracy"],
         "val/accuracy_end": last["val/accuracy"],
-        "train_seconds": time.perf_counter() - t_start,
+        "train_seconds": elapsed_before + time.perf_counter() - t_start,
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    checkpoint.write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     print(
         f"held-out accuracy: {summary['val/accuracy_start']:.3f} -> "
         f"{summary['val/accuracy_end']:.3f} "

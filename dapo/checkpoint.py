@@ -1,0 +1,293 @@
+"""Crash-safe checkpoints: everything a resumed run needs to repeat the uninterrupted one.
+
+A checkpoint is a directory ``checkpoints/step_NNNNNN`` in the run directory:
+
+- ``model/``: the policy as ``save_pretrained`` writes it (safetensors, loadable by Hugging Face)
+  and its tokenizer;
+- ``optimizer.pt``: the optimiser state (tensors and numbers only, read with weights_only=True);
+- ``rng.pt``: python, numpy and torch (CPU and CUDA) generator states;
+- ``trainer.json``: step counters, the prompt-order cursor, the metrics offset, carry-over;
+- ``manifest.json``: every file with its size, written last.
+
+It is written into a temporary directory, fsynced, renamed into place, and only then is the
+``latest`` pointer replaced, so kill -9 at any instant leaves the previous checkpoint whole.
+Nothing is unpickled: ``torch.load`` runs with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+FORMAT_VERSION = 1
+CKPT_DIR = "checkpoints"
+LATEST = "latest"
+_STEP_RE = re.compile(r"^step_(\d{6,})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message names the path and the fix."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+# ----------------------------------------------------------------------------- RNG
+
+
+def capture_rng() -> dict[str, Any]:
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": [version, list(internal), gauss],
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            with path.open("rb") as f:
+                os.fsync(f.fileno())
+    for d in [root, *(p for p in root.rglob("*") if p.is_dir())]:
+        _fsync_dir(d)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_pointer(ckpt_root: Path, name: str) -> None:
+    tmp = ckpt_root / f".{LATEST}.tmp"
+    with tmp.open("w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, ckpt_root / LATEST)
+    _fsync_dir(ckpt_root)
+
+
+def _check_finite(model: torch.nn.Module, step: int) -> None:
+    for name, p in model.named_parameters():
+        if not bool(torch.isfinite(p).all()):
+            raise CheckpointError(
+                f"refusing to save the checkpoint of step {step}: parameter {name} holds NaN or "
+                "inf, and a checkpoint of broken weights would overwrite good ones. Resume from "
+                "the last checkpoint with a lower optim.lr or optim.grad_clip set."
+            )
+
+
+def save(
+    run_dir: Path,
+    *,
+    step: int,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    optimizer: torch.optim.Optimizer,
+    trainer_state: dict[str, Any],
+    keep: int,
+) -> Path:
+    """Write the checkpoint of ``step`` atomically, point ``latest`` at it, keep the newest
+    ``keep``. On any failure the previous checkpoint and pointer are left as they were."""
+    _check_finite(model, step)
+    root = Path(run_dir) / CKPT_DIR
+    root.mkdir(exist_ok=True)
+    name = step_dir_name(step)
+    final = root / name
+    tmp = root / f".tmp-{name}-{os.getpid()}"
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        model.save_pretrained(tmp / "model", safe_serialization=True)
+        tokenizer.save_pretrained(tmp / "model")
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(capture_rng(), tmp / "rng.pt")
+        trainer = {"format_version": FORMAT_VERSION, "step": step, **trainer_state}
+        (tmp / "trainer.json").write_text(json.dumps(trainer, indent=1) + "\n")
+        files = {
+            str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()
+        }
+        manifest = {"format_version": FORMAT_VERSION, "step": step, "files": files}
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+        _fsync_tree(tmp)
+        if final.exists():  # a step re-run after a resume: the new one replaces it whole
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        _write_pointer(root, name)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        why = "the disk is full" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
+        previous = read_pointer(run_dir)
+        kept = f"the previous checkpoint {previous} is intact" if previous else "no checkpoint yet"
+        raise CheckpointError(
+            f"could not write the checkpoint of step {step} under {root}: {why}; {kept}. Free "
+            "space (or lower train.keep_checkpoints) and resume with: "
+            f"dapo train --resume {run_dir}"
+        ) from exc
+    prune(root, keep=keep, protect=name)
+    return final
+
+
+def prune(root: Path, *, keep: int, protect: str) -> None:
+    """Delete all but the newest ``keep`` complete checkpoints, and stale temporaries."""
+    steps = sorted((p for p in root.iterdir() if _STEP_RE.match(p.name)), key=lambda p: p.name)
+    for old in steps[:-keep]:
+        if old.name != protect:
+            shutil.rmtree(old, ignore_errors=True)
+    for stale in root.glob(".tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def read_pointer(run_dir: Path) -> Path | None:
+    pointer = Path(run_dir) / CKPT_DIR / LATEST
+    if not pointer.is_file():
+        return None
+    return pointer.parent / pointer.read_text().strip()
+
+
+def verify(ckpt: Path) -> str | None:
+    """None if ``ckpt`` is complete (every manifest file present at its size), else why not."""
+    manifest = ckpt / "manifest.json"
+    if not manifest.is_file():
+        return f"{ckpt} has no manifest.json"
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError) as exc:
+        return f"{manifest} is unreadable: {exc}"
+    for rel, size in files.items():
+        path = ckpt / rel
+        if not path.is_file():
+            return f"{path} is missing"
+        if path.stat().st_size != size:
+            return f"{path} is {path.stat().st_size} bytes, the manifest says {size}"
+    return None
+
+
+def find_latest(run_dir: Path) -> Path | None:
+    """The checkpoint ``latest`` points to; if that one is damaged, the newest complete one."""
+    root = Path(run_dir) / CKPT_DIR
+    if not root.is_dir():
+        return None
+    pointed = read_pointer(run_dir)
+    if pointed is not None and pointed.is_dir() and verify(pointed) is None:
+        return pointed
+    steps = sorted((p for p in root.iterdir() if _STEP_RE.match(p.name)), key=lambda p: p.name)
+    for ckpt in reversed(steps):
+        if verify(ckpt) is None:
+            return ckpt
+    return None
+
+
+def load_weights(model: torch.nn.Module, model_dir: Path) -> None:
+    """Copy the safetensors weights in ``model_dir`` (one file or shards) into ``model``.
+
+    Loading into the live module keeps its construction (attention kernel, dtype, device), so
+    a resumed run computes exactly what the uninterrupted one would.
+    """
+    shards = sorted(model_dir.glob("*.safetensors"))
+    if not shards:
+        raise CheckpointError(f"{model_dir} holds no .safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        state.update(load_file(shard))
+    try:
+        result = model.load_state_dict(state, strict=False)
+    except RuntimeError as exc:  # shape mismatches
+        raise CheckpointError(
+            f"the weights in {model_dir} do not fit this model: {str(exc).splitlines()[1:3]}; "
+            "was model.* changed since the run began?"
+        ) from None
+    # save_pretrained stores a tied weight (lm_head = embeddings) once; anything else missing
+    # means the checkpoint does not belong to this model.
+    own = model.state_dict()
+    loaded_ptrs = {own[k].data_ptr() for k in state if k in own}
+    missing = [k for k in result.missing_keys if own[k].data_ptr() not in loaded_ptrs]
+    if missing or result.unexpected_keys:
+        raise CheckpointError(
+            f"the weights in {model_dir} do not fit this model (missing {missing[:5]}, "
+            f"unexpected {result.unexpected_keys[:5]}); was model.* changed since the run began?"
+        )
+
+
+def load(ckpt: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Restore weights, optimiser and RNG from ``ckpt``; return its trainer state."""
+    problem = verify(ckpt)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {ckpt} is incomplete: {problem}")
+    trainer = json.loads((ckpt / "trainer.json").read_text())
+    if trainer.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{ckpt} has checkpoint format {trainer.get('format_version')}, this dapo reads "
+            f"format {FORMAT_VERSION}"
+        )
+    load_weights(model, ckpt / "model")
+    # load_state_dict moves each state tensor to its parameter's device (step counters stay
+    # on the CPU where torch keeps them).
+    optimizer.load_state_dict(
+        torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True)
+    )
+    restore_rng(torch.load(ckpt / "rng.pt", map_location="cpu", weights_only=True))
+    return trainer
+
+
+# ----------------------------------------------------------------------------- outputs
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` so that a reader sees the old file or the new, never half."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def export_model(model: torch.nn.Module, tokenizer: Any, dest: Path) -> None:
+    """``save_pretrained`` into ``dest`` atomically (an existing ``dest`` is replaced whole)."""
+    tmp = dest.with_name(f".{dest.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    _fsync_tree(tmp)
+    if dest.exists():
+        shutil.rmtree(dest)
+    os.rename(tmp, dest)
+    _fsync_dir(dest.parent)

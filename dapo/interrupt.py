@@ -1,0 +1,67 @@
+"""SIGINT / SIGTERM: the first finishes the running step and saves; a second aborts the step.
+
+A preempted job gets SIGTERM and some seconds of grace: finishing the step and writing a
+checkpoint keeps its work. An impatient second Ctrl-C cannot wait for that, so it aborts the
+step in place (the weights are then mid-update and are not saved; the last checkpoint stands).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from typing import TextIO
+
+
+class StepAborted(Exception):
+    """A second signal arrived while a step was running."""
+
+
+class RunStopped(Exception):
+    """Training stopped on a signal; ``exit_code`` is 128 + the signal number, by convention."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
+class GracefulStop:
+    """Context manager that turns SIGINT/SIGTERM into ``requested`` and then ``StepAborted``."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, stream: TextIO | None = None) -> None:
+        self.stream = stream or sys.stderr
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else ""
+
+    def _handle(self, signum: int, _frame) -> None:
+        if self.signum is not None:
+            raise StepAborted(signal.Signals(signum).name)
+        self.signum = signum
+        print(
+            f"\n{self.name} received: finishing this step, then saving a checkpoint "
+            "(send it again to abort the step without saving it)",
+            file=self.stream,
+            flush=True,
+        )
+
+    def __enter__(self) -> GracefulStop:
+        # Handlers can only be installed from the main thread (e.g. not in a worker thread).
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()

@@ -1,0 +1,509 @@
+"""Grade untrusted model outputs in worker processes, in bounded time and memory.
+
+Model outputs are untrusted input: handed an adversarial response, a verifier may
+raise, loop forever or allocate without limit, and a bug in a new verifier does the
+same on ordinary responses. ``RewardPool`` runs verifiers in worker processes with
+an address-space limit and a deadline per response, and the parent kills and
+replaces a worker that overruns either. Whatever goes wrong costs only the response
+being graded: it gets ``FAULT_SCORE`` (graded incorrect) and a ``Fault`` that the
+trainer can count and log, and ``grade`` always returns one ``Score`` per job.
+
+Workers come from the "forkserver" start method (a fresh, small interpreter, so they
+neither inherit the trainer's threads, CUDA state and address space nor start
+slowly), or "spawn" where forkserver does not exist. This module imports only the
+standard library and ``dapo.rewards``, so it loads no torch into a worker. But
+multiprocessing runs a ``__main__`` *script* again in every child it starts (the
+forkserver's own preload of it never happens on Python 3.11): that is why
+``dapo.cli``, which the ``dapo`` console script imports, imports nothing heavy at
+module level. A script of your own that imports torch at the top makes every worker
+start cost seconds.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import os
+import pickle
+import signal
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from dapo.rewards import RewardFn, Score, get_reward_fn
+
+try:
+    import resource
+except ImportError:  # Windows: workers there run without a memory limit
+    resource = None  # type: ignore[assignment]
+
+__all__ = [
+    "FAULT_KINDS",
+    "FAULT_SCORE",
+    "Fault",
+    "GradeResult",
+    "Job",
+    "RewardPool",
+]
+
+FAULT_KINDS = ("error", "timeout", "memory", "crash")
+
+# Same verdict as a response with no answer, so a fault never earns reward; pred is
+# None (not "") so that a faulted response can be told from one without an answer.
+FAULT_SCORE = Score(score=-1.0, correct=False, pred=None)  # type: ignore[arg-type]
+
+# Results cross a pipe once per response: keep them small whatever a verifier returns.
+MAX_PRED_CHARS = 1000
+MAX_DETAIL_CHARS = 300
+
+# Starting a worker is not the verifier's time. It takes milliseconds, or seconds
+# where the __main__ script imports torch (see above); allow far more than that
+# before calling the setup broken.
+STARTUP_TIMEOUT_S = 120.0
+
+# A SIGKILLed process is gone within milliseconds; only one stuck in the kernel
+# (uninterruptible I/O) outlives this, and we stop waiting for it rather than hang.
+JOIN_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class Job:
+    """One response to grade with the verifier registered for ``data_source``."""
+
+    data_source: str
+    response: str
+    answer: str
+
+
+@dataclass(frozen=True)
+class Fault:
+    """Why one job got ``FAULT_SCORE`` instead of its verifier's verdict.
+
+    Attributes:
+        index: position of the job in the sequence passed to ``RewardPool.grade``.
+        kind: one of ``FAULT_KINDS``: "error" (the verifier or resolver raised, or
+            returned something that is not a ``Score``), "timeout" (ran past
+            ``timeout_s``; the worker was killed), "memory" (MemoryError, normally
+            from the worker's address-space limit), "crash" (the worker died:
+            segfault, ``os._exit``, the kernel's OOM killer).
+        detail: one line for logs, at most about ``MAX_DETAIL_CHARS`` characters.
+    """
+
+    index: int
+    kind: str
+    detail: str
+
+
+@dataclass
+class GradeResult:
+    """Verdicts for a batch: ``scores[i]`` belongs to job ``i``; faults sorted by index."""
+
+    scores: list[Score]
+    faults: list[Fault]
+
+
+def _one_line(text: str, limit: int = MAX_DETAIL_CHARS) -> str:
+    # Details end up in log lines and metrics: one line, bounded however long or
+    # multi-line an exception message (which may quote the response) is.
+    flat = " ".join(text[: 4 * limit].split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+def _exception_text(exc: BaseException) -> str:
+    try:
+        message = str(exc)
+    except Exception:
+        message = "<unprintable message>"
+    name = type(exc).__name__
+    return f"{name}: {message}" if message else name
+
+
+# Marks a MemoryError seen inside the except clause (see _grade_one).
+_OUT_OF_MEMORY = object()
+
+# A result message: ("ok", score, correct, pred) or ("fault", kind, detail).
+_Outcome = tuple[Any, ...]
+
+
+def _grade_one(
+    resolve: Callable[[str], RewardFn],
+    data_source: str,
+    response: str,
+    answer: str,
+    catch: type[BaseException],
+) -> _Outcome:
+    """Run one verifier and reduce its verdict, or its failure, to primitives."""
+    try:
+        result = resolve(data_source)(response, answer)
+    except MemoryError:
+        # Format nothing here: until the except clause ends, the traceback keeps the
+        # verifier's frames, and with them the allocations that hit the limit, alive.
+        result = _OUT_OF_MEMORY
+    except catch as exc:
+        detail = f"verifier {data_source!r} raised {_exception_text(exc)}"
+        return ("fault", "error", _one_line(detail))
+    if result is _OUT_OF_MEMORY:
+        return ("fault", "memory", _one_line(f"verifier {data_source!r} raised MemoryError"))
+    if not isinstance(result, Score):
+        kind = type(result).__name__
+        return ("fault", "error", _one_line(f"verifier {data_source!r} returned {kind}, not Score"))
+    try:
+        score = float(result.score)
+        correct = bool(result.correct)
+        pred = result.pred
+        # A NaN or infinite reward would poison the advantages of the whole group.
+        if not math.isfinite(score):
+            raise ValueError(f"score is {score}")
+        if pred is not None and not isinstance(pred, str):
+            raise TypeError(f"pred is {type(pred).__name__}, not str")
+    except catch as exc:
+        detail = f"verifier {data_source!r} returned a malformed Score: {_exception_text(exc)}"
+        return ("fault", "error", _one_line(detail))
+    return ("ok", score, correct, None if pred is None else pred[:MAX_PRED_CHARS])
+
+
+def _to_score(outcome: _Outcome) -> Score:
+    return Score(score=outcome[1], correct=outcome[2], pred=outcome[3])
+
+
+def _mapped_bytes() -> int:
+    """The process's current virtual size (Linux), or 0 where it cannot be read."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[0])
+        return pages * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _limit_address_space(memory_mb: int) -> None:
+    if memory_mb <= 0 or resource is None or not hasattr(resource, "RLIMIT_AS"):
+        return
+    # memory_mb is room on top of what the worker maps at start, not an absolute
+    # cap: a worker that inherits a heavy __main__ (importing CPU torch maps 0.6 GB,
+    # CUDA builds more) would otherwise fail every response with "memory".
+    limit = _mapped_bytes() + memory_mb * 2**20
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+
+
+def _worker_main(conn: Connection, resolve: Callable[[str], RewardFn], memory_mb: int) -> None:
+    """Worker loop: receive a chunk of jobs, send one result message per job."""
+    # Ctrl-C reaches the whole process group; only the parent should act on it
+    # (and it kills the workers), or workers would report it as a verifier fault.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _limit_address_space(memory_mb)
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            chunk = conn.recv()
+        except EOFError:  # the parent is gone
+            return
+        if chunk is None:
+            return
+        for index, data_source, response, answer in chunk:
+            # BaseException: a verifier calling sys.exit() is a fault in that verifier.
+            outcome = _grade_one(resolve, data_source, response, answer, BaseException)
+            conn.send((index, *outcome))
+
+
+def _start_method() -> str:
+    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+
+
+def _split(items: list[Any], parts: int) -> list[list[Any]]:
+    """``items`` in ``parts`` contiguous runs whose lengths differ by at most one."""
+    size, extra = divmod(len(items), parts)
+    runs, start = [], 0
+    for part in range(parts):
+        end = start + size + (part < extra)
+        runs.append(items[start:end])
+        start = end
+    return runs
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running; killed"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+class _Worker:
+    """One worker slot: the process in it (replaced after a fault) and its jobs in flight."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.process: Any = None
+        self.conn: Connection | None = None
+        self.ready = False
+        self.pending: deque[tuple[int, Job]] = deque()
+        self.deadline = 0.0
+
+
+class RewardPool:
+    """Grade responses so that no verifier failure can stop or stall training.
+
+    ``workers >= 1``: that many worker processes, started on the first ``grade`` and
+    reused across calls. A batch is split into contiguous chunks, one per worker. A
+    worker gets ``timeout_s`` for each response (counted from its previous message)
+    and an address space of ``memory_mb`` MiB beyond what it maps at start (Linux;
+    ``0`` for no limit). A worker past its deadline is killed and the job it was on
+    faults as "timeout"; a worker that dies faults its job as "crash"; either way a
+    replacement grades the rest of the chunk. One ``grade`` call therefore takes at
+    most about ``timeout_s`` longer per hanging response.
+
+    ``workers == 0``: grade in this process, one job after another. Exceptions,
+    MemoryError included, still become faults, but nothing bounds time or memory:
+    a verifier that hangs hangs the caller. Only for tests and trusted verifiers.
+
+    ``resolve(data_source)`` returns the verifier; it must be picklable (a
+    module-level function) because workers receive it. Use the pool as a context
+    manager, or call ``close``, to kill the workers.
+
+    Example:
+        >>> with RewardPool(workers=0) as pool:
+        ...     pool.grade([Job("math_dapo", "Answer: 34", "34")]).scores
+        [Score(score=1.0, correct=True, pred='34')]
+    """
+
+    def __init__(
+        self,
+        *,
+        workers: int = 1,
+        timeout_s: float = 10.0,
+        memory_mb: int = 2048,
+        resolve: Callable[[str], RewardFn] = get_reward_fn,
+    ) -> None:
+        if workers < 0:
+            raise ValueError(f"workers must be >= 0, got {workers}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if memory_mb < 0:
+            raise ValueError(f"memory_mb must be >= 0 (0: no limit), got {memory_mb}")
+        if workers > 0:
+            # Fail here, not in a worker mid-training, if resolve cannot travel.
+            try:
+                pickle.dumps(resolve)
+            except Exception as exc:
+                raise ValueError(
+                    f"resolve must be picklable (a module-level function) to reach "
+                    f"worker processes: {_exception_text(exc)}"
+                ) from exc
+        self._timeout_s = float(timeout_s)
+        self._memory_mb = int(memory_mb)
+        self._resolve = resolve
+        self._slots = [_Worker(f"dapo-reward-{i}") for i in range(workers)]
+        self._context: Any = None
+        self._closed = False
+
+    def __enter__(self) -> RewardPool:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Kill all workers. Safe to call more than once; ``grade`` then raises."""
+        self._closed = True
+        for slot in self._slots:
+            self._stop(slot)
+            slot.pending.clear()
+
+    def grade(self, jobs: Sequence[Job]) -> GradeResult:
+        """Grade ``jobs``; one ``Score`` per job, in order, whatever the verifiers do."""
+        if self._closed:
+            raise RuntimeError("RewardPool is closed")
+        jobs = list(jobs)
+        if not self._slots:
+            return self._grade_in_process(jobs)
+        scores: list[Score | None] = [None] * len(jobs)
+        faults: list[Fault] = []
+        try:
+            self._grade_in_workers(jobs, scores, faults)
+        except BaseException:
+            # Interrupted (Ctrl-C) or a worker that cannot start: workers still
+            # holding jobs would send stale results into the next call.
+            for slot in self._slots:
+                if slot.pending:
+                    self._stop(slot)
+                    slot.pending.clear()
+            raise
+        faults.sort(key=lambda fault: fault.index)
+        return GradeResult(scores=scores, faults=faults)  # type: ignore[arg-type]
+
+    # --- in-process -------------------------------------------------------------------
+
+    def _grade_in_process(self, jobs: list[Job]) -> GradeResult:
+        scores: list[Score] = []
+        faults: list[Fault] = []
+        for index, job in enumerate(jobs):
+            # Exception, not BaseException: Ctrl-C must still stop the caller.
+            outcome = _grade_one(
+                self._resolve, job.data_source, job.response, job.answer, Exception
+            )
+            if outcome[0] == "ok":
+                scores.append(_to_score(outcome))
+            else:
+                scores.append(FAULT_SCORE)
+                faults.append(Fault(index=index, kind=outcome[1], detail=outcome[2]))
+        return GradeResult(scores=scores, faults=faults)
+
+    # --- workers ----------------------------------------------------------------------
+
+    def _grade_in_workers(
+        self, jobs: list[Job], scores: list[Score | None], faults: list[Fault]
+    ) -> None:
+        busy: list[_Worker] = []
+        chunks = _split(list(enumerate(jobs)), len(self._slots))
+        for slot, chunk in zip(self._slots, chunks, strict=True):
+            if not chunk:
+                continue
+            slot.pending.extend(chunk)
+            if slot.process is None:
+                self._start(slot)  # the chunk follows its "ready" message
+            else:
+                self._send_pending(slot)
+            busy.append(slot)
+
+        while busy:
+            by_conn = {slot.conn: slot for slot in busy}
+            timeout = max(0.0, min(slot.deadline for slot in busy) - time.monotonic())
+            for conn in wait(list(by_conn), timeout):
+                self._receive(by_conn[conn], scores, faults)
+            now = time.monotonic()
+            for slot in busy:
+                if slot.pending and slot.deadline <= now:
+                    self._expire(slot, scores, faults)
+            busy = [slot for slot in busy if slot.pending]
+
+    def _start(self, slot: _Worker) -> None:
+        if self._context is None:
+            self._context = multiprocessing.get_context(_start_method())
+        parent_conn, child_conn = self._context.Pipe(duplex=True)
+        process = self._context.Process(
+            target=_worker_main,
+            args=(child_conn, self._resolve, self._memory_mb),
+            name=slot.name,
+            daemon=True,  # killed at interpreter exit if close() was never called
+        )
+        process.start()
+        # Our copy of the child's end must go, or the pipe never reports EOF when the
+        # child dies.
+        child_conn.close()
+        slot.process, slot.conn, slot.ready = process, parent_conn, False
+        slot.deadline = time.monotonic() + max(STARTUP_TIMEOUT_S, self._timeout_s)
+
+    def _stop(self, slot: _Worker) -> None:
+        process = slot.process
+        if process is not None:
+            if process.exitcode is None:
+                process.kill()
+                process.join(JOIN_TIMEOUT_S)
+            if process.exitcode is not None:
+                process.close()  # its exit-status pipe, now rather than at GC
+        if slot.conn is not None:
+            slot.conn.close()
+        slot.process, slot.conn, slot.ready = None, None, False
+
+    def _send_pending(self, slot: _Worker) -> None:
+        assert slot.conn is not None
+        chunk = [(i, job.data_source, job.response, job.answer) for i, job in slot.pending]
+        try:
+            slot.conn.send(chunk)
+        except OSError:
+            pass  # the worker just died; its EOF is handled like any other crash
+        slot.deadline = time.monotonic() + self._timeout_s
+
+    def _receive(self, slot: _Worker, scores: list[Score | None], faults: list[Fault]) -> None:
+        """Read every message already waiting from ``slot``'s worker."""
+        while slot.pending and slot.conn is not None:
+            try:
+                message = slot.conn.recv()
+            except Exception:
+                # EOF: the worker died (segfault, os._exit, OOM killer). Anything
+                # else is a garbled stream, which we cannot trust either.
+                self._on_death(slot, scores, faults)
+                return
+            if message[0] == "ready":
+                slot.ready = True
+                self._send_pending(slot)
+            else:
+                index, status, *rest = message
+                expected, job = slot.pending[0]
+                if index != expected:
+                    self._on_death(slot, scores, faults)
+                    return
+                slot.pending.popleft()
+                slot.deadline = time.monotonic() + self._timeout_s
+                if status == "ok":
+                    scores[index] = _to_score(message[1:])
+                else:
+                    kind, detail = rest
+                    scores[index] = FAULT_SCORE
+                    faults.append(Fault(index=index, kind=kind, detail=detail))
+                    if kind == "memory":
+                        # The verifier may have kept what it allocated (a global,
+                        # a cache), which would fail every later job: start afresh.
+                        self._replace(slot)
+            if slot.conn is None or not slot.conn.poll():
+                return
+
+    def _on_death(self, slot: _Worker, scores: list[Score | None], faults: list[Fault]) -> None:
+        process = slot.process
+        process.join(1.0)  # EOF comes as it exits; let the exit code arrive too
+        how = _describe_exit(process.exitcode)
+        if not slot.ready:
+            self._stop(slot)
+            raise RuntimeError(
+                f"reward worker {slot.name} died while starting ({how}); check that "
+                f"resolve ({self._resolve!r}) is importable in a fresh interpreter"
+            )
+        index, job = slot.pending.popleft()
+        detail = f"worker grading verifier {job.data_source!r} died ({how})"
+        self._fault(slot, index, "crash", detail, scores, faults)
+
+    def _expire(self, slot: _Worker, scores: list[Score | None], faults: list[Fault]) -> None:
+        assert slot.conn is not None
+        # The worker may have answered between wait() returning and now.
+        if slot.conn.poll():
+            self._receive(slot, scores, faults)
+            if not slot.pending or slot.deadline > time.monotonic():
+                return
+        if not slot.ready:
+            self._stop(slot)
+            raise RuntimeError(
+                f"reward worker {slot.name} did not start within "
+                f"{max(STARTUP_TIMEOUT_S, self._timeout_s):g} s"
+            )
+        index, job = slot.pending.popleft()
+        detail = f"verifier {job.data_source!r} ran past {self._timeout_s:g} s"
+        self._fault(slot, index, "timeout", detail, scores, faults)
+
+    def _fault(
+        self,
+        slot: _Worker,
+        index: int,
+        kind: str,
+        detail: str,
+        scores: list[Score | None],
+        faults: list[Fault],
+    ) -> None:
+        scores[index] = FAULT_SCORE
+        faults.append(Fault(index=index, kind=kind, detail=_one_line(detail)))
+        self._replace(slot)
+
+    def _replace(self, slot: _Worker) -> None:
+        """Kill ``slot``'s worker; start a new one for the rest of its chunk, if any."""
+        self._stop(slot)
+        if slot.pending:
+            self._start(slot)

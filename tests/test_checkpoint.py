@@ -1,0 +1,169 @@
+"""Checkpoints: exact round trip of weights, optimiser and RNG; atomic writes; pruning."""
+
+import errno
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from dapo import checkpoint
+from dapo.demo import TinyModelSpec, tiny_qwen2
+from dapo.metrics import MetricsLogger
+
+SPEC = TinyModelSpec(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2)
+
+
+def _trained(tokenizer, seed):
+    model = tiny_qwen2(tokenizer, SPEC, seed=seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    for _ in range(2):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def _save(run_dir, model, tok, opt, step, keep=3, **extra):
+    state = {"sampler": {"epoch": 0, "pos": step}, **extra}
+    return checkpoint.save(
+        run_dir,
+        step=step,
+        model=model,
+        tokenizer=tok,
+        optimizer=opt,
+        trainer_state=state,
+        keep=keep,
+    )
+
+
+def test_round_trip_restores_weights_optimizer_and_rng(tmp_path, tokenizer):
+    model, opt = _trained(tokenizer, seed=0)
+    random.seed(5)
+    np.random.seed(5)
+    torch.manual_seed(5)
+    ckpt = _save(tmp_path, model, tokenizer, opt, step=7)
+    expected = (random.random(), float(np.random.rand()), torch.rand(3))
+
+    other, other_opt = _trained(tokenizer, seed=1)
+    assert not torch.equal(other.model.embed_tokens.weight, model.model.embed_tokens.weight)
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+    info = checkpoint.load(ckpt, model=other, optimizer=other_opt)
+
+    assert info["step"] == 7 and info["sampler"] == {"epoch": 0, "pos": 7}
+    for (name, a), b in zip(model.state_dict().items(), other.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    # Tied weights stay tied after loading (save_pretrained stores lm_head once).
+    assert other.lm_head.weight.data_ptr() == other.model.embed_tokens.weight.data_ptr()
+    s1, s2 = opt.state_dict(), other_opt.state_dict()
+    assert s1["param_groups"] == s2["param_groups"]
+    for k in s1["state"]:
+        for field in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(s1["state"][k][field], s2["state"][k][field])
+    assert random.random() == expected[0]
+    assert float(np.random.rand()) == expected[1]
+    assert torch.equal(torch.rand(3), expected[2])
+
+
+def test_layout_pointer_and_weights_only_files(tmp_path, tokenizer):
+    model, opt = _trained(tokenizer, seed=0)
+    ckpt = _save(tmp_path, model, tokenizer, opt, step=3)
+    assert ckpt == tmp_path / "checkpoints" / "step_000003"
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000003\n"
+    assert (ckpt / "model" / "model.safetensors").is_file()
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert "optimizer.pt" in manifest["files"] and "trainer.json" in manifest["files"]
+    # Both torch files load under weights_only=True: nothing in them needs unpickling code.
+    for name in ("optimizer.pt", "rng.pt"):
+        torch.load(ckpt / name, weights_only=True)
+
+
+def test_keeps_only_the_newest(tmp_path, tokenizer):
+    model, opt = _trained(tokenizer, seed=0)
+    for step in range(1, 6):
+        _save(tmp_path, model, tokenizer, opt, step=step, keep=2)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["latest", "step_000004", "step_000005"]
+
+
+def test_failed_write_leaves_previous_checkpoint_whole(tmp_path, tokenizer, monkeypatch):
+    model, opt = _trained(tokenizer, seed=0)
+    _save(tmp_path, model, tokenizer, opt, step=1)
+    real_save = torch.save
+
+    def full_disk(obj, path, *a, **k):
+        if str(path).endswith("rng.pt"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, path, *a, **k)
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(checkpoint.CheckpointError) as err:
+        _save(tmp_path, model, tokenizer, opt, step=2)
+    msg = str(err.value)
+    assert "step 2" in msg and "the disk is full" in msg and "step_000001 is intact" in msg
+    assert f"dapo train --resume {tmp_path}" in msg
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["latest", "step_000001"]  # no half-written directory left behind
+    assert checkpoint.find_latest(tmp_path).name == "step_000001"
+
+
+def test_find_latest_skips_a_damaged_checkpoint(tmp_path, tokenizer):
+    model, opt = _trained(tokenizer, seed=0)
+    _save(tmp_path, model, tokenizer, opt, step=1)
+    newest = _save(tmp_path, model, tokenizer, opt, step=2)
+    with (newest / "optimizer.pt").open("r+b") as f:
+        f.truncate(10)
+    assert checkpoint.verify(newest).endswith(
+        "the manifest says "
+        + str(json.loads((newest / "manifest.json").read_text())["files"]["optimizer.pt"])
+    )
+    assert checkpoint.find_latest(tmp_path).name == "step_000001"
+    with pytest.raises(checkpoint.CheckpointError, match="incomplete"):
+        checkpoint.load(newest, model=model, optimizer=opt)
+
+
+def test_refuses_to_save_non_finite_weights(tmp_path, tokenizer):
+    model, opt = _trained(tokenizer, seed=0)
+    _save(tmp_path, model, tokenizer, opt, step=1)
+    with torch.no_grad():
+        model.model.norm.weight[0] = float("nan")
+    with pytest.raises(checkpoint.CheckpointError, match="model.norm.weight holds NaN"):
+        _save(tmp_path, model, tokenizer, opt, step=2)
+    assert checkpoint.find_latest(tmp_path).name == "step_000001"
+
+
+def test_weights_of_another_model_are_refused(tmp_path, tokenizer):
+    model, opt = _trained(tokenizer, seed=0)
+    ckpt = _save(tmp_path, model, tokenizer, opt, step=1)
+    bigger = tiny_qwen2(tokenizer, TinyModelSpec(hidden_size=32, num_layers=3), seed=0)
+    with pytest.raises(checkpoint.CheckpointError, match="do not fit this model"):
+        checkpoint.load_weights(bigger, ckpt / "model")
+
+
+def test_metrics_log_truncates_to_a_checkpoint_offset(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    log = MetricsLogger(path)
+    log.log(0, {"a": 1.0})
+    offset = log.sync()
+    log.log(1, {"a": 2.0})
+    log.close()
+    with path.open("ab") as f:
+        f.write(b'{"step": 2, "a"')  # a line half-written when the process died
+    log = MetricsLogger(path)
+    log.truncate(offset)
+    log.log(1, {"a": 3.0})
+    log.close()
+    assert [json.loads(x) for x in path.read_text().splitlines()] == [
+        {"step": 0, "a": 1.0},
+        {"step": 1, "a": 3.0},
+    ]
+    log = MetricsLogger(path)
+    with pytest.raises(ValueError, match="not the end of a line"):
+        log.truncate(offset + 3)
+    with pytest.raises(ValueError, match="was cut or edited"):
+        log.truncate(10**6)
+    log.close()

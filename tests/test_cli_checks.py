@@ -1,0 +1,127 @@
+"""Up-front checks: every mistake in the command is reported before any model is loaded, with
+the field or path and the fix, and nothing that dapo did not write is ever deleted."""
+
+import errno
+import shutil
+from collections import namedtuple
+
+import pytest
+
+from dapo import cli, rundir
+
+
+class ModelLoaded(Exception):
+    """Raised in place of loading the policy: reaching it means every check passed."""
+
+
+@pytest.fixture(autouse=True)
+def no_model(monkeypatch):
+    def refuse(*_a, **_k):
+        raise ModelLoaded
+
+    monkeypatch.setattr(cli, "load_policy", refuse)
+
+
+def _train(tmp_path, *args, name="r"):
+    return cli.main(["train", f"run.out_dir={tmp_path}", f"run.name={name}", *args])
+
+
+def _error(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.startswith("dapo: error: ")
+    return err
+
+
+def test_all_invalid_values_are_reported_together_and_nothing_is_created(tmp_path, capsys):
+    code = _train(tmp_path, "rollout.group_size=1", "optim.lr=-1", "train.keep_checkpoints=0")
+    assert code == 2
+    err = _error(capsys)
+    assert "rollout.group_size must be >= 2" in err
+    assert "optim.lr must be > 0" in err
+    assert "train.keep_checkpoints must be >= 1" in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_directory_holding_a_run_is_refused_unless_overwrite(tmp_path, capsys):
+    with pytest.raises(ModelLoaded):
+        _train(tmp_path)
+    (tmp_path / "r" / "metrics.jsonl").write_text('{"step": 0}\n')
+    assert _train(tmp_path) == 2
+    err = _error(capsys)
+    assert f"run directory {tmp_path / 'r'} already holds a run" in err
+    assert f"dapo train --resume {tmp_path / 'r'}" in err and "--overwrite" in err
+    with pytest.raises(ModelLoaded):
+        _train(tmp_path, "--overwrite")
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()  # the old run is gone
+    assert (tmp_path / "r" / "config.yaml").is_file()
+
+
+def test_overwrite_never_deletes_a_directory_that_is_not_a_run(tmp_path, capsys):
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "thesis.tex").write_text("precious")
+    assert _train(tmp_path, "--overwrite") == 2
+    assert "not empty and holds no dapo run" in _error(capsys)
+    assert (tmp_path / "r" / "thesis.tex").read_text() == "precious"
+
+
+def test_full_disk_is_refused_before_loading(tmp_path, capsys, monkeypatch):
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage(2**30, 2**30 - 2**20, 2**20))
+    assert _train(tmp_path) == 2
+    err = _error(capsys)
+    assert "has 1 MiB free, but checkpointing needs about" in err and "run.out_dir" in err
+
+
+def test_unwritable_run_directory_is_refused(tmp_path, capsys, monkeypatch):
+    def read_only(_fd):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(rundir.os, "fsync", read_only)
+    assert _train(tmp_path) == 2
+    assert "is not writable (Read-only file system)" in _error(capsys)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert cli.main(["train", f"run.out_dir={blocker}", "run.name=r"]) == 2
+    assert "cannot create run directory" in _error(capsys)
+
+
+def test_missing_model_directory_is_refused_before_loading(tmp_path, capsys):
+    assert _train(tmp_path, f"model.path={tmp_path / 'nope'}") == 2
+    assert "is not a Hugging Face model directory (no config.json)" in _error(capsys)
+
+
+def _a_run_with_a_checkpoint(tmp_path):
+    with pytest.raises(ModelLoaded):
+        _train(tmp_path)
+    run = tmp_path / "r"
+    ckpt = run / "checkpoints" / "step_000001"
+    ckpt.mkdir(parents=True)
+    (ckpt / "manifest.json").write_text('{"format_version": 1, "step": 1, "files": {}}')
+    (run / "checkpoints" / "latest").write_text("step_000001\n")
+    return run
+
+
+def test_resume_refuses_a_changed_run_and_lists_the_fields(tmp_path, capsys):
+    run = _a_run_with_a_checkpoint(tmp_path)
+    assert cli.main(["train", "--resume", str(run), "optim.lr=1e-5", "rollout.group_size=8"]) == 2
+    err = _error(capsys)
+    assert "optim.lr: 0.0003 -> 1e-05" in err and "rollout.group_size: 16 -> 8" in err
+    assert "--force" in err
+    # Changing only where/how often things are written, or extending the run, is accepted.
+    with pytest.raises(ModelLoaded):
+        cli.main(["train", "--resume", str(run), "train.steps=500", "run.threads=1"])
+    with pytest.raises(ModelLoaded):
+        cli.main(["train", "--resume", str(run), "optim.lr=1e-5", "--force"])
+    assert "lr: 1.0e-05" in (run / "config.yaml").read_text()
+    assert "lr: 0.0003" in (run / "config.before-resume-1.yaml").read_text()
+
+
+def test_resume_needs_a_run_with_a_checkpoint(tmp_path, capsys):
+    assert cli.main(["train", "--resume", str(tmp_path)]) == 2
+    assert "not a dapo run directory (no config.yaml)" in _error(capsys)
+    with pytest.raises(ModelLoaded):
+        _train(tmp_path)
+    assert cli.main(["train", "--resume", str(tmp_path / "r")]) == 2
+    assert "no complete checkpoint there" in _error(capsys)
+    assert cli.main(["train", "--resume", str(tmp_path / "r"), "--overwrite"]) == 2
+    assert "give one" in _error(capsys)

@@ -1,0 +1,142 @@
+"""Kill a real training process and resume it: the run must end exactly where an uninterrupted
+one does. CPU with one thread is deterministic, so the comparison is exact (==), not approximate;
+only the perf/* timings may differ."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "model.sft_steps=30",
+    "model.embedded_hidden=32",
+    "data.num_warmup=256",
+    "data.num_train=200",
+    "data.num_val=8",
+    "rollout.group_size=4",
+    "train.steps=6",
+    "train.prompts_per_step=4",
+    "sampling.prompts_per_round=8",
+    "sampling.on_max_rounds=train",
+    "train.responses_per_minibatch=8",  # 2 updates per step
+    "train.tokens_per_microbatch=300",  # several micro-batches per update
+    "eval.num_samples=2",
+    "eval.every=2",
+    "train.save_every=1",
+    "train.keep_checkpoints=2",
+    "run.threads=1",
+]
+
+
+def _start(out_dir: Path, name: str, cache: Path, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "dapo", "train", *extra]
+    if "--resume" not in extra:
+        cmd += [*TINY, f"model.cache_dir={cache}", f"run.out_dir={out_dir}", f"run.name={name}"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def _wait_for_checkpoint(run_dir: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not (run_dir / "checkpoints" / "latest").exists():
+        assert proc.poll() is None, _finish(proc)
+        assert time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.02)
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in x.items() if not k.startswith("perf/")} for x in lines]
+
+
+def _same_run(a: Path, b: Path) -> bool:
+    wa, wb = (
+        load_file(a / "model" / "model.safetensors"),
+        load_file(b / "model" / "model.safetensors"),
+    )
+    weights = wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    return weights and _metrics(a) == _metrics(b)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One uninterrupted run (and the warm-up cache every other run shares)."""
+    root = tmp_path_factory.mktemp("resume")
+    cache = root / "cache"
+    t0 = time.monotonic()
+    code, out, err = _finish(_start(root, "reference", cache))
+    assert code == 0, err
+    return root / "reference", cache, time.monotonic() - t0
+
+
+def _kill_and_resume(tmp_path: Path, cache: Path, delay: float, sig=signal.SIGKILL):
+    """Start a run, send ``sig`` ``delay`` s after its first checkpoint, resume it to the end.
+    Returns (run_dir, exit code of the interrupted process, step resumed from or None)."""
+    proc = _start(tmp_path, "run", cache)
+    run_dir = tmp_path / "run"
+    _wait_for_checkpoint(run_dir, proc)
+    time.sleep(delay)
+    proc.send_signal(sig)
+    code, _, err = _finish(proc)
+    if code == 0:
+        return run_dir, code, None, err  # it finished before the signal landed
+    resumed = _start(tmp_path, "run", cache, "--resume", str(run_dir))
+    rcode, out, rerr = _finish(resumed)
+    assert rcode == 0, rerr
+    step = int(out.split("at step ")[1].split()[0])
+    return run_dir, code, step, err
+
+
+def test_kill_9_then_resume_matches_the_uninterrupted_run(tmp_path, reference):
+    ref, cache, _ = reference
+    run_dir, code, step, _ = _kill_and_resume(tmp_path, cache, delay=0.3)
+    assert code == -signal.SIGKILL and step is not None and step >= 1
+    assert _same_run(ref, run_dir)
+
+
+def test_sigterm_saves_then_resume_matches(tmp_path, reference):
+    ref, cache, _ = reference
+    run_dir, code, step, err = _kill_and_resume(tmp_path, cache, delay=0.0, sig=signal.SIGTERM)
+    assert code == 128 + signal.SIGTERM, err
+    assert f"checkpoint saved. Resume with: dapo train --resume {run_dir}" in err
+    assert step is not None and f"stopped by SIGTERM after step {step} of 6" in err
+    assert _same_run(ref, run_dir)
+
+
+@pytest.mark.slow
+def test_kill_9_at_many_moments(tmp_path, reference):
+    """kill -9 at spread-out moments (checkpoint writes included); every resume must match."""
+    ref, cache, duration = reference
+    rng = random.Random(0)
+    delays = sorted(rng.uniform(0, 0.8 * duration) for _ in range(8))
+    rows, interrupted, matched = [], 0, 0
+    for i, delay in enumerate(delays):
+        run_dir, code, step, _ = _kill_and_resume(tmp_path / str(i), cache, delay=delay)
+        if step is None:
+            rows.append(f"  kill at +{delay:.2f}s: finished first")
+            continue
+        interrupted += 1
+        same = _same_run(ref, run_dir)
+        matched += same
+        rows.append(f"  kill at +{delay:.2f}s: resumed from step {step}, identical={same}")
+    print(f"\nkill -9 resumes identical to the uninterrupted run: {matched} of {interrupted}")
+    print("\n".join(rows))
+    assert interrupted >= 4 and matched == interrupted
