@@ -282,7 +282,8 @@ def math_score(response: str, ground_truth: str) -> Score:
     Args:
         response: the decoded model output; anything that is not a ``str``
             (e.g. None) is graded incorrect.
-        ground_truth: the reference answer; an int is accepted and passed to ``str``.
+        ground_truth: the reference answer; an int is accepted and passed to ``str``;
+            any other type (None, float, bytes) grades every response incorrect.
 
     Returns:
         ``Score(1.0, True, pred)`` if the normalised answer of the last
@@ -295,6 +296,10 @@ def math_score(response: str, ground_truth: str) -> Score:
         Score(score=1.0, correct=True, pred='34')
     """
     if not isinstance(response, str):
+        return _NO_ANSWER
+    if isinstance(ground_truth, bool) or not isinstance(ground_truth, (str, int)):
+        # A row without a usable answer (None, NaN, bytes) must not reward a model that
+        # writes "Answer: None": nothing matches it.
         return _NO_ANSWER
     try:
         truth_text = ground_truth if isinstance(ground_truth, str) else str(ground_truth)
