@@ -39,10 +39,10 @@ def _check_model_path(cfg: Config) -> Path:
     return path
 
 
-def load_policy(cfg: Config, warmup_pairs: list[tuple[Problem, str]], log=print):
+def load_policy(cfg: Config, warmup_pairs: list[tuple[Problem, str]], tokenizer=None, log=print):
     """The policy and tokenizer: the embedded tiny Qwen2, warm-started on ``warmup_pairs``
-    (problem, worked solution), or a local Hugging Face directory."""
-    from dapo import arith, demo
+    (problem, worked solution), or the causal LM in the local directory ``model.path``."""
+    from dapo import arith, demo, inputs
 
     d = cfg.data
     if cfg.model.path == "embedded":
@@ -69,15 +69,19 @@ def load_policy(cfg: Config, warmup_pairs: list[tuple[Problem, str]], log=print)
             ),
             log=log,
         )
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from dapo.model import DTYPES
 
     path = _check_model_path(cfg)
-    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[cfg.model.dtype])
+    tokenizer = tokenizer or inputs.load_tokenizer(cfg)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[cfg.model.dtype])
+    except (OSError, ValueError) as exc:
+        raise ValueError(
+            f"model.path={path}: not a causal language model transformers can load "
+            f"({str(exc).splitlines()[0]})"
+        ) from None
     return model, tokenizer
 
 
@@ -119,10 +123,9 @@ def _resolve_config(args: argparse.Namespace) -> tuple[Config, Path | None]:
 def cmd_train(args: argparse.Namespace) -> int:
     import torch
 
-    from dapo import arith, checkpoint, rundir
+    from dapo import checkpoint, inputs, rundir
     from dapo.config import dump_yaml
     from dapo.model import DTYPES
-    from dapo.rewards import get_reward_fn
     from dapo.trainer import fit
 
     # Everything that can be wrong with the command is checked before a model is loaded.
@@ -131,45 +134,54 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(dump_yaml(cfg), end="")
         return 0
     resume = run_dir is not None
-    if run_dir is None:
+    if args.dry_run:
+        pass  # writes nothing: no run directory
+    elif run_dir is None:
         run_dir = rundir.new_run_dir(cfg, overwrite=args.overwrite)
     elif checkpoint.find_latest(run_dir) is None:
         raise ValueError(
             f"--resume {run_dir}: no complete checkpoint there (it stopped before its first "
             "one); start it again with --overwrite"
         )
-    rundir.check_writable(run_dir)
-    rundir.check_space(run_dir, cfg)
+    if run_dir is not None:
+        rundir.check_writable(run_dir)
+        rundir.check_space(run_dir, cfg)
     device = _device(cfg.model.device)
     if cfg.model.path != "embedded":
         _check_model_path(cfg)
+    data = inputs.load_run_data(cfg)
+    if cfg.eval.num_samples == 0:
+        cfg.eval.num_samples = data.val_copies
+    inputs.check_verifiers(cfg, data)
+    tokenizer = inputs.load_tokenizer(cfg)
+    lengths = inputs.check_context(cfg, data, tokenizer)
+    if args.dry_run:
+        print(dump_yaml(cfg), end="")
+        print(_describe(cfg))
+        for line in data.notes:
+            print(line)
+        print(
+            f"train {len(data.train)} problems, val {len(data.val)} problems x "
+            f"{cfg.eval.num_samples} samples; prompt tokens min {lengths['prompt_tokens_min']}, "
+            f"median {lengths['prompt_tokens_median']:.0f}, max {lengths['prompt_tokens_max']} "
+            f"(model context {lengths['context']:.0f})"
+        )
+        print(inputs.describe_budget(cfg, lengths))
+        print("dry run: config, tokenizer and data are valid; nothing was trained or written")
+        return 0
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     torch.manual_seed(cfg.train.seed)
     print(_describe(cfg))
+    for line in data.notes:
+        print(line)
     print(f"run directory: {run_dir}")
-
-    d = cfg.data
-    train_pairs, val_pairs, warmup_pairs = arith.make_splits(
-        d.num_train,
-        d.num_val,
-        d.num_warmup if cfg.model.path == "embedded" else 0,
-        seed=d.seed,
-        min_terms=d.min_terms,
-        max_terms=d.max_terms,
-        operators=d.operators,
-        style=d.solution,
-    )
-    train_problems = [p for p, _ in train_pairs]
-    val_problems = [p for p, _ in val_pairs]
-    for source in sorted({p.data_source for p in train_problems + val_problems}):
-        get_reward_fn(source)  # an unknown data_source fails here, not at the first rollout
     rundir.write_config(run_dir, cfg)
     # A resumed run starts from the same policy (it is the KL reference) and then loads the
     # checkpoint's weights over it.
-    model, tokenizer = load_policy(cfg, warmup_pairs)
+    model, tokenizer = load_policy(cfg, data.warmup_pairs, tokenizer)
     model.to(device, dtype=DTYPES[cfg.model.dtype])
-    fit(cfg, model, tokenizer, train_problems, val_problems, run_dir=run_dir, resume=resume)
+    fit(cfg, model, tokenizer, data.train, data.val, run_dir=run_dir, resume=resume)
     return 0
 
 
@@ -186,6 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument(
         "--print-config", action="store_true", help="print the resolved config as YAML and exit"
+    )
+    train.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="resolve the config, load tokenizer and data, print statistics and exit",
     )
     train.add_argument(
         "--resume",
@@ -209,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="config overrides applied last, e.g. optim.lr=1e-5 algo.eps_high=0.28",
     )
     train.set_defaults(func=cmd_train)
+    from dapo.data_cli import add_data_parser
+
+    add_data_parser(sub)
     return parser
 
 

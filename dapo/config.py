@@ -32,6 +32,9 @@ ON_MAX_ROUNDS_CHOICES = ("error", "train")
 DTYPE_CHOICES = tuple(DTYPES)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SOLUTION_CHOICES = ("direct", "steps", "mixed")
+FORMAT_CHOICES = ("auto", "dapo", "flat")
+BAD_ROW_CHOICES = ("error", "skip")
+MODE_CHOICES = ("dapo", "math_verify")
 BASES = ("paper", "demo")
 PRESETS = ("dapo", "grpo")
 
@@ -76,6 +79,27 @@ class DataConfig:
     operation) or ``mixed`` (either, at random)."""
     seed: int = 1234
     """Seed of the embedded task's problems."""
+    train_file: str = ""
+    """Training data file (Parquet or JSONL, DAPO or flat format); empty = the embedded task."""
+    val_file: str = ""
+    """Held-out data file, e.g. AIME 2024; required with ``train_file``."""
+    format: str = "auto"
+    """``dapo`` (chat-message ``prompt``, ``reward_model.ground_truth``), ``flat`` (a question
+    and an answer column) or ``auto`` (dapo when the file has ``prompt`` and ``reward_model``)."""
+    question_key: str = "question"
+    """Question column of a flat file."""
+    answer_key: str = "answer"
+    """Answer column of a flat file."""
+    data_source: str = "math_dapo"
+    """Verifier of flat rows (and of rows whose data_source is empty)."""
+    wrap_template: bool = False
+    """Wrap each problem in the DAPO instruction template (never twice)."""
+    dedup: bool = True
+    """Train on each distinct problem once, however many rows repeat it."""
+    on_bad_row: str = "error"
+    """``error`` stops at the first bad row, naming file, row and field; ``skip`` counts it."""
+    apply_chat_template: bool = True
+    """Render chat messages with the tokenizer's chat template when it has one (else raw)."""
 
 
 @dataclass
@@ -168,7 +192,7 @@ class EvalConfig:
     every: int = 5
     """Held-out evaluation every this many steps (0 = only at start and end)."""
     num_samples: int = 32
-    """k of avg@k (paper: 32)."""
+    """k of avg@k (paper: 32); 0 = as many as the val file repeats each problem (AIME: 32)."""
     temperature: float = 1.0
     """Paper: 1.0."""
     top_p: float = 0.7
@@ -186,6 +210,9 @@ class RewardConfig:
     """Seconds one response may take to grade before its worker is killed."""
     memory_mb: int = 2048
     """Address-space limit of each verifier process, MiB; 0 = no limit."""
+    mode: str = ""
+    """Verifier for every row: ``dapo`` or ``math_verify``; empty = chosen by each row's
+    ``data_source`` (``math_dapo`` -> dapo)."""
 
 
 @dataclass
@@ -463,7 +490,7 @@ def validate(cfg: Config) -> None:
     need(o.warmup_steps >= 0, "optim.warmup_steps must be >= 0")
     need(o.grad_clip >= 0, "optim.grad_clip must be >= 0 (0 = off)")
     need(e.every >= 0, "eval.every must be >= 0")
-    need(e.num_samples >= 1, "eval.num_samples must be >= 1")
+    need(e.num_samples >= 0, "eval.num_samples must be >= 0 (0 = the val file's repeats)")
     need(0 < e.top_p <= 1, "eval.top_p must be in (0, 1]")
     need(e.temperature > 0, "eval.temperature must be > 0")
     need(cfg.model.dtype in DTYPE_CHOICES, f"model.dtype must be one of {DTYPE_CHOICES}")
@@ -481,6 +508,22 @@ def validate(cfg: Config) -> None:
     )
     need(m.embedded_layers >= 1, "model.embedded_layers must be >= 1")
     need(d.task == "arith", f"data.task must be 'arith' (the embedded task), got {d.task!r}")
+    need(d.format in FORMAT_CHOICES, f"data.format must be one of {FORMAT_CHOICES}")
+    need(d.on_bad_row in BAD_ROW_CHOICES, f"data.on_bad_row must be one of {BAD_ROW_CHOICES}")
+    need(
+        bool(d.train_file) == bool(d.val_file),
+        "data.train_file and data.val_file go together: give both (e.g. DAPO-Math-17k and "
+        "AIME 2024), or neither for the embedded task",
+    )
+    need(
+        not (d.train_file and m.path == "embedded"),
+        "data.train_file needs a real model: the embedded model only knows the arith task's "
+        "words; set model.path to a Hugging Face model directory",
+    )
+    need(
+        rw.mode in ("", *MODE_CHOICES),
+        f"reward.mode must be empty (by data_source) or one of {MODE_CHOICES}, got {rw.mode!r}",
+    )
     need(d.solution in SOLUTION_CHOICES, f"data.solution must be one of {SOLUTION_CHOICES}")
     need(d.num_train >= 1 and d.num_val >= 1, "data.num_train and data.num_val must be >= 1")
     need(d.num_warmup >= 1, "data.num_warmup must be >= 1")

@@ -11,9 +11,10 @@ from dapo.reward_pool import Job, RewardPool
 from dapo.rollout import generate
 
 
-def render_prompt(tokenizer, problem: Problem) -> str:
-    """Chat-format problems go through the tokenizer's chat template when it has one."""
-    if getattr(tokenizer, "chat_template", None):
+def render_prompt(tokenizer, problem: Problem, *, chat_template: bool = True) -> str:
+    """Chat-format problems go through the tokenizer's chat template when it has one (and
+    ``chat_template``); otherwise the message contents, raw."""
+    if chat_template and getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(
             list(problem.messages), add_generation_prompt=True, tokenize=False
         )
@@ -32,11 +33,14 @@ def evaluate(
     seed: int,
     prompts_per_batch: int = 64,
     pool: RewardPool | None = None,
+    chat_template: bool = True,
+    reward_mode: str = "",
 ) -> dict[str, float]:
     """avg@k: the mean correctness over k samples of every problem; also length and truncation.
 
     Seeded per batch, so the same weights give the same figures. ``pool`` grades (default:
-    in-process); a response the verifier fails on counts as incorrect and in ``val/reward_faults``.
+    in-process), with ``reward_mode`` for every row or else each row's data_source; a response
+    the verifier fails on counts as incorrect and in ``val/reward_faults``.
     """
     pool = pool or RewardPool(workers=0)
     faults = 0
@@ -48,7 +52,7 @@ def evaluate(
         ro = generate(
             model,
             tokenizer,
-            [render_prompt(tokenizer, p) for p in chunk],
+            [render_prompt(tokenizer, p, chat_template=chat_template) for p in chunk],
             group_size=num_samples,
             max_new_tokens=max_new_tokens,
             temperature=temperature,
@@ -58,7 +62,7 @@ def evaluate(
         jobs = []
         for i, text in enumerate(ro.texts):
             p = chunk[i // num_samples]
-            jobs.append(Job(p.data_source, text, p.answer))
+            jobs.append(Job(reward_mode or p.data_source, text, p.answer))
         graded = pool.grade(jobs)
         correct.extend(s.correct for s in graded.scores)
         faults += len(graded.faults)

@@ -36,6 +36,7 @@ __all__ = [
     "MAX_ANSWER_CHARS",
     "REWARD_FNS",
     "TAIL_CHARS",
+    "REWARD_MODES",
     "RewardFn",
     "Score",
     "get_reward_fn",
@@ -324,18 +325,33 @@ REWARD_FNS: dict[str, RewardFn] = {
     "arith": math_score,
 }
 
+# Imported here, after Score and math_score exist: math_verify_mode uses them lazily, and it
+# imports no SymPy until a response is graded in that mode.
+from dapo.math_verify_mode import MODE_NAME, math_verify_score  # noqa: E402
+
+# Verifiers by mode name: ``reward.mode`` forces one for every row, and a row may name one as
+# its data_source. "dapo" is the paper's integer string match; "math_verify" parses LaTeX
+# (fractions, radicals, sets, intervals) with SymPy and must run in worker processes.
+REWARD_MODES: dict[str, RewardFn] = {
+    "dapo": math_score,
+    MODE_NAME: math_verify_score,
+}
+
 
 def get_reward_fn(data_source: str) -> RewardFn:
-    """Return the verifier for ``data_source``.
+    """Return the verifier for ``data_source`` (a data source, else a mode name).
 
     Raises:
         ValueError: if no verifier is registered for it; grading with a silent
             fallback would train on the wrong reward.
     """
-    try:
-        return REWARD_FNS[data_source]
-    except KeyError:
+    fn = REWARD_FNS.get(data_source) or REWARD_MODES.get(data_source)
+    if fn is None:
         raise ValueError(
-            f"no reward function for data_source {data_source!r}; "
-            f"known: {sorted(REWARD_FNS)}. Add one to dapo.rewards.REWARD_FNS."
-        ) from None
+            f"no reward function for data_source {data_source!r}; known data sources: "
+            f"{sorted(REWARD_FNS)}, modes: {sorted(REWARD_MODES)}. Set reward.mode=dapo (or "
+            "math_verify) to grade every row with one mode, convert the file with "
+            "`dapo data convert --to dapo` (data_source math_dapo), or add an entry to "
+            "dapo.rewards.REWARD_FNS."
+        )
+    return fn

@@ -96,15 +96,16 @@ def rollout_round(state: TrainState, problems: list[Problem], *, seed: int) -> l
     ro = generate(
         state.model,
         tok,
-        [render_prompt(tok, p) for p in problems],
+        [render_prompt(tok, p, chat_template=cfg.data.apply_chat_template) for p in problems],
         group_size=G,
         max_new_tokens=cfg.rollout.max_new_tokens,
         temperature=cfg.rollout.temperature,
         top_p=cfg.rollout.top_p,
         seed=seed,
     )
+    mode = cfg.reward.mode
     jobs = [
-        Job(problems[b // G].data_source, ro.texts[b], problems[b // G].answer)
+        Job(mode or problems[b // G].data_source, ro.texts[b], problems[b // G].answer)
         for b in range(len(ro.texts))
     ]
     graded = (state.pool or RewardPool(workers=0)).grade(jobs)
@@ -458,6 +459,8 @@ def _run(state: TrainState, val_problems, *, run_dir: Path, stream, resume: bool
             max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
             seed=derive_seed(cfg.train.seed, "eval"),
             pool=state.pool,
+            chat_template=cfg.data.apply_chat_template,
+            reward_mode=cfg.reward.mode,
         )
 
     logger = MetricsLogger(run_dir / "metrics.jsonl", stream=stream)

@@ -1,0 +1,177 @@
+"""``dapo data check FILE`` and ``dapo data convert IN OUT``: inspect and rewrite problem files.
+
+Files are Parquet or JSON Lines, in the DAPO format (chat ``prompt``,
+``reward_model.ground_truth``, ``data_source``) or a flat question/answer table.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+# Only the standard library at module level: dapo/cli.py imports this to build its parser,
+# and pyarrow is needed only when a data command runs.
+if TYPE_CHECKING:
+    from dapo.datafiles import CheckStats
+
+MAX_BAD_ROWS_SHOWN = 10
+
+
+def add_data_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``data check`` and ``data convert`` on the ``dapo`` command's subparsers."""
+    data = subparsers.add_parser(
+        "data",
+        help="check or convert a problem file (Parquet or JSON Lines)",
+        description=__doc__,
+    )
+    sub = data.add_subparsers(dest="data_command", required=True, metavar="{check,convert}")
+
+    check = sub.add_parser(
+        "check",
+        help="report rows, problems, repeats, answers and bad rows of a problem file",
+        description=(
+            "Read FILE as training or validation data and report what a run would get from it. "
+            "Exit status 0 when every row is usable, 1 when some are not."
+        ),
+    )
+    check.add_argument("file", type=Path, metavar="FILE", help=".parquet, .jsonl or .json lines")
+    _add_format_args(check)
+    check.add_argument(
+        "--tokenizer",
+        type=Path,
+        metavar="DIR",
+        help="a local Hugging Face tokenizer directory: also report prompt lengths in tokens",
+    )
+    check.set_defaults(func=cmd_check)
+
+    convert = sub.add_parser(
+        "convert",
+        help="write a problem file in the other format (dapo <-> flat)",
+        description=(
+            "Convert IN to OUT row for row; OUT's type follows its extension (.parquet, .jsonl). "
+            "To dapo, each problem is wrapped in the DAPO instruction template (never twice), as "
+            "in the official DAPO-Math-17k and AIME files; to flat, the template is removed."
+        ),
+    )
+    convert.add_argument("src", type=Path, metavar="IN", help="input file")
+    convert.add_argument("dst", type=Path, metavar="OUT", help="output file (not IN)")
+    convert.add_argument(
+        "--to", choices=("dapo", "flat"), help="output format (default: the other one than IN's)"
+    )
+    _add_format_args(convert)
+    convert.add_argument(
+        "--data-source",
+        metavar="NAME",
+        help="data_source of every output row; default: math_dapo to dapo, IN's to flat",
+    )
+    convert.add_argument(
+        "--on-bad-row",
+        choices=("error", "skip"),
+        default="error",
+        help="stop at the first unusable row (default) or leave such rows out",
+    )
+    convert.set_defaults(func=cmd_convert)
+
+
+def _add_format_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--format",
+        choices=("auto", "dapo", "flat"),
+        default="auto",
+        help="input format; auto: dapo when there are prompt and reward_model columns",
+    )
+    parser.add_argument(
+        "--question-key", default="question", metavar="K", help="flat format's question column"
+    )
+    parser.add_argument(
+        "--answer-key", default="answer", metavar="K", help="flat format's answer column"
+    )
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from dapo.datafiles import check_file
+
+    stats = check_file(
+        args.file,
+        fmt=args.format,
+        question_key=args.question_key,
+        answer_key=args.answer_key,
+        tokenizer=args.tokenizer,
+    )
+    print(format_check(stats))
+    return 0 if stats.clean else 1
+
+
+def format_check(s: CheckStats) -> str:
+    """The report ``dapo data check`` prints."""
+    lines = [
+        f"file: {s.path}",
+        f"format: {s.fmt}",
+        f"rows: {s.rows:,}",
+        "schema:",
+        *(f"  {name}: {kind}" for name, kind in s.schema),
+        f"distinct problems: {s.problems:,}",
+        f"duplicate rows: {s.duplicate_rows:,}",
+    ]
+    if s.duplicate_rows:
+        lines[-1] += (
+            f" ({s.repeated_problems:,} problems appear more than once, at most "
+            f"{s.max_copies} times; training draws each once)"
+        )
+    if s.whitespace_twins:
+        lines.append(
+            f"near-duplicates: {s.whitespace_twins:,} problems equal another one up to "
+            "leading/trailing whitespace (kept apart)"
+        )
+    lines.append(f"DAPO template: {s.templated:,} of {s.problems:,} problems already wrapped")
+    lines.append(f"empty answers: {s.empty_answers:,}")
+    examples = ", ".join(f"row {row}: {answer!r}" for row, answer in s.non_integer_examples)
+    non_integer = f"non-integer answers: {s.non_integer_answers:,}"
+    lines.append(non_integer + (f" (e.g. {examples})" if examples else ""))
+    sources = ", ".join(f"{name} {n:,}" for name, n in s.data_sources.items())
+    lines.append(f"data sources (problems): {sources or 'none'}")
+    if s.unknown_sources:
+        lines.append(
+            f"  no verifier in dapo.rewards for: {', '.join(s.unknown_sources)}; convert with "
+            "`dapo data convert --to dapo` (data_source math_dapo) or register one"
+        )
+    if s.prompt_tokens is not None:
+        t = s.prompt_tokens
+        lines.append(
+            "prompt tokens: "
+            + ", ".join(f"{k} {v:g}" for k, v in t.items())
+            + " (one per distinct problem, as rendered for rollout)"
+        )
+    lines.append(f"bad rows: {len(s.bad_rows):,}" + (" (skipped)" if s.bad_rows else ""))
+    lines.extend(f"  {b}" for b in s.bad_rows[:MAX_BAD_ROWS_SHOWN])
+    if len(s.bad_rows) > MAX_BAD_ROWS_SHOWN:
+        lines.append(f"  ... and {len(s.bad_rows) - MAX_BAD_ROWS_SHOWN:,} more")
+    return "\n".join(lines)
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from dapo.datafiles import convert_file
+
+    result = convert_file(
+        args.src,
+        args.dst,
+        to=args.to,
+        fmt=args.format,
+        question_key=args.question_key,
+        answer_key=args.answer_key,
+        data_source=args.data_source,
+        on_bad_row=args.on_bad_row,
+    )
+    line = (
+        f"wrote {result.rows_out:,} of {result.rows_in:,} rows ({result.src_fmt} -> {result.to}) "
+        f"to {args.dst}"
+    )
+    if result.to == "dapo":
+        line += f"; {result.wrapped:,} rows newly wrapped in the DAPO template"
+    print(line)
+    for b in result.skipped[:MAX_BAD_ROWS_SHOWN]:
+        print(f"  skipped {b}")
+    if len(result.skipped) > MAX_BAD_ROWS_SHOWN:
+        print(f"  ... and {len(result.skipped) - MAX_BAD_ROWS_SHOWN:,} more skipped")
+    return 0

@@ -1,0 +1,176 @@
+"""What a run reads before it trains: problems, tokenizer, and whether they fit the model.
+
+Everything here is cheap next to loading weights (a 32B model takes minutes), so a run, and
+``dapo train --dry-run``, finds a bad file, a missing tokenizer or an over-long prompt first.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dapo.config import Config
+from dapo.data import Problem
+from dapo.evaluate import render_prompt
+from dapo.rewards import get_reward_fn
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+@dataclass
+class RunData:
+    train: list[Problem]
+    val: list[Problem]
+    warmup_pairs: list[tuple[Problem, str]] = field(default_factory=list)
+    """(problem, worked solution) for the embedded model's warm-start; empty with files."""
+    val_copies: int = 1
+    """How many rows of the val file repeat each problem (AIME 2024: 32)."""
+    notes: list[str] = field(default_factory=list)
+    """One line per file: rows, problems, repeats, skipped rows."""
+
+
+def load_run_data(cfg: Config) -> RunData:
+    """The embedded task's splits, or ``data.train_file`` and ``data.val_file``."""
+    d = cfg.data
+    if not d.train_file:
+        from dapo import arith
+
+        train, val, warmup = arith.make_splits(
+            d.num_train,
+            d.num_val,
+            d.num_warmup if cfg.model.path == "embedded" else 0,
+            seed=d.seed,
+            min_terms=d.min_terms,
+            max_terms=d.max_terms,
+            operators=d.operators,
+            style=d.solution,
+        )
+        return RunData([p for p, _ in train], [p for p, _ in val], warmup)
+
+    from dapo.datafiles import load_problems
+
+    def load(path: str):
+        return load_problems(
+            path,
+            fmt=d.format,
+            question_key=d.question_key,
+            answer_key=d.answer_key,
+            data_source=d.data_source,
+            wrap_template=d.wrap_template,
+            dedup=d.dedup,
+            on_bad_row=d.on_bad_row,
+        )
+
+    train, val = load(d.train_file), load(d.val_file)
+    # AIME 2024 repeats each problem 32 times: evaluation samples k per problem instead.
+    val_copies = max(val.copies.values(), default=1)
+    notes = []
+    for name, data in (("train", train), ("val", val)):
+        repeats = sum(data.copies.values()) - len(data.copies)
+        line = f"{name}: {data.path}: {data.rows} rows, {len(data.problems)} problems"
+        line += f" ({repeats} repeated rows merged)" if d.dedup and repeats else ""
+        line += f", {len(data.skipped)} bad rows skipped" if data.skipped else ""
+        notes.append(line)
+    return RunData(train.problems, val.problems, [], val_copies, notes)
+
+
+def check_verifiers(cfg: Config, data: RunData) -> None:
+    """Every row must have a verifier before the first rollout, not at it."""
+    sources = {cfg.reward.mode} if cfg.reward.mode else {p.data_source for p in data.train}
+    for source in sorted(sources | ({p.data_source for p in data.val} - {""})):
+        get_reward_fn(cfg.reward.mode or source)
+
+
+def load_tokenizer(cfg: Config):
+    """The run's tokenizer, without the model: left padding, a pad token."""
+    if cfg.model.path == "embedded":
+        from dapo.demo import build_tokenizer
+
+        return build_tokenizer()
+    from transformers import AutoTokenizer
+
+    path = Path(cfg.model.path)
+    fix = "save one beside the model with tokenizer.save_pretrained(DIR)"
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        # AutoTokenizer does not always fail here: it can build something that tokenizes
+        # every prompt to nothing.
+        raise ValueError(
+            f"model.path={path}: no usable tokenizer there (none of {', '.join(TOKENIZER_FILES)}); "
+            f"{fix}"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+    except (OSError, ValueError, KeyError) as exc:
+        raise ValueError(
+            f"model.path={path}: no usable tokenizer there ({str(exc).splitlines()[0]}); {fix}"
+        ) from None
+    if tokenizer.pad_token is None:
+        # Padding is masked everywhere; EOS is a token the model already has.
+        tokenizer.pad_token = tokenizer.eos_token
+    if tokenizer.pad_token is None:
+        raise ValueError(f"model.path={path}: the tokenizer has neither a pad nor an EOS token")
+    return tokenizer
+
+
+def context_length(cfg: Config) -> int | None:
+    """The model's maximum sequence length, read from its config (no weights loaded)."""
+    if cfg.model.path == "embedded":
+        from dapo.demo import TinyModelSpec
+
+        return TinyModelSpec().max_positions
+    from transformers import AutoConfig
+
+    return getattr(AutoConfig.from_pretrained(cfg.model.path), "max_position_embeddings", None)
+
+
+def prompt_lengths(cfg: Config, tokenizer, problems: list[Problem]) -> list[int]:
+    texts = [
+        render_prompt(tokenizer, p, chat_template=cfg.data.apply_chat_template) for p in problems
+    ]
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return [len(x) for x in ids]
+
+
+def check_context(cfg: Config, data: RunData, tokenizer) -> dict[str, float]:
+    """Refuse prompts that, with ``rollout.max_new_tokens``, overrun the model's context.
+
+    Returns prompt-length statistics (tokens) for the log and ``--dry-run``.
+    """
+    problems = data.train + data.val
+    lengths = prompt_lengths(cfg, tokenizer, problems)
+    limit = context_length(cfg)
+    longest = max(range(len(lengths)), key=lengths.__getitem__)
+    max_new = max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens)
+    if limit is not None and lengths[longest] + max_new > limit:
+        over = sum(1 for n in lengths if n + max_new > limit)
+        raise ValueError(
+            f"{over} prompt(s) plus rollout.max_new_tokens={max_new} exceed the model's context "
+            f"of {limit} tokens (longest: problem {problems[longest].uid}, {lengths[longest]} "
+            "prompt tokens). Lower rollout.max_new_tokens (and eval.max_new_tokens), drop the "
+            "longest problems from the file, or use a model with a longer context"
+        )
+    train = lengths[: len(data.train)]
+    return {
+        "prompt_tokens_min": min(lengths),
+        "prompt_tokens_median": statistics.median(lengths),
+        "prompt_tokens_max": lengths[longest],
+        "train_prompt_tokens_mean": statistics.fmean(train),
+        "context": float(limit or 0),
+    }
+
+
+def describe_budget(cfg: Config, stats: dict[str, float]) -> str:
+    """Upper bound of tokens one step generates and trains on, before dynamic sampling."""
+    t, r = cfg.train, cfg.rollout
+    prompts = cfg.sampling.prompts_per_round if cfg.sampling.dynamic else t.prompts_per_step
+    prompts = prompts or t.prompts_per_step
+    per_response = stats["train_prompt_tokens_mean"] + r.max_new_tokens
+    total = prompts * r.group_size * per_response
+    return (
+        f"tokens per step: at most {prompts} prompts x {r.group_size} responses x "
+        f"({stats['train_prompt_tokens_mean']:.0f} prompt + {r.max_new_tokens} response tokens) "
+        f"= {total / 1e6:.2f}M per sampling round (dynamic sampling may draw up to "
+        f"{cfg.sampling.max_rounds or 'unbounded'} rounds); "
+        f"{t.prompts_per_step * r.group_size * per_response / 1e6:.2f}M trained on"
+    )

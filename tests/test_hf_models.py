@@ -1,0 +1,187 @@
+"""Real loading paths: Hugging Face model directories (Qwen2 and Llama, saved here with
+save_pretrained), data files in both formats, --dry-run of the recipes, and their errors."""
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from dapo import arith
+from dapo.cli import main
+from dapo.data import PROMPT_PREFIX, dapo_prompt
+from dapo.demo import build_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared" / "data"
+ARCHS = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
+
+
+def _save_model(path: Path, arch: str, *, context: int = 512, tokenizer: bool = True) -> Path:
+    tok = build_tokenizer()  # word-level, with a chat template ("User: ...\nAssistant:\n")
+    config_cls, model_cls = ARCHS[arch]
+    config = config_cls(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=context,
+        tie_word_embeddings=True,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+    )
+    model_cls(config).save_pretrained(path)
+    if tokenizer:
+        tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """A flat JSONL training file and a DAPO-format val Parquet with 3 problems x 4 rows."""
+    root = tmp_path_factory.mktemp("data")
+    train, val, _ = arith.make_splits(48, 3, seed=0)
+    raw = lambda p: p.messages[0]["content"][len(PROMPT_PREFIX) :].split("\n\n")[0]  # noqa: E731
+    with (root / "train.jsonl").open("w") as f:
+        for p, _ in train:
+            f.write(json.dumps({"q": raw(p), "a": p.answer}) + "\n")
+    rows = [
+        {
+            "data_source": "math_dapo",
+            "prompt": [{"role": "user", "content": dapo_prompt(raw(p))}],
+            "ability": "MATH",
+            "reward_model": {"ground_truth": p.answer, "style": "rule"},
+            "extra_info": {"index": i},
+        }
+        for i, (p, _) in enumerate(val)
+        for _ in range(4)
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), root / "val.parquet")
+    return root / "train.jsonl", root / "val.parquet"
+
+
+def _args(tmp_path, model_dir, files, *extra):
+    train, val = files
+    return [
+        "train",
+        f"model.path={model_dir}",
+        f"data.train_file={train}",
+        f"data.val_file={val}",
+        "data.question_key=q",
+        "data.answer_key=a",
+        "data.wrap_template=true",
+        "rollout.group_size=4",
+        "rollout.max_new_tokens=16",
+        "algo.l_cache=4",
+        "train.steps=2",
+        "train.prompts_per_step=2",
+        "sampling.dynamic=false",
+        "train.responses_per_minibatch=8",
+        "eval.num_samples=0",
+        "eval.every=0",
+        "reward.workers=0",
+        f"run.out_dir={tmp_path}",
+        "run.name=r",
+        *extra,
+    ]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_two_steps_from_a_saved_model_directory(tmp_path, files, arch):
+    model_dir = _save_model(tmp_path / arch, arch)
+    assert main(_args(tmp_path, model_dir, files)) == 0
+    lines = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [0, 1, 2]
+    # The val file's 4 repeats of each of 3 problems became k = 4 samples of 3 problems.
+    assert lines[0]["val/num_problems"] == 3.0 and lines[0]["val/num_samples"] == 4.0
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "r" / "model")
+    assert type(saved) is ARCHS[arch][1]
+    assert (tmp_path / "r" / "checkpoints" / "step_000002").is_dir()
+
+
+def test_prompts_beyond_the_context_are_refused(tmp_path, files, capsys):
+    model_dir = _save_model(tmp_path / "m", "llama", context=64)
+    assert main(_args(tmp_path, model_dir, files)) == 2
+    err = capsys.readouterr().err
+    assert "exceed the model's context of 64 tokens" in err
+    assert "Lower rollout.max_new_tokens" in err
+
+
+def test_model_directory_errors(tmp_path, files, capsys):
+    no_tok = _save_model(tmp_path / "no-tokenizer", "qwen2", tokenizer=False)
+    assert main(_args(tmp_path, no_tok, files)) == 2
+    assert "no usable tokenizer there" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(_args(tmp_path, tmp_path / "empty", files)) == 2
+    assert "is not a Hugging Face model directory (no config.json)" in capsys.readouterr().err
+
+
+def test_file_data_needs_a_real_model_and_both_files(tmp_path, files, capsys):
+    assert main(["train", f"data.train_file={files[0]}", f"data.val_file={files[1]}"]) == 2
+    assert "data.train_file needs a real model" in capsys.readouterr().err
+    assert main(["train", "model.path=x", f"data.train_file={files[0]}"]) == 2
+    assert "data.train_file and data.val_file go together" in capsys.readouterr().err
+
+
+def test_a_bad_row_is_named_before_any_model_loads(tmp_path, files, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"q": "1 + 1", "a": "2"}\n{"q": "2 + 2", "a": ""}\n')
+    model_dir = _save_model(tmp_path / "m", "qwen2")
+    args = _args(tmp_path, model_dir, (bad, files[1]))
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert str(bad) in err and "row 1" in err and "a" in err
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in (ROOT / "recipes").glob("*.yaml")))
+def test_every_recipe_dry_runs_on_a_tiny_model(tmp_path, files, recipe, capsys):
+    args = ["train", "--config", str(ROOT / "recipes" / recipe), "--dry-run"]
+    if recipe != "demo.yaml":
+        # The recipe's own paths point at downloads; a tiny model with a long enough
+        # context and the fixture files stand in for them.
+        model_dir = _save_model(tmp_path / "m", "qwen2", context=32768)
+        args += [
+            f"model.path={model_dir}",
+            f"data.train_file={files[0]}",
+            f"data.val_file={files[1]}",
+            "data.format=auto",
+            "data.question_key=q",
+            "data.answer_key=a",
+        ]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "dry run: config, tokenizer and data are valid" in out
+    assert "tokens per step: at most" in out
+    assert not any(tmp_path.glob("runs*"))
+
+
+@pytest.mark.skipif(not (SHARED / "aime-2024").is_dir(), reason="../shared/data is absent")
+def test_the_32b_recipe_dry_runs_on_the_real_files(tmp_path, capsys):
+    model_dir = _save_model(tmp_path / "m", "qwen2", context=32768)
+    args = [
+        "train",
+        "--config",
+        str(ROOT / "recipes" / "dapo-qwen2.5-32b.yaml"),
+        "--dry-run",
+        f"model.path={model_dir}",
+        f"data.train_file={SHARED / 'dapo-math-17k' / 'dapo_math_17k.parquet'}",
+        f"data.val_file={SHARED / 'aime-2024' / 'aime-2024.parquet'}",
+        # This copy has the template stripped and 11 repeats whose answers disagree.
+        "data.wrap_template=true",
+        "data.on_bad_row=skip",
+    ]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "17917 rows" in out and "11 bad rows skipped" in out
+    assert "val 30 problems x 32 samples" in out
