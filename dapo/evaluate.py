@@ -78,3 +78,76 @@ def evaluate(
         "val/num_samples": float(num_samples),
         "val/reward_faults": float(faults),
     }
+
+
+def sample_records(
+    model,
+    tokenizer,
+    problems: Sequence[Problem],
+    *,
+    k: int,
+    temperature: float,
+    top_p: float,
+    max_new_tokens: int,
+    seed: int,
+    pool: RewardPool,
+    greedy: bool = False,
+    chat_template: bool = True,
+    reward_mode: str = "",
+    responses_per_batch: int = 256,
+) -> list[dict]:
+    """k graded samples of every problem, one record per problem (``dapo eval``'s raw data).
+
+    A record holds the problem's uid, ground truth, and per sample the response, the extracted
+    answer, correctness, length in tokens and truncation; with ``greedy``, also the greedy
+    response's correctness. Seeded per batch of prompts, so a fixed seed repeats the figures.
+    """
+    was_training = model.training
+    model.eval()
+    per_batch = max(1, responses_per_batch // k)
+    records = []
+    for start in range(0, len(problems), per_batch):
+        chunk = problems[start : start + per_batch]
+        prompts = [render_prompt(tokenizer, p, chat_template=chat_template) for p in chunk]
+        ro = generate(
+            model,
+            tokenizer,
+            prompts,
+            group_size=k,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed + start,
+        )
+        jobs = [
+            Job(reward_mode or chunk[i // k].data_source, text, chunk[i // k].answer)
+            for i, text in enumerate(ro.texts)
+        ]
+        graded = pool.grade(jobs)
+        greedy_correct = None
+        if greedy:
+            g = generate(
+                model, tokenizer, prompts, group_size=1, max_new_tokens=max_new_tokens, greedy=True
+            )
+            greedy_jobs = [
+                Job(reward_mode or p.data_source, text, p.answer)
+                for p, text in zip(chunk, g.texts, strict=True)
+            ]
+            greedy_correct = [s.correct for s in pool.grade(greedy_jobs).scores]
+        for j, p in enumerate(chunk):
+            rows = range(j * k, (j + 1) * k)
+            record = {
+                "uid": p.uid,
+                "ground_truth": p.answer,
+                "responses": [ro.texts[b] for b in rows],
+                "answers": [graded.scores[b].pred for b in rows],
+                "correct": [bool(graded.scores[b].correct) for b in rows],
+                "lengths": [int(ro.lengths_B[b]) for b in rows],
+                "truncated": [bool(ro.truncated_B[b]) for b in rows],
+                "faults": sum(1 for f in graded.faults if f.index in rows),
+            }
+            if greedy_correct is not None:
+                record["greedy_correct"] = greedy_correct[j]
+            records.append(record)
+    model.train(was_training)
+    return records

@@ -6,6 +6,7 @@ Everything here is cheap next to loading weights (a 32B model takes minutes), so
 
 from __future__ import annotations
 
+import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,7 @@ from dapo.data import Problem
 from dapo.evaluate import render_prompt
 from dapo.rewards import get_reward_fn
 
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -99,8 +101,14 @@ def load_tokenizer(cfg: Config):
             f"model.path={path}: no usable tokenizer there (none of {', '.join(TOKENIZER_FILES)}); "
             f"{fix}"
         )
+    loader = AutoTokenizer
+    if _tokenizer_class(path) in GENERIC_TOKENIZER_CLASSES:
+        # A tokenizer saved as a plain tokenizers backend (the demo's word-level one) must load
+        # as exactly that: AutoTokenizer would substitute the model family's class (qwen2 ->
+        # Qwen2Tokenizer), which tokenizes the same text differently.
+        from transformers import PreTrainedTokenizerFast as loader
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+        tokenizer = loader.from_pretrained(path, padding_side="left")
     except (OSError, ValueError, KeyError) as exc:
         raise ValueError(
             f"model.path={path}: no usable tokenizer there ({str(exc).splitlines()[0]}); {fix}"
@@ -111,6 +119,13 @@ def load_tokenizer(cfg: Config):
     if tokenizer.pad_token is None:
         raise ValueError(f"model.path={path}: the tokenizer has neither a pad nor an EOS token")
     return tokenizer
+
+
+def _tokenizer_class(path: Path) -> str:
+    try:
+        return str(json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class"))
+    except (OSError, ValueError, AttributeError):
+        return ""
 
 
 def context_length(cfg: Config) -> int | None:

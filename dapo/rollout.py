@@ -81,16 +81,21 @@ def generate(
     temperature: float = 1.0,
     top_p: float = 1.0,
     seed: int = 0,
+    greedy: bool = False,
 ) -> Rollout:
     """Sample ``group_size`` responses for each prompt (rows ``i*G .. i*G+G-1`` are prompt i).
 
     Seeding torch's generator with ``seed`` makes the rollout reproducible for a given policy.
+    ``greedy`` decodes the argmax instead (evaluation's greedy accuracy).
     """
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     device = next(model.parameters()).device
     prompt_ids_BP = enc["input_ids"].repeat_interleave(group_size, dim=0).to(device)
     prompt_mask_BP = enc["attention_mask"].repeat_interleave(group_size, dim=0).to(device)
     recorder = _SampledLogprobs(temperature)
+    kwargs = sampling_kwargs(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+    if greedy:  # argmax decoding (evaluation only): the warpers above are then unused
+        kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
     torch.manual_seed(seed)
     out = model.generate(
         input_ids=prompt_ids_BP,
@@ -98,7 +103,7 @@ def generate(
         logits_processor=LogitsProcessorList([recorder]),
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        **sampling_kwargs(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p),
+        **kwargs,
     )
     response_ids_BT = out[:, prompt_ids_BP.shape[1] :]
     logprobs_BT = recorder.finish(response_ids_BT[:, -1])

@@ -110,6 +110,19 @@ def test_two_steps_from_a_saved_model_directory(tmp_path, files, arch):
     assert (tmp_path / "r" / "checkpoints" / "step_000002").is_dir()
 
 
+def test_a_saved_demo_tokenizer_loads_as_itself(tmp_path):
+    """AutoTokenizer would load it as the model family's class (Qwen2Tokenizer) and tokenize
+    differently; the run must see the tokenizer that was saved."""
+    from dapo.config import load_config
+    from dapo.inputs import load_tokenizer
+
+    model_dir = _save_model(tmp_path / "m", "qwen2")
+    tok = load_tokenizer(load_config(None, [f"model.path={model_dir}"]))
+    text = "User: 3 + 4\nAssistant:\n"
+    assert tok(text)["input_ids"] == build_tokenizer()(text)["input_ids"]
+    assert tok.padding_side == "left" and tok.pad_token == "<|pad|>"
+
+
 def test_prompts_beyond_the_context_are_refused(tmp_path, files, capsys):
     model_dir = _save_model(tmp_path / "m", "llama", context=64)
     assert main(_args(tmp_path, model_dir, files)) == 2

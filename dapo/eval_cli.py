@@ -1,0 +1,247 @@
+"""``dapo eval``: the paper's protocol with intervals, and paired comparisons of two runs.
+
+    dapo eval MODEL_DIR --data FILE [--k 32] [--pass-k 1,8,32] [--temperature 1.0]
+              [--top-p 0.7] [--max-new-tokens N] [--seed S] [--greedy] [--out DIR]
+    dapo eval --compare A.jsonl B.jsonl
+
+MODEL_DIR is any saved causal LM (a run's ``model/`` or a checkpoint's ``model/``), or
+``embedded`` for the demo's starting policy; ``--data arith`` is the demo's held-out split.
+Imports only the standard library at module level (see dapo/cli.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_OUT = "evals"
+
+
+def add_eval_parser(subparsers: argparse._SubParsersAction) -> None:
+    ev = subparsers.add_parser(
+        "eval",
+        help="avg@k, pass@k, maj@k with 95%% bootstrap intervals; --compare two evaluations",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ev.add_argument("model", nargs="?", help="a saved model directory, or 'embedded'")
+    ev.add_argument("--data", help="Parquet/JSONL problem file (DAPO or flat), or 'arith'")
+    ev.add_argument("--k", type=int, default=32, help="samples per problem (default 32)")
+    ev.add_argument("--pass-k", default="", help="comma-separated k' <= k (default: 1,k)")
+    ev.add_argument("--temperature", type=float, default=1.0)
+    ev.add_argument("--top-p", type=float, default=0.7)
+    ev.add_argument("--max-new-tokens", type=int, default=20480)
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--greedy", action="store_true", help="also report greedy accuracy")
+    ev.add_argument("--num-problems", type=int, default=0, help="only the first N (0 = all)")
+    ev.add_argument("--reward-mode", default="", help="dapo or math_verify for every row")
+    ev.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples")
+    ev.add_argument(
+        "--phrases",
+        default="",
+        help="comma-separated reflective phrases to count (default: wait, let me check, ...)",
+    )
+    ev.add_argument("--out", type=Path, help=f"output directory (default {DEFAULT_OUT}/<name>)")
+    ev.add_argument("--device", default="auto")
+    ev.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    ev.add_argument(
+        "--compare",
+        nargs=2,
+        type=Path,
+        metavar=("A", "B"),
+        help="compare two problems.jsonl files (or the eval directories holding them)",
+    )
+    ev.set_defaults(func=cmd_eval)
+
+
+def _ks(text: str, k: int) -> list[int]:
+    if not text:
+        return sorted({1, k})
+    try:
+        ks = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise ValueError(f"--pass-k {text!r}: give comma-separated integers, e.g. 1,8,32") from None
+    bad = [x for x in ks if not 1 <= x <= k]
+    if bad:
+        raise ValueError(f"--pass-k: {bad} not in 1..k={k}; pass@k' needs k' <= k samples")
+    return ks
+
+
+def _phrases(text: str) -> tuple[str, ...]:
+    from dapo.eval_metrics import REFLECTIVE_PHRASES
+
+    return tuple(p.strip() for p in text.split(",") if p.strip()) or REFLECTIVE_PHRASES
+
+
+def _problems(args: argparse.Namespace):
+    if args.data == "arith":
+        from dapo.config import load_config
+        from dapo.inputs import load_run_data
+
+        # The demo's own held-out split: the problems `dapo train` evaluates on.
+        problems = load_run_data(load_config(None, [])).val
+    else:
+        from dapo.datafiles import load_problems
+
+        problems = load_problems(args.data).problems
+    return problems[: args.num_problems] if args.num_problems else problems
+
+
+def _model(args: argparse.Namespace):
+    from dapo import inputs
+    from dapo.cli import _device, load_policy
+    from dapo.config import load_config
+    from dapo.model import DTYPES
+
+    if args.model == "embedded":
+        # The demo's starting policy, from the warm-up cache (built first if missing).
+        cfg = load_config(None, [])
+        warmup, tokenizer = inputs.load_run_data(cfg).warmup_pairs, None
+    else:
+        cfg = load_config(None, [f"model.path={args.model}", f"model.dtype={args.dtype}"])
+        warmup, tokenizer = [], inputs.load_tokenizer(cfg)
+    model, tokenizer = load_policy(cfg, warmup, tokenizer, log=lambda m: print(m, file=sys.stderr))
+    return model.to(_device(args.device), dtype=DTYPES[args.dtype]), tokenizer
+
+
+def _metrics(records: list[dict], ks: list[int], phrases) -> dict[str, dict[str, float]]:
+    from dapo.eval_metrics import problem_metrics
+
+    out = {}
+    for r in records:
+        m = problem_metrics(
+            r["correct"],
+            r["answers"],
+            r["lengths"],
+            r["truncated"],
+            r["responses"],
+            ks=ks,
+            phrases=phrases,
+        )
+        if "greedy_correct" in r:
+            m["greedy"] = float(r["greedy_correct"])
+        out[r["uid"]] = m
+    return out
+
+
+def _table(summary: dict, title: str) -> str:
+    lines = [title, f"{'metric':<18} mean [95% bootstrap interval over problems]"]
+    lines += [f"{name:<18} {iv}" for name, iv in summary.items()]
+    return "\n".join(lines)
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    if args.compare:
+        return cmd_compare(args)
+    if not args.model or not args.data:
+        raise ValueError("dapo eval needs MODEL_DIR and --data FILE (or --compare A B)")
+    if args.k < 1:
+        raise ValueError(f"--k must be >= 1, got {args.k}")
+    ks, phrases = _ks(args.pass_k, args.k), _phrases(args.phrases)
+    if args.model != "embedded" and not (Path(args.model) / "config.json").is_file():
+        raise ValueError(f"{args.model} is not a saved model directory (no config.json)")
+    problems = _problems(args)
+    from dapo.eval_metrics import summarize
+    from dapo.evaluate import sample_records
+    from dapo.reward_pool import RewardPool
+
+    name = Path(args.model).resolve().name if args.model != "embedded" else "embedded"
+    out = args.out or Path(DEFAULT_OUT) / f"{name}-{Path(args.data).stem}-k{args.k}"
+    out.mkdir(parents=True, exist_ok=True)
+    model, tokenizer = _model(args)
+    t0 = time.perf_counter()
+    with RewardPool(workers=1) as pool:
+        records = sample_records(
+            model,
+            tokenizer,
+            problems,
+            k=args.k,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            max_new_tokens=args.max_new_tokens,
+            seed=args.seed,
+            pool=pool,
+            greedy=args.greedy,
+            reward_mode=args.reward_mode,
+        )
+    per_problem = _metrics(records, ks, phrases)
+    summary = summarize(list(per_problem.values()), resamples=args.resamples, seed=args.seed)
+    protocol = {
+        "model": str(args.model),
+        "data": str(args.data),
+        "problems": len(problems),
+        "k": args.k,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "max_new_tokens": args.max_new_tokens,
+        "seed": args.seed,
+        "resamples": args.resamples,
+        "reward_faults": sum(r["faults"] for r in records),
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    result = {
+        "protocol": protocol,
+        "metrics": {k: {"mean": v.mean, "low": v.low, "high": v.high} for k, v in summary.items()},
+    }
+    _write(out / "summary.json", json.dumps(result, indent=2) + "\n")
+    lines = [json.dumps({**r, "metrics": per_problem[r["uid"]]}) for r in records]
+    _write(out / "problems.jsonl", "\n".join(lines) + "\n")
+    title = (
+        f"{args.model} on {args.data}: {len(problems)} problems x {args.k} samples "
+        f"(T {args.temperature}, top_p {args.top_p}, seed {args.seed})"
+    )
+    print(_table(summary, title))
+    print(f"wrote {out / 'summary.json'} and {out / 'problems.jsonl'}")
+    return 0
+
+
+def _read_problems(path: Path) -> dict[str, dict[str, float]]:
+    path = path / "problems.jsonl" if path.is_dir() else path
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise ValueError(f"--compare: cannot read {path}: {exc.strerror}") from None
+    out = {}
+    for i, line in enumerate(lines):
+        try:
+            record = json.loads(line)
+            out[record["uid"]] = record["metrics"]
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(
+                f"--compare: {path} line {i + 1} is not a dapo eval record (uid, metrics)"
+            ) from None
+    return out
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from dapo.eval_metrics import compare
+
+    a_path, b_path = args.compare
+    a, b = _read_problems(a_path), _read_problems(b_path)
+    common = a.keys() & b.keys()
+    result = compare(a, b, resamples=args.resamples, seed=args.seed)
+    print(f"A = {a_path}\nB = {b_path}\n{len(common)} problems in both", end="")
+    dropped = len(a) + len(b) - 2 * len(common)
+    print(f" ({dropped} only in one, left out)" if dropped else "")
+    print(f"{'metric':<18} {'A':<24} {'B':<24} {'B - A [95% paired]':<26} p (permutation)")
+    for name, row in result.items():
+        if name == "changed":
+            continue
+        print(f"{name:<18} {row['a']!s:<24} {row['b']!s:<24} {row['diff']!s:<26} {row['p']:.4f}")
+    changed = result["changed"]
+    print(f"\nproblems whose avg@k changed: {len(changed)}")
+    for uid, va, vb in changed[:10]:
+        print(f"  {uid}: {va:.3f} -> {vb:.3f}")
+    if len(changed) > 10:
+        print(f"  ... and {len(changed) - 10} more")
+    return 0

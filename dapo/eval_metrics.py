@@ -1,0 +1,348 @@
+"""Evaluation statistics: per-problem metrics from sampled responses, and intervals over problems.
+
+Everything here is a pure function of its arguments (no I/O, no model, no torch), so an
+evaluation run can be re-scored or compared offline from its saved records.
+
+The unit of resampling is always the *problem*: the n responses to one problem are strongly
+correlated (same prompt, same difficulty), so treating responses as independent would make
+the intervals far too narrow. Each problem first collapses to its own metrics
+(:func:`problem_metrics`), then :func:`summarize` and :func:`compare` bootstrap over problems.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import operator
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+REFLECTIVE_PHRASES: tuple[str, ...] = (
+    "wait",
+    "let me check",
+    "re-check",
+    "recheck",
+    "verify",
+    "let me verify",
+    "double-check",
+)
+
+# Bounds one chunk of resampling work to about 4M indices (32 MB as int64, the same again for
+# the gathered values), so 10k resamples of 1000 problems never materialise 80 MB at once.
+_CHUNK_ELEMENTS = 1 << 22
+# Sign-flip statistics are compared with a little slack so that the flip equal to the observed
+# one (or its mirror) counts as "at least as extreme" despite a different summation order.
+_PERMUTATION_ATOL = 1e-12
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k estimate from ``n`` samples of which ``c`` are correct (Chen et al. 2021).
+
+    The probability that a uniformly drawn k-subset of the n samples contains at least one
+    correct one: ``1 - C(n - c, k) / C(n, k)``. It is computed with exact integers and a single
+    correctly rounded division, so the result is the float nearest the exact rational value.
+    """
+    n, c, k = operator.index(n), operator.index(c), operator.index(k)
+    if k < 1:
+        raise ValueError(f"pass@k needs k >= 1, got k={k}")
+    if k > n:
+        raise ValueError(f"pass@k needs k <= n, got k={k} with only n={n} samples")
+    if not 0 <= c <= n:
+        raise ValueError(f"number correct c={c} must lie in [0, n={n}]")
+    if n - c < k:
+        return 1.0  # every k-subset must contain a correct sample
+    total = math.comb(n, k)
+    return (total - math.comb(n - c, k)) / total
+
+
+def majority_vote(
+    answers: Sequence[str | None], correct: Sequence[bool]
+) -> tuple[str | None, bool]:
+    """The most frequent extracted answer and whether it was graded correct.
+
+    ``None`` and ``""`` (no answer extracted) do not vote. Answers are compared exactly as
+    given; normalisation is the verifier's job. Ties in vote count go to the tied answer whose
+    *first occurrence comes earliest* in ``answers``, which keeps the result deterministic and
+    independent of hashing. The flag is True when any response giving the winning answer was
+    graded correct (for a consistent verifier these all agree). Returns ``(None, False)`` when
+    no response produced an answer.
+    """
+    if len(answers) != len(correct):
+        raise ValueError(f"{len(answers)} answers but {len(correct)} correctness flags")
+    counts: dict[str, int] = {}
+    winner_correct: dict[str, bool] = {}
+    # dicts keep insertion order, i.e. order of first occurrence, which max() uses on ties
+    for answer, ok in zip(answers, correct, strict=True):
+        if answer is None or answer == "":
+            continue
+        counts[answer] = counts.get(answer, 0) + 1
+        winner_correct[answer] = winner_correct.get(answer, False) or bool(ok)
+    if not counts:
+        return None, False
+    best = max(counts, key=counts.__getitem__)  # max returns the first maximal item
+    return best, winner_correct[best]
+
+
+@functools.lru_cache(maxsize=64)
+def _phrase_patterns(phrases: tuple[str, ...]) -> tuple[re.Pattern[str], ...]:
+    patterns = []
+    for phrase in phrases:
+        words = phrase.split()
+        if not words:
+            raise ValueError("reflective phrases must be non-empty")
+        # Any run of whitespace may separate the words ("let me\ncheck" still counts); the
+        # lookarounds are \b for word-character edges and also behave for punctuation edges.
+        body = r"\s+".join(re.escape(word) for word in words)
+        patterns.append(re.compile(rf"(?<!\w){body}(?!\w)", re.IGNORECASE))
+    return tuple(patterns)
+
+
+def reflection_count(text: str, phrases: Sequence[str] = REFLECTIVE_PHRASES) -> int:
+    """Case-insensitive count of whole-word occurrences of the reflective ``phrases`` in ``text``.
+
+    A phrase only matches between word boundaries, so "waiting" is not a "wait" and
+    "double-checking" is not a "double-check". Each phrase is counted separately, so
+    overlapping phrases both count: "let me verify" adds one for "let me verify" and one for
+    "verify". Words inside a phrase may be separated by any whitespace.
+    """
+    return sum(len(p.findall(text)) for p in _phrase_patterns(tuple(phrases)))
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A point estimate with a confidence interval."""
+
+    mean: float
+    low: float
+    high: float
+
+    def __str__(self) -> str:
+        return f"{self.mean:.3f} [{self.low:.3f}, {self.high:.3f}]"
+
+
+def problem_metrics(
+    correct: Sequence[bool],
+    answers: Sequence[str | None],
+    lengths: Sequence[int],
+    truncated: Sequence[bool],
+    texts: Sequence[str],
+    *,
+    ks: Sequence[int],
+    phrases: Sequence[str] = REFLECTIVE_PHRASES,
+) -> dict[str, float]:
+    """Metrics of one problem from its n sampled responses (all sequences index the responses).
+
+    Keys: ``"avg@k"`` (fraction correct, i.e. avg@n; the key is literal so records from runs
+    with different n line up), ``"pass@{k}"`` for each k in ``ks``, ``"maj@k"`` (1.0 when the
+    majority answer is correct), ``"len_mean"``, ``"len_max"``, ``"truncated_frac"``,
+    ``"reflections"`` (mean :func:`reflection_count` per response) and ``"reflective_frac"``
+    (fraction of responses with at least one reflective phrase).
+    """
+    n = len(correct)
+    sizes = {
+        "answers": len(answers),
+        "lengths": len(lengths),
+        "truncated": len(truncated),
+        "texts": len(texts),
+    }
+    mismatched = {name: size for name, size in sizes.items() if size != n}
+    if mismatched:
+        raise ValueError(f"{n} correctness flags but {mismatched}")
+    if n == 0:
+        raise ValueError("a problem needs at least one sampled response")
+    for k in ks:
+        if not 1 <= k <= n:
+            raise ValueError(f"pass@{k} needs 1 <= k <= n, but the problem has n={n} samples")
+
+    n_correct = sum(bool(ok) for ok in correct)
+    _, maj_correct = majority_vote(answers, correct)
+    reflections = [reflection_count(text, phrases) for text in texts]
+    metrics: dict[str, float] = {"avg@k": n_correct / n}
+    for k in ks:
+        metrics[f"pass@{k}"] = pass_at_k(n, n_correct, k)
+    metrics["maj@k"] = 1.0 if maj_correct else 0.0
+    metrics["len_mean"] = sum(lengths) / n
+    metrics["len_max"] = float(max(lengths))
+    metrics["truncated_frac"] = sum(bool(t) for t in truncated) / n
+    metrics["reflections"] = sum(reflections) / n
+    metrics["reflective_frac"] = sum(r > 0 for r in reflections) / n
+    return metrics
+
+
+def _as_values(values: Sequence[float], name: str = "values") -> np.ndarray:
+    array = np.asarray(values, dtype=np.float64)
+    if array.ndim != 1:
+        raise ValueError(f"{name} must be one-dimensional, got shape {array.shape}")
+    if array.size == 0:
+        raise ValueError(f"{name} is empty: nothing to estimate")
+    if not np.all(np.isfinite(array)):
+        raise ValueError(f"{name} contains NaN or infinity")
+    return array
+
+
+def _check_resampling(resamples: int, level: float | None = None) -> None:
+    if resamples < 1:
+        raise ValueError(f"resamples must be >= 1, got {resamples}")
+    if level is not None and not 0.0 < level < 1.0:
+        raise ValueError(f"level must lie strictly between 0 and 1, got {level}")
+
+
+def _bootstrap(array: np.ndarray, resamples: int, seed: int, level: float) -> Interval:
+    n = array.size
+    rng = np.random.default_rng(seed)
+    rows = max(1, _CHUNK_ELEMENTS // n)
+    means = np.empty(resamples, dtype=np.float64)
+    for start in range(0, resamples, rows):
+        stop = min(start + rows, resamples)
+        index = rng.integers(0, n, size=(stop - start, n))
+        means[start:stop] = array[index].mean(axis=1)
+    low, high = np.quantile(means, [(1.0 - level) / 2.0, (1.0 + level) / 2.0])
+    return Interval(mean=float(array.mean()), low=float(low), high=float(high))
+
+
+def bootstrap_ci(
+    values: Sequence[float], *, resamples: int = 10_000, seed: int = 0, level: float = 0.95
+) -> Interval:
+    """Percentile-bootstrap interval for the mean of per-problem ``values``.
+
+    Problems are resampled with replacement ``resamples`` times; ``low`` and ``high`` are the
+    ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles of the resampled means, and ``mean``
+    is the plain mean. The draws come from ``numpy.random.default_rng(seed)``, so the same
+    inputs and seed give the same interval; with the same seed, metrics of the same problems
+    are resampled with the same draws and their intervals are mutually consistent.
+    """
+    _check_resampling(resamples, level)
+    return _bootstrap(_as_values(values), resamples, seed, level)
+
+
+def summarize(
+    per_problem: Sequence[dict[str, float]],
+    *,
+    resamples: int = 10_000,
+    seed: int = 0,
+    level: float = 0.95,
+) -> dict[str, Interval]:
+    """Mean over problems with a bootstrap interval, for every key present in all records.
+
+    The treatment is uniform: every key is averaged over problems, so ``"len_max"`` summarises
+    to the mean of the per-problem maxima, not the longest response overall. Keys keep the
+    order of the first record.
+    """
+    if not per_problem:
+        raise ValueError("no problems to summarize")
+    _check_resampling(resamples, level)
+    shared = [key for key in per_problem[0] if all(key in record for record in per_problem)]
+    return {
+        key: _bootstrap(
+            _as_values([record[key] for record in per_problem], key), resamples, seed, level
+        )
+        for key in shared
+    }
+
+
+def _paired_differences(a: Sequence[float], b: Sequence[float]) -> np.ndarray:
+    if len(a) != len(b):
+        raise ValueError(f"paired samples differ in length: {len(a)} vs {len(b)}")
+    return _as_values(b, "b") - _as_values(a, "a")
+
+
+def paired_bootstrap_ci(
+    a: Sequence[float],
+    b: Sequence[float],
+    *,
+    resamples: int = 10_000,
+    seed: int = 0,
+    level: float = 0.95,
+) -> Interval:
+    """Bootstrap interval for ``mean(b - a)`` where ``a[i]`` and ``b[i]`` are the same problem.
+
+    Resampling whole problems keeps each pair together, so the shared per-problem difficulty
+    cancels and the interval is much tighter than one from two independent intervals.
+    """
+    _check_resampling(resamples, level)
+    return _bootstrap(_paired_differences(a, b), resamples, seed, level)
+
+
+def paired_permutation_pvalue(
+    a: Sequence[float], b: Sequence[float], *, resamples: int = 10_000, seed: int = 0
+) -> float:
+    """Two-sided paired sign-flip test of "a and b score the same on average".
+
+    Under the null hypothesis each per-problem difference ``d = b - a`` is as likely to have
+    either sign, so random sign flips ``s`` give its null distribution. The p-value is
+    ``(1 + #{|mean(s * d)| >= |mean(d)|}) / (1 + resamples)``, which is never 0 and is valid for
+    a finite number of random flips. It is exactly 1.0 when every difference is 0.
+    """
+    _check_resampling(resamples)
+    d = _paired_differences(a, b)
+    if not np.any(d):
+        return 1.0
+    n = d.size
+    observed = abs(float(d.mean())) - _PERMUTATION_ATOL
+    rng = np.random.default_rng(seed)
+    rows = max(1, _CHUNK_ELEMENTS // n)
+    extreme = 0
+    for start in range(0, resamples, rows):
+        stop = min(start + rows, resamples)
+        signs = rng.integers(0, 2, size=(stop - start, n)).astype(np.float64) * 2.0 - 1.0
+        extreme += int(np.count_nonzero(np.abs(signs @ d) / n >= observed))
+    return (1 + extreme) / (1 + resamples)
+
+
+def compare(
+    a: Mapping[str, dict[str, float]],
+    b: Mapping[str, dict[str, float]],
+    *,
+    resamples: int = 10_000,
+    seed: int = 0,
+    level: float = 0.95,
+) -> dict[str, Any]:
+    """Compare two evaluations (``uid -> problem_metrics``) on the problems they share.
+
+    Only uids present in both are used (ValueError if there are none); the caller is expected
+    to report how many were dropped. Problems are taken in sorted uid order so the result does
+    not depend on mapping order. For each metric key present in every shared record of both,
+    the entry is ``{"a": Interval, "b": Interval, "diff": Interval, "p": float}`` with ``diff``
+    the paired interval of b - a and ``p`` the paired sign-flip p-value. ``"changed"`` lists
+    ``(uid, a_value, b_value)`` for every problem whose ``"avg@k"`` differs, largest
+    improvement first (ties by uid).
+    """
+    _check_resampling(resamples, level)
+    uids = sorted(set(a) & set(b))
+    if not uids:
+        raise ValueError(f"the evaluations share no problems ({len(a)} vs {len(b)} uids)")
+    records_a = [a[uid] for uid in uids]
+    records_b = [b[uid] for uid in uids]
+    keys = [
+        key
+        for key in records_a[0]
+        if all(key in record for record in records_a) and all(key in r for r in records_b)
+    ]
+
+    result: dict[str, Any] = {}
+    for key in keys:
+        values_a = [record[key] for record in records_a]
+        values_b = [record[key] for record in records_b]
+        result[key] = {
+            "a": bootstrap_ci(values_a, resamples=resamples, seed=seed, level=level),
+            "b": bootstrap_ci(values_b, resamples=resamples, seed=seed, level=level),
+            "diff": paired_bootstrap_ci(
+                values_a, values_b, resamples=resamples, seed=seed, level=level
+            ),
+            "p": paired_permutation_pvalue(values_a, values_b, resamples=resamples, seed=seed),
+        }
+
+    changed: list[tuple[str, float, float]] = []
+    if "avg@k" in keys:
+        changed = [
+            (uid, ra["avg@k"], rb["avg@k"])
+            for uid, ra, rb in zip(uids, records_a, records_b, strict=True)
+            if ra["avg@k"] != rb["avg@k"]
+        ]
+        changed.sort(key=lambda item: item[2] - item[1], reverse=True)  # stable: uid on ties
+    result["changed"] = changed
+    return result

@@ -1,0 +1,84 @@
+"""`dapo eval` end to end on a tiny saved model, and `--compare` on hand-made result files."""
+
+import json
+
+import pytest
+
+from dapo import arith
+from dapo.cli import main
+from dapo.data import PROMPT_PREFIX
+
+pytest.importorskip("pyarrow")
+
+
+@pytest.fixture(scope="module")
+def model_and_data(tmp_path_factory):
+    from test_hf_models import _save_model  # the same tiny saved Qwen2 as the training tests
+
+    root = tmp_path_factory.mktemp("eval")
+    model_dir = _save_model(root / "m", "qwen2")
+    _, val, _ = arith.make_splits(0, 6, seed=0)
+    with (root / "val.jsonl").open("w") as f:
+        for p, _ in val:
+            raw = p.messages[0]["content"][len(PROMPT_PREFIX) :].split("\n\n")[0]
+            f.write(json.dumps({"question": raw, "answer": p.answer}) + "\n")
+    return model_dir, root / "val.jsonl"
+
+
+def _eval(model_dir, data, out, *extra):
+    args = ["eval", str(model_dir), "--data", str(data), "--k", "4", "--max-new-tokens", "12"]
+    return main([*args, "--resamples", "200", "--out", str(out), *extra])
+
+
+def test_eval_writes_summary_and_records_and_repeats_with_a_seed(tmp_path, model_and_data, capsys):
+    model_dir, data = model_and_data
+    assert _eval(model_dir, data, tmp_path / "a", "--pass-k", "1,2,4", "--greedy") == 0
+    out = capsys.readouterr().out
+    assert "6 problems x 4 samples (T 1.0, top_p 0.7, seed 0)" in out
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    metrics = summary["metrics"]
+    for key in ("avg@k", "pass@1", "pass@2", "pass@4", "maj@k", "greedy", "len_mean"):
+        assert metrics[key]["low"] <= metrics[key]["mean"] <= metrics[key]["high"], key
+    assert summary["protocol"]["k"] == 4 and summary["protocol"]["problems"] == 6
+    records = [json.loads(x) for x in (tmp_path / "a" / "problems.jsonl").read_text().splitlines()]
+    assert len(records) == 6
+    assert all(len(r["responses"]) == len(r["correct"]) == len(r["answers"]) == 4 for r in records)
+    # The same seed gives the same samples, hence the same figures.
+    assert _eval(model_dir, data, tmp_path / "b", "--pass-k", "1,2,4", "--greedy") == 0
+    again = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert again["metrics"] == metrics
+    assert (tmp_path / "a" / "problems.jsonl").read_text() == (
+        tmp_path / "b" / "problems.jsonl"
+    ).read_text()
+
+
+def test_eval_errors_name_the_fix(tmp_path, model_and_data, capsys):
+    model_dir, data = model_and_data
+    assert _eval(model_dir, data, tmp_path / "a", "--pass-k", "8") == 2
+    assert "--pass-k: [8] not in 1..k=4" in capsys.readouterr().err
+    assert main(["eval", str(tmp_path), "--data", str(data)]) == 2
+    assert "not a saved model directory" in capsys.readouterr().err
+
+
+def _records(path, values):
+    with path.open("w") as f:
+        for i, v in enumerate(values):
+            f.write(json.dumps({"uid": f"p{i}", "metrics": {"avg@k": v, "maj@k": float(v > 0.5)}}))
+            f.write("\n")
+    return path
+
+
+def test_compare_identical_and_clearly_better(tmp_path, capsys):
+    base = [0.0] * 60 + [1.0] * 40
+    better = [1.0] * 30 + [0.0] * 30 + [1.0] * 40  # 30 problems flipped from wrong to right
+    a = _records(tmp_path / "a.jsonl", base)
+    assert main(["eval", "--compare", str(a), str(a)]) == 0
+    out = capsys.readouterr().out
+    row = next(x for x in out.splitlines() if x.startswith("avg@k"))
+    assert row.split()[-1] == "1.0000" and "0.000 [0.000, 0.000]" in row
+    b = _records(tmp_path / "b.jsonl", better)
+    assert main(["eval", "--compare", str(a), str(b)]) == 0
+    out = capsys.readouterr().out
+    row = next(x for x in out.splitlines() if x.startswith("avg@k"))
+    assert float(row.split()[-1]) < 0.01
+    assert "problems whose avg@k changed: 30" in out and "p0: 0.000 -> 1.000" in out

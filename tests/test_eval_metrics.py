@@ -1,0 +1,296 @@
+"""Evaluation statistics: exact estimators, voting, phrase counting and bootstrap behaviour."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+from dapo.eval_metrics import (
+    REFLECTIVE_PHRASES,
+    Interval,
+    bootstrap_ci,
+    compare,
+    majority_vote,
+    paired_bootstrap_ci,
+    paired_permutation_pvalue,
+    pass_at_k,
+    problem_metrics,
+    reflection_count,
+    summarize,
+)
+
+
+def _brute_force_pass_at_k(n: int, c: int, k: int) -> Fraction:
+    # samples 0..c-1 are the correct ones; count the k-subsets that contain one of them
+    subsets = list(itertools.combinations(range(n), k))
+    hits = sum(any(i < c for i in subset) for subset in subsets)
+    return Fraction(hits, len(subsets))
+
+
+@pytest.mark.parametrize("n", range(1, 9))
+def test_pass_at_k_matches_brute_force_enumeration(n):
+    for c in range(n + 1):
+        for k in range(1, n + 1):
+            # the estimator rounds once from the exact rational, so equality is exact
+            assert pass_at_k(n, c, k) == float(_brute_force_pass_at_k(n, c, k)), (n, c, k)
+    for k in range(1, n + 1):
+        assert pass_at_k(n, 0, k) == 0.0
+        assert pass_at_k(n, n, k) == 1.0
+
+
+def test_pass_at_k_large_n_stays_exact_and_in_range():
+    value = pass_at_k(1024, 3, 512)
+    exact = 1 - Fraction(math.comb(1021, 512), math.comb(1024, 512))
+    assert value == float(exact)
+    assert pass_at_k(1024, 1, 1) == 1 / 1024
+
+
+@pytest.mark.parametrize(
+    ("n", "c", "k", "fragment"),
+    [
+        (4, 1, 5, "k <= n"),
+        (4, 1, 0, "k >= 1"),
+        (4, -1, 2, "c=-1"),
+        (4, 5, 2, "c=5"),
+    ],
+)
+def test_pass_at_k_rejects_invalid_arguments(n, c, k, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        pass_at_k(n, c, k)
+
+
+def test_majority_vote_clear_winner():
+    answers = ["3", "5", "5", "7", "5"]
+    correct = [False, True, True, False, True]
+    assert majority_vote(answers, correct) == ("5", True)
+
+
+def test_majority_vote_tie_goes_to_answer_whose_first_occurrence_is_earliest():
+    # "9" and "4" both get two votes; "9" appears first
+    answers = ["9", "4", "4", "9"]
+    assert majority_vote(answers, [False, True, True, False]) == ("9", False)
+    assert majority_vote(list(reversed(answers)), [False, True, True, False]) == ("9", False)
+    assert majority_vote(["4", "9", "9", "4"], [True, False, False, True]) == ("4", True)
+
+
+def test_majority_vote_ignores_missing_answers():
+    answers = [None, "", None, "2", ""]
+    assert majority_vote(answers, [False, False, False, True, False]) == ("2", True)
+
+
+def test_majority_vote_nobody_answered():
+    assert majority_vote([None, "", None], [False, False, False]) == (None, False)
+    assert majority_vote([], []) == (None, False)
+
+
+def test_majority_vote_correct_flag_follows_the_winner():
+    # the single correct response loses the vote, so maj is wrong
+    answers = ["1", "2", "2", "3"]
+    assert majority_vote(answers, [True, False, False, False]) == ("2", False)
+    assert majority_vote(answers, [False, True, True, False]) == ("2", True)
+    with pytest.raises(ValueError):
+        majority_vote(["1", "2"], [True])
+
+
+def test_reflection_count_is_case_insensitive():
+    assert reflection_count("WAIT. Wait, wait") == 3
+    assert reflection_count("Let Me Check the sum") == 1
+
+
+def test_reflection_count_respects_word_boundaries():
+    assert reflection_count("waiting for the awaited result") == 0
+    assert reflection_count("I am double-checking; verifying") == 0
+    assert reflection_count("(wait) re-check, recheck!") == 3
+    assert reflection_count("") == 0
+
+
+def test_reflection_count_counts_overlapping_phrases_per_phrase():
+    # "let me verify" matches both "let me verify" and "verify"
+    assert reflection_count("Let me verify.") == 2
+    # "let me check" and "re-check" share nothing; "double-check" is one phrase
+    assert reflection_count("let me check, then double-check") == 2
+    assert reflection_count("let me\n  verify") == 2
+    assert reflection_count("wait wait", phrases=("wait", "wait wait")) == 3
+    assert "verify" in REFLECTIVE_PHRASES
+
+
+def test_problem_metrics_on_hand_made_problem():
+    metrics = problem_metrics(
+        correct=[True, False, True, False],
+        answers=["42", "41", "42", None],
+        lengths=[10, 20, 30, 40],
+        truncated=[False, False, False, True],
+        texts=["Wait, let me verify.", "waiting", "Let me check. Wait. wait", ""],
+        ks=(1, 2, 4),
+    )
+    expected = {
+        "avg@k": 0.5,
+        "pass@1": 0.5,
+        "pass@2": 5 / 6,  # 1 - C(2, 2) / C(4, 2)
+        "pass@4": 1.0,
+        "maj@k": 1.0,
+        "len_mean": 25.0,
+        "len_max": 40.0,
+        "truncated_frac": 0.25,
+        "reflections": 1.5,  # (3 + 0 + 3 + 0) / 4
+        "reflective_frac": 0.5,
+    }
+    assert metrics.keys() == expected.keys()
+    for key, value in expected.items():
+        assert metrics[key] == pytest.approx(value, abs=1e-15), key
+
+
+def test_problem_metrics_wrong_majority_and_errors():
+    metrics = problem_metrics(
+        correct=[True, False, False],
+        answers=["1", "2", "2"],
+        lengths=[5, 5, 5],
+        truncated=[False] * 3,
+        texts=["", "", ""],
+        ks=(1,),
+    )
+    assert metrics["maj@k"] == 0.0
+    assert metrics["pass@1"] == pytest.approx(1 / 3)
+    assert metrics["reflective_frac"] == 0.0
+    with pytest.raises(ValueError, match=r"pass@4.*n=3"):
+        problem_metrics([True] * 3, ["1"] * 3, [1] * 3, [False] * 3, [""] * 3, ks=(1, 4))
+    with pytest.raises(ValueError):
+        problem_metrics([True] * 3, ["1"] * 2, [1] * 3, [False] * 3, [""] * 3, ks=(1,))
+
+
+def test_interval_str():
+    assert str(Interval(0.40625, 0.3521, 0.4609)) == "0.406 [0.352, 0.461]"
+
+
+def test_bootstrap_coverage_and_width_for_bernoulli_mean():
+    p, n, trials = 0.3, 200, 200
+    covered = 0
+    widths = []
+    for trial in range(trials):
+        values = np.random.default_rng(1000 + trial).binomial(1, p, size=n).astype(float)
+        interval = bootstrap_ci(values, resamples=2000, seed=trial)
+        assert interval.low <= interval.mean <= interval.high
+        covered += interval.low <= p <= interval.high
+        widths.append(interval.high - interval.low)
+    coverage = covered / trials
+    mean_width = float(np.mean(widths))
+    normal_width = 2 * 1.96 * math.sqrt(p * (1 - p) / n)
+    print(f"coverage {coverage:.3f}, mean width {mean_width:.4f} (normal {normal_width:.4f})")
+    assert coverage >= 0.90
+    assert abs(mean_width - normal_width) <= 0.15 * normal_width
+
+
+def test_bootstrap_is_reproducible_per_seed():
+    values = np.random.default_rng(7).normal(size=150)
+    first = bootstrap_ci(values, resamples=1000, seed=3)
+    assert bootstrap_ci(values, resamples=1000, seed=3) == first
+    other = bootstrap_ci(values, resamples=1000, seed=4)
+    assert other.mean == first.mean
+    assert (other.low, other.high) != (first.low, first.high)
+
+
+def test_bootstrap_chunking_and_edge_cases():
+    # more resamples than fit in one chunk for this many problems still fills every slot
+    values = np.arange(5000, dtype=float) % 2
+    interval = bootstrap_ci(values, resamples=2000, seed=0)
+    assert interval.mean == 0.5
+    assert 0.48 < interval.low < 0.5 < interval.high < 0.52
+    assert bootstrap_ci([0.25], resamples=10) == Interval(0.25, 0.25, 0.25)
+    with pytest.raises(ValueError):
+        bootstrap_ci([])
+    with pytest.raises(ValueError):
+        bootstrap_ci([1.0, float("nan")])
+    with pytest.raises(ValueError):
+        bootstrap_ci([1.0, 0.0], level=1.0)
+
+
+def test_summarize_uses_keys_shared_by_all_records():
+    records = [
+        {"avg@k": 1.0, "len_max": 10.0, "extra": 1.0},
+        {"avg@k": 0.0, "len_max": 30.0},
+    ]
+    summary = summarize(records, resamples=500, seed=0)
+    assert list(summary) == ["avg@k", "len_max"]
+    assert summary["avg@k"].mean == 0.5
+    assert summary["len_max"].mean == 20.0  # mean of per-problem maxima
+    assert summary["avg@k"] == bootstrap_ci([1.0, 0.0], resamples=500, seed=0)
+    with pytest.raises(ValueError):
+        summarize([])
+
+
+def test_permutation_pvalue_identical_inputs():
+    a = [1.0, 0.0, 0.5, 1.0]
+    assert paired_permutation_pvalue(a, list(a)) == 1.0
+    assert paired_bootstrap_ci(a, list(a)) == Interval(0.0, 0.0, 0.0)
+
+
+def test_permutation_pvalue_clear_improvement():
+    a = np.array([1.0] * 50 + [0.0] * 50)
+    b = a.copy()
+    b[50:80] = 1.0  # thirty wrong problems become right
+    p = paired_permutation_pvalue(a, b)
+    assert p < 0.01
+    assert p == pytest.approx(1 / 10_001)
+    diff = paired_bootstrap_ci(a, b)
+    assert diff.mean == pytest.approx(0.3)
+    assert diff.low > 0
+
+
+def test_permutation_pvalue_small_symmetric_difference():
+    a = np.zeros(100)
+    b = a.copy()
+    b[:3] = 1.0
+    b[3:5] = -1.0  # net difference of one problem in a hundred
+    assert paired_permutation_pvalue(a, b) > 0.5
+    b_balanced = a.copy()
+    b_balanced[:2], b_balanced[2:4] = 1.0, -1.0
+    assert paired_permutation_pvalue(a, b_balanced) == 1.0
+    with pytest.raises(ValueError, match="length"):
+        paired_permutation_pvalue([1.0, 0.0], [1.0])
+    with pytest.raises(ValueError, match="length"):
+        paired_bootstrap_ci([1.0, 0.0], [1.0])
+
+
+def test_compare_on_hand_made_evaluations():
+    a = {
+        "p1": {"avg@k": 0.0, "len_mean": 100.0},
+        "p2": {"avg@k": 0.5, "len_mean": 120.0},
+        "p3": {"avg@k": 1.0, "len_mean": 90.0},
+        "p4": {"avg@k": 0.25, "len_mean": 200.0},
+        "only_a": {"avg@k": 1.0, "len_mean": 50.0},
+    }
+    b = {
+        "p4": {"avg@k": 0.5, "len_mean": 150.0, "extra": 1.0},
+        "p3": {"avg@k": 1.0, "len_mean": 80.0, "extra": 1.0},
+        "p2": {"avg@k": 0.75, "len_mean": 110.0, "extra": 1.0},
+        "p1": {"avg@k": 1.0, "len_mean": 60.0, "extra": 1.0},
+        "only_b": {"avg@k": 0.0, "len_mean": 10.0, "extra": 1.0},
+    }
+    result = compare(a, b, resamples=2000, seed=0)
+    assert set(result) == {"avg@k", "len_mean", "changed"}
+
+    accuracy = result["avg@k"]
+    assert set(accuracy) == {"a", "b", "diff", "p"}
+    assert accuracy["a"].mean == pytest.approx((0.0 + 0.5 + 1.0 + 0.25) / 4)  # only_a dropped
+    assert accuracy["b"].mean == pytest.approx((1.0 + 0.75 + 1.0 + 0.5) / 4)  # only_b dropped
+    assert accuracy["diff"].mean == pytest.approx(0.375)
+    assert 0.0 <= accuracy["diff"].low <= accuracy["diff"].mean <= accuracy["diff"].high
+    assert 0.0 < accuracy["p"] <= 1.0
+
+    length = result["len_mean"]
+    assert length["diff"].mean == pytest.approx(-27.5)  # (-40 - 10 - 10 - 50) / 4
+    assert length["diff"].high < 0  # b is shorter on every shared problem
+
+    # largest improvement first; p2 and p4 tie at +0.25 and keep uid order; p3 is unchanged
+    assert result["changed"] == [("p1", 0.0, 1.0), ("p2", 0.5, 0.75), ("p4", 0.25, 0.5)]
+
+    # mapping order does not matter
+    reordered = compare(dict(reversed(list(a.items()))), b, resamples=2000, seed=0)
+    assert reordered == result
+
+    with pytest.raises(ValueError, match="share no problems"):
+        compare({"x": {"avg@k": 1.0}}, {"y": {"avg@k": 1.0}})
