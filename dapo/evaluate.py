@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-
 from dapo.data import Problem
 from dapo.reward_pool import Job, RewardPool
 from dapo.rollout import generate
@@ -35,48 +33,53 @@ def evaluate(
     pool: RewardPool | None = None,
     chat_template: bool = True,
     reward_mode: str = "",
+    resamples: int = 1000,
 ) -> dict[str, float]:
-    """avg@k: the mean correctness over k samples of every problem; also length and truncation.
+    """The held-out evaluation of training: ``dapo eval``'s samples and metrics, as val/*.
 
-    Seeded per batch, so the same weights give the same figures. ``pool`` grades (default:
-    in-process), with ``reward_mode`` for every row or else each row's data_source; a response
-    the verifier fails on counts as incorrect and in ``val/reward_faults``.
+    ``val/accuracy`` is avg@k (the mean correctness over k samples of every problem), with a
+    95% bootstrap interval over problems (``val/accuracy_low``, ``val/accuracy_high``);
+    also pass@k, maj@k, length and truncation. Seeded per batch, so the same weights give the
+    same figures. ``pool`` grades (default: in-process), with ``reward_mode`` for every row or
+    else each row's data_source; a response the verifier fails on counts as incorrect and in
+    ``val/reward_faults``.
     """
-    pool = pool or RewardPool(workers=0)
-    faults = 0
-    was_training = model.training
-    model.eval()
-    correct, lengths, truncated = [], [], []
-    for start in range(0, len(problems), prompts_per_batch):
-        chunk = problems[start : start + prompts_per_batch]
-        ro = generate(
-            model,
-            tokenizer,
-            [render_prompt(tokenizer, p, chat_template=chat_template) for p in chunk],
-            group_size=num_samples,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed + start,
+    from dapo.eval_metrics import problem_metrics, summarize
+
+    k = num_samples
+    records = sample_records(
+        model,
+        tokenizer,
+        problems,
+        k=k,
+        temperature=temperature,
+        top_p=top_p,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+        pool=pool or RewardPool(workers=0),
+        chat_template=chat_template,
+        reward_mode=reward_mode,
+        responses_per_batch=prompts_per_batch * k,
+    )
+    per_problem = [
+        problem_metrics(
+            r["correct"], r["answers"], r["lengths"], r["truncated"], r["responses"], ks=[k]
         )
-        jobs = []
-        for i, text in enumerate(ro.texts):
-            p = chunk[i // num_samples]
-            jobs.append(Job(reward_mode or p.data_source, text, p.answer))
-        graded = pool.grade(jobs)
-        correct.extend(s.correct for s in graded.scores)
-        faults += len(graded.faults)
-        lengths.extend(ro.lengths_B.tolist())
-        truncated.extend(ro.truncated_B.tolist())
-    model.train(was_training)
-    acc = torch.tensor(correct, dtype=torch.float64)
+        for r in records
+    ]
+    summary = summarize(per_problem, resamples=resamples, seed=seed % 2**32)
+    acc = summary["avg@k"]
     return {
-        "val/accuracy": float(acc.mean()),
-        "val/response_len_mean": float(torch.tensor(lengths, dtype=torch.float64).mean()),
-        "val/truncated_frac": float(torch.tensor(truncated, dtype=torch.float64).mean()),
+        "val/accuracy": acc.mean,
+        "val/accuracy_low": acc.low,
+        "val/accuracy_high": acc.high,
+        f"val/pass@{k}": summary[f"pass@{k}"].mean,
+        "val/maj@k": summary["maj@k"].mean,
+        "val/response_len_mean": summary["len_mean"].mean,
+        "val/truncated_frac": summary["truncated_frac"].mean,
         "val/num_problems": float(len(problems)),
-        "val/num_samples": float(num_samples),
-        "val/reward_faults": float(faults),
+        "val/num_samples": float(k),
+        "val/reward_faults": float(sum(r["faults"] for r in records)),
     }
 
 
