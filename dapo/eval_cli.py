@@ -2,7 +2,7 @@
 
     dapo eval MODEL_DIR --data FILE [--k 32] [--pass-k 1,8,32] [--temperature 1.0]
               [--top-p 0.7] [--max-new-tokens N] [--seed S] [--greedy] [--out DIR]
-    dapo eval --compare A.jsonl B.jsonl
+    dapo eval --compare A.jsonl B.jsonl          (or eval directories, or two models + --data)
 
 MODEL_DIR is any saved causal LM (a run's ``model/`` or a checkpoint's ``model/``), or
 ``embedded`` for the demo's starting policy; ``--data arith`` is the demo's held-out split.
@@ -53,7 +53,7 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> None:
         nargs=2,
         type=Path,
         metavar=("A", "B"),
-        help="compare two problems.jsonl files (or the eval directories holding them)",
+        help="compare two evaluations (problems.jsonl or its directory), or two models (--data)",
     )
     ev.set_defaults(func=cmd_eval)
 
@@ -155,8 +155,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from dapo.evaluate import sample_records
     from dapo.reward_pool import RewardPool
 
-    name = Path(args.model).resolve().name if args.model != "embedded" else "embedded"
-    out = args.out or Path(DEFAULT_OUT) / f"{name}-{Path(args.data).stem}-k{args.k}"
+    out = _out_dir(args)
     out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = _model(args)
     t0 = time.perf_counter()
@@ -205,6 +204,22 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _out_dir(args: argparse.Namespace) -> Path:
+    if args.out:
+        return args.out
+    if args.model == "embedded":
+        name = "embedded"
+    else:
+        path = Path(args.model).resolve()
+        # runs/<name>/model and checkpoints/step_N/model: the parent says which one.
+        name = f"{path.parent.name}-{path.name}" if path.name == "model" else path.name
+    return Path(DEFAULT_OUT) / f"{name}-{Path(args.data).stem}-k{args.k}"
+
+
+def _is_model(path: Path) -> bool:
+    return str(path) == "embedded" or (path / "config.json").is_file()
+
+
 def _read_problems(path: Path) -> dict[str, dict[str, float]]:
     path = path / "problems.jsonl" if path.is_dir() else path
     try:
@@ -227,6 +242,20 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from dapo.eval_metrics import compare
 
     a_path, b_path = args.compare
+    if _is_model(a_path) or _is_model(b_path):
+        # Two models (or a model and a saved evaluation): evaluate each model first, with the
+        # same data, k and seed, so that both sides see the same problems.
+        if not args.data:
+            raise ValueError("--compare with a model directory needs --data FILE (or arith)")
+        evaluated = []
+        for side, path in (("A", a_path), ("B", b_path)):
+            if _is_model(path):
+                one = argparse.Namespace(**{**vars(args), "model": str(path), "compare": None})
+                one.out = args.out / side if args.out else None
+                cmd_eval(one)
+                path = _out_dir(one)
+            evaluated.append(path)
+        a_path, b_path = evaluated
     a, b = _read_problems(a_path), _read_problems(b_path)
     common = a.keys() & b.keys()
     result = compare(a, b, resamples=args.resamples, seed=args.seed)

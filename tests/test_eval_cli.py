@@ -82,3 +82,21 @@ def test_compare_identical_and_clearly_better(tmp_path, capsys):
     row = next(x for x in out.splitlines() if x.startswith("avg@k"))
     assert float(row.split()[-1]) < 0.01
     assert "problems whose avg@k changed: 30" in out and "p0: 0.000 -> 1.000" in out
+
+
+def test_compare_two_model_directories_evaluates_both_on_the_same_problems(
+    tmp_path, model_and_data, capsys
+):
+    model_dir, data = model_and_data
+    args = ["eval", "--compare", str(model_dir), str(model_dir), "--data", str(data)]
+    args += ["--k", "2", "--max-new-tokens", "8", "--resamples", "100", "--out", str(tmp_path)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "6 problems in both" in out
+    # The same model and seed on both sides: no difference at all (the comparison's row is the
+    # last avg@k line; each evaluation printed its own table first).
+    row = [x for x in out.splitlines() if x.startswith("avg@k")][-1]
+    assert row.split()[-1] == "1.0000"
+    assert (tmp_path / "A" / "problems.jsonl").is_file() and (
+        tmp_path / "B" / "summary.json"
+    ).is_file()
