@@ -228,9 +228,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=cmd_train)
     from dapo.data_cli import add_data_parser
     from dapo.eval_cli import add_eval_parser
+    from dapo.report import add_report_parser
 
     add_data_parser(sub)
     add_eval_parser(sub)
+    add_report_parser(sub)
     return parser
 
 

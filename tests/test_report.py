@@ -1,0 +1,167 @@
+"""dapo.report: reading run directories, config differences, and the HTML/PNG report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dapo.report import (
+    FIGURES,
+    add_report_parser,
+    config_differences,
+    make_report,
+    read_run,
+)
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _config(eps_high: float = 0.28, name: str = "") -> dict:
+    return {
+        "model": {"path": "embedded", "dtype": "float32"},
+        "algo": {"eps_low": 0.2, "eps_high": eps_high, "loss_agg": "token-mean"},
+        "sampling": {"dynamic": True, "max_rounds": 10},
+        "run": {"out_dir": f"/somewhere/{name}", "name": name, "preset": "dapo"},
+    }
+
+
+def _val(step: int) -> dict:
+    acc = 0.2 + 0.02 * step
+    return {"val/accuracy": acc, "val/accuracy_low": acc - 0.05, "val/accuracy_high": acc + 0.05}
+
+
+def _write_run(
+    root: Path, name: str, config: dict, steps: int = 10, truncated: bool = False
+) -> Path:
+    run = root / name
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump(config), encoding="utf-8")
+    lines = [json.dumps({"step": 0, **_val(0)})]
+    for step in range(1, steps + 1):
+        row = {
+            "step": step,
+            "rollout/response_len_mean": 15.0 + 0.1 * step,
+            "rollout/response_len_max": 28.0,
+            "rollout/reward_mean": -0.6 + 0.05 * step,
+            "rollout/accuracy": 0.2 + 0.025 * step,
+            "train/entropy": 0.7 - 0.01 * step,
+            "train/token_prob_mean": 0.71 + 0.002 * step,
+            "clip/low_frac": 0.04,
+            "clip/high_frac": 0.005 + 0.001 * step,
+            "clip/high_prob_mean": 0.2,
+            "sampling/rounds": 1.0 + step % 2,
+            "sampling/groups_kept": 32.0,
+            "sampling/prompts_drawn": 40.0 * (1 + step % 2),
+            "sampling/kept_frac": 32.0 / (40.0 * (1 + step % 2)),
+            "sampling/tokens_per_kept_group": 300.0 + step,
+            "perf/step_s": 3.5,
+            # A null value is what a metric that could not be computed logs; it must be skipped.
+            "train/kl": None,
+        }
+        if step % 5 == 0:
+            row.update(_val(step))
+        lines.append(json.dumps(row))
+    text = "\n".join(lines) + "\n"
+    if truncated:
+        # What a crash mid-write leaves: the start of a JSON object and no newline.
+        text += '{"step": 11, "rollout/accura'
+    (run / "metrics.jsonl").write_text(text, encoding="utf-8")
+    summary = {"steps": steps, "val/accuracy_start": 0.2, "val/accuracy_end": 0.4}
+    (run / "summary.json").write_text(json.dumps(summary), encoding="utf-8")
+    return run
+
+
+@pytest.fixture()
+def two_runs(tmp_path: Path) -> tuple[Path, Path]:
+    a = _write_run(tmp_path, "run-a", _config(0.28, "run-a"))
+    b = _write_run(tmp_path, "run-b", _config(0.2, "run-b"), truncated=True)
+    return a, b
+
+
+def test_read_run_counts_truncated_line(two_runs: tuple[Path, Path]) -> None:
+    a, b = two_runs
+    run_a, run_b = read_run(a), read_run(b)
+    assert (run_a.name, run_a.skipped, len(run_a.rows)) == ("run-a", 0, 11)
+    assert (run_b.name, run_b.skipped, len(run_b.rows)) == ("run-b", 1, 11)
+    assert run_b.config["algo"]["eps_high"] == 0.2
+    assert run_b.summary["val/accuracy_end"] == 0.4
+    assert run_b.samples == []
+
+
+def test_read_run_skips_garbage_and_missing_config(tmp_path: Path) -> None:
+    run = tmp_path / "bare"
+    run.mkdir()
+    (run / "metrics.jsonl").write_bytes(
+        b'{"step": 0, "val/accuracy": 0.1}\n\xff\xfe garbage\n[1, 2]\n\n{"step": 1}\n'
+    )
+    got = read_run(run)
+    assert got.config == {}
+    assert got.summary == {}
+    assert got.skipped == 2
+    assert [r["step"] for r in got.rows] == [0, 1]
+
+
+def test_read_run_without_metrics_names_path(tmp_path: Path) -> None:
+    empty = tmp_path / "not-a-run"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="not-a-run"):
+        read_run(empty)
+
+
+def test_config_differences_exact(two_runs: tuple[Path, Path], tmp_path: Path) -> None:
+    runs = [read_run(p) for p in two_runs]
+    # run.name and run.out_dir differ too, but always do: they are left out.
+    assert config_differences(runs) == [("algo.eps_high", [0.28, 0.2])]
+
+    cfg = _config(0.28, "run-c")
+    cfg["algo"]["kl_coef"] = 0.001
+    cfg["sampling"]["dynamic"] = False
+    c = read_run(_write_run(tmp_path, "run-c", cfg))
+    assert config_differences([runs[0], c]) == [
+        ("algo.kl_coef", [None, 0.001]),
+        ("sampling.dynamic", [True, False]),
+    ]
+    assert config_differences([runs[0]]) == []
+
+
+def test_make_report_writes_self_contained_html(two_runs: tuple[Path, Path], tmp_path: Path):
+    out = tmp_path / "report"
+    html_path = make_report(list(two_runs), out)
+    assert html_path == out / "report.html"
+    for name in FIGURES:
+        data = (out / name).read_bytes()
+        assert data.startswith(PNG_SIGNATURE), name
+        assert len(data) > 10_000, name
+    html = html_path.read_text(encoding="utf-8")
+    assert "run-a" in html and "run-b" in html
+    assert html.count("data:image/png;base64,") == 4
+    assert "algo.eps_high" in html
+    assert "1 line skipped" in html
+    assert "0 lines skipped" in html
+    assert "http://" not in html and "https://" not in html
+    assert "0.400" in html  # end accuracy from summary.json
+
+
+def test_make_report_survives_missing_metrics(tmp_path: Path) -> None:
+    # An older or crashed run: only the step-0 evaluation, no low/high, no summary.
+    run = tmp_path / "stub"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 0, "val/accuracy": 0.18}\n', encoding="utf-8")
+    html = make_report([run], tmp_path / "out").read_text(encoding="utf-8")
+    assert "single run" in html
+    assert html.count("data:image/png;base64,") == 4
+
+
+def test_cli_report_default_out(two_runs: tuple[Path, Path], capsys) -> None:
+    parser = argparse.ArgumentParser()
+    add_report_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["report", str(two_runs[0]), str(two_runs[1])])
+    assert args.func(args) == 0
+    printed = capsys.readouterr().out.split()
+    assert printed[-1] == str(two_runs[0] / "report" / "report.html")
+    assert all(Path(p).is_file() for p in printed)
+    assert len(printed) == 5
