@@ -130,6 +130,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     # Everything that can be wrong with the command is checked before a model is loaded.
     cfg, run_dir = _resolve_config(args)
+    if args.quiet:
+        cfg.run.progress = "plain"
     if args.print_config:
         print(dump_yaml(cfg), end="")
         return 0
@@ -203,6 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--dry-run",
         action="store_true",
         help="resolve the config, load tokenizer and data, print statistics and exit",
+    )
+    train.add_argument(
+        "--quiet",
+        action="store_true",
+        help="one plain line per step, no live display (same as run.progress=plain)",
     )
     train.add_argument(
         "--resume",

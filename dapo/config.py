@@ -227,6 +227,10 @@ class RunConfig:
     """Scale the config started from: paper or demo."""
     threads: int = 0
     """torch CPU threads; 0 = torch's default."""
+    tensorboard: bool = True
+    """Also write every metric as TensorBoard scalars in <run dir>/tensorboard."""
+    progress: str = "auto"
+    """``auto``: a live display on a terminal, one line per step otherwise; ``plain``: lines."""
 
 
 @dataclass
@@ -500,6 +504,7 @@ def validate(cfg: Config) -> None:
     )
     need(cfg.run.preset in PRESETS, f"run.preset must be one of {PRESETS}")
     need(cfg.run.base in BASES, f"run.base must be one of {BASES}")
+    need(cfg.run.progress in ("auto", "plain"), "run.progress must be auto or plain")
     m, d = cfg.model, cfg.data
     need(m.sft_steps >= 1, f"model.sft_steps must be >= 1, got {m.sft_steps}")
     need(
@@ -557,6 +562,8 @@ RESUME_SAFE_FIELDS = frozenset(
         "run.out_dir",
         "run.name",
         "run.threads",
+        "run.tensorboard",
+        "run.progress",
         "model.cache_dir",
         "train.steps",
         "train.save_every",

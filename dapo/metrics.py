@@ -1,4 +1,5 @@
-"""Metric logging: one JSON line per step in the run directory, one readable line on stdout."""
+"""Metric logging: one JSON line per step in the run directory, one readable line on stdout, and
+the same scalars, under the same names, as TensorBoard event files."""
 
 from __future__ import annotations
 
@@ -27,15 +28,34 @@ class MetricsLogger:
         ("perf/step_s", "s", ".1f"),
     )
 
-    def __init__(self, path: Path, stream: TextIO | None = None) -> None:
+    def __init__(
+        self, path: Path, stream: TextIO | None = None, tensorboard_dir: Path | None = None
+    ) -> None:
         self.path = path
         self.stream = stream
         self._file = path.open("ab")  # binary: tell() is a byte offset
+        self.tensorboard_dir = tensorboard_dir
+        self.purge_step: int | None = None
+        """Set on a resume: TensorBoard then hides what earlier files logged from this step on,
+        as metrics.jsonl is cut back to the checkpoint."""
+        self._tb = None
+
+    def _writer(self):
+        if self._tb is None and self.tensorboard_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.tensorboard_dir), purge_step=self.purge_step)
+        return self._tb
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **{k: _clean(v) for k, v in sorted(metrics.items())}}
         self._file.write((json.dumps(record) + "\n").encode())
         self._file.flush()
+        writer = self._writer()
+        if writer is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    writer.add_scalar(key, value, step)
         if self.stream is not None:
             parts = [f"step {step:>4}"]
             for key, short, fmt in self.CONSOLE_KEYS:
@@ -47,6 +67,8 @@ class MetricsLogger:
         """Flush to disk; the byte size, which a checkpoint records as its metrics offset."""
         self._file.flush()
         os.fsync(self._file.fileno())
+        if self._tb is not None:
+            self._tb.flush()
         return self._file.tell()
 
     def truncate(self, size: int) -> None:
@@ -71,3 +93,5 @@ class MetricsLogger:
 
     def close(self) -> None:
         self._file.close()
+        if self._tb is not None:
+            self._tb.close()

@@ -19,7 +19,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +33,7 @@ from dapo.evaluate import evaluate, render_prompt
 from dapo.interrupt import GracefulStop, RunStopped, StepAborted
 from dapo.metrics import MetricsLogger
 from dapo.model import batch_logprobs
+from dapo.progress import LiveProgress
 from dapo.reward_pool import Job, RewardPool
 from dapo.rollout import generate
 from dapo.sampling import DynamicSamplingExhausted, Group, SamplingResult, collect_groups
@@ -57,6 +58,8 @@ class TrainState:
     step: int = 0
     consecutive_skips: int = 0
     """Updates skipped in a row for a non-finite loss or gradient norm."""
+    on_phase: Callable[[str], None] = lambda _phase: None
+    """Told each phase of a step as it starts (generate, reward, train, eval, save)."""
 
 
 class NonFiniteError(RuntimeError):
@@ -93,6 +96,7 @@ def rollout_round(state: TrainState, problems: list[Problem], *, seed: int) -> l
     cfg, tok = state.cfg, state.tokenizer
     G = cfg.rollout.group_size
     state.model.eval()
+    state.on_phase("generate")
     ro = generate(
         state.model,
         tok,
@@ -108,6 +112,7 @@ def rollout_round(state: TrainState, problems: list[Problem], *, seed: int) -> l
         Job(mode or problems[b // G].data_source, ro.texts[b], problems[b // G].answer)
         for b in range(len(ro.texts))
     ]
+    state.on_phase("reward")
     graded = (state.pool or RewardPool(workers=0)).grade(jobs)
     if graded.faults:
         first = graded.faults[0]
@@ -348,6 +353,7 @@ def train_step(state: TrainState) -> dict[str, float]:
     assign_advantages(result.groups, eps=cfg.algo.adv_eps)
     episodes = [e for g in result.groups for e in g.episodes]
     t1 = time.perf_counter()
+    state.on_phase("train")
     metrics = update(state, episodes, lr=lr_at(cfg, state.step)) if episodes else {}
     t_train = time.perf_counter() - t1
 
@@ -449,6 +455,7 @@ def _run(state: TrainState, val_problems, *, run_dir: Path, stream, resume: bool
     t = cfg.train
 
     def validate_now() -> dict[str, float]:
+        state.on_phase("eval")
         return evaluate(
             model,
             tokenizer,
@@ -463,7 +470,21 @@ def _run(state: TrainState, val_problems, *, run_dir: Path, stream, resume: bool
             reward_mode=cfg.reward.mode,
         )
 
-    logger = MetricsLogger(run_dir / "metrics.jsonl", stream=stream)
+    tb_dir = run_dir / "tensorboard" if cfg.run.tensorboard else None
+    live = cfg.run.progress == "auto" and getattr(stream, "isatty", lambda: False)()
+    # Live: the rich display replaces the plain per-step lines; everything else is printed
+    # through it so the two never interleave.
+    logger = MetricsLogger(
+        run_dir / "metrics.jsonl", stream=None if live else stream, tensorboard_dir=tb_dir
+    )
+    progress = None
+
+    def say(text: str) -> None:
+        if progress is not None:
+            progress.print(text)
+        else:
+            print(text, file=stream)
+
     t_start = time.perf_counter()
     elapsed_before = 0.0
     saved_at: int | None = None
@@ -481,11 +502,16 @@ def _run(state: TrainState, val_problems, *, run_dir: Path, stream, resume: bool
         start, last = info["val_start"], info["val_last"]
         elapsed_before = info["train_seconds"]
         logger.truncate(info["metrics_bytes"])
+        logger.purge_step = state.step + 1
         saved_at = state.step
         print(f"resumed from {ckpt} at step {state.step}", file=stream)
+    if live:
+        progress = LiveProgress(total=t.steps, done=state.step, stream=stream)
+        state.on_phase = progress.phase
 
     def save() -> Path:
         nonlocal saved_at
+        state.on_phase("save")
         ckpt = checkpoint.save(
             run_dir,
             step=state.step,
@@ -511,10 +537,9 @@ def _run(state: TrainState, val_problems, *, run_dir: Path, stream, resume: bool
             if not resume:
                 start = last = validate_now()
                 logger.log(0, start)
-                print(
+                say(
                     f"held-out accuracy at start: {start['val/accuracy']:.3f} "
-                    f"(avg@{cfg.eval.num_samples} over {len(val_problems)} problems)",
-                    file=stream,
+                    f"(avg@{cfg.eval.num_samples} over {len(val_problems)} problems)"
                 )
             while state.step < t.steps and not stop.requested:
                 metrics = train_step(state)
@@ -523,6 +548,8 @@ def _run(state: TrainState, val_problems, *, run_dir: Path, stream, resume: bool
                     last = validate_now()
                     metrics.update(last)
                 logger.log(state.step, metrics)
+                if progress is not None:
+                    progress.step_done(state.step, metrics)
                 if is_last or stop.requested or (t.save_every and state.step % t.save_every == 0):
                     save()
             if saved_at != state.step:
@@ -544,6 +571,8 @@ def _run(state: TrainState, val_problems, *, run_dir: Path, stream, resume: bool
         ) from None
     finally:
         logger.close()
+        if progress is not None:
+            progress.close()
 
     summary = {
         "steps": state.step,

@@ -71,6 +71,14 @@ def test_train_end_to_end(tmp_path, cache_dir, preset, capsys):
     assert ("train/kl" in lines[1]) == (preset == "grpo")
     assert lines[1]["sampling/groups_kept"] <= 4
 
+    # TensorBoard has the same scalars under the same names.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(str(run / "tensorboard"))
+    tb.Reload()
+    assert {"val/accuracy", "rollout/accuracy", "train/entropy"} <= set(tb.Tags()["scalars"])
+    assert [e.step for e in tb.Scalars("val/accuracy")] == [0, 1, 2]
+
     summary = json.loads((run / "summary.json").read_text())
     assert summary["val/accuracy_end"] == lines[2]["val/accuracy"]
     assert "preset: " + preset in (run / "config.yaml").read_text()
