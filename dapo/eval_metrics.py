@@ -346,3 +346,32 @@ def compare(
         changed.sort(key=lambda item: item[2] - item[1], reverse=True)  # stable: uid on ties
     result["changed"] = changed
     return result
+
+
+def pick_samples(
+    records: Sequence[Mapping[str, Any]],
+    *,
+    per_kind: int = 3,
+    phrases: Sequence[str] = REFLECTIVE_PHRASES,
+) -> list[dict[str, Any]]:
+    """A few responses worth reading from evaluation records (``dapo eval``'s problems.jsonl
+    format): the shortest correct ones, the first wrong ones, and the first with reflective
+    phrases. Each: kind, uid, ground_truth, answer, correct, response."""
+    flat = [
+        {
+            "uid": r["uid"],
+            "ground_truth": r["ground_truth"],
+            "answer": answer,
+            "correct": bool(correct),
+            "response": text,
+        }
+        for r in records
+        for text, answer, correct in zip(r["responses"], r["answers"], r["correct"], strict=True)
+    ]
+    correct = sorted((s for s in flat if s["correct"]), key=lambda s: len(s["response"]))
+    wrong = [s for s in flat if not s["correct"]]
+    reflective = [s for s in flat if reflection_count(s["response"], phrases) > 0]
+    out = []
+    for kind, chosen in (("correct", correct), ("wrong", wrong), ("reflective", reflective)):
+        out.extend({"kind": kind, **s} for s in chosen[:per_kind])
+    return out

@@ -34,6 +34,7 @@ def evaluate(
     chat_template: bool = True,
     reward_mode: str = "",
     resamples: int = 1000,
+    records_out: list | None = None,
 ) -> dict[str, float]:
     """The held-out evaluation of training: ``dapo eval``'s samples and metrics, as val/*.
 
@@ -42,7 +43,7 @@ def evaluate(
     also pass@k, maj@k, length and truncation. Seeded per batch, so the same weights give the
     same figures. ``pool`` grades (default: in-process), with ``reward_mode`` for every row or
     else each row's data_source; a response the verifier fails on counts as incorrect and in
-    ``val/reward_faults``.
+    ``val/reward_faults``. ``records_out``, when given, receives the per-problem records.
     """
     from dapo.eval_metrics import problem_metrics, summarize
 
@@ -61,6 +62,8 @@ def evaluate(
         reward_mode=reward_mode,
         responses_per_batch=prompts_per_batch * k,
     )
+    if records_out is not None:
+        records_out[:] = records
     per_problem = [
         problem_metrics(
             r["correct"], r["answers"], r["lengths"], r["truncated"], r["responses"], ks=[k]

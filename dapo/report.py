@@ -96,6 +96,17 @@ def read_run(run_dir: Path | str) -> Run:
         if isinstance(loaded_summary, dict):
             summary = loaded_summary
 
+    samples = []
+    samples_path = path / "samples.jsonl"
+    if samples_path.is_file():
+        for line in samples_path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                sample = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(sample, dict) and "response" in sample:
+                samples.append(sample)
+
     return Run(
         name=path.resolve().name,
         path=path,
@@ -103,6 +114,7 @@ def read_run(run_dir: Path | str) -> Run:
         rows=rows,
         skipped=skipped,
         summary=summary,
+        samples=samples,
     )
 
 
@@ -366,6 +378,7 @@ def _skipped_text(n: int) -> str:
 CSS = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }
 h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 1.6em; }
+pre { white-space: pre-wrap; margin: 0; max-width: 60em; }
 table { border-collapse: collapse; margin: 0.5em 0; }
 th, td { border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: left; font-size: 0.9em; }
 th { background: #f2f2f2; }
@@ -428,6 +441,28 @@ def _html(runs: Sequence[Run], figures: list[Path]) -> str:
                 cells = "".join(f"<td>{esc(_fmt(v))}</td>" for v in values)
                 parts.append(f"<tr><td><code>{esc(key)}</code></td>{cells}</tr>")
             parts.append("</table>")
+    parts.append("<h2>Sample responses</h2>")
+    shown = False
+    for run in runs:
+        if not run.samples:
+            continue
+        shown = True
+        step = run.samples[0].get("step", "?")
+        parts.append(f"<h3>{esc(run.name)}: final evaluation (step {esc(str(step))})</h3>")
+        parts.append(
+            "<table><tr><th>kind</th><th>problem</th><th>answer / truth</th><th>response</th></tr>"
+        )
+        for x in run.samples:
+            verdict = "correct" if x.get("correct") else "wrong"
+            parts.append(
+                f"<tr><td>{esc(str(x.get('kind', '')))}</td><td><code>{esc(str(x.get('uid')))}"
+                f"</code></td><td>{esc(str(x.get('answer')))} / "
+                f"{esc(str(x.get('ground_truth')))} ({verdict})</td>"
+                f"<td><pre>{esc(str(x.get('response'))[-2000:])}</pre></td></tr>"
+            )
+        parts.append("</table>")
+    if not shown:
+        parts.append("<p>none: the runs have no samples.jsonl (written at the end of a run)</p>")
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
 

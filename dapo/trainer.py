@@ -29,6 +29,7 @@ from dapo import algo, checkpoint
 from dapo.batch import Episode, collate, split_microbatches, split_minibatches
 from dapo.config import Config
 from dapo.data import Problem, PromptSampler
+from dapo.eval_metrics import pick_samples
 from dapo.evaluate import evaluate, render_prompt
 from dapo.interrupt import GracefulStop, RunStopped, StepAborted
 from dapo.metrics import MetricsLogger
@@ -454,6 +455,8 @@ def _run(state: TrainState, val_problems, *, run_dir: Path, stream, resume: bool
     cfg, model, tokenizer = state.cfg, state.model, state.tokenizer
     t = cfg.train
 
+    last_records: list[dict] = []  # of the latest evaluation, for samples.jsonl
+
     def validate_now() -> dict[str, float]:
         state.on_phase("eval")
         return evaluate(
@@ -468,6 +471,7 @@ def _run(state: TrainState, val_problems, *, run_dir: Path, stream, resume: bool
             pool=state.pool,
             chat_template=cfg.data.apply_chat_template,
             reward_mode=cfg.reward.mode,
+            records_out=last_records,
         )
 
     tb_dir = run_dir / "tensorboard" if cfg.run.tensorboard else None
@@ -581,6 +585,10 @@ def _run(state: TrainState, val_problems, *, run_dir: Path, stream, resume: bool
         "train_seconds": elapsed_before + time.perf_counter() - t_start,
     }
     checkpoint.write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    if last_records:  # responses worth reading, for dapo report
+        samples = pick_samples(last_records)
+        text = "".join(json.dumps({"step": state.step, **x}) + "\n" for x in samples)
+        checkpoint.write_atomic(run_dir / "samples.jsonl", text)
     print(
         f"held-out accuracy: {summary['val/accuracy_start']:.3f} -> "
         f"{summary['val/accuracy_end']:.3f} "

@@ -79,6 +79,11 @@ def test_train_end_to_end(tmp_path, cache_dir, preset, capsys):
     assert {"val/accuracy", "rollout/accuracy", "train/entropy"} <= set(tb.Tags()["scalars"])
     assert [e.step for e in tb.Scalars("val/accuracy")] == [0, 1, 2]
 
+    # A few responses of the final evaluation, for dapo report.
+    samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+    assert samples and {x["kind"] for x in samples} <= {"correct", "wrong", "reflective"}
+    assert all(x["step"] == 2 and isinstance(x["response"], str) for x in samples)
+
     summary = json.loads((run / "summary.json").read_text())
     assert summary["val/accuracy_end"] == lines[2]["val/accuracy"]
     assert "preset: " + preset in (run / "config.yaml").read_text()

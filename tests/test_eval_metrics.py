@@ -294,3 +294,24 @@ def test_compare_on_hand_made_evaluations():
 
     with pytest.raises(ValueError, match="share no problems"):
         compare({"x": {"avg@k": 1.0}}, {"y": {"avg@k": 1.0}})
+
+
+def test_pick_samples_takes_shortest_correct_first_wrong_and_reflective():
+    from dapo.eval_metrics import pick_samples
+
+    records = [
+        {
+            "uid": "p0",
+            "ground_truth": "7",
+            "responses": ["a long one\nAnswer: 7", "Answer: 7", "Wait, 3 + 4\nAnswer: 8"],
+            "answers": ["7", "7", "8"],
+            "correct": [True, True, False],
+        },
+        {"uid": "p1", "ground_truth": "2", "responses": ["x"], "answers": [""], "correct": [False]},
+    ]
+    picked = pick_samples(records, per_kind=1)
+    assert [(x["kind"], x["uid"], x["response"]) for x in picked] == [
+        ("correct", "p0", "Answer: 7"),
+        ("wrong", "p0", "Wait, 3 + 4\nAnswer: 8"),
+        ("reflective", "p0", "Wait, 3 + 4\nAnswer: 8"),
+    ]

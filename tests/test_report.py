@@ -72,6 +72,10 @@ def _write_run(
     (run / "metrics.jsonl").write_text(text, encoding="utf-8")
     summary = {"steps": steps, "val/accuracy_start": 0.2, "val/accuracy_end": 0.4}
     (run / "summary.json").write_text(json.dumps(summary), encoding="utf-8")
+    if not truncated:  # a finished run has its final evaluation's samples
+        sample = {"step": steps, "kind": "reflective", "uid": "p3", "ground_truth": "7"}
+        sample.update(answer="8", correct=False, response="Wait, <check> 3 + 4\nAnswer: 8")
+        (run / "samples.jsonl").write_text(json.dumps(sample) + "\n", encoding="utf-8")
     return run
 
 
@@ -144,6 +148,9 @@ def test_make_report_writes_self_contained_html(two_runs: tuple[Path, Path], tmp
     assert "0 lines skipped" in html
     assert "http://" not in html and "https://" not in html
     assert "0.400" in html  # end accuracy from summary.json
+    # Sample responses, escaped: a response is model output, never markup.
+    assert "Sample responses" in html and "Wait, &lt;check&gt; 3 + 4" in html
+    assert "8 / 7 (wrong)" in html
 
 
 def test_make_report_survives_missing_metrics(tmp_path: Path) -> None:
