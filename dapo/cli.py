@@ -151,6 +151,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     device = _device(cfg.model.device)
     if cfg.model.path != "embedded":
         _check_model_path(cfg)
+    if cfg.run.wandb:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise ValueError("run.wandb=true needs the wandb package: pip install wandb")
     data = inputs.load_run_data(cfg)
     if cfg.eval.num_samples == 0:
         cfg.eval.num_samples = data.val_copies

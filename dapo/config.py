@@ -231,6 +231,10 @@ class RunConfig:
     """Also write every metric as TensorBoard scalars in <run dir>/tensorboard."""
     progress: str = "auto"
     """``auto``: a live display on a terminal, one line per step otherwise; ``plain``: lines."""
+    wandb: bool = False
+    """Also log to Weights & Biases (needs ``pip install wandb``; WANDB_MODE=offline works)."""
+    wandb_project: str = "dapo"
+    """W&B project of the run; the run's name and id are the run directory's name."""
 
 
 @dataclass
@@ -564,6 +568,8 @@ RESUME_SAFE_FIELDS = frozenset(
         "run.threads",
         "run.tensorboard",
         "run.progress",
+        "run.wandb",
+        "run.wandb_project",
         "model.cache_dir",
         "train.steps",
         "train.save_every",

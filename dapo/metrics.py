@@ -29,7 +29,11 @@ class MetricsLogger:
     )
 
     def __init__(
-        self, path: Path, stream: TextIO | None = None, tensorboard_dir: Path | None = None
+        self,
+        path: Path,
+        stream: TextIO | None = None,
+        tensorboard_dir: Path | None = None,
+        wandb_run: Any = None,
     ) -> None:
         self.path = path
         self.stream = stream
@@ -39,6 +43,7 @@ class MetricsLogger:
         """Set on a resume: TensorBoard then hides what earlier files logged from this step on,
         as metrics.jsonl is cut back to the checkpoint."""
         self._tb = None
+        self.wandb_run = wandb_run
 
     def _writer(self):
         if self._tb is None and self.tensorboard_dir is not None:
@@ -56,6 +61,11 @@ class MetricsLogger:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):
                     writer.add_scalar(key, value, step)
+        if self.wandb_run is not None:
+            # W&B keeps the first value of a step: after an exact resume, re-run steps repeat
+            # what it already has.
+            scalars = {k: v for k, v in record.items() if k != "step" and v is not None}
+            self.wandb_run.log(scalars, step=step)
         if self.stream is not None:
             parts = [f"step {step:>4}"]
             for key, short, fmt in self.CONSOLE_KEYS:
@@ -95,3 +105,5 @@ class MetricsLogger:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()

@@ -451,6 +451,20 @@ def fit(
         state.pool.close()
 
 
+def _wandb_run(cfg: Config, run_dir: Path):
+    """A W&B run named (and identified) by the run directory, so a resume continues it."""
+    import wandb
+
+    return wandb.init(
+        project=cfg.run.wandb_project,
+        name=run_dir.name,
+        id=run_dir.name,
+        resume="allow",
+        dir=str(run_dir),
+        config=cfg.to_dict(),
+    )
+
+
 def _run(state: TrainState, val_problems, *, run_dir: Path, stream, resume: bool) -> dict:
     cfg, model, tokenizer = state.cfg, state.model, state.tokenizer
     t = cfg.train
@@ -479,7 +493,10 @@ def _run(state: TrainState, val_problems, *, run_dir: Path, stream, resume: bool
     # Live: the rich display replaces the plain per-step lines; everything else is printed
     # through it so the two never interleave.
     logger = MetricsLogger(
-        run_dir / "metrics.jsonl", stream=None if live else stream, tensorboard_dir=tb_dir
+        run_dir / "metrics.jsonl",
+        stream=None if live else stream,
+        tensorboard_dir=tb_dir,
+        wandb_run=_wandb_run(cfg, run_dir) if cfg.run.wandb else None,
     )
     progress = None
 
