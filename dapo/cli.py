@@ -238,10 +238,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="config overrides applied last, e.g. optim.lr=1e-5 algo.eps_high=0.28",
     )
     train.set_defaults(func=cmd_train)
+    from dapo.bench import add_bench_parser
     from dapo.data_cli import add_data_parser
     from dapo.eval_cli import add_eval_parser
     from dapo.report import add_report_parser
 
+    add_bench_parser(sub)
     add_data_parser(sub)
     add_eval_parser(sub)
     add_report_parser(sub)

@@ -112,6 +112,8 @@ class RolloutConfig:
     """Sampling temperature for training rollouts (paper: 1.0)."""
     top_p: float = 1.0
     """Nucleus sampling for training rollouts (paper: 1.0)."""
+    ignore_eos: bool = False
+    """Benchmarks only: every response runs to max_new_tokens, so two systems do equal work."""
 
 
 @dataclass

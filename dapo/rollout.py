@@ -82,6 +82,7 @@ def generate(
     top_p: float = 1.0,
     seed: int = 0,
     greedy: bool = False,
+    ignore_eos: bool = False,
 ) -> Rollout:
     """Sample ``group_size`` responses for each prompt (rows ``i*G .. i*G+G-1`` are prompt i).
 
@@ -96,6 +97,8 @@ def generate(
     kwargs = sampling_kwargs(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
     if greedy:  # argmax decoding (evaluation only): the warpers above are then unused
         kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+    if ignore_eos:  # benchmarks: EOS is masked until max_new_tokens, fixing the work done
+        kwargs["min_new_tokens"] = max_new_tokens
     torch.manual_seed(seed)
     out = model.generate(
         input_ids=prompt_ids_BP,

@@ -20,7 +20,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -60,6 +60,8 @@ class TrainState:
     consecutive_skips: int = 0
     """Updates skipped in a row for a non-finite loss or gradient norm."""
     on_phase: Callable[[str], None] = lambda _phase: None
+    timers: dict[str, float] = field(default_factory=dict)
+    """Seconds (and counts) of the running step's phases, for the perf/* metrics."""
     """Told each phase of a step as it starts (generate, reward, train, eval, save)."""
 
 
@@ -107,6 +109,7 @@ def rollout_round(state: TrainState, problems: list[Problem], *, seed: int) -> l
         temperature=cfg.rollout.temperature,
         top_p=cfg.rollout.top_p,
         seed=seed,
+        ignore_eos=cfg.rollout.ignore_eos,
     )
     mode = cfg.reward.mode
     jobs = [
@@ -114,7 +117,10 @@ def rollout_round(state: TrainState, problems: list[Problem], *, seed: int) -> l
         for b in range(len(ro.texts))
     ]
     state.on_phase("reward")
+    t_reward = time.perf_counter()
     graded = (state.pool or RewardPool(workers=0)).grade(jobs)
+    _add(state.timers, "reward", time.perf_counter() - t_reward)
+    _add(state.timers, "gen_slots", float(ro.response_ids_BT.numel()))
     if graded.faults:
         first = graded.faults[0]
         print(
@@ -186,6 +192,7 @@ def update(state: TrainState, episodes: list[Episode], *, lr: float) -> dict[str
     mini-batch gradient, whatever the micro-batch split (DAPO §3.3).
     """
     cfg, model = state.cfg, state.model
+    t_logprobs = time.perf_counter()
     if cfg.train.recompute_old_logprobs:
         _fill_logprobs(model, episodes, "old_logprobs", state)
     else:
@@ -193,6 +200,7 @@ def update(state: TrainState, episodes: list[Episode], *, lr: float) -> dict[str
             e.old_logprobs = e.sampler_logprobs
     if state.ref_model is not None:
         _fill_logprobs(state.ref_model, episodes, "ref_logprobs", state)
+    _add(state.timers, "logprobs", time.perf_counter() - t_logprobs)
     for group in state.optimizer.param_groups:
         group["lr"] = lr
 
@@ -247,6 +255,7 @@ def update(state: TrainState, episodes: list[Episode], *, lr: float) -> dict[str
         "train/skipped_updates": sums.get("skipped", 0.0),
         "train/lr": lr,
         "train/tokens": sums.get("tokens", 0.0) / cfg.train.epochs,
+        "perf/train_padding_frac": 1.0 - sums.get("real", 0.0) / max(sums.get("slots", 0.0), 1.0),
         "clip/low_frac": sums.get("clip_low", 0.0) / tokens,
         "clip/high_frac": sums.get("clip_high", 0.0) / tokens,
         "clip/high_prob_mean": sums.get("clip_high_prob_sum", 0.0)
@@ -304,6 +313,8 @@ def accumulate_gradients(
             loss = loss + cfg.algo.kl_coef * kl
             add("kl_sum", float(kl.detach()) * (num_seqs if seq_agg else num_tokens))
         loss.backward()
+        add("slots", float(b.prompt_mask_BP.numel() + b.response_mask_BT.numel()))
+        add("real", float(b.prompt_mask_BP.sum() + b.response_mask_BT.sum()))
         n = float(stats["num_tokens"])
         mask = b.loss_mask_BT
         add("tokens", n)
@@ -329,8 +340,13 @@ def lr_at(cfg: Config, step: int) -> float:
     return cfg.optim.lr * min(1.0, (step + 1) / cfg.optim.warmup_steps)
 
 
+def _add(timers: dict[str, float], key: str, value: float) -> None:
+    timers[key] = timers.get(key, 0.0) + value
+
+
 def train_step(state: TrainState) -> dict[str, float]:
     cfg = state.cfg
+    state.timers.clear()
     t0 = time.perf_counter()
     # Without dynamic sampling every group is kept, so one round of exactly N prompts.
     n_prompts = cfg.train.prompts_per_step
@@ -360,15 +376,25 @@ def train_step(state: TrainState) -> dict[str, float]:
 
     metrics.update(rollout_metrics(result))
     step_s = time.perf_counter() - t0
+    timers = state.timers
+    # Phases of the step: generate and reward split the rollout, logprobs (pi_old, pi_ref
+    # forward passes) and train split the update; other is the rest (advantages, bookkeeping).
+    generate_s = t_gen - timers.get("reward", 0.0)
+    train_s = t_train - timers.get("logprobs", 0.0)
     metrics.update(
         {
             "perf/step_s": step_s,
-            "perf/generate_s": t_gen,
-            "perf/train_s": t_train,
-            "perf/gen_tokens_per_s": result.tokens_generated / max(t_gen, 1e-9),
+            "perf/generate_s": generate_s,
+            "perf/reward_s": timers.get("reward", 0.0),
+            "perf/logprobs_s": timers.get("logprobs", 0.0),
+            "perf/train_s": train_s,
+            "perf/other_s": step_s - t_gen - t_train,
+            "perf/gen_tokens_per_s": result.tokens_generated / max(generate_s, 1e-9),
+            "perf/gen_padding_frac": 1.0
+            - result.tokens_generated / max(timers.get("gen_slots", 0.0), 1.0),
             "perf/train_tokens_per_s": metrics.get("train/tokens", 0.0)
             * cfg.train.epochs
-            / max(t_train, 1e-9),
+            / max(train_s, 1e-9),
         }
     )
     state.step += 1

@@ -1,0 +1,48 @@
+"""`dapo bench`: phases that add up to the step, and a fixed-length mode that does equal work."""
+
+import json
+
+import pytest
+
+from dapo.bench import summarize_steps
+from dapo.cli import main
+
+
+def test_summary_takes_medians_and_shares():
+    steps = [
+        {"perf/step_s": 2.0, "perf/generate_s": 1.0, "perf/train_s": 0.5, "perf/other_s": 0.5},
+        {"perf/step_s": 4.0, "perf/generate_s": 3.0, "perf/train_s": 0.5, "perf/other_s": 0.5},
+        {"perf/step_s": 3.0, "perf/generate_s": 2.0, "perf/train_s": 0.5, "perf/other_s": 0.5},
+    ]
+    out = summarize_steps(steps)
+    assert out["steps"] == 3 and out["step_s"] == 3.0
+    assert out["phases"]["generate"] == {"s": 2.0, "share": pytest.approx(2 / 3)}
+    assert out["phases"]["reward"] == {"s": 0.0, "share": 0.0}
+
+
+def test_fixed_length_bench_runs_every_response_to_the_limit(tmp_path, capsys):
+    args = [
+        "bench",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--fixed-length",
+        f"model.cache_dir={tmp_path}",
+        "model.sft_steps=5",
+        "model.embedded_hidden=32",
+        "data.num_warmup=64",
+        "rollout.group_size=4",
+        "rollout.max_new_tokens=12",
+        "algo.l_cache=4",
+        "train.prompts_per_step=2",
+        "train.responses_per_minibatch=8",
+        "reward.workers=0",
+    ]
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["response_len_mean"] == 12.0 and result["tokens_generated"] == 2 * 4 * 12
+    assert result["gen_padding_frac"] == 0.0  # no response stops early
+    shares = sum(p["share"] for p in result["phases"].values())
+    assert shares == pytest.approx(1.0)  # one step: the phases add up to it exactly
+    assert result["peak_rss_mb"] > 0 and result["fixed_length"] is True
