@@ -109,23 +109,9 @@ def _model(args: argparse.Namespace):
 
 
 def _metrics(records: list[dict], ks: list[int], phrases) -> dict[str, dict[str, float]]:
-    from dapo.eval_metrics import problem_metrics
+    from dapo.eval_metrics import record_metrics
 
-    out = {}
-    for r in records:
-        m = problem_metrics(
-            r["correct"],
-            r["answers"],
-            r["lengths"],
-            r["truncated"],
-            r["responses"],
-            ks=ks,
-            phrases=phrases,
-        )
-        if "greedy_correct" in r:
-            m["greedy"] = float(r["greedy_correct"])
-        out[r["uid"]] = m
-    return out
+    return {r["uid"]: record_metrics(r, ks=ks, phrases=phrases) for r in records}
 
 
 def _table(summary: dict, title: str) -> str:

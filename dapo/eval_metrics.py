@@ -375,3 +375,22 @@ def pick_samples(
     for kind, chosen in (("correct", correct), ("wrong", wrong), ("reflective", reflective)):
         out.extend({"kind": kind, **s} for s in chosen[:per_kind])
     return out
+
+
+def record_metrics(
+    record: Mapping[str, Any], *, ks: Sequence[int], phrases: Sequence[str] = REFLECTIVE_PHRASES
+) -> dict[str, float]:
+    """``problem_metrics`` of one evaluation record (``dapo eval``'s problems.jsonl format),
+    plus ``greedy`` when the record has a greedy verdict."""
+    out = problem_metrics(
+        record["correct"],
+        record["answers"],
+        record["lengths"],
+        record["truncated"],
+        record["responses"],
+        ks=ks,
+        phrases=phrases,
+    )
+    if "greedy_correct" in record:
+        out["greedy"] = float(record["greedy_correct"])
+    return out

@@ -19,6 +19,11 @@ def render_prompt(tokenizer, problem: Problem, *, chat_template: bool = True) ->
     return "\n\n".join(m["content"] for m in problem.messages)
 
 
+def grading_job(problem: Problem, response: str, reward_mode: str = "") -> Job:
+    """What the verifier pool grades: ``reward_mode`` for every row, else the row's source."""
+    return Job(reward_mode or problem.data_source, response, problem.answer)
+
+
 def evaluate(
     model,
     tokenizer,
@@ -45,7 +50,7 @@ def evaluate(
     else each row's data_source; a response the verifier fails on counts as incorrect and in
     ``val/reward_faults``. ``records_out``, when given, receives the per-problem records.
     """
-    from dapo.eval_metrics import problem_metrics, summarize
+    from dapo.eval_metrics import record_metrics, summarize
 
     k = num_samples
     records = sample_records(
@@ -64,12 +69,7 @@ def evaluate(
     )
     if records_out is not None:
         records_out[:] = records
-    per_problem = [
-        problem_metrics(
-            r["correct"], r["answers"], r["lengths"], r["truncated"], r["responses"], ks=[k]
-        )
-        for r in records
-    ]
+    per_problem = [record_metrics(r, ks=[k]) for r in records]
     summary = summarize(per_problem, resamples=resamples, seed=seed % 2**32)
     acc = summary["avg@k"]
     return {
@@ -125,10 +125,7 @@ def sample_records(
             top_p=top_p,
             seed=seed + start,
         )
-        jobs = [
-            Job(reward_mode or chunk[i // k].data_source, text, chunk[i // k].answer)
-            for i, text in enumerate(ro.texts)
-        ]
+        jobs = [grading_job(chunk[i // k], text, reward_mode) for i, text in enumerate(ro.texts)]
         graded = pool.grade(jobs)
         greedy_correct = None
         if greedy:
@@ -136,8 +133,7 @@ def sample_records(
                 model, tokenizer, prompts, group_size=1, max_new_tokens=max_new_tokens, greedy=True
             )
             greedy_jobs = [
-                Job(reward_mode or p.data_source, text, p.answer)
-                for p, text in zip(chunk, g.texts, strict=True)
+                grading_job(p, text, reward_mode) for p, text in zip(chunk, g.texts, strict=True)
             ]
             greedy_correct = [s.correct for s in pool.grade(greedy_jobs).scores]
         for j, p in enumerate(chunk):

@@ -30,12 +30,12 @@ from dapo.batch import Episode, collate, split_microbatches, split_minibatches
 from dapo.config import Config
 from dapo.data import Problem, PromptSampler
 from dapo.eval_metrics import pick_samples
-from dapo.evaluate import evaluate, render_prompt
+from dapo.evaluate import evaluate, grading_job, render_prompt
 from dapo.interrupt import GracefulStop, RunStopped, StepAborted
 from dapo.metrics import MetricsLogger
 from dapo.model import batch_logprobs
 from dapo.progress import LiveProgress
-from dapo.reward_pool import Job, RewardPool
+from dapo.reward_pool import RewardPool
 from dapo.rollout import generate
 from dapo.sampling import DynamicSamplingExhausted, Group, SamplingResult, collect_groups
 
@@ -111,11 +111,7 @@ def rollout_round(state: TrainState, problems: list[Problem], *, seed: int) -> l
         seed=seed,
         ignore_eos=cfg.rollout.ignore_eos,
     )
-    mode = cfg.reward.mode
-    jobs = [
-        Job(mode or problems[b // G].data_source, ro.texts[b], problems[b // G].answer)
-        for b in range(len(ro.texts))
-    ]
+    jobs = [grading_job(problems[b // G], text, cfg.reward.mode) for b, text in enumerate(ro.texts)]
     state.on_phase("reward")
     t_reward = time.perf_counter()
     graded = (state.pool or RewardPool(workers=0)).grade(jobs)
