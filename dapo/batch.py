@@ -5,7 +5,7 @@ Shapes: B = responses, P = prompt tokens (left padded), T = response tokens (rig
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -100,6 +100,21 @@ def split_minibatches(num: int, size: int, *, generator: torch.Generator) -> lis
     """A seeded permutation of ``range(num)`` cut into chunks of ``size`` responses."""
     order = torch.randperm(num, generator=generator).tolist()
     return [order[i : i + size] for i in range(0, num, size)]
+
+
+def length_sorted(episodes: Sequence[Episode], indices: Iterable[int]) -> list[int]:
+    """``indices`` longest first (prompt + response), a prompt's rows together within a length.
+
+    Greedy micro-batching of this order pads little, and rows sharing a prompt land in the
+    same micro-batch, where its forward pass is shared. Python's sort is stable: equal keys
+    keep their order, so the order is a function of the input alone.
+    """
+
+    def key(i: int) -> tuple[int, tuple[int, ...]]:
+        e = episodes[i]
+        return (-(e.prompt_ids.numel() + e.length), tuple(e.prompt_ids.tolist()))
+
+    return sorted(indices, key=key)
 
 
 def split_microbatches(

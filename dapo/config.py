@@ -37,6 +37,7 @@ BAD_ROW_CHOICES = ("error", "skip")
 MODE_CHOICES = ("dapo", "math_verify")
 BASES = ("paper", "demo")
 PRESETS = ("dapo", "grpo")
+ENGINE_CHOICES = ("dapo", "hf")
 
 
 @dataclass
@@ -114,6 +115,9 @@ class RolloutConfig:
     """Nucleus sampling for training rollouts (paper: 1.0)."""
     ignore_eos: bool = False
     """Benchmarks only: every response runs to max_new_tokens, so two systems do equal work."""
+    engine: str = "dapo"
+    """dapo (one prefill per prompt, finished rows leave the batch) or hf (transformers
+    generate, for a model whose KV cache cannot be repeated or sliced by row)."""
 
 
 @dataclass
@@ -148,7 +152,11 @@ class SamplingConfig:
     on_max_rounds: str = "error"
     """After max_rounds: ``error`` stops the run, ``train`` trains on the groups kept so far."""
     prompts_per_round: int = 0
-    """Prompts drawn per generation round; 0 = prompts_per_step."""
+    """Prompts drawn per generation round; 0 = prompts_per_step. With oversample, the first
+    round's size until a kept fraction has been measured."""
+    oversample: bool = True
+    """Size each round as (groups still needed) / (kept fraction measured last step or this
+    one), at most 4 x prompts_per_step, so that one round usually suffices."""
 
 
 @dataclass
@@ -164,7 +172,10 @@ class TrainConfig:
     epochs: int = 1
     """mu, passes over each step's responses."""
     recompute_old_logprobs: bool = True
-    """Recompute pi_old log-probs with a forward pass instead of trusting the sampler's."""
+    """Recompute pi_old log-probs with a forward pass. False reuses the sampler's, after
+    checking on the first step that they match a forward pass (float32: they do)."""
+    share_prompts: bool = True
+    """Forward passes run each distinct prompt of a micro-batch once for all its responses."""
     seed: int = 0
     """Seed of prompt order, sampling and initialisation."""
     save_every: int = 20
@@ -291,6 +302,8 @@ def demo() -> Config:
     cfg.train.responses_per_minibatch = 128
     cfg.train.tokens_per_microbatch = 16384
     cfg.sampling.prompts_per_round = 40
+    # float32 on CPU: the sampler's log-probs are the forward pass's to 1e-6 (checked at step 1).
+    cfg.train.recompute_old_logprobs = False
     cfg.optim.lr = 3e-4
     cfg.optim.warmup_steps = 2
     cfg.optim.weight_decay = 0.0
@@ -484,6 +497,7 @@ def validate(cfg: Config) -> None:
         f"sampling.on_max_rounds must be one of {ON_MAX_ROUNDS_CHOICES}",
     )
     need(s.prompts_per_round >= 0, "sampling.prompts_per_round must be >= 0")
+    need(r.engine in ENGINE_CHOICES, f"rollout.engine must be one of {ENGINE_CHOICES}")
     need(t.steps >= 0, "train.steps must be >= 0")
     need(t.prompts_per_step >= 1, "train.prompts_per_step must be >= 1")
     need(t.responses_per_minibatch >= 1, "train.responses_per_minibatch must be >= 1")

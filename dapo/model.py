@@ -22,13 +22,82 @@ def response_logprobs(
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    share_prompts: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(o_t | q, o_<t) for every response token, and optionally the entropy there.
 
     Position ids follow the attention mask, as ``generate`` builds them for left-padded prompts,
-    so these log-probs are those the sampler saw. Only the T+1 last positions go through the
-    LM head: prompt logits are never needed.
+    so these log-probs are those the sampler saw. Only response positions go through the LM
+    head: prompt logits are never needed.
+
+    With ``share_prompts``, rows with the same prompt (a group's responses) share one forward
+    pass of it: the distinct prompts run once, their KV cache is indexed out to every row, and
+    the responses run on top. Gradients flow back through the cache (its indexing sums them
+    over a group's rows), so values and gradients are those of the full forward, up to float
+    rounding (tested); a group's prompt is computed once instead of G times.
     """
+    n_unique = None
+    if share_prompts:
+        rows_NP, inverse_B = torch.unique(
+            torch.cat([prompt_ids_BP, prompt_mask_BP.long()], dim=1), dim=0, return_inverse=True
+        )
+        n_unique = rows_NP.shape[0]
+    if n_unique is None or n_unique == prompt_ids_BP.shape[0]:
+        return _full_forward(
+            model,
+            prompt_ids_BP,
+            prompt_mask_BP,
+            response_ids_BT,
+            response_mask_BT,
+            temperature=temperature,
+            with_entropy=with_entropy,
+        )
+    width = prompt_ids_BP.shape[1]
+    ids_NP, mask_NP = rows_NP[:, :width], rows_NP[:, width:]
+    prompt_out = model(
+        input_ids=ids_NP,
+        attention_mask=mask_NP,
+        position_ids=(mask_NP.cumsum(dim=1) - 1).clamp(min=0),
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    cache = prompt_out.past_key_values
+    cache.batch_select_indices(inverse_B)
+    attn = torch.cat([prompt_mask_BP, response_mask_BT.to(prompt_mask_BP.dtype)], dim=1)
+    num_resp = response_ids_BT.shape[1]
+    start_B1 = prompt_mask_BP.long().sum(dim=1, keepdim=True)
+    out = model(
+        input_ids=response_ids_BT,
+        attention_mask=attn,
+        position_ids=start_B1 + torch.arange(num_resp, device=attn.device),
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=num_resp,
+    )
+    # The last prompt position predicts response token 0, response position t token t+1.
+    first_B1V = prompt_out.logits[:, -1:][inverse_B]
+    rest_BTV = out.logits[:, :-1]
+    parts = [(first_B1V, response_ids_BT[:, :1]), (rest_BTV, response_ids_BT[:, 1:])]
+    logps, entropies = [], []
+    for logits, ids in parts:
+        lp, ent = _scored(logits, ids, temperature=temperature, with_entropy=with_entropy)
+        logps.append(lp)
+        entropies.append(ent)
+    entropy_BT = torch.cat(entropies, dim=1) if with_entropy else None
+    return torch.cat(logps, dim=1), entropy_BT
+
+
+def _full_forward(
+    model,
+    prompt_ids_BP,
+    prompt_mask_BP,
+    response_ids_BT,
+    response_mask_BT,
+    *,
+    temperature: float,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One forward pass over prompt and response together."""
     ids = torch.cat([prompt_ids_BP, response_ids_BT], dim=1)
     attn = torch.cat([prompt_mask_BP, response_mask_BT.to(prompt_mask_BP.dtype)], dim=1)
     position_ids = (attn.long().cumsum(dim=1) - 1).clamp(min=0)
@@ -41,12 +110,19 @@ def response_logprobs(
         use_cache=False,
     )
     # Position P-1+t predicts response token t; the last position predicts past the end.
+    return _scored(
+        out.logits[:, :-1], response_ids_BT, temperature=temperature, with_entropy=with_entropy
+    )
+
+
+def _scored(
+    logits_BTV: torch.Tensor, ids_BT: torch.Tensor, *, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     # No float() here: the log-prob and entropy functions upcast in chunks, so a bf16 model
     # never holds a float32 copy of [B, T, V].
-    logits_BTV = out.logits[:, :-1]
     if temperature != 1.0:
         logits_BTV = logits_BTV / temperature
-    logp_BT = token_logprobs_from_logits(logits_BTV, response_ids_BT)
+    logp_BT = token_logprobs_from_logits(logits_BTV, ids_BT)
     entropy_BT = None
     if with_entropy:
         with torch.no_grad():
@@ -55,7 +131,12 @@ def response_logprobs(
 
 
 def batch_logprobs(
-    model, batch: Batch, *, temperature: float = 1.0, with_entropy: bool = False
+    model,
+    batch: Batch,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    share_prompts: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`response_logprobs` of a collated :class:`~dapo.batch.Batch`."""
     return response_logprobs(
@@ -66,4 +147,5 @@ def batch_logprobs(
         batch.response_mask_BT,
         temperature=temperature,
         with_entropy=with_entropy,
+        share_prompts=share_prompts,
     )

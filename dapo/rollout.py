@@ -1,4 +1,8 @@
-"""Rollout: G sampled responses per prompt from the current policy, with transformers ``generate``.
+"""Rollout: G sampled responses per prompt from the current policy.
+
+Two engines draw them: ``dapo`` (:mod:`dapo.decode`: one prefill per prompt, finished rows
+leave the batch) and ``hf``, transformers ``generate`` (the reference, and the fallback for a
+model whose KV cache cannot be repeated or sliced by row).
 
 Shapes: B = responses (prompts x G, each group contiguous), P = prompt tokens (left padded),
 T = response tokens (right padded after EOS), V = vocabulary.
@@ -10,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
+
+from dapo.decode import decode
 
 
 @dataclass
@@ -83,14 +89,40 @@ def generate(
     seed: int = 0,
     greedy: bool = False,
     ignore_eos: bool = False,
+    engine: str = "dapo",
 ) -> Rollout:
     """Sample ``group_size`` responses for each prompt (rows ``i*G .. i*G+G-1`` are prompt i).
 
     Seeding torch's generator with ``seed`` makes the rollout reproducible for a given policy.
-    ``greedy`` decodes the argmax instead (evaluation's greedy accuracy).
+    ``greedy`` decodes the argmax instead (evaluation's greedy accuracy). The two engines sample
+    the same distribution but draw different random numbers: a seed's tokens are per engine.
     """
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     device = next(model.parameters()).device
+    if engine == "dapo":
+        response_ids_BT, logprobs_BT = decode(
+            model,
+            enc["input_ids"].to(device),
+            enc["attention_mask"].to(device),
+            group_size=group_size,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            greedy=greedy,
+            ignore_eos=ignore_eos,
+        )
+        return _finish(
+            tokenizer,
+            enc["input_ids"].repeat_interleave(group_size, dim=0).to(device),
+            enc["attention_mask"].repeat_interleave(group_size, dim=0).to(device),
+            response_ids_BT,
+            logprobs_BT,
+        )
+    if engine != "hf":
+        raise ValueError(f"rollout engine {engine!r}: use 'dapo' or 'hf'")
     prompt_ids_BP = enc["input_ids"].repeat_interleave(group_size, dim=0).to(device)
     prompt_mask_BP = enc["attention_mask"].repeat_interleave(group_size, dim=0).to(device)
     recorder = _SampledLogprobs(temperature)
@@ -110,6 +142,11 @@ def generate(
     )
     response_ids_BT = out[:, prompt_ids_BP.shape[1] :]
     logprobs_BT = recorder.finish(response_ids_BT[:, -1])
+    return _finish(tokenizer, prompt_ids_BP, prompt_mask_BP, response_ids_BT, logprobs_BT)
+
+
+def _finish(tokenizer, prompt_ids_BP, prompt_mask_BP, response_ids_BT, logprobs_BT) -> Rollout:
+    """Masks, lengths and texts of generated ids; tokens after the first EOS become padding."""
     is_eos_BT = response_ids_BT == tokenizer.eos_token_id
     # Tokens up to and including the first EOS are the response; generate pads after it.
     after_eos_BT = (is_eos_BT.cumsum(dim=1) - is_eos_BT.long()) > 0

@@ -7,6 +7,7 @@ gradient. The filter is on correctness, not on the shaped reward. Generation is 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -46,15 +47,30 @@ class DynamicSamplingExhausted(RuntimeError):
     pass
 
 
+def oversampled_round(need: int, kept_frac: float | None, *, default: int, cap: int) -> int:
+    """Prompts to draw so that ``need`` more groups are kept, at the measured kept fraction.
+
+    ``need / kept_frac`` rounded up, within [need, cap]; ``default`` (at least ``need``) while
+    nothing has been measured. Drawing fewer would make another round (another pass of
+    generation overhead) likely; drawing more wastes the surplus groups, which are dropped.
+    """
+    if kept_frac is None:
+        return max(default, need)
+    size = math.ceil(need / kept_frac) if kept_frac > 0 else cap
+    return min(max(size, need), max(cap, need))
+
+
 def collect_groups(
-    draw_round: Callable[[int], list[Group]],
+    draw_round: Callable[[int, int], list[Group]],
     *,
     num_groups: int,
     dynamic: bool,
     max_rounds: int,
     on_max_rounds: str,
+    round_size: Callable[[SamplingResult], int] | None = None,
 ) -> SamplingResult:
-    """Call ``draw_round(round_index)`` until ``num_groups`` groups are kept, then cut to exactly N.
+    """Call ``draw_round(round_index, num_prompts)`` until ``num_groups`` groups are kept, then
+    cut to exactly N. ``round_size(result so far)`` gives each round's prompts (default N).
 
     Without ``dynamic``, one round is drawn and every group is kept (the caller draws N prompts).
     ``max_rounds`` = 0 means unbounded. When the bound is hit, ``on_max_rounds="error"`` raises
@@ -73,7 +89,7 @@ def collect_groups(
                     "kept, or use data closer to the policy's level."
                 )
             break
-        groups = draw_round(result.rounds)
+        groups = draw_round(result.rounds, round_size(result) if round_size else num_groups)
         result.rounds += 1
         result.prompts_drawn += len(groups)
         result.generated.extend(groups)

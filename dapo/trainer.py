@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from dapo import algo, checkpoint
-from dapo.batch import Episode, collate, split_microbatches, split_minibatches
+from dapo.batch import Episode, collate, length_sorted, split_microbatches, split_minibatches
 from dapo.config import Config
 from dapo.data import Problem, PromptSampler
 from dapo.eval_metrics import pick_samples
@@ -37,7 +37,16 @@ from dapo.model import batch_logprobs
 from dapo.progress import LiveProgress
 from dapo.reward_pool import RewardPool
 from dapo.rollout import generate
-from dapo.sampling import DynamicSamplingExhausted, Group, SamplingResult, collect_groups
+from dapo.sampling import (
+    DynamicSamplingExhausted,
+    Group,
+    SamplingResult,
+    collect_groups,
+    oversampled_round,
+)
+
+MAX_OVERSAMPLE = 4
+"""A round draws at most this many times prompts_per_step prompts (bounds its memory)."""
 
 
 def derive_seed(*parts: object) -> int:
@@ -60,9 +69,13 @@ class TrainState:
     consecutive_skips: int = 0
     """Updates skipped in a row for a non-finite loss or gradient norm."""
     on_phase: Callable[[str], None] = lambda _phase: None
+    """Told each phase of a step as it starts (generate, reward, train, eval, save)."""
     timers: dict[str, float] = field(default_factory=dict)
     """Seconds (and counts) of the running step's phases, for the perf/* metrics."""
-    """Told each phase of a step as it starts (generate, reward, train, eval, save)."""
+    sampling_prior: tuple[int, int] = (0, 0)
+    """(mixed groups, prompts drawn) of the last step: the kept fraction that sizes rounds."""
+    sampler_logprobs_checked: bool = False
+    """Whether the sampler's log-probs were compared with a forward pass in this process."""
 
 
 class NonFiniteError(RuntimeError):
@@ -110,6 +123,7 @@ def rollout_round(state: TrainState, problems: list[Problem], *, seed: int) -> l
         top_p=cfg.rollout.top_p,
         seed=seed,
         ignore_eos=cfg.rollout.ignore_eos,
+        engine=cfg.rollout.engine,
     )
     jobs = [grading_job(problems[b // G], text, cfg.reward.mode) for b, text in enumerate(ro.texts)]
     state.on_phase("reward")
@@ -166,18 +180,54 @@ def assign_advantages(groups: Sequence[Group], *, eps: float) -> None:
 # ----------------------------------------------------------------------------- 4. update
 
 
+SAMPLER_LOGPROB_TOLERANCE = 1e-3
+"""Largest |sampler - forward| log-prob gap that lets the sampler's stand in for pi_old."""
+
+
 @torch.no_grad()
 def _fill_logprobs(model, episodes: list[Episode], attr: str, state: TrainState) -> None:
     """Forward passes without gradient to store pi_old or pi_ref log-probs on each episode."""
     cfg, pad_id = state.cfg, state.tokenizer.pad_token_id
     device = next(model.parameters()).device
     model.eval()
-    order = list(range(len(episodes)))
+    order = length_sorted(episodes, range(len(episodes)))
     for micro in split_microbatches(episodes, order, max_tokens=cfg.train.tokens_per_microbatch):
         b = collate([episodes[i] for i in micro], pad_id=pad_id).to(device)
-        logp_BT, _ = batch_logprobs(model, b, temperature=cfg.rollout.temperature)
+        logp_BT, _ = batch_logprobs(
+            model, b, temperature=cfg.rollout.temperature, share_prompts=cfg.train.share_prompts
+        )
         for row, i in enumerate(micro):
             setattr(episodes[i], attr, logp_BT[row, : episodes[i].length].float().cpu())
+
+
+def _old_logprobs(state: TrainState, episodes: list[Episode]) -> dict[str, float]:
+    """pi_old: recomputed by a forward pass, or the sampler's once they are shown to match it.
+
+    The check runs on the first step of each process; it costs one forward pass and, whatever
+    it finds, the sampler's values are the ones used (a resumed run stays bit-identical).
+    """
+    if state.cfg.train.recompute_old_logprobs:
+        _fill_logprobs(state.model, episodes, "old_logprobs", state)
+        return {}
+    out = {}
+    if not state.sampler_logprobs_checked:
+        _fill_logprobs(state.model, episodes, "old_logprobs", state)
+        gap = max(
+            float((e.old_logprobs - e.sampler_logprobs).abs().amax()) if e.length else 0.0
+            for e in episodes
+        )
+        if not gap <= SAMPLER_LOGPROB_TOLERANCE:
+            raise ValueError(
+                f"train.recompute_old_logprobs=false: the sampler's log-probs differ from a "
+                f"forward pass by up to {gap:.3g} (tolerance {SAMPLER_LOGPROB_TOLERANCE}) at "
+                f"model.dtype={state.cfg.model.dtype}, so they cannot stand in for pi_old. "
+                "Set train.recompute_old_logprobs=true (needed in bfloat16 and float16)."
+            )
+        state.sampler_logprobs_checked = True
+        out["train/sampler_logprob_gap"] = gap
+    for e in episodes:
+        e.old_logprobs = e.sampler_logprobs
+    return out
 
 
 def update(state: TrainState, episodes: list[Episode], *, lr: float) -> dict[str, float]:
@@ -189,11 +239,7 @@ def update(state: TrainState, episodes: list[Episode], *, lr: float) -> dict[str
     """
     cfg, model = state.cfg, state.model
     t_logprobs = time.perf_counter()
-    if cfg.train.recompute_old_logprobs:
-        _fill_logprobs(model, episodes, "old_logprobs", state)
-    else:
-        for e in episodes:
-            e.old_logprobs = e.sampler_logprobs
+    check = _old_logprobs(state, episodes)
     if state.ref_model is not None:
         _fill_logprobs(state.ref_model, episodes, "ref_logprobs", state)
     _add(state.timers, "logprobs", time.perf_counter() - t_logprobs)
@@ -259,7 +305,7 @@ def update(state: TrainState, episodes: list[Episode], *, lr: float) -> dict[str
     }
     if state.ref_model is not None:
         out["train/kl"] = sums.get("kl_sum", 0.0) / max(sums.get("kl_den", 0.0), 1.0)
-    return out
+    return out | check
 
 
 def accumulate_gradients(
@@ -279,12 +325,18 @@ def accumulate_gradients(
     def add(key: str, value: float) -> None:
         sums[key] = sums.get(key, 0.0) + value
 
-    order = range(len(episodes))
+    # A sum over the mini-batch does not depend on the order: rows of similar length (and a
+    # group's rows) go together, for less padding and more shared prompts.
+    order = length_sorted(episodes, range(len(episodes)))
     for micro in split_microbatches(episodes, order, max_tokens=cfg.train.tokens_per_microbatch):
         eps = [episodes[i] for i in micro]
         b = collate(eps, pad_id=state.tokenizer.pad_token_id).to(device)
         logp_BT, entropy_BT = batch_logprobs(
-            model, b, temperature=cfg.rollout.temperature, with_entropy=True
+            model,
+            b,
+            temperature=cfg.rollout.temperature,
+            with_entropy=True,
+            share_prompts=cfg.train.share_prompts,
         )
         loss, stats = algo.policy_loss(
             logp_BT,
@@ -344,23 +396,35 @@ def train_step(state: TrainState) -> dict[str, float]:
     cfg = state.cfg
     state.timers.clear()
     t0 = time.perf_counter()
-    # Without dynamic sampling every group is kept, so one round of exactly N prompts.
-    n_prompts = cfg.train.prompts_per_step
-    if cfg.sampling.dynamic and cfg.sampling.prompts_per_round:
-        n_prompts = cfg.sampling.prompts_per_round
+    s, n = cfg.sampling, cfg.train.prompts_per_step
 
-    def draw_round(round_index: int) -> list[Group]:
-        problems = state.sampler.next(n_prompts)
+    def round_size(so_far: SamplingResult) -> int:
+        # Without dynamic sampling every group is kept, so one round of exactly N prompts.
+        if not s.dynamic:
+            return n
+        default = s.prompts_per_round or n
+        if not s.oversample:
+            return default
+        mixed = so_far.groups_mixed + state.sampling_prior[0]
+        drawn = so_far.prompts_drawn + state.sampling_prior[1]
+        kept_frac = mixed / drawn if drawn else None
+        need = n - len(so_far.groups)
+        return oversampled_round(need, kept_frac, default=default, cap=MAX_OVERSAMPLE * n)
+
+    def draw_round(round_index: int, num_prompts: int) -> list[Group]:
+        problems = state.sampler.next(num_prompts)
         seed = derive_seed(cfg.train.seed, state.step, round_index, "rollout")
         return rollout_round(state, problems, seed=seed)
 
     result = collect_groups(
         draw_round,
-        num_groups=cfg.train.prompts_per_step,
-        dynamic=cfg.sampling.dynamic,
-        max_rounds=cfg.sampling.max_rounds,
-        on_max_rounds=cfg.sampling.on_max_rounds,
+        num_groups=n,
+        dynamic=s.dynamic,
+        max_rounds=s.max_rounds,
+        on_max_rounds=s.on_max_rounds,
+        round_size=round_size,
     )
+    state.sampling_prior = (result.groups_mixed, result.prompts_drawn)
     t_gen = time.perf_counter() - t0
 
     assign_advantages(result.groups, eps=cfg.algo.adv_eps)
@@ -416,6 +480,7 @@ def rollout_metrics(result: SamplingResult) -> dict[str, float]:
         "sampling/kept_frac": kept / max(result.prompts_drawn, 1),
         "sampling/tokens_generated": float(result.tokens_generated),
         "sampling/tokens_per_kept_group": result.tokens_generated / max(kept, 1),
+        "sampling/groups_surplus": float(result.groups_mixed - kept),
         "sampling/exhausted": float(result.exhausted),
     }
 
@@ -542,6 +607,7 @@ def _run(state: TrainState, val_problems, *, run_dir: Path, stream, resume: bool
         state.step = info["step"]
         state.sampler.load_state_dict(info["sampler"])
         state.consecutive_skips = info["consecutive_skips"]
+        state.sampling_prior = tuple(info.get("sampling_prior", (0, 0)))
         start, last = info["val_start"], info["val_last"]
         elapsed_before = info["train_seconds"]
         logger.truncate(info["metrics_bytes"])
@@ -564,6 +630,7 @@ def _run(state: TrainState, val_problems, *, run_dir: Path, stream, resume: bool
             trainer_state={
                 "sampler": state.sampler.state_dict(),
                 "consecutive_skips": state.consecutive_skips,
+                "sampling_prior": list(state.sampling_prior),
                 "val_start": start,
                 "val_last": last,
                 "train_seconds": elapsed_before + time.perf_counter() - t_start,

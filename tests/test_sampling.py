@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from dapo.batch import Episode
-from dapo.sampling import DynamicSamplingExhausted, Group, collect_groups
+from dapo.sampling import DynamicSamplingExhausted, Group, collect_groups, oversampled_round
 
 
 def _group(uid: str, correct: list[bool]) -> Group:
@@ -24,7 +24,7 @@ def _rounds(patterns: list[list[list[bool]]]):
     """A fake generator: round r returns the groups of patterns[r]."""
     calls = []
 
-    def draw(round_index: int) -> list[Group]:
+    def draw(round_index: int, num_prompts: int) -> list[Group]:
         calls.append(round_index)
         return [_group(f"r{round_index}g{i}", c) for i, c in enumerate(patterns[round_index])]
 
@@ -78,3 +78,40 @@ def test_without_dynamic_sampling_every_group_is_kept_after_one_round():
     res = collect_groups(draw, num_groups=3, dynamic=False, max_rounds=5, on_max_rounds="error")
     assert calls == [0]
     assert [g.uid for g in res.groups] == ["r0g0", "r0g1", "r0g2"]
+
+
+def test_oversampled_round_sizes_by_the_kept_fraction():
+    # Nothing measured: the configured size, but never fewer prompts than groups needed.
+    assert oversampled_round(32, None, default=40, cap=128) == 40
+    assert oversampled_round(32, None, default=16, cap=128) == 32
+    # 32 groups at a kept fraction of 0.6: ceil(32 / 0.6) = 54 prompts.
+    assert oversampled_round(32, 0.6, default=40, cap=128) == 54
+    assert oversampled_round(5, 0.5, default=40, cap=128) == 10  # a later round: 5 still needed
+    assert oversampled_round(32, 1.0, default=40, cap=128) == 32
+    assert oversampled_round(32, 0.1, default=40, cap=128) == 128  # capped
+    assert oversampled_round(32, 0.0, default=40, cap=128) == 128
+
+
+def test_round_size_sees_the_result_so_far():
+    """Each round is sized from what the rounds before it kept."""
+    sizes, seen = [], []
+
+    def draw(round_index: int, num_prompts: int) -> list[Group]:
+        sizes.append(num_prompts)
+        # Half of every round's groups are mixed.
+        return [
+            _group(f"r{round_index}g{i}", MIXED if i % 2 else ALL_RIGHT) for i in range(num_prompts)
+        ]
+
+    def round_size(so_far) -> int:
+        seen.append((so_far.rounds, so_far.prompts_drawn, so_far.groups_mixed, len(so_far.groups)))
+        frac = so_far.groups_mixed / so_far.prompts_drawn if so_far.prompts_drawn else None
+        return oversampled_round(6 - len(so_far.groups), frac, default=4, cap=24)
+
+    res = collect_groups(
+        draw, num_groups=6, dynamic=True, max_rounds=5, on_max_rounds="error", round_size=round_size
+    )
+    # Round 1: default 4 < 6 needed, so 6 prompts, 3 mixed; round 2: 3 needed at a kept
+    # fraction of 3/6 -> 6 prompts, 3 mixed; done in two rounds.
+    assert sizes == [6, 6] and seen == [(0, 0, 0, 0), (1, 6, 3, 3)]
+    assert len(res.groups) == 6 and res.groups_mixed == 6

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from dapo.batch import Episode, collate, split_microbatches
+from dapo import trainer
+from dapo.batch import Episode, collate, length_sorted, split_microbatches
 from dapo.config import load_config
 from dapo.data import Problem
 from dapo.sampling import Group
@@ -122,3 +123,87 @@ def test_lr_warms_up_linearly_over_rollout_steps():
 def test_seeds_differ_per_step_and_round_and_repeat():
     assert derive_seed(0, 1, 2) == derive_seed(0, 1, 2)
     assert len({derive_seed(0, s, r) for s in range(10) for r in range(10)}) == 100
+
+
+def test_length_sorted_puts_long_rows_first_and_a_prompts_rows_together():
+    a, b = torch.tensor([7, 8, 9]), torch.tensor([7, 8])
+    eps = [
+        Episode(p, torch.ones(n, dtype=torch.long), torch.zeros(n), False, True, 1.0)
+        for p, n in [(a, 2), (b, 3), (a, 6), (b, 1), (a, 2), (b, 6)]
+    ]
+    # Totals 5, 5, 9, 3, 5, 8: the three 5s are ordered by prompt, then their input order.
+    assert length_sorted(eps, range(6)) == [2, 5, 1, 0, 4, 3]
+
+    # Sorted, a budget of 20 padded tokens needs fewer micro-batches and pads less.
+    def padded(chunks):
+        return sum(
+            len(c) * (max(eps[i].prompt_ids.numel() for i in c) + max(eps[i].length for i in c))
+            for c in chunks
+        )
+
+    plain = split_microbatches(eps, range(6), max_tokens=20)
+    sorted_ = split_microbatches(eps, length_sorted(eps, range(6)), max_tokens=20)
+    assert padded(sorted_) < padded(plain)
+
+
+def _grouped_episodes():
+    """3 groups of 4 responses; a group's rows share their prompt tensor values."""
+    eps = []
+    for g in range(3):
+        prompt = torch.randint(5, 60, (3 + g,), generator=torch.Generator().manual_seed(100 + g))
+        for i in range(4):
+            e = _episode(2 + (5 * g + 3 * i) % 9, seed=10 * g + i, correct=i % 2 == 0)
+            e.prompt_ids = prompt.clone()
+            e.advantage = (-1.0) ** i * (0.5 + g / 10)
+            e.old_logprobs = e.sampler_logprobs
+            eps.append(e)
+    return eps
+
+
+def test_gradient_is_independent_of_prompt_sharing_order_and_budget(tiny_model, tokenizer):
+    """Shared-prompt forward passes, length sorting and the token budget change the cost only:
+    the accumulated gradient and loss match one unshared micro-batch in input order."""
+    eps = _grouped_episodes()
+    ref, s_ref = _grads_after_accumulation(
+        tiny_model,
+        tokenizer,
+        eps,
+        "train.share_prompts=false",
+        "train.tokens_per_microbatch=100000",
+    )
+    for overrides, order in [
+        (["train.share_prompts=true", "train.tokens_per_microbatch=100000"], eps),
+        (["train.share_prompts=true", "train.tokens_per_microbatch=48"], eps),
+        (["train.share_prompts=true", "train.tokens_per_microbatch=48"], eps[::-1]),
+    ]:
+        got, s = _grads_after_accumulation(tiny_model, tokenizer, order, *overrides)
+        for a, b in zip(ref, got, strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+        assert s["loss"] == pytest.approx(s_ref["loss"], rel=1e-5)
+        assert s["tokens"] == s_ref["tokens"]
+
+
+def _checked_state(tiny_model, tokenizer):
+    cfg = _cfg("train.recompute_old_logprobs=false")
+    return build_state(cfg, tiny_model, tokenizer, [Problem("p", (), "1")])
+
+
+def test_sampler_logprobs_are_checked_once_then_used(tiny_model, tokenizer):
+    eps = _grouped_episodes()
+    state = _checked_state(tiny_model, tokenizer)
+    trainer._fill_logprobs(tiny_model, eps, "sampler_logprobs", state)  # exact ones
+    for e in eps:
+        e.sampler_logprobs = e.sampler_logprobs + 1e-4  # within the tolerance
+    out = trainer._old_logprobs(state, eps)
+    assert out["train/sampler_logprob_gap"] == pytest.approx(1e-4, rel=1e-2)
+    assert all(e.old_logprobs is e.sampler_logprobs for e in eps)  # the sampler's are used
+    assert trainer._old_logprobs(state, eps) == {}  # checked once per process
+
+
+def test_sampler_logprobs_that_disagree_stop_the_run_with_the_fix(tiny_model, tokenizer):
+    eps = _grouped_episodes()
+    state = _checked_state(tiny_model, tokenizer)
+    trainer._fill_logprobs(tiny_model, eps, "sampler_logprobs", state)
+    eps[5].sampler_logprobs = eps[5].sampler_logprobs - 0.05  # as bf16 sampling would be
+    with pytest.raises(ValueError, match=r"up to 0\.05.*recompute_old_logprobs=true"):
+        trainer._old_logprobs(state, eps)

@@ -1,0 +1,148 @@
+"""The rollout's own decoding loop: one prefill per prompt, finished rows leave the batch.
+
+Three things make it cheaper than ``model.generate`` for GRPO-style groups, none of which
+changes what is sampled:
+
+- the G responses of a prompt share its prefill: the prompt goes through the model once and
+  its KV cache is repeated G times (a group's prompt is most of the tokens in a short rollout);
+- a row that has emitted EOS is removed from the batch and its KV cache, so no compute is
+  spent on padding after a finished response;
+- each row draws one uniform number per step from a generator seeded for the whole batch, and
+  turns it into a token by inverting the CDF. Row b's token at step t depends only on its own
+  logits and ``u[t, b]``, never on which other rows are still running: removing finished rows
+  gives the same tokens as keeping them (``drop_finished=False``, tested).
+
+The log-prob recorded for each token is that of the temperature-scaled distribution before
+top-p truncation and with EOS unmasked: the policy's own probability, the one the objective's
+ratio divides by and that a fresh forward pass recomputes.
+
+Shapes: n = prompts, B = n x G rows, A = rows still running, P = prompt tokens (left padded),
+T = steps, V = vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def sample_from_logits(logits_AV: torch.Tensor, u_A: torch.Tensor, *, top_p: float = 1.0):
+    """Token drawn from softmax(logits) (restricted to the top-p nucleus) by inverse CDF of ``u``.
+
+    The nucleus is the smallest set of most likely tokens whose mass reaches ``top_p`` (a token
+    is kept when the mass strictly above it is below ``top_p``), as transformers' TopPLogitsWarper.
+    ``u`` in [0, 1) picks the token whose CDF interval contains ``u`` x (kept mass); tokens of
+    zero probability are never drawn.
+    """
+    probs_AV = torch.softmax(logits_AV.float(), dim=-1)
+    order_AV = None
+    if top_p < 1.0:
+        probs_AV, order_AV = probs_AV.sort(dim=-1, descending=True)
+        mass_above_AV = probs_AV.cumsum(dim=-1) - probs_AV
+        probs_AV = probs_AV.masked_fill(mass_above_AV >= top_p, 0.0)
+    cdf_AV = probs_AV.cumsum(dim=-1)
+    target_A1 = (u_A.float() * cdf_AV[:, -1]).unsqueeze(1)
+    # right=True: the first index whose CDF exceeds the target, never a zero-mass token.
+    idx_A = torch.searchsorted(cdf_AV, target_A1, right=True).squeeze(1)
+    idx_A = idx_A.clamp(max=logits_AV.shape[-1] - 1)
+    if order_AV is not None:
+        idx_A = order_AV.gather(1, idx_A[:, None]).squeeze(1)
+    return idx_A
+
+
+@torch.inference_mode()
+def decode(
+    model,
+    prompt_ids_nP: torch.Tensor,
+    prompt_mask_nP: torch.Tensor,
+    *,
+    group_size: int,
+    max_new_tokens: int,
+    eos_token_id: int,
+    pad_token_id: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    greedy: bool = False,
+    ignore_eos: bool = False,
+    drop_finished: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample ``group_size`` responses per prompt (rows i*G .. i*G+G-1 are prompt i).
+
+    Returns (response ids [B, T], log-probs [B, T]): tokens after a row's EOS are
+    ``pad_token_id`` with log-prob 0; T is the longest response, at most ``max_new_tokens``.
+    ``ignore_eos`` masks EOS at every step (fixed-length benchmarks). ``drop_finished=False``
+    keeps finished rows in the batch (fed padding, as ``generate`` does): the reference the
+    removal is tested against.
+    """
+    device = prompt_ids_nP.device
+    num_rows = prompt_ids_nP.shape[0] * group_size
+    position_nP = (prompt_mask_nP.long().cumsum(dim=1) - 1).clamp(min=0)
+    out = model(
+        input_ids=prompt_ids_nP,
+        attention_mask=prompt_mask_nP,
+        position_ids=position_nP,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    cache = out.past_key_values
+    cache.batch_repeat_interleave(group_size)
+    logits_AV = out.logits[:, -1].float().repeat_interleave(group_size, dim=0)
+    mask_AL = prompt_mask_nP.repeat_interleave(group_size, dim=0)
+    next_pos_A = mask_AL.long().sum(dim=1)
+    rows_A = torch.arange(num_rows, device=device)  # which output row each batch row is
+    done_A = torch.zeros(num_rows, dtype=torch.bool, device=device)  # only without dropping
+
+    tokens_BT = torch.full(
+        (num_rows, max_new_tokens), pad_token_id, dtype=torch.long, device=device
+    )
+    logprobs_BT = torch.zeros((num_rows, max_new_tokens), dtype=torch.float32, device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    steps = 0
+    for t in range(max_new_tokens):
+        # Every step draws B numbers whatever is still running: the stream is row-addressed.
+        u_B = torch.rand(num_rows, generator=gen, device=device)
+        scaled_AV = logits_AV / temperature if not greedy else logits_AV
+        logz_A1 = torch.logsumexp(scaled_AV, dim=-1, keepdim=True)
+        policy_AV = scaled_AV
+        if ignore_eos:
+            policy_AV = scaled_AV.clone()
+            policy_AV[:, eos_token_id] = float("-inf")
+        if greedy:
+            token_A = policy_AV.argmax(dim=-1)
+        else:
+            token_A = sample_from_logits(policy_AV, u_B[rows_A], top_p=top_p)
+        logp_A = (scaled_AV.gather(1, token_A[:, None]) - logz_A1).squeeze(1)
+        live_A = ~done_A
+        tokens_BT[rows_A[live_A], t] = token_A[live_A]
+        logprobs_BT[rows_A[live_A], t] = logp_A[live_A]
+        steps = t + 1
+        finished_A = live_A & (token_A == eos_token_id)
+        if ignore_eos:
+            finished_A = torch.zeros_like(live_A)
+        if t == max_new_tokens - 1:
+            break
+        if drop_finished:
+            if finished_A.any():
+                keep_A = ~finished_A
+                if not keep_A.any():
+                    break
+                cache.batch_select_indices(keep_A.nonzero().squeeze(1))
+                rows_A, token_A = rows_A[keep_A], token_A[keep_A]
+                mask_AL, next_pos_A = mask_AL[keep_A], next_pos_A[keep_A]
+                done_A = done_A[keep_A]
+        else:
+            done_A = done_A | finished_A
+            if done_A.all():
+                break
+            token_A = token_A.masked_fill(done_A, pad_token_id)
+        mask_AL = torch.cat([mask_AL, mask_AL.new_ones((mask_AL.shape[0], 1))], dim=1)
+        out = model(
+            input_ids=token_A[:, None],
+            attention_mask=mask_AL,
+            position_ids=next_pos_A[:, None],
+            past_key_values=cache,
+            use_cache=True,
+        )
+        next_pos_A = next_pos_A + 1
+        logits_AV = out.logits[:, -1].float()
+    return tokens_BT[:, :steps], logprobs_BT[:, :steps]

@@ -1,0 +1,218 @@
+"""The rollout engine (dapo.decode) and the shared-prompt forward pass change cost, not results."""
+
+import pytest
+import torch
+from transformers import TopPLogitsWarper
+
+from dapo.decode import decode, sample_from_logits
+from dapo.model import response_logprobs
+from dapo.rollout import generate
+
+PROMPTS = ["User: What is 2 + 3?\nAssistant:\n", "Compute 7 + 1 + 4.\n", "Hi"]
+
+
+@pytest.fixture()
+def eager_eos_model(tiny_model, tokenizer):
+    """The tiny model with EOS made likely, so that responses finish at different steps."""
+    with torch.no_grad():
+        tiny_model.model.embed_tokens.weight[tokenizer.eos_token_id] *= 8
+    return tiny_model
+
+
+def _encode(tokenizer, prompts=PROMPTS):
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    return enc["input_ids"], enc["attention_mask"]
+
+
+# ----------------------------------------------------------------------------- the sampler
+
+
+def test_inverse_cdf_sampling_hits_each_token_in_proportion_to_its_probability():
+    """On a grid of N uniforms, token v is drawn round(p_v N) times (+-1): the exact law."""
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
+    logits = probs.log().expand(1000, -1)
+    u = (torch.arange(1000) + 0.5) / 1000
+    counts = torch.bincount(sample_from_logits(logits, u), minlength=5)
+    assert counts.tolist() == [500, 300, 150, 50, 0]
+
+
+def test_top_p_keeps_the_nucleus_and_renormalises():
+    # Mass above each token (sorted): 0, 0.5, 0.8, 0.95. At top_p 0.7 the nucleus is the first
+    # two (0.8 >= 0.7 drops the third), renormalised to 0.625 / 0.375.
+    probs = torch.tensor([0.15, 0.5, 0.05, 0.3])
+    logits = probs.log().expand(800, -1)
+    u = (torch.arange(800) + 0.5) / 800
+    counts = torch.bincount(sample_from_logits(logits, u, top_p=0.7), minlength=4)
+    assert counts.tolist() == [0, 500, 0, 300]
+    # The same nucleus as transformers' warper keeps.
+    kept = TopPLogitsWarper(0.7)(None, probs.log()[None].clone()).isfinite()[0]
+    assert kept.tolist() == [False, True, False, True]
+
+
+def test_u_near_one_never_draws_a_zero_probability_token():
+    logits = torch.tensor([[0.0, 0.0, float("-inf")]])
+    for u in (0.0, 0.5, 1.0 - 2**-24):
+        assert sample_from_logits(logits, torch.tensor([u])).item() in (0, 1)
+
+
+# ----------------------------------------------------------------------------- decoding
+
+
+def test_removing_finished_rows_gives_the_same_tokens_and_logprobs(eager_eos_model, tokenizer):
+    ids, mask = _encode(tokenizer)
+    runs = {}
+    for drop in (True, False):
+        runs[drop] = decode(
+            eager_eos_model,
+            ids,
+            mask,
+            group_size=8,
+            max_new_tokens=24,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            temperature=0.9,
+            top_p=0.95,
+            seed=5,
+            drop_finished=drop,
+        )
+    tokens, logps = runs[True]
+    lengths = (tokens == tokenizer.eos_token_id).float().argmax(dim=1)
+    # The case the removal is for: rows finish at many different steps.
+    assert len(set(lengths[lengths > 0].tolist())) >= 5
+    assert torch.equal(tokens, runs[False][0])
+    torch.testing.assert_close(logps, runs[False][1], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("drop_finished", [True, False])
+def test_greedy_decoding_equals_transformers_generate(tiny_model, tokenizer, drop_finished):
+    ids, mask = _encode(tokenizer)
+    common = dict(
+        max_new_tokens=20, pad_token_id=tokenizer.pad_token_id, attention_mask=mask.clone()
+    )
+    probe = tiny_model.generate(input_ids=ids, do_sample=False, eos_token_id=None, **common)
+    # The random model's argmax never picks EOS; a token it emits midway in one response
+    # plays EOS instead, so that rows finish at different steps.
+    stop = int(probe[0, ids.shape[1] + 4])
+    ref = tiny_model.generate(input_ids=ids, do_sample=False, eos_token_id=stop, **common)
+    ref = ref[:, ids.shape[1] :]
+    got, _ = decode(
+        tiny_model,
+        ids,
+        mask,
+        group_size=1,
+        max_new_tokens=20,
+        eos_token_id=stop,
+        pad_token_id=tokenizer.pad_token_id,
+        greedy=True,
+        drop_finished=drop_finished,
+    )
+    finished = (ref == stop).any(dim=1)
+    assert finished.any() and not finished.all()
+    assert torch.equal(got, ref[:, : got.shape[1]])
+    assert (ref[:, got.shape[1] :] == tokenizer.pad_token_id).all()
+
+
+def test_ignore_eos_fixes_the_length_and_logs_the_unmasked_logprob(eager_eos_model, tokenizer):
+    ro = generate(
+        eager_eos_model,
+        tokenizer,
+        PROMPTS,
+        group_size=4,
+        max_new_tokens=16,
+        seed=2,
+        ignore_eos=True,
+    )
+    assert (ro.lengths_B == 16).all() and ro.truncated_B.all()
+    assert not (ro.response_ids_BT == tokenizer.eos_token_id).any()
+    with torch.no_grad():
+        logp_BT, _ = response_logprobs(
+            eager_eos_model,
+            ro.prompt_ids_BP,
+            ro.prompt_mask_BP,
+            ro.response_ids_BT,
+            ro.response_mask_BT,
+        )
+    # The policy's probability of each token, as recomputed, not the EOS-masked sampler's.
+    torch.testing.assert_close(logp_BT, ro.logprobs_BT, rtol=0, atol=1e-5)
+
+
+def test_engines_sample_the_same_first_token_distribution(tiny_model, tokenizer):
+    """Different random streams, the same law: first-token frequencies over 4096 draws agree
+    with the model's probabilities within 4 standard errors for both engines."""
+    prompt = [PROMPTS[0]]
+    ids, mask = _encode(tokenizer, prompt)
+    with torch.no_grad():
+        probs = torch.softmax(tiny_model(input_ids=ids, attention_mask=mask).logits[0, -1], -1)
+    for engine in ("dapo", "hf"):
+        ro = generate(
+            tiny_model,
+            tokenizer,
+            prompt,
+            group_size=4096,
+            max_new_tokens=1,
+            seed=11,
+            engine=engine,
+        )
+        freq = torch.bincount(ro.response_ids_BT[:, 0], minlength=probs.numel()).float() / 4096
+        se = (probs * (1 - probs) / 4096).sqrt()
+        assert ((freq - probs).abs() <= 4 * se + 1e-4).all(), engine
+
+
+# ----------------------------------------------------------------------------- shared prompts
+
+
+def test_shared_prompt_forward_equals_the_full_forward_in_values_and_gradients(
+    eager_eos_model, tokenizer
+):
+    model = eager_eos_model
+    ro = generate(model, tokenizer, PROMPTS, group_size=4, max_new_tokens=20, seed=1)
+    assert len(set(ro.lengths_B.tolist())) > 1  # ragged responses, right padding
+    mask = ro.response_mask_BT.clone()  # generated in inference mode
+    weights = torch.linspace(-1, 1, int(mask.sum()))
+    results = {}
+    for share in (False, True):
+        model.zero_grad()
+        logp, ent = response_logprobs(
+            model,
+            ro.prompt_ids_BP.clone(),
+            ro.prompt_mask_BP.clone(),
+            ro.response_ids_BT.clone(),
+            mask.clone(),
+            temperature=0.7,
+            with_entropy=True,
+            share_prompts=share,
+        )
+        (logp[mask] * weights).sum().backward()
+        results[share] = (logp.detach(), ent, [p.grad.clone() for p in model.parameters()])
+    full, shared = results[False], results[True]
+    torch.testing.assert_close(shared[0][mask], full[0][mask], rtol=0, atol=1e-5)
+    torch.testing.assert_close(shared[1][mask], full[1][mask], rtol=0, atol=1e-5)
+    for g_shared, g_full in zip(shared[2], full[2], strict=True):
+        scale = g_full.abs().max().clamp(min=1e-6)
+        assert ((g_shared - g_full).abs().max() / scale) < 1e-5
+
+
+@pytest.mark.parametrize("engine", ["dapo", "hf"])
+def test_sampler_logprobs_match_the_shared_forward(tiny_model, tokenizer, engine):
+    ro = generate(
+        tiny_model,
+        tokenizer,
+        PROMPTS,
+        group_size=4,
+        max_new_tokens=16,
+        seed=3,
+        temperature=0.8,
+        engine=engine,
+    )
+    with torch.no_grad():
+        logp_BT, _ = response_logprobs(
+            tiny_model,
+            ro.prompt_ids_BP,
+            ro.prompt_mask_BP,
+            ro.response_ids_BT,
+            ro.response_mask_BT,
+            temperature=0.8,
+        )
+    mask = ro.response_mask_BT
+    # float32 on CPU: the KV-cached sampler and the forward pass agree to about 1e-6.
+    torch.testing.assert_close(logp_BT[mask], ro.logprobs_BT[mask], rtol=0, atol=1e-5)
