@@ -65,11 +65,12 @@ def decode(
     greedy: bool = False,
     ignore_eos: bool = False,
     drop_finished: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Sample ``group_size`` responses per prompt (rows i*G .. i*G+G-1 are prompt i).
 
-    Returns (response ids [B, T], log-probs [B, T]): tokens after a row's EOS are
-    ``pad_token_id`` with log-prob 0; T is the longest response, at most ``max_new_tokens``.
+    Returns (response ids [B, T], log-probs [B, T], slots): tokens after a row's EOS are
+    ``pad_token_id`` with log-prob 0; T is the longest response, at most ``max_new_tokens``;
+    slots counts the (row, step) positions sampled, finished rows included when kept.
     ``ignore_eos`` masks EOS at every step (fixed-length benchmarks). ``drop_finished=False``
     keeps finished rows in the batch (fed padding, as ``generate`` does): the reference the
     removal is tested against.
@@ -97,7 +98,7 @@ def decode(
     )
     logprobs_BT = torch.zeros((num_rows, max_new_tokens), dtype=torch.float32, device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
-    steps = 0
+    steps = slots = 0
     for t in range(max_new_tokens):
         # Every step draws B numbers whatever is still running: the stream is row-addressed.
         u_B = torch.rand(num_rows, generator=gen, device=device)
@@ -116,6 +117,7 @@ def decode(
         tokens_BT[rows_A[live_A], t] = token_A[live_A]
         logprobs_BT[rows_A[live_A], t] = logp_A[live_A]
         steps = t + 1
+        slots += rows_A.numel()
         finished_A = live_A & (token_A == eos_token_id)
         if ignore_eos:
             finished_A = torch.zeros_like(live_A)
@@ -145,4 +147,4 @@ def decode(
         )
         next_pos_A = next_pos_A + 1
         logits_AV = out.logits[:, -1].float()
-    return tokens_BT[:, :steps], logprobs_BT[:, :steps]
+    return tokens_BT[:, :steps], logprobs_BT[:, :steps], slots

@@ -31,6 +31,8 @@ class Rollout:
     truncated_B: torch.Tensor
     """True where no EOS came within max_new_tokens."""
     texts: list[str]
+    slots: int = 0
+    """(row, step) positions the engine computed: generated tokens plus any padding after EOS."""
 
 
 class _SampledLogprobs(LogitsProcessor):
@@ -100,7 +102,7 @@ def generate(
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     device = next(model.parameters()).device
     if engine == "dapo":
-        response_ids_BT, logprobs_BT = decode(
+        response_ids_BT, logprobs_BT, slots = decode(
             model,
             enc["input_ids"].to(device),
             enc["attention_mask"].to(device),
@@ -120,6 +122,7 @@ def generate(
             enc["attention_mask"].repeat_interleave(group_size, dim=0).to(device),
             response_ids_BT,
             logprobs_BT,
+            slots,
         )
     if engine != "hf":
         raise ValueError(f"rollout engine {engine!r}: use 'dapo' or 'hf'")
@@ -142,10 +145,13 @@ def generate(
     )
     response_ids_BT = out[:, prompt_ids_BP.shape[1] :]
     logprobs_BT = recorder.finish(response_ids_BT[:, -1])
-    return _finish(tokenizer, prompt_ids_BP, prompt_mask_BP, response_ids_BT, logprobs_BT)
+    slots = response_ids_BT.numel()  # generate runs every row to the longest response
+    return _finish(tokenizer, prompt_ids_BP, prompt_mask_BP, response_ids_BT, logprobs_BT, slots)
 
 
-def _finish(tokenizer, prompt_ids_BP, prompt_mask_BP, response_ids_BT, logprobs_BT) -> Rollout:
+def _finish(
+    tokenizer, prompt_ids_BP, prompt_mask_BP, response_ids_BT, logprobs_BT, slots: int
+) -> Rollout:
     """Masks, lengths and texts of generated ids; tokens after the first EOS become padding."""
     is_eos_BT = response_ids_BT == tokenizer.eos_token_id
     # Tokens up to and including the first EOS are the response; generate pads after it.
@@ -165,4 +171,5 @@ def _finish(tokenizer, prompt_ids_BP, prompt_mask_BP, response_ids_BT, logprobs_
         lengths_B=lengths_B,
         truncated_B=truncated_B,
         texts=texts,
+        slots=slots,
     )

@@ -130,7 +130,7 @@ def rollout_round(state: TrainState, problems: list[Problem], *, seed: int) -> l
     t_reward = time.perf_counter()
     graded = (state.pool or RewardPool(workers=0)).grade(jobs)
     _add(state.timers, "reward", time.perf_counter() - t_reward)
-    _add(state.timers, "gen_slots", float(ro.response_ids_BT.numel()))
+    _add(state.timers, "gen_slots", float(ro.slots))
     if graded.faults:
         first = graded.faults[0]
         print(
@@ -361,8 +361,9 @@ def accumulate_gradients(
             loss = loss + cfg.algo.kl_coef * kl
             add("kl_sum", float(kl.detach()) * (num_seqs if seq_agg else num_tokens))
         loss.backward()
-        add("slots", float(b.prompt_mask_BP.numel() + b.response_mask_BT.numel()))
-        add("real", float(b.prompt_mask_BP.sum() + b.response_mask_BT.sum()))
+        slots, real = _forward_slots(b, shared=cfg.train.share_prompts)
+        add("slots", slots)
+        add("real", real)
         n = float(stats["num_tokens"])
         mask = b.loss_mask_BT
         add("tokens", n)
@@ -376,6 +377,17 @@ def accumulate_gradients(
     if state.ref_model is not None:
         add("kl_den", float(num_seqs if seq_agg else num_tokens))
     return sums
+
+
+def _forward_slots(b, *, shared: bool) -> tuple[float, float]:
+    """(padded, real) token positions a micro-batch's forward pass computes; a shared prompt
+    counts once."""
+    prompts_BP, mask_BP = b.prompt_ids_BP, b.prompt_mask_BP
+    if shared:
+        rows = torch.unique(torch.cat([prompts_BP, mask_BP.long()], dim=1), dim=0)
+        mask_BP = rows[:, prompts_BP.shape[1] :]
+    resp = b.response_mask_BT
+    return float(mask_BP.numel() + resp.numel()), float(mask_BP.sum() + resp.sum())
 
 
 # ----------------------------------------------------------------------------- the step

@@ -75,12 +75,16 @@ def test_removing_finished_rows_gives_the_same_tokens_and_logprobs(eager_eos_mod
             seed=5,
             drop_finished=drop,
         )
-    tokens, logps = runs[True]
-    lengths = (tokens == tokenizer.eos_token_id).float().argmax(dim=1)
+    tokens, logps, slots = runs[True]
+    ends = (tokens == tokenizer.eos_token_id).float().argmax(dim=1)
     # The case the removal is for: rows finish at many different steps.
-    assert len(set(lengths[lengths > 0].tolist())) >= 5
+    assert len(set(ends[ends > 0].tolist())) >= 5
     assert torch.equal(tokens, runs[False][0])
     torch.testing.assert_close(logps, runs[False][1], rtol=0, atol=1e-6)
+    # Only generated tokens were computed; kept rows compute every step to the longest.
+    lengths = torch.where(ends > 0, ends + 1, tokens.shape[1])
+    lengths = torch.where(tokens[:, 0] == tokenizer.eos_token_id, 1, lengths)
+    assert slots == int(lengths.sum()) < runs[False][2] == tokens.numel()
 
 
 @pytest.mark.parametrize("drop_finished", [True, False])
@@ -95,7 +99,7 @@ def test_greedy_decoding_equals_transformers_generate(tiny_model, tokenizer, dro
     stop = int(probe[0, ids.shape[1] + 4])
     ref = tiny_model.generate(input_ids=ids, do_sample=False, eos_token_id=stop, **common)
     ref = ref[:, ids.shape[1] :]
-    got, _ = decode(
+    got, _, _ = decode(
         tiny_model,
         ids,
         mask,
