@@ -48,15 +48,19 @@ class DynamicSamplingExhausted(RuntimeError):
 
 
 def oversampled_round(need: int, kept_frac: float | None, *, default: int, cap: int) -> int:
-    """Prompts to draw so that ``need`` more groups are kept, at the measured kept fraction.
+    """Prompts to draw so that ``need`` more groups are likely kept, at the measured fraction f.
 
-    ``need / kept_frac`` rounded up, within [need, cap]; ``default`` (at least ``need``) while
-    nothing has been measured. Drawing fewer would make another round (another pass of
-    generation overhead) likely; drawing more wastes the surplus groups, which are dropped.
+    The kept count of n prompts is about Binomial(n, f); n = ceil((need + sqrt(need (1 - f))) / f)
+    adds one standard deviation, so one round suffices about five times in six instead of
+    half the time. Within [need, cap]; ``default`` (at least ``need``) while nothing has been
+    measured. Fewer prompts make another round (another pass of generation overhead) likely;
+    more waste the surplus groups, which are dropped.
     """
     if kept_frac is None:
         return max(default, need)
-    size = math.ceil(need / kept_frac) if kept_frac > 0 else cap
+    if kept_frac <= 0:
+        return max(cap, need)
+    size = math.ceil((need + math.sqrt(need * (1.0 - min(kept_frac, 1.0)))) / kept_frac)
     return min(max(size, need), max(cap, need))
 
 

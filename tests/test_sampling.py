@@ -84,10 +84,11 @@ def test_oversampled_round_sizes_by_the_kept_fraction():
     # Nothing measured: the configured size, but never fewer prompts than groups needed.
     assert oversampled_round(32, None, default=40, cap=128) == 40
     assert oversampled_round(32, None, default=16, cap=128) == 32
-    # 32 groups at a kept fraction of 0.6: ceil(32 / 0.6) = 54 prompts.
-    assert oversampled_round(32, 0.6, default=40, cap=128) == 54
-    assert oversampled_round(5, 0.5, default=40, cap=128) == 10  # a later round: 5 still needed
-    assert oversampled_round(32, 1.0, default=40, cap=128) == 32
+    # 32 groups at a kept fraction of 0.8: (32 + sqrt(32 x 0.2)) / 0.8 = 43.16 -> 44 prompts.
+    assert oversampled_round(32, 0.8, default=40, cap=128) == 44
+    # 4 still needed at 0.5: (4 + sqrt(2)) / 0.5 = 10.83 -> 11.
+    assert oversampled_round(4, 0.5, default=40, cap=128) == 11
+    assert oversampled_round(32, 1.0, default=40, cap=128) == 32  # all kept: no margin
     assert oversampled_round(32, 0.1, default=40, cap=128) == 128  # capped
     assert oversampled_round(32, 0.0, default=40, cap=128) == 128
 
@@ -112,6 +113,6 @@ def test_round_size_sees_the_result_so_far():
         draw, num_groups=6, dynamic=True, max_rounds=5, on_max_rounds="error", round_size=round_size
     )
     # Round 1: default 4 < 6 needed, so 6 prompts, 3 mixed; round 2: 3 needed at a kept
-    # fraction of 3/6 -> 6 prompts, 3 mixed; done in two rounds.
-    assert sizes == [6, 6] and seen == [(0, 0, 0, 0), (1, 6, 3, 3)]
-    assert len(res.groups) == 6 and res.groups_mixed == 6
+    # fraction of 3/6 -> (3 + sqrt(1.5)) / 0.5 = 8.45 -> 9 prompts, 4 mixed; done, 1 surplus.
+    assert sizes == [6, 9] and seen == [(0, 0, 0, 0), (1, 6, 3, 3)]
+    assert len(res.groups) == 6 and res.groups_mixed == 7
