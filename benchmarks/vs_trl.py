@@ -16,6 +16,7 @@ Where the work is not exactly equal (each listed again in the output):
   (reward.workers=1, its default), paying the round trip.
 - pi_old: with one optimizer step per rollout TRL takes pi_old = the current log-probs,
   detached, with no extra pass; this project uses its defaults (see ``--ours``).
+- TRL's activation checkpointing (its default) is turned off: this project has none.
 - TRL's generation is transformers ``generate``; TRL's ``use_transformers_paged`` and vLLM are
   not used (vLLM needs a GPU; paged generation is a separate option of both systems).
 """
@@ -35,6 +36,7 @@ import warnings
 import torch
 
 PROMPTS, GROUP = 16, 8
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the same for both systems
 
 
 def build(seed: int = 0):
@@ -72,7 +74,7 @@ def time_ours(model, tokenizer, problems, cfg, steps: int, warmup: int) -> list[
     from dapo.reward_pool import RewardPool
     from dapo.trainer import build_state, train_step
 
-    state = build_state(cfg, model, tokenizer, problems)
+    state = build_state(cfg, model.to(DEVICE), tokenizer, problems)
     times = []
     with RewardPool(workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s) as pool:
         state.pool = pool
@@ -135,13 +137,16 @@ def time_trl(model, tokenizer, problems, new_tokens: int, steps: int, warmup: in
             lr_scheduler_type="constant",
             max_steps=warmup + steps,
             num_iterations=1,
-            use_cpu=not torch.cuda.is_available(),
+            use_cpu=DEVICE == "cpu",
             bf16=False,
             report_to="none",
             save_strategy="no",
             logging_steps=1_000_000,
             disable_tqdm=True,
             dataloader_num_workers=0,
+            # TRL defaults to activation checkpointing (a second forward in backward): off, as
+            # this project has none.
+            gradient_checkpointing=False,
             seed=0,
         )
         timer = StepTimes()

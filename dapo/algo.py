@@ -367,7 +367,8 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     e.g. a masked vocabulary entry) contribute 0: their log p is replaced by 0
     with ``torch.where`` before the product, so neither 0 · (-inf) in the forward
     pass nor in the backward pass makes a NaN. bf16/fp16 logits are upcast to
-    float32 (the sum over a large V needs it) and the result is float32.
+    float32 (the sum over a large V needs it) a block of rows at a time, and the
+    result is float32.
 
     Args:
         logits: ``[..., V]``.
@@ -375,11 +376,20 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     Returns:
         entropies ``[...]``.
     """
-    logits_V = logits.to(_stats_dtype(logits.dtype))
-    logp_V = torch.log_softmax(logits_V, dim=-1)
-    p_V = torch.exp(logp_V)
-    safe_logp_V = torch.where(p_V > 0, logp_V, torch.zeros_like(logp_V))
-    return -(p_V * safe_logp_V).sum(dim=-1)
+    dtype = _stats_dtype(logits.dtype)
+    vocab = logits.shape[-1]
+    logits_NV = logits.reshape(-1, vocab)
+    if logits_NV.shape[0] == 0:
+        return logits_NV.new_zeros(logits.shape[:-1], dtype=dtype)
+    # A block of rows at a time: the float32 temporaries of [B, T, V] would dwarf the logits.
+    rows_per_block = max(1, _UPCAST_CHUNK_ELEMENTS // max(vocab, 1))
+    out = []
+    for block in logits_NV.split(rows_per_block):
+        logp_V = torch.log_softmax(block.to(dtype), dim=-1)
+        p_V = torch.exp(logp_V)
+        safe_logp_V = torch.where(p_V > 0, logp_V, torch.zeros_like(logp_V))
+        out.append(-(p_V * safe_logp_V).sum(dim=-1))
+    return torch.cat(out).reshape(logits.shape[:-1])
 
 
 def token_logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -103,16 +103,22 @@ def split_minibatches(num: int, size: int, *, generator: torch.Generator) -> lis
 
 
 def length_sorted(episodes: Sequence[Episode], indices: Iterable[int]) -> list[int]:
-    """``indices`` longest first (prompt + response), a prompt's rows together within a length.
+    """``indices`` by prompt, prompts in decreasing order of their longest row (prompt +
+    response), and a prompt's rows longest first.
 
-    Greedy micro-batching of this order pads little, and rows sharing a prompt land in the
-    same micro-batch, where its forward pass is shared. Python's sort is stable: equal keys
-    keep their order, so the order is a function of the input alone.
+    A prompt's rows stay together, so that a micro-batch holds whole groups where it can
+    (their prompt then runs once, see ``response_logprobs``), and greedy micro-batching of
+    this order pads little. Python's sort is stable: the order is a function of the input.
     """
+    indices = list(indices)
+    prompt_of = {i: tuple(episodes[i].prompt_ids.tolist()) for i in indices}
+    longest: dict[tuple[int, ...], int] = {}
+    for i in indices:
+        total = episodes[i].prompt_ids.numel() + episodes[i].length
+        longest[prompt_of[i]] = max(longest.get(prompt_of[i], 0), total)
 
-    def key(i: int) -> tuple[int, tuple[int, ...]]:
-        e = episodes[i]
-        return (-(e.prompt_ids.numel() + e.length), tuple(e.prompt_ids.tolist()))
+    def key(i: int) -> tuple[int, tuple[int, ...], int]:
+        return (-longest[prompt_of[i]], prompt_of[i], -episodes[i].length)
 
     return sorted(indices, key=key)
 

@@ -114,7 +114,11 @@ class RolloutConfig:
     top_p: float = 1.0
     """Nucleus sampling for training rollouts (paper: 1.0)."""
     ignore_eos: bool = False
-    """Benchmarks only: every response runs to max_new_tokens, so two systems do equal work."""
+    """Benchmarks only: every response runs to max_new_tokens, so two systems do equal work.
+    The hf engine then records the EOS-masked log-probs, so it needs recompute_old_logprobs."""
+    rows_per_generate: int = 0
+    """Responses generated at once (0 = a whole round): bounds generation memory, as a round
+    of n prompts runs in ceil(n G / this) calls, each seeded from the round's seed."""
     engine: str = "dapo"
     """dapo (one prefill per prompt, finished rows leave the batch) or hf (transformers
     generate, for a model whose KV cache cannot be repeated or sliced by row)."""
@@ -498,6 +502,13 @@ def validate(cfg: Config) -> None:
     )
     need(s.prompts_per_round >= 0, "sampling.prompts_per_round must be >= 0")
     need(r.engine in ENGINE_CHOICES, f"rollout.engine must be one of {ENGINE_CHOICES}")
+    need(r.rows_per_generate >= 0, "rollout.rows_per_generate must be >= 0 (0 = a whole round)")
+    need(
+        t.recompute_old_logprobs or cfg.model.dtype == "float32",
+        f"train.recompute_old_logprobs=false needs model.dtype=float32 (got {cfg.model.dtype}): "
+        "in bfloat16 or float16 the sampler's log-probs differ from a forward pass's; set "
+        "train.recompute_old_logprobs=true",
+    )
     need(t.steps >= 0, "train.steps must be >= 0")
     need(t.prompts_per_step >= 1, "train.prompts_per_step must be >= 1")
     need(t.responses_per_minibatch >= 1, "train.responses_per_minibatch must be >= 1")

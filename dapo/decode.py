@@ -10,7 +10,10 @@ changes what is sampled:
 - each row draws one uniform number per step from a generator seeded for the whole batch, and
   turns it into a token by inverting the CDF. Row b's token at step t depends only on its own
   logits and ``u[t, b]``, never on which other rows are still running: removing finished rows
-  gives the same tokens as keeping them (``drop_finished=False``, tested).
+  gives the same tokens as keeping them (``drop_finished=False``, tested), up to float
+  rounding (a smaller batch may round a logit differently, and a ``u`` within that rounding
+  of a CDF boundary would then pick the neighbouring token). A rerun repeats the same batch
+  shapes, so a seed's tokens are reproducible, resumes included.
 
 The log-prob recorded for each token is that of the temperature-scaled distribution before
 top-p truncation and with EOS unmasked: the policy's own probability, the one the objective's
@@ -24,6 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from dapo.model import row_sliceable
+
 
 def sample_from_logits(logits_AV: torch.Tensor, u_A: torch.Tensor, *, top_p: float = 1.0):
     """Token drawn from softmax(logits) (restricted to the top-p nucleus) by inverse CDF of ``u``.
@@ -33,10 +38,14 @@ def sample_from_logits(logits_AV: torch.Tensor, u_A: torch.Tensor, *, top_p: flo
     ``u`` in [0, 1) picks the token whose CDF interval contains ``u`` x (kept mass); tokens of
     zero probability are never drawn.
     """
+    if not torch.isfinite(logits_AV.amax(dim=-1)).all():
+        # NaN, or +inf (fp16 overflow): no distribution to draw from (-inf alone is a mask).
+        raise FloatingPointError("the policy's logits hold NaN or +inf; cannot sample")
     probs_AV = torch.softmax(logits_AV.float(), dim=-1)
     order_AV = None
     if top_p < 1.0:
-        probs_AV, order_AV = probs_AV.sort(dim=-1, descending=True)
+        # Stable: tied probabilities at the nucleus edge are ordered the same on every run.
+        probs_AV, order_AV = probs_AV.sort(dim=-1, descending=True, stable=True)
         mass_above_AV = probs_AV.cumsum(dim=-1) - probs_AV
         probs_AV = probs_AV.masked_fill(mass_above_AV >= top_p, 0.0)
     cdf_AV = probs_AV.cumsum(dim=-1)
@@ -86,6 +95,12 @@ def decode(
         logits_to_keep=1,
     )
     cache = out.past_key_values
+    if not row_sliceable(cache):
+        raise ValueError(
+            f"rollout.engine=dapo: {type(model).__name__}'s KV cache "
+            f"({type(cache).__name__}) cannot be repeated or sliced by row; "
+            "set rollout.engine=hf (transformers generate)"
+        )
     cache.batch_repeat_interleave(group_size)
     logits_AV = out.logits[:, -1].float().repeat_interleave(group_size, dim=0)
     mask_AL = prompt_mask_nP.repeat_interleave(group_size, dim=0)

@@ -47,6 +47,12 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     ev.add_argument("--out", type=Path, help=f"output directory (default {DEFAULT_OUT}/<name>)")
     ev.add_argument("--device", default="auto")
+    ev.add_argument(
+        "--engine",
+        default="dapo",
+        choices=("dapo", "hf"),
+        help="rollout engine: dapo (default) or hf (transformers generate)",
+    )
     ev.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     ev.add_argument(
         "--compare",
@@ -158,6 +164,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             pool=pool,
             greedy=args.greedy,
             reward_mode=args.reward_mode,
+            engine=args.engine,
         )
     per_problem = _metrics(records, ks, phrases)
     summary = summarize(list(per_problem.values()), resamples=args.resamples, seed=args.seed)
@@ -170,6 +177,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         "top_p": args.top_p,
         "max_new_tokens": args.max_new_tokens,
         "seed": args.seed,
+        "engine": args.engine,
         "resamples": args.resamples,
         "reward_faults": sum(r["faults"] for r in records),
         "seconds": round(time.perf_counter() - t0, 1),

@@ -40,6 +40,7 @@ def evaluate(
     reward_mode: str = "",
     resamples: int = 1000,
     records_out: list | None = None,
+    engine: str = "dapo",
 ) -> dict[str, float]:
     """The held-out evaluation of training: ``dapo eval``'s samples and metrics, as val/*.
 
@@ -66,6 +67,7 @@ def evaluate(
         chat_template=chat_template,
         reward_mode=reward_mode,
         responses_per_batch=prompts_per_batch * k,
+        engine=engine,
     )
     if records_out is not None:
         records_out[:] = records
@@ -101,6 +103,7 @@ def sample_records(
     chat_template: bool = True,
     reward_mode: str = "",
     responses_per_batch: int = 256,
+    engine: str = "dapo",
 ) -> list[dict]:
     """k graded samples of every problem, one record per problem (``dapo eval``'s raw data).
 
@@ -124,13 +127,20 @@ def sample_records(
             temperature=temperature,
             top_p=top_p,
             seed=seed + start,
+            engine=engine,
         )
         jobs = [grading_job(chunk[i // k], text, reward_mode) for i, text in enumerate(ro.texts)]
         graded = pool.grade(jobs)
         greedy_correct = None
         if greedy:
             g = generate(
-                model, tokenizer, prompts, group_size=1, max_new_tokens=max_new_tokens, greedy=True
+                model,
+                tokenizer,
+                prompts,
+                group_size=1,
+                max_new_tokens=max_new_tokens,
+                greedy=True,
+                engine=engine,
             )
             greedy_jobs = [
                 grading_job(p, text, reward_mode) for p, text in zip(chunk, g.texts, strict=True)

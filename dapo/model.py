@@ -62,6 +62,16 @@ def response_logprobs(
         logits_to_keep=1,
     )
     cache = prompt_out.past_key_values
+    if not row_sliceable(cache):  # e.g. a recurrent-state cache: run the plain forward
+        return _full_forward(
+            model,
+            prompt_ids_BP,
+            prompt_mask_BP,
+            response_ids_BT,
+            response_mask_BT,
+            temperature=temperature,
+            with_entropy=with_entropy,
+        )
     cache.batch_select_indices(inverse_B)
     attn = torch.cat([prompt_mask_BP, response_mask_BT.to(prompt_mask_BP.dtype)], dim=1)
     num_resp = response_ids_BT.shape[1]
@@ -85,6 +95,17 @@ def response_logprobs(
         entropies.append(ent)
     entropy_BT = torch.cat(entropies, dim=1) if with_entropy else None
     return torch.cat(logps, dim=1), entropy_BT
+
+
+def row_sliceable(cache) -> bool:
+    """Whether a KV cache holds only full per-row keys and values, so that repeating or
+    indexing its batch dimension is exact (sliding windows, quantized layers and the recurrent
+    states of hybrid models are left to the plain paths)."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    return isinstance(cache, DynamicCache) and all(
+        type(layer) is DynamicLayer for layer in cache.layers
+    )
 
 
 def _full_forward(

@@ -46,7 +46,8 @@ from dapo.sampling import (
 )
 
 MAX_OVERSAMPLE = 4
-"""A round draws at most this many times prompts_per_step prompts (bounds its memory)."""
+"""A round draws at most this many times prompts_per_step prompts (rollout.rows_per_generate
+bounds the rows generated at once)."""
 
 
 def derive_seed(*parts: object) -> int:
@@ -107,30 +108,63 @@ def shape_rewards(episodes: Sequence[Episode], cfg: Config) -> None:
                 e.reward = -1.0
 
 
+@dataclass
+class _Sample:
+    prompt_ids: torch.Tensor
+    response_ids: torch.Tensor
+    logprobs: torch.Tensor
+    truncated: bool
+    text: str
+
+
+def _sample(state: TrainState, problems: list[Problem], *, seed: int) -> list[_Sample]:
+    """G responses per problem (rows i*G .. i*G+G-1 are problem i), generated in calls of at
+    most ``rollout.rows_per_generate`` rows, each call seeded from ``seed`` and its index."""
+    cfg, tok = state.cfg, state.tokenizer
+    G, rows_cap = cfg.rollout.group_size, cfg.rollout.rows_per_generate
+    per_call = max(1, rows_cap // G) if rows_cap else len(problems)
+    samples = []
+    for call, start in enumerate(range(0, len(problems), per_call)):
+        chunk = problems[start : start + per_call]
+        ro = generate(
+            state.model,
+            tok,
+            [render_prompt(tok, p, chat_template=cfg.data.apply_chat_template) for p in chunk],
+            group_size=G,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p,
+            seed=seed if call == 0 else derive_seed(seed, "call", call),
+            ignore_eos=cfg.rollout.ignore_eos,
+            engine=cfg.rollout.engine,
+        )
+        _add(state.timers, "gen_slots", float(ro.slots))
+        for b in range(len(chunk) * G):
+            length = int(ro.lengths_B[b])
+            samples.append(
+                _Sample(
+                    prompt_ids=ro.prompt_ids_BP[b][ro.prompt_mask_BP[b].bool()].cpu(),
+                    response_ids=ro.response_ids_BT[b, :length].cpu(),
+                    logprobs=ro.logprobs_BT[b, :length].float().cpu(),
+                    truncated=bool(ro.truncated_B[b]),
+                    text=ro.texts[b],
+                )
+            )
+    return samples
+
+
 def rollout_round(state: TrainState, problems: list[Problem], *, seed: int) -> list[Group]:
     """G responses for each problem, graded and shaped, as one group per problem."""
-    cfg, tok = state.cfg, state.tokenizer
+    cfg = state.cfg
     G = cfg.rollout.group_size
     state.model.eval()
     state.on_phase("generate")
-    ro = generate(
-        state.model,
-        tok,
-        [render_prompt(tok, p, chat_template=cfg.data.apply_chat_template) for p in problems],
-        group_size=G,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        temperature=cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p,
-        seed=seed,
-        ignore_eos=cfg.rollout.ignore_eos,
-        engine=cfg.rollout.engine,
-    )
-    jobs = [grading_job(problems[b // G], text, cfg.reward.mode) for b, text in enumerate(ro.texts)]
+    samples = _sample(state, problems, seed=seed)
+    jobs = [grading_job(problems[b // G], x.text, cfg.reward.mode) for b, x in enumerate(samples)]
     state.on_phase("reward")
     t_reward = time.perf_counter()
     graded = (state.pool or RewardPool(workers=0)).grade(jobs)
     _add(state.timers, "reward", time.perf_counter() - t_reward)
-    _add(state.timers, "gen_slots", float(ro.slots))
     if graded.faults:
         first = graded.faults[0]
         print(
@@ -144,17 +178,16 @@ def rollout_round(state: TrainState, problems: list[Problem], *, seed: int) -> l
     for i, problem in enumerate(problems):
         episodes = []
         for b in range(i * G, (i + 1) * G):
-            length = int(ro.lengths_B[b])
-            score = graded.scores[b]
+            x, score = samples[b], graded.scores[b]
             episodes.append(
                 Episode(
-                    prompt_ids=ro.prompt_ids_BP[b][ro.prompt_mask_BP[b].bool()].cpu(),
-                    response_ids=ro.response_ids_BT[b, :length].cpu(),
-                    sampler_logprobs=ro.logprobs_BT[b, :length].float().cpu(),
-                    truncated=bool(ro.truncated_B[b]),
+                    prompt_ids=x.prompt_ids,
+                    response_ids=x.response_ids,
+                    sampler_logprobs=x.logprobs,
+                    truncated=x.truncated,
                     correct=score.correct,
                     reward=score.score,
-                    text=ro.texts[b],
+                    text=x.text,
                     reward_fault=fault_of.get(b, ""),
                 )
             )
@@ -203,8 +236,9 @@ def _fill_logprobs(model, episodes: list[Episode], attr: str, state: TrainState)
 def _old_logprobs(state: TrainState, episodes: list[Episode]) -> dict[str, float]:
     """pi_old: recomputed by a forward pass, or the sampler's once they are shown to match it.
 
-    The check runs on the first step of each process; it costs one forward pass and, whatever
-    it finds, the sampler's values are the ones used (a resumed run stays bit-identical).
+    The check runs on the first step of each process (one forward pass) and stops the run on a
+    gap above the tolerance; otherwise the sampler's values are used, the ones an uninterrupted
+    run used, and only the run's first step logs the gap, so a resumed run stays bit-identical.
     """
     if state.cfg.train.recompute_old_logprobs:
         _fill_logprobs(state.model, episodes, "old_logprobs", state)
@@ -224,7 +258,8 @@ def _old_logprobs(state: TrainState, episodes: list[Episode]) -> dict[str, float
                 "Set train.recompute_old_logprobs=true (needed in bfloat16 and float16)."
             )
         state.sampler_logprobs_checked = True
-        out["train/sampler_logprob_gap"] = gap
+        if state.step == 0:
+            out["train/sampler_logprob_gap"] = gap
     for e in episodes:
         e.old_logprobs = e.sampler_logprobs
     return out
@@ -585,6 +620,7 @@ def _run(state: TrainState, val_problems, *, run_dir: Path, stream, resume: bool
             chat_template=cfg.data.apply_chat_template,
             reward_mode=cfg.reward.mode,
             records_out=last_records,
+            engine=cfg.rollout.engine,
         )
 
     tb_dir = run_dir / "tensorboard" if cfg.run.tensorboard else None

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from dapo import algo
 from dapo.algo import (
     AGG_MODES,
     aggregate,
@@ -494,3 +495,14 @@ def test_token_logprobs_bf16_is_float32():
         token_logprobs_from_logits(logits, tokens.int())
     with pytest.raises(ValueError, match="disagree"):
         token_logprobs_from_logits(logits, tokens[:, :2])
+
+
+def test_entropy_is_computed_in_blocks_with_the_same_values(monkeypatch):
+    """Several row blocks (as with a 151k vocabulary) give the one-block values exactly."""
+    logits = torch.randn(3, 5, 7, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    whole = algo.entropy_from_logits(logits)
+    monkeypatch.setattr(algo, "_UPCAST_CHUNK_ELEMENTS", 2 * 7)  # 2 rows per block: 8 blocks
+    blocks = algo.entropy_from_logits(logits)
+    assert blocks.dtype == torch.float32 and blocks.shape == (3, 5)
+    assert torch.equal(blocks, whole)
+    assert algo.entropy_from_logits(logits[:0]).shape == (0, 5)

@@ -220,3 +220,32 @@ def test_sampler_logprobs_match_the_shared_forward(tiny_model, tokenizer, engine
     mask = ro.response_mask_BT
     # float32 on CPU: the KV-cached sampler and the forward pass agree to about 1e-6.
     torch.testing.assert_close(logp_BT[mask], ro.logprobs_BT[mask], rtol=0, atol=1e-5)
+
+
+def test_non_finite_logits_stop_sampling_instead_of_drawing_the_last_token():
+    logits = torch.tensor([[0.0, float("nan"), 1.0], [0.0, 1.0, 2.0]])
+    with pytest.raises(FloatingPointError, match="NaN or \\+inf"):
+        sample_from_logits(logits, torch.tensor([0.5, 0.5]))
+    with pytest.raises(FloatingPointError):
+        sample_from_logits(torch.tensor([[float("inf"), 0.0]]), torch.tensor([0.5]))
+
+
+def test_a_cache_that_cannot_be_sliced_by_row(monkeypatch, tiny_model, tokenizer):
+    """Training falls back to the plain forward; the dapo engine says to use the hf one."""
+    import dapo.decode
+    import dapo.model
+
+    ro = generate(tiny_model, tokenizer, PROMPTS, group_size=3, max_new_tokens=8, seed=4)
+    args = (ro.prompt_ids_BP, ro.prompt_mask_BP, ro.response_ids_BT, ro.response_mask_BT)
+    with torch.no_grad():
+        shared, _ = response_logprobs(tiny_model, *args)
+        monkeypatch.setattr(dapo.model, "row_sliceable", lambda cache: False)
+        fallback, _ = response_logprobs(tiny_model, *args)
+        plain, _ = response_logprobs(tiny_model, *args, share_prompts=False)
+    assert torch.equal(fallback, plain)
+    torch.testing.assert_close(shared, plain, rtol=0, atol=1e-5)
+    monkeypatch.setattr(dapo.decode, "row_sliceable", lambda cache: False)
+    with pytest.raises(ValueError, match="set rollout.engine=hf"):
+        generate(tiny_model, tokenizer, PROMPTS, group_size=2, max_new_tokens=4)
+    hf = generate(tiny_model, tokenizer, PROMPTS, group_size=2, max_new_tokens=4, engine="hf")
+    assert hf.response_ids_BT.shape[0] == 6

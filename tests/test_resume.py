@@ -19,8 +19,10 @@ from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
-    "model.sft_steps=30",
-    "model.embedded_hidden=32",
+    # Big enough to be right sometimes: dynamic sampling keeps groups and every step trains.
+    "model.sft_steps=100",
+    "model.embedded_hidden=64",
+    "data.max_terms=2",
     "data.num_warmup=256",
     "data.num_train=200",
     "data.num_val=8",
@@ -94,6 +96,12 @@ def reference(tmp_path_factory):
     t0 = time.monotonic()
     code, out, err = _finish(_start(root, "reference", cache))
     assert code == 0, err
+    # A resume test is only as good as the state it carries: updates, kept groups, the
+    # sampler-log-prob check (logged on the first step only) and over-sampled rounds.
+    steps = _metrics(root / "reference")[1:]
+    assert all(m["train/updates"] >= 1 for m in steps)
+    assert "train/sampler_logprob_gap" in steps[0]
+    assert not any("train/sampler_logprob_gap" in m for m in steps[1:])
     return root / "reference", cache, time.monotonic() - t0
 
 

@@ -125,14 +125,15 @@ def test_seeds_differ_per_step_and_round_and_repeat():
     assert len({derive_seed(0, s, r) for s in range(10) for r in range(10)}) == 100
 
 
-def test_length_sorted_puts_long_rows_first_and_a_prompts_rows_together():
+def test_length_sorted_keeps_a_prompts_rows_together_longest_first():
     a, b = torch.tensor([7, 8, 9]), torch.tensor([7, 8])
     eps = [
         Episode(p, torch.ones(n, dtype=torch.long), torch.zeros(n), False, True, 1.0)
         for p, n in [(a, 2), (b, 3), (a, 6), (b, 1), (a, 2), (b, 6)]
     ]
-    # Totals 5, 5, 9, 3, 5, 8: the three 5s are ordered by prompt, then their input order.
-    assert length_sorted(eps, range(6)) == [2, 5, 1, 0, 4, 3]
+    # Prompt a's rows (0, 2, 4; longest total 9) before b's (1, 3, 5; longest 8), each
+    # group's rows by decreasing response length, ties in input order.
+    assert length_sorted(eps, range(6)) == [2, 0, 4, 5, 1, 3]
 
     # Sorted, a budget of 20 padded tokens needs fewer micro-batches and pads less.
     def padded(chunks):
@@ -207,3 +208,27 @@ def test_sampler_logprobs_that_disagree_stop_the_run_with_the_fix(tiny_model, to
     eps[5].sampler_logprobs = eps[5].sampler_logprobs - 0.05  # as bf16 sampling would be
     with pytest.raises(ValueError, match=r"up to 0\.05.*recompute_old_logprobs=true"):
         trainer._old_logprobs(state, eps)
+
+
+def test_rows_per_generate_splits_a_round_into_seeded_calls(tiny_model, tokenizer):
+    problems = [Problem(f"p{i}", ({"role": "user", "content": f"{i} + 1"},), "1") for i in range(5)]
+
+    def texts(*overrides):
+        cfg = _cfg("rollout.group_size=2", *overrides)
+        state = build_state(cfg, tiny_model, tokenizer, problems)
+        return [x.text for x in trainer._sample(state, problems, seed=9)], state.timers
+
+    whole, _ = texts()
+    assert texts("rollout.rows_per_generate=10")[0] == whole  # one call: the same draw
+    split, timers = texts("rollout.rows_per_generate=4")  # 2 prompts per call: 3 calls
+    assert len(split) == 10 and split != whole  # other calls, other random numbers
+    assert split == texts("rollout.rows_per_generate=4")[0]  # and reproducible
+    assert timers["gen_slots"] >= sum(1 for _ in split)
+
+
+def test_reusing_sampler_logprobs_needs_float32():
+    with pytest.raises(ValueError, match="recompute_old_logprobs=false needs model.dtype=float32"):
+        _cfg("model.dtype=bfloat16")
+    assert _cfg("model.dtype=bfloat16", "train.recompute_old_logprobs=true").model.dtype == (
+        "bfloat16"
+    )
