@@ -36,42 +36,12 @@ def response_logprobs(
     over a group's rows), so values and gradients are those of the full forward, up to float
     rounding (tested); a group's prompt is computed once instead of G times.
     """
-    n_unique = None
-    if share_prompts:
-        rows_NP, inverse_B = torch.unique(
-            torch.cat([prompt_ids_BP, prompt_mask_BP.long()], dim=1), dim=0, return_inverse=True
-        )
-        n_unique = rows_NP.shape[0]
-    if n_unique is None or n_unique == prompt_ids_BP.shape[0]:
-        return _full_forward(
-            model,
-            prompt_ids_BP,
-            prompt_mask_BP,
-            response_ids_BT,
-            response_mask_BT,
-            temperature=temperature,
-            with_entropy=with_entropy,
-        )
-    width = prompt_ids_BP.shape[1]
-    ids_NP, mask_NP = rows_NP[:, :width], rows_NP[:, width:]
-    prompt_out = model(
-        input_ids=ids_NP,
-        attention_mask=mask_NP,
-        position_ids=(mask_NP.cumsum(dim=1) - 1).clamp(min=0),
-        use_cache=True,
-        logits_to_keep=1,
-    )
+    args = (model, prompt_ids_BP, prompt_mask_BP, response_ids_BT, response_mask_BT)
+    shared = _shared_prompt_pass(*args[:3]) if share_prompts else None
+    if shared is None:  # no prompt repeats, or a cache that cannot be sliced by row
+        return _full_forward(*args, temperature=temperature, with_entropy=with_entropy)
+    prompt_out, inverse_B = shared
     cache = prompt_out.past_key_values
-    if not row_sliceable(cache):  # e.g. a recurrent-state cache: run the plain forward
-        return _full_forward(
-            model,
-            prompt_ids_BP,
-            prompt_mask_BP,
-            response_ids_BT,
-            response_mask_BT,
-            temperature=temperature,
-            with_entropy=with_entropy,
-        )
     cache.batch_select_indices(inverse_B)
     attn = torch.cat([prompt_mask_BP, response_mask_BT.to(prompt_mask_BP.dtype)], dim=1)
     num_resp = response_ids_BT.shape[1]
@@ -95,6 +65,33 @@ def response_logprobs(
         entropies.append(ent)
     entropy_BT = torch.cat(entropies, dim=1) if with_entropy else None
     return torch.cat(logps, dim=1), entropy_BT
+
+
+def _shared_prompt_pass(model, prompt_ids_BP, prompt_mask_BP):
+    """The distinct prompts' forward pass and each row's prompt index, or None when no prompt
+    repeats or the cache cannot be indexed by row."""
+    ids_NP, mask_NP, inverse_B = distinct_prompts(prompt_ids_BP, prompt_mask_BP)
+    if ids_NP.shape[0] == prompt_ids_BP.shape[0]:
+        return None
+    out = model(
+        input_ids=ids_NP,
+        attention_mask=mask_NP,
+        position_ids=(mask_NP.cumsum(dim=1) - 1).clamp(min=0),
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    if not row_sliceable(out.past_key_values):  # e.g. a recurrent-state cache
+        return None
+    return out, inverse_B
+
+
+def distinct_prompts(prompt_ids_BP: torch.Tensor, prompt_mask_BP: torch.Tensor):
+    """(ids [N, P], mask [N, P], row -> index [B]) of the distinct padded prompts of a batch."""
+    width = prompt_ids_BP.shape[1]
+    rows_NP, inverse_B = torch.unique(
+        torch.cat([prompt_ids_BP, prompt_mask_BP.long()], dim=1), dim=0, return_inverse=True
+    )
+    return rows_NP[:, :width], rows_NP[:, width:], inverse_B
 
 
 def row_sliceable(cache) -> bool:

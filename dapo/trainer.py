@@ -33,7 +33,7 @@ from dapo.eval_metrics import pick_samples
 from dapo.evaluate import evaluate, grading_job, render_prompt
 from dapo.interrupt import GracefulStop, RunStopped, StepAborted
 from dapo.metrics import MetricsLogger
-from dapo.model import batch_logprobs
+from dapo.model import batch_logprobs, distinct_prompts
 from dapo.progress import LiveProgress
 from dapo.reward_pool import RewardPool
 from dapo.rollout import generate
@@ -417,12 +417,11 @@ def accumulate_gradients(
 def _forward_slots(b, *, shared: bool) -> tuple[float, float]:
     """(padded, real) token positions a micro-batch's forward pass computes; a shared prompt
     counts once."""
-    prompts_BP, mask_BP = b.prompt_ids_BP, b.prompt_mask_BP
+    prompts = b.prompt_mask_BP  # [B, P], or [N, P] over the N distinct prompts when shared
     if shared:
-        rows = torch.unique(torch.cat([prompts_BP, mask_BP.long()], dim=1), dim=0)
-        mask_BP = rows[:, prompts_BP.shape[1] :]
+        _, prompts, _ = distinct_prompts(b.prompt_ids_BP, b.prompt_mask_BP)
     resp = b.response_mask_BT
-    return float(mask_BP.numel() + resp.numel()), float(mask_BP.sum() + resp.sum())
+    return float(prompts.numel() + resp.numel()), float(prompts.sum() + resp.sum())
 
 
 # ----------------------------------------------------------------------------- the step
