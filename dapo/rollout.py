@@ -101,6 +101,8 @@ def generate(
     """
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     device = next(model.parameters()).device
+    prompt_ids_BP = enc["input_ids"].repeat_interleave(group_size, dim=0).to(device)
+    prompt_mask_BP = enc["attention_mask"].repeat_interleave(group_size, dim=0).to(device)
     if engine == "dapo":
         response_ids_BT, logprobs_BT, slots = decode(
             model,
@@ -117,17 +119,10 @@ def generate(
             ignore_eos=ignore_eos,
         )
         return _finish(
-            tokenizer,
-            enc["input_ids"].repeat_interleave(group_size, dim=0).to(device),
-            enc["attention_mask"].repeat_interleave(group_size, dim=0).to(device),
-            response_ids_BT,
-            logprobs_BT,
-            slots,
+            tokenizer, prompt_ids_BP, prompt_mask_BP, response_ids_BT, logprobs_BT, slots
         )
     if engine != "hf":
         raise ValueError(f"rollout engine {engine!r}: use 'dapo' or 'hf'")
-    prompt_ids_BP = enc["input_ids"].repeat_interleave(group_size, dim=0).to(device)
-    prompt_mask_BP = enc["attention_mask"].repeat_interleave(group_size, dim=0).to(device)
     recorder = _SampledLogprobs(temperature)
     kwargs = sampling_kwargs(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
     if greedy:  # argmax decoding (evaluation only): the warpers above are then unused
