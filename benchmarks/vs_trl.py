@@ -94,8 +94,8 @@ def time_trl(model, tokenizer, problems, new_tokens: int, steps: int, warmup: in
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from dapo.evaluate import render_prompt
-    from dapo.rewards import math_score
+    from dapo.data.prompts import render_prompt
+    from dapo.tasks.math_dapo import math_score
 
     def reward(completions, answer, **_):
         return [math_score(c, a).score for c, a in zip(completions, answer, strict=True)]
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     transformers.logging.set_verbosity_error()
-    from dapo import arith
+    from dapo.tasks import arith
 
     pairs = arith.make_splits((args.warmup + args.steps) * PROMPTS, 0, 0, seed=1234)[0]
     problems = [p for p, _ in pairs]

@@ -22,9 +22,9 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from dapo import arith
-from dapo.data import PROMPT_PREFIX, PROMPT_SUFFIX, Problem
-from dapo.evaluate import render_prompt
+from dapo.data.problems import Problem
+from dapo.data.prompts import PROMPT_PREFIX, PROMPT_SUFFIX, render_prompt
+from dapo.tasks import arith
 
 # Words keep their leading space (as in GPT-2's byte-level BPE), digits are single tokens so
 # that numbers of any size are spelled, and every other character is a token of its own.

@@ -1,32 +1,24 @@
-"""Held-out validation: avg@k accuracy under the paper's protocol (temperature 1.0, top_p 0.7)."""
+"""Held-out validation: avg@k accuracy under the paper's protocol (temperature 1.0, top_p 0.7),
+and the k graded samples per problem that ``dapo eval`` summarises.
+
+Samples are drawn by the run's rollout engine; the caller puts the model in eval mode.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
-from dapo.data import Problem
-from dapo.reward_pool import Job, RewardPool
-from dapo.rollout import generate
-
-
-def render_prompt(tokenizer, problem: Problem, *, chat_template: bool = True) -> str:
-    """Chat-format problems go through the tokenizer's chat template when it has one (and
-    ``chat_template``); otherwise the message contents, raw."""
-    if chat_template and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(
-            list(problem.messages), add_generation_prompt=True, tokenize=False
-        )
-    return "\n\n".join(m["content"] for m in problem.messages)
-
-
-def grading_job(problem: Problem, response: str, reward_mode: str = "") -> Job:
-    """What the verifier pool grades: ``reward_mode`` for every row, else the row's source."""
-    return Job(reward_mode or problem.data_source, response, problem.answer)
+from dapo.data.problems import Problem
+from dapo.data.prompts import render_prompt
+from dapo.eval_metrics import record_metrics, summarize
+from dapo.reward_pool import RewardPool, grading_job
+from dapo.rollout import Engine, Rollout
 
 
 def evaluate(
-    model,
-    tokenizer,
+    engine: Engine,
+    tokenizer: Any,
     problems: Sequence[Problem],
     *,
     num_samples: int,
@@ -40,7 +32,6 @@ def evaluate(
     reward_mode: str = "",
     resamples: int = 1000,
     records_out: list | None = None,
-    engine: str = "dapo",
 ) -> dict[str, float]:
     """The held-out evaluation of training: ``dapo eval``'s samples and metrics, as val/*.
 
@@ -51,11 +42,9 @@ def evaluate(
     else each row's data_source; a response the verifier fails on counts as incorrect and in
     ``val/reward_faults``. ``records_out``, when given, receives the per-problem records.
     """
-    from dapo.eval_metrics import record_metrics, summarize
-
     k = num_samples
     records = sample_records(
-        model,
+        engine,
         tokenizer,
         problems,
         k=k,
@@ -67,7 +56,6 @@ def evaluate(
         chat_template=chat_template,
         reward_mode=reward_mode,
         responses_per_batch=prompts_per_batch * k,
-        engine=engine,
     )
     if records_out is not None:
         records_out[:] = records
@@ -89,8 +77,8 @@ def evaluate(
 
 
 def sample_records(
-    model,
-    tokenizer,
+    engine: Engine,
+    tokenizer: Any,
     problems: Sequence[Problem],
     *,
     k: int,
@@ -103,7 +91,6 @@ def sample_records(
     chat_template: bool = True,
     reward_mode: str = "",
     responses_per_batch: int = 256,
-    engine: str = "dapo",
 ) -> list[dict]:
     """k graded samples of every problem, one record per problem (``dapo eval``'s raw data).
 
@@ -111,55 +98,47 @@ def sample_records(
     answer, correctness, length in tokens and truncation; with ``greedy``, also the greedy
     response's correctness. Seeded per batch of prompts, so a fixed seed repeats the figures.
     """
-    was_training = model.training
-    model.eval()
     per_batch = max(1, responses_per_batch // k)
     records = []
     for start in range(0, len(problems), per_batch):
         chunk = problems[start : start + per_batch]
         prompts = [render_prompt(tokenizer, p, chat_template=chat_template) for p in chunk]
-        ro = generate(
-            model,
-            tokenizer,
+        ro = engine.generate(
             prompts,
             group_size=k,
             max_new_tokens=max_new_tokens,
             temperature=temperature,
             top_p=top_p,
             seed=seed + start,
-            engine=engine,
         )
         jobs = [grading_job(chunk[i // k], text, reward_mode) for i, text in enumerate(ro.texts)]
         graded = pool.grade(jobs)
         greedy_correct = None
         if greedy:
-            g = generate(
-                model,
-                tokenizer,
-                prompts,
-                group_size=1,
-                max_new_tokens=max_new_tokens,
-                greedy=True,
-                engine=engine,
-            )
+            g = engine.generate(prompts, group_size=1, max_new_tokens=max_new_tokens, greedy=True)
             greedy_jobs = [
                 grading_job(p, text, reward_mode) for p, text in zip(chunk, g.texts, strict=True)
             ]
             greedy_correct = [s.correct for s in pool.grade(greedy_jobs).scores]
-        for j, p in enumerate(chunk):
-            rows = range(j * k, (j + 1) * k)
-            record = {
-                "uid": p.uid,
-                "ground_truth": p.answer,
-                "responses": [ro.texts[b] for b in rows],
-                "answers": [graded.scores[b].pred for b in rows],
-                "correct": [bool(graded.scores[b].correct) for b in rows],
-                "lengths": [int(ro.lengths_B[b]) for b in rows],
-                "truncated": [bool(ro.truncated_B[b]) for b in rows],
-                "faults": sum(1 for f in graded.faults if f.index in rows),
-            }
-            if greedy_correct is not None:
-                record["greedy_correct"] = greedy_correct[j]
-            records.append(record)
-    model.train(was_training)
+        records += _records(chunk, ro, graded, k, greedy_correct)
     return records
+
+
+def _records(chunk, ro: Rollout, graded, k: int, greedy_correct) -> list[dict]:
+    out = []
+    for j, p in enumerate(chunk):
+        rows = range(j * k, (j + 1) * k)
+        record = {
+            "uid": p.uid,
+            "ground_truth": p.answer,
+            "responses": [ro.texts[b] for b in rows],
+            "answers": [graded.scores[b].pred for b in rows],
+            "correct": [bool(graded.scores[b].correct) for b in rows],
+            "lengths": [int(ro.lengths_B[b]) for b in rows],
+            "truncated": [bool(ro.truncated_B[b]) for b in rows],
+            "faults": sum(1 for f in graded.faults if f.index in rows),
+        }
+        if greedy_correct is not None:
+            record["greedy_correct"] = greedy_correct[j]
+        out.append(record)
+    return out

@@ -1,23 +1,20 @@
-"""What a run reads before it trains: problems, tokenizer, and whether they fit the model.
+"""What a run reads before it trains: its problems, and whether they fit the model.
 
 Everything here is cheap next to loading weights (a 32B model takes minutes), so a run, and
-``dapo train --dry-run``, finds a bad file, a missing tokenizer or an over-long prompt first.
+``dapo train --dry-run``, finds a bad file, an unknown verifier or an over-long prompt first.
 """
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import Any
 
+from dapo import tasks
 from dapo.config import Config
-from dapo.data import Problem
-from dapo.evaluate import render_prompt
-from dapo.rewards import get_reward_fn
-
-GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+from dapo.data.problems import Problem
+from dapo.data.prompts import render_prompt
+from dapo.policy import context_length
 
 
 @dataclass
@@ -34,23 +31,23 @@ class RunData:
 
 def load_run_data(cfg: Config) -> RunData:
     """The embedded task's splits, or ``data.train_file`` and ``data.val_file``."""
-    d = cfg.data
+    d, a = cfg.data, cfg.arith
     if not d.train_file:
-        from dapo import arith
+        from dapo.tasks import arith
 
         train, val, warmup = arith.make_splits(
-            d.num_train,
-            d.num_val,
-            d.num_warmup if cfg.model.path == "embedded" else 0,
-            seed=d.seed,
-            min_terms=d.min_terms,
-            max_terms=d.max_terms,
-            operators=d.operators,
-            style=d.solution,
+            a.num_train,
+            a.num_val,
+            a.num_warmup if cfg.model.path == "embedded" else 0,
+            seed=a.seed,
+            min_terms=a.min_terms,
+            max_terms=a.max_terms,
+            operators=a.operators,
+            style=a.solution,
         )
         return RunData([p for p, _ in train], [p for p, _ in val], warmup)
 
-    from dapo.datafiles import load_problems
+    from dapo.data.files import load_problems
 
     def load(path: str):
         return load_problems(
@@ -81,65 +78,10 @@ def check_verifiers(cfg: Config, data: RunData) -> None:
     """Every row must have a verifier before the first rollout, not at it."""
     sources = {cfg.reward.mode} if cfg.reward.mode else {p.data_source for p in data.train}
     for source in sorted(sources | ({p.data_source for p in data.val} - {""})):
-        get_reward_fn(cfg.reward.mode or source)
+        tasks.get_task(cfg.reward.mode or source)
 
 
-def load_tokenizer(cfg: Config):
-    """The run's tokenizer, without the model: left padding, a pad token."""
-    if cfg.model.path == "embedded":
-        from dapo.demo import build_tokenizer
-
-        return build_tokenizer()
-    from transformers import AutoTokenizer
-
-    path = Path(cfg.model.path)
-    fix = "save one beside the model with tokenizer.save_pretrained(DIR)"
-    if not any((path / f).is_file() for f in TOKENIZER_FILES):
-        # AutoTokenizer does not always fail here: it can build something that tokenizes
-        # every prompt to nothing.
-        raise ValueError(
-            f"model.path={path}: no usable tokenizer there (none of {', '.join(TOKENIZER_FILES)}); "
-            f"{fix}"
-        )
-    loader = AutoTokenizer
-    if _tokenizer_class(path) in GENERIC_TOKENIZER_CLASSES:
-        # A tokenizer saved as a plain tokenizers backend (the demo's word-level one) must load
-        # as exactly that: AutoTokenizer would substitute the model family's class (qwen2 ->
-        # Qwen2Tokenizer), which tokenizes the same text differently.
-        from transformers import PreTrainedTokenizerFast as loader
-    try:
-        tokenizer = loader.from_pretrained(path, padding_side="left")
-    except (OSError, ValueError, KeyError) as exc:
-        raise ValueError(
-            f"model.path={path}: no usable tokenizer there ({str(exc).splitlines()[0]}); {fix}"
-        ) from None
-    if tokenizer.pad_token is None:
-        # Padding is masked everywhere; EOS is a token the model already has.
-        tokenizer.pad_token = tokenizer.eos_token
-    if tokenizer.pad_token is None:
-        raise ValueError(f"model.path={path}: the tokenizer has neither a pad nor an EOS token")
-    return tokenizer
-
-
-def _tokenizer_class(path: Path) -> str:
-    try:
-        return str(json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class"))
-    except (OSError, ValueError, AttributeError):
-        return ""
-
-
-def context_length(cfg: Config) -> int | None:
-    """The model's maximum sequence length, read from its config (no weights loaded)."""
-    if cfg.model.path == "embedded":
-        from dapo.demo import TinyModelSpec
-
-        return TinyModelSpec().max_positions
-    from transformers import AutoConfig
-
-    return getattr(AutoConfig.from_pretrained(cfg.model.path), "max_position_embeddings", None)
-
-
-def prompt_lengths(cfg: Config, tokenizer, problems: list[Problem]) -> list[int]:
+def prompt_lengths(cfg: Config, tokenizer: Any, problems: list[Problem]) -> list[int]:
     texts = [
         render_prompt(tokenizer, p, chat_template=cfg.data.apply_chat_template) for p in problems
     ]
@@ -147,7 +89,7 @@ def prompt_lengths(cfg: Config, tokenizer, problems: list[Problem]) -> list[int]
     return [len(x) for x in ids]
 
 
-def check_context(cfg: Config, data: RunData, tokenizer) -> dict[str, float]:
+def check_context(cfg: Config, data: RunData, tokenizer: Any) -> dict[str, float]:
     """Refuse prompts that, with ``rollout.max_new_tokens``, overrun the model's context.
 
     Returns prompt-length statistics (tokens) for the log and ``--dry-run``.

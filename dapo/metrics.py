@@ -1,5 +1,5 @@
 """Metric logging: one JSON line per step in the run directory, one readable line on stdout, and
-the same scalars, under the same names, as TensorBoard event files."""
+the same scalars, under the same names, as TensorBoard event files (and W&B when asked)."""
 
 from __future__ import annotations
 
@@ -107,3 +107,17 @@ class MetricsLogger:
             self._tb.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()
+
+
+def open_wandb(project: str, run_dir: Path, config: dict[str, Any]) -> Any:
+    """A W&B run named (and identified) by the run directory, so a resume continues it."""
+    import wandb
+
+    return wandb.init(
+        project=project,
+        name=run_dir.name,
+        id=run_dir.name,
+        resume="allow",
+        dir=str(run_dir),
+        config=config,
+    )

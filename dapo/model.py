@@ -1,4 +1,4 @@
-"""Load the policy and tokenizer; per-token log-probs and entropy of given responses.
+"""Per-token log-probs and entropy of given responses, with shared-prompt forward passes.
 
 Shapes: B = responses, P = prompt tokens (left padded), T = response tokens (right padded).
 """
@@ -9,8 +9,6 @@ import torch
 
 from dapo.algo import entropy_from_logits, token_logprobs_from_logits
 from dapo.batch import Batch
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def response_logprobs(

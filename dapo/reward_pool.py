@@ -10,8 +10,9 @@ trainer can count and log, and ``grade`` always returns one ``Score`` per job.
 
 Workers come from the "forkserver" start method (a fresh, small interpreter, so they
 neither inherit the trainer's threads, CUDA state and address space nor start
-slowly), or "spawn" where forkserver does not exist. This module imports only the
-standard library and ``dapo.rewards``, so it loads no torch into a worker. But
+slowly), or "spawn" where forkserver does not exist. This module (and the worker side,
+``dapo.reward_worker``) imports only the standard library and ``dapo.tasks``, so it loads no
+torch into a worker. But
 multiprocessing runs a ``__main__`` *script* again in every child it starts (the
 forkserver's own preload of it never happens on Python 3.11): that is why
 ``dapo.cli``, which the ``dapo`` console script imports, imports nothing heavy at
@@ -21,24 +22,27 @@ start cost seconds.
 
 from __future__ import annotations
 
-import math
 import multiprocessing
-import os
 import pickle
-import signal
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from dapo.rewards import RewardFn, Score, get_reward_fn
+from dapo.reward_worker import (
+    describe_exit,
+    exception_text,
+    grade_one,
+    one_line,
+    to_score,
+    worker_main,
+)
+from dapo.tasks import RewardFn, Score, get_verifier
 
-try:
-    import resource
-except ImportError:  # Windows: workers there run without a memory limit
-    resource = None  # type: ignore[assignment]
+if TYPE_CHECKING:
+    from dapo.data.problems import Problem
 
 __all__ = [
     "FAULT_KINDS",
@@ -47,6 +51,7 @@ __all__ = [
     "GradeResult",
     "Job",
     "RewardPool",
+    "grading_job",
 ]
 
 FAULT_KINDS = ("error", "timeout", "memory", "crash")
@@ -54,10 +59,6 @@ FAULT_KINDS = ("error", "timeout", "memory", "crash")
 # Same verdict as a response with no answer, so a fault never earns reward; pred is
 # None (not "") so that a faulted response can be told from one without an answer.
 FAULT_SCORE = Score(score=-1.0, correct=False, pred=None)  # type: ignore[arg-type]
-
-# Results cross a pipe once per response: keep them small whatever a verifier returns.
-MAX_PRED_CHARS = 1000
-MAX_DETAIL_CHARS = 300
 
 # Starting a worker is not the verifier's time. It takes milliseconds, or seconds
 # where the __main__ script imports torch (see above); allow far more than that
@@ -105,114 +106,13 @@ class GradeResult:
     faults: list[Fault]
 
 
-def _one_line(text: str, limit: int = MAX_DETAIL_CHARS) -> str:
-    # Details end up in log lines and metrics: one line, bounded however long or
-    # multi-line an exception message (which may quote the response) is.
-    flat = " ".join(text[: 4 * limit].split())
-    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+def grading_job(problem: Problem, response: str, reward_mode: str = "") -> Job:
+    """What the pool grades: ``reward_mode`` for every row, else the row's data_source."""
+    return Job(reward_mode or problem.data_source, response, problem.answer)
 
 
-def _exception_text(exc: BaseException) -> str:
-    try:
-        message = str(exc)
-    except Exception:
-        message = "<unprintable message>"
-    name = type(exc).__name__
-    return f"{name}: {message}" if message else name
-
-
-# Marks a MemoryError seen inside the except clause (see _grade_one).
-_OUT_OF_MEMORY = object()
-
-# A result message: ("ok", score, correct, pred) or ("fault", kind, detail).
-_Outcome = tuple[Any, ...]
-
-
-def _grade_one(
-    resolve: Callable[[str], RewardFn],
-    data_source: str,
-    response: str,
-    answer: str,
-    catch: type[BaseException],
-) -> _Outcome:
-    """Run one verifier and reduce its verdict, or its failure, to primitives."""
-    try:
-        result = resolve(data_source)(response, answer)
-    except MemoryError:
-        # Format nothing here: until the except clause ends, the traceback keeps the
-        # verifier's frames, and with them the allocations that hit the limit, alive.
-        result = _OUT_OF_MEMORY
-    except catch as exc:
-        detail = f"verifier {data_source!r} raised {_exception_text(exc)}"
-        return ("fault", "error", _one_line(detail))
-    if result is _OUT_OF_MEMORY:
-        return ("fault", "memory", _one_line(f"verifier {data_source!r} raised MemoryError"))
-    if not isinstance(result, Score):
-        kind = type(result).__name__
-        return ("fault", "error", _one_line(f"verifier {data_source!r} returned {kind}, not Score"))
-    try:
-        score = float(result.score)
-        correct = bool(result.correct)
-        pred = result.pred
-        # A NaN or infinite reward would poison the advantages of the whole group.
-        if not math.isfinite(score):
-            raise ValueError(f"score is {score}")
-        if pred is not None and not isinstance(pred, str):
-            raise TypeError(f"pred is {type(pred).__name__}, not str")
-    except catch as exc:
-        detail = f"verifier {data_source!r} returned a malformed Score: {_exception_text(exc)}"
-        return ("fault", "error", _one_line(detail))
-    return ("ok", score, correct, None if pred is None else pred[:MAX_PRED_CHARS])
-
-
-def _to_score(outcome: _Outcome) -> Score:
-    return Score(score=outcome[1], correct=outcome[2], pred=outcome[3])
-
-
-def _mapped_bytes() -> int:
-    """The process's current virtual size (Linux), or 0 where it cannot be read."""
-    try:
-        with open("/proc/self/statm") as f:
-            pages = int(f.read().split()[0])
-        return pages * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def _limit_address_space(memory_mb: int) -> None:
-    if memory_mb <= 0 or resource is None or not hasattr(resource, "RLIMIT_AS"):
-        return
-    # memory_mb is room on top of what the worker maps at start, not an absolute
-    # cap: a worker that inherits a heavy __main__ (importing CPU torch maps 0.6 GB,
-    # CUDA builds more) would otherwise fail every response with "memory".
-    limit = _mapped_bytes() + memory_mb * 2**20
-    _, hard = resource.getrlimit(resource.RLIMIT_AS)
-    if hard != resource.RLIM_INFINITY:
-        limit = min(limit, hard)
-    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
-
-
-def _worker_main(conn: Connection, resolve: Callable[[str], RewardFn], memory_mb: int) -> None:
-    """Worker loop: receive a chunk of jobs, send one result message per job."""
-    # Ctrl-C reaches the whole process group; only the parent should act on it
-    # (and it kills the workers), or workers would report it as a verifier fault.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _limit_address_space(memory_mb)
-    conn.send(("ready", os.getpid()))
-    while True:
-        try:
-            chunk = conn.recv()
-        except EOFError:  # the parent is gone
-            return
-        if chunk is None:
-            return
-        for index, data_source, response, answer in chunk:
-            # BaseException: a verifier calling sys.exit() is a fault in that verifier.
-            outcome = _grade_one(resolve, data_source, response, answer, BaseException)
-            conn.send((index, *outcome))
-
-
-def _start_method() -> str:
+def default_start_method() -> str:
+    """forkserver where the platform has it (a fresh, small interpreter), else spawn."""
     return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 
 
@@ -225,17 +125,6 @@ def _split(items: list[Any], parts: int) -> list[list[Any]]:
         runs.append(items[start:end])
         start = end
     return runs
-
-
-def _describe_exit(code: int | None) -> str:
-    if code is None:
-        return "still running; killed"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
 
 
 class _Worker:
@@ -267,8 +156,9 @@ class RewardPool:
     a verifier that hangs hangs the caller. Only for tests and trusted verifiers.
 
     ``resolve(data_source)`` returns the verifier; it must be picklable (a
-    module-level function) because workers receive it. Use the pool as a context
-    manager, or call ``close``, to kill the workers.
+    module-level function) because workers receive it. ``start_method`` is
+    multiprocessing's ("forkserver" where it exists, else "spawn"). Use the pool as a
+    context manager, or call ``close``, to kill the workers.
 
     Example:
         >>> with RewardPool(workers=0) as pool:
@@ -282,7 +172,8 @@ class RewardPool:
         workers: int = 1,
         timeout_s: float = 10.0,
         memory_mb: int = 2048,
-        resolve: Callable[[str], RewardFn] = get_reward_fn,
+        resolve: Callable[[str], RewardFn] = get_verifier,
+        start_method: str | None = None,
     ) -> None:
         if workers < 0:
             raise ValueError(f"workers must be >= 0, got {workers}")
@@ -297,12 +188,13 @@ class RewardPool:
             except Exception as exc:
                 raise ValueError(
                     f"resolve must be picklable (a module-level function) to reach "
-                    f"worker processes: {_exception_text(exc)}"
+                    f"worker processes: {exception_text(exc)}"
                 ) from exc
         self._timeout_s = float(timeout_s)
         self._memory_mb = int(memory_mb)
         self._resolve = resolve
         self._slots = [_Worker(f"dapo-reward-{i}") for i in range(workers)]
+        self._start_method = start_method or default_start_method()
         self._context: Any = None
         self._closed = False
 
@@ -348,11 +240,9 @@ class RewardPool:
         faults: list[Fault] = []
         for index, job in enumerate(jobs):
             # Exception, not BaseException: Ctrl-C must still stop the caller.
-            outcome = _grade_one(
-                self._resolve, job.data_source, job.response, job.answer, Exception
-            )
+            outcome = grade_one(self._resolve, job.data_source, job.response, job.answer, Exception)
             if outcome[0] == "ok":
-                scores.append(_to_score(outcome))
+                scores.append(to_score(outcome))
             else:
                 scores.append(FAULT_SCORE)
                 faults.append(Fault(index=index, kind=outcome[1], detail=outcome[2]))
@@ -388,10 +278,10 @@ class RewardPool:
 
     def _start(self, slot: _Worker) -> None:
         if self._context is None:
-            self._context = multiprocessing.get_context(_start_method())
+            self._context = multiprocessing.get_context(self._start_method)
         parent_conn, child_conn = self._context.Pipe(duplex=True)
         process = self._context.Process(
-            target=_worker_main,
+            target=worker_main,
             args=(child_conn, self._resolve, self._memory_mb),
             name=slot.name,
             daemon=True,  # killed at interpreter exit if close() was never called
@@ -446,7 +336,7 @@ class RewardPool:
                 slot.pending.popleft()
                 slot.deadline = time.monotonic() + self._timeout_s
                 if status == "ok":
-                    scores[index] = _to_score(message[1:])
+                    scores[index] = to_score(message[1:])
                 else:
                     kind, detail = rest
                     scores[index] = FAULT_SCORE
@@ -461,7 +351,7 @@ class RewardPool:
     def _on_death(self, slot: _Worker, scores: list[Score | None], faults: list[Fault]) -> None:
         process = slot.process
         process.join(1.0)  # EOF comes as it exits; let the exit code arrive too
-        how = _describe_exit(process.exitcode)
+        how = describe_exit(process.exitcode)
         if not slot.ready:
             self._stop(slot)
             raise RuntimeError(
@@ -499,7 +389,7 @@ class RewardPool:
         faults: list[Fault],
     ) -> None:
         scores[index] = FAULT_SCORE
-        faults.append(Fault(index=index, kind=kind, detail=_one_line(detail)))
+        faults.append(Fault(index=index, kind=kind, detail=one_line(detail)))
         self._replace(slot)
 
     def _replace(self, slot: _Worker) -> None:

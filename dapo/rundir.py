@@ -14,9 +14,10 @@ import time
 from pathlib import Path
 
 from dapo.checkpoint import CKPT_DIR, write_atomic
-from dapo.config import DTYPE_BYTES, Config, dump_yaml
+from dapo.config import Config, dump_yaml
 
 RUN_MARKERS = ("config.yaml", "metrics.jsonl", CKPT_DIR)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def is_run_dir(path: Path) -> bool:
@@ -87,7 +88,7 @@ def estimate_checkpoint_bytes(cfg: Config) -> int:
     """
     per_param = DTYPE_BYTES[cfg.model.dtype]
     if cfg.model.path == "embedded":
-        h, layers = cfg.model.embedded_hidden, cfg.model.embedded_layers
+        h, layers = cfg.embedded.hidden, cfg.embedded.layers
         vocab = 4096  # an upper bound of the word-level demo vocabulary
         params = vocab * h + layers * (4 * h * h + 3 * h * 2 * h)
     else:

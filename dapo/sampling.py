@@ -47,6 +47,11 @@ class DynamicSamplingExhausted(RuntimeError):
     pass
 
 
+MAX_OVERSAMPLE = 4
+"""A round draws at most this many times N prompts (rollout.rows_per_generate bounds the rows
+generated at once)."""
+
+
 def oversampled_round(need: int, kept_frac: float | None, *, default: int, cap: int) -> int:
     """Prompts to draw so that ``need`` more groups are likely kept, at the measured fraction f.
 
@@ -62,6 +67,34 @@ def oversampled_round(need: int, kept_frac: float | None, *, default: int, cap: 
         return max(cap, need)
     size = math.ceil((need + math.sqrt(need * (1.0 - min(kept_frac, 1.0)))) / kept_frac)
     return min(max(size, need), max(cap, need))
+
+
+def round_size(
+    so_far: SamplingResult,
+    *,
+    num_groups: int,
+    dynamic: bool,
+    prompts_per_round: int,
+    oversample: bool,
+    prior: tuple[int, int],
+) -> int:
+    """Prompts to draw in the next round of a step.
+
+    Without dynamic sampling every group is kept, so one round of exactly N prompts. With it,
+    ``prompts_per_round`` (0 = N), or with ``oversample`` enough for the groups still needed
+    at the kept fraction measured over ``prior`` (the last step's (mixed groups, prompts
+    drawn)) and this step so far (``oversampled_round``), at most ``MAX_OVERSAMPLE`` x N.
+    """
+    if not dynamic:
+        return num_groups
+    default = prompts_per_round or num_groups
+    if not oversample:
+        return default
+    mixed = so_far.groups_mixed + prior[0]
+    drawn = so_far.prompts_drawn + prior[1]
+    kept_frac = mixed / drawn if drawn else None
+    need = num_groups - len(so_far.groups)
+    return oversampled_round(need, kept_frac, default=default, cap=MAX_OVERSAMPLE * num_groups)
 
 
 def collect_groups(
@@ -106,3 +139,27 @@ def collect_groups(
         result.groups.extend(g for g, k in zip(groups, keep_n.tolist(), strict=True) if k)
     del result.groups[num_groups:]
     return result
+
+
+def rollout_metrics(result: SamplingResult) -> dict[str, float]:
+    """Figures over every response generated this step, and what dynamic sampling cost."""
+    eps = [e for g in result.generated for e in g.episodes]
+    lengths = torch.tensor([e.length for e in eps], dtype=torch.float64)
+    kept = len(result.groups)
+    return {
+        "rollout/accuracy": sum(e.correct for e in eps) / len(eps),
+        "rollout/reward_mean": sum(e.reward for e in eps) / len(eps),
+        "rollout/response_len_mean": float(lengths.mean()),
+        "rollout/response_len_max": float(lengths.max()),
+        "rollout/truncated_frac": sum(e.truncated for e in eps) / len(eps),
+        "reward/faults": float(sum(1 for e in eps if e.reward_fault)),
+        "sampling/rounds": float(result.rounds),
+        "sampling/prompts_drawn": float(result.prompts_drawn),
+        "sampling/groups_mixed": float(result.groups_mixed),
+        "sampling/groups_kept": float(kept),
+        "sampling/kept_frac": kept / max(result.prompts_drawn, 1),
+        "sampling/tokens_generated": float(result.tokens_generated),
+        "sampling/tokens_per_kept_group": result.tokens_generated / max(kept, 1),
+        "sampling/groups_surplus": float(result.groups_mixed - kept),
+        "sampling/exhausted": float(result.exhausted),
+    }

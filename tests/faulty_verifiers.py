@@ -13,7 +13,8 @@ import signal
 import sys
 import time
 
-from dapo.rewards import RewardFn, Score, math_score
+from dapo.tasks.base import RewardFn, Score
+from dapo.tasks.math_dapo import math_score
 
 
 def _raise(response: str, answer: str) -> Score:

@@ -501,8 +501,69 @@ def test_entropy_is_computed_in_blocks_with_the_same_values(monkeypatch):
     """Several row blocks (as with a 151k vocabulary) give the one-block values exactly."""
     logits = torch.randn(3, 5, 7, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     whole = algo.entropy_from_logits(logits)
-    monkeypatch.setattr(algo, "_UPCAST_CHUNK_ELEMENTS", 2 * 7)  # 2 rows per block: 8 blocks
+    monkeypatch.setattr(algo.logits, "UPCAST_CHUNK_ELEMENTS", 2 * 7)  # 2 rows per block: 8 blocks
     blocks = algo.entropy_from_logits(logits)
     assert blocks.dtype == torch.float32 and blocks.shape == (3, 5)
     assert torch.equal(blocks, whole)
     assert algo.entropy_from_logits(logits[:0]).shape == (0, 5)
+
+
+# ----------------------------------------------------------------------------- reward shaping
+
+
+def test_shape_rewards_soft_punishment_hand_values():
+    # L_max 20, L_cache 4: free up to 16 tokens, then -1/4 per token, -1 at 20 (and beyond).
+    scores = torch.tensor([1.0, 1.0, -1.0, 1.0], dtype=torch.float64)
+    lengths = torch.tensor([16, 17, 18, 20])
+    truncated = torch.tensor([False, False, False, True])
+    rewards, trainable = algo.shape_rewards(scores, lengths, truncated, l_max=20, l_cache=4)
+    assert rewards.dtype == torch.float64
+    assert rewards.tolist() == [1.0, 0.75, -1.5, 0.0]
+    assert trainable.tolist() == [True] * 4
+    half, _ = algo.shape_rewards(scores, lengths, truncated, l_max=20, l_cache=4, factor=0.5)
+    assert half.tolist() == [1.0, 0.875, -1.25, 0.5]
+
+
+def test_shape_rewards_is_correctness_plus_the_overlong_penalty():
+    g = torch.Generator().manual_seed(0)
+    scores = torch.where(torch.rand(64, generator=g) < 0.5, 1.0, -1.0).double()
+    lengths = torch.randint(1, 31, (64,), generator=g)
+    truncated = lengths > 28
+    rewards, _ = algo.shape_rewards(scores, lengths, truncated, l_max=28, l_cache=8)
+    expected = scores + algo.overlong_penalty(lengths, 28, 8).double()
+    assert torch.equal(rewards, expected)
+
+
+def test_shape_rewards_overlong_filter_masks_truncated_only_and_keeps_rewards():
+    scores = torch.tensor([1.0, -1.0, 1.0], dtype=torch.float64)
+    lengths = torch.tensor([20, 19, 5])
+    truncated = torch.tensor([True, False, False])
+    rewards, trainable = algo.shape_rewards(
+        scores, lengths, truncated, l_max=20, l_cache=0, soft_punish=False, filter_truncated=True
+    )
+    assert rewards.tolist() == [1.0, -1.0, 1.0]  # filtered, not punished
+    assert trainable.tolist() == [False, True, True]
+
+
+def test_shape_rewards_without_either_technique_scores_truncation_minus_one():
+    # The naive baseline; l_cache is not used, so an invalid one is no error.
+    scores = torch.tensor([1.0, 1.0, -1.0], dtype=torch.float64)
+    truncated = torch.tensor([True, False, True])
+    rewards, trainable = algo.shape_rewards(
+        scores, torch.tensor([20, 18, 20]), truncated, l_max=20, l_cache=0, soft_punish=False
+    )
+    assert rewards.tolist() == [-1.0, 1.0, -1.0]
+    assert trainable.tolist() == [True, True, True]
+    with pytest.raises(ValueError, match="bool"):
+        algo.shape_rewards(
+            scores, torch.tensor([1, 2, 3]), torch.tensor([0, 1, 0]), l_max=4, l_cache=2
+        )
+
+
+def test_token_sums_over_the_loss_tokens():
+    entropy = torch.tensor([[0.5, 1.0, 9.0], [2.0, 9.0, 9.0]])
+    old_logprobs = torch.log(torch.tensor([[0.5, 0.25, 0.9], [0.125, 0.9, 0.9]]))
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    sums = algo.token_sums(entropy, old_logprobs, mask)
+    assert sums["entropy_sum"].item() == pytest.approx(3.5)
+    assert sums["prob_sum"].item() == pytest.approx(0.875)

@@ -7,7 +7,7 @@ from collections import namedtuple
 
 import pytest
 
-from dapo import cli, rundir
+from dapo import cli, policy, rundir
 
 
 class ModelLoaded(Exception):
@@ -19,7 +19,7 @@ def no_model(monkeypatch):
     def refuse(*_a, **_k):
         raise ModelLoaded
 
-    monkeypatch.setattr(cli, "load_policy", refuse)
+    monkeypatch.setattr(policy, "load_policy", refuse)
 
 
 def _train(tmp_path, *args, name="r"):

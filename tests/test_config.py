@@ -1,10 +1,25 @@
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from dapo.config import Config, apply_preset, demo, load_config, paper, parse_override
+from dapo import presets
+from dapo.config import (
+    MOVED_KEYS,
+    AlgoConfig,
+    Config,
+    ModelConfig,
+    RolloutConfig,
+    choices,
+    load_config,
+    parse_override,
+)
 
 
 def test_defaults_are_the_papers():
-    cfg = paper()
+    cfg = presets.paper(Config())
+    assert cfg.to_dict() == Config().to_dict()  # the paper base is the dataclass defaults
     assert (cfg.algo.eps_low, cfg.algo.eps_high) == (0.2, 0.28)
     assert cfg.algo.loss_agg == "token-mean"
     assert cfg.algo.kl_coef == 0.0
@@ -20,14 +35,13 @@ def test_defaults_are_the_papers():
 
 
 def test_grpo_preset_is_the_naive_baseline():
-    cfg = paper()
-    apply_preset(cfg, "grpo")
+    cfg = presets.grpo(Config())
     assert cfg.algo.eps_high == cfg.algo.eps_low == 0.2
     assert cfg.algo.loss_agg == "seq-mean-token-mean"
     assert cfg.algo.kl_coef > 0
     assert not cfg.algo.overlong_shaping and not cfg.algo.overlong_filter
     assert not cfg.sampling.dynamic
-    apply_preset(cfg, "dapo")
+    presets.dapo(cfg)
     assert cfg.algo.eps_high == 0.28 and cfg.sampling.dynamic and cfg.algo.kl_coef == 0
 
 
@@ -35,7 +49,7 @@ def test_no_arguments_gives_the_demo():
     cfg = load_config()
     assert cfg.run.base == "demo" and cfg.run.preset == "dapo"
     assert cfg.model.path == "embedded"
-    assert cfg.to_dict() == demo().to_dict()
+    assert cfg.to_dict() == presets.demo(Config()).to_dict()
 
 
 def test_yaml_then_overrides(tmp_path):
@@ -74,11 +88,16 @@ def test_yaml_file_starts_from_paper_by_default(tmp_path):
         ("algo.l_cache=100", "algo.l_cache must be in (0, rollout.max_new_tokens=28]"),
         ("noequals", "is not of the form section.field=value"),
         ("run.preset=ppo", "unknown preset 'ppo'"),
-        ("model.sft_steps=0", "model.sft_steps must be >= 1"),
-        ("model.embedded_hidden=30", "model.embedded_hidden must be a positive multiple of 4"),
-        ("data.solution=essay", "data.solution must be one of ('direct', 'steps', 'mixed')"),
+        ("embedded.sft_steps=0", "embedded.sft_steps must be >= 1"),
+        ("embedded.hidden=30", "embedded.hidden must be a positive multiple of 4"),
+        ("arith.solution=essay", "arith.solution must be one of ('direct', 'steps', 'mixed')"),
         ("data.task=gsm8k", "data.task must be 'arith'"),
-        ("data.num_val=0", "data.num_train and data.num_val must be >= 1"),
+        ("arith.num_val=0", "arith.num_train and arith.num_val must be >= 1"),
+        # A key of an earlier release is read at its new place, so its errors name that place.
+        ("model.sft_steps=0", "embedded.sft_steps must be >= 1"),
+        ("model.dtype=float64", "model.dtype must be one of ('float32', 'bfloat16', 'float16')"),
+        ("reward.mode=sympy", "reward.mode must be empty (by data_source) or one of"),
+        ("rollout.engine=vllm", "rollout.engine must be one of ('dapo', 'hf')"),
         ("optim.beta2=1", "optim.beta1 and optim.beta2 must be in [0, 1)"),
         ("rollout.temperature=.inf", "rollout.temperature must be finite"),
     ],
@@ -125,3 +144,63 @@ def test_preset_comes_from_the_most_specific_source(tmp_path):
     cfg = load_config(path)
     assert cfg.run.preset == "grpo" and cfg.algo.loss_agg == "seq-mean-token-mean"
     assert cfg.run.base == "demo" and cfg.run.name == "x"
+
+
+# ----------------------------------------------------------------------------- moved keys
+
+ROOT = Path(__file__).resolve().parents[1]
+OLD_CONFIG = Path(__file__).parent / "data" / "config-0.1-demo.yaml"
+"""A run's config.yaml as dapo 0.1 saved it: arith and embedded-model fields in data/model."""
+
+
+def test_a_config_saved_by_the_previous_release_loads_to_the_same_run():
+    cfg = load_config(OLD_CONFIG)
+    expected = load_config(
+        None, ["run.threads=1", "train.steps=20", "run.name=demo20", "run.progress=plain"]
+    )
+    assert cfg.to_dict() == expected.to_dict()
+    assert (cfg.embedded.sft_steps, cfg.embedded.hidden, cfg.arith.max_terms) == (200, 128, 5)
+
+
+def test_moved_keys_are_noticed_in_one_line_once_per_process():
+    code = f"from dapo.config import load_config; load_config({str(OLD_CONFIG)!r}); " * 2
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("\n") == 1
+    assert done.stderr.startswith("dapo: notice: config keys read at their new place: ")
+    assert "data.num_train -> arith.num_train" in done.stderr
+    assert "model.embedded_hidden -> embedded.hidden" in done.stderr
+
+
+def test_old_keys_work_on_the_command_line_too():
+    cfg = load_config(None, ["data.max_terms=3", "model.sft_steps=7"])
+    assert cfg.arith.max_terms == 3 and cfg.embedded.sft_steps == 7
+    assert set(MOVED_KEYS.values()) <= {
+        f"{section}.{name}" for section, fields in Config().to_dict().items() for name in fields
+    }
+
+
+@pytest.mark.parametrize("recipe", sorted((ROOT / "recipes").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_recipe_loads(recipe):
+    cfg = load_config(recipe)
+    assert cfg.rollout.group_size == 16 and cfg.algo.eps_high == 0.28
+
+
+def test_the_config_loads_without_torch():
+    code = (
+        "import sys; from dapo.config import load_config; load_config(None, ['optim.lr=1e-5']); "
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
+    )
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=60).returncode == 0
+
+
+def test_every_choice_is_declared_once_on_its_field():
+    from dapo import algo
+    from dapo.policy import DTYPES
+    from dapo.rollout import ENGINES
+
+    assert choices(AlgoConfig, "loss_agg") == algo.AGG_MODES
+    assert choices(RolloutConfig, "engine") == tuple(ENGINES)
+    assert choices(ModelConfig, "dtype") == tuple(DTYPES)

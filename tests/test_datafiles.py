@@ -1,4 +1,5 @@
-"""Tests for dapo.datafiles and ``dapo data``: reading, validating and converting problem files.
+"""Tests for dapo.data (files, rows, tools) and ``dapo data``: reading, validating and converting
+problem files.
 
 Fixture files are built in tmp_path; the tests on the real files under ../shared/data skip
 when those are absent.
@@ -15,16 +16,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dapo.data import PROMPT_PREFIX, PROMPT_SUFFIX, dapo_prompt
-from dapo.data_cli import add_data_parser, format_check
-from dapo.datafiles import (
-    BadRow,
-    DataError,
-    check_file,
-    convert_file,
-    load_problems,
-    strip_template,
-)
+from dapo.cli.data import add_parser, format_check
+from dapo.data.files import DataError, load_problems
+from dapo.data.prompts import PROMPT_PREFIX, PROMPT_SUFFIX, dapo_prompt, strip_template
+from dapo.data.rows import BadRow
+from dapo.data.tools import check_file, convert_file
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 AIME = SHARED_DATA / "aime-2024" / "aime-2024.parquet"
@@ -68,7 +64,7 @@ def write(path: Path, rows: list) -> Path:
 def run_cli(argv: list[str]) -> int:
     """``dapo <argv>`` as dapo/cli.py will dispatch it, with only the data commands."""
     parser = argparse.ArgumentParser(prog="dapo")
-    add_data_parser(parser.add_subparsers(dest="command", required=True))
+    add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     return args.func(args)
 
@@ -331,7 +327,7 @@ def test_check_command_prints_figures_and_exit_status(messy_file, dapo_file, cap
         "duplicate rows: 1 (1 problems appear more than once",
         "empty answers: 1",
         "non-integer answers: 2 (e.g. row 1: '\\\\frac{1}{2}', row 4: 'x^2')",
-        "no verifier in dapo.rewards for: other",
+        "no verifier in dapo.tasks for: other",
         "bad rows: 2 (skipped)",
         "  row 5, field reward_model.ground_truth: ground truth '11' differs from row 0's '10'",
     ]:

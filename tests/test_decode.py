@@ -1,12 +1,13 @@
-"""The rollout engine (dapo.decode) and the shared-prompt forward pass change cost, not results."""
+"""The native rollout engine (dapo.rollout.native) and the shared-prompt forward pass change
+cost, not results."""
 
 import pytest
 import torch
+from helpers import generate
 from transformers import TopPLogitsWarper
 
-from dapo.decode import decode, sample_from_logits
 from dapo.model import response_logprobs
-from dapo.rollout import generate
+from dapo.rollout.native import decode, sample_from_logits
 
 PROMPTS = ["User: What is 2 + 3?\nAssistant:\n", "Compute 7 + 1 + 4.\n", "Hi"]
 
@@ -206,8 +207,8 @@ def test_non_finite_logits_stop_sampling_instead_of_drawing_the_last_token():
 
 def test_a_cache_that_cannot_be_sliced_by_row(monkeypatch, tiny_model, tokenizer):
     """Training falls back to the plain forward; the dapo engine says to use the hf one."""
-    import dapo.decode
     import dapo.model
+    import dapo.rollout.native
 
     ro = generate(tiny_model, tokenizer, PROMPTS, group_size=3, max_new_tokens=8, seed=4)
     args = (ro.prompt_ids_BP, ro.prompt_mask_BP, ro.response_ids_BT, ro.response_mask_BT)
@@ -218,7 +219,7 @@ def test_a_cache_that_cannot_be_sliced_by_row(monkeypatch, tiny_model, tokenizer
         plain, _ = response_logprobs(tiny_model, *args, share_prompts=False)
     assert torch.equal(fallback, plain)
     torch.testing.assert_close(shared, plain, rtol=0, atol=1e-5)
-    monkeypatch.setattr(dapo.decode, "row_sliceable", lambda cache: False)
+    monkeypatch.setattr(dapo.rollout.native, "row_sliceable", lambda cache: False)
     with pytest.raises(ValueError, match="set rollout.engine=hf"):
         generate(tiny_model, tokenizer, PROMPTS, group_size=2, max_new_tokens=4)
     hf = generate(tiny_model, tokenizer, PROMPTS, group_size=2, max_new_tokens=4, engine="hf")

@@ -1,7 +1,7 @@
-from dapo.arith import make_splits, worked_solution
-from dapo.data import PROMPT_PREFIX, PROMPT_SUFFIX, PromptSampler
-from dapo.evaluate import render_prompt
-from dapo.rewards import math_score
+from dapo.data.problems import PromptSampler
+from dapo.data.prompts import PROMPT_PREFIX, PROMPT_SUFFIX, render_prompt
+from dapo.tasks.arith import make_splits, worked_solution
+from dapo.tasks.math_dapo import math_score
 
 
 def test_worked_solution_is_graded_correct():

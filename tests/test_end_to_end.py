@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 from dapo.cli import main
 
 SMALL = [
-    "model.sft_steps=30",
+    "embedded.sft_steps=30",
     "rollout.group_size=4",
     "train.steps=2",
     "train.prompts_per_step=4",
@@ -17,8 +17,8 @@ SMALL = [
     "sampling.on_max_rounds=train",
     "train.responses_per_minibatch=16",
     "train.tokens_per_microbatch=700",
-    "data.num_train=200",
-    "data.num_val=8",
+    "arith.num_train=200",
+    "arith.num_val=8",
     "eval.num_samples=2",
     "eval.every=1",
 ]
@@ -35,7 +35,7 @@ def test_train_end_to_end(tmp_path, cache_dir, preset, capsys):
         "train",
         "--preset",
         preset,
-        f"model.cache_dir={cache_dir}",
+        f"embedded.cache_dir={cache_dir}",
         f"run.out_dir={tmp_path}",
         "run.name=r",
         *SMALL,
@@ -99,7 +99,9 @@ def test_train_end_to_end(tmp_path, cache_dir, preset, capsys):
 def test_refuses_to_overwrite_a_run(tmp_path, cache_dir, capsys):
     (tmp_path / "r").mkdir()
     (tmp_path / "r" / "metrics.jsonl").write_text("{}\n")
-    code = main(["train", f"run.out_dir={tmp_path}", "run.name=r", f"model.cache_dir={cache_dir}"])
+    code = main(
+        ["train", f"run.out_dir={tmp_path}", "run.name=r", f"embedded.cache_dir={cache_dir}"]
+    )
     assert code == 2
     assert "already holds a run" in capsys.readouterr().err
 

@@ -4,19 +4,19 @@ import json
 
 import pytest
 
-from dapo import arith
 from dapo.cli import main
-from dapo.data import PROMPT_PREFIX
+from dapo.data.prompts import PROMPT_PREFIX
+from dapo.tasks import arith
 
 pytest.importorskip("pyarrow")
 
 
 @pytest.fixture(scope="module")
 def model_and_data(tmp_path_factory):
-    from test_hf_models import _save_model  # the same tiny saved Qwen2 as the training tests
+    from helpers import save_model  # the same tiny saved Qwen2 as the training tests
 
     root = tmp_path_factory.mktemp("eval")
-    model_dir = _save_model(root / "m", "qwen2")
+    model_dir = save_model(root / "m", "qwen2")
     _, val, _ = arith.make_splits(0, 6, seed=0)
     with (root / "val.jsonl").open("w") as f:
         for p, _ in val:

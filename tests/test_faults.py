@@ -8,39 +8,18 @@ import signal
 
 import pytest
 import torch
+from helpers import setup_run
 
-from dapo import arith, checkpoint, trainer
+from dapo import checkpoint, loop, tasks, trainer, update
+from dapo.batch import Episode
 from dapo.config import load_config
-from dapo.data import Problem
+from dapo.data.problems import Problem
 from dapo.interrupt import GracefulStop, RunStopped, StepAborted
-from dapo.rewards import REWARD_FNS
-
-SMALL = [
-    "rollout.group_size=4",
-    "rollout.max_new_tokens=12",
-    "algo.l_cache=4",
-    "train.steps=4",
-    "train.prompts_per_step=2",
-    "train.responses_per_minibatch=4",
-    "train.save_every=1",
-    "sampling.dynamic=false",
-    "eval.num_samples=1",
-    "eval.every=0",
-    "reward.workers=0",
-]
-
-
-def _setup(tmp_path, tiny_model, *overrides):
-    cfg = load_config(None, [*SMALL, f"run.out_dir={tmp_path}", *overrides])
-    train, val, _ = arith.make_splits(40, 3, seed=0)
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    start = copy.deepcopy(tiny_model)
-    return cfg, [p for p, _ in train], [p for p, _ in val], run_dir, start
+from dapo.tasks.base import Task
 
 
 def _fit(cfg, model, tokenizer, train, val, run_dir, *, resume=False):
-    return trainer.fit(
+    return loop.fit(
         cfg,
         model,
         tokenizer,
@@ -88,7 +67,7 @@ def test_a_non_finite_update_is_skipped_and_counted(tiny_model, tokenizer):
     eps = []
     for i in range(4):
         g = torch.Generator().manual_seed(i)
-        e = trainer.Episode(
+        e = Episode(
             prompt_ids=torch.randint(5, 60, (4,), generator=g),
             response_ids=torch.randint(5, 60, (3 + i,), generator=g),
             sampler_logprobs=-torch.rand(3 + i, generator=g),
@@ -105,7 +84,7 @@ def test_a_non_finite_update_is_skipped_and_counted(tiny_model, tokenizer):
         return calls["n"] == 1
 
     _nan_logits_when(tiny_model, first_minibatch_only)
-    out = trainer.update(state, eps, lr=1e-3)
+    out = update.update(state, eps, lr=1e-3)
     assert out["train/skipped_updates"] == 1.0 and out["train/updates"] == 1.0
     assert state.consecutive_skips == 0  # the good update after it resets the count
     assert all(torch.isfinite(p).all() for p in tiny_model.parameters())
@@ -114,7 +93,7 @@ def test_a_non_finite_update_is_skipped_and_counted(tiny_model, tokenizer):
 def test_all_updates_non_finite_leave_weights_and_adam_untouched(tiny_model, tokenizer):
     state = _update_state(tiny_model, tokenizer, responses_per_minibatch=1)
     before = {k: v.clone() for k, v in tiny_model.state_dict().items()}
-    e = trainer.Episode(
+    e = Episode(
         prompt_ids=torch.tensor([5, 6, 7]),
         response_ids=torch.tensor([8, 9]),
         sampler_logprobs=torch.tensor([-1.0, -1.0]),
@@ -124,7 +103,7 @@ def test_all_updates_non_finite_leave_weights_and_adam_untouched(tiny_model, tok
         advantage=1.0,
     )
     _nan_logits_when(tiny_model, lambda: True)
-    out = trainer.update(state, [e, copy.deepcopy(e)], lr=1e-3)
+    out = update.update(state, [e, copy.deepcopy(e)], lr=1e-3)
     assert out["train/skipped_updates"] == 2.0 and out["train/updates"] == 0.0
     assert state.consecutive_skips == 2
     assert state.optimizer.state == {}
@@ -135,8 +114,8 @@ def test_all_updates_non_finite_leave_weights_and_adam_untouched(tiny_model, tok
 def test_consecutive_non_finite_updates_stop_the_run_cleanly(
     tmp_path, tiny_model, tokenizer, monkeypatch
 ):
-    cfg, train, val, run_dir, _ = _setup(tmp_path, tiny_model, "train.max_consecutive_skips=2")
-    real_step = trainer.train_step
+    cfg, train, val, run_dir, _ = setup_run(tmp_path, tiny_model, "train.max_consecutive_skips=2")
+    real_step = loop.train_step
     done = {"steps": 0}
 
     def counting_step(state):
@@ -144,10 +123,10 @@ def test_consecutive_non_finite_updates_stop_the_run_cleanly(
         done["steps"] = state.step
         return out
 
-    monkeypatch.setattr(trainer, "train_step", counting_step)
+    monkeypatch.setattr(loop, "train_step", counting_step)
     # From step 2 on, every training forward (the model in train mode) gives NaN logits.
     _nan_logits_when(tiny_model, lambda: tiny_model.training and done["steps"] >= 1)
-    with pytest.raises(trainer.NonFiniteError) as err:
+    with pytest.raises(update.NonFiniteError) as err:
         _fit(cfg, tiny_model, tokenizer, train, val, run_dir)
     msg = str(err.value)
     assert "step 2: 2 updates in a row had a non-finite loss or gradient norm" in msg
@@ -171,7 +150,7 @@ def test_graceful_stop_first_signal_requests_second_aborts():
 
 
 def _signal_during_step(monkeypatch, at_step: int, times: int):
-    real_step = trainer.train_step
+    real_step = loop.train_step
 
     def step(state):
         if state.step + 1 == at_step:
@@ -179,13 +158,13 @@ def _signal_during_step(monkeypatch, at_step: int, times: int):
                 os.kill(os.getpid(), signal.SIGTERM)
         return real_step(state)
 
-    monkeypatch.setattr(trainer, "train_step", step)
+    monkeypatch.setattr(loop, "train_step", step)
 
 
 def test_sigterm_finishes_the_step_saves_and_says_how_to_resume(
     tmp_path, tiny_model, tokenizer, monkeypatch
 ):
-    cfg, train, val, run_dir, start = _setup(tmp_path, tiny_model, "train.save_every=0")
+    cfg, train, val, run_dir, start = setup_run(tmp_path, tiny_model, "train.save_every=0")
     _signal_during_step(monkeypatch, at_step=2, times=1)
     with pytest.raises(RunStopped) as err:
         _fit(cfg, tiny_model, tokenizer, train, val, run_dir)
@@ -204,7 +183,7 @@ def test_sigterm_finishes_the_step_saves_and_says_how_to_resume(
 def test_second_signal_aborts_the_step_without_saving_it(
     tmp_path, tiny_model, tokenizer, monkeypatch
 ):
-    cfg, train, val, run_dir, start = _setup(tmp_path, tiny_model)
+    cfg, train, val, run_dir, start = setup_run(tmp_path, tiny_model)
     _signal_during_step(monkeypatch, at_step=3, times=2)
     with pytest.raises(RunStopped) as err:
         _fit(cfg, tiny_model, tokenizer, train, val, run_dir)
@@ -227,8 +206,8 @@ def _broken_verifier(response, ground_truth):
 def test_a_raising_verifier_grades_incorrect_and_training_goes_on(
     tmp_path, tiny_model, tokenizer, monkeypatch, capsys
 ):
-    cfg, train, val, run_dir, _ = _setup(tmp_path, tiny_model, "train.steps=2")
-    monkeypatch.setitem(REWARD_FNS, "arith", _broken_verifier)
+    cfg, train, val, run_dir, _ = setup_run(tmp_path, tiny_model, "train.steps=2")
+    monkeypatch.setitem(tasks.REGISTRY, "arith", Task("arith", _broken_verifier, "broken"))
     summary = _fit(cfg, tiny_model, tokenizer, train, val, run_dir)
     assert summary["steps"] == 2
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]

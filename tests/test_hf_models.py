@@ -7,44 +7,16 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from transformers import (
-    AutoModelForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from helpers import ARCHS, save_model
+from transformers import AutoModelForCausalLM
 
-from dapo import arith
 from dapo.cli import main
-from dapo.data import PROMPT_PREFIX, dapo_prompt
+from dapo.data.prompts import PROMPT_PREFIX, dapo_prompt
 from dapo.demo import build_tokenizer
+from dapo.tasks import arith
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
-ARCHS = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
-
-
-def _save_model(path: Path, arch: str, *, context: int = 512, tokenizer: bool = True) -> Path:
-    tok = build_tokenizer()  # word-level, with a chat template ("User: ...\nAssistant:\n")
-    config_cls, model_cls = ARCHS[arch]
-    config = config_cls(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=context,
-        tie_word_embeddings=True,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=None,
-    )
-    model_cls(config).save_pretrained(path)
-    if tokenizer:
-        tok.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +71,7 @@ def _args(tmp_path, model_dir, files, *extra):
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_two_steps_from_a_saved_model_directory(tmp_path, files, arch):
-    model_dir = _save_model(tmp_path / arch, arch)
+    model_dir = save_model(tmp_path / arch, arch)
     assert main(_args(tmp_path, model_dir, files)) == 0
     lines = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [0, 1, 2]
@@ -114,9 +86,9 @@ def test_a_saved_demo_tokenizer_loads_as_itself(tmp_path):
     """AutoTokenizer would load it as the model family's class (Qwen2Tokenizer) and tokenize
     differently; the run must see the tokenizer that was saved."""
     from dapo.config import load_config
-    from dapo.inputs import load_tokenizer
+    from dapo.policy import load_tokenizer
 
-    model_dir = _save_model(tmp_path / "m", "qwen2")
+    model_dir = save_model(tmp_path / "m", "qwen2")
     tok = load_tokenizer(load_config(None, [f"model.path={model_dir}"]))
     text = "User: 3 + 4\nAssistant:\n"
     assert tok(text)["input_ids"] == build_tokenizer()(text)["input_ids"]
@@ -124,7 +96,7 @@ def test_a_saved_demo_tokenizer_loads_as_itself(tmp_path):
 
 
 def test_prompts_beyond_the_context_are_refused(tmp_path, files, capsys):
-    model_dir = _save_model(tmp_path / "m", "llama", context=64)
+    model_dir = save_model(tmp_path / "m", "llama", context=64)
     assert main(_args(tmp_path, model_dir, files)) == 2
     err = capsys.readouterr().err
     assert "exceed the model's context of 64 tokens" in err
@@ -132,7 +104,7 @@ def test_prompts_beyond_the_context_are_refused(tmp_path, files, capsys):
 
 
 def test_model_directory_errors(tmp_path, files, capsys):
-    no_tok = _save_model(tmp_path / "no-tokenizer", "qwen2", tokenizer=False)
+    no_tok = save_model(tmp_path / "no-tokenizer", "qwen2", tokenizer=False)
     assert main(_args(tmp_path, no_tok, files)) == 2
     assert "no usable tokenizer there" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
@@ -150,7 +122,7 @@ def test_file_data_needs_a_real_model_and_both_files(tmp_path, files, capsys):
 def test_a_bad_row_is_named_before_any_model_loads(tmp_path, files, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"q": "1 + 1", "a": "2"}\n{"q": "2 + 2", "a": ""}\n')
-    model_dir = _save_model(tmp_path / "m", "qwen2")
+    model_dir = save_model(tmp_path / "m", "qwen2")
     args = _args(tmp_path, model_dir, (bad, files[1]))
     assert main(args) == 2
     err = capsys.readouterr().err
@@ -163,7 +135,7 @@ def test_every_recipe_dry_runs_on_a_tiny_model(tmp_path, files, recipe, capsys):
     if recipe != "demo.yaml":
         # The recipe's own paths point at downloads; a tiny model with a long enough
         # context and the fixture files stand in for them.
-        model_dir = _save_model(tmp_path / "m", "qwen2", context=32768)
+        model_dir = save_model(tmp_path / "m", "qwen2", context=32768)
         args += [
             f"model.path={model_dir}",
             f"data.train_file={files[0]}",
@@ -181,7 +153,7 @@ def test_every_recipe_dry_runs_on_a_tiny_model(tmp_path, files, recipe, capsys):
 
 @pytest.mark.skipif(not (SHARED / "aime-2024").is_dir(), reason="../shared/data is absent")
 def test_the_32b_recipe_dry_runs_on_the_real_files(tmp_path, capsys):
-    model_dir = _save_model(tmp_path / "m", "qwen2", context=32768)
+    model_dir = save_model(tmp_path / "m", "qwen2", context=32768)
     args = [
         "train",
         "--config",

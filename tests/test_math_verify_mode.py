@@ -1,4 +1,4 @@
-"""Tests for dapo.math_verify_mode: math-verify grading of non-integer answers.
+"""Tests for dapo.tasks.math_verify: math-verify grading of non-integer answers.
 
 The verdicts asserted are what math-verify 0.9.0 really returns. Cases in
 ``LIMITATIONS`` are graded in a way a human grader would not; they are pinned here so
@@ -17,10 +17,11 @@ import pytest
 
 pytest.importorskip("math_verify")
 
-import dapo.math_verify_mode as mv  # noqa: E402
-from dapo.math_verify_mode import MODE_NAME, math_verify_score, resolve  # noqa: E402
+import dapo.tasks.math_verify as mv  # noqa: E402
 from dapo.reward_pool import FAULT_SCORE, Job, RewardPool  # noqa: E402
-from dapo.rewards import TAIL_CHARS, Score  # noqa: E402
+from dapo.tasks.base import Score  # noqa: E402
+from dapo.tasks.math_dapo import TAIL_CHARS  # noqa: E402
+from dapo.tasks.math_verify import MODE_NAME, math_verify_score, resolve  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -176,22 +177,22 @@ def test_unusable_ground_truth_is_incorrect(ground_truth):
 
 
 def test_gold_answers_are_parsed_once():
-    mv._parse_gold.cache_clear()
+    mv.parse_gold.cache_clear()
     for response in ("Answer: 0.5", "Answer: 1/2", r"Answer: \frac{2}{4}"):
         assert math_verify_score(response, r"\frac{1}{2}").correct
-    info = mv._parse_gold.cache_info()
+    info = mv.parse_gold.cache_info()
     assert (info.misses, info.hits, info.maxsize) == (1, 2, mv.GOLD_CACHE_SIZE)
 
 
 def test_memory_error_reaches_the_pool(monkeypatch):
     # math-verify turns every exception into "not equal" unless told to raise; a
     # MemoryError must instead reach RewardPool, which counts it and replaces the worker.
-    parse, _, config = mv._math_verify()
+    parse, _, config = mv.math_verify_api()
 
     def verify(*args, **kwargs):
         raise MemoryError
 
-    monkeypatch.setattr(mv, "_math_verify", lambda: (parse, verify, config))
+    monkeypatch.setattr(mv, "math_verify_api", lambda: (parse, verify, config))
     with pytest.raises(MemoryError):
         math_verify_score("Answer: 1", "1")
     with RewardPool(workers=0, resolve=resolve) as pool:
@@ -209,7 +210,7 @@ def test_resolve_is_picklable_and_grades_any_source():
 def test_sympy_is_imported_only_on_first_use_and_nothing_is_printed():
     code = (
         "import sys\n"
-        "import dapo.rewards, dapo.reward_pool, dapo.math_verify_mode as mv\n"
+        "import dapo.tasks, dapo.reward_pool, dapo.tasks.math_verify as mv\n"
         "assert 'sympy' not in sys.modules and 'math_verify' not in sys.modules\n"
         "assert mv.math_verify_score('Answer: 0.5', r'\\frac{1}{2}').correct\n"
         "assert 'sympy' in sys.modules\n"

@@ -2,9 +2,9 @@
 
 import io
 
-from test_faults import _setup
+from helpers import setup_run
 
-from dapo import trainer
+from dapo import loop
 
 
 class FakeTerminal(io.StringIO):
@@ -13,8 +13,8 @@ class FakeTerminal(io.StringIO):
 
 
 def _run(tmp_path, tiny_model, tokenizer, stream, *overrides):
-    cfg, train, val, run_dir, _ = _setup(tmp_path, tiny_model, "train.steps=2", *overrides)
-    trainer.fit(cfg, tiny_model, tokenizer, train, val, run_dir=run_dir, stream=stream)
+    cfg, train, val, run_dir, _ = setup_run(tmp_path, tiny_model, "train.steps=2", *overrides)
+    loop.fit(cfg, tiny_model, tokenizer, train, val, run_dir=run_dir, stream=stream)
     return stream.getvalue()
 
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dapo.cli.report import add_parser
 from dapo.report import (
     FIGURES,
-    add_report_parser,
     config_differences,
     make_report,
     read_run,
@@ -165,7 +165,7 @@ def test_make_report_survives_missing_metrics(tmp_path: Path) -> None:
 
 def test_cli_report_default_out(two_runs: tuple[Path, Path], capsys) -> None:
     parser = argparse.ArgumentParser()
-    add_report_parser(parser.add_subparsers(dest="command"))
+    add_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["report", str(two_runs[0]), str(two_runs[1])])
     assert args.func(args) == 0
     printed = capsys.readouterr().out.split()

@@ -20,12 +20,12 @@ from safetensors.torch import load_file
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
     # Big enough to be right sometimes: dynamic sampling keeps groups and every step trains.
-    "model.sft_steps=100",
-    "model.embedded_hidden=64",
-    "data.max_terms=2",
-    "data.num_warmup=256",
-    "data.num_train=200",
-    "data.num_val=8",
+    "embedded.sft_steps=100",
+    "embedded.hidden=64",
+    "arith.max_terms=2",
+    "arith.num_warmup=256",
+    "arith.num_train=200",
+    "arith.num_val=8",
     "rollout.group_size=4",
     "train.steps=6",
     "train.prompts_per_step=4",
@@ -44,7 +44,7 @@ TINY = [
 def _start(out_dir: Path, name: str, cache: Path, *extra: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "dapo", "train", *extra]
     if "--resume" not in extra:
-        cmd += [*TINY, f"model.cache_dir={cache}", f"run.out_dir={out_dir}", f"run.name={name}"]
+        cmd += [*TINY, f"embedded.cache_dir={cache}", f"run.out_dir={out_dir}", f"run.name={name}"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True

@@ -10,9 +10,9 @@ import types
 import faulty_verifiers
 import pytest
 
-import dapo.reward_pool as reward_pool_module
 from dapo.reward_pool import FAULT_KINDS, FAULT_SCORE, Fault, Job, RewardPool
-from dapo.rewards import Score, math_score
+from dapo.tasks.base import Score
+from dapo.tasks.math_dapo import math_score
 
 # Deadline for the misbehaving verifiers; the grade() calls that meet one must
 # return in well under HUNG_CALL_LIMIT_S.
@@ -244,12 +244,11 @@ def test_long_pred_is_truncated():
     assert score == Score(score=-1.0, correct=False, pred="7" * 1000)
 
 
-def test_spawn_fallback_works_too(monkeypatch):
+def test_spawn_fallback_works_too():
     # Where forkserver does not exist the pool uses spawn; children must still find
     # the test verifiers (sys.path travels with the process) and behave the same.
-    monkeypatch.setattr(reward_pool_module, "_start_method", lambda: "spawn")
     jobs = with_bad(6, {1: "raise", 2: "hang", 4: "exit"})
-    with pool(workers=2) as reward_pool:
+    with pool(workers=2, start_method="spawn") as reward_pool:
         result = reward_pool.grade(jobs)
         assert [(f.index, f.kind) for f in result.faults] == [
             (1, "error"),

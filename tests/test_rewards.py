@@ -1,4 +1,4 @@
-"""Tests for dapo.rewards: the DAPO-mode verifier R_correct."""
+"""Tests for dapo.tasks.math_dapo: the DAPO-mode verifier R_correct."""
 
 import random
 import string
@@ -6,15 +6,8 @@ import time
 
 import pytest
 
-from dapo.rewards import (
-    MAX_ANSWER_CHARS,
-    REWARD_FNS,
-    TAIL_CHARS,
-    Score,
-    get_reward_fn,
-    math_score,
-    normalize_answer,
-)
+from dapo.tasks.base import Score
+from dapo.tasks.math_dapo import MAX_ANSWER_CHARS, TAIL_CHARS, math_score, normalize_answer
 
 # Generous for hostile input; normal answers take microseconds.
 TIME_LIMIT_S = 2.0
@@ -348,18 +341,3 @@ def test_normalize_answer_is_idempotent_on_edge_cases(text):
 
 
 # Property-based (hypothesis) tests of the same functions: tests/test_rewards_fuzz.py.
-
-
-# --- registry --------------------------------------------------------------------
-
-
-def test_registry_lookup():
-    assert get_reward_fn("math_dapo") is math_score
-    assert get_reward_fn("arith") is math_score
-    assert REWARD_FNS["math_dapo"] is math_score
-
-
-def test_unknown_source_raises_naming_it():
-    with pytest.raises(ValueError, match="no_such_source") as excinfo:
-        get_reward_fn("no_such_source")
-    assert "math_dapo" in str(excinfo.value)

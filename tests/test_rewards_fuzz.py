@@ -1,4 +1,4 @@
-"""Property-based tests (hypothesis) of answer extraction and normalisation in dapo.rewards.
+"""Property-based tests (hypothesis) of answer extraction and normalisation in dapo.tasks.math_dapo.
 
 The verifier grades untrusted model output, so these tests check, for inputs built
 to reach its rules and its bounds (LaTeX fragments, "Answer:" markers, grouped
@@ -32,7 +32,8 @@ import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from dapo.rewards import MAX_ANSWER_CHARS, TAIL_CHARS, Score, math_score, normalize_answer
+from dapo.tasks.base import Score
+from dapo.tasks.math_dapo import MAX_ANSWER_CHARS, TAIL_CHARS, math_score, normalize_answer
 
 CI_EXAMPLES = 200
 LONG_EXAMPLES = 10_000

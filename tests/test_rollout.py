@@ -1,8 +1,9 @@
 import pytest
 import torch
+from helpers import generate
 
 from dapo.model import response_logprobs
-from dapo.rollout import generate
+from dapo.rollout import ENGINES, Engine, generate_samples, make_engine
 
 PROMPTS = ["User: What is 2 + 3?\nAssistant:\n", "Compute 7 + 1 + 4.\n"]  # different lengths
 
@@ -72,3 +73,36 @@ def test_checkpoint_generation_config_does_not_leak_into_sampling(tiny_model, to
     tiny_model.generation_config.repetition_penalty = 5.0
     got = generate(tiny_model, tokenizer, PROMPTS, group_size=2, max_new_tokens=10, seed=3)
     assert torch.equal(ref.response_ids_BT, got.response_ids_BT)
+
+
+def test_every_engine_follows_the_protocol(tiny_model, tokenizer):
+    for name in ENGINES:
+        engine = make_engine(name, tiny_model, tokenizer)
+        assert isinstance(engine, Engine) and engine.exact_logprobs
+        engine.sync_weights(tiny_model)  # reads the live module: nothing to copy
+        ro = engine.generate(PROMPTS, group_size=2, max_new_tokens=6, seed=1)
+        assert len(ro.samples()) == 4 and ro.slots >= sum(int(n) for n in ro.lengths_B)
+    with pytest.raises(ValueError, match="rollout engine 'vllm': use one of dapo, hf"):
+        make_engine("vllm", tiny_model, tokenizer)
+
+
+def test_samples_are_the_rows_unpadded(tiny_model, tokenizer):
+    ro = generate(tiny_model, tokenizer, PROMPTS, group_size=2, max_new_tokens=8, seed=5)
+    for b, s in enumerate(ro.samples()):
+        n = int(ro.lengths_B[b])
+        assert torch.equal(s.response_ids, ro.response_ids_BT[b, :n])
+        assert torch.equal(s.logprobs, ro.logprobs_BT[b, :n])
+        assert torch.equal(s.prompt_ids, ro.prompt_ids_BP[b][ro.prompt_mask_BP[b].bool()])
+        assert s.truncated == bool(ro.truncated_B[b]) and s.text == ro.texts[b]
+
+
+def test_generate_samples_in_calls_keeps_the_first_calls_draw(tiny_model, tokenizer):
+    engine = make_engine("dapo", tiny_model, tokenizer)
+    kwargs = dict(group_size=2, seed=3, max_new_tokens=6)
+    whole, slots = generate_samples(engine, PROMPTS, rows_per_call=0, **kwargs)
+    one_call, _ = generate_samples(engine, PROMPTS, rows_per_call=4, **kwargs)
+    split, split_slots = generate_samples(engine, PROMPTS, rows_per_call=2, **kwargs)
+    again, _ = generate_samples(engine, PROMPTS, rows_per_call=2, **kwargs)
+    assert [s.text for s in one_call] == [s.text for s in whole]  # one call: the plain draw
+    assert [s.text for s in split] == [s.text for s in again]  # calls: reproducible
+    assert len(split) == 4 and split_slots >= sum(s.response_ids.numel() for s in split)

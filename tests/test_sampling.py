@@ -2,7 +2,14 @@ import pytest
 import torch
 
 from dapo.batch import Episode
-from dapo.sampling import DynamicSamplingExhausted, Group, collect_groups, oversampled_round
+from dapo.sampling import (
+    DynamicSamplingExhausted,
+    Group,
+    SamplingResult,
+    collect_groups,
+    oversampled_round,
+    round_size,
+)
 
 
 def _group(uid: str, correct: list[bool]) -> Group:
@@ -116,3 +123,29 @@ def test_round_size_sees_the_result_so_far():
     # fraction of 3/6 -> (3 + sqrt(1.5)) / 0.5 = 8.45 -> 9 prompts, 4 mixed; done, 1 surplus.
     assert sizes == [6, 9] and seen == [(0, 0, 0, 0), (1, 6, 3, 3)]
     assert len(res.groups) == 6 and res.groups_mixed == 7
+
+
+def _so_far(kept: int, mixed: int, drawn: int) -> SamplingResult:
+    return SamplingResult(groups=[None] * kept, groups_mixed=mixed, prompts_drawn=drawn)
+
+
+def test_round_size_without_dynamic_sampling_is_exactly_n():
+    sizes = dict(num_groups=32, prompts_per_round=40, oversample=True, prior=(10, 100))
+    assert round_size(_so_far(0, 0, 0), dynamic=False, **sizes) == 32
+
+
+def test_round_size_without_oversampling_is_the_configured_round():
+    sizes = dict(num_groups=32, dynamic=True, oversample=False, prior=(10, 100))
+    assert round_size(_so_far(5, 5, 40), prompts_per_round=40, **sizes) == 40
+    assert round_size(_so_far(5, 5, 40), prompts_per_round=0, **sizes) == 32  # 0 = N
+
+
+def test_round_size_oversamples_by_the_kept_fraction_of_last_step_and_this_one():
+    sizes = dict(num_groups=32, dynamic=True, prompts_per_round=40, oversample=True)
+    # Nothing measured yet: the configured first round.
+    assert round_size(_so_far(0, 0, 0), prior=(0, 0), **sizes) == 40
+    # Last step kept 24 of 40, this one 6 of 10: f = 30/50 = 0.6; 26 still needed:
+    # ceil((26 + sqrt(26 * 0.4)) / 0.6) = ceil(48.71...) = 49.
+    assert round_size(_so_far(6, 6, 10), prior=(24, 40), **sizes) == 49
+    # Nothing kept so far: the cap, 4 x N.
+    assert round_size(_so_far(0, 0, 40), prior=(0, 40), **sizes) == 128

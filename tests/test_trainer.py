@@ -1,19 +1,16 @@
+import json
+
 import pytest
 import torch
 
 from dapo import trainer
 from dapo.batch import Episode, collate, length_sorted, split_microbatches
 from dapo.config import load_config
-from dapo.data import Problem
+from dapo.data.problems import Problem
 from dapo.sampling import Group
-from dapo.trainer import (
-    accumulate_gradients,
-    assign_advantages,
-    build_state,
-    derive_seed,
-    lr_at,
-    shape_rewards,
-)
+from dapo.seeding import derive_seed
+from dapo.trainer import assign_advantages, build_state, lr_at, shape_group
+from dapo.update import accumulate_gradients, fill_logprobs, set_old_logprobs
 
 
 def _episode(length: int, *, correct=True, truncated=False, prompt_len=5, seed=0) -> Episode:
@@ -35,14 +32,14 @@ def _cfg(*overrides: str):
 def test_soft_overlong_punishment_adds_to_the_correctness_reward():
     # l_max 20, l_cache 4: free up to 16, then -1/4 per token, -1 at 20.
     eps = [_episode(16), _episode(17), _episode(18, correct=False), _episode(20, truncated=True)]
-    shape_rewards(eps, _cfg())
+    shape_group(eps, _cfg())
     assert [e.reward for e in eps] == [1.0, 0.75, -1.5, 0.0]
     assert all(e.trainable for e in eps)
 
 
 def test_overlong_filter_masks_truncated_responses_only():
     eps = [_episode(20, truncated=True), _episode(19, correct=False)]
-    shape_rewards(eps, _cfg("algo.overlong_shaping=false", "algo.overlong_filter=true"))
+    shape_group(eps, _cfg("algo.overlong_shaping=false", "algo.overlong_filter=true"))
     assert [e.trainable for e in eps] == [False, True]
     assert [e.reward for e in eps] == [1.0, -1.0]  # filtered, not punished
     assert [e.num_loss_tokens for e in eps] == [0, 19]
@@ -53,7 +50,7 @@ def test_overlong_filter_masks_truncated_responses_only():
 
 def test_naive_baseline_scores_truncation_minus_one():
     eps = [_episode(20, truncated=True, correct=True), _episode(18)]
-    shape_rewards(eps, _cfg("run.preset=grpo"))
+    shape_group(eps, _cfg("run.preset=grpo"))
     assert [e.reward for e in eps] == [-1.0, 1.0]
 
 
@@ -192,22 +189,22 @@ def _checked_state(tiny_model, tokenizer):
 def test_sampler_logprobs_are_checked_once_then_used(tiny_model, tokenizer):
     eps = _grouped_episodes()
     state = _checked_state(tiny_model, tokenizer)
-    trainer._fill_logprobs(tiny_model, eps, "sampler_logprobs", state)  # exact ones
+    fill_logprobs(tiny_model, eps, "sampler_logprobs", state)  # exact ones
     for e in eps:
         e.sampler_logprobs = e.sampler_logprobs + 1e-4  # within the tolerance
-    out = trainer._old_logprobs(state, eps)
+    out = set_old_logprobs(state, eps)
     assert out["train/sampler_logprob_gap"] == pytest.approx(1e-4, rel=1e-2)
     assert all(e.old_logprobs is e.sampler_logprobs for e in eps)  # the sampler's are used
-    assert trainer._old_logprobs(state, eps) == {}  # checked once per process
+    assert set_old_logprobs(state, eps) == {}  # checked once per process
 
 
 def test_sampler_logprobs_that_disagree_stop_the_run_with_the_fix(tiny_model, tokenizer):
     eps = _grouped_episodes()
     state = _checked_state(tiny_model, tokenizer)
-    trainer._fill_logprobs(tiny_model, eps, "sampler_logprobs", state)
+    fill_logprobs(tiny_model, eps, "sampler_logprobs", state)
     eps[5].sampler_logprobs = eps[5].sampler_logprobs - 0.05  # as bf16 sampling would be
     with pytest.raises(ValueError, match=r"up to 0\.05.*recompute_old_logprobs=true"):
-        trainer._old_logprobs(state, eps)
+        set_old_logprobs(state, eps)
 
 
 def test_rows_per_generate_splits_a_round_into_seeded_calls(tiny_model, tokenizer):
@@ -216,7 +213,7 @@ def test_rows_per_generate_splits_a_round_into_seeded_calls(tiny_model, tokenize
     def texts(*overrides):
         cfg = _cfg("rollout.group_size=2", *overrides)
         state = build_state(cfg, tiny_model, tokenizer, problems)
-        return [x.text for x in trainer._sample(state, problems, seed=9)], state.timers
+        return [x.text for x in trainer.sample_round(state, problems, seed=9)], state.timers
 
     whole, _ = texts()
     assert texts("rollout.rows_per_generate=10")[0] == whole  # one call: the same draw
@@ -232,3 +229,15 @@ def test_reusing_sampler_logprobs_needs_float32():
     assert _cfg("model.dtype=bfloat16", "train.recompute_old_logprobs=true").model.dtype == (
         "bfloat16"
     )
+
+
+def test_train_state_round_trips_what_a_resume_needs(tiny_model, tokenizer):
+    problems = [Problem(f"p{i}", (), "1") for i in range(5)]
+    state = build_state(_cfg(), tiny_model, tokenizer, problems)
+    state.sampler.next(7)  # into the second epoch
+    state.step, state.consecutive_skips, state.sampling_prior = 3, 2, (5, 9)
+    saved = json.loads(json.dumps(state.state_dict()))  # what trainer.json holds
+    fresh = build_state(_cfg(), tiny_model, tokenizer, problems)
+    fresh.load_state_dict(saved)
+    assert (fresh.step, fresh.consecutive_skips, fresh.sampling_prior) == (3, 2, (5, 9))
+    assert [p.uid for p in fresh.sampler.next(6)] == [p.uid for p in state.sampler.next(6)]

@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from dapo import cli, trainer
+from dapo import cli, loop
 from dapo.metrics import MetricsLogger
 
 
@@ -45,11 +45,11 @@ def test_an_offline_wandb_run_is_written_into_the_run_directory(
     tmp_path, tiny_model, tokenizer, monkeypatch
 ):
     pytest.importorskip("wandb")
-    from test_faults import _setup
+    from helpers import setup_run
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    cfg, train, val, run_dir, _ = _setup(tmp_path, tiny_model, "train.steps=1", "run.wandb=true")
-    trainer.fit(cfg, tiny_model, tokenizer, train, val, run_dir=run_dir, stream=io.StringIO())
+    cfg, train, val, run_dir, _ = setup_run(tmp_path, tiny_model, "train.steps=1", "run.wandb=true")
+    loop.fit(cfg, tiny_model, tokenizer, train, val, run_dir=run_dir, stream=io.StringIO())
     runs = list((run_dir / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].glob("*.wandb"))

@@ -5,14 +5,22 @@ worked solution, either on one line (``7 + 3 + 2 + 5 = 17``, the demo's ``direct
 one line per operation (``steps``), then the ``Answer: 17`` line the DAPO prompt asks for.
 Responses grow with the number of terms (2 to 5 terms: 10 to 18 tokens in the direct style),
 so the demo's L_max and L_cache are set just above the longest correct answer.
+
+The task owns its settings (``ArithConfig``, the ``arith`` section of a run's config) and is
+graded by the DAPO verifier: its prompts ask for the same ``Answer:`` line.
 """
 
 from __future__ import annotations
 
 import hashlib
 import random
+from dataclasses import dataclass
+from typing import Literal
 
-from dapo.data import Problem, dapo_prompt
+from dapo.data.problems import Problem
+from dapo.data.prompts import dapo_prompt
+from dapo.tasks.base import Task
+from dapo.tasks.math_dapo import math_score
 
 PHRASINGS = (
     "Compute {expr}.",
@@ -24,7 +32,44 @@ PHRASINGS = (
 DATA_SOURCE = "arith"
 # Part of the embedded model's cache key: bump it whenever the problems a seed gives change.
 TASK_VERSION = 1
-SOLUTION_STYLES = ("steps", "direct", "mixed")
+STYLES = ("steps", "direct")
+"""Worked-solution styles; ``mixed`` picks one of them per problem."""
+
+
+@dataclass
+class ArithConfig:
+    """The ``arith`` section: the embedded task's problems (used when data.train_file is empty)."""
+
+    num_train: int = 20000
+    """RL training problems drawn from the embedded task."""
+    num_val: int = 256
+    """Held-out problems, disjoint from the training ones."""
+    num_warmup: int = 4000
+    """Problems of the embedded model's supervised warm-start, disjoint from both."""
+    min_terms: int = 2
+    """Fewest terms in a problem."""
+    max_terms: int = 5
+    """Most terms in a problem (more terms: longer, harder responses)."""
+    operators: str = "+"
+    """Operators the task draws from (any of ``+-``)."""
+    solution: Literal["direct", "steps", "mixed"] = "direct"
+    """Worked-solution style of the warm-up: ``direct`` (one line), ``steps`` (a line per
+    operation) or ``mixed`` (either, at random)."""
+    seed: int = 1234
+    """Seed of the task's problems."""
+
+    def check(self) -> list[str]:
+        """What is wrong with these settings, one message per problem."""
+        errors = []
+        if not (self.num_train >= 1 and self.num_val >= 1):
+            errors.append("arith.num_train and arith.num_val must be >= 1")
+        if self.num_warmup < 1:
+            errors.append("arith.num_warmup must be >= 1")
+        if not (set(self.operators) <= set("+-") and self.operators != ""):
+            errors.append("arith.operators must be a non-empty string of + and -")
+        if not 1 <= self.min_terms <= self.max_terms:
+            errors.append("arith.min_terms must be >= 1 and <= arith.max_terms")
+        return errors
 
 
 def _expression(rng: random.Random, min_terms: int, max_terms: int, max_operand: int, ops: str):
@@ -41,8 +86,8 @@ def worked_solution(terms: list[int], ops: list[str], style: str = "steps") -> t
     whole expression equals the result on one line. Both end with the ``Answer:`` line the
     DAPO prompt asks for. (``mixed`` is resolved to one of the two by ``make_splits``.)
     """
-    if style not in SOLUTION_STYLES[:2]:
-        raise ValueError(f"solution style must be one of {SOLUTION_STYLES[:2]}, got {style!r}")
+    if style not in STYLES:
+        raise ValueError(f"solution style must be one of {STYLES}, got {style!r}")
     lines, acc = [], terms[0]
     for op, t in zip(ops, terms[1:], strict=True):
         nxt = acc + t if op == "+" else acc - t
@@ -101,7 +146,7 @@ def make_splits(
         expr = _expr(terms, ops)
         # Drawn before the split check, so one split's size never shifts another's stream.
         text = rng.choice(PHRASINGS).format(expr=expr)
-        this_style = style if style != "mixed" else rng.choice(SOLUTION_STYLES[:2])
+        this_style = style if style != "mixed" else rng.choice(STYLES)
         split = split_of(expr)
         if len(out[split]) >= wanted[split]:
             continue
@@ -114,3 +159,8 @@ def make_splits(
         )
         out[split].append((problem, solution))
     return out["train"], out["val"], out["warmup"]
+
+
+TASKS = (
+    Task(DATA_SOURCE, math_score, "the embedded arithmetic task, graded by the DAPO verifier"),
+)

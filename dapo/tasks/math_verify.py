@@ -1,13 +1,13 @@
 r"""A general verifier for answers that are not integers, built on ``math-verify``.
 
-Why: ``dapo.rewards.math_score`` (DAPO mode) compares normalised strings, which is
+Why: ``dapo.tasks.math_dapo.math_score`` (DAPO mode) compares normalised strings, which is
 exact for DAPO-Math-17k's integer answers but grades ``0.5`` against ``\frac{1}{2}``,
 ``2\sqrt{3}`` against ``\sqrt{12}`` or ``\{3,2,1\}`` against ``\{1,2,3\}`` as wrong.
 This mode parses both answers into SymPy objects with HuggingFace's ``math-verify``
 (LaTeX, fractions, radicals, sets, intervals, equations, percentages) and asks its
 ``verify`` whether they are equal, numerically or symbolically.
 
-What is graded: the same bounded tail as DAPO mode (``dapo.rewards.TAIL_CHARS``, the
+What is graded: the same bounded tail as DAPO mode (``math_dapo.TAIL_CHARS``, the
 last 300 characters). The answer is the text after the last ``Answer:`` marker in it,
 found by DAPO mode's own extraction, so both modes read the same line; without one,
 the content of the last ``\boxed{...}`` in the tail (none if its braces never
@@ -41,27 +41,25 @@ memory in caches); and ``ImportError`` propagates when math-verify is not instal
 since grading every response wrong without a word would silently ruin a training run.
 
 math-verify (and SymPy with it, about 0.5 s) is imported on the first call, not with
-this module: importing ``dapo.rewards`` or starting a reward worker costs nothing
+this module: importing ``dapo.tasks`` or starting a reward worker costs nothing
 unless this mode is used.
+
+The module shares its name with the ``math_verify`` package it wraps; ``from math_verify
+import ...`` below is the package (imports are absolute).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from dapo.rewards import RewardFn, Score
+from dapo.tasks.base import NO_ANSWER, RewardFn, Score, Task, ground_truth_text
+from dapo.tasks.math_dapo import TAIL_CHARS, extract_answer
 
-# dapo.rewards is imported inside the functions below, never at module level:
-# dapo.rewards registers this mode, so it imports this module, and a module-level
-# import back would be circular (one of the two would see the other half-built,
-# depending on which is imported first).
+__all__ = ["GOLD_CACHE_SIZE", "MODE_NAME", "TASKS", "math_verify_score", "resolve"]
 
-__all__ = ["GOLD_CACHE_SIZE", "MODE_NAME", "math_verify_score", "resolve"]
-
-# The key to register this verifier under in dapo.rewards.REWARD_FNS.
+# The name this verifier is registered under (reward.mode, or a row's data_source).
 MODE_NAME = "math_verify"
 
 # Parsed ground truths kept per process. A group of G responses shares one answer and
@@ -83,7 +81,7 @@ class _DropTimeoutDisabled(logging.Filter):
 
 
 @functools.lru_cache(maxsize=1)
-def _math_verify() -> tuple[Any, Any, Any]:
+def math_verify_api() -> tuple[Any, Any, Any]:
     """Import math-verify on first use; return ``(parse, verify, extraction_config)``."""
     try:
         from math_verify import LatexExtractionConfig, parse, verify
@@ -111,7 +109,7 @@ def _parse(answer: str) -> tuple[Any, ...]:
     math-verify's normalised string of the answer (compared as a string by
     ``verify`` when SymPy cannot parse either side).
     """
-    parse, _, config = _math_verify()
+    parse, _, config = math_verify_api()
     try:
         return tuple(
             parse(
@@ -128,7 +126,7 @@ def _parse(answer: str) -> tuple[Any, ...]:
 
 
 @functools.lru_cache(maxsize=GOLD_CACHE_SIZE)
-def _parse_gold(ground_truth: str) -> tuple[Any, ...]:
+def parse_gold(ground_truth: str) -> tuple[Any, ...]:
     # A MemoryError propagates and is not cached; anything else is caught in _parse.
     return _parse(ground_truth)
 
@@ -140,7 +138,7 @@ def _equal(gold: tuple[Any, ...], pred: tuple[Any, ...]) -> bool:
     turns every exception into "not equal", MemoryError included. Asking it to raise
     and looping here keeps its verdicts while letting MemoryError reach the pool.
     """
-    _, verify, _ = _math_verify()
+    _, verify, _ = math_verify_api()
     for gold_item in gold:
         for pred_item in pred:
             try:
@@ -182,9 +180,7 @@ def _last_boxed(text: str) -> str | None:
 
 def _extract(response: str) -> str | None:
     r"""The answer in the tail of ``response``: the ``Answer:`` line, else the last ``\boxed{}``."""
-    from dapo.rewards import TAIL_CHARS, _extract_answer
-
-    answer = _extract_answer(response)
+    answer = extract_answer(response)
     if answer is None:
         answer = _last_boxed(response[-TAIL_CHARS:])
         if answer is None:
@@ -220,21 +216,13 @@ def math_verify_score(response: str, ground_truth: str) -> Score:
         >>> math_verify_score("so x = 1/2.\nAnswer: $\\frac{1}{2}$", "0.5")
         Score(score=1.0, correct=True, pred='$\\frac{1}{2}$')
     """
-    from dapo.rewards import Score
-
-    no_answer = Score(score=-1.0, correct=False, pred="")
-    if not isinstance(response, str):
-        return no_answer
-    if isinstance(ground_truth, bool) or not isinstance(ground_truth, (str, int)):
-        return no_answer
-    try:
-        truth_text = ground_truth if isinstance(ground_truth, str) else str(ground_truth)
-    except Exception:  # str() of an int over 4300 digits raises ValueError
-        return no_answer
+    truth_text = ground_truth_text(response, ground_truth)
+    if truth_text is None:
+        return NO_ANSWER
     pred = _extract(response)
     if pred is None:
-        return no_answer
-    gold = _parse_gold(truth_text.strip())
+        return NO_ANSWER
+    gold = parse_gold(truth_text.strip())
     # An unparseable ground truth (empty, garbage) matches nothing.
     correct = bool(gold) and _equal(gold, _parse(pred))
     return Score(score=1.0 if correct else -1.0, correct=correct, pred=pred)
@@ -244,6 +232,16 @@ def resolve(data_source: str) -> RewardFn:
     """A ``RewardPool`` resolver that grades every data source with ``math_verify_score``.
 
     Module-level, hence picklable, so workers can receive it:
-    ``RewardPool(resolve=dapo.math_verify_mode.resolve)``.
+    ``RewardPool(resolve=dapo.tasks.math_verify.resolve)``.
     """
     return math_verify_score
+
+
+TASKS = (
+    Task(
+        MODE_NAME,
+        math_verify_score,
+        "the answer (Answer: line, else the last \\boxed{}) equals the ground truth as a "
+        "value, by math-verify (SymPy): fractions, radicals, sets, intervals",
+    ),
+)

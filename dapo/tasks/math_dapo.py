@@ -22,24 +22,21 @@ and memory on any string ... and never take the training run down"), hence:
 - ``math_score`` returns an incorrect ``Score`` for ``None`` or non-string input
   instead of raising.
 
-Verifiers are looked up by a row's ``data_source`` through ``get_reward_fn``, so a
-new task adds an entry to ``REWARD_FNS`` rather than a branch in the trainer.
+The task is registered as ``math_dapo`` (the ``data_source`` of the DAPO-Math-17k and AIME
+files) and ``dapo`` (its ``reward.mode`` name); see :mod:`dapo.tasks`.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
+
+from dapo.tasks.base import NO_ANSWER, Score, Task, ground_truth_text
 
 __all__ = [
     "MAX_ANSWER_CHARS",
-    "REWARD_FNS",
     "TAIL_CHARS",
-    "REWARD_MODES",
-    "RewardFn",
-    "Score",
-    "get_reward_fn",
+    "TASKS",
+    "extract_answer",
     "math_score",
     "normalize_answer",
 ]
@@ -112,27 +109,6 @@ _GROUPED_NUMBER_RE = re.compile(r"[+-]?[0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]+)?")
 
 # "+5" is 5. Only before a digit, so "+x" or "++5" keep their (odd) spelling.
 _PLUS_RE = re.compile(r"^\+(?=[0-9])")
-
-
-@dataclass(frozen=True)
-class Score:
-    """The verdict on one response.
-
-    Attributes:
-        score: R_correct, +1.0 if correct else -1.0 (DAPO §"Reward").
-        correct: whether the extracted answer equals the ground truth; dynamic
-            sampling filters on this, not on the shaped reward.
-        pred: the extracted, normalised answer; "" when none was found.
-    """
-
-    score: float
-    correct: bool
-    pred: str
-
-
-RewardFn = Callable[[str, str], Score]
-
-_NO_ANSWER = Score(score=-1.0, correct=False, pred="")
 
 
 def _is_ascii_digit(ch: str) -> bool:
@@ -266,7 +242,7 @@ def normalize_answer(text: str) -> str:
     return text
 
 
-def _extract_answer(response: str) -> str | None:
+def extract_answer(response: str) -> str | None:
     """The rest of the last non-blank ``Answer:`` line in the tail, or None."""
     tail = response[-TAIL_CHARS:]
     # Walk back from the last marker: a bare "Answer:" with nothing after it is
@@ -296,21 +272,12 @@ def math_score(response: str, ground_truth: str) -> Score:
         >>> math_score("so 5 * 7 - 1 = 34.\\nAnswer: $34$", "34")
         Score(score=1.0, correct=True, pred='34')
     """
-    if not isinstance(response, str):
-        return _NO_ANSWER
-    if isinstance(ground_truth, bool) or not isinstance(ground_truth, (str, int)):
-        # A row without a usable answer (None, NaN, bytes) must not reward a model that
-        # writes "Answer: None": nothing matches it.
-        return _NO_ANSWER
-    try:
-        truth_text = ground_truth if isinstance(ground_truth, str) else str(ground_truth)
-    except Exception:
-        # str() of an int over 4300 digits raises ValueError, and arbitrary
-        # objects may raise anything: a bad row must not end the training run.
-        return _NO_ANSWER
-    raw_answer = _extract_answer(response)
+    truth_text = ground_truth_text(response, ground_truth)
+    if truth_text is None:
+        return NO_ANSWER
+    raw_answer = extract_answer(response)
     if raw_answer is None:
-        return _NO_ANSWER
+        return NO_ANSWER
     pred = normalize_answer(raw_answer)
     # An answer that normalises to "" (e.g. "Answer: $$") is no answer, even
     # against an empty ground truth.
@@ -318,40 +285,11 @@ def math_score(response: str, ground_truth: str) -> Score:
     return Score(score=1.0 if correct else -1.0, correct=correct, pred=pred)
 
 
-# Verifiers by the data_source column of a row. "arith" is the project's embedded
-# synthetic task, whose prompts ask for the same "Answer:" line.
-REWARD_FNS: dict[str, RewardFn] = {
-    "math_dapo": math_score,
-    "arith": math_score,
-}
-
-# Imported here, after Score and math_score exist: math_verify_mode uses them lazily, and it
-# imports no SymPy until a response is graded in that mode.
-from dapo.math_verify_mode import MODE_NAME, math_verify_score  # noqa: E402
-
-# Verifiers by mode name: ``reward.mode`` forces one for every row, and a row may name one as
-# its data_source. "dapo" is the paper's integer string match; "math_verify" parses LaTeX
-# (fractions, radicals, sets, intervals) with SymPy and must run in worker processes.
-REWARD_MODES: dict[str, RewardFn] = {
-    "dapo": math_score,
-    MODE_NAME: math_verify_score,
-}
-
-
-def get_reward_fn(data_source: str) -> RewardFn:
-    """Return the verifier for ``data_source`` (a data source, else a mode name).
-
-    Raises:
-        ValueError: if no verifier is registered for it; grading with a silent
-            fallback would train on the wrong reward.
-    """
-    fn = REWARD_FNS.get(data_source) or REWARD_MODES.get(data_source)
-    if fn is None:
-        raise ValueError(
-            f"no reward function for data_source {data_source!r}; known data sources: "
-            f"{sorted(REWARD_FNS)}, modes: {sorted(REWARD_MODES)}. Set reward.mode=dapo (or "
-            "math_verify) to grade every row with one mode, convert the file with "
-            "`dapo data convert --to dapo` (data_source math_dapo), or add an entry to "
-            "dapo.rewards.REWARD_FNS."
-        )
-    return fn
+TASKS = (
+    Task(
+        "math_dapo",
+        math_score,
+        "the last 'Answer:' line, normalised, equals the ground truth as a string (DAPO mode)",
+        aliases=("dapo",),
+    ),
+)

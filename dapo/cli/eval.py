@@ -6,7 +6,7 @@
 
 MODEL_DIR is any saved causal LM (a run's ``model/`` or a checkpoint's ``model/``), or
 ``embedded`` for the demo's starting policy; ``--data arith`` is the demo's held-out split.
-Imports only the standard library at module level (see dapo/cli.py).
+Imports only the standard library at module level (see :mod:`dapo.cli`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from pathlib import Path
 DEFAULT_OUT = "evals"
 
 
-def add_eval_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    from dapo.config import ModelConfig, RolloutConfig, choices
+
     ev = subparsers.add_parser(
         "eval",
         help="avg@k, pass@k, maj@k with 95%% bootstrap intervals; --compare two evaluations",
@@ -50,10 +52,10 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> None:
     ev.add_argument(
         "--engine",
         default="dapo",
-        choices=("dapo", "hf"),
+        choices=choices(RolloutConfig, "engine"),
         help="rollout engine: dapo (default) or hf (transformers generate)",
     )
-    ev.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    ev.add_argument("--dtype", default="float32", choices=choices(ModelConfig, "dtype"))
     ev.add_argument(
         "--compare",
         nargs=2,
@@ -91,27 +93,29 @@ def _problems(args: argparse.Namespace):
         # The demo's own held-out split: the problems `dapo train` evaluates on.
         problems = load_run_data(load_config(None, [])).val
     else:
-        from dapo.datafiles import load_problems
+        from dapo.data.files import load_problems
 
         problems = load_problems(args.data).problems
     return problems[: args.num_problems] if args.num_problems else problems
 
 
 def _model(args: argparse.Namespace):
-    from dapo import inputs
-    from dapo.cli import _device, load_policy
+    """The policy to evaluate on ``--device`` in ``--dtype``, and its tokenizer."""
+    from dapo import inputs, policy
     from dapo.config import load_config
-    from dapo.model import DTYPES
 
     if args.model == "embedded":
         # The demo's starting policy, from the warm-up cache (built first if missing).
         cfg = load_config(None, [])
         warmup, tokenizer = inputs.load_run_data(cfg).warmup_pairs, None
     else:
-        cfg = load_config(None, [f"model.path={args.model}", f"model.dtype={args.dtype}"])
-        warmup, tokenizer = [], inputs.load_tokenizer(cfg)
-    model, tokenizer = load_policy(cfg, warmup, tokenizer, log=lambda m: print(m, file=sys.stderr))
-    return model.to(_device(args.device), dtype=DTYPES[args.dtype]), tokenizer
+        cfg = load_config(None, [f"model.path={args.model}"])
+        warmup, tokenizer = [], policy.load_tokenizer(cfg)
+    # Set after the config is checked: the demo base reuses sampler log-probs in training,
+    # which needs float32; an evaluation does not train.
+    cfg.model.device, cfg.model.dtype = args.device, args.dtype
+    log = lambda m: print(m, file=sys.stderr)  # noqa: E731 - stdout is the result table
+    return policy.load_policy(cfg, warmup, tokenizer, log=log)
 
 
 def _metrics(records: list[dict], ks: list[int], phrases) -> dict[str, dict[str, float]]:
@@ -146,14 +150,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from dapo.eval_metrics import summarize
     from dapo.evaluate import sample_records
     from dapo.reward_pool import RewardPool
+    from dapo.rollout import make_engine
 
     out = _out_dir(args)
     out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = _model(args)
+    model.eval()
     t0 = time.perf_counter()
     with RewardPool(workers=1) as pool:
         records = sample_records(
-            model,
+            make_engine(args.engine, model, tokenizer),
             tokenizer,
             problems,
             k=args.k,
@@ -164,14 +170,25 @@ def cmd_eval(args: argparse.Namespace) -> int:
             pool=pool,
             greedy=args.greedy,
             reward_mode=args.reward_mode,
-            engine=args.engine,
         )
     per_problem = _metrics(records, ks, phrases)
     summary = summarize(list(per_problem.values()), resamples=args.resamples, seed=args.seed)
+    _save(args, out, records, per_problem, summary, seconds=time.perf_counter() - t0)
+    title = (
+        f"{args.model} on {args.data}: {len(problems)} problems x {args.k} samples "
+        f"(T {args.temperature}, top_p {args.top_p}, seed {args.seed})"
+    )
+    print(_table(summary, title))
+    print(f"wrote {out / 'summary.json'} and {out / 'problems.jsonl'}")
+    return 0
+
+
+def _save(args, out: Path, records: list[dict], per_problem: dict, summary, *, seconds) -> None:
+    """summary.json (the protocol and the metrics) and problems.jsonl (one record each)."""
     protocol = {
         "model": str(args.model),
         "data": str(args.data),
-        "problems": len(problems),
+        "problems": len(records),
         "k": args.k,
         "temperature": args.temperature,
         "top_p": args.top_p,
@@ -180,7 +197,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         "engine": args.engine,
         "resamples": args.resamples,
         "reward_faults": sum(r["faults"] for r in records),
-        "seconds": round(time.perf_counter() - t0, 1),
+        "seconds": round(seconds, 1),
     }
     result = {
         "protocol": protocol,
@@ -189,13 +206,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
     _write(out / "summary.json", json.dumps(result, indent=2) + "\n")
     lines = [json.dumps({**r, "metrics": per_problem[r["uid"]]}) for r in records]
     _write(out / "problems.jsonl", "\n".join(lines) + "\n")
-    title = (
-        f"{args.model} on {args.data}: {len(problems)} problems x {args.k} samples "
-        f"(T {args.temperature}, top_p {args.top_p}, seed {args.seed})"
-    )
-    print(_table(summary, title))
-    print(f"wrote {out / 'summary.json'} and {out / 'problems.jsonl'}")
-    return 0
 
 
 def _out_dir(args: argparse.Namespace) -> Path:

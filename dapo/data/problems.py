@@ -2,25 +2,13 @@
 
 A :class:`Problem` is one row of the DAPO data format (spec, "Data"): chat messages, an
 integer-or-string ground truth and the ``data_source`` that picks the verifier.
+:class:`PromptSampler` draws them in seeded, resumable epochs.
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-
-# The DAPO-Math-17k / AIME instruction, byte for byte as the official Parquet files have it.
-PROMPT_PREFIX = (
-    "Solve the following math problem step by step. The last line of your response should be "
-    "of the form Answer: $Answer (without quotes) where $Answer is the answer to the problem."
-    "\n\n"
-)
-PROMPT_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
-
-
-def dapo_prompt(problem: str) -> str:
-    """Wrap a raw problem in the DAPO instruction template."""
-    return PROMPT_PREFIX + problem + PROMPT_SUFFIX
 
 
 @dataclass(frozen=True)

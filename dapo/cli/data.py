@@ -10,15 +10,13 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-# Only the standard library at module level: dapo/cli.py imports this to build its parser,
-# and pyarrow is needed only when a data command runs.
 if TYPE_CHECKING:
-    from dapo.datafiles import CheckStats
+    from dapo.data.tools import CheckStats
 
 MAX_BAD_ROWS_SHOWN = 10
 
 
-def add_data_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``data check`` and ``data convert`` on the ``dapo`` command's subparsers."""
     data = subparsers.add_parser(
         "data",
@@ -90,7 +88,7 @@ def _add_format_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from dapo.datafiles import check_file
+    from dapo.data.tools import check_file
 
     stats = check_file(
         args.file,
@@ -133,8 +131,8 @@ def format_check(s: CheckStats) -> str:
     lines.append(f"data sources (problems): {sources or 'none'}")
     if s.unknown_sources:
         lines.append(
-            f"  no verifier in dapo.rewards for: {', '.join(s.unknown_sources)}; convert with "
-            "`dapo data convert --to dapo` (data_source math_dapo) or register one"
+            f"  no verifier in dapo.tasks for: {', '.join(s.unknown_sources)}; convert with "
+            "`dapo data convert --to dapo` (data_source math_dapo) or add a task"
         )
     if s.prompt_tokens is not None:
         t = s.prompt_tokens
@@ -151,7 +149,7 @@ def format_check(s: CheckStats) -> str:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from dapo.datafiles import convert_file
+    from dapo.data.tools import convert_file
 
     result = convert_file(
         args.src,

@@ -1,0 +1,225 @@
+"""The objective: token- or sample-level aggregation, the clipped policy loss, the k3 KL.
+
+DAPO §3.1 (Clip-Higher, decoupled eps_low / eps_high) and §3.3 (token-level loss: divide by
+the token count of the whole mini-batch, passed in). Shape suffixes: see :mod:`dapo.algo`.
+"""
+
+import torch
+
+from dapo.algo.logits import stats_dtype
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean")
+"""Loss aggregations: DAPO's token-level mean (§3.3) and GRPO's sample-level mean."""
+
+# exp() of a log-ratio beyond +-20 (a ratio of ~5e8 or ~2e-9) only happens on a
+# pathological policy step; clamping keeps exp() and its backward finite, as verl does.
+LOG_RATIO_CLAMP = 20.0
+
+
+def aggregate(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    agg: str = "token-mean",
+    num_tokens: int | float | torch.Tensor | None = None,
+    num_seqs: int | float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reduce per-token values ``[B, T]`` to a scalar loss over the masked tokens.
+
+    ``agg="token-mean"`` (DAPO §3.3, token-level loss):
+
+        L = Σ_i Σ_t mask_{i,t} · v_{i,t} / num_tokens
+
+    ``num_tokens`` defaults to this batch's ``mask.sum()``. When a mini-batch is
+    split into micro-batches and/or data-parallel ranks, pass the token count of
+    the WHOLE mini-batch (summed over ranks) to every call: each micro-batch loss
+    is then its share of the mini-batch loss, so the micro-batch losses add up to
+    it and their gradients accumulate to exactly the one-batch gradient (spec
+    "Token-level loss"). If the data-parallel wrapper *averages* gradients over
+    ranks (DDP/FSDP default), the sum is divided by the world size; the caller
+    undoes that (e.g. multiplies the loss by the world size).
+
+    ``agg="seq-mean-token-mean"`` (GRPO sample-level loss, the ablation baseline):
+
+        L = Σ_i ( Σ_t mask_{i,t} · v_{i,t} / Σ_t mask_{i,t} ) / num_seqs
+
+    A sequence with no masked token contributes 0 (not NaN). ``num_seqs``
+    defaults to B, this batch's number of rows, fully masked rows included (the
+    plain mean over responses); pass the whole mini-batch's B for exact
+    accumulation, or a count that excludes fully masked responses if they should
+    not dilute the mean.
+
+    Masked-out positions are removed with ``torch.where``, so inf/NaN there
+    reaches neither the value nor the gradient. A batch with no masked token
+    gives 0 with the default normalisers.
+
+    Args:
+        values: per-token values ``[B, T]`` (e.g. the per-token policy loss, the KL).
+        mask: bool ``[B, T]``, True where a response token counts.
+        agg: one of ``AGG_MODES``.
+        num_tokens: token-mean divisor; a positive number or a (0-d) tensor.
+        num_seqs: seq-mean-token-mean divisor; a positive number or a (0-d) tensor.
+
+    Returns:
+        0-d tensor.
+    """
+    if agg not in AGG_MODES:
+        raise ValueError(f"agg must be one of {AGG_MODES}, got {agg!r}")
+    if mask.dtype != torch.bool:
+        raise ValueError(f"mask must be a bool tensor, got {mask.dtype}")
+    if values.ndim != 2 or values.shape != mask.shape:
+        raise ValueError(
+            f"values and mask must both be [B, T], got {tuple(values.shape)} and "
+            f"{tuple(mask.shape)}"
+        )
+    for name, count in (("num_tokens", num_tokens), ("num_seqs", num_seqs)):
+        # A tensor count is not checked: reading it would force a device sync.
+        if isinstance(count, int | float) and count <= 0:
+            raise ValueError(f"{name} must be > 0, got {count}")
+
+    masked_BT = torch.where(mask, values, torch.zeros_like(values))
+    if agg == "token-mean":
+        if num_tokens is None:
+            num_tokens = mask.sum().clamp(min=1)
+        # DAPO §3.3: divide by Σ|o_i| of the whole mini-batch, not of this micro-batch.
+        return masked_BT.sum() / num_tokens
+
+    num_tokens_B = mask.sum(dim=-1)
+    seq_mean_B = masked_BT.sum(dim=-1) / num_tokens_B.clamp(min=1)
+    if num_seqs is None:
+        num_seqs = max(values.shape[0], 1)
+    return seq_mean_B.sum() / num_seqs
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    eps_low: float,
+    eps_high: float,
+    agg: str = "token-mean",
+    num_tokens: int | float | torch.Tensor | None = None,
+    num_seqs: int | float | torch.Tensor | None = None,
+    return_stats: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped policy-gradient loss -J_DAPO (DAPO §3.1 and §3.3, spec "The objective").
+
+        r_{i,t}   = exp(logp_{i,t} - old_logp_{i,t})
+        J_{i,t}   = min(r_{i,t} Â_{i,t}, clip(r_{i,t}, 1 - eps_low, 1 + eps_high) Â_{i,t})
+        loss_{i,t} = -J_{i,t}
+
+    reduced by ``aggregate`` (token-level mean for DAPO, §3.3; pass ``num_tokens``
+    = the whole mini-batch's token count when accumulating micro-batches or
+    ranks). Clip-Higher (§3.1) is ``eps_high > eps_low`` (paper 0.2 / 0.28); plain
+    PPO/GRPO is ``eps_high == eps_low``. Where a clip is active the token's
+    gradient is zero. No KL term: DAPO drops it (§2.3); the GRPO baseline adds
+    ``aggregate(kl_k3(...))`` itself.
+
+    Positions where ``mask`` is False never count and are excluded with
+    ``torch.where`` before ``exp``, so -inf or garbage log-probabilities there give
+    a finite loss and a zero (not NaN) gradient. The log-ratio is clamped to
+    ±20 (see ``LOG_RATIO_CLAMP``).
+
+    Args:
+        logprobs: current-policy log-probabilities of the response tokens ``[B, T]``.
+        old_logprobs: rollout-policy log-probabilities ``[B, T]`` (no gradient needed).
+        advantages: ``[B]`` (broadcast over T) or ``[B, T]``.
+        mask: bool ``[B, T]``, True for response tokens that count.
+        eps_low: lower clip range, ratio >= 1 - eps_low; >= 0.
+        eps_high: upper clip range, ratio <= 1 + eps_high; >= 0.
+        agg, num_tokens, num_seqs: see ``aggregate``.
+        return_stats: also return diagnostics.
+
+    Returns:
+        the 0-d loss; with ``return_stats`` a pair ``(loss, stats)`` where ``stats``
+        holds detached 0-d float tensors over this batch's masked tokens:
+        ``clip_low_frac`` (Â < 0 and r < 1 - eps_low), ``clip_high_frac`` (Â > 0
+        and r > 1 + eps_high), ``clip_high_prob_mean`` (mean old-policy probability
+        of the tokens clipped at the upper bound, 0 if none: the paper's
+        Clip-Higher diagnostic), ``ratio_mean``, ``num_tokens`` and
+        ``num_clip_high``. To combine micro-batches, weight the fractions and
+        ``ratio_mean`` by ``num_tokens`` and ``clip_high_prob_mean`` by
+        ``num_clip_high``.
+    """
+    if eps_low < 0 or eps_high < 0:
+        raise ValueError(f"eps_low and eps_high must be >= 0, got {eps_low} and {eps_high}")
+    if logprobs.shape != old_logprobs.shape or logprobs.shape != mask.shape:
+        raise ValueError(
+            "logprobs, old_logprobs and mask must have the same [B, T] shape, got "
+            f"{tuple(logprobs.shape)}, {tuple(old_logprobs.shape)}, {tuple(mask.shape)}"
+        )
+    if advantages.shape == logprobs.shape[:1]:
+        adv_BT = advantages.unsqueeze(-1)  # [B, 1], the same Â_i for every token of o_i
+    elif advantages.shape == logprobs.shape:
+        adv_BT = advantages
+    else:
+        raise ValueError(
+            f"advantages must be [B] or [B, T] = {tuple(logprobs.shape)}, "
+            f"got {tuple(advantages.shape)}"
+        )
+
+    # where() first, so exp() never sees -inf - -inf = NaN at padding and no NaN can
+    # flow back through the unselected branch.
+    log_ratio_BT = torch.where(mask, logprobs - old_logprobs, torch.zeros_like(logprobs))
+    log_ratio_BT = log_ratio_BT.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio_BT = torch.exp(log_ratio_BT)
+    clipped_ratio_BT = ratio_BT.clamp(1.0 - eps_low, 1.0 + eps_high)
+    objective_BT = torch.minimum(ratio_BT * adv_BT, clipped_ratio_BT * adv_BT)
+    loss = aggregate(-objective_BT, mask, agg=agg, num_tokens=num_tokens, num_seqs=num_seqs)
+    if not return_stats:
+        return loss
+
+    dtype = stats_dtype(logprobs.dtype)
+    return loss, _clip_stats(ratio_BT, old_logprobs, adv_BT, mask, eps_low, eps_high, dtype)
+
+
+@torch.no_grad()
+def _clip_stats(ratio_BT, old_logprobs, adv_BT, mask, eps_low, eps_high, dtype: torch.dtype):
+    """``policy_loss``'s diagnostics over the masked tokens, detached, in ``dtype``."""
+    ratio_BT = ratio_BT.to(dtype)
+    # The clip is "active" only where min() picks the clipped branch.
+    clip_low_BT = mask & (adv_BT < 0) & (ratio_BT < 1.0 - eps_low)
+    clip_high_BT = mask & (adv_BT > 0) & (ratio_BT > 1.0 + eps_high)
+    num_tok = mask.sum().to(dtype)
+    num_clip_high = clip_high_BT.sum().to(dtype)
+    old_prob_BT = torch.exp(old_logprobs.to(dtype))
+    zero_BT = torch.zeros_like(ratio_BT)
+    stats = {
+        "clip_low_frac": clip_low_BT.sum().to(dtype) / num_tok.clamp(min=1),
+        "clip_high_frac": num_clip_high / num_tok.clamp(min=1),
+        "clip_high_prob_mean": torch.where(clip_high_BT, old_prob_BT, zero_BT).sum()
+        / num_clip_high.clamp(min=1),
+        "ratio_mean": torch.where(mask, ratio_BT, zero_BT).sum() / num_tok.clamp(min=1),
+        "num_tokens": num_tok,
+        "num_clip_high": num_clip_high,
+    }
+    return {name: value.detach() for name, value in stats.items()}
+
+
+def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(π_θ ‖ π_ref) (Schulman's approximator; GRPO baseline).
+
+        d = log π_ref - log π_θ,    kl = exp(d) - d - 1  (>= 0)
+
+    Unbiased for KL(π_θ ‖ π_ref) when tokens are sampled from π_θ, and never
+    negative. DAPO itself uses no KL penalty (§2.3); the naive-GRPO ablation adds
+    β · aggregate(kl_k3(...)). ``d`` is clamped to [-20, 20] so exp() cannot
+    overflow on a diverged or garbage position (the gradient is zero beyond the
+    clamp). Mask padding with ``aggregate``.
+
+    Args:
+        logprobs: current-policy log-probabilities ``[...]``.
+        ref_logprobs: reference-policy log-probabilities, same shape.
+
+    Returns:
+        per-token KL estimates, same shape.
+    """
+    if logprobs.shape != ref_logprobs.shape:
+        raise ValueError(
+            f"logprobs and ref_logprobs shapes differ: {tuple(logprobs.shape)} vs "
+            f"{tuple(ref_logprobs.shape)}"
+        )
+    d = (ref_logprobs - logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return torch.exp(d) - d - 1.0

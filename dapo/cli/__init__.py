@@ -1,0 +1,50 @@
+"""Command line: ``dapo train | eval | data | bench | report``, one module per command.
+
+With no arguments, ``dapo train`` runs the embedded CPU demo end to end.
+
+Only the standard library at module level, here and in every command module: verifier worker
+processes re-run the ``dapo`` console script (multiprocessing's spawn/forkserver do that to a
+__main__ script), and each one would otherwise import torch and transformers, seconds per
+worker. Each command imports what it needs when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from dapo.cli import bench, data, eval, report, train
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dapo", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for command in (train, bench, data, eval, report):
+        command.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    from dapo.checkpoint import CheckpointError
+    from dapo.interrupt import RunStopped
+    from dapo.sampling import DynamicSamplingExhausted
+    from dapo.update import NonFiniteError
+
+    # Loading/saving bars of a tiny model are noise in a log that prints one line per step.
+    hf_logging.disable_progress_bar()
+    try:
+        return args.func(args)
+    except (ValueError, FileExistsError) as exc:
+        print(f"dapo: error: {exc}", file=sys.stderr)
+        return 2
+    except (DynamicSamplingExhausted, CheckpointError, NonFiniteError) as exc:
+        print(f"dapo: error: {exc}", file=sys.stderr)
+        return 1
+    except RunStopped as exc:
+        print(f"dapo: {exc}", file=sys.stderr)
+        return exc.exit_code

@@ -1,0 +1,43 @@
+"""``dapo report RUN_DIR... [--out DIR]``: plot run directories into a self-contained HTML page.
+
+Reads each run's ``config.yaml``, ``metrics.jsonl`` and ``summary.json``, draws the paper's
+training-dynamics panels, clipping, dynamic-sampling cost and held-out accuracy (several runs
+overlaid, one colour per run), and writes the PNGs and ``report.html`` (images embedded, so the
+page opens offline and can be mailed as one file).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``report`` on the ``dapo`` command's subparsers."""
+    report = subparsers.add_parser(
+        "report",
+        help="plot run directories into a self-contained report.html",
+        description=__doc__,
+    )
+    report.add_argument(
+        "run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="run directories to overlay"
+    )
+    report.add_argument(
+        "--out",
+        type=Path,
+        metavar="DIR",
+        help="where to write the PNGs and report.html (default: <first RUN_DIR>/report)",
+    )
+    report.set_defaults(func=cmd_report)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """Write the report for ``args.run_dirs`` and print the paths written."""
+    from dapo.report import FIGURES, make_report
+
+    out_dir = args.out if args.out is not None else Path(args.run_dirs[0]) / "report"
+    html_path = make_report(args.run_dirs, out_dir)
+    for name in FIGURES:
+        print(Path(out_dir) / name)
+    print(html_path)
+    return 0

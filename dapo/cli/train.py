@@ -1,0 +1,190 @@
+"""``dapo train [--config FILE] [--preset dapo|grpo] [section.field=value ...]``.
+
+Everything that can be wrong with the command is checked before a model is loaded: the config
+(every bad value at once), the run directory, the disk, the model path, the data, the
+verifiers, the tokenizer and the context length. Then the policy is loaded and
+:func:`dapo.loop.fit` trains it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dapo.config import Config
+    from dapo.inputs import RunData
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from dapo import presets  # the standard library only
+
+    train = sub.add_parser(
+        "train", help="train a policy with DAPO (default: the CPU demo)", description=__doc__
+    )
+    train.add_argument("--config", type=Path, help="YAML file of config sections")
+    train.add_argument(
+        "--preset", choices=tuple(presets.ALGORITHMS), help="algorithm preset (default dapo)"
+    )
+    train.add_argument(
+        "--base",
+        choices=tuple(presets.BASES),
+        help="starting scale: demo (default without --config) or paper",
+    )
+    train.add_argument(
+        "--print-config", action="store_true", help="print the resolved config as YAML and exit"
+    )
+    train.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="resolve the config, load tokenizer and data, print statistics and exit",
+    )
+    train.add_argument(
+        "--quiet",
+        action="store_true",
+        help="one plain line per step, no live display (same as run.progress=plain)",
+    )
+    train.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue the run in RUN_DIR from its latest complete checkpoint",
+    )
+    train.add_argument(
+        "--force",
+        action="store_true",
+        help="with --resume: accept config changes that make the run differ from the saved one",
+    )
+    train.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the run already in the run directory (default: refuse)",
+    )
+    train.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="section.field=value",
+        help="config overrides applied last, e.g. optim.lr=1e-5 algo.eps_high=0.28",
+    )
+    train.set_defaults(func=cmd_train)
+
+
+def describe(cfg: Config) -> str:
+    """The run's batch sizes in their units, printed at start."""
+    t, r = cfg.train, cfg.rollout
+    return (
+        f"preset {cfg.run.preset} on base {cfg.run.base}: {t.prompts_per_step} prompts/step x "
+        f"{r.group_size} responses/prompt = {cfg.responses_per_step} responses/step; "
+        f"{t.responses_per_minibatch} responses/mini-batch x {t.epochs} epoch(s) = "
+        f"{cfg.updates_per_step} gradient updates/step; micro-batches of <= "
+        f"{t.tokens_per_microbatch} padded tokens; L_max {r.max_new_tokens} tokens"
+    )
+
+
+def resolve_config(args: argparse.Namespace) -> tuple[Config, Path | None]:
+    """The run's config; with --resume, the saved one under any flags and overrides given."""
+    from dapo import rundir
+    from dapo.config import load_config, run_changing_differences
+
+    if not args.resume:
+        return load_config(args.config, args.overrides, base=args.base, preset=args.preset), None
+    if args.overwrite:
+        raise ValueError("--resume continues a run and --overwrite replaces it: give one")
+    run_dir = rundir.existing_run_dir(args.resume)
+    saved_path = run_dir / "config.yaml"
+    saved = load_config(saved_path)
+    cfg = load_config(args.config or saved_path, args.overrides, base=args.base, preset=args.preset)
+    differences = run_changing_differences(saved, cfg)
+    if differences and not args.force:
+        listing = "\n  ".join(differences)
+        raise ValueError(
+            f"--resume {run_dir}: the config differs from the run's in fields that change the "
+            f"run:\n  {listing}\nthe resumed run would not be the run that was started. Drop "
+            "these changes, or add --force to resume with them anyway (the old config.yaml is "
+            "kept beside the new one)"
+        )
+    return cfg, run_dir
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import torch
+
+    from dapo import inputs, policy, rundir
+    from dapo.config import dump_yaml
+    from dapo.loop import fit
+
+    cfg, run_dir = resolve_config(args)
+    if args.quiet:
+        cfg.run.progress = "plain"
+    if args.print_config:
+        print(dump_yaml(cfg), end="")
+        return 0
+    resume = run_dir is not None
+    run_dir = _checked_run_dir(args, cfg, run_dir)
+    policy.device(cfg.model.device)
+    if cfg.model.path != "embedded":
+        policy.check_model_path(cfg)
+    if cfg.run.wandb:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise ValueError("run.wandb=true needs the wandb package: pip install wandb")
+    data = inputs.load_run_data(cfg)
+    if cfg.eval.num_samples == 0:
+        cfg.eval.num_samples = data.val_copies
+    inputs.check_verifiers(cfg, data)
+    tokenizer = policy.load_tokenizer(cfg)
+    lengths = inputs.check_context(cfg, data, tokenizer)
+    if args.dry_run:
+        _print_dry_run(cfg, data, lengths)
+        return 0
+    if cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)
+    torch.manual_seed(cfg.train.seed)
+    print(describe(cfg))
+    for line in data.notes:
+        print(line)
+    print(f"run directory: {run_dir}")
+    rundir.write_config(run_dir, cfg)
+    # A resumed run starts from the same policy (it is the KL reference) and then loads the
+    # checkpoint's weights over it.
+    model, tokenizer = policy.load_policy(cfg, data.warmup_pairs, tokenizer)
+    fit(cfg, model, tokenizer, data.train, data.val, run_dir=run_dir, resume=resume)
+    return 0
+
+
+def _checked_run_dir(args: argparse.Namespace, cfg: Config, run_dir: Path | None) -> Path | None:
+    """The run directory, created (a new run) or checked to hold a checkpoint (a resume), and
+    checked to be writable with room for checkpoints; None for a dry run, which writes nothing."""
+    from dapo import checkpoint, rundir
+
+    if args.dry_run:
+        return None
+    if run_dir is None:
+        run_dir = rundir.new_run_dir(cfg, overwrite=args.overwrite)
+    elif checkpoint.find_latest(run_dir) is None:
+        raise ValueError(
+            f"--resume {run_dir}: no complete checkpoint there (it stopped before its first "
+            "one); start it again with --overwrite"
+        )
+    rundir.check_writable(run_dir)
+    rundir.check_space(run_dir, cfg)
+    return run_dir
+
+
+def _print_dry_run(cfg: Config, data: RunData, lengths: dict[str, float]) -> None:
+    from dapo import inputs
+    from dapo.config import dump_yaml
+
+    print(dump_yaml(cfg), end="")
+    print(describe(cfg))
+    for line in data.notes:
+        print(line)
+    print(
+        f"train {len(data.train)} problems, val {len(data.val)} problems x "
+        f"{cfg.eval.num_samples} samples; prompt tokens min {lengths['prompt_tokens_min']}, "
+        f"median {lengths['prompt_tokens_median']:.0f}, max {lengths['prompt_tokens_max']} "
+        f"(model context {lengths['context']:.0f})"
+    )
+    print(inputs.describe_budget(cfg, lengths))
+    print("dry run: config, tokenizer and data are valid; nothing was trained or written")

@@ -1,0 +1,251 @@
+"""Loading a config: presets, a YAML file and dotted overrides, checked; and what a resume may
+change.
+
+Keys that moved since a run was saved (the embedded task's and model's fields left the core
+``data`` and ``model`` sections) are read at their new place with a one-line notice, so the
+``config.yaml`` of an earlier run, and the recipes, still load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from dapo import presets
+from dapo.config.sections import Config, field_types
+
+MOVED_KEYS = {
+    "data.num_train": "arith.num_train",
+    "data.num_val": "arith.num_val",
+    "data.num_warmup": "arith.num_warmup",
+    "data.min_terms": "arith.min_terms",
+    "data.max_terms": "arith.max_terms",
+    "data.operators": "arith.operators",
+    "data.solution": "arith.solution",
+    "data.seed": "arith.seed",
+    "model.cache_dir": "embedded.cache_dir",
+    "model.sft_steps": "embedded.sft_steps",
+    "model.embedded_hidden": "embedded.hidden",
+    "model.embedded_layers": "embedded.layers",
+}
+"""Old key -> its place now (dapo 0.1 configs)."""
+
+_announced: set[str] = set()  # moved keys already noticed in this process
+
+
+def _coerce(value: Any, typ: Any, where: str) -> Any:
+    """Check ``value`` against the field type; ints are accepted where floats are expected.
+
+    A ``Literal`` field takes a string here; whether it is one of the choices is checked with
+    everything else in ``validate``, so that every bad value is reported at once.
+    """
+    origin = typing.get_origin(typ)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(typ)
+        if value is None and type(None) in args:
+            return None
+        typ = next(a for a in args if a is not type(None))
+    if typing.get_origin(typ) is Literal:
+        typ = str
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+    elif typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif typ is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    name = getattr(typ, "__name__", str(typ))
+    raise ValueError(f"{where}: expected {name}, got {value!r} ({type(value).__name__})")
+
+
+def set_value(cfg: Config, dotted: str, value: Any) -> None:
+    """Set ``section.field`` on ``cfg``; unknown names list what exists."""
+    section_name, _, name = dotted.partition(".")
+    sections = [f.name for f in dataclasses.fields(cfg)]
+    if section_name not in sections or not name:
+        raise ValueError(f"unknown config key {dotted!r}; sections are {', '.join(sections)}")
+    section = getattr(cfg, section_name)
+    types_ = field_types(section)
+    if name not in types_:
+        raise ValueError(
+            f"unknown config key {dotted!r}; {section_name} has {', '.join(sorted(types_))}"
+        )
+    setattr(section, name, _coerce(value, types_[name], dotted))
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``a.b=v`` -> (``a.b``, v) with v read as a YAML scalar (1e-5, true, null, text)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise ValueError(f"override {text!r} is not of the form section.field=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    # YAML 1.1 reads "1e-5" as a string; a float field wants the number.
+    if isinstance(value, str):
+        try:
+            value = float(value) if any(c in value for c in ".eE") else value
+        except ValueError:
+            pass
+    return key.strip(), value
+
+
+def _flatten(tree: dict[str, Any], where: str) -> list[tuple[str, Any]]:
+    out = []
+    for section, values in tree.items():
+        if not isinstance(values, dict):
+            raise ValueError(
+                f"{where}: top-level key {section!r} must be a section mapping (e.g. "
+                f"'optim: {{lr: 1e-6}}'), or one of base, preset"
+            )
+        out.extend((f"{section}.{k}", v) for k, v in values.items())
+    return out
+
+
+def _moved(items: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """``items`` with moved keys renamed; one line on stderr names the ones not yet noticed."""
+    new = [m for m in dict.fromkeys(k for k, _ in items if k in MOVED_KEYS) if m not in _announced]
+    if new:
+        _announced.update(new)
+        pairs = ", ".join(f"{k} -> {MOVED_KEYS[k]}" for k in new)
+        print(f"dapo: notice: config keys read at their new place: {pairs}", file=sys.stderr)
+    return [(MOVED_KEYS.get(k, k), v) for k, v in items]
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except OSError as exc:
+        raise ValueError(f"cannot read config file {path}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(tree, dict):
+        raise ValueError(f"{path}: the top level must be a mapping of sections")
+    return dict(tree)
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    *,
+    base: str | None = None,
+    preset: str | None = None,
+) -> Config:
+    """Resolve base -> preset -> YAML file -> dotted overrides, then validate."""
+    tree = _read_yaml(Path(path)) if path is not None else {}
+    parsed = [parse_override(o) for o in overrides]
+    # base and preset shape everything else, so they are resolved first, from the most
+    # specific source: flag, then dotted override, then the file (top level or run section).
+    run_section = tree.get("run") if isinstance(tree.get("run"), dict) else {}
+    file_base = tree.pop("base", None) or run_section.get("base")
+    file_preset = tree.pop("preset", None) or run_section.get("preset")
+    base = base or _pick(parsed, "run.base") or file_base
+    base = base or ("paper" if path is not None else "demo")
+    preset = preset or _pick(parsed, "run.preset") or file_preset or "dapo"
+    if base not in presets.BASES:
+        raise ValueError(f"run.base: unknown base {base!r}; choose one of {tuple(presets.BASES)}")
+    if preset not in presets.ALGORITHMS:
+        raise ValueError(
+            f"run.preset: unknown preset {preset!r}; choose one of {tuple(presets.ALGORITHMS)}"
+        )
+    cfg = presets.ALGORITHMS[preset](presets.BASES[base](Config()))
+    for key, value in _moved(_flatten(tree, str(path)) + parsed):
+        if key not in ("run.base", "run.preset"):
+            set_value(cfg, key, value)
+    validate(cfg)
+    return cfg
+
+
+def _pick(parsed: list[tuple[str, Any]], key: str) -> Any:
+    values = [v for k, v in parsed if k == key]
+    return values[-1] if values else None
+
+
+def _choice_errors(name: str, section: Any) -> list[str]:
+    """A field typed ``Literal[...]`` must hold one of its values."""
+    errors = []
+    for key, typ in field_types(section).items():
+        value = getattr(section, key)
+        if typing.get_origin(typ) is Literal and value not in typing.get_args(typ):
+            errors.append(f"{name}.{key} must be one of {typing.get_args(typ)}, got {value!r}")
+    return errors
+
+
+def validate(cfg: Config) -> None:
+    """Reject values that cannot work, all at once, naming each field and what is allowed:
+    each section's own checks, then the rules that span sections."""
+    errors = []
+    for f in dataclasses.fields(cfg):
+        section = getattr(cfg, f.name)
+        errors += _choice_errors(f.name, section) + section.check()
+    a, r, m = cfg.algo, cfg.rollout, cfg.model
+    if a.overlong_shaping and not 0 < a.l_cache <= r.max_new_tokens:
+        errors.append(
+            f"algo.l_cache must be in (0, rollout.max_new_tokens={r.max_new_tokens}] when "
+            f"algo.overlong_shaping is on, got {a.l_cache}"
+        )
+    if not (cfg.train.recompute_old_logprobs or m.dtype == "float32"):
+        errors.append(
+            f"train.recompute_old_logprobs=false needs model.dtype=float32 (got {m.dtype}): "
+            "in bfloat16 or float16 the sampler's log-probs differ from a forward pass's; "
+            "set train.recompute_old_logprobs=true"
+        )
+    if cfg.data.train_file and m.path == "embedded":
+        errors.append(
+            "data.train_file needs a real model: the embedded model only knows the arith "
+            "task's words; set model.path to a Hugging Face model directory"
+        )
+    if errors:
+        raise ValueError("invalid config:\n  " + "\n  ".join(errors))
+
+
+def dump_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+# Fields a resume may change without changing the trajectory it continues: where things are
+# written, how often, how long the run goes on, and how verifier processes are run.
+RESUME_SAFE_FIELDS = frozenset(
+    {
+        "run.out_dir",
+        "run.name",
+        "run.threads",
+        "run.tensorboard",
+        "run.progress",
+        "run.wandb",
+        "run.wandb_project",
+        "embedded.cache_dir",
+        "train.steps",
+        "train.save_every",
+        "train.keep_checkpoints",
+        "train.max_consecutive_skips",
+        "eval.every",
+        "reward.workers",
+        "reward.timeout_s",
+        "reward.memory_mb",
+    }
+)
+
+
+def run_changing_differences(saved: Config, new: Config) -> list[str]:
+    """``section.field: saved -> new`` for every difference that would change the run."""
+    out = []
+    a, b = saved.to_dict(), new.to_dict()
+    for section, fields in a.items():
+        for name, old in fields.items():
+            key = f"{section}.{name}"
+            if key not in RESUME_SAFE_FIELDS and b[section][name] != old:
+                out.append(f"{key}: {old!r} -> {b[section][name]!r}")
+    return out

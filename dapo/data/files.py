@@ -1,0 +1,286 @@
+"""Problem files on disk: the DAPO Parquet schema and flat question/answer tables.
+
+Two formats (spec, "Data"):
+
+- ``dapo``: ``prompt`` is a list of {role, content} chat messages, the answer is
+  ``reward_model.ground_truth``, ``data_source`` picks the verifier; ``ability`` and
+  ``extra_info`` are optional, and ``extra_info.index`` names the problem. The official
+  DAPO-Math-17k and AIME 2024 files use it.
+- ``flat``: a question column and an answer column (names configurable), and optionally a
+  ``data_source`` column.
+
+Either is read from Parquet (pyarrow) or JSON Lines. ``load_problems`` validates every row
+(:mod:`dapo.data.rows`), merges repeated rows into one Problem (the official AIME file holds
+each of its 30 problems 32 times, for avg@32) and records the rows it could not use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dapo.data.problems import Problem
+from dapo.data.rows import BadRow, Row, json_type, parse_rows
+
+FORMATS = ("dapo", "flat")
+ON_BAD_ROW = ("error", "skip")
+# ".json" is read as JSON Lines too (one object per line), as Hugging Face datasets write it.
+SUFFIXES = (".parquet", ".jsonl", ".json")
+DEFAULT_DATA_SOURCE = "math_dapo"
+SKIP_HINT = "pass data.on_bad_row=skip to skip and count such rows"
+# DAPO-Math-17k's answers all match this (its SOURCE.md); anything else is graded only
+# as well as the verifier's normalisation allows, so ``check`` counts it.
+INTEGER_RE = re.compile(r"-?[0-9]+")
+
+
+class DataError(ValueError):
+    """A data file that cannot be used as it is; the message names the file, row and field."""
+
+
+@dataclass
+class LoadedData:
+    path: Path
+    fmt: str
+    """The format the rows were read as: "dapo" or "flat"."""
+    problems: list[Problem]
+    """Distinct problems in first-seen order (every row, when loaded with dedup=False)."""
+    copies: dict[str, int]
+    """uid -> how many rows of the file hold that problem."""
+    rows: int
+    """Rows in the file, bad ones included."""
+    skipped: list[BadRow] = field(default_factory=list)
+    first_row: dict[str, int] = field(default_factory=dict)
+    """uid -> the row its problem was first seen at."""
+
+
+@dataclass(frozen=True)
+class Table:
+    path: Path
+    records: list[Any]  # dicts; a str (why) for a JSON line that could not be read as one
+    columns: list[str]
+    schema: list[tuple[str, str]]  # (column, type) as pyarrow infers it
+
+
+# --- reading -----------------------------------------------------------------------------------
+
+
+def read_table(path: str | os.PathLike[str]) -> Table:
+    """Every record of a Parquet or JSON Lines file, with its columns and schema."""
+    path = Path(path)
+    if path.suffix.lower() not in SUFFIXES:
+        raise DataError(
+            f"{path}: unknown data file type {path.suffix or '(no extension)'!r}; "
+            f"accepted: {', '.join(SUFFIXES)} (.json is read as JSON Lines, one object per line)"
+        )
+    if not path.is_file():
+        raise DataError(f"{path}: no such data file")
+    if path.suffix.lower() == ".parquet":
+        try:
+            table = pq.read_table(path)
+        except (OSError, pa.ArrowException) as exc:
+            raise DataError(f"{path}: cannot be read as Parquet: {exc}") from None
+        schema = [(f.name, str(f.type)) for f in table.schema]
+        return Table(path, table.to_pylist(), table.column_names, schema)
+    return _read_jsonl(path)
+
+
+def _read_jsonl(path: Path) -> Table:
+    records: list[Any] = []
+    columns: dict[str, None] = {}  # first-seen order
+    try:
+        with path.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                if not records and line.lstrip().startswith("["):
+                    raise DataError(
+                        f"{path}: holds a JSON array; write one JSON object per line (JSON Lines)"
+                    )
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    records.append(f"line {lineno} is not valid JSON ({exc.msg})")
+                    continue
+                if not isinstance(rec, dict):
+                    records.append(f"line {lineno} is a JSON {json_type(rec)}, not an object")
+                    continue
+                records.append(rec)
+                columns.update(dict.fromkeys(rec))
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: not UTF-8 text, so not JSON Lines ({exc})") from None
+    objects = [r for r in records if isinstance(r, dict)]
+    try:
+        schema = [(f.name, str(f.type)) for f in pa.Table.from_pylist(objects).schema]
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+        # Rows disagree on a column's type (a number here, a string there): say which.
+        schema = []
+        for col in columns:
+            kinds = sorted({json_type(r.get(col)) for r in objects} - {"null"}) or ["null"]
+            schema.append((col, kinds[0] if len(kinds) == 1 else "mixed: " + " | ".join(kinds)))
+    return Table(path, records, list(columns), schema)
+
+
+def resolve_format(
+    table: Table, fmt: str, *, question_key: str, answer_key: str
+) -> tuple[str, list[str]]:
+    """The format to read ``table`` as, and the columns every row needs for it."""
+    if fmt not in ("auto", *FORMATS):
+        raise ValueError(f"data format must be one of auto, {', '.join(FORMATS)}; got {fmt!r}")
+    if fmt == "auto":
+        fmt = "dapo" if {"prompt", "reward_model"} <= set(table.columns) else "flat"
+    need = ["prompt", "reward_model"] if fmt == "dapo" else [question_key, answer_key]
+    missing = [c for c in need if c not in table.columns]
+    if missing and table.records:
+        fix = (
+            "name the columns with --question-key/--answer-key (data.question_key/answer_key)"
+            if fmt == "flat"
+            else "is it a flat question/answer file? use --format flat (data.format=flat)"
+        )
+        raise DataError(
+            f"{table.path}: read as {fmt} format, it has no column {', '.join(map(repr, missing))}"
+            f" (columns: {', '.join(table.columns) or 'none'}); {fix}"
+        )
+    return fmt, need
+
+
+def load_problems(
+    path: str | os.PathLike[str],
+    *,
+    fmt: str = "auto",
+    question_key: str = "question",
+    answer_key: str = "answer",
+    data_source: str = DEFAULT_DATA_SOURCE,
+    wrap_template: bool = False,
+    dedup: bool = True,
+    on_bad_row: str = "error",
+) -> LoadedData:
+    """Read a problem file (Parquet or JSON Lines, in the dapo or flat format).
+
+    Args:
+        fmt: "dapo", "flat", or "auto": dapo when the file has ``prompt`` and ``reward_model``
+            columns, flat otherwise.
+        question_key, answer_key: the flat format's columns.
+        data_source: for rows that name none (flat files without the column, or a null).
+        wrap_template: wrap each problem (flat: the question; dapo: the last user message) in
+            the DAPO instruction template, unless it already starts with it.
+        dedup: rows with the same ``extra_info.index`` or the same prompt messages are one
+            problem; ``copies`` counts them. With False every row is its own Problem, uid
+            suffixed ``#k`` (the k-th copy, from 0), for users who want repeats to weigh more.
+        on_bad_row: "error" raises DataError at the first bad row; "skip" skips each one and
+            records it in ``skipped``.
+
+    A repeated problem whose ground truth differs from its first copy's is a bad row either
+    way: one of the two answers is wrong, and grading against either would be a guess.
+
+    Example:
+        >>> data = load_problems("aime-2024.parquet")  # 960 rows
+        >>> len(data.problems), set(data.copies.values())
+        (30, {32})
+    """
+    return load_table(
+        read_table(path),
+        fmt=fmt,
+        question_key=question_key,
+        answer_key=answer_key,
+        data_source=data_source,
+        wrap_template=wrap_template,
+        dedup=dedup,
+        on_bad_row=on_bad_row,
+    )
+
+
+def bad_row_error(path: Path, bad: BadRow, hint: str) -> DataError:
+    return DataError(f"{path}: row {bad.row}, field {bad.field!r}: {bad.reason}; fix it, or {hint}")
+
+
+def _prompt_hash(messages: tuple[dict[str, str], ...]) -> str:
+    text = json.dumps([[m["role"], m["content"]] for m in messages], ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+class _Repeats:
+    """Which rows hold the same problem: the same ``extra_info.index``, else the same prompt."""
+
+    def __init__(self) -> None:
+        self.answers: dict[str, str] = {}  # uid -> ground truth of its first copy
+        self.first_row: dict[str, int] = {}
+        self.seen: Counter[str] = Counter()  # uid -> rows so far
+        self._by_index: dict[str, str] = {}
+        self._by_prompt: dict[tuple[tuple[str, str], ...], str] = {}
+
+    def uid(self, r: Row) -> str | BadRow:
+        """The problem's uid, or a BadRow when it repeats a problem with another answer."""
+        key = tuple((m["role"], m["content"]) for m in r.messages)
+        uid = self._by_index.get(r.index) if r.index is not None else None
+        if uid is None:
+            uid = self._by_prompt.get(key)
+        if uid is not None and r.answer != self.answers[uid]:
+            return BadRow(
+                r.row,
+                r.answer_field,
+                f"ground truth {r.answer!r} differs from row {self.first_row[uid]}'s "
+                f"{self.answers[uid]!r} for the same problem",
+            )
+        if uid is None:
+            uid = r.index if r.index is not None else _prompt_hash(r.raw_messages)
+            self.answers[uid] = r.answer
+            self.first_row[uid] = r.row
+        if r.index is not None:
+            self._by_index.setdefault(r.index, uid)
+        self._by_prompt.setdefault(key, uid)
+        self.seen[uid] += 1
+        return uid
+
+
+def load_table(
+    table: Table,
+    *,
+    fmt: str,
+    question_key: str,
+    answer_key: str,
+    data_source: str,
+    wrap_template: bool,
+    dedup: bool,
+    on_bad_row: str,
+) -> LoadedData:
+    """``load_problems`` of a table already read."""
+    if on_bad_row not in ON_BAD_ROW:
+        raise ValueError(f"on_bad_row must be one of {', '.join(ON_BAD_ROW)}; got {on_bad_row!r}")
+    fmt, _ = resolve_format(table, fmt, question_key=question_key, answer_key=answer_key)
+    out = LoadedData(path=table.path, fmt=fmt, problems=[], copies={}, rows=len(table.records))
+    repeats = _Repeats()
+    rows = parse_rows(
+        table.records,
+        fmt,
+        question_key=question_key,
+        answer_key=answer_key,
+        data_source=data_source,
+        wrap=wrap_template,
+    )
+    for r in rows:
+        uid = r if isinstance(r, BadRow) else repeats.uid(r)
+        if isinstance(uid, BadRow):
+            if on_bad_row == "error":
+                raise bad_row_error(table.path, uid, SKIP_HINT)
+            out.skipped.append(uid)
+            continue
+        if not dedup:
+            uid_k = f"{uid}#{repeats.seen[uid] - 1}"
+            out.problems.append(Problem(uid_k, r.messages, r.answer, r.data_source))
+            out.copies[uid_k] = 1
+            out.first_row[uid_k] = r.row
+        elif repeats.seen[uid] == 1:
+            out.problems.append(Problem(uid, r.messages, r.answer, r.data_source))
+            out.first_row[uid] = r.row
+    if dedup:
+        out.copies = {p.uid: repeats.seen[p.uid] for p in out.problems}
+    return out

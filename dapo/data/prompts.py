@@ -1,0 +1,41 @@
+"""The DAPO instruction template, and how a problem becomes the text a policy is prompted with."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dapo.data.problems import Problem
+
+# The DAPO-Math-17k / AIME instruction, byte for byte as the official Parquet files have it.
+PROMPT_PREFIX = (
+    "Solve the following math problem step by step. The last line of your response should be "
+    "of the form Answer: $Answer (without quotes) where $Answer is the answer to the problem."
+    "\n\n"
+)
+PROMPT_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
+
+
+def dapo_prompt(problem: str) -> str:
+    """Wrap a raw problem in the DAPO instruction template."""
+    return PROMPT_PREFIX + problem + PROMPT_SUFFIX
+
+
+def strip_template(content: str) -> str:
+    """The raw problem inside a DAPO-templated message; ``content`` itself if it is not one."""
+    if (
+        content.startswith(PROMPT_PREFIX)
+        and content.endswith(PROMPT_SUFFIX)
+        and len(content) >= len(PROMPT_PREFIX) + len(PROMPT_SUFFIX)
+    ):
+        return content[len(PROMPT_PREFIX) : len(content) - len(PROMPT_SUFFIX)]
+    return content
+
+
+def render_prompt(tokenizer: Any, problem: Problem, *, chat_template: bool = True) -> str:
+    """Chat-format problems go through the tokenizer's chat template when it has one (and
+    ``chat_template``); otherwise the message contents, raw."""
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(
+            list(problem.messages), add_generation_prompt=True, tokenize=False
+        )
+    return "\n\n".join(m["content"] for m in problem.messages)

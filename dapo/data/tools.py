@@ -1,0 +1,333 @@
+"""``dapo data check`` and ``dapo data convert``: what a problem file holds, and the same rows
+in the other format (dapo <-> flat)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import tempfile
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dapo import tasks
+from dapo.data.files import (
+    DEFAULT_DATA_SOURCE,
+    FORMATS,
+    INTEGER_RE,
+    ON_BAD_ROW,
+    SUFFIXES,
+    DataError,
+    bad_row_error,
+    load_table,
+    read_table,
+    resolve_format,
+)
+from dapo.data.problems import Problem
+from dapo.data.prompts import PROMPT_PREFIX, dapo_prompt, render_prompt, strip_template
+from dapo.data.rows import EMPTY_ANSWER, BadRow, Row, last_user, parse_rows
+
+# What the official DAPO files hold in these columns; ``convert_file`` writes the same.
+DAPO_ABILITY = "MATH"
+DAPO_STYLE = "rule-lighteval/MATH_v2"
+_DAPO_COLUMNS = ("data_source", "prompt", "ability", "reward_model", "extra_info")
+
+
+@dataclass
+class CheckStats:
+    """What ``dapo data check`` reports about one file."""
+
+    path: Path
+    fmt: str
+    rows: int
+    schema: list[tuple[str, str]]
+    problems: int
+    """Distinct problems (rows merged by extra_info.index or identical prompt)."""
+    duplicate_rows: int
+    """Rows that repeat an earlier row's problem with the same ground truth."""
+    repeated_problems: int
+    """Problems held by more than one row."""
+    max_copies: int
+    empty_answers: int
+    non_integer_answers: int
+    non_integer_examples: list[tuple[int, str]]
+    """(row, answer) of up to 5 of them."""
+    data_sources: dict[str, int]
+    """data_source -> distinct problems."""
+    unknown_sources: list[str]
+    """data sources with no verifier in the task registry (:mod:`dapo.tasks`)."""
+    templated: int
+    """Problems whose last user message already starts with the DAPO template."""
+    whitespace_twins: int
+    """Problems that equal another one up to leading/trailing whitespace in the messages."""
+    bad_rows: list[BadRow]
+    prompt_tokens: dict[str, float] | None = None
+    """min/median/p90/p99/max prompt length in tokens, with a tokenizer."""
+
+    @property
+    def clean(self) -> bool:
+        return not self.bad_rows
+
+
+def check_file(
+    path: str | os.PathLike[str],
+    *,
+    fmt: str = "auto",
+    question_key: str = "question",
+    answer_key: str = "answer",
+    tokenizer: str | os.PathLike[str] | None = None,
+) -> CheckStats:
+    """Load ``path`` skipping bad rows, and count what a user should know before training on it.
+
+    ``tokenizer`` is a local Hugging Face tokenizer directory; prompts are rendered as the
+    trainer renders them (the chat template when the tokenizer has one) and measured.
+    """
+    table = read_table(path)
+    data = load_table(
+        table,
+        fmt=fmt,
+        question_key=question_key,
+        answer_key=answer_key,
+        data_source=DEFAULT_DATA_SOURCE,
+        wrap_template=False,
+        dedup=True,
+        on_bad_row="skip",
+    )
+    problems = data.problems
+    non_integer = [
+        (data.first_row[p.uid], p.answer) for p in problems if not INTEGER_RE.fullmatch(p.answer)
+    ]
+    sources = Counter(p.data_source for p in problems)
+    stripped = {tuple((m["role"], m["content"].strip()) for m in p.messages) for p in problems}
+    templated = 0
+    for p in problems:
+        k = last_user(p.messages)
+        templated += k is not None and p.messages[k]["content"].startswith(PROMPT_PREFIX)
+    stats = CheckStats(
+        path=table.path,
+        fmt=data.fmt,
+        rows=data.rows,
+        schema=table.schema,
+        problems=len(problems),
+        duplicate_rows=sum(data.copies.values()) - len(problems),
+        repeated_problems=sum(n > 1 for n in data.copies.values()),
+        max_copies=max(data.copies.values(), default=0),
+        empty_answers=sum(b.reason == EMPTY_ANSWER for b in data.skipped),
+        non_integer_answers=len(non_integer),
+        non_integer_examples=non_integer[:5],
+        data_sources=dict(sources.most_common()),
+        unknown_sources=sorted(s for s in sources if s not in tasks.names()),
+        templated=templated,
+        whitespace_twins=len(problems) - len(stripped),
+        bad_rows=data.skipped,
+    )
+    if tokenizer is not None and problems:
+        stats.prompt_tokens = _prompt_token_stats(problems, Path(tokenizer))
+    return stats
+
+
+def _prompt_token_stats(problems: list[Problem], tokenizer_dir: Path) -> dict[str, float]:
+    if not tokenizer_dir.is_dir():
+        raise ValueError(f"tokenizer {tokenizer_dir}: not a directory; give a local tokenizer")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    # The trainer's own rendering, so the lengths are the ones rollout will see.
+    texts = [render_prompt(tok, p) for p in problems]
+    lengths = sorted(len(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"])
+
+    def rank(q: float) -> int:  # nearest-rank percentile
+        return lengths[max(0, math.ceil(q * len(lengths)) - 1)]
+
+    return {
+        "min": lengths[0],
+        "median": statistics.median(lengths),
+        "p90": rank(0.90),
+        "p99": rank(0.99),
+        "max": lengths[-1],
+    }
+
+
+# --- conversion --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConvertResult:
+    src_fmt: str
+    to: str
+    rows_in: int
+    rows_out: int
+    wrapped: int
+    """Rows whose problem was wrapped in the template here (to dapo)."""
+    skipped: list[BadRow]
+
+
+def _dapo_schema(index_type: pa.DataType) -> pa.Schema:
+    # Column and field order as in the official files.
+    return pa.schema(
+        [
+            ("data_source", pa.string()),
+            ("prompt", pa.list_(pa.struct([("content", pa.string()), ("role", pa.string())]))),
+            ("ability", pa.string()),
+            ("reward_model", pa.struct([("ground_truth", pa.string()), ("style", pa.string())])),
+            ("extra_info", pa.struct([("index", index_type), ("raw_problem", pa.string())])),
+        ]
+    )
+
+
+def convert_file(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    to: str | None = None,
+    fmt: str = "auto",
+    question_key: str = "question",
+    answer_key: str = "answer",
+    data_source: str | None = None,
+    on_bad_row: str = "error",
+) -> ConvertResult:
+    """Write ``src`` to ``dst`` in the ``to`` format (default: the other one), row for row.
+
+    - to dapo: each raw problem is wrapped in the DAPO template (a message that already has
+      it is first unwrapped, so nothing is wrapped twice); ``data_source`` is the given one
+      or "math_dapo", ability "MATH", style "rule-lighteval/MATH_v2", and ``extra_info`` holds
+      the source's index (the row number when it has none) and the raw problem. Applied to
+      the DAPO-Math-17k copy, whose prompts lost the template, this rebuilds the official
+      prompts.
+    - to flat: the raw problem (template removed) and the answer, plus ``data_source``.
+
+    Repeated rows are kept: conversion changes the format, not the content (``check`` reports
+    repeats). The output type follows ``dst``'s extension; it is written to a temporary file
+    beside it and renamed into place, so an error leaves nothing behind.
+    """
+    src, dst = Path(src), Path(dst)
+    if to is not None and to not in FORMATS:
+        raise ValueError(f"--to must be one of {', '.join(FORMATS)}; got {to!r}")
+    if on_bad_row not in ON_BAD_ROW:
+        raise ValueError(f"on_bad_row must be one of {', '.join(ON_BAD_ROW)}; got {on_bad_row!r}")
+    _check_destination(src, dst)
+    table = read_table(src)
+    src_fmt, _ = resolve_format(table, fmt, question_key=question_key, answer_key=answer_key)
+    to = to or ("flat" if src_fmt == "dapo" else "dapo")
+    records: list[dict[str, Any]] = []
+    skipped: list[BadRow] = []
+    indices: list[str] = []  # extra_info.index of each record (to dapo)
+    wrapped = 0
+    rows = parse_rows(
+        table.records,
+        src_fmt,
+        question_key=question_key,
+        answer_key=answer_key,
+        data_source=DEFAULT_DATA_SOURCE,
+        wrap=False,
+    )
+    for r in rows:
+        out = r if isinstance(r, BadRow) else _convert_row(r, to, question_key, answer_key)
+        if isinstance(out, BadRow):
+            if on_bad_row == "error":
+                raise bad_row_error(src, out, "pass --on-bad-row skip to leave such rows out")
+            skipped.append(out)
+            continue
+        record, newly_wrapped = out
+        if to == "flat":
+            record["data_source"] = data_source or r.data_source
+        else:
+            record["data_source"] = data_source or DEFAULT_DATA_SOURCE
+            indices.append(r.index if r.index is not None else str(r.row))
+        wrapped += newly_wrapped
+        # The official files' column order, data_source first (JSON Lines keeps it).
+        order = _DAPO_COLUMNS if to == "dapo" else (question_key, answer_key, "data_source")
+        records.append({key: record[key] for key in order})
+    _write_atomic(records, _schema(records, indices, to, question_key, answer_key), dst)
+    return ConvertResult(src_fmt, to, len(table.records), len(records), wrapped, skipped)
+
+
+def _check_destination(src: Path, dst: Path) -> None:
+    if dst.suffix.lower() not in SUFFIXES:
+        raise DataError(
+            f"{dst}: unknown output file type {dst.suffix or '(no extension)'!r}; "
+            f"accepted: {', '.join(SUFFIXES)}"
+        )
+    if dst.resolve() == src.resolve() or (dst.exists() and src.exists() and dst.samefile(src)):
+        raise DataError(f"{dst}: is the input file; write the conversion to another path")
+    if dst.is_dir():
+        raise DataError(f"{dst}: is a directory; give an output file name")
+    if not dst.parent.is_dir():
+        raise DataError(f"{dst}: directory {dst.parent} does not exist")
+
+
+def _convert_row(
+    r: Row, to: str, question_key: str, answer_key: str
+) -> tuple[dict[str, Any], bool] | BadRow:
+    """One row in the ``to`` format (its data_source is the caller's), and whether its problem
+    was newly wrapped in the template; or why it cannot be converted."""
+    k = last_user(r.raw_messages)
+    if to == "flat" and (len(r.raw_messages) != 1 or k != 0):
+        return BadRow(
+            r.row,
+            "prompt",
+            f"has {len(r.raw_messages)} message(s) "
+            f"({', '.join(m['role'] for m in r.raw_messages)}); the flat format holds "
+            "exactly one user question",
+        )
+    if k is None:  # to dapo: nothing to wrap
+        return BadRow(r.row, "prompt", "has no user message to wrap in the DAPO template")
+    content = r.raw_messages[k]["content"]
+    problem = strip_template(content)
+    if to == "flat":
+        return {question_key: problem, answer_key: r.answer}, False
+    user = {"content": dapo_prompt(problem), "role": "user"}
+    others = [{"content": m["content"], "role": m["role"]} for m in r.raw_messages]
+    record = {
+        "prompt": others[:k] + [user] + others[k + 1 :],
+        "ability": DAPO_ABILITY,
+        "reward_model": {"ground_truth": r.answer, "style": DAPO_STYLE},
+        "extra_info": {"index": None, "raw_problem": problem},
+    }
+    return record, not content.startswith(PROMPT_PREFIX)
+
+
+def _schema(
+    records: list[dict[str, Any]], indices: list[str], to: str, question_key: str, answer_key: str
+) -> pa.Schema:
+    """The output schema; to dapo, also sets every record's extra_info.index."""
+    if to != "dapo":
+        return pa.schema(
+            [(question_key, pa.string()), (answer_key, pa.string()), ("data_source", pa.string())]
+        )
+    # One column type for the index: int64 when every index is an integer, else string.
+    all_int = all(INTEGER_RE.fullmatch(i) and str(int(i)) == i for i in indices)
+    for rec, index in zip(records, indices, strict=True):
+        rec["extra_info"]["index"] = int(index) if all_int else index
+    return _dapo_schema(pa.int64() if all_int else pa.string())
+
+
+def _write_atomic(records: list[dict[str, Any]], schema: pa.Schema, dst: Path) -> None:
+    parquet = dst.suffix.lower() == ".parquet"
+    # Build everything before the temporary file exists: a failure here creates nothing.
+    if parquet:
+        table = pa.Table.from_pylist(records, schema=schema)
+    else:
+        lines = [json.dumps(rec, ensure_ascii=False) + "\n" for rec in records]
+    fd, tmp = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".tmp")
+    try:
+        if parquet:
+            os.close(fd)
+            pq.write_table(table, tmp)
+        else:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.writelines(lines)
+        # mkstemp makes the file private (0600); give it the mode a plain open() would.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, dst)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,248 @@
+"""The loop around the training step: evaluation and checkpoint cadence, resume, signals, and
+the run's outputs (metrics.jsonl, TensorBoard, W&B, progress, summary, samples, the model).
+
+``fit`` evaluates at the start, every ``eval.every`` steps and at the end; saves every
+``train.save_every`` steps, on a stop signal and after the last step; and on ``resume``
+restores the latest complete checkpoint and cuts ``metrics.jsonl`` back to what it had
+logged, so that every step appears once and the run continues exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from dapo import checkpoint
+from dapo.config import Config
+from dapo.data.problems import Problem
+from dapo.eval_metrics import pick_samples
+from dapo.evaluate import evaluate
+from dapo.interrupt import GracefulStop, RunStopped, StepAborted
+from dapo.metrics import MetricsLogger, open_wandb
+from dapo.progress import LiveProgress
+from dapo.reward_pool import RewardPool
+from dapo.sampling import DynamicSamplingExhausted
+from dapo.seeding import derive_seed
+from dapo.trainer import TrainState, build_state, train_step
+from dapo.update import NonFiniteError
+
+
+def fit(
+    cfg: Config,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    train_problems: list[Problem],
+    val_problems: list[Problem],
+    *,
+    run_dir: Path,
+    stream: TextIO | None = None,
+    resume: bool = False,
+) -> dict[str, float]:
+    """Train for ``cfg.train.steps`` steps, evaluating at start, every ``eval.every`` and end.
+
+    With ``resume``, the latest complete checkpoint in ``run_dir`` is restored first (the model
+    given must be the starting policy: it is the KL reference) and ``metrics.jsonl`` is cut back
+    to what that checkpoint had logged, so no step is missing or logged twice.
+    """
+    stream = stream or sys.stdout
+    run_dir = Path(run_dir)
+    state = build_state(cfg, model, tokenizer, train_problems)
+    r = cfg.reward
+    state.pool = RewardPool(workers=r.workers, timeout_s=r.timeout_s, memory_mb=r.memory_mb)
+    try:
+        run = _Run(state, val_problems, run_dir=run_dir, stream=stream)
+        return run.train(resume=resume)
+    except (NonFiniteError, DynamicSamplingExhausted) as exc:
+        nan = isinstance(exc, NonFiniteError)
+        fix = "optim.lr=<lower>" if nan else "sampling.max_rounds=<more>"
+        raise type(exc)(
+            f"{exc} The run directory is intact; resume from its last checkpoint with a changed "
+            f"config: dapo train --resume {run_dir} {fix} --force"
+        ) from None
+    finally:
+        state.pool.close()
+
+
+class _Run:
+    """One run's outputs and what the loop keeps between steps besides the TrainState: the
+    held-out results of the start and the latest evaluation, and the time trained so far."""
+
+    def __init__(
+        self, state: TrainState, val_problems: list[Problem], *, run_dir: Path, stream: TextIO
+    ) -> None:
+        cfg = state.cfg
+        self.state, self.val_problems = state, val_problems
+        self.run_dir, self.stream = run_dir, stream
+        self.live = cfg.run.progress == "auto" and getattr(stream, "isatty", lambda: False)()
+        # Live: the rich display replaces the plain per-step lines; everything else is printed
+        # through it so the two never interleave.
+        wandb_run = (
+            open_wandb(cfg.run.wandb_project, run_dir, cfg.to_dict()) if cfg.run.wandb else None
+        )
+        self.logger = MetricsLogger(
+            run_dir / "metrics.jsonl",
+            stream=None if self.live else stream,
+            tensorboard_dir=run_dir / "tensorboard" if cfg.run.tensorboard else None,
+            wandb_run=wandb_run,
+        )
+        self.progress: LiveProgress | None = None
+        self.records: list[dict] = []  # of the latest evaluation, for samples.jsonl
+        self.val_start: dict[str, float] = {}
+        self.val_last: dict[str, float] = {}
+        self.seconds_before = 0.0
+        self.t_start = time.perf_counter()
+        self.saved_at: int | None = None
+
+    def train(self, *, resume: bool) -> dict[str, float]:
+        state, cfg = self.state, self.state.cfg
+        if resume:
+            self.restore()
+        if self.live:
+            self.progress = LiveProgress(total=cfg.train.steps, done=state.step, stream=self.stream)
+            state.on_phase = self.progress.phase
+        stop = GracefulStop()
+        try:
+            with stop:
+                if not resume:
+                    self.val_start = self.val_last = self.validate()
+                    self.logger.log(0, self.val_start)
+                    self.say(
+                        f"held-out accuracy at start: {self.val_start['val/accuracy']:.3f} "
+                        f"(avg@{cfg.eval.num_samples} over {len(self.val_problems)} problems)"
+                    )
+                self.steps(stop)
+        except StepAborted:
+            ckpt = checkpoint.read_pointer(self.run_dir)
+            where = f"the last checkpoint is {ckpt.name}" if ckpt else "no checkpoint was written"
+            raise RunStopped(
+                f"{stop.name} received twice: step {state.step + 1} aborted and not saved; "
+                f"{where}. Resume with: dapo train --resume {self.run_dir}",
+                stop.signum or 2,
+            ) from None
+        finally:
+            self.logger.close()
+            if self.progress is not None:
+                self.progress.close()
+        return self.finish()
+
+    def steps(self, stop: GracefulStop) -> None:
+        """Steps until the last, or a stop signal; then the final checkpoint and model."""
+        state, t, e = self.state, self.state.cfg.train, self.state.cfg.eval
+        while state.step < t.steps and not stop.requested:
+            metrics = train_step(state)
+            is_last = state.step == t.steps
+            if is_last or (e.every and state.step % e.every == 0):
+                self.val_last = self.validate()
+                metrics.update(self.val_last)
+            self.logger.log(state.step, metrics)
+            if self.progress is not None:
+                self.progress.step_done(state.step, metrics)
+            if is_last or stop.requested or (t.save_every and state.step % t.save_every == 0):
+                self.save()
+        if self.saved_at != state.step:
+            self.save()
+        if stop.requested and state.step < t.steps:
+            raise RunStopped(
+                f"stopped by {stop.name} after step {state.step} of {t.steps}; checkpoint "
+                f"saved. Resume with: dapo train --resume {self.run_dir}",
+                stop.signum,
+            )
+        checkpoint.export_model(state.model, state.tokenizer, self.run_dir / "model")
+
+    def say(self, text: str) -> None:
+        if self.progress is not None:
+            self.progress.print(text)
+        else:
+            print(text, file=self.stream)
+
+    def validate(self) -> dict[str, float]:
+        """The held-out evaluation, seeded the same every time (the same weights, the same
+        figures)."""
+        state, cfg = self.state, self.state.cfg
+        state.on_phase("eval")
+        state.model.eval()
+        return evaluate(
+            state.engine,
+            state.tokenizer,
+            self.val_problems,
+            num_samples=cfg.eval.num_samples,
+            temperature=cfg.eval.temperature,
+            top_p=cfg.eval.top_p,
+            max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
+            seed=derive_seed(cfg.train.seed, "eval"),
+            pool=state.pool,
+            chat_template=cfg.data.apply_chat_template,
+            reward_mode=cfg.reward.mode,
+            records_out=self.records,
+        )
+
+    def restore(self) -> None:
+        """Continue from the latest complete checkpoint: weights, optimizer, RNG, counters."""
+        state = self.state
+        ckpt = checkpoint.find_latest(self.run_dir)
+        if ckpt is None:
+            raise checkpoint.CheckpointError(
+                f"{self.run_dir} has no complete checkpoint to resume from; start it again with "
+                f"--overwrite, or choose another run.name"
+            )
+        info = checkpoint.load(ckpt, model=state.model, optimizer=state.optimizer)
+        state.load_state_dict(info)
+        state.engine.sync_weights(state.model)
+        self.val_start, self.val_last = info["val_start"], info["val_last"]
+        self.seconds_before = info["train_seconds"]
+        self.logger.truncate(info["metrics_bytes"])
+        self.logger.purge_step = state.step + 1
+        self.saved_at = state.step
+        print(f"resumed from {ckpt} at step {state.step}", file=self.stream)
+
+    def save(self) -> Path:
+        state = self.state
+        state.on_phase("save")
+        ckpt = checkpoint.save(
+            self.run_dir,
+            step=state.step,
+            model=state.model,
+            tokenizer=state.tokenizer,
+            optimizer=state.optimizer,
+            trainer_state={
+                **state.state_dict(),
+                "val_start": self.val_start,
+                "val_last": self.val_last,
+                "train_seconds": self.seconds(),
+                "metrics_bytes": self.logger.sync(),
+            },
+            keep=state.cfg.train.keep_checkpoints,
+        )
+        self.saved_at = state.step
+        return ckpt
+
+    def seconds(self) -> float:
+        """Seconds trained, over every process of a resumed run."""
+        return self.seconds_before + time.perf_counter() - self.t_start
+
+    def finish(self) -> dict[str, float]:
+        """summary.json, samples.jsonl and the closing line."""
+        step, run_dir = self.state.step, self.run_dir
+        summary = {
+            "steps": step,
+            "val/accuracy_start": self.val_start["val/accuracy"],
+            "val/accuracy_end": self.val_last["val/accuracy"],
+            "train_seconds": self.seconds(),
+        }
+        checkpoint.write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+        if self.records:  # responses worth reading, for dapo report
+            samples = pick_samples(self.records)
+            text = "".join(json.dumps({"step": step, **x}) + "\n" for x in samples)
+            checkpoint.write_atomic(run_dir / "samples.jsonl", text)
+        start, end = summary["val/accuracy_start"], summary["val/accuracy_end"]
+        print(
+            f"held-out accuracy: {start:.3f} -> {end:.3f} ({100 * (end - start):+.1f} points) "
+            f"after {step} steps; model saved to {run_dir / 'model'}",
+            file=self.stream,
+        )
+        return summary

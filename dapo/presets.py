@@ -1,0 +1,82 @@
+"""Presets: plain functions that set fields of a :class:`~dapo.config.Config` in place.
+
+Two kinds, applied in this order by :func:`dapo.config.load_config`:
+
+- a base scale (``run.base``): ``paper`` (the dataclass defaults, the paper's Qwen2.5-32B
+  setup) or ``demo`` (the embedded CPU task, minutes);
+- an algorithm (``run.preset``): ``dapo`` or ``grpo``, the spec's naive baseline.
+
+Each returns the config it was given, so ``demo(Config())`` reads naturally.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dapo.config import Config
+
+
+def paper(cfg: Config) -> Config:
+    """The paper's Qwen2.5-32B setup (spec, "Paper hyper-parameters"): the dataclass defaults."""
+    cfg.run.base = "paper"
+    return cfg
+
+
+def demo(cfg: Config) -> Config:
+    """The embedded CPU demo: a 0.3M-parameter Qwen2 on 2- to 5-term additions, minutes.
+
+    L_max 28 with L_cache 8 leaves 20 tokens penalty-free, room for the longest correct answer
+    (18 tokens with EOS), so the soft punishment only bites on responses that wander.
+    """
+    cfg.run.base = "demo"
+    cfg.embedded.sft_steps = 200
+    cfg.rollout.group_size = 16
+    cfg.rollout.max_new_tokens = 28
+    cfg.algo.l_cache = 8
+    cfg.train.steps = 120
+    cfg.train.prompts_per_step = 32
+    cfg.train.responses_per_minibatch = 128
+    cfg.train.tokens_per_microbatch = 16384
+    cfg.sampling.prompts_per_round = 40
+    # float32 on CPU: the sampler's log-probs are the forward pass's to 1e-6 (checked at step 1).
+    cfg.train.recompute_old_logprobs = False
+    cfg.optim.lr = 3e-4
+    cfg.optim.warmup_steps = 2
+    cfg.optim.weight_decay = 0.0
+    cfg.eval.every = 20
+    cfg.eval.num_samples = 4
+    # The demo measures the policy it trains: samples at the training temperature, no top-p
+    # (the paper's protocol, top_p 0.7, is the paper base's default).
+    cfg.eval.top_p = 1.0
+    return cfg
+
+
+def dapo(cfg: Config) -> Config:
+    """DAPO: Clip-Higher, token-level loss, soft overlong punishment, dynamic sampling, no KL."""
+    cfg.run.preset = "dapo"
+    cfg.algo.eps_high = type(cfg.algo)().eps_high  # the field's default, the paper's 0.28
+    cfg.algo.loss_agg = "token-mean"
+    cfg.algo.kl_coef = 0.0
+    cfg.algo.overlong_shaping = True
+    cfg.algo.overlong_filter = False
+    cfg.sampling.dynamic = True
+    return cfg
+
+
+def grpo(cfg: Config) -> Config:
+    """The spec's naive baseline: symmetric clip, sample-level loss, a KL penalty to a frozen
+    reference, hard -1 for truncated responses, no dynamic sampling."""
+    cfg.run.preset = "grpo"
+    cfg.algo.eps_high = cfg.algo.eps_low
+    cfg.algo.loss_agg = "seq-mean-token-mean"
+    cfg.algo.kl_coef = 0.001  # verl's GRPO default kl_loss_coef
+    cfg.algo.overlong_shaping = False
+    cfg.algo.overlong_filter = False
+    cfg.sampling.dynamic = False
+    return cfg
+
+
+BASES: dict[str, Callable[[Config], Config]] = {"paper": paper, "demo": demo}
+ALGORITHMS: dict[str, Callable[[Config], Config]] = {"dapo": dapo, "grpo": grpo}

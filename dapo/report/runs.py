@@ -1,0 +1,175 @@
+"""Run directories as ``dapo report`` reads them: config, metrics lines, summary, samples;
+and what differs between the configs of several runs."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Per-run fields that always differ between runs and say nothing about the experiment.
+IGNORED_CONFIG_FIELDS = frozenset({"run.name", "run.out_dir"})
+
+Series = tuple[list[float], list[float]]
+
+
+@dataclass
+class Run:
+    """One run directory as read from disk."""
+
+    name: str
+    path: Path
+    config: dict[str, Any] = field(default_factory=dict)
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    skipped: int = 0
+    summary: dict[str, Any] = field(default_factory=dict)
+    samples: list[Any] = field(default_factory=list)
+
+    @property
+    def last_step(self) -> int | None:
+        steps = [r["step"] for r in self.rows if is_number(r.get("step"))]
+        return int(max(steps)) if steps else None
+
+
+def read_run(run_dir: Path | str) -> Run:
+    """Read a run directory; unreadable metrics lines are counted in ``skipped``, not raised."""
+    path = Path(run_dir)
+    metrics_path = path / "metrics.jsonl"
+    if not metrics_path.is_file():
+        raise ValueError(f"{path}: not a run directory (no metrics.jsonl)")
+    rows, skipped = _read_rows(metrics_path)
+    return Run(
+        name=path.resolve().name,
+        path=path,
+        config=_read_config(path / "config.yaml"),
+        rows=rows,
+        skipped=skipped,
+        summary=_read_summary(path / "summary.json"),
+        samples=_read_samples(path / "samples.jsonl"),
+    )
+
+
+def _read_config(config_path: Path) -> dict[str, Any]:
+    import yaml
+
+    config: dict[str, Any] = {}
+    if config_path.is_file():
+        try:
+            loaded = yaml.safe_load(config_path.read_text(encoding="utf-8"))
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{config_path}: not valid YAML: {exc}") from exc
+        if isinstance(loaded, dict):
+            config = loaded
+    return config
+
+
+def _read_rows(metrics_path: Path) -> tuple[list[dict[str, Any]], int]:
+    rows: list[dict[str, Any]] = []
+    skipped = 0
+    # errors="replace": a crash mid-write can leave bytes that are not UTF-8; that line is then
+    # skipped like any other garbage instead of failing the whole report.
+    with metrics_path.open(encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                skipped += 1
+                continue
+            if not isinstance(row, dict):
+                skipped += 1
+                continue
+            rows.append(row)
+    return rows, skipped
+
+
+def _read_summary(summary_path: Path) -> dict[str, Any]:
+    summary: dict[str, Any] = {}
+    if summary_path.is_file():
+        try:
+            loaded_summary = json.loads(summary_path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            # A run that crashed before finishing has no usable summary; the curves still count.
+            loaded_summary = {}
+        if isinstance(loaded_summary, dict):
+            summary = loaded_summary
+    return summary
+
+
+def _read_samples(samples_path: Path) -> list[Any]:
+    samples = []
+    if samples_path.is_file():
+        for line in samples_path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                sample = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(sample, dict) and "response" in sample:
+                samples.append(sample)
+    return samples
+
+
+def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
+    if isinstance(value, dict) and value:
+        for key, sub in value.items():
+            _flatten(sub, f"{prefix}.{key}" if prefix else str(key), out)
+    else:
+        out[prefix] = value
+
+
+def config_differences(runs: Sequence[Run]) -> list[tuple[str, list[Any]]]:
+    """Dotted config fields whose values differ across ``runs``, with each run's value.
+
+    A field missing from some run's config counts as ``None`` there (older runs lack newer
+    fields). Fields come in config order, grouped by section.
+    """
+    flat: list[dict[str, Any]] = []
+    for run in runs:
+        out: dict[str, Any] = {}
+        _flatten(run.config, "", out)
+        flat.append(out)
+    keys: dict[str, None] = {}
+    for cfg in flat:
+        keys.update(dict.fromkeys(cfg))
+    # Group by section so a field only some runs have sits with its section, not at the end.
+    sections = list(dict.fromkeys(key.split(".", 1)[0] for key in keys))
+    ordered = sorted(keys, key=lambda k: sections.index(k.split(".", 1)[0]))
+    diffs = []
+    for key in ordered:
+        if key in IGNORED_CONFIG_FIELDS:
+            continue
+        values = [cfg.get(key) for cfg in flat]
+        if any(v != values[0] for v in values[1:]):
+            diffs.append((key, values))
+    return diffs
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def series(run: Run, key: str | Callable[[dict[str, Any]], Any]) -> Series:
+    """(steps, values) of one metric, leaving out rows where it is absent, null or not finite."""
+    steps: list[float] = []
+    values: list[float] = []
+    for row in run.rows:
+        step = row.get("step")
+        value = key(row) if callable(key) else row.get(key)
+        if is_number(step) and is_number(value):
+            steps.append(float(step))
+            values.append(float(value))
+    return steps, values
+
+
+def kept_frac(row: dict[str, Any]) -> float | None:
+    # Older runs may log only the counts; the ratio is the same quantity.
+    if is_number(row.get("sampling/kept_frac")):
+        return row["sampling/kept_frac"]
+    kept, drawn = row.get("sampling/groups_kept"), row.get("sampling/prompts_drawn")
+    if is_number(kept) and is_number(drawn) and drawn > 0:
+        return kept / drawn
+    return None

@@ -1,0 +1,144 @@
+"""The worker side of :mod:`dapo.reward_pool`: grade one response, reduce the verdict (or
+the failure) to primitives, and serve chunks of jobs under an address-space limit.
+
+Only the standard library and :mod:`dapo.tasks` are imported, so a worker loads no torch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+from dapo.tasks import RewardFn, Score
+
+try:
+    import resource
+except ImportError:  # Windows: workers there run without a memory limit
+    resource = None  # type: ignore[assignment]
+
+# Results cross a pipe once per response: keep them small whatever a verifier returns.
+MAX_PRED_CHARS = 1000
+MAX_DETAIL_CHARS = 300
+
+
+def one_line(text: str, limit: int = MAX_DETAIL_CHARS) -> str:
+    # Details end up in log lines and metrics: one line, bounded however long or
+    # multi-line an exception message (which may quote the response) is.
+    flat = " ".join(text[: 4 * limit].split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+def exception_text(exc: BaseException) -> str:
+    try:
+        message = str(exc)
+    except Exception:
+        message = "<unprintable message>"
+    name = type(exc).__name__
+    return f"{name}: {message}" if message else name
+
+
+# Marks a MemoryError seen inside the except clause (see grade_one).
+_OUT_OF_MEMORY = object()
+
+# A result message: ("ok", score, correct, pred) or ("fault", kind, detail).
+Outcome = tuple[Any, ...]
+
+
+def grade_one(
+    resolve: Callable[[str], RewardFn],
+    data_source: str,
+    response: str,
+    answer: str,
+    catch: type[BaseException],
+) -> Outcome:
+    """Run one verifier and reduce its verdict, or its failure, to primitives."""
+    try:
+        result = resolve(data_source)(response, answer)
+    except MemoryError:
+        # Format nothing here: until the except clause ends, the traceback keeps the
+        # verifier's frames, and with them the allocations that hit the limit, alive.
+        result = _OUT_OF_MEMORY
+    except catch as exc:
+        detail = f"verifier {data_source!r} raised {exception_text(exc)}"
+        return ("fault", "error", one_line(detail))
+    if result is _OUT_OF_MEMORY:
+        return ("fault", "memory", one_line(f"verifier {data_source!r} raised MemoryError"))
+    if not isinstance(result, Score):
+        kind = type(result).__name__
+        return ("fault", "error", one_line(f"verifier {data_source!r} returned {kind}, not Score"))
+    try:
+        score = float(result.score)
+        correct = bool(result.correct)
+        pred = result.pred
+        # A NaN or infinite reward would poison the advantages of the whole group.
+        if not math.isfinite(score):
+            raise ValueError(f"score is {score}")
+        if pred is not None and not isinstance(pred, str):
+            raise TypeError(f"pred is {type(pred).__name__}, not str")
+    except catch as exc:
+        detail = f"verifier {data_source!r} returned a malformed Score: {exception_text(exc)}"
+        return ("fault", "error", one_line(detail))
+    return ("ok", score, correct, None if pred is None else pred[:MAX_PRED_CHARS])
+
+
+def to_score(outcome: Outcome) -> Score:
+    return Score(score=outcome[1], correct=outcome[2], pred=outcome[3])
+
+
+def _mapped_bytes() -> int:
+    """The process's current virtual size (Linux), or 0 where it cannot be read."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[0])
+        return pages * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _limit_address_space(memory_mb: int) -> None:
+    if memory_mb <= 0 or resource is None or not hasattr(resource, "RLIMIT_AS"):
+        return
+    # memory_mb is room on top of what the worker maps at start, not an absolute
+    # cap: a worker that inherits a heavy __main__ (importing CPU torch maps 0.6 GB,
+    # CUDA builds more) would otherwise fail every response with "memory".
+    limit = _mapped_bytes() + memory_mb * 2**20
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+
+
+def worker_main(conn: Connection, resolve: Callable[[str], RewardFn], memory_mb: int) -> None:
+    """Worker loop: receive a chunk of jobs, send one result message per job."""
+    # Ctrl-C reaches the whole process group; only the parent should act on it
+    # (and it kills the workers), or workers would report it as a verifier fault.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _limit_address_space(memory_mb)
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            chunk = conn.recv()
+        except EOFError:  # the parent is gone
+            return
+        if chunk is None:
+            return
+        for index, data_source, response, answer in chunk:
+            # BaseException: a verifier calling sys.exit() is a fault in that verifier.
+            outcome = grade_one(resolve, data_source, response, answer, BaseException)
+            conn.send((index, *outcome))
+
+
+def describe_exit(code: int | None) -> str:
+    """How a worker process ended, for a fault's detail."""
+    if code is None:
+        return "still running; killed"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"

@@ -1,0 +1,64 @@
+"""Rollout: G sampled responses per prompt from the current policy, by a pluggable engine.
+
+Engines follow :class:`~dapo.rollout.base.Engine` (generate; sync weights after an update;
+whether their log-probs are exact) and return a :class:`~dapo.rollout.base.Rollout`:
+
+    dapo  :mod:`dapo.rollout.native`, this project's decoding loop: one prefill per prompt,
+          finished rows leave the batch (the default)
+    hf    :mod:`dapo.rollout.hf`, transformers ``generate``: the reference, and the fallback
+          for a model whose KV cache cannot be repeated or sliced by row
+
+An engine that keeps its own copy of the weights (an inference server) joins ``ENGINES`` and
+``rollout.engine``'s choices in :mod:`dapo.config`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dapo.rollout.base import Engine, Rollout, Sample
+from dapo.rollout.hf import HFEngine
+from dapo.rollout.native import NativeEngine
+from dapo.seeding import derive_seed
+
+__all__ = ["ENGINES", "Engine", "Rollout", "Sample", "generate_samples", "make_engine"]
+
+ENGINES = {"dapo": NativeEngine, "hf": HFEngine}
+
+
+def make_engine(name: str, model: torch.nn.Module, tokenizer: Any) -> Engine:
+    """The engine called ``name``, sampling from ``model``."""
+    if name not in ENGINES:
+        raise ValueError(f"rollout engine {name!r}: use one of {', '.join(ENGINES)}")
+    return ENGINES[name](model, tokenizer)
+
+
+def generate_samples(
+    engine: Engine,
+    prompts: list[str],
+    *,
+    group_size: int,
+    rows_per_call: int,
+    seed: int,
+    **sampling: Any,
+) -> tuple[list[Sample], int]:
+    """G responses per prompt (samples i*G .. i*G+G-1 are prompt i) and the slots computed,
+    in engine calls of at most ``rows_per_call`` rows (0 = one call), which bounds memory.
+
+    The first call is seeded with ``seed`` (so one call is the plain draw), call k with a seed
+    derived from (seed, "call", k).
+    """
+    per_call = max(1, rows_per_call // group_size) if rows_per_call else len(prompts)
+    samples, slots = [], 0
+    for call, start in enumerate(range(0, len(prompts), per_call)):
+        ro = engine.generate(
+            prompts[start : start + per_call],
+            group_size=group_size,
+            seed=seed if call == 0 else derive_seed(seed, "call", call),
+            **sampling,
+        )
+        slots += ro.slots
+        samples.extend(ro.samples())
+    return samples, slots

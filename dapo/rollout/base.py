@@ -1,0 +1,142 @@
+"""What every rollout engine returns, and the protocol an engine follows.
+
+Shapes: n = prompts, B = responses (n x G, each group contiguous), P = prompt tokens (left
+padded), T = response tokens (right padded after the stop token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass
+class Sample:
+    """One response, unpadded: what the trainer grades and turns into an episode."""
+
+    prompt_ids: torch.Tensor
+    response_ids: torch.Tensor
+    logprobs: torch.Tensor
+    """The sampler's log pi of each token (float32)."""
+    truncated: bool
+    text: str
+
+
+@dataclass
+class Rollout:
+    prompt_ids_BP: torch.Tensor
+    prompt_mask_BP: torch.Tensor
+    response_ids_BT: torch.Tensor
+    response_mask_BT: torch.Tensor
+    """True for generated tokens up to and including EOS."""
+    logprobs_BT: torch.Tensor
+    """log pi_old of each sampled token at the sampling temperature (0 where masked)."""
+    lengths_B: torch.Tensor
+    truncated_B: torch.Tensor
+    """True where no EOS came within max_new_tokens."""
+    texts: list[str]
+    slots: int = 0
+    """(row, step) positions the engine computed: generated tokens plus any padding after EOS."""
+
+    def samples(self) -> list[Sample]:
+        """Every row unpadded, on the CPU, in row order."""
+        out = []
+        for b in range(len(self.texts)):
+            length = int(self.lengths_B[b])
+            out.append(
+                Sample(
+                    prompt_ids=self.prompt_ids_BP[b][self.prompt_mask_BP[b].bool()].cpu(),
+                    response_ids=self.response_ids_BT[b, :length].cpu(),
+                    logprobs=self.logprobs_BT[b, :length].float().cpu(),
+                    truncated=bool(self.truncated_B[b]),
+                    text=self.texts[b],
+                )
+            )
+        return out
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """Draws G responses per prompt from the policy being trained.
+
+    An engine that reads the trainer's live module (native, hf) has nothing to do in
+    ``sync_weights``; one that holds its own copy of the weights (an inference server) loads
+    the new ones there, and must be told after every optimizer update, before it generates
+    again. ``exact_logprobs`` says whether the log-probs it returns are the policy's own (a
+    forward pass gives the same to float rounding), so that they may stand in for pi_old.
+    """
+
+    exact_logprobs: bool
+
+    def generate(
+        self,
+        prompts: list[str],
+        *,
+        group_size: int,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        greedy: bool = False,
+        ignore_eos: bool = False,
+    ) -> Rollout:
+        """``group_size`` responses for each prompt (rows i*G .. i*G+G-1 are prompt i),
+        reproducible for a given seed and policy."""
+        ...
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Make the next ``generate`` sample from ``model``'s current weights."""
+        ...
+
+
+class LiveModelEngine:
+    """An engine that samples from the trainer's own module, as the native and hf engines do:
+    the weights it reads are the trained ones (nothing to sync), and its log-probs are the
+    policy's own."""
+
+    exact_logprobs = True
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any) -> None:
+        self.model, self.tokenizer = model, tokenizer
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Nothing to copy: generation runs the trainer's own module."""
+
+
+def encode_prompts(tokenizer: Any, prompts: list[str], device: torch.device):
+    """(ids [n, P], mask [n, P]) of the prompts, left padded, on ``device``."""
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    return enc["input_ids"].to(device), enc["attention_mask"].to(device)
+
+
+def finish_rollout(
+    tokenizer: Any,
+    prompt_ids_BP: torch.Tensor,
+    prompt_mask_BP: torch.Tensor,
+    response_ids_BT: torch.Tensor,
+    logprobs_BT: torch.Tensor,
+    slots: int,
+) -> Rollout:
+    """Masks, lengths and texts of generated ids; tokens after the first EOS become padding."""
+    is_eos_BT = response_ids_BT == tokenizer.eos_token_id
+    # Tokens up to and including the first EOS are the response; generate pads after it.
+    after_eos_BT = (is_eos_BT.cumsum(dim=1) - is_eos_BT.long()) > 0
+    response_mask_BT = ~after_eos_BT
+    lengths_B = response_mask_BT.sum(dim=1)
+    truncated_B = ~is_eos_BT.any(dim=1)
+    response_ids_BT = response_ids_BT.masked_fill(~response_mask_BT, tokenizer.pad_token_id)
+    logprobs_BT = logprobs_BT.masked_fill(~response_mask_BT, 0.0)
+    texts = tokenizer.batch_decode(response_ids_BT, skip_special_tokens=True)
+    return Rollout(
+        prompt_ids_BP=prompt_ids_BP,
+        prompt_mask_BP=prompt_mask_BP,
+        response_ids_BT=response_ids_BT,
+        response_mask_BT=response_mask_BT,
+        logprobs_BT=logprobs_BT,
+        lengths_B=lengths_B,
+        truncated_B=truncated_B,
+        texts=texts,
+        slots=slots,
+    )

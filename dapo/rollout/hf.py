@@ -1,0 +1,105 @@
+"""The ``hf`` rollout engine: transformers ``generate``, the reference and the fallback for a
+model whose KV cache cannot be repeated or sliced by row.
+
+Shapes: see :mod:`dapo.rollout.base`.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from dapo.rollout.base import LiveModelEngine, Rollout, encode_prompts, finish_rollout
+
+
+class _SampledLogprobs(LogitsProcessor):
+    """Records log pi(token) of each sampled token without keeping [B, T, V] logits.
+
+    Custom processors run before the temperature / top-p warpers, so ``scores`` are the model's
+    logits; step t's distribution is kept until step t+1 reveals which token was drawn. The
+    log-prob is of the temperature-scaled distribution before top-p truncation, the policy the
+    objective's ratio refers to (top-p is a sampling device, as in the verl reference).
+    """
+
+    def __init__(self, temperature: float) -> None:
+        self.temperature = temperature
+        self.prev_BV: torch.Tensor | None = None
+        self.steps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self.prev_BV is not None:
+            self.steps.append(self.prev_BV.gather(1, input_ids[:, -1:]).squeeze(1))
+        self.prev_BV = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def finish(self, last_tokens_B: torch.Tensor) -> torch.Tensor:
+        assert self.prev_BV is not None
+        self.steps.append(self.prev_BV.gather(1, last_tokens_B[:, None]).squeeze(1))
+        return torch.stack(self.steps, dim=1)
+
+
+def sampling_kwargs(*, max_new_tokens: int, temperature: float, top_p: float) -> dict:
+    """Every sampling knob set explicitly: a checkpoint's generation_config.json (Qwen2.5 ships
+    top_k=20 and repetition_penalty=1.05) must not silently change the sampling distribution."""
+    return {
+        "max_new_tokens": max_new_tokens,
+        "do_sample": True,
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": 0,
+        "min_p": None,
+        "typical_p": 1.0,
+        "repetition_penalty": 1.0,
+        "no_repeat_ngram_size": 0,
+        "num_beams": 1,
+    }
+
+
+class HFEngine(LiveModelEngine):
+    """Samples with ``model.generate`` on the trainer's live module (nothing to sync).
+
+    Every row runs to the longest response of its batch, and each of a group's G rows runs
+    its prompt again; the native engine avoids both.
+    """
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompts: list[str],
+        *,
+        group_size: int,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        greedy: bool = False,
+        ignore_eos: bool = False,
+    ) -> Rollout:
+        """See :class:`dapo.rollout.base.Engine`; ``greedy`` decodes the argmax."""
+        model, tokenizer = self.model, self.tokenizer
+        ids_nP, mask_nP = encode_prompts(tokenizer, prompts, next(model.parameters()).device)
+        prompt_ids_BP = ids_nP.repeat_interleave(group_size, dim=0)
+        prompt_mask_BP = mask_nP.repeat_interleave(group_size, dim=0)
+        recorder = _SampledLogprobs(temperature)
+        kwargs = sampling_kwargs(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p
+        )
+        if greedy:  # argmax decoding (evaluation only): the warpers above are then unused
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        if ignore_eos:  # benchmarks: EOS is masked until max_new_tokens, fixing the work done
+            kwargs["min_new_tokens"] = max_new_tokens
+        torch.manual_seed(seed)
+        out = model.generate(
+            input_ids=prompt_ids_BP,
+            attention_mask=prompt_mask_BP,
+            logits_processor=LogitsProcessorList([recorder]),
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            **kwargs,
+        )
+        response_ids_BT = out[:, prompt_ids_BP.shape[1] :]
+        logprobs_BT = recorder.finish(response_ids_BT[:, -1])
+        slots = response_ids_BT.numel()  # generate runs every row to the longest response
+        return finish_rollout(
+            tokenizer, prompt_ids_BP, prompt_mask_BP, response_ids_BT, logprobs_BT, slots
+        )

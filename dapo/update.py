@@ -1,0 +1,254 @@
+"""Phase 4 of a step: pi_old (and pi_ref) log-probs, then mu epochs of mini-batch updates.
+
+Each micro-batch loss is divided by the token count (token-mean) or sequence count
+(seq-mean-token-mean) of its whole mini-batch, summed over data-parallel ranks, so the
+accumulated gradient is exactly the mini-batch gradient whatever the micro-batch split
+(DAPO §3.3; tested through a real transformer). No maths here either: the loss, the KL and
+the token statistics are :mod:`dapo.algo` functions.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from dapo import algo, dist
+from dapo.batch import Batch, Episode, collate, length_sorted, split_microbatches, split_minibatches
+from dapo.config import Config
+from dapo.model import batch_logprobs, distinct_prompts
+from dapo.seeding import derive_seed
+
+if TYPE_CHECKING:
+    from dapo.trainer import TrainState
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive updates had a non-finite loss or gradient norm."""
+
+
+SAMPLER_LOGPROB_TOLERANCE = 1e-3
+"""Largest |sampler - forward| log-prob gap that lets the sampler's stand in for pi_old."""
+
+
+@torch.no_grad()
+def fill_logprobs(model, episodes: list[Episode], attr: str, state: TrainState) -> None:
+    """Forward passes without gradient to store pi_old or pi_ref log-probs on each episode."""
+    cfg, pad_id = state.cfg, state.tokenizer.pad_token_id
+    device = next(model.parameters()).device
+    model.eval()
+    order = length_sorted(episodes, range(len(episodes)))
+    for micro in split_microbatches(episodes, order, max_tokens=cfg.train.tokens_per_microbatch):
+        b = collate([episodes[i] for i in micro], pad_id=pad_id).to(device)
+        logp_BT, _ = batch_logprobs(
+            model, b, temperature=cfg.rollout.temperature, share_prompts=cfg.train.share_prompts
+        )
+        for row, i in enumerate(micro):
+            setattr(episodes[i], attr, logp_BT[row, : episodes[i].length].float().cpu())
+
+
+def set_old_logprobs(state: TrainState, episodes: list[Episode]) -> dict[str, float]:
+    """pi_old: recomputed by a forward pass, or the sampler's once they are shown to match it.
+
+    The check runs on the first step of each process (one forward pass) and stops the run on a
+    gap above the tolerance; otherwise the sampler's values are used, the ones an uninterrupted
+    run used, and only the run's first step logs the gap, so a resumed run stays bit-identical.
+    An engine whose log-probs are not exact never stands in for pi_old.
+    """
+    if state.cfg.train.recompute_old_logprobs or not state.engine.exact_logprobs:
+        fill_logprobs(state.model, episodes, "old_logprobs", state)
+        return {}
+    out = {}
+    if not state.sampler_logprobs_checked:
+        fill_logprobs(state.model, episodes, "old_logprobs", state)
+        gap = max(
+            float((e.old_logprobs - e.sampler_logprobs).abs().amax()) if e.length else 0.0
+            for e in episodes
+        )
+        if not gap <= SAMPLER_LOGPROB_TOLERANCE:
+            raise ValueError(
+                f"train.recompute_old_logprobs=false: the sampler's log-probs differ from a "
+                f"forward pass by up to {gap:.3g} (tolerance {SAMPLER_LOGPROB_TOLERANCE}) at "
+                f"model.dtype={state.cfg.model.dtype}, so they cannot stand in for pi_old. "
+                "Set train.recompute_old_logprobs=true (needed in bfloat16 and float16)."
+            )
+        state.sampler_logprobs_checked = True
+        if state.step == 0:
+            out["train/sampler_logprob_gap"] = gap
+    for e in episodes:
+        e.old_logprobs = e.sampler_logprobs
+    return out
+
+
+def update(state: TrainState, episodes: list[Episode], *, lr: float) -> dict[str, float]:
+    """mu epochs over the step's responses, one optimizer update per mini-batch.
+
+    Each micro-batch loss is divided by the token count (token-mean) or sequence count
+    (seq-mean-token-mean) of its whole mini-batch, so the accumulated gradient is exactly the
+    mini-batch gradient, whatever the micro-batch split (DAPO §3.3).
+    """
+    cfg = state.cfg
+    t_logprobs = time.perf_counter()
+    check = set_old_logprobs(state, episodes)
+    if state.ref_model is not None:
+        fill_logprobs(state.ref_model, episodes, "ref_logprobs", state)
+    _add(state.timers, "logprobs", time.perf_counter() - t_logprobs)
+    for group in state.optimizer.param_groups:
+        group["lr"] = lr
+
+    state.model.train()
+    gen = torch.Generator().manual_seed(derive_seed(cfg.train.seed, state.step, "minibatch"))
+    sums: dict[str, float] = {}
+    for _epoch in range(cfg.train.epochs):
+        for mini in split_minibatches(
+            len(episodes), cfg.train.responses_per_minibatch, generator=gen
+        ):
+            for k, v in minibatch_update(state, [episodes[i] for i in mini]).items():
+                _add(sums, k, v)
+    return _update_metrics(sums, cfg, lr=lr, with_kl=state.ref_model is not None) | check
+
+
+def minibatch_update(state: TrainState, batch: list[Episode]) -> dict[str, float]:
+    """One optimizer update on ``batch`` (skipped when its loss or gradient norm is not
+    finite); returns its metric sums."""
+    cfg = state.cfg
+    # The loss divisors of the whole mini-batch, summed over data-parallel ranks, fixed before
+    # the first micro-batch; DAPO §3.3.
+    num_tokens = dist.all_reduce_sum(sum(e.num_loss_tokens for e in batch))
+    num_seqs = dist.all_reduce_sum(sum(1 for e in batch if e.num_loss_tokens > 0))
+    if num_tokens == 0:
+        return {}  # every response of this mini-batch was overlong-filtered
+    sums = accumulate_gradients(state, batch, num_tokens=num_tokens, num_seqs=num_seqs)
+    # An infinite max_norm measures the norm without clipping (grad_clip = 0: off).
+    max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
+    norm = float(torch.nn.utils.clip_grad_norm_(state.model.parameters(), max_norm))
+    if not (math.isfinite(sums["loss"]) and math.isfinite(norm)):
+        # One NaN step poisons Adam's moments for good: drop this update, keep going.
+        state.optimizer.zero_grad(set_to_none=True)
+        state.consecutive_skips += 1
+        if state.consecutive_skips >= cfg.train.max_consecutive_skips:
+            raise NonFiniteError(
+                f"step {state.step + 1}: {state.consecutive_skips} updates in a row had "
+                f"a non-finite loss or gradient norm (loss {sums['loss']}, grad "
+                f"norm {norm}), so training stopped. The last checkpoint is untouched. "
+                "Try a lower optim.lr, optim.grad_clip > 0, or model.dtype=float32 or "
+                "bfloat16 instead of float16, and check the data and the model."
+            )
+        return {"skipped": 1.0}
+    state.consecutive_skips = 0
+    state.optimizer.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    return sums | {"grad_norm": norm, "updates": 1.0}
+
+
+def _update_metrics(sums: dict[str, float], cfg: Config, *, lr: float, with_kl: bool):
+    updates = max(sums.get("updates", 0.0), 1.0)
+    tokens = max(sums.get("tokens", 0.0), 1.0)
+    out = {
+        "train/loss": sums.get("loss", 0.0) / updates,
+        "train/entropy": sums.get("entropy_sum", 0.0) / tokens,
+        "train/token_prob_mean": sums.get("prob_sum", 0.0) / tokens,
+        "train/grad_norm": sums.get("grad_norm", 0.0) / updates,
+        "train/updates": sums.get("updates", 0.0),
+        "train/skipped_updates": sums.get("skipped", 0.0),
+        "train/lr": lr,
+        "train/tokens": sums.get("tokens", 0.0) / cfg.train.epochs,
+        "perf/train_padding_frac": 1.0 - sums.get("real", 0.0) / max(sums.get("slots", 0.0), 1.0),
+        "clip/low_frac": sums.get("clip_low", 0.0) / tokens,
+        "clip/high_frac": sums.get("clip_high", 0.0) / tokens,
+        "clip/high_prob_mean": sums.get("clip_high_prob_sum", 0.0)
+        / max(sums.get("num_clip_high", 0.0), 1.0),
+    }
+    if with_kl:
+        out["train/kl"] = sums.get("kl_sum", 0.0) / max(sums.get("kl_den", 0.0), 1.0)
+    return out
+
+
+def accumulate_gradients(
+    state: TrainState, episodes: list[Episode], *, num_tokens: int, num_seqs: int
+) -> dict[str, float]:
+    """Backward over the micro-batches of ``episodes``; returns metric sums.
+
+    Every micro-batch loss is divided by ``num_tokens`` (token-mean) or ``num_seqs``
+    (seq-mean-token-mean) of the whole mini-batch, never by its own count, so the accumulated
+    gradient is the mini-batch gradient whatever the split.
+    """
+    cfg, model = state.cfg, state.model
+    device = next(model.parameters()).device
+    denominator = num_seqs if cfg.algo.loss_agg == "seq-mean-token-mean" else num_tokens
+    sums: dict[str, float] = {}
+    # A sum over the mini-batch does not depend on the order: rows of similar length (and a
+    # group's rows) go together, for less padding and more shared prompts.
+    order = length_sorted(episodes, range(len(episodes)))
+    for micro in split_microbatches(episodes, order, max_tokens=cfg.train.tokens_per_microbatch):
+        b = collate([episodes[i] for i in micro], pad_id=state.tokenizer.pad_token_id).to(device)
+        logp_BT, entropy_BT = batch_logprobs(
+            model,
+            b,
+            temperature=cfg.rollout.temperature,
+            with_entropy=True,
+            share_prompts=cfg.train.share_prompts,
+        )
+        loss, stats = algo.policy_loss(
+            logp_BT,
+            b.old_logprobs_BT,
+            b.advantages_B,
+            b.loss_mask_BT,
+            eps_low=cfg.algo.eps_low,
+            eps_high=cfg.algo.eps_high,
+            agg=cfg.algo.loss_agg,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            return_stats=True,
+        )
+        if state.ref_model is not None:
+            kl = algo.aggregate(
+                algo.kl_k3(logp_BT, b.ref_logprobs_BT),
+                b.loss_mask_BT,
+                agg=cfg.algo.loss_agg,
+                num_tokens=num_tokens,
+                num_seqs=num_seqs,
+            )
+            loss = loss + cfg.algo.kl_coef * kl
+            _add(sums, "kl_sum", float(kl.detach()) * denominator)
+        loss.backward()
+        for k, v in _micro_sums(b, loss, entropy_BT, stats, shared=cfg.train.share_prompts).items():
+            _add(sums, k, v)
+    if state.ref_model is not None:
+        _add(sums, "kl_den", float(denominator))
+    return sums
+
+
+def _micro_sums(b: Batch, loss, entropy_BT, stats, *, shared: bool) -> dict[str, float]:
+    """A micro-batch's share of the step's metrics, as sums to divide once at the end."""
+    slots, real = _forward_slots(b, shared=shared)
+    n = float(stats["num_tokens"])
+    tokens = algo.token_sums(entropy_BT, b.old_logprobs_BT, b.loss_mask_BT)
+    return {
+        "slots": slots,
+        "real": real,
+        "tokens": n,
+        "loss": float(loss.detach()),
+        "entropy_sum": float(tokens["entropy_sum"]),
+        "prob_sum": float(tokens["prob_sum"]),
+        "clip_low": float(stats["clip_low_frac"]) * n,
+        "clip_high": float(stats["clip_high_frac"]) * n,
+        "clip_high_prob_sum": float(stats["clip_high_prob_mean"] * stats["num_clip_high"]),
+        "num_clip_high": float(stats["num_clip_high"]),
+    }
+
+
+def _forward_slots(b: Batch, *, shared: bool) -> tuple[float, float]:
+    """(padded, real) token positions a micro-batch's forward pass computes; a shared prompt
+    counts once."""
+    prompts = b.prompt_mask_BP  # [B, P], or [N, P] over the N distinct prompts when shared
+    if shared:
+        _, prompts, _ = distinct_prompts(b.prompt_ids_BP, b.prompt_mask_BP)
+    resp = b.response_mask_BT
+    return float(prompts.numel() + resp.numel()), float(prompts.sum() + resp.sum())
+
+
+def _add(sums: dict[str, float], key: str, value: float) -> None:
+    sums[key] = sums.get(key, 0.0) + value

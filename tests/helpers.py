@@ -1,0 +1,68 @@
+"""Helpers shared by several test modules (fixtures are in conftest.py)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from dapo.config import load_config
+from dapo.demo import build_tokenizer
+from dapo.rollout import Rollout, make_engine
+from dapo.tasks import arith
+
+ARCHS = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
+
+SMALL = [
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=12",
+    "algo.l_cache=4",
+    "train.steps=4",
+    "train.prompts_per_step=2",
+    "train.responses_per_minibatch=4",
+    "train.save_every=1",
+    "sampling.dynamic=false",
+    "eval.num_samples=1",
+    "eval.every=0",
+    "reward.workers=0",
+]
+"""A run of a few seconds on the tiny test model."""
+
+
+def setup_run(tmp_path, tiny_model, *overrides):
+    """(config, train problems, val problems, an empty run directory, a copy of the model)."""
+    cfg = load_config(None, [*SMALL, f"run.out_dir={tmp_path}", *overrides])
+    train, val, _ = arith.make_splits(40, 3, seed=0)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    start = copy.deepcopy(tiny_model)
+    return cfg, [p for p, _ in train], [p for p, _ in val], run_dir, start
+
+
+def save_model(path: Path, arch: str, *, context: int = 512, tokenizer: bool = True) -> Path:
+    """A tiny random Qwen2 or Llama saved with save_pretrained, with the demo's tokenizer."""
+    tok = build_tokenizer()  # word-level, with a chat template ("User: ...\nAssistant:\n")
+    config_cls, model_cls = ARCHS[arch]
+    config = config_cls(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=context,
+        tie_word_embeddings=True,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+    )
+    model_cls(config).save_pretrained(path)
+    if tokenizer:
+        tok.save_pretrained(path)
+    return path
+
+
+def generate(model, tokenizer, prompts: list[str], *, engine: str = "dapo", **kwargs) -> Rollout:
+    """``make_engine(engine, model, tokenizer).generate(prompts, **kwargs)``."""
+    return make_engine(engine, model, tokenizer).generate(prompts, **kwargs)

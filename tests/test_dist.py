@@ -1,0 +1,40 @@
+"""dapo.dist: no-ops in one process, sums over ranks under a process group (2 gloo ranks)."""
+
+from __future__ import annotations
+
+import socket
+
+import torch.distributed
+import torch.multiprocessing as mp
+
+from dapo import dist
+
+
+def test_one_process_is_world_size_one_and_sums_nothing():
+    assert (dist.world_size(), dist.rank(), dist.is_main()) == (1, 0, True)
+    assert dist.all_reduce_sum(7) == 7 and type(dist.all_reduce_sum(7)) is int
+    assert dist.all_reduce_sum(0.25) == 0.25
+
+
+def _rank_main(rank: int, port: int, out) -> None:
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
+    )
+    try:
+        # A mini-batch's token count: each rank holds part of it, every rank needs the whole.
+        out.put(
+            (rank, dist.world_size(), dist.rank(), dist.is_main(), dist.all_reduce_sum(3 + rank))
+        )
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_two_ranks_agree_on_the_sum():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    mp.start_processes(_rank_main, args=(port, out), nprocs=2, start_method="spawn")
+    results = sorted(out.get() for _ in range(2))
+    assert results == [(0, 2, 0, True, 7), (1, 2, 1, False, 7)]

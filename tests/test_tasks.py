@@ -1,0 +1,49 @@
+"""The task registry: one place from a name (a row's data_source, or reward.mode) to a verifier."""
+
+import pickle
+
+import pytest
+
+from dapo import tasks
+from dapo.tasks.base import Task
+from dapo.tasks.math_dapo import math_score
+from dapo.tasks.math_verify import math_verify_score
+
+
+def test_every_task_file_is_registered_under_its_names():
+    assert tasks.names() == ("arith", "dapo", "math_dapo", "math_verify")
+    assert [t.name for t in tasks.tasks()] == ["arith", "math_dapo", "math_verify"]
+    assert tasks.get_verifier("math_dapo") is math_score
+    assert tasks.get_verifier("dapo") is math_score  # the reward.mode spelling
+    assert tasks.get_verifier("arith") is math_score
+    assert tasks.get_verifier("math_verify") is math_verify_score
+    assert tasks.REGISTRY["math_dapo"] is tasks.get_task("dapo")
+
+
+def test_an_unknown_name_is_refused_with_the_known_ones_and_the_fix():
+    with pytest.raises(ValueError, match="no_such_source") as info:
+        tasks.get_verifier("no_such_source")
+    message = str(info.value)
+    assert "arith, dapo, math_dapo, math_verify" in message
+    assert "reward.mode=dapo" in message and "dapo/tasks/" in message
+
+
+def test_a_name_is_taken_once(monkeypatch):
+    monkeypatch.setattr(tasks, "REGISTRY", dict(tasks.REGISTRY))
+    with pytest.raises(ValueError, match="'dapo' is taken twice"):
+        tasks.register(Task("other", math_score, "a copy", aliases=("dapo",)))
+    tasks.register(Task("other", math_score, "a copy"))
+    assert tasks.get_verifier("other") is math_score
+
+
+def test_the_pool_resolver_is_picklable():
+    # Reward workers receive the resolver by reference.
+    assert pickle.loads(pickle.dumps(tasks.get_verifier)) is tasks.get_verifier
+
+
+def test_no_task_imports_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, dapo.tasks, dapo.reward_pool; assert 'torch' not in sys.modules"
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
