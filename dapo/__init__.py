@@ -13,4 +13,4 @@ One step is :func:`dapo.trainer.train_step` (its update phase :mod:`dapo.update`
 around it is :func:`dapo.loop.fit`. ``docs/architecture.md`` draws the data flow.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -1,9 +1,9 @@
 """Data-parallel ranks: the one module that talks to ``torch.distributed``.
 
 In one process (no process group) every function is a no-op: world size 1, rank 0, the main
-process, and a sum over ranks that returns its argument. The trainer calls them where ranks
-will meet (the token count that divides a mini-batch's loss, the decisions every rank must
-share), so that scale-out fills this module in without touching the step.
+process, and a sum over ranks that returns its argument. The update already sums the token
+count that divides a mini-batch's loss through ``all_reduce_sum``; scale-out adds the rest
+(what every rank must decide together, who writes the run's files) through this module.
 """
 
 from __future__ import annotations

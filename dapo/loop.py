@@ -9,7 +9,6 @@ logged, so that every step appears once and the run continues exactly.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any, TextIO
 
 import torch
 
-from dapo import checkpoint
+from dapo import checkpoint, rundir
 from dapo.config import Config
 from dapo.data.problems import Problem
 from dapo.eval_metrics import pick_samples
@@ -234,11 +233,9 @@ class _Run:
             "val/accuracy_end": self.val_last["val/accuracy"],
             "train_seconds": self.seconds(),
         }
-        checkpoint.write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+        rundir.write_summary(run_dir, summary)
         if self.records:  # responses worth reading, for dapo report
-            samples = pick_samples(self.records)
-            text = "".join(json.dumps({"step": step, **x}) + "\n" for x in samples)
-            checkpoint.write_atomic(run_dir / "samples.jsonl", text)
+            rundir.write_samples(run_dir, step, pick_samples(self.records))
         start, end = summary["val/accuracy_start"], summary["val/accuracy_end"]
         print(
             f"held-out accuracy: {start:.3f} -> {end:.3f} ({100 * (end - start):+.1f} points) "

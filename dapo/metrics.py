@@ -10,6 +10,11 @@ from pathlib import Path
 from typing import Any, TextIO
 
 
+def accumulate(sums: dict[str, float], key: str, value: float) -> None:
+    """``sums[key] += value``, from 0: a step's metrics are sums divided once at the end."""
+    sums[key] = sums.get(key, 0.0) + value
+
+
 def _clean(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None  # JSON has no NaN; a null is explicit about it

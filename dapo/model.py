@@ -165,3 +165,13 @@ def batch_logprobs(
         with_entropy=with_entropy,
         share_prompts=share_prompts,
     )
+
+
+def forward_slots(b: Batch, *, shared: bool) -> tuple[float, float]:
+    """(padded, real) token positions a micro-batch's forward pass computes; a shared prompt
+    counts once."""
+    prompts = b.prompt_mask_BP  # [B, P], or [N, P] over the N distinct prompts when shared
+    if shared:
+        _, prompts, _ = distinct_prompts(b.prompt_ids_BP, b.prompt_mask_BP)
+    resp = b.response_mask_BT
+    return float(prompts.numel() + resp.numel()), float(prompts.sum() + resp.sum())

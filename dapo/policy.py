@@ -53,15 +53,20 @@ def load_tokenizer(cfg: Config) -> Any:
         from dapo.demo import build_tokenizer
 
         return build_tokenizer()
+    return tokenizer_from_dir(Path(cfg.model.path))
+
+
+def tokenizer_from_dir(path: Path, *, setting: str = "model.path") -> Any:
+    """The tokenizer saved in ``path`` as the trainer uses it: left padding, a pad token.
+    ``setting`` names where the path came from, for the error messages."""
     from transformers import AutoTokenizer
 
-    path = Path(cfg.model.path)
     fix = "save one beside the model with tokenizer.save_pretrained(DIR)"
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
         # AutoTokenizer does not always fail here: it can build something that tokenizes
         # every prompt to nothing.
         raise ValueError(
-            f"model.path={path}: no usable tokenizer there (none of {', '.join(TOKENIZER_FILES)}); "
+            f"{setting}={path}: no usable tokenizer there (none of {', '.join(TOKENIZER_FILES)}); "
             f"{fix}"
         )
     loader = AutoTokenizer
@@ -74,13 +79,13 @@ def load_tokenizer(cfg: Config) -> Any:
         tokenizer = loader.from_pretrained(path, padding_side="left")
     except (OSError, ValueError, KeyError) as exc:
         raise ValueError(
-            f"model.path={path}: no usable tokenizer there ({str(exc).splitlines()[0]}); {fix}"
+            f"{setting}={path}: no usable tokenizer there ({str(exc).splitlines()[0]}); {fix}"
         ) from None
     if tokenizer.pad_token is None:
         # Padding is masked everywhere; EOS is a token the model already has.
         tokenizer.pad_token = tokenizer.eos_token
     if tokenizer.pad_token is None:
-        raise ValueError(f"model.path={path}: the tokenizer has neither a pad nor an EOS token")
+        raise ValueError(f"{setting}={path}: the tokenizer has neither a pad nor an EOS token")
     return tokenizer
 
 

@@ -1,8 +1,9 @@
 """The run directory: created, refused or overwritten, and checked before any model is loaded.
 
-A run directory holds ``config.yaml``, ``metrics.jsonl``, ``checkpoints/``, ``model/`` and
-``summary.json``. Every check here runs before the (possibly long) model load, so a typo in a
-path or a full disk costs seconds, not the minutes of loading a 32B model.
+A run directory holds ``config.yaml``, ``metrics.jsonl``, ``checkpoints/``, ``model/``,
+``summary.json`` and ``samples.jsonl`` (the last two written here too). Every check here runs
+before the (possibly long) model load, so a typo in a path or a full disk costs seconds, not
+the minutes of loading a 32B model.
 """
 
 from __future__ import annotations
@@ -131,3 +132,14 @@ def write_config(run_dir: Path, cfg: Config) -> None:
         # A copy, not a move: killed right here, the run must still have a config.yaml.
         shutil.copy2(path, run_dir / f"config.before-resume-{k}.yaml")
     write_atomic(path, text)
+
+
+def write_summary(run_dir: Path, summary: dict[str, float]) -> None:
+    """``summary.json``: the run's steps, held-out accuracy at start and end, and time."""
+    write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+
+
+def write_samples(run_dir: Path, step: int, samples: list[dict]) -> None:
+    """``samples.jsonl``: a few responses of the final evaluation, for ``dapo report``."""
+    text = "".join(json.dumps({"step": step, **x}) + "\n" for x in samples)
+    write_atomic(run_dir / "samples.jsonl", text)

@@ -9,9 +9,9 @@ One step (spec, "One training step"):
 
 Phase 4, the update with its exact token-level accumulation, is :mod:`dapo.update`; the loop
 around the step (evaluation, checkpoints, resume, signals, the run's outputs) is
-:mod:`dapo.loop`. Data-parallel ranks only add all-reduces (:mod:`dapo.dist`): the divisor of
-each mini-batch (``num_tokens``) and the group decisions are explicit values computed here,
-not hidden inside the loss.
+:mod:`dapo.loop`. Data-parallel ranks will only add all-reduces through :mod:`dapo.dist`:
+the divisor of each mini-batch (``num_tokens``, in :mod:`dapo.update`) is already an
+explicit value summed there, not hidden inside the loss.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from dapo.batch import Episode
 from dapo.config import Config
 from dapo.data.problems import Problem, PromptSampler
 from dapo.data.prompts import render_prompt
+from dapo.metrics import accumulate
 from dapo.reward_pool import GradeResult, RewardPool, grading_job
 from dapo.rollout import Engine, Sample, generate_samples, make_engine
 from dapo.sampling import Group, SamplingResult, collect_groups, rollout_metrics, round_size
@@ -139,7 +140,7 @@ def sample_round(state: TrainState, problems: list[Problem], *, seed: int) -> li
         top_p=r.top_p,
         ignore_eos=r.ignore_eos,
     )
-    _add(state.timers, "gen_slots", float(slots))
+    accumulate(state.timers, "gen_slots", float(slots))
     return samples
 
 
@@ -154,7 +155,7 @@ def rollout_round(state: TrainState, problems: list[Problem], *, seed: int) -> l
     state.on_phase("reward")
     t_reward = time.perf_counter()
     graded = (state.pool or RewardPool(workers=0)).grade(jobs)
-    _add(state.timers, "reward", time.perf_counter() - t_reward)
+    accumulate(state.timers, "reward", time.perf_counter() - t_reward)
     _warn_faults(state, graded)
     fault_of = {f.index: f.kind for f in graded.faults}
     groups = []
@@ -212,10 +213,6 @@ def lr_at(cfg: Config, step: int) -> float:
     if cfg.optim.warmup_steps == 0:
         return cfg.optim.lr
     return cfg.optim.lr * min(1.0, (step + 1) / cfg.optim.warmup_steps)
-
-
-def _add(sums: dict[str, float], key: str, value: float) -> None:
-    sums[key] = sums.get(key, 0.0) + value
 
 
 def train_step(state: TrainState) -> dict[str, float]:

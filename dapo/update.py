@@ -18,7 +18,8 @@ import torch
 from dapo import algo, dist
 from dapo.batch import Batch, Episode, collate, length_sorted, split_microbatches, split_minibatches
 from dapo.config import Config
-from dapo.model import batch_logprobs, distinct_prompts
+from dapo.metrics import accumulate
+from dapo.model import batch_logprobs, forward_slots
 from dapo.seeding import derive_seed
 
 if TYPE_CHECKING:
@@ -63,10 +64,7 @@ def set_old_logprobs(state: TrainState, episodes: list[Episode]) -> dict[str, fl
     out = {}
     if not state.sampler_logprobs_checked:
         fill_logprobs(state.model, episodes, "old_logprobs", state)
-        gap = max(
-            float((e.old_logprobs - e.sampler_logprobs).abs().amax()) if e.length else 0.0
-            for e in episodes
-        )
+        gap = max(float(algo.max_abs_gap(e.old_logprobs, e.sampler_logprobs)) for e in episodes)
         if not gap <= SAMPLER_LOGPROB_TOLERANCE:
             raise ValueError(
                 f"train.recompute_old_logprobs=false: the sampler's log-probs differ from a "
@@ -94,7 +92,7 @@ def update(state: TrainState, episodes: list[Episode], *, lr: float) -> dict[str
     check = set_old_logprobs(state, episodes)
     if state.ref_model is not None:
         fill_logprobs(state.ref_model, episodes, "ref_logprobs", state)
-    _add(state.timers, "logprobs", time.perf_counter() - t_logprobs)
+    accumulate(state.timers, "logprobs", time.perf_counter() - t_logprobs)
     for group in state.optimizer.param_groups:
         group["lr"] = lr
 
@@ -106,7 +104,7 @@ def update(state: TrainState, episodes: list[Episode], *, lr: float) -> dict[str
             len(episodes), cfg.train.responses_per_minibatch, generator=gen
         ):
             for k, v in minibatch_update(state, [episodes[i] for i in mini]).items():
-                _add(sums, k, v)
+                accumulate(sums, k, v)
     return _update_metrics(sums, cfg, lr=lr, with_kl=state.ref_model is not None) | check
 
 
@@ -212,18 +210,18 @@ def accumulate_gradients(
                 num_seqs=num_seqs,
             )
             loss = loss + cfg.algo.kl_coef * kl
-            _add(sums, "kl_sum", float(kl.detach()) * denominator)
+            accumulate(sums, "kl_sum", float(kl.detach()) * denominator)
         loss.backward()
         for k, v in _micro_sums(b, loss, entropy_BT, stats, shared=cfg.train.share_prompts).items():
-            _add(sums, k, v)
+            accumulate(sums, k, v)
     if state.ref_model is not None:
-        _add(sums, "kl_den", float(denominator))
+        accumulate(sums, "kl_den", float(denominator))
     return sums
 
 
 def _micro_sums(b: Batch, loss, entropy_BT, stats, *, shared: bool) -> dict[str, float]:
     """A micro-batch's share of the step's metrics, as sums to divide once at the end."""
-    slots, real = _forward_slots(b, shared=shared)
+    slots, real = forward_slots(b, shared=shared)
     n = float(stats["num_tokens"])
     tokens = algo.token_sums(entropy_BT, b.old_logprobs_BT, b.loss_mask_BT)
     return {
@@ -238,17 +236,3 @@ def _micro_sums(b: Batch, loss, entropy_BT, stats, *, shared: bool) -> dict[str,
         "clip_high_prob_sum": float(stats["clip_high_prob_mean"] * stats["num_clip_high"]),
         "num_clip_high": float(stats["num_clip_high"]),
     }
-
-
-def _forward_slots(b: Batch, *, shared: bool) -> tuple[float, float]:
-    """(padded, real) token positions a micro-batch's forward pass computes; a shared prompt
-    counts once."""
-    prompts = b.prompt_mask_BP  # [B, P], or [N, P] over the N distinct prompts when shared
-    if shared:
-        _, prompts, _ = distinct_prompts(b.prompt_ids_BP, b.prompt_mask_BP)
-    resp = b.response_mask_BT
-    return float(prompts.numel() + resp.numel()), float(prompts.sum() + resp.sum())
-
-
-def _add(sums: dict[str, float], key: str, value: float) -> None:
-    sums[key] = sums.get(key, 0.0) + value

@@ -567,3 +567,24 @@ def test_token_sums_over_the_loss_tokens():
     sums = algo.token_sums(entropy, old_logprobs, mask)
     assert sums["entropy_sum"].item() == pytest.approx(3.5)
     assert sums["prob_sum"].item() == pytest.approx(0.875)
+
+
+def test_shape_rewards_soft_punishment_and_filter_together():
+    scores = torch.tensor([1.0, 1.0], dtype=torch.float64)
+    rewards, trainable = algo.shape_rewards(
+        scores,
+        torch.tensor([18, 20]),
+        torch.tensor([False, True]),
+        l_max=20,
+        l_cache=4,
+        filter_truncated=True,
+    )
+    assert rewards.tolist() == [0.5, 0.0] and trainable.tolist() == [True, False]
+
+
+def test_max_abs_gap():
+    a, b = torch.tensor([-1.0, -2.0, -3.0]), torch.tensor([-1.25, -2.0, -2.5])
+    assert algo.max_abs_gap(a, b).item() == 0.5
+    assert algo.max_abs_gap(a[:0], b[:0]).item() == 0.0
+    with pytest.raises(ValueError, match="shapes differ"):
+        algo.max_abs_gap(a, b[:2])

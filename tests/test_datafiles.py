@@ -62,7 +62,7 @@ def write(path: Path, rows: list) -> Path:
 
 
 def run_cli(argv: list[str]) -> int:
-    """``dapo <argv>`` as dapo/cli.py will dispatch it, with only the data commands."""
+    """``dapo <argv>`` as dapo.cli will dispatch it, with only the data commands."""
     parser = argparse.ArgumentParser(prog="dapo")
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)

@@ -100,3 +100,12 @@ def test_compare_two_model_directories_evaluates_both_on_the_same_problems(
     assert (tmp_path / "A" / "problems.jsonl").is_file() and (
         tmp_path / "B" / "summary.json"
     ).is_file()
+
+
+def test_eval_in_bfloat16(tmp_path, model_and_data):
+    # The demo base reuses sampler log-probs in training, which needs float32; an evaluation
+    # does not train, so --dtype must not trip that check.
+    model_dir, data = model_and_data
+    assert _eval(model_dir, data, tmp_path / "bf16", "--dtype", "bfloat16") == 0
+    records = (tmp_path / "bf16" / "problems.jsonl").read_text().splitlines()
+    assert len(records) == 6

@@ -217,3 +217,30 @@ def test_a_raising_verifier_grades_incorrect_and_training_goes_on(
     err = capsys.readouterr().err
     assert "the verifier failed on 8 response(s), graded incorrect" in err
     assert "RuntimeError: verifier bug" in err
+
+
+def test_a_resumed_run_syncs_its_engine_before_it_generates(
+    tmp_path, tiny_model, tokenizer, monkeypatch
+):
+    cfg, train, val, run_dir, start = setup_run(tmp_path, tiny_model, "train.steps=1")
+    _fit(cfg, tiny_model, tokenizer, train, val, run_dir)
+    calls = []
+    real_make_engine = trainer.make_engine
+
+    class Recording:
+        exact_logprobs = True
+
+        def __init__(self, model, tok):
+            self.inner = real_make_engine("dapo", model, tok)
+
+        def generate(self, prompts, **kwargs):
+            calls.append("generate")
+            return self.inner.generate(prompts, **kwargs)
+
+        def sync_weights(self, model):
+            calls.append("sync")
+
+    monkeypatch.setattr(trainer, "make_engine", lambda name, model, tok: Recording(model, tok))
+    cfg.train.steps = 2
+    _fit(cfg, start, tokenizer, train, val, run_dir, resume=True)
+    assert calls[0] == "sync" and calls.count("sync") == 2  # on restore, after step 2

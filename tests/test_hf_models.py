@@ -170,3 +170,19 @@ def test_the_32b_recipe_dry_runs_on_the_real_files(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "17917 rows" in out and "11 bad rows skipped" in out
     assert "val 30 problems x 32 samples" in out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_load_policy_puts_the_model_on_the_device_in_the_dtype(tmp_path, dtype):
+    import torch
+
+    from dapo.config import load_config
+    from dapo.policy import load_policy
+
+    model_dir = save_model(tmp_path / "m", "llama")
+    cfg = load_config(None, [f"model.path={model_dir}", "model.device=cpu"])
+    cfg.model.dtype = dtype
+    model, tok = load_policy(cfg)
+    assert {p.dtype for p in model.parameters()} == {getattr(torch, dtype)}
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+    assert tok.padding_side == "left" and tok.pad_token is not None

@@ -58,7 +58,7 @@ ALLOWED_ONLY: dict[str, tuple[str, ...]] = {
     ),
 }
 
-_HEAVY = ("torch", "transformers", "numpy")
+_HEAVY = ("torch", "transformers", "numpy", "pyarrow", "matplotlib")
 
 # Prefix -> what its modules must never reach, directly or through other dapo modules.
 NEVER_REACH: dict[str, tuple[str, ...]] = {
@@ -82,14 +82,19 @@ FORBIDDEN_IMPORTS: dict[str, tuple[str, ...]] = {
     # The step orchestrates; reading and writing files belongs to checkpoint/rundir/data.
     "dapo.trainer": _FILE_FORMATS,
     "dapo.update": _FILE_FORMATS,  # phase 4 of the same step
+    "dapo.loop": _FILE_FORMATS,  # the run's files are written by rundir and checkpoint
 }
 
 # Prefix -> attribute names its modules must not call (``torch.exp(x)``, ``F.softmax(x)``,
 # ``x.clamp(...)``): the maths belongs in dapo.algo, where it is tested on its own. Matched
 # by attribute name alone (the receiver's type is unknown to ast), so ``logger.log()`` counts.
+# Matched after a trailing "_" is dropped (in-place forms), and every clamp* and torch.special.*
+# call counts too. ``sum``/``max``/``min`` are only caught as methods or torch functions: the
+# builtins of the same names count plain Python numbers.
 _MATHS = frozenset(
     {"exp", "log", "log_softmax", "softmax", "clamp", "where", "std", "logsumexp"}
-    | {"sigmoid", "minimum", "maximum"}
+    | {"sigmoid", "minimum", "maximum", "abs", "amax", "amin", "mean", "sum", "max", "min"}
+    | {"sqrt", "pow", "log1p", "expm1", "tanh", "square", "var", "cumsum", "prod", "norm"}
 )
 FORBIDDEN_CALLS: dict[str, frozenset[str]] = {"dapo.trainer": _MATHS, "dapo.update": _MATHS}
 
@@ -104,6 +109,7 @@ STDLIB_ONLY_AT_MODULE_LEVEL: dict[str, tuple[str, ...]] = {
     "dapo.cli": ("dapo.cli",),
 }
 
+# Package modules only: tests hold long tables of cases (and this file its own checker).
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60  # def line to last line, decorators and docstring excluded
 
@@ -275,6 +281,27 @@ def import_edges(modules: Mapping[str, Module]) -> dict[str, dict[str, int]]:
     return graph
 
 
+def with_ancestors(
+    graph: Mapping[str, Mapping[str, int]], modules: Mapping[str, Module]
+) -> dict[str, dict[str, int]]:
+    """``graph`` plus what Python also runs: importing ``a.b.c`` first runs ``a/__init__`` and
+    ``a/b/__init__``, for the importer's own packages too. For what a module reaches, not for
+    cycles (a package's __init__ importing its submodules is how packages work)."""
+
+    def ancestors(name: str) -> list[str]:
+        parts = name.split(".")
+        return [".".join(parts[:k]) for k in range(1, len(parts)) if ".".join(parts[:k]) in modules]
+
+    out: dict[str, dict[str, int]] = {}
+    for name, edges in graph.items():
+        out[name] = dict(edges)
+        for target in [name, *edges]:
+            for package in ancestors(target):
+                if package != name:
+                    out[name].setdefault(package, edges.get(target, 1))
+    return out
+
+
 def _unique(imports: Iterable[Import]) -> Iterator[Import]:
     seen: set[tuple[int, str]] = set()
     for imp in imports:
@@ -387,7 +414,7 @@ def reach_violations(
     modules: Mapping[str, Module], never_reach: Mapping[str, Sequence[str]]
 ) -> list[str]:
     """Modules that import a forbidden thing themselves or through any dapo module."""
-    graph = import_edges(modules)
+    graph = with_ancestors(import_edges(modules), modules)
     found: list[str] = []
     for name in sorted(modules):
         forbidden = _rules_for(name, never_reach)
@@ -545,7 +572,9 @@ def call_violations(
                 continue
             func = node.func
             if isinstance(func, ast.Attribute):
-                hit = func.attr in banned
+                attr = func.attr.rstrip("_")
+                special = (_resolved(func, bound) or "").startswith("torch.special.")
+                hit = attr in banned or attr.startswith("clamp") or special
             else:
                 # ``from torch import exp`` then ``exp(x)``.
                 hit = isinstance(func, ast.Name) and (
@@ -975,3 +1004,46 @@ def test_checker_measures_functions_without_their_docstring(tmp_path: Path) -> N
         "fakepkg/f.py:20: bare() is 11 lines (at most 8)"
     ]
     assert module_size_violations(modules, 20) == ["fakepkg/f.py:1: 30 lines (at most 20)"]
+
+
+def test_checker_follows_what_parent_packages_import(tmp_path: Path) -> None:
+    # Importing fakepkg.data.problems runs fakepkg/data/__init__.py first.
+    _write(
+        tmp_path,
+        {
+            "fakepkg/__init__.py": "",
+            "fakepkg/data/__init__.py": "import torch\n",
+            "fakepkg/data/problems.py": "X = 1\n",
+            "fakepkg/tasks/__init__.py": "",
+            "fakepkg/tasks/t.py": "from fakepkg.data.problems import X\n",
+        },
+    )
+    violations = reach_violations(module_graph(tmp_path, "fakepkg"), {"fakepkg.tasks": ("torch",)})
+    assert violations == [
+        "fakepkg/tasks/t.py:1: fakepkg.tasks.t reaches torch: "
+        "fakepkg.tasks.t -> fakepkg.data -> torch (fakepkg/data/__init__.py:1)"
+    ]
+    assert find_cycles(module_graph(tmp_path, "fakepkg")) == []  # no parent edges for cycles
+
+
+def test_checker_catches_in_place_clamp_and_special_forms(tmp_path: Path) -> None:
+    _write(
+        tmp_path,
+        {
+            "fakepkg/__init__.py": "",
+            "fakepkg/trainer.py": """\
+                import torch
+                def step(x, n):
+                    x.exp_()
+                    x.clamp_min(0)
+                    torch.special.entr(x)
+                    return max(n, 1) + sum([n])
+                """,
+        },
+    )
+    calls = call_violations(module_graph(tmp_path, "fakepkg"), {"fakepkg.trainer": _MATHS})
+    assert [c.split(" calls ")[1] for c in calls] == [
+        "x.exp_()",
+        "x.clamp_min()",
+        "torch.special.entr()",
+    ]  # the builtins max and sum count plain numbers: not maths

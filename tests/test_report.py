@@ -172,3 +172,14 @@ def test_cli_report_default_out(two_runs: tuple[Path, Path], capsys) -> None:
     assert printed[-1] == str(two_runs[0] / "report" / "report.html")
     assert all(Path(p).is_file() for p in printed)
     assert len(printed) == 5
+
+
+def test_a_run_saved_before_keys_moved_differs_only_where_it_differs(tmp_path: Path) -> None:
+    old = _config(0.28, "old")
+    old["data"] = {"num_train": 200, "max_terms": 5}
+    old["model"]["sft_steps"] = 100
+    new = _config(0.28, "new")
+    new["arith"] = {"num_train": 200, "max_terms": 3}
+    new["embedded"] = {"sft_steps": 100}
+    runs = [read_run(_write_run(tmp_path, "old", old)), read_run(_write_run(tmp_path, "new", new))]
+    assert config_differences(runs) == [("arith.max_terms", [5, 3])]

@@ -106,3 +106,17 @@ def test_generate_samples_in_calls_keeps_the_first_calls_draw(tiny_model, tokeni
     assert [s.text for s in one_call] == [s.text for s in whole]  # one call: the plain draw
     assert [s.text for s in split] == [s.text for s in again]  # calls: reproducible
     assert len(split) == 4 and split_slots >= sum(s.response_ids.numel() for s in split)
+
+
+def test_each_call_after_the_first_has_its_own_derived_seed(tiny_model, tokenizer):
+    from dapo.seeding import derive_seed
+
+    engine = make_engine("dapo", tiny_model, tokenizer)
+    split, _ = generate_samples(
+        engine, PROMPTS, group_size=2, rows_per_call=1, seed=3, max_new_tokens=6
+    )  # fewer rows than a group: one prompt per call
+    first = engine.generate(PROMPTS[:1], group_size=2, max_new_tokens=6, seed=3)
+    second = engine.generate(
+        PROMPTS[1:], group_size=2, max_new_tokens=6, seed=derive_seed(3, "call", 1)
+    )
+    assert [s.text for s in split] == first.texts + second.texts

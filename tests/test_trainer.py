@@ -241,3 +241,38 @@ def test_train_state_round_trips_what_a_resume_needs(tiny_model, tokenizer):
     fresh.load_state_dict(saved)
     assert (fresh.step, fresh.consecutive_skips, fresh.sampling_prior) == (3, 2, (5, 9))
     assert [p.uid for p in fresh.sampler.next(6)] == [p.uid for p in state.sampler.next(6)]
+
+
+class RecordingEngine:
+    """The native engine, noting every generate and sync_weights call in order."""
+
+    def __init__(self, inner, *, exact: bool = True):
+        self.inner, self.exact_logprobs, self.calls = inner, exact, []
+
+    def generate(self, prompts, **kwargs):
+        self.calls.append("generate")
+        return self.inner.generate(prompts, **kwargs)
+
+    def sync_weights(self, model):
+        self.calls.append("sync")
+
+
+def test_the_engine_is_synced_after_each_steps_updates(tiny_model, tokenizer):
+    problems = [Problem(f"p{i}", ({"role": "user", "content": f"{i} + 1"},), "1") for i in range(8)]
+    cfg = _cfg("rollout.group_size=2", "train.prompts_per_step=2", "sampling.dynamic=false")
+    state = build_state(cfg, tiny_model, tokenizer, problems)
+    state.engine = RecordingEngine(state.engine)
+    for _ in range(2):
+        trainer.train_step(state)
+    assert state.engine.calls == ["generate", "sync", "generate", "sync"]
+
+
+def test_an_engine_without_exact_logprobs_never_stands_in_for_pi_old(tiny_model, tokenizer):
+    eps = _grouped_episodes()
+    state = _checked_state(tiny_model, tokenizer)  # recompute_old_logprobs=false
+    state.engine = RecordingEngine(state.engine, exact=False)
+    assert set_old_logprobs(state, eps) == {}  # no check, no gap logged: recomputed
+    assert all(e.old_logprobs is not e.sampler_logprobs for e in eps)
+    fresh = [e.old_logprobs for e in eps]
+    fill_logprobs(tiny_model, eps, "old_logprobs", state)
+    assert all(torch.equal(a, e.old_logprobs) for a, e in zip(fresh, eps, strict=True))

@@ -12,6 +12,7 @@ Every technique lives here once (Yu et al., 2025, arXiv 2503.14476; see the spec
 - per-token log-probabilities and entropy             -> ``logits.token_logprobs_from_logits``,
                                                          ``logits.entropy_from_logits``
 - the entropy and token-probability curves            -> ``logits.token_sums``
+- the sampler-vs-forward log-prob check               -> ``logits.max_abs_gap``
 
 Each is importable from here too (``dapo.algo.policy_loss``).
 
@@ -28,7 +29,12 @@ marks a broadcast dimension (``adv_B1``).
 """
 
 from dapo.algo.groups import group_advantages, mixed_groups
-from dapo.algo.logits import entropy_from_logits, token_logprobs_from_logits, token_sums
+from dapo.algo.logits import (
+    entropy_from_logits,
+    max_abs_gap,
+    token_logprobs_from_logits,
+    token_sums,
+)
 from dapo.algo.losses import AGG_MODES, aggregate, kl_k3, policy_loss
 from dapo.algo.shaping import overlong_penalty, shape_rewards
 
@@ -38,6 +44,7 @@ __all__ = [
     "entropy_from_logits",
     "group_advantages",
     "kl_k3",
+    "max_abs_gap",
     "mixed_groups",
     "overlong_penalty",
     "policy_loss",

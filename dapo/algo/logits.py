@@ -104,3 +104,17 @@ def token_sums(
         "entropy_sum": entropy_BT[mask_BT].sum(),
         "prob_sum": old_logprobs_BT.exp()[mask_BT].sum(),
     }
+
+
+def max_abs_gap(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """max |a - b| over every element (0 for empty tensors): how far the sampler's log-probs
+    are from a forward pass's.
+
+    Returns:
+        0-d tensor.
+    """
+    if a.shape != b.shape:
+        raise ValueError(f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
+    if a.numel() == 0:
+        return a.new_zeros(())
+    return (a - b).abs().amax()

@@ -39,6 +39,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     fixed = ["rollout.ignore_eos=true", "sampling.dynamic=false"] if args.fixed_length else []
     cfg = load_config(args.config, list(args.overrides) + fixed)
     log = lambda m: print(m, file=sys.stderr)  # noqa: E731 - stdout is the JSON only
-    result = run_bench(cfg, steps=args.steps, warmup=args.warmup, log=log)
-    print(json.dumps({**result, "fixed_length": args.fixed_length}, indent=2))
+    items = list(run_bench(cfg, steps=args.steps, warmup=args.warmup, log=log).items())
+    # The setting first, then what was measured under it: fixed_length before the machine.
+    at = [key for key, _ in items].index("threads")
+    items.insert(at, ("fixed_length", args.fixed_length))
+    print(json.dumps(dict(items), indent=2))
     return 0

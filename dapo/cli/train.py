@@ -121,7 +121,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     resume = run_dir is not None
     run_dir = _checked_run_dir(args, cfg, run_dir)
-    policy.device(cfg.model.device)
+    policy.device(cfg.model.device)  # raises now if CUDA is asked for and absent
     if cfg.model.path != "embedded":
         policy.check_model_path(cfg)
     if cfg.run.wandb:
@@ -141,9 +141,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     torch.manual_seed(cfg.train.seed)
-    print(describe(cfg))
-    for line in data.notes:
-        print(line)
+    _print_plan(cfg, data)
     print(f"run directory: {run_dir}")
     rundir.write_config(run_dir, cfg)
     # A resumed run starts from the same policy (it is the KL reference) and then loads the
@@ -155,21 +153,28 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _checked_run_dir(args: argparse.Namespace, cfg: Config, run_dir: Path | None) -> Path | None:
     """The run directory, created (a new run) or checked to hold a checkpoint (a resume), and
-    checked to be writable with room for checkpoints; None for a dry run, which writes nothing."""
+    checked to be writable with room for checkpoints. A dry run creates nothing (None for a
+    new run); a dry resume still checks the run's directory."""
     from dapo import checkpoint, rundir
 
-    if args.dry_run:
-        return None
-    if run_dir is None:
-        run_dir = rundir.new_run_dir(cfg, overwrite=args.overwrite)
-    elif checkpoint.find_latest(run_dir) is None:
-        raise ValueError(
-            f"--resume {run_dir}: no complete checkpoint there (it stopped before its first "
-            "one); start it again with --overwrite"
-        )
-    rundir.check_writable(run_dir)
-    rundir.check_space(run_dir, cfg)
+    if not args.dry_run:
+        if run_dir is None:
+            run_dir = rundir.new_run_dir(cfg, overwrite=args.overwrite)
+        elif checkpoint.find_latest(run_dir) is None:
+            raise ValueError(
+                f"--resume {run_dir}: no complete checkpoint there (it stopped before its first "
+                "one); start it again with --overwrite"
+            )
+    if run_dir is not None:
+        rundir.check_writable(run_dir)
+        rundir.check_space(run_dir, cfg)
     return run_dir
+
+
+def _print_plan(cfg: Config, data: RunData) -> None:
+    print(describe(cfg))
+    for line in data.notes:
+        print(line)
 
 
 def _print_dry_run(cfg: Config, data: RunData, lengths: dict[str, float]) -> None:
@@ -177,9 +182,7 @@ def _print_dry_run(cfg: Config, data: RunData, lengths: dict[str, float]) -> Non
     from dapo.config import dump_yaml
 
     print(dump_yaml(cfg), end="")
-    print(describe(cfg))
-    for line in data.notes:
-        print(line)
+    _print_plan(cfg, data)
     print(
         f"train {len(data.train)} problems, val {len(data.val)} problems x "
         f"{cfg.eval.num_samples} samples; prompt tokens min {lengths['prompt_tokens_min']}, "

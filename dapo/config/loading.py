@@ -34,7 +34,7 @@ MOVED_KEYS = {
     "model.embedded_hidden": "embedded.hidden",
     "model.embedded_layers": "embedded.layers",
 }
-"""Old key -> its place now (dapo 0.1 configs)."""
+"""Old key -> its place now (configs saved by dapo 0.1)."""
 
 _announced: set[str] = set()  # moved keys already noticed in this process
 

@@ -217,8 +217,9 @@ class _Repeats:
         self._by_index: dict[str, str] = {}
         self._by_prompt: dict[tuple[tuple[str, str], ...], str] = {}
 
-    def uid(self, r: Row) -> str | BadRow:
-        """The problem's uid, or a BadRow when it repeats a problem with another answer."""
+    def identify(self, r: Row) -> str | BadRow:
+        """Count row ``r`` under its problem's uid and return the uid; a BadRow instead when it
+        repeats a problem with another answer."""
         key = tuple((m["role"], m["content"]) for m in r.messages)
         uid = self._by_index.get(r.index) if r.index is not None else None
         if uid is None:
@@ -267,12 +268,13 @@ def load_table(
         wrap=wrap_template,
     )
     for r in rows:
-        uid = r if isinstance(r, BadRow) else repeats.uid(r)
-        if isinstance(uid, BadRow):
+        seen = r if isinstance(r, BadRow) else repeats.identify(r)
+        if isinstance(seen, BadRow):
             if on_bad_row == "error":
-                raise bad_row_error(table.path, uid, SKIP_HINT)
-            out.skipped.append(uid)
+                raise bad_row_error(table.path, seen, SKIP_HINT)
+            out.skipped.append(seen)
             continue
+        uid = seen
         if not dedup:
             uid_k = f"{uid}#{repeats.seen[uid] - 1}"
             out.problems.append(Problem(uid_k, r.messages, r.answer, r.data_source))

@@ -135,10 +135,10 @@ def check_file(
 def _prompt_token_stats(problems: list[Problem], tokenizer_dir: Path) -> dict[str, float]:
     if not tokenizer_dir.is_dir():
         raise ValueError(f"tokenizer {tokenizer_dir}: not a directory; give a local tokenizer")
-    from transformers import AutoTokenizer
+    from dapo.policy import tokenizer_from_dir
 
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    # The trainer's own rendering, so the lengths are the ones rollout will see.
+    # The trainer's own tokenizer loading and rendering: the lengths rollout will see.
+    tok = tokenizer_from_dir(tokenizer_dir, setting="--tokenizer")
     texts = [render_prompt(tok, p) for p in problems]
     lengths = sorted(len(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"])
 

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dapo.config import MOVED_KEYS
+
 # Per-run fields that always differ between runs and say nothing about the experiment.
 IGNORED_CONFIG_FIELDS = frozenset({"run.name", "run.out_dir"})
 
@@ -125,13 +127,14 @@ def config_differences(runs: Sequence[Run]) -> list[tuple[str, list[Any]]]:
     """Dotted config fields whose values differ across ``runs``, with each run's value.
 
     A field missing from some run's config counts as ``None`` there (older runs lack newer
-    fields). Fields come in config order, grouped by section.
+    fields); a field that moved since a run was saved is compared at its new place. Fields
+    come in config order, grouped by section.
     """
     flat: list[dict[str, Any]] = []
     for run in runs:
         out: dict[str, Any] = {}
         _flatten(run.config, "", out)
-        flat.append(out)
+        flat.append({MOVED_KEYS.get(key, key): value for key, value in out.items()})
     keys: dict[str, None] = {}
     for cfg in flat:
         keys.update(dict.fromkeys(cfg))

@@ -80,11 +80,12 @@ def get_task(name: str) -> Task:
     """
     task = REGISTRY.get(name)
     if task is None:
+        known = "".join(f"\n  {t.name}: {t.summary}" for t in tasks())
         raise ValueError(
             f"no reward function for data_source {name!r}; known tasks: {', '.join(names())}. "
             "Set reward.mode=dapo (or math_verify) to grade every row with one verifier, "
             "convert the file with `dapo data convert --to dapo` (data_source math_dapo), or "
-            "add a task: one file in dapo/tasks/ that defines TASKS."
+            f"add a task: one file in dapo/tasks/ that defines TASKS. The tasks:{known}"
         )
     return task
 
