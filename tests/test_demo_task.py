@@ -1,7 +1,7 @@
 from dapo.data.problems import PromptSampler
 from dapo.data.prompts import PROMPT_PREFIX, PROMPT_SUFFIX, render_prompt
+from dapo.tasks import get_verifier
 from dapo.tasks.arith import make_splits, worked_solution
-from dapo.tasks.math_dapo import math_score
 
 
 def test_worked_solution_is_graded_correct():
@@ -10,8 +10,8 @@ def test_worked_solution_is_graded_correct():
     assert answer == 13
     direct, _ = worked_solution([7, 3, 2, 5], ["+", "-", "+"], style="direct")
     assert direct == "7 + 3 - 2 + 5 = 13\nAnswer: 13"
-    assert math_score(text, "13").correct
-    assert not math_score(text, "12").correct
+    assert get_verifier("arith")(text, "13").correct
+    assert not get_verifier("arith")(text, "12").correct
 
 
 def _contents(pairs):
@@ -30,7 +30,7 @@ def test_splits_are_disjoint_deterministic_and_in_the_dapo_format():
     for p, solution in train[:50]:
         content = p.messages[0]["content"]
         assert content.startswith(PROMPT_PREFIX) and content.endswith(PROMPT_SUFFIX)
-        assert math_score(solution, p.answer).correct
+        assert get_verifier("arith")(solution, p.answer).correct
 
 
 def test_tokenizer_round_trips_task_text(tokenizer):

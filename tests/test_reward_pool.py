@@ -10,6 +10,7 @@ import types
 import faulty_verifiers
 import pytest
 
+from dapo import tasks
 from dapo.reward_pool import FAULT_KINDS, FAULT_SCORE, Fault, Job, RewardPool
 from dapo.tasks.base import Score
 from dapo.tasks.math_dapo import math_score
@@ -42,7 +43,12 @@ def ok_jobs(n: int) -> list[Job]:
 
 
 def expected(jobs: list[Job]) -> list[Score]:
-    return [math_score(job.response, job.answer) for job in jobs]
+    """Each job graded in-process by its verifier: the registered task's, or "ok"'s."""
+
+    def verifier(source: str):
+        return math_score if source == "ok" else tasks.get_verifier(source)
+
+    return [verifier(job.data_source)(job.response, job.answer) for job in jobs]
 
 
 def with_bad(n: int, bad: dict[int, str]) -> list[Job]:

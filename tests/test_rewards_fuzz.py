@@ -1,4 +1,5 @@
-"""Property-based tests (hypothesis) of answer extraction and normalisation in dapo.tasks.math_dapo.
+"""Property-based tests (hypothesis) of answer extraction and normalisation in
+dapo.tasks.math_lenient.
 
 The verifier grades untrusted model output, so these tests check, for inputs built
 to reach its rules and its bounds (LaTeX fragments, "Answer:" markers, grouped
@@ -33,7 +34,7 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from dapo.tasks.base import Score
-from dapo.tasks.math_dapo import MAX_ANSWER_CHARS, TAIL_CHARS, math_score, normalize_answer
+from dapo.tasks.math_lenient import MAX_ANSWER_CHARS, TAIL_CHARS, lenient_score, normalize_answer
 
 CI_EXAMPLES = 200
 LONG_EXAMPLES = 10_000
@@ -50,9 +51,9 @@ MAX_INPUT_CHARS = 1_000_000
 #   string, so the cost grows with MAX_ANSWER_CHARS squared: bounded, but the
 #   slowest input there is. Generated inputs, 1 MB ones included, mostly take
 #   well under 1 ms.
-# - math_score with a short ground truth: worst observed 4 ms (the same chain in
+# - lenient_score with a short ground truth: worst observed 4 ms (the same chain in
 #   an answer line; the tail window keeps it under TAIL_CHARS).
-# - math_score with a hostile ground truth (over 100 characters): worst observed
+# - lenient_score with a hostile ground truth (over 100 characters): worst observed
 #   44 ms, one normalize_answer call on the truth; bounded by the sum below.
 NORMALIZE_LIMIT_S = 0.7
 MATH_SCORE_RESPONSE_LIMIT_S = 0.05
@@ -440,7 +441,7 @@ def answered(draw):
     return response, truth
 
 
-# (response, ground truth) pairs for the math_score properties: independent, or
+# (response, ground truth) pairs for the lenient_score properties: independent, or
 # a response that answers (rightly or wrongly) a truth drawn with it, so that
 # correct grades are common too.
 graded = st.one_of(st.tuples(responses, truths), answered())
@@ -466,7 +467,7 @@ class _Unprintable:
         raise RuntimeError("no str for you")
 
 
-# Ground truths that are not strings: math_score passes them to str(), which
+# Ground truths that are not strings: lenient_score passes them to str(), which
 # raises for an int over CPython's 4300-digit limit and for _Unprintable.
 non_string_truths = st.one_of(
     non_strings,
@@ -475,12 +476,12 @@ non_string_truths = st.one_of(
 )
 
 
-# --- math_score ----------------------------------------------------------------------
+# --- lenient_score ----------------------------------------------------------------------
 
 
 def _math_score_is_total(graded):
     response, truth = graded
-    result = math_score(response, truth)
+    result = lenient_score(response, truth)
     assert isinstance(result, Score)
     assert result.score in (1.0, -1.0)
     assert result.correct == (result.score == 1.0)
@@ -496,7 +497,7 @@ test_math_score_is_total, test_math_score_is_total_long = ci_and_long(graded)(_m
 
 
 def _non_string_response_is_wrong(response, truth):
-    assert math_score(response, truth) == WRONG
+    assert lenient_score(response, truth) == WRONG
 
 
 test_non_string_response_is_wrong, test_non_string_response_is_wrong_long = ci_and_long(
@@ -507,7 +508,7 @@ test_non_string_response_is_wrong, test_non_string_response_is_wrong_long = ci_a
 def _non_string_truth_is_passed_to_str(response, truth):
     # An int ground truth is passed to str() (one whose str() raises, over 4300 digits,
     # grades every response wrong); any other type (None, floats, bytes) is no answer.
-    result = math_score(response, truth)
+    result = lenient_score(response, truth)
     if isinstance(truth, bool) or not isinstance(truth, int):
         assert result == WRONG
         return
@@ -516,7 +517,7 @@ def _non_string_truth_is_passed_to_str(response, truth):
     except Exception:
         assert result == WRONG
     else:
-        assert result == math_score(response, truth_text)
+        assert result == lenient_score(response, truth_text)
 
 
 test_non_string_truth_is_passed_to_str, test_non_string_truth_is_passed_to_str_long = ci_and_long(
@@ -526,7 +527,7 @@ test_non_string_truth_is_passed_to_str, test_non_string_truth_is_passed_to_str_l
 
 def _math_score_reads_only_the_tail(graded):
     response, truth = graded
-    assert math_score(response, truth) == math_score(response[-TAIL_CHARS:], truth)
+    assert lenient_score(response, truth) == lenient_score(response[-TAIL_CHARS:], truth)
 
 
 test_math_score_reads_only_the_tail, test_math_score_reads_only_the_tail_long = ci_and_long(graded)(
@@ -536,8 +537,8 @@ test_math_score_reads_only_the_tail, test_math_score_reads_only_the_tail_long = 
 
 def _normalising_truth_first_changes_nothing(graded):
     response, truth = graded
-    result = math_score(response, truth)
-    assert math_score(response, normalize_answer(truth)) == result
+    result = lenient_score(response, truth)
+    assert lenient_score(response, normalize_answer(truth)) == result
 
 
 (
@@ -548,10 +549,10 @@ def _normalising_truth_first_changes_nothing(graded):
 
 def _math_score_is_bounded_in_time(graded):
     response, truth = graded
-    _, elapsed = timed(math_score, response, truth)
+    _, elapsed = timed(lenient_score, response, truth)
     limit = MATH_SCORE_LIMIT_S if len(truth) > 100 else MATH_SCORE_RESPONSE_LIMIT_S
     assert elapsed < limit, (
-        f"math_score took {elapsed * 1e3:.1f} ms on {len(response)} + {len(truth)} chars"
+        f"lenient_score took {elapsed * 1e3:.1f} ms on {len(response)} + {len(truth)} chars"
     )
 
 
@@ -570,7 +571,7 @@ def _final_answer_line_is_graded(prefix, marker_word, spaces, pair, trailer):
     line = marker_word + spaces + ": " + answer
     response = prefix + "\n" + line + trailer
     assert len(line + trailer) <= TAIL_CHARS  # the whole line is in the window
-    result = math_score(response, truth)
+    result = lenient_score(response, truth)
     if answer.strip():
         expected = normalize_answer(answer)
         assert result.pred == expected
@@ -600,7 +601,7 @@ def _answer_line_at_window_edge(prefix, marker_word, spaces, answer, filler, off
     after = " " + answer + "\n" + _repeat(filler, TAIL_CHARS)[:pad]
     response = prefix + "\n" + marker + after
     marker_in_window = len(marker + after) <= TAIL_CHARS
-    result = math_score(response, normalize_answer(answer))
+    result = lenient_score(response, normalize_answer(answer))
     if marker_in_window:
         assert result.pred == normalize_answer(answer)
         assert result.correct == (result.pred != "")

@@ -1,15 +1,15 @@
 r"""A general verifier for answers that are not integers, built on ``math-verify``.
 
-Why: ``dapo.tasks.math_dapo.math_score`` (DAPO mode) compares normalised strings, which is
-exact for DAPO-Math-17k's integer answers but grades ``0.5`` against ``\frac{1}{2}``,
-``2\sqrt{3}`` against ``\sqrt{12}`` or ``\{3,2,1\}`` against ``\{1,2,3\}`` as wrong.
-This mode parses both answers into SymPy objects with HuggingFace's ``math-verify``
-(LaTeX, fractions, radicals, sets, intervals, equations, percentages) and asks its
-``verify`` whether they are equal, numerically or symbolically.
+Why: the string modes (:mod:`dapo.tasks.math_dapo`, :mod:`dapo.tasks.math_lenient`) compare
+normalised strings, which is exact for DAPO-Math-17k's integer answers but grades ``0.5``
+against ``\frac{1}{2}``, ``2\sqrt{3}`` against ``\sqrt{12}`` or ``\{3,2,1\}`` against
+``\{1,2,3\}`` as wrong. This mode parses both answers into SymPy objects with HuggingFace's
+``math-verify`` (LaTeX, fractions, radicals, sets, intervals, equations, percentages) and
+asks its ``verify`` whether they are equal, numerically or symbolically.
 
-What is graded: the same bounded tail as DAPO mode (``math_dapo.TAIL_CHARS``, the
-last 300 characters). The answer is the text after the last ``Answer:`` marker in it,
-found by DAPO mode's own extraction, so both modes read the same line; without one,
+What is graded: the same bounded tail as the string modes (``TAIL_CHARS``, the last 300
+characters). The answer is the text after the last ``Answer:`` marker in it, found by the
+lenient mode's extraction (on the marker's own line); without one,
 the content of the last ``\boxed{...}`` in the tail (none if its braces never
 close). 300 characters are enough: the answer ends the response by instruction, and
 typical non-integer answers (intervals, sets, radicals, a small matrix) are far
@@ -34,7 +34,7 @@ and answers "not equal" without telling anyone, so a timeout would never reach t
 metrics. The pool's deadline replaces them; the price is that a timeout costs a
 worker restart, whose first response pays the imports again (about 0.5 s).
 
-Like ``math_score``, ``math_verify_score`` grades any input (``None``, bytes, garbage)
+Like the string modes, ``math_verify_score`` grades any input (``None``, bytes, garbage)
 without raising, with two deliberate exceptions: ``MemoryError`` propagates, so that
 the pool reports a "memory" fault and replaces the worker (which may have kept
 memory in caches); and ``ImportError`` propagates when math-verify is not installed,
@@ -55,7 +55,7 @@ import logging
 from typing import Any
 
 from dapo.tasks.base import NO_ANSWER, RewardFn, Score, Task, ground_truth_text
-from dapo.tasks.math_dapo import TAIL_CHARS, extract_answer
+from dapo.tasks.math_lenient import TAIL_CHARS, extract_answer
 
 __all__ = ["GOLD_CACHE_SIZE", "MODE_NAME", "TASKS", "math_verify_score", "resolve"]
 
