@@ -29,6 +29,7 @@ def evaluate(
     prompts_per_batch: int = 64,
     pool: RewardPool | None = None,
     chat_template: bool = True,
+    system_prompt: str | None = None,
     reward_mode: str = "",
     resamples: int = 1000,
     records_out: list | None = None,
@@ -54,6 +55,7 @@ def evaluate(
         seed=seed,
         pool=pool or RewardPool(workers=0),
         chat_template=chat_template,
+        system_prompt=system_prompt,
         reward_mode=reward_mode,
         responses_per_batch=prompts_per_batch * k,
     )
@@ -89,6 +91,7 @@ def sample_records(
     pool: RewardPool,
     greedy: bool = False,
     chat_template: bool = True,
+    system_prompt: str | None = None,
     reward_mode: str = "",
     responses_per_batch: int = 256,
 ) -> list[dict]:
@@ -102,7 +105,10 @@ def sample_records(
     records = []
     for start in range(0, len(problems), per_batch):
         chunk = problems[start : start + per_batch]
-        prompts = [render_prompt(tokenizer, p, chat_template=chat_template) for p in chunk]
+        prompts = [
+            render_prompt(tokenizer, p, chat_template=chat_template, system_prompt=system_prompt)
+            for p in chunk
+        ]
         ro = engine.generate(
             prompts,
             group_size=k,

@@ -82,8 +82,12 @@ def check_verifiers(cfg: Config, data: RunData) -> None:
 
 
 def prompt_lengths(cfg: Config, tokenizer: Any, problems: list[Problem]) -> list[int]:
+    d = cfg.data
     texts = [
-        render_prompt(tokenizer, p, chat_template=cfg.data.apply_chat_template) for p in problems
+        render_prompt(
+            tokenizer, p, chat_template=d.apply_chat_template, system_prompt=d.system_prompt
+        )
+        for p in problems
     ]
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     return [len(x) for x in ids]

@@ -176,6 +176,7 @@ class _Run:
             seed=derive_seed(cfg.train.seed, "eval"),
             pool=state.pool,
             chat_template=cfg.data.apply_chat_template,
+            system_prompt=cfg.data.system_prompt,
             reward_mode=cfg.reward.mode,
             records_out=self.records,
         )

@@ -103,10 +103,12 @@ def build_state(
 
 def shape_group(episodes: Sequence[Episode], cfg: Config) -> None:
     """R = R_correct + R_length (soft overlong punishment), or overlong filtering, in place;
-    with neither technique on, a truncated response scores a hard -1 (the naive baseline)."""
+    with neither technique on, a truncated response scores a hard -1 and is incorrect (the
+    naive baseline)."""
     a = cfg.algo
-    rewards_B, trainable_B = algo.shape_rewards(
+    rewards_B, correct_B, trainable_B = algo.shape_rewards(
         torch.tensor([e.reward for e in episodes], dtype=torch.float64),
+        torch.tensor([e.correct for e in episodes]),
         torch.tensor([e.length for e in episodes]),
         torch.tensor([e.truncated for e in episodes]),
         l_max=cfg.rollout.max_new_tokens,
@@ -115,10 +117,9 @@ def shape_group(episodes: Sequence[Episode], cfg: Config) -> None:
         soft_punish=a.overlong_shaping,
         filter_truncated=a.overlong_filter,
     )
-    for e, reward, trainable in zip(
-        episodes, rewards_B.tolist(), trainable_B.tolist(), strict=True
-    ):
-        e.reward, e.trainable = reward, trainable
+    shaped = zip(rewards_B.tolist(), correct_B.tolist(), trainable_B.tolist(), strict=True)
+    for e, (reward, correct, keep) in zip(episodes, shaped, strict=True):
+        e.reward, e.correct, e.trainable = reward, correct, keep
 
 
 def sample_round(state: TrainState, problems: list[Problem], *, seed: int) -> list[Sample]:
@@ -126,7 +127,12 @@ def sample_round(state: TrainState, problems: list[Problem], *, seed: int) -> li
     at most ``rollout.rows_per_generate`` rows, each seeded from ``seed`` and its index."""
     cfg, r = state.cfg, state.cfg.rollout
     prompts = [
-        render_prompt(state.tokenizer, p, chat_template=cfg.data.apply_chat_template)
+        render_prompt(
+            state.tokenizer,
+            p,
+            chat_template=cfg.data.apply_chat_template,
+            system_prompt=cfg.data.system_prompt,
+        )
         for p in problems
     ]
     samples, slots = generate_samples(

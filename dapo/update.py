@@ -156,6 +156,7 @@ def _update_metrics(sums: dict[str, float], cfg: Config, *, lr: float, with_kl: 
         "perf/train_padding_frac": 1.0 - sums.get("real", 0.0) / max(sums.get("slots", 0.0), 1.0),
         "clip/low_frac": sums.get("clip_low", 0.0) / tokens,
         "clip/high_frac": sums.get("clip_high", 0.0) / tokens,
+        "clip/dual_frac": sums.get("clip_dual", 0.0) / tokens,
         "clip/high_prob_mean": sums.get("clip_high_prob_sum", 0.0)
         / max(sums.get("num_clip_high", 0.0), 1.0),
     }
@@ -196,6 +197,7 @@ def accumulate_gradients(
             b.loss_mask_BT,
             eps_low=cfg.algo.eps_low,
             eps_high=cfg.algo.eps_high,
+            clip_ratio_c=cfg.algo.clip_ratio_c,
             agg=cfg.algo.loss_agg,
             num_tokens=num_tokens,
             num_seqs=num_seqs,
@@ -233,6 +235,7 @@ def _micro_sums(b: Batch, loss, entropy_BT, stats, *, shared: bool) -> dict[str,
         "prob_sum": float(tokens["prob_sum"]),
         "clip_low": float(stats["clip_low_frac"]) * n,
         "clip_high": float(stats["clip_high_frac"]) * n,
+        "clip_dual": float(stats["dual_clip_frac"]) * n,
         "clip_high_prob_sum": float(stats["clip_high_prob_mean"] * stats["num_clip_high"]),
         "num_clip_high": float(stats["num_clip_high"]),
     }

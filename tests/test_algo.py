@@ -186,6 +186,7 @@ def test_policy_loss_hand_stats():
         "ratio_mean": (1 + 1.5 + 0.75 + 0.5 + 1.5) / 5,  # = 1.05
         "num_tokens": 5.0,
         "num_clip_high": 1.0,
+        "dual_clip_frac": 0.0,  # dual-clip off
     }
     assert set(stats) == set(expected)
     for name, value in expected.items():
@@ -511,53 +512,85 @@ def test_entropy_is_computed_in_blocks_with_the_same_values(monkeypatch):
 # ----------------------------------------------------------------------------- reward shaping
 
 
+def _shaped(scores, correct, lengths, truncated, **kwargs):
+    return algo.shape_rewards(
+        torch.tensor(scores, dtype=torch.float64),
+        torch.tensor(correct),
+        torch.tensor(lengths),
+        torch.tensor(truncated),
+        **kwargs,
+    )
+
+
 def test_shape_rewards_soft_punishment_hand_values():
     # L_max 20, L_cache 4: free up to 16 tokens, then -1/4 per token, -1 at 20 (and beyond).
-    scores = torch.tensor([1.0, 1.0, -1.0, 1.0], dtype=torch.float64)
-    lengths = torch.tensor([16, 17, 18, 20])
-    truncated = torch.tensor([False, False, False, True])
-    rewards, trainable = algo.shape_rewards(scores, lengths, truncated, l_max=20, l_cache=4)
+    args = ([1.0, 1.0, -1.0, 1.0], [True, True, False, True], [16, 17, 18, 20])
+    truncated = [False, False, False, True]
+    rewards, correct, trainable = _shaped(*args, truncated, l_max=20, l_cache=4)
     assert rewards.dtype == torch.float64
     assert rewards.tolist() == [1.0, 0.75, -1.5, 0.0]
+    assert correct.tolist() == [True, True, False, True]  # correctness is the verifier's
     assert trainable.tolist() == [True] * 4
-    half, _ = algo.shape_rewards(scores, lengths, truncated, l_max=20, l_cache=4, factor=0.5)
+    half, _, _ = _shaped(*args, truncated, l_max=20, l_cache=4, factor=0.5)
     assert half.tolist() == [1.0, 0.875, -1.25, 0.5]
 
 
 def test_shape_rewards_is_correctness_plus_the_overlong_penalty():
     g = torch.Generator().manual_seed(0)
-    scores = torch.where(torch.rand(64, generator=g) < 0.5, 1.0, -1.0).double()
+    correct = torch.rand(64, generator=g) < 0.5
+    scores = torch.where(correct, 1.0, -1.0).double()
     lengths = torch.randint(1, 31, (64,), generator=g)
     truncated = lengths > 28
-    rewards, _ = algo.shape_rewards(scores, lengths, truncated, l_max=28, l_cache=8)
+    rewards, same, _ = algo.shape_rewards(scores, correct, lengths, truncated, l_max=28, l_cache=8)
     expected = scores + algo.overlong_penalty(lengths, 28, 8).double()
-    assert torch.equal(rewards, expected)
+    assert torch.equal(rewards, expected) and torch.equal(same, correct)
 
 
 def test_shape_rewards_overlong_filter_masks_truncated_only_and_keeps_rewards():
-    scores = torch.tensor([1.0, -1.0, 1.0], dtype=torch.float64)
-    lengths = torch.tensor([20, 19, 5])
-    truncated = torch.tensor([True, False, False])
-    rewards, trainable = algo.shape_rewards(
-        scores, lengths, truncated, l_max=20, l_cache=0, soft_punish=False, filter_truncated=True
+    rewards, correct, trainable = _shaped(
+        [1.0, -1.0, 1.0],
+        [True, False, True],
+        [20, 19, 5],
+        [True, False, False],
+        l_max=20,
+        l_cache=0,
+        soft_punish=False,
+        filter_truncated=True,
     )
     assert rewards.tolist() == [1.0, -1.0, 1.0]  # filtered, not punished
+    assert correct.tolist() == [True, False, True]
     assert trainable.tolist() == [False, True, True]
 
 
-def test_shape_rewards_without_either_technique_scores_truncation_minus_one():
+def test_shape_rewards_without_either_technique_scores_truncation_minus_one_and_wrong():
     # The naive baseline; l_cache is not used, so an invalid one is no error.
-    scores = torch.tensor([1.0, 1.0, -1.0], dtype=torch.float64)
-    truncated = torch.tensor([True, False, True])
-    rewards, trainable = algo.shape_rewards(
-        scores, torch.tensor([20, 18, 20]), truncated, l_max=20, l_cache=0, soft_punish=False
+    rewards, correct, trainable = _shaped(
+        [1.0, 1.0, -1.0],
+        [True, True, False],
+        [20, 18, 20],
+        [True, False, True],
+        l_max=20,
+        l_cache=0,
+        soft_punish=False,
     )
     assert rewards.tolist() == [-1.0, 1.0, -1.0]
+    assert correct.tolist() == [False, True, False]  # the filter sees the reward trained on
     assert trainable.tolist() == [True, True, True]
     with pytest.raises(ValueError, match="bool"):
-        algo.shape_rewards(
-            scores, torch.tensor([1, 2, 3]), torch.tensor([0, 1, 0]), l_max=4, l_cache=2
-        )
+        _shaped([1.0], [1], [3], [False], l_max=4, l_cache=2)
+
+
+def test_shape_rewards_soft_punishment_and_filter_together():
+    rewards, _, trainable = _shaped(
+        [1.0, 1.0],
+        [True, True],
+        [18, 20],
+        [False, True],
+        l_max=20,
+        l_cache=4,
+        filter_truncated=True,
+    )
+    assert rewards.tolist() == [0.5, 0.0] and trainable.tolist() == [True, False]
 
 
 def test_token_sums_over_the_loss_tokens():
@@ -569,22 +602,56 @@ def test_token_sums_over_the_loss_tokens():
     assert sums["prob_sum"].item() == pytest.approx(0.875)
 
 
-def test_shape_rewards_soft_punishment_and_filter_together():
-    scores = torch.tensor([1.0, 1.0], dtype=torch.float64)
-    rewards, trainable = algo.shape_rewards(
-        scores,
-        torch.tensor([18, 20]),
-        torch.tensor([False, True]),
-        l_max=20,
-        l_cache=4,
-        filter_truncated=True,
-    )
-    assert rewards.tolist() == [0.5, 0.0] and trainable.tolist() == [True, False]
-
-
 def test_max_abs_gap():
     a, b = torch.tensor([-1.0, -2.0, -3.0]), torch.tensor([-1.25, -2.0, -2.5])
     assert algo.max_abs_gap(a, b).item() == 0.5
     assert algo.max_abs_gap(a[:0], b[:0]).item() == 0.0
     with pytest.raises(ValueError, match="shapes differ"):
         algo.max_abs_gap(a, b[:2])
+
+
+# ----------------------------------------------------------------------------- dual-clip
+
+
+def _one_token(ratio: float, advantage: float, *, clip_ratio_c: float):
+    """The loss, its gradient with respect to log pi, and the stats, for a single token."""
+    logp = torch.tensor([[math.log(ratio)]], dtype=torch.float64, requires_grad=True)
+    loss, stats = policy_loss(
+        logp,
+        torch.zeros(1, 1, dtype=torch.float64),
+        torch.tensor([advantage], dtype=torch.float64),
+        torch.ones(1, 1, dtype=torch.bool),
+        eps_low=0.2,
+        eps_high=0.28,
+        clip_ratio_c=clip_ratio_c,
+        return_stats=True,
+    )
+    loss.backward()
+    return loss.item(), logp.grad.item(), stats["dual_clip_frac"].item()
+
+
+def test_dual_clip_caps_a_negative_advantage_tokens_loss_at_minus_c_a():
+    # A = -1, r = 12: unclipped the loss is -min(12 * -1, 1.28 * -1) = 12, gradient
+    # -A r = 12 in log pi; with c = 10 the loss is -c A = 10 and the gradient 0.
+    assert _one_token(12.0, -1.0, clip_ratio_c=0.0) == pytest.approx((12.0, 12.0, 0.0))
+    assert _one_token(12.0, -1.0, clip_ratio_c=10.0) == pytest.approx((10.0, 0.0, 1.0))
+    # Below c the bound is not active: r = 3, A = -0.5 gives loss 1.5, gradient 1.5.
+    assert _one_token(3.0, -0.5, clip_ratio_c=10.0) == pytest.approx((1.5, 1.5, 0.0))
+
+
+def test_dual_clip_leaves_positive_advantages_alone():
+    # A = 2, r = 12: the upper clip already holds the loss at -1.28 * 2 with zero gradient.
+    assert _one_token(12.0, 2.0, clip_ratio_c=10.0) == _one_token(12.0, 2.0, clip_ratio_c=0.0)
+    assert _one_token(12.0, 2.0, clip_ratio_c=10.0) == pytest.approx((-2.56, 0.0, 0.0))
+    # r = 0.9 within the clip range: loss -r A = -1.8, gradient -r A = -1.8.
+    assert _one_token(0.9, 2.0, clip_ratio_c=10.0) == pytest.approx((-1.8, -1.8, 0.0))
+
+
+def test_dual_clip_bound_must_exceed_one():
+    with pytest.raises(ValueError, match="clip_ratio_c must be 0"):
+        _one_token(1.0, 1.0, clip_ratio_c=0.5)
+
+
+def test_kl_k3_is_capped_at_ten():
+    kl = kl_k3(torch.tensor([0.0]), torch.tensor([15.0]))  # exp(15) - 16 is about 3.3e6
+    assert kl.item() == 10.0

@@ -98,6 +98,7 @@ def test_yaml_file_starts_from_paper_by_default(tmp_path):
         ("model.dtype=float64", "model.dtype must be one of ('float32', 'bfloat16', 'float16')"),
         ("reward.mode=sympy", "reward.mode must be empty (by data_source) or one of"),
         ("rollout.engine=vllm", "rollout.engine must be one of ('dapo', 'hf')"),
+        ("algo.clip_ratio_c=0.5", "algo.clip_ratio_c must be 0 (off) or > 1, got 0.5"),
         ("optim.beta2=1", "optim.beta1 and optim.beta2 must be in [0, 1)"),
         ("rollout.temperature=.inf", "rollout.temperature must be finite"),
     ],

@@ -484,3 +484,13 @@ def test_convert_dapo_math_17k_rebuilds_official_prompts(tmp_path, capsys):
         aime = pq.read_table(AIME).slice(0, 1).to_pylist()[0]
         raw = aime["extra_info"]["raw_problem"]
         assert aime["prompt"][0]["content"] == PROMPT_PREFIX + raw + PROMPT_SUFFIX
+
+
+def test_a_dapo_file_without_reward_model_names_that_field(tmp_path):
+    path = tmp_path / "no_answers.jsonl"
+    path.write_text(json.dumps({"prompt": [{"role": "user", "content": "1 + 1?"}]}) + "\n")
+    with pytest.raises(DataError) as info:
+        load_problems(path)
+    message = str(info.value)
+    assert "read as dapo format, it has no column 'reward_model'" in message
+    assert "reward_model.ground_truth" in message

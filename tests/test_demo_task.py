@@ -54,3 +54,19 @@ def test_sampler_epochs_are_permutations_and_resumable():
     s2 = PromptSampler(problems, seed=3)
     s2.load_state_dict(state)
     assert [p.uid for p in s2.next(9)] == [p.uid for p in rest]
+
+
+def test_a_system_prompt_goes_first_unless_the_problem_has_one(tokenizer):
+    from dapo.data.problems import Problem
+
+    user = {"role": "user", "content": "What is 2 + 2?"}
+    plain = Problem("p", (user,), "4")
+    assert render_prompt(tokenizer, plain) == "User: What is 2 + 2?\nAssistant:\n"
+    assert render_prompt(tokenizer, plain, system_prompt="Be brief.") == (
+        "System: Be brief.\nUser: What is 2 + 2?\nAssistant:\n"
+    )
+    assert render_prompt(tokenizer, plain, system_prompt="").startswith("System: \nUser:")
+    own = Problem("q", ({"role": "system", "content": "Mine."}, user), "4")
+    assert render_prompt(tokenizer, own, system_prompt="Be brief.").startswith("System: Mine.\n")
+    raw = render_prompt(tokenizer, plain, chat_template=False, system_prompt="Be brief.")
+    assert raw == "Be brief.\n\nWhat is 2 + 2?"

@@ -52,6 +52,8 @@ def test_naive_baseline_scores_truncation_minus_one():
     eps = [_episode(20, truncated=True, correct=True), _episode(18)]
     shape_group(eps, _cfg("run.preset=grpo"))
     assert [e.reward for e in eps] == [-1.0, 1.0]
+    # A truncated response is wrong too: a group is kept or dropped on the reward it gets.
+    assert [e.correct for e in eps] == [False, True]
 
 
 def test_group_advantages_are_assigned_per_group():

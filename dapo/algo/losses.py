@@ -14,6 +14,9 @@ AGG_MODES = ("token-mean", "seq-mean-token-mean")
 # exp() of a log-ratio beyond +-20 (a ratio of ~5e8 or ~2e-9) only happens on a
 # pathological policy step; clamping keeps exp() and its backward finite, as verl does.
 LOG_RATIO_CLAMP = 20.0
+# A k3 estimate above this is capped, as the reference does (its clamp to [-10, 10]; k3 is
+# never negative): one diverged token must not dominate the KL term.
+KL_CLAMP = 10.0
 
 
 def aggregate(
@@ -99,6 +102,7 @@ def policy_loss(
     *,
     eps_low: float,
     eps_high: float,
+    clip_ratio_c: float = 0.0,
     agg: str = "token-mean",
     num_tokens: int | float | torch.Tensor | None = None,
     num_seqs: int | float | torch.Tensor | None = None,
@@ -117,6 +121,14 @@ def policy_loss(
     gradient is zero. No KL term: DAPO drops it (§2.3); the GRPO baseline adds
     ``aggregate(kl_k3(...))`` itself.
 
+    Dual-clip (``clip_ratio_c`` = c > 1, as in the reference's recipe; 0 = off) bounds what
+    a token with a negative advantage can contribute, however far its ratio has grown over
+    the mini-batches of a step:
+
+        J_{i,t} = max(J_{i,t}, c Â_{i,t})   where Â_{i,t} < 0,   so loss_{i,t} <= -c Â_{i,t}
+
+    with zero gradient where the bound is active. Positive advantages are unaffected.
+
     Positions where ``mask`` is False never count and are excluded with
     ``torch.where`` before ``exp``, so -inf or garbage log-probabilities there give
     a finite loss and a zero (not NaN) gradient. The log-ratio is clamped to
@@ -129,6 +141,7 @@ def policy_loss(
         mask: bool ``[B, T]``, True for response tokens that count.
         eps_low: lower clip range, ratio >= 1 - eps_low; >= 0.
         eps_high: upper clip range, ratio <= 1 + eps_high; >= 0.
+        clip_ratio_c: the dual-clip bound c for negative advantages; 0 (off) or > 1.
         agg, num_tokens, num_seqs: see ``aggregate``.
         return_stats: also return diagnostics.
 
@@ -138,28 +151,12 @@ def policy_loss(
         ``clip_low_frac`` (Â < 0 and r < 1 - eps_low), ``clip_high_frac`` (Â > 0
         and r > 1 + eps_high), ``clip_high_prob_mean`` (mean old-policy probability
         of the tokens clipped at the upper bound, 0 if none: the paper's
-        Clip-Higher diagnostic), ``ratio_mean``, ``num_tokens`` and
-        ``num_clip_high``. To combine micro-batches, weight the fractions and
-        ``ratio_mean`` by ``num_tokens`` and ``clip_high_prob_mean`` by
-        ``num_clip_high``.
+        Clip-Higher diagnostic), ``dual_clip_frac`` (Â < 0 and the dual-clip bound
+        active), ``ratio_mean``, ``num_tokens`` and ``num_clip_high``. To combine
+        micro-batches, weight the fractions and ``ratio_mean`` by ``num_tokens`` and
+        ``clip_high_prob_mean`` by ``num_clip_high``.
     """
-    if eps_low < 0 or eps_high < 0:
-        raise ValueError(f"eps_low and eps_high must be >= 0, got {eps_low} and {eps_high}")
-    if logprobs.shape != old_logprobs.shape or logprobs.shape != mask.shape:
-        raise ValueError(
-            "logprobs, old_logprobs and mask must have the same [B, T] shape, got "
-            f"{tuple(logprobs.shape)}, {tuple(old_logprobs.shape)}, {tuple(mask.shape)}"
-        )
-    if advantages.shape == logprobs.shape[:1]:
-        adv_BT = advantages.unsqueeze(-1)  # [B, 1], the same Â_i for every token of o_i
-    elif advantages.shape == logprobs.shape:
-        adv_BT = advantages
-    else:
-        raise ValueError(
-            f"advantages must be [B] or [B, T] = {tuple(logprobs.shape)}, "
-            f"got {tuple(advantages.shape)}"
-        )
-
+    adv_BT = _checked(logprobs, old_logprobs, advantages, mask, eps_low, eps_high, clip_ratio_c)
     # where() first, so exp() never sees -inf - -inf = NaN at padding and no NaN can
     # flow back through the unselected branch.
     log_ratio_BT = torch.where(mask, logprobs - old_logprobs, torch.zeros_like(logprobs))
@@ -167,12 +164,39 @@ def policy_loss(
     ratio_BT = torch.exp(log_ratio_BT)
     clipped_ratio_BT = ratio_BT.clamp(1.0 - eps_low, 1.0 + eps_high)
     objective_BT = torch.minimum(ratio_BT * adv_BT, clipped_ratio_BT * adv_BT)
+    dual_BT = None
+    if clip_ratio_c > 0:
+        dual_BT = (adv_BT < 0) & (objective_BT < clip_ratio_c * adv_BT)
+        objective_BT = torch.where(dual_BT, clip_ratio_c * adv_BT, objective_BT)
     loss = aggregate(-objective_BT, mask, agg=agg, num_tokens=num_tokens, num_seqs=num_seqs)
     if not return_stats:
         return loss
 
     dtype = stats_dtype(logprobs.dtype)
-    return loss, _clip_stats(ratio_BT, old_logprobs, adv_BT, mask, eps_low, eps_high, dtype)
+    stats = _clip_stats(ratio_BT, old_logprobs, adv_BT, mask, eps_low, eps_high, dtype)
+    num_dual = (mask & dual_BT).sum() if dual_BT is not None else mask.new_zeros(())
+    stats["dual_clip_frac"] = num_dual.to(dtype) / stats["num_tokens"].clamp(min=1)
+    return loss, stats
+
+
+def _checked(logprobs, old_logprobs, advantages, mask, eps_low, eps_high, clip_ratio_c):
+    """``policy_loss``'s arguments checked; the advantages as ``[B, 1]`` or ``[B, T]``."""
+    if eps_low < 0 or eps_high < 0:
+        raise ValueError(f"eps_low and eps_high must be >= 0, got {eps_low} and {eps_high}")
+    if clip_ratio_c != 0 and not clip_ratio_c > 1:
+        raise ValueError(f"clip_ratio_c must be 0 (off) or > 1, got {clip_ratio_c}")
+    if logprobs.shape != old_logprobs.shape or logprobs.shape != mask.shape:
+        raise ValueError(
+            "logprobs, old_logprobs and mask must have the same [B, T] shape, got "
+            f"{tuple(logprobs.shape)}, {tuple(old_logprobs.shape)}, {tuple(mask.shape)}"
+        )
+    if advantages.shape == logprobs.shape[:1]:
+        return advantages.unsqueeze(-1)  # [B, 1], the same Â_i for every token of o_i
+    if advantages.shape == logprobs.shape:
+        return advantages
+    raise ValueError(
+        f"advantages must be [B] or [B, T] = {tuple(logprobs.shape)}, got {tuple(advantages.shape)}"
+    )
 
 
 @torch.no_grad()
@@ -206,8 +230,9 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     Unbiased for KL(π_θ ‖ π_ref) when tokens are sampled from π_θ, and never
     negative. DAPO itself uses no KL penalty (§2.3); the naive-GRPO ablation adds
     β · aggregate(kl_k3(...)). ``d`` is clamped to [-20, 20] so exp() cannot
-    overflow on a diverged or garbage position (the gradient is zero beyond the
-    clamp). Mask padding with ``aggregate``.
+    overflow on a diverged or garbage position, and the estimate is capped at
+    ``KL_CLAMP`` (10) as in the reference; the gradient is zero beyond either clamp.
+    Mask padding with ``aggregate``.
 
     Args:
         logprobs: current-policy log-probabilities ``[...]``.
@@ -222,4 +247,4 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
             f"{tuple(ref_logprobs.shape)}"
         )
     d = (ref_logprobs - logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return torch.exp(d) - d - 1.0
+    return (torch.exp(d) - d - 1.0).clamp(max=KL_CLAMP)

@@ -48,6 +48,7 @@ def overlong_penalty(
 
 def shape_rewards(
     scores_B: torch.Tensor,
+    correct_B: torch.Tensor,
     lengths_B: torch.Tensor,
     truncated_B: torch.Tensor,
     *,
@@ -56,26 +57,34 @@ def shape_rewards(
     factor: float = 1.0,
     soft_punish: bool = True,
     filter_truncated: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rewards after length shaping, and which responses count in the loss.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rewards after length shaping, which responses count as correct, and which count in the
+    loss.
 
         soft_punish:       R_i = R_correct,i + R_length(|o_i|)        (DAPO §3.4)
         filter_truncated:  truncated responses are masked out of the loss (the ablation's
                            overlong filtering); their reward is left as it is
-        neither:           R_i = -1 for a truncated response (the naive baseline)
+        neither:           R_i = -1 for a truncated response (the naive baseline), which is
+                           then incorrect too, so that dynamic sampling's filter (on
+                           correctness) sees the reward the group is trained on
 
     Args:
         scores_B: R_correct of each response ``[B]``, floating point.
+        correct_B: bool ``[B]``, the verifier's verdict.
         lengths_B: response lengths in tokens ``[B]``.
         truncated_B: bool ``[B]``, True where the response hit L_max without ending.
         l_max, l_cache, factor: see ``overlong_penalty``.
 
     Returns:
-        ``(rewards_B, trainable_B)``: rewards in the dtype of ``scores_B`` (the penalty is
-        computed in the default dtype and added in that of the scores), and a bool mask.
+        ``(rewards_B, correct_B, trainable_B)``: rewards in the dtype of ``scores_B`` (the
+        penalty is computed in the default dtype and added in that of the scores), and two
+        bool masks.
     """
-    if truncated_B.dtype != torch.bool:
-        raise ValueError(f"truncated_B must be a bool tensor, got {truncated_B.dtype}")
+    if truncated_B.dtype != torch.bool or correct_B.dtype != torch.bool:
+        raise ValueError(
+            f"correct_B and truncated_B must be bool tensors, got {correct_B.dtype} and "
+            f"{truncated_B.dtype}"
+        )
     rewards_B = scores_B
     if soft_punish:
         penalty_B = overlong_penalty(lengths_B, l_max, l_cache, factor)
@@ -83,4 +92,5 @@ def shape_rewards(
     trainable_B = ~truncated_B if filter_truncated else torch.ones_like(truncated_B)
     if not soft_punish and not filter_truncated:
         rewards_B = torch.where(truncated_B, torch.full_like(rewards_B, -1.0), rewards_B)
-    return rewards_B, trainable_B
+        correct_B = correct_B & ~truncated_B
+    return rewards_B, correct_B, trainable_B

@@ -40,7 +40,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--greedy", action="store_true", help="also report greedy accuracy")
     ev.add_argument("--num-problems", type=int, default=0, help="only the first N (0 = all)")
-    ev.add_argument("--reward-mode", default="", help="dapo or math_verify for every row")
+    ev.add_argument("--reward-mode", default="", help="dapo, lenient or math_verify for every row")
+    ev.add_argument(
+        "--system-prompt",
+        default=None,
+        help="a system message before every problem (as data.system_prompt; '' for an empty one)",
+    )
     ev.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples")
     ev.add_argument(
         "--phrases",
@@ -169,6 +174,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             seed=args.seed,
             pool=pool,
             greedy=args.greedy,
+            system_prompt=args.system_prompt,
             reward_mode=args.reward_mode,
         )
     per_problem = _metrics(records, ks, phrases)
@@ -194,6 +200,7 @@ def _save(args, out: Path, records: list[dict], per_problem: dict, summary, *, s
         "top_p": args.top_p,
         "max_new_tokens": args.max_new_tokens,
         "seed": args.seed,
+        "system_prompt": args.system_prompt,
         "engine": args.engine,
         "resamples": args.resamples,
         "reward_faults": sum(r["faults"] for r in records),

@@ -135,15 +135,20 @@ def resolve_format(
     """The format to read ``table`` as, and the columns every row needs for it."""
     if fmt not in ("auto", *FORMATS):
         raise ValueError(f"data format must be one of auto, {', '.join(FORMATS)}; got {fmt!r}")
+    columns = set(table.columns)
     if fmt == "auto":
-        fmt = "dapo" if {"prompt", "reward_model"} <= set(table.columns) else "flat"
+        # A chat prompt without a question column is a DAPO file, whatever else it lacks:
+        # its error should name reward_model, not the flat format's columns.
+        dapo_like = "prompt" in columns and question_key not in columns
+        fmt = "dapo" if {"prompt", "reward_model"} <= columns or dapo_like else "flat"
     need = ["prompt", "reward_model"] if fmt == "dapo" else [question_key, answer_key]
-    missing = [c for c in need if c not in table.columns]
+    missing = [c for c in need if c not in columns]
     if missing and table.records:
         fix = (
             "name the columns with --question-key/--answer-key (data.question_key/answer_key)"
             if fmt == "flat"
-            else "is it a flat question/answer file? use --format flat (data.format=flat)"
+            else "the DAPO format holds each row's answer in reward_model.ground_truth; or is "
+            "it a flat question/answer file? then use --format flat (data.format=flat)"
         )
         raise DataError(
             f"{table.path}: read as {fmt} format, it has no column {', '.join(map(repr, missing))}"

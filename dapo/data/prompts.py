@@ -31,11 +31,19 @@ def strip_template(content: str) -> str:
     return content
 
 
-def render_prompt(tokenizer: Any, problem: Problem, *, chat_template: bool = True) -> str:
+def render_prompt(
+    tokenizer: Any,
+    problem: Problem,
+    *,
+    chat_template: bool = True,
+    system_prompt: str | None = None,
+) -> str:
     """Chat-format problems go through the tokenizer's chat template when it has one (and
-    ``chat_template``); otherwise the message contents, raw."""
+    ``chat_template``); otherwise the message contents, raw. ``system_prompt`` (when not
+    None) is a system message put first, unless the problem has one of its own."""
+    messages = list(problem.messages)
+    if system_prompt is not None and not (messages and messages[0]["role"] == "system"):
+        messages.insert(0, {"role": "system", "content": system_prompt})
     if chat_template and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(
-            list(problem.messages), add_generation_prompt=True, tokenize=False
-        )
-    return "\n\n".join(m["content"] for m in problem.messages)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return "\n\n".join(m["content"] for m in messages)

@@ -1,0 +1,152 @@
+"""What a run trains and where: the model, the embedded demo model, the data, the verifier
+and the run's own settings (directory, threads, logging)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from dapo import presets, tasks
+
+
+@dataclass
+class ModelConfig:
+    path: str = "embedded"
+    """A local Hugging Face model directory, or ``embedded`` for the built-in tiny Qwen2."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype: float32, bfloat16 or float16."""
+    device: str = "auto"
+    """``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``."""
+
+    def check(self) -> list[str]:
+        if self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"):
+            return []
+        return [f"model.device must be auto, cpu, cuda or cuda:N, got {self.device!r}"]
+
+
+@dataclass
+class EmbeddedConfig:
+    """The built-in tiny Qwen2 policy (``model.path=embedded``), warm-started on the arith task."""
+
+    cache_dir: str = "~/.cache/dapo"
+    """Where its warm-started weights are cached (rebuilt if absent)."""
+    sft_steps: int = 400
+    """Supervised warm-start steps (RL needs a policy that is sometimes right)."""
+    hidden: int = 128
+    """Hidden size (a multiple of its 4 attention heads)."""
+    layers: int = 2
+    """Decoder layers."""
+
+    def check(self) -> list[str]:
+        errors = []
+        if self.sft_steps < 1:
+            errors.append(f"embedded.sft_steps must be >= 1, got {self.sft_steps}")
+        if not (self.hidden >= 4 and self.hidden % 4 == 0):
+            errors.append(f"embedded.hidden must be a positive multiple of 4, got {self.hidden}")
+        if self.layers < 1:
+            errors.append("embedded.layers must be >= 1")
+        return errors
+
+
+@dataclass
+class DataConfig:
+    task: str = "arith"
+    """The embedded task, used when no train_file is given (the only one so far: ``arith``,
+    whose settings are the ``arith`` section)."""
+    train_file: str = ""
+    """Training data file (Parquet or JSONL, DAPO or flat format); empty = the embedded task."""
+    val_file: str = ""
+    """Held-out data file, e.g. AIME 2024; required with ``train_file``."""
+    format: Literal["auto", "dapo", "flat"] = "auto"
+    """``dapo`` (chat-message ``prompt``, ``reward_model.ground_truth``), ``flat`` (a question
+    and an answer column) or ``auto`` (dapo when the file has ``prompt`` and ``reward_model``)."""
+    question_key: str = "question"
+    """Question column of a flat file."""
+    answer_key: str = "answer"
+    """Answer column of a flat file."""
+    data_source: str = "math_dapo"
+    """Verifier of flat rows (and of rows whose data_source is empty)."""
+    wrap_template: bool = False
+    """Wrap each problem in the DAPO instruction template (never twice)."""
+    dedup: bool = True
+    """Train on each distinct problem once, however many rows repeat it."""
+    on_bad_row: Literal["error", "skip"] = "error"
+    """``error`` stops at the first bad row, naming file, row and field; ``skip`` counts it."""
+    apply_chat_template: bool = True
+    """Render chat messages with the tokenizer's chat template when it has one (else raw)."""
+    system_prompt: str | None = None
+    """A system message put before every problem that has none; None = none (a chat template
+    may then add its own: Qwen2.5-Math's asks for \\boxed{}, against the DAPO prompt's
+    ``Answer:`` line, and "" replaces it with an empty one)."""
+
+    def check(self) -> list[str]:
+        errors = []
+        if self.task != "arith":
+            errors.append(f"data.task must be 'arith' (the embedded task), got {self.task!r}")
+        if bool(self.train_file) != bool(self.val_file):
+            errors.append(
+                "data.train_file and data.val_file go together: give both (e.g. DAPO-Math-17k "
+                "and AIME 2024), or neither for the embedded task"
+            )
+        return errors
+
+
+@dataclass
+class RewardConfig:
+    workers: int = 1
+    """Verifier processes. A response that makes the verifier raise, hang or exhaust memory is
+    graded incorrect and counted; 0 grades in-process, where a hang cannot be stopped."""
+    timeout_s: float = 10.0
+    """Seconds one response may take to grade before its worker is killed."""
+    memory_mb: int = 2048
+    """Address-space limit of each verifier process, MiB; 0 = no limit."""
+    mode: str = ""
+    """Verifier for every row, a task name (``dapo``, ``math_verify``: see dapo.tasks); empty
+    = chosen by each row's ``data_source`` (``math_dapo`` -> the DAPO verifier)."""
+
+    def check(self) -> list[str]:
+        errors = []
+        if self.workers < 0:
+            errors.append("reward.workers must be >= 0 (0 = grade in-process)")
+        if not self.timeout_s > 0:
+            errors.append("reward.timeout_s must be > 0")
+        if self.memory_mb < 0:
+            errors.append("reward.memory_mb must be >= 0 (0 = no limit)")
+        if self.mode not in ("", *tasks.names()):
+            errors.append(
+                f"reward.mode must be empty (by data_source) or one of {tasks.names()}, "
+                f"got {self.mode!r}"
+            )
+        return errors
+
+
+@dataclass
+class RunConfig:
+    out_dir: str = "runs"
+    """Run directories are created under this one."""
+    name: str = ""
+    """Run directory name; empty = <preset>-<timestamp>."""
+    preset: str = "dapo"
+    """Algorithm preset applied before the YAML file and overrides: dapo or grpo."""
+    base: str = "paper"
+    """Scale the config started from: paper or demo."""
+    threads: int = 0
+    """torch CPU threads; 0 = torch's default."""
+    tensorboard: bool = True
+    """Also write every metric as TensorBoard scalars in <run dir>/tensorboard."""
+    progress: Literal["auto", "plain"] = "auto"
+    """``auto``: a live display on a terminal, one line per step otherwise; ``plain``: lines."""
+    wandb: bool = False
+    """Also log to Weights & Biases (needs ``pip install wandb``; WANDB_MODE=offline works)."""
+    wandb_project: str = "dapo"
+    """W&B project of the run; the run's name and id are the run directory's name."""
+
+    def check(self) -> list[str]:
+        errors = []
+        if self.preset not in presets.ALGORITHMS:
+            errors.append(f"run.preset must be one of {tuple(presets.ALGORITHMS)}")
+        if self.base not in presets.BASES:
+            errors.append(f"run.base must be one of {tuple(presets.BASES)}")
+        if self.threads < 0:
+            errors.append("run.threads must be >= 0 (0 = torch's default)")
+        return errors

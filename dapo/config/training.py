@@ -1,0 +1,217 @@
+"""How a run trains: rollout, the algorithm, dynamic sampling, updates, optimiser, evaluation.
+
+Every default is the paper's (Qwen2.5-32B, spec table). A field whose values are a fixed set
+declares them in its type (``Literal``); each section checks its own values (``check``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass
+class RolloutConfig:
+    group_size: int = 16
+    """G, responses per prompt (paper: 16)."""
+    max_new_tokens: int = 20480
+    """L_max, the generation limit in tokens (paper: 20480)."""
+    temperature: float = 1.0
+    """Sampling temperature for training rollouts (paper: 1.0)."""
+    top_p: float = 1.0
+    """Nucleus sampling for training rollouts (paper: 1.0)."""
+    ignore_eos: bool = False
+    """Benchmarks only: every response runs to max_new_tokens, so two systems do equal work.
+    The hf engine then records the EOS-masked log-probs, so it needs recompute_old_logprobs."""
+    rows_per_generate: int = 0
+    """Responses generated at once (0 = a whole round): bounds generation memory, as a round
+    of n prompts runs in ceil(n G / this) calls, each seeded from the round's seed."""
+    engine: Literal["dapo", "hf"] = "dapo"
+    """dapo (one prefill per prompt, finished rows leave the batch) or hf (transformers
+    generate, for a model whose KV cache cannot be repeated or sliced by row)."""
+
+    def check(self) -> list[str]:
+        errors = []
+        if self.group_size < 2:
+            errors.append(
+                "rollout.group_size must be >= 2 (advantages compare within a group), "
+                f"got {self.group_size}"
+            )
+        if self.max_new_tokens < 1:
+            errors.append("rollout.max_new_tokens must be >= 1")
+        if not self.temperature > 0:
+            errors.append("rollout.temperature must be > 0")
+        if not math.isfinite(self.temperature):
+            errors.append("rollout.temperature must be finite")
+        if not 0 < self.top_p <= 1:
+            errors.append("rollout.top_p must be in (0, 1]")
+        if self.rows_per_generate < 0:
+            errors.append("rollout.rows_per_generate must be >= 0 (0 = a whole round)")
+        return errors
+
+
+@dataclass
+class AlgoConfig:
+    eps_low: float = 0.2
+    """Lower clip range epsilon_low (paper: 0.2)."""
+    eps_high: float = 0.28
+    """Upper clip range epsilon_high; Clip-Higher when above eps_low (paper: 0.28)."""
+    clip_ratio_c: float = 0.0
+    """Dual-clip bound c: a token with a negative advantage loses at most -c A (0 = off, the
+    paper's text; the reference's DAPO recipes set 10)."""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
+    """token-mean (DAPO token-level loss) or seq-mean-token-mean (GRPO sample-level loss)."""
+    kl_coef: float = 0.0
+    """beta of the k3 KL penalty to a frozen reference model (DAPO: 0, no reference model)."""
+    overlong_shaping: bool = True
+    """Soft overlong punishment R_length (DAPO §3.4)."""
+    l_cache: int = 4096
+    """L_cache, the soft-punishment buffer in tokens (paper: 4096)."""
+    overlong_factor: float = 1.0
+    """Multiplier of the overlong penalty (paper: 1.0)."""
+    overlong_filter: bool = False
+    """Mask the loss of truncated responses (the ablation's overlong filtering). Off in DAPO,
+    which punishes softly instead; when neither is on, truncated responses score -1."""
+    adv_eps: float = 1e-6
+    """eps in (R - mean) / (std + eps)."""
+
+    def check(self) -> list[str]:
+        errors = []
+        if self.eps_low < 0:
+            errors.append(f"algo.eps_low must be >= 0, got {self.eps_low}")
+        if self.eps_high < self.eps_low:
+            errors.append(f"algo.eps_high must be >= algo.eps_low, got {self.eps_high}")
+        if self.clip_ratio_c != 0 and not self.clip_ratio_c > 1:
+            errors.append(f"algo.clip_ratio_c must be 0 (off) or > 1, got {self.clip_ratio_c}")
+        if self.kl_coef < 0:
+            errors.append(f"algo.kl_coef must be >= 0, got {self.kl_coef}")
+        if self.overlong_factor < 0:
+            errors.append("algo.overlong_factor must be >= 0")
+        return errors
+
+
+@dataclass
+class SamplingConfig:
+    dynamic: bool = True
+    """Dynamic sampling: keep only groups with 0 < #correct < G (DAPO §3.2)."""
+    max_rounds: int = 10
+    """Generation rounds per step before giving up on filling N groups; 0 = unbounded."""
+    on_max_rounds: Literal["error", "train"] = "error"
+    """After max_rounds: ``error`` stops the run, ``train`` trains on the groups kept so far."""
+    prompts_per_round: int = 0
+    """Prompts drawn per generation round; 0 = prompts_per_step. With oversample, the first
+    round's size until a kept fraction has been measured."""
+    oversample: bool = True
+    """Size each round as (groups still needed) / (kept fraction measured last step or this
+    one), at most 4 x prompts_per_step, so that one round usually suffices."""
+
+    def check(self) -> list[str]:
+        errors = []
+        if self.max_rounds < 0:
+            errors.append("sampling.max_rounds must be >= 0 (0 = unbounded)")
+        if self.prompts_per_round < 0:
+            errors.append("sampling.prompts_per_round must be >= 0")
+        return errors
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    """Rollout steps (each: generate, filter, then epochs x mini-batch updates)."""
+    prompts_per_step: int = 512
+    """N, prompts (groups) trained on per step (paper: 512)."""
+    responses_per_minibatch: int = 512
+    """Responses per gradient update (paper: 512, so 16 updates per step at G=16)."""
+    tokens_per_microbatch: int = 16384
+    """Padded tokens per forward/backward; only memory, never the gradient, depends on it."""
+    epochs: int = 1
+    """mu, passes over each step's responses."""
+    recompute_old_logprobs: bool = True
+    """Recompute pi_old log-probs with a forward pass. False reuses the sampler's, after
+    checking on the first step that they match a forward pass (float32: they do)."""
+    share_prompts: bool = True
+    """Forward passes run each distinct prompt of a micro-batch once for all its responses."""
+    seed: int = 0
+    """Seed of prompt order, sampling and initialisation."""
+    save_every: int = 20
+    """Checkpoint every this many steps, and always after the last; 0 = only after the last."""
+    keep_checkpoints: int = 3
+    """How many of the newest checkpoints to keep; older ones are deleted once a newer is safe."""
+    max_consecutive_skips: int = 10
+    """Stop after this many updates in a row skipped for a non-finite loss or gradient norm."""
+
+    def check(self) -> list[str]:
+        at_least = {
+            "steps": 0,
+            "prompts_per_step": 1,
+            "responses_per_minibatch": 1,
+            "tokens_per_microbatch": 1,
+            "epochs": 1,
+            "keep_checkpoints": 1,
+            "max_consecutive_skips": 1,
+        }
+        errors = [
+            f"train.{name} must be >= {low}"
+            for name, low in at_least.items()
+            if getattr(self, name) < low
+        ]
+        if self.save_every < 0:
+            errors.append("train.save_every must be >= 0 (0 = only after the last step)")
+        return errors
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    """AdamW learning rate (paper: 1e-6)."""
+    warmup_steps: int = 20
+    """Linear warm-up, in rollout steps (paper: 20)."""
+    weight_decay: float = 0.1
+    """AdamW weight decay."""
+    beta1: float = 0.9
+    beta2: float = 0.999
+    grad_clip: float = 1.0
+    """Clip the gradient norm of each update to this (0 = off)."""
+
+    def check(self) -> list[str]:
+        errors = []
+        if not self.lr > 0:
+            errors.append("optim.lr must be > 0")
+        if self.warmup_steps < 0:
+            errors.append("optim.warmup_steps must be >= 0")
+        if self.grad_clip < 0:
+            errors.append("optim.grad_clip must be >= 0 (0 = off)")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            errors.append("optim.beta1 and optim.beta2 must be in [0, 1)")
+        if self.weight_decay < 0:
+            errors.append("optim.weight_decay must be >= 0")
+        return errors
+
+
+@dataclass
+class EvalConfig:
+    every: int = 5
+    """Held-out evaluation every this many steps (0 = only at start and end)."""
+    num_samples: int = 32
+    """k of avg@k (paper: 32); 0 = as many as the val file repeats each problem (AIME: 32)."""
+    temperature: float = 1.0
+    """Paper: 1.0."""
+    top_p: float = 0.7
+    """Paper: 0.7."""
+    max_new_tokens: int = 0
+    """0 = the rollout's L_max."""
+
+    def check(self) -> list[str]:
+        errors = []
+        if self.every < 0:
+            errors.append("eval.every must be >= 0")
+        if self.num_samples < 0:
+            errors.append("eval.num_samples must be >= 0 (0 = the val file's repeats)")
+        if not 0 < self.top_p <= 1:
+            errors.append("eval.top_p must be in (0, 1]")
+        if not self.temperature > 0:
+            errors.append("eval.temperature must be > 0")
+        if self.max_new_tokens < 0:
+            errors.append("eval.max_new_tokens must be >= 0 (0 = rollout.max_new_tokens)")
+        return errors
