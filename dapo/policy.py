@@ -107,6 +107,20 @@ def context_length(cfg: Config) -> int | None:
     return getattr(AutoConfig.from_pretrained(cfg.model.path), "max_position_embeddings", None)
 
 
+def stop_token_ids(
+    model: torch.nn.Module, tokenizer: Any, extra: Sequence[int] = ()
+) -> tuple[int, ...]:
+    """Every token that ends a response: the tokenizer's EOS, the model's
+    ``generation_config.eos_token_id`` (an id or a list: instruct models stop on several, and
+    one that runs past its turn invents text whose last ``Answer:`` is graded), and ``extra``
+    (``rollout.stop_token_ids``). Sorted, each once."""
+    ids = {tokenizer.eos_token_id, *extra}
+    generation = getattr(model, "generation_config", None)
+    listed = getattr(generation, "eos_token_id", None)
+    ids.update(listed if isinstance(listed, (list, tuple)) else [listed])
+    return tuple(sorted(i for i in ids if i is not None))
+
+
 def load_policy(
     cfg: Config,
     warmup_pairs: Sequence[tuple[Problem, str]] = (),

@@ -32,6 +32,7 @@ from dapo.config import Config
 from dapo.data.problems import Problem, PromptSampler
 from dapo.data.prompts import render_prompt
 from dapo.metrics import accumulate
+from dapo.policy import stop_token_ids
 from dapo.reward_pool import GradeResult, RewardPool, grading_job
 from dapo.rollout import Engine, Sample, generate_samples, make_engine
 from dapo.sampling import Group, SamplingResult, collect_groups, rollout_metrics, round_size
@@ -94,7 +95,8 @@ def build_state(
         # The naive-GRPO KL anchor: a frozen copy of the starting policy.
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     sampler = PromptSampler(train_problems, seed=cfg.train.seed)
-    engine = make_engine(cfg.rollout.engine, model, tokenizer)
+    stops = stop_token_ids(model, tokenizer, cfg.rollout.stop_token_ids)
+    engine = make_engine(cfg.rollout.engine, model, tokenizer, stops)
     return TrainState(cfg, model, tokenizer, optimizer, sampler, engine, ref_model=ref_model)
 
 

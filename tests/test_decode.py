@@ -9,6 +9,7 @@ from helpers import generate
 from transformers import TopPLogitsWarper
 
 from dapo.model import response_logprobs
+from dapo.rollout import make_engine
 from dapo.rollout.native import decode, sample_from_logits, sampling_cdf
 
 PROMPTS = ["User: What is 2 + 3?\nAssistant:\n", "Compute 7 + 1 + 4.\n", "Hi"]
@@ -71,7 +72,7 @@ def test_removing_finished_rows_gives_the_same_tokens_and_logprobs(eager_eos_mod
             mask,
             group_size=8,
             max_new_tokens=24,
-            eos_token_id=tokenizer.eos_token_id,
+            stop_token_ids=(tokenizer.eos_token_id,),
             pad_token_id=tokenizer.pad_token_id,
             temperature=0.9,
             top_p=0.95,
@@ -108,7 +109,7 @@ def test_greedy_decoding_equals_transformers_generate(tiny_model, tokenizer, dro
         mask,
         group_size=1,
         max_new_tokens=20,
-        eos_token_id=stop,
+        stop_token_ids=(stop,),
         pad_token_id=tokenizer.pad_token_id,
         greedy=True,
         drop_finished=drop_finished,
@@ -261,3 +262,36 @@ def test_the_sampler_draws_the_exact_softmax_on_a_152k_vocabulary():
     assert total_variation(cdf32) > 1e-6
     implied32 = torch.diff(cdf32, prepend=torch.zeros(1))
     assert (implied32[exact > 1e-13] == 0).any()
+
+
+def test_every_stop_token_ends_a_response_in_both_engines(tiny_model, tokenizer):
+    """An instruct model stops on several tokens (its generation_config lists them): both
+    engines end a response at the first one, mask what follows and call it finished."""
+    from dapo.policy import stop_token_ids
+
+    ids, mask = _encode(tokenizer)
+    common = dict(max_new_tokens=20, pad_token_id=tokenizer.pad_token_id)
+    probe = tiny_model.generate(
+        input_ids=ids, attention_mask=mask, do_sample=False, eos_token_id=None, **common
+    )[:, ids.shape[1] :]
+    # Two tokens the greedy responses emit at different steps play the model's stop tokens.
+    first, second = int(probe[0, 3]), int(probe[1, 6])
+    tiny_model.generation_config.eos_token_id = [first, second]
+    stops = stop_token_ids(tiny_model, tokenizer, extra=[7])
+    assert stops == tuple(sorted({tokenizer.eos_token_id, first, second, 7}))
+    ref = tiny_model.generate(
+        input_ids=ids, attention_mask=mask, do_sample=False, eos_token_id=list(stops), **common
+    )[:, ids.shape[1] :]
+    for engine in ("dapo", "hf"):
+        ro = make_engine(engine, tiny_model, tokenizer, stops).generate(
+            PROMPTS, group_size=1, max_new_tokens=20, greedy=True
+        )
+        ends = [
+            next((t for t, tok in enumerate(row) if tok in stops), None) for row in ref.tolist()
+        ]
+        assert sum(e is not None for e in ends) >= 2  # rows end at different steps
+        assert ro.lengths_B.tolist() == [20 if e is None else e + 1 for e in ends], engine
+        assert ro.truncated_B.tolist() == [e is None for e in ends], engine
+        for b, n in enumerate(ro.lengths_B.tolist()):
+            assert ro.response_ids_BT[b, :n].tolist() == ref[b, :n].tolist(), engine
+            assert not ro.response_mask_BT[b, n:].any(), engine

@@ -230,8 +230,8 @@ def test_a_resumed_run_syncs_its_engine_before_it_generates(
     class Recording:
         exact_logprobs = True
 
-        def __init__(self, model, tok):
-            self.inner = real_make_engine("dapo", model, tok)
+        def __init__(self, model, tok, stops):
+            self.inner = real_make_engine("dapo", model, tok, stops)
 
         def generate(self, prompts, **kwargs):
             calls.append("generate")
@@ -240,7 +240,7 @@ def test_a_resumed_run_syncs_its_engine_before_it_generates(
         def sync_weights(self, model):
             calls.append("sync")
 
-    monkeypatch.setattr(trainer, "make_engine", lambda name, model, tok: Recording(model, tok))
+    monkeypatch.setattr(trainer, "make_engine", lambda _name, *args: Recording(*args))
     cfg.train.steps = 2
     _fit(cfg, start, tokenizer, train, val, run_dir, resume=True)
     assert calls[0] == "sync" and calls.count("sync") == 2  # on restore, after step 2

@@ -154,6 +154,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     problems = _problems(args)
     from dapo.eval_metrics import summarize
     from dapo.evaluate import sample_records
+    from dapo.policy import stop_token_ids
     from dapo.reward_pool import RewardPool
     from dapo.rollout import make_engine
 
@@ -164,7 +165,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     with RewardPool(workers=1) as pool:
         records = sample_records(
-            make_engine(args.engine, model, tokenizer),
+            make_engine(args.engine, model, tokenizer, stop_token_ids(model, tokenizer)),
             tokenizer,
             problems,
             k=args.k,

@@ -53,6 +53,11 @@ def _coerce(value: Any, typ: Any, where: str) -> Any:
         typ = next(a for a in args if a is not type(None))
     if typing.get_origin(typ) is Literal:
         typ = str
+    if typing.get_origin(typ) is list:
+        if not isinstance(value, list):
+            raise ValueError(f"{where}: expected a list such as [1, 2], got {value!r}")
+        (item,) = typing.get_args(typ)
+        return [_coerce(v, item, f"{where}[{k}]") for k, v in enumerate(value)]
     if typ is bool:
         if isinstance(value, bool):
             return value

@@ -7,7 +7,7 @@ declares them in its type (``Literal``); each section checks its own values (``c
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 
@@ -27,6 +27,10 @@ class RolloutConfig:
     rows_per_generate: int = 0
     """Responses generated at once (0 = a whole round): bounds generation memory, as a round
     of n prompts runs in ceil(n G / this) calls, each seeded from the round's seed."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end a response besides the tokenizer's EOS and the model's
+    generation_config.eos_token_id (instruct models list several, e.g. Qwen2.5's <|im_end|>
+    and <|endoftext|>)."""
     engine: Literal["dapo", "hf"] = "dapo"
     """dapo (one prefill per prompt, finished rows leave the batch) or hf (transformers
     generate, for a model whose KV cache cannot be repeated or sliced by row)."""
@@ -48,6 +52,10 @@ class RolloutConfig:
             errors.append("rollout.top_p must be in (0, 1]")
         if self.rows_per_generate < 0:
             errors.append("rollout.rows_per_generate must be >= 0 (0 = a whole round)")
+        if any(i < 0 for i in self.stop_token_ids):
+            errors.append(
+                f"rollout.stop_token_ids must be token ids >= 0, got {self.stop_token_ids}"
+            )
         return errors
 
 

@@ -14,6 +14,7 @@ An engine that keeps its own copy of the weights (an inference server) joins ``E
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -28,11 +29,15 @@ __all__ = ["ENGINES", "Engine", "Rollout", "Sample", "generate_samples", "make_e
 ENGINES = {"dapo": NativeEngine, "hf": HFEngine}
 
 
-def make_engine(name: str, model: torch.nn.Module, tokenizer: Any) -> Engine:
-    """The engine called ``name``, sampling from ``model``."""
+def make_engine(
+    name: str, model: torch.nn.Module, tokenizer: Any, stop_token_ids: Sequence[int] = ()
+) -> Engine:
+    """The engine called ``name``, sampling from ``model``; a response ends at the first of
+    ``stop_token_ids`` (default: the tokenizer's EOS; ``policy.stop_token_ids`` gives a run's
+    set)."""
     if name not in ENGINES:
         raise ValueError(f"rollout engine {name!r}: use one of {', '.join(ENGINES)}")
-    return ENGINES[name](model, tokenizer)
+    return ENGINES[name](model, tokenizer, stop_token_ids)
 
 
 def generate_samples(

@@ -6,6 +6,7 @@ padded), T = response tokens (right padded after the stop token).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -94,12 +95,16 @@ class Engine(Protocol):
 class LiveModelEngine:
     """An engine that samples from the trainer's own module, as the native and hf engines do:
     the weights it reads are the trained ones (nothing to sync), and its log-probs are the
-    policy's own."""
+    policy's own. A response ends at the first of ``stop_token_ids`` (default: the
+    tokenizer's EOS)."""
 
     exact_logprobs = True
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any) -> None:
+    def __init__(
+        self, model: torch.nn.Module, tokenizer: Any, stop_token_ids: Sequence[int] = ()
+    ) -> None:
         self.model, self.tokenizer = model, tokenizer
+        self.stop_token_ids = tuple(stop_token_ids) or (tokenizer.eos_token_id,)
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Nothing to copy: generation runs the trainer's own module."""
@@ -118,14 +123,16 @@ def finish_rollout(
     response_ids_BT: torch.Tensor,
     logprobs_BT: torch.Tensor,
     slots: int,
+    stop_token_ids: Sequence[int],
 ) -> Rollout:
-    """Masks, lengths and texts of generated ids; tokens after the first EOS become padding."""
-    is_eos_BT = response_ids_BT == tokenizer.eos_token_id
-    # Tokens up to and including the first EOS are the response; generate pads after it.
-    after_eos_BT = (is_eos_BT.cumsum(dim=1) - is_eos_BT.long()) > 0
-    response_mask_BT = ~after_eos_BT
+    """Masks, lengths and texts of generated ids: a response is its tokens up to and including
+    the first stop token, and is truncated when it has none; what follows becomes padding."""
+    stops = torch.tensor(list(stop_token_ids), device=response_ids_BT.device)
+    is_stop_BT = torch.isin(response_ids_BT, stops)
+    after_stop_BT = (is_stop_BT.cumsum(dim=1) - is_stop_BT.long()) > 0
+    response_mask_BT = ~after_stop_BT
     lengths_B = response_mask_BT.sum(dim=1)
-    truncated_B = ~is_eos_BT.any(dim=1)
+    truncated_B = ~is_stop_BT.any(dim=1)
     response_ids_BT = response_ids_BT.masked_fill(~response_mask_BT, tokenizer.pad_token_id)
     logprobs_BT = logprobs_BT.masked_fill(~response_mask_BT, 0.0)
     texts = tokenizer.batch_decode(response_ids_BT, skip_special_tokens=True)

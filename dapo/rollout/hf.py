@@ -86,7 +86,7 @@ class HFEngine(LiveModelEngine):
         )
         if greedy:  # argmax decoding (evaluation only): the warpers above are then unused
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-        if ignore_eos:  # benchmarks: EOS is masked until max_new_tokens, fixing the work done
+        if ignore_eos:  # benchmarks: stop tokens masked until max_new_tokens, fixing the work
             kwargs["min_new_tokens"] = max_new_tokens
         torch.manual_seed(seed)
         out = model.generate(
@@ -94,12 +94,18 @@ class HFEngine(LiveModelEngine):
             attention_mask=prompt_mask_BP,
             logits_processor=LogitsProcessorList([recorder]),
             pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
+            eos_token_id=list(self.stop_token_ids),
             **kwargs,
         )
         response_ids_BT = out[:, prompt_ids_BP.shape[1] :]
         logprobs_BT = recorder.finish(response_ids_BT[:, -1])
         slots = response_ids_BT.numel()  # generate runs every row to the longest response
         return finish_rollout(
-            tokenizer, prompt_ids_BP, prompt_mask_BP, response_ids_BT, logprobs_BT, slots
+            tokenizer,
+            prompt_ids_BP,
+            prompt_mask_BP,
+            response_ids_BT,
+            logprobs_BT,
+            slots,
+            self.stop_token_ids,
         )

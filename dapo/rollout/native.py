@@ -27,6 +27,7 @@ T = steps, V = vocabulary.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -61,7 +62,7 @@ class NativeEngine(LiveModelEngine):
             mask_nP,
             group_size=group_size,
             max_new_tokens=max_new_tokens,
-            eos_token_id=tok.eos_token_id,
+            stop_token_ids=self.stop_token_ids,
             pad_token_id=tok.pad_token_id,
             temperature=temperature,
             top_p=top_p,
@@ -76,6 +77,7 @@ class NativeEngine(LiveModelEngine):
             response_ids_BT,
             logprobs_BT,
             slots,
+            self.stop_token_ids,
         )
 
 
@@ -139,7 +141,7 @@ def decode(
     *,
     group_size: int,
     max_new_tokens: int,
-    eos_token_id: int,
+    stop_token_ids: Sequence[int],
     pad_token_id: int,
     temperature: float = 1.0,
     top_p: float = 1.0,
@@ -153,12 +155,14 @@ def decode(
     Returns (response ids [B, T], log-probs [B, T], slots): tokens after a row's EOS are
     ``pad_token_id`` with log-prob 0; T is the longest response, at most ``max_new_tokens``;
     slots counts the (row, step) positions sampled, finished rows included when kept.
-    ``ignore_eos`` masks EOS at every step (fixed-length benchmarks). ``drop_finished=False``
+    A row finishes at the first of ``stop_token_ids``. ``ignore_eos`` masks every stop token
+    at every step (fixed-length benchmarks). ``drop_finished=False``
     keeps finished rows in the batch (fed padding, as ``generate`` does): the reference the
     removal is tested against.
     """
     device = prompt_ids_nP.device
     num_rows = prompt_ids_nP.shape[0] * group_size
+    stops = torch.tensor(list(stop_token_ids), device=device)
     cache, logits_AV = _prefill(model, prompt_ids_nP, prompt_mask_nP, group_size)
     mask_AL = prompt_mask_nP.repeat_interleave(group_size, dim=0)
     live = _Rows(
@@ -182,14 +186,14 @@ def decode(
             temperature=temperature,
             top_p=top_p,
             greedy=greedy,
-            masked_token=eos_token_id if ignore_eos else None,
+            masked_tokens=stops if ignore_eos else None,
         )
         running_A = ~live.done_A
         tokens_BT[live.rows_A[running_A], t] = token_A[running_A]
         logprobs_BT[live.rows_A[running_A], t] = logp_A[running_A]
         steps = t + 1
         slots += live.rows_A.numel()
-        finished_A = running_A & (token_A == eos_token_id)
+        finished_A = running_A & torch.isin(token_A, stops)
         if ignore_eos:
             finished_A = torch.zeros_like(running_A)
         if t == max_new_tokens - 1:
@@ -263,15 +267,15 @@ def _prefill(model, prompt_ids_nP, prompt_mask_nP, group_size: int):
     return cache, out.logits[:, -1].float().repeat_interleave(group_size, dim=0)
 
 
-def _draw(logits_AV, u_A, *, temperature: float, top_p: float, greedy: bool, masked_token):
+def _draw(logits_AV, u_A, *, temperature: float, top_p: float, greedy: bool, masked_tokens):
     """Each running row's next token and its log-prob under the temperature-scaled policy
-    (before top-p, and with ``masked_token`` unmasked: the policy's own probability)."""
+    (before top-p, and with ``masked_tokens`` unmasked: the policy's own probability)."""
     scaled_AV = logits_AV / temperature if not greedy else logits_AV
     logz_A1 = torch.logsumexp(scaled_AV, dim=-1, keepdim=True)
     policy_AV = scaled_AV
-    if masked_token is not None:
+    if masked_tokens is not None:
         policy_AV = scaled_AV.clone()
-        policy_AV[:, masked_token] = float("-inf")
+        policy_AV[:, masked_tokens] = float("-inf")
     if greedy:
         token_A = policy_AV.argmax(dim=-1)
     else:
