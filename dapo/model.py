@@ -5,6 +5,8 @@ Shapes: B = responses, P = prompt tokens (left padded), T = response tokens (rig
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from dapo.algo import entropy_from_logits, token_logprobs_from_logits
@@ -175,3 +177,13 @@ def forward_slots(b: Batch, *, shared: bool) -> tuple[float, float]:
         _, prompts, _ = distinct_prompts(b.prompt_ids_BP, b.prompt_mask_BP)
     resp = b.response_mask_BT
     return float(prompts.numel() + resp.numel()), float(prompts.sum() + resp.sum())
+
+
+def autocast(model: torch.nn.Module, compute_dtype: torch.dtype | None):
+    """A context that runs ``model`` in ``compute_dtype`` (torch.autocast on its device) when
+    its weights are another dtype: float32 master weights, bf16 matmuls. Nothing to do when
+    they match, or when ``compute_dtype`` is None."""
+    weights = next(model.parameters())
+    if compute_dtype is None or weights.dtype == compute_dtype:
+        return contextlib.nullcontext()
+    return torch.autocast(weights.device.type, dtype=compute_dtype)

@@ -19,9 +19,9 @@ from dapo.config import Config, ModelConfig, choices
 from dapo.data.problems import Problem
 
 DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name) for name in choices(ModelConfig, "dtype")
+    name: getattr(torch, name) for name in choices(ModelConfig, "param_dtype")
 }
-"""model.dtype's choices as torch dtypes."""
+"""model.param_dtype's and model.compute_dtype's choices as torch dtypes."""
 
 GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -127,7 +127,8 @@ def load_policy(
     tokenizer: Any = None,
     log: Callable[[str], None] = print,
 ) -> tuple[torch.nn.Module, Any]:
-    """The policy on ``model.device`` in ``model.dtype``, and its tokenizer.
+    """The policy on ``model.device`` with its weights in ``model.param_dtype``, and its
+    tokenizer.
 
     The embedded tiny Qwen2 is warm-started on ``warmup_pairs`` (problem, worked solution)
     when it is not cached yet; any other ``model.path`` is loaded with transformers.
@@ -136,7 +137,7 @@ def load_policy(
         model, tokenizer = _embedded(cfg, warmup_pairs, log)
     else:
         model, tokenizer = _pretrained(cfg, tokenizer)
-    return model.to(device(cfg.model.device), dtype=DTYPES[cfg.model.dtype]), tokenizer
+    return model.to(device(cfg.model.device), dtype=DTYPES[cfg.model.param_dtype]), tokenizer
 
 
 def _embedded(cfg: Config, warmup_pairs: Sequence[tuple[Problem, str]], log):
@@ -171,7 +172,7 @@ def _pretrained(cfg: Config, tokenizer: Any):
     path = check_model_path(cfg)
     tokenizer = tokenizer or load_tokenizer(cfg)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[cfg.model.dtype])
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[cfg.model.param_dtype])
     except (OSError, ValueError) as exc:
         raise ValueError(
             f"model.path={path}: not a causal language model transformers can load "

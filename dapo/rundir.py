@@ -82,12 +82,12 @@ def check_writable(run_dir: Path) -> None:
 
 
 def estimate_checkpoint_bytes(cfg: Config) -> int:
-    """About what one checkpoint takes: weights plus AdamW's two moments, in model.dtype.
+    """About what one checkpoint takes: weights plus AdamW's two moments, in model.param_dtype.
 
     Estimated from the weight files on disk (or the embedded model's shape), so it needs no
     model in memory.
     """
-    per_param = DTYPE_BYTES[cfg.model.dtype]
+    per_param = DTYPE_BYTES[cfg.model.param_dtype]
     if cfg.model.path == "embedded":
         h, layers = cfg.embedded.hidden, cfg.embedded.layers
         vocab = 4096  # an upper bound of the word-level demo vocabulary

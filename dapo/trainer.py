@@ -32,7 +32,7 @@ from dapo.config import Config
 from dapo.data.problems import Problem, PromptSampler
 from dapo.data.prompts import render_prompt
 from dapo.metrics import accumulate
-from dapo.policy import stop_token_ids
+from dapo.policy import DTYPES, stop_token_ids
 from dapo.reward_pool import GradeResult, RewardPool, grading_job
 from dapo.rollout import Engine, Sample, generate_samples, make_engine
 from dapo.sampling import Group, SamplingResult, collect_groups, rollout_metrics, round_size
@@ -63,22 +63,30 @@ class TrainState:
     """(mixed groups, prompts drawn) of the last step: the kept fraction that sizes rounds."""
     sampler_logprobs_checked: bool = False
     """Whether the sampler's log-probs were compared with a forward pass in this process."""
+    scaler: torch.amp.GradScaler | None = None
+    """Scales the loss of float16 computation on float32 weights (its gradients underflow
+    otherwise); None in float32 and bfloat16."""
 
     def state_dict(self) -> dict[str, Any]:
         """The counters and cursors a resumed run needs (JSON); the weights and the optimizer
         state are saved beside them by :func:`dapo.checkpoint.save`."""
-        return {
+        state = {
             "step": self.step,
             "sampler": self.sampler.state_dict(),
             "consecutive_skips": self.consecutive_skips,
             "sampling_prior": list(self.sampling_prior),
         }
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
         self.consecutive_skips = state["consecutive_skips"]
         self.sampling_prior = tuple(state.get("sampling_prior", (0, 0)))
+        if self.scaler is not None and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
 
 
 def build_state(
@@ -90,14 +98,20 @@ def build_state(
         betas=(cfg.optim.beta1, cfg.optim.beta2),
         weight_decay=cfg.optim.weight_decay,
     )
+    compute = DTYPES[cfg.model.compute_dtype]
     ref_model = None
     if cfg.algo.kl_coef > 0:
-        # The naive-GRPO KL anchor: a frozen copy of the starting policy.
-        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        # The naive-GRPO KL anchor: a frozen copy of the starting policy, in the compute dtype.
+        ref_model = copy.deepcopy(model).to(compute).eval().requires_grad_(False)
     sampler = PromptSampler(train_problems, seed=cfg.train.seed)
     stops = stop_token_ids(model, tokenizer, cfg.rollout.stop_token_ids)
-    engine = make_engine(cfg.rollout.engine, model, tokenizer, stops)
-    return TrainState(cfg, model, tokenizer, optimizer, sampler, engine, ref_model=ref_model)
+    engine = make_engine(cfg.rollout.engine, model, tokenizer, stops, compute)
+    scaler = None
+    if compute == torch.float16 and next(model.parameters()).dtype == torch.float32:
+        scaler = torch.amp.GradScaler(next(model.parameters()).device.type)
+    return TrainState(
+        cfg, model, tokenizer, optimizer, sampler, engine, ref_model=ref_model, scaler=scaler
+    )
 
 
 # ----------------------------------------------------------------------------- 1. rollout

@@ -19,7 +19,8 @@ from dapo import algo, dist
 from dapo.batch import Batch, Episode, collate, length_sorted, split_microbatches, split_minibatches
 from dapo.config import Config
 from dapo.metrics import accumulate
-from dapo.model import batch_logprobs, forward_slots
+from dapo.model import autocast, batch_logprobs, forward_slots
+from dapo.policy import DTYPES
 from dapo.seeding import derive_seed
 
 if TYPE_CHECKING:
@@ -43,9 +44,10 @@ def fill_logprobs(model, episodes: list[Episode], attr: str, state: TrainState) 
     order = length_sorted(episodes, range(len(episodes)))
     for micro in split_microbatches(episodes, order, max_tokens=cfg.train.tokens_per_microbatch):
         b = collate([episodes[i] for i in micro], pad_id=pad_id).to(device)
-        logp_BT, _ = batch_logprobs(
-            model, b, temperature=cfg.rollout.temperature, share_prompts=cfg.train.share_prompts
-        )
+        with autocast(model, DTYPES[cfg.model.compute_dtype]):
+            logp_BT, _ = batch_logprobs(
+                model, b, temperature=cfg.rollout.temperature, share_prompts=cfg.train.share_prompts
+            )
         for row, i in enumerate(micro):
             setattr(episodes[i], attr, logp_BT[row, : episodes[i].length].float().cpu())
 
@@ -69,7 +71,8 @@ def set_old_logprobs(state: TrainState, episodes: list[Episode]) -> dict[str, fl
             raise ValueError(
                 f"train.recompute_old_logprobs=false: the sampler's log-probs differ from a "
                 f"forward pass by up to {gap:.3g} (tolerance {SAMPLER_LOGPROB_TOLERANCE}) at "
-                f"model.dtype={state.cfg.model.dtype}, so they cannot stand in for pi_old. "
+                f"model.compute_dtype={state.cfg.model.compute_dtype}, so they cannot stand in "
+                "for pi_old. "
                 "Set train.recompute_old_logprobs=true (needed in bfloat16 and float16)."
             )
         state.sampler_logprobs_checked = True
@@ -105,7 +108,11 @@ def update(state: TrainState, episodes: list[Episode], *, lr: float) -> dict[str
         ):
             for k, v in minibatch_update(state, [episodes[i] for i in mini]).items():
                 accumulate(sums, k, v)
-    return _update_metrics(sums, cfg, lr=lr, with_kl=state.ref_model is not None) | check
+    out = _update_metrics(sums, cfg, lr=lr, with_kl=state.ref_model is not None)
+    if state.scaler is not None:
+        out["train/scaler_overflows"] = sums.get("scaler_overflows", 0.0)
+        out["train/loss_scale"] = state.scaler.get_scale()
+    return out | check
 
 
 def minibatch_update(state: TrainState, batch: list[Episode]) -> dict[str, float]:
@@ -119,24 +126,35 @@ def minibatch_update(state: TrainState, batch: list[Episode]) -> dict[str, float
     if num_tokens == 0:
         return {}  # every response of this mini-batch was overlong-filtered
     sums = accumulate_gradients(state, batch, num_tokens=num_tokens, num_seqs=num_seqs)
+    scaler = state.scaler
+    if scaler is not None:
+        scaler.unscale_(state.optimizer)  # clip and measure the true gradient
     # An infinite max_norm measures the norm without clipping (grad_clip = 0: off).
     max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
     norm = float(torch.nn.utils.clip_grad_norm_(state.model.parameters(), max_norm))
     if not (math.isfinite(sums["loss"]) and math.isfinite(norm)):
         # One NaN step poisons Adam's moments for good: drop this update, keep going.
         state.optimizer.zero_grad(set_to_none=True)
+        if scaler is not None and math.isfinite(sums["loss"]):
+            scaler.update()  # a scaled gradient overflowed float16: halve the scale
+            if scaler.get_scale() >= 1.0:  # a smaller scale will do: not a failure yet
+                return {"skipped": 1.0, "scaler_overflows": 1.0}
         state.consecutive_skips += 1
         if state.consecutive_skips >= cfg.train.max_consecutive_skips:
             raise NonFiniteError(
                 f"step {state.step + 1}: {state.consecutive_skips} updates in a row had "
                 f"a non-finite loss or gradient norm (loss {sums['loss']}, grad "
                 f"norm {norm}), so training stopped. The last checkpoint is untouched. "
-                "Try a lower optim.lr, optim.grad_clip > 0, or model.dtype=float32 or "
+                "Try a lower optim.lr, optim.grad_clip > 0, or model.compute_dtype=float32 or "
                 "bfloat16 instead of float16, and check the data and the model."
             )
         return {"skipped": 1.0}
     state.consecutive_skips = 0
-    state.optimizer.step()
+    if scaler is not None:
+        scaler.step(state.optimizer)  # the gradients are unscaled already
+        scaler.update()
+    else:
+        state.optimizer.step()
     state.optimizer.zero_grad(set_to_none=True)
     return sums | {"grad_norm": norm, "updates": 1.0}
 
@@ -183,13 +201,14 @@ def accumulate_gradients(
     order = length_sorted(episodes, range(len(episodes)))
     for micro in split_microbatches(episodes, order, max_tokens=cfg.train.tokens_per_microbatch):
         b = collate([episodes[i] for i in micro], pad_id=state.tokenizer.pad_token_id).to(device)
-        logp_BT, entropy_BT = batch_logprobs(
-            model,
-            b,
-            temperature=cfg.rollout.temperature,
-            with_entropy=True,
-            share_prompts=cfg.train.share_prompts,
-        )
+        with autocast(model, DTYPES[cfg.model.compute_dtype]):
+            logp_BT, entropy_BT = batch_logprobs(
+                model,
+                b,
+                temperature=cfg.rollout.temperature,
+                with_entropy=True,
+                share_prompts=cfg.train.share_prompts,
+            )
         loss, stats = algo.policy_loss(
             logp_BT,
             b.old_logprobs_BT,
@@ -213,7 +232,7 @@ def accumulate_gradients(
             )
             loss = loss + cfg.algo.kl_coef * kl
             accumulate(sums, "kl_sum", float(kl.detach()) * denominator)
-        loss.backward()
+        (state.scaler.scale(loss) if state.scaler is not None else loss).backward()
         for k, v in _micro_sums(b, loss, entropy_BT, stats, shared=cfg.train.share_prompts).items():
             accumulate(sums, k, v)
     if state.ref_model is not None:

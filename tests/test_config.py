@@ -95,7 +95,8 @@ def test_yaml_file_starts_from_paper_by_default(tmp_path):
         ("arith.num_val=0", "arith.num_train and arith.num_val must be >= 1"),
         # A key of an earlier release is read at its new place, so its errors name that place.
         ("model.sft_steps=0", "embedded.sft_steps must be >= 1"),
-        ("model.dtype=float64", "model.dtype must be one of ('float32', 'bfloat16', 'float16')"),
+        ("model.dtype=float64", "model.compute_dtype must be one of ('float32', 'bfloat16', "),
+        ("model.param_dtype=fp8", "model.param_dtype must be one of ('float32', 'bfloat16', "),
         ("reward.mode=sympy", "reward.mode must be empty (by data_source) or one of"),
         ("rollout.engine=vllm", "rollout.engine must be one of ('dapo', 'hf')"),
         ("algo.clip_ratio_c=0.5", "algo.clip_ratio_c must be 0 (off) or > 1, got 0.5"),
@@ -204,4 +205,5 @@ def test_every_choice_is_declared_once_on_its_field():
 
     assert choices(AlgoConfig, "loss_agg") == algo.AGG_MODES
     assert choices(RolloutConfig, "engine") == tuple(ENGINES)
-    assert choices(ModelConfig, "dtype") == tuple(DTYPES)
+    assert choices(ModelConfig, "param_dtype") == tuple(DTYPES)
+    assert choices(ModelConfig, "compute_dtype") == tuple(DTYPES)

@@ -230,8 +230,8 @@ def test_a_resumed_run_syncs_its_engine_before_it_generates(
     class Recording:
         exact_logprobs = True
 
-        def __init__(self, model, tok, stops):
-            self.inner = real_make_engine("dapo", model, tok, stops)
+        def __init__(self, *args):
+            self.inner = real_make_engine("dapo", *args)
 
         def generate(self, prompts, **kwargs):
             calls.append("generate")

@@ -181,7 +181,7 @@ def test_load_policy_puts_the_model_on_the_device_in_the_dtype(tmp_path, dtype):
 
     model_dir = save_model(tmp_path / "m", "llama")
     cfg = load_config(None, [f"model.path={model_dir}", "model.device=cpu"])
-    cfg.model.dtype = dtype
+    cfg.model.param_dtype = dtype
     model, tok = load_policy(cfg)
     assert {p.dtype for p in model.parameters()} == {getattr(torch, dtype)}
     assert {p.device.type for p in model.parameters()} == {"cpu"}

@@ -226,11 +226,12 @@ def test_rows_per_generate_splits_a_round_into_seeded_calls(tiny_model, tokenize
 
 
 def test_reusing_sampler_logprobs_needs_float32():
-    with pytest.raises(ValueError, match="recompute_old_logprobs=false needs model.dtype=float32"):
-        _cfg("model.dtype=bfloat16")
-    assert _cfg("model.dtype=bfloat16", "train.recompute_old_logprobs=true").model.dtype == (
-        "bfloat16"
-    )
+    with pytest.raises(ValueError, match="recompute_old_logprobs=false needs model.param_dtype"):
+        _cfg("model.compute_dtype=bfloat16")
+    with pytest.raises(ValueError, match="recompute_old_logprobs=false needs model.param_dtype"):
+        _cfg("model.param_dtype=bfloat16")
+    cfg = _cfg("model.compute_dtype=bfloat16", "train.recompute_old_logprobs=true")
+    assert (cfg.model.param_dtype, cfg.model.compute_dtype) == ("float32", "bfloat16")
 
 
 def test_train_state_round_trips_what_a_resume_needs(tiny_model, tokenizer):

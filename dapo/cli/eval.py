@@ -60,7 +60,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         choices=choices(RolloutConfig, "engine"),
         help="rollout engine: dapo (default) or hf (transformers generate)",
     )
-    ev.add_argument("--dtype", default="float32", choices=choices(ModelConfig, "dtype"))
+    ev.add_argument("--dtype", default="float32", choices=choices(ModelConfig, "compute_dtype"))
     ev.add_argument(
         "--compare",
         nargs=2,
@@ -118,7 +118,9 @@ def _model(args: argparse.Namespace):
         warmup, tokenizer = [], policy.load_tokenizer(cfg)
     # Set after the config is checked: the demo base reuses sampler log-probs in training,
     # which needs float32; an evaluation does not train.
-    cfg.model.device, cfg.model.dtype = args.device, args.dtype
+    cfg.model.device = args.device
+    # Weights in --dtype too: an evaluation holds no optimizer state to keep in float32.
+    cfg.model.param_dtype = cfg.model.compute_dtype = args.dtype
     log = lambda m: print(m, file=sys.stderr)  # noqa: E731 - stdout is the result table
     return policy.load_policy(cfg, warmup, tokenizer, log=log)
 

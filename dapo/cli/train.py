@@ -9,6 +9,7 @@ verifiers, the tokenizer and the context length. Then the policy is loaded and
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -110,10 +111,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     import torch
 
     from dapo import inputs, policy, rundir
-    from dapo.config import dump_yaml
+    from dapo.config import config_warnings, dump_yaml
     from dapo.loop import fit
 
     cfg, run_dir = resolve_config(args)
+    for warning in config_warnings(cfg):
+        print(f"dapo: warning: {warning}", file=sys.stderr)
     if args.quiet:
         cfg.run.progress = "plain"
     if args.print_config:

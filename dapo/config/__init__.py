@@ -15,6 +15,7 @@ reading, overriding, validating and the resume rules in :mod:`dapo.config.loadin
 from dapo.config.loading import (
     MOVED_KEYS,
     RESUME_SAFE_FIELDS,
+    config_warnings,
     dump_yaml,
     load_config,
     parse_override,
@@ -54,6 +55,7 @@ __all__ = [
     "SamplingConfig",
     "TrainConfig",
     "choices",
+    "config_warnings",
     "dump_yaml",
     "load_config",
     "parse_override",

@@ -30,14 +30,18 @@ ENGINES = {"dapo": NativeEngine, "hf": HFEngine}
 
 
 def make_engine(
-    name: str, model: torch.nn.Module, tokenizer: Any, stop_token_ids: Sequence[int] = ()
+    name: str,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    stop_token_ids: Sequence[int] = (),
+    compute_dtype: torch.dtype | None = None,
 ) -> Engine:
-    """The engine called ``name``, sampling from ``model``; a response ends at the first of
-    ``stop_token_ids`` (default: the tokenizer's EOS; ``policy.stop_token_ids`` gives a run's
-    set)."""
+    """The engine called ``name``, sampling from ``model`` (in ``compute_dtype`` when given);
+    a response ends at the first of ``stop_token_ids`` (default: the tokenizer's EOS;
+    ``policy.stop_token_ids`` gives a run's set)."""
     if name not in ENGINES:
         raise ValueError(f"rollout engine {name!r}: use one of {', '.join(ENGINES)}")
-    return ENGINES[name](model, tokenizer, stop_token_ids)
+    return ENGINES[name](model, tokenizer, stop_token_ids, compute_dtype)
 
 
 def generate_samples(

@@ -96,15 +96,21 @@ class LiveModelEngine:
     """An engine that samples from the trainer's own module, as the native and hf engines do:
     the weights it reads are the trained ones (nothing to sync), and its log-probs are the
     policy's own. A response ends at the first of ``stop_token_ids`` (default: the
-    tokenizer's EOS)."""
+    tokenizer's EOS); the model runs in ``compute_dtype`` (autocast) when one is given."""
 
     exact_logprobs = True
 
     def __init__(
-        self, model: torch.nn.Module, tokenizer: Any, stop_token_ids: Sequence[int] = ()
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        stop_token_ids: Sequence[int] = (),
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.stop_token_ids = tuple(stop_token_ids) or (tokenizer.eos_token_id,)
+        self.compute_dtype = compute_dtype
+        """Autocast to this when it differs from the weights' dtype, as training computes."""
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Nothing to copy: generation runs the trainer's own module."""

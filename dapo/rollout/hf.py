@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from dapo.model import autocast
 from dapo.rollout.base import LiveModelEngine, Rollout, encode_prompts, finish_rollout
 
 
@@ -89,14 +90,15 @@ class HFEngine(LiveModelEngine):
         if ignore_eos:  # benchmarks: stop tokens masked until max_new_tokens, fixing the work
             kwargs["min_new_tokens"] = max_new_tokens
         torch.manual_seed(seed)
-        out = model.generate(
-            input_ids=prompt_ids_BP,
-            attention_mask=prompt_mask_BP,
-            logits_processor=LogitsProcessorList([recorder]),
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=list(self.stop_token_ids),
-            **kwargs,
-        )
+        with autocast(model, self.compute_dtype):
+            out = model.generate(
+                input_ids=prompt_ids_BP,
+                attention_mask=prompt_mask_BP,
+                logits_processor=LogitsProcessorList([recorder]),
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=list(self.stop_token_ids),
+                **kwargs,
+            )
         response_ids_BT = out[:, prompt_ids_BP.shape[1] :]
         logprobs_BT = recorder.finish(response_ids_BT[:, -1])
         slots = response_ids_BT.numel()  # generate runs every row to the longest response

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dapo.model import row_sliceable
+from dapo.model import autocast, row_sliceable
 from dapo.rollout.base import LiveModelEngine, Rollout, encode_prompts, finish_rollout
 
 
@@ -56,20 +56,21 @@ class NativeEngine(LiveModelEngine):
         """See :class:`dapo.rollout.base.Engine`; ``greedy`` decodes the argmax."""
         tok = self.tokenizer
         ids_nP, mask_nP = encode_prompts(tok, prompts, next(self.model.parameters()).device)
-        response_ids_BT, logprobs_BT, slots = decode(
-            self.model,
-            ids_nP,
-            mask_nP,
-            group_size=group_size,
-            max_new_tokens=max_new_tokens,
-            stop_token_ids=self.stop_token_ids,
-            pad_token_id=tok.pad_token_id,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed,
-            greedy=greedy,
-            ignore_eos=ignore_eos,
-        )
+        with autocast(self.model, self.compute_dtype):
+            response_ids_BT, logprobs_BT, slots = decode(
+                self.model,
+                ids_nP,
+                mask_nP,
+                group_size=group_size,
+                max_new_tokens=max_new_tokens,
+                stop_token_ids=self.stop_token_ids,
+                pad_token_id=tok.pad_token_id,
+                temperature=temperature,
+                top_p=top_p,
+                seed=seed,
+                greedy=greedy,
+                ignore_eos=ignore_eos,
+            )
         return finish_rollout(
             tok,
             ids_nP.repeat_interleave(group_size, dim=0),
