@@ -1,6 +1,12 @@
 """Per-token log-probs and entropy of given responses, with shared-prompt forward passes.
 
-Shapes: B = responses, P = prompt tokens (left padded), T = response tokens (right padded).
+Where the model's output head is a plain bias-free Linear (Llama, Qwen2, SmolLM, ...), the
+log-probs come from the decoder's hidden states through ``algo.token_logprobs_from_hidden``:
+the head runs a chunk of tokens at a time, forward and backward, so the ``[B, T, V]`` logits
+never exist. Other heads (a bias, soft-capped or scaled logits) take the model's own logits.
+
+Shapes: B = responses, P = prompt tokens (left padded), T = response tokens (right padded),
+H = hidden size, V = vocabulary; X is H or V (hidden states or logits).
 """
 
 from __future__ import annotations
@@ -9,8 +15,33 @@ import contextlib
 
 import torch
 
-from dapo.algo import entropy_from_logits, token_logprobs_from_logits
+from dapo.algo import entropy_from_logits, token_logprobs_from_hidden, token_logprobs_from_logits
 from dapo.batch import Batch
+
+# Configs whose models transform logits after the head (Gemma's soft-capping, Cohere's and
+# Granite's scaling): their log-probs must come from the model's own logits.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def output_head(model) -> torch.Tensor | None:
+    """The output head's weight when logits are exactly ``decoder(...) @ weight.T``, else None."""
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    decoder = getattr(model, "get_decoder", lambda: None)()
+    config = getattr(model, "config", None)
+    if decoder is None or not isinstance(head, torch.nn.Linear) or head.bias is not None:
+        return None
+    if any(getattr(config, name, None) not in (None, 1, 1.0) for name in _LOGIT_TRANSFORMS):
+        return None
+    return head.weight
+
+
+def _forward(model, head: torch.Tensor | None, *, keep: int, **kwargs):
+    """(hidden states or logits [B, keep, X] of the last ``keep`` positions, the KV cache)."""
+    if head is None:
+        out = model(**kwargs, logits_to_keep=keep)
+        return out.logits, out.past_key_values
+    out = model.get_decoder()(**kwargs)
+    return out.last_hidden_state[:, -keep:], out.past_key_values
 
 
 def response_logprobs(
@@ -36,53 +67,56 @@ def response_logprobs(
     over a group's rows), so values and gradients are those of the full forward, up to float
     rounding (tested); a group's prompt is computed once instead of G times.
     """
-    args = (model, prompt_ids_BP, prompt_mask_BP, response_ids_BT, response_mask_BT)
-    shared = _shared_prompt_pass(*args[:3]) if share_prompts else None
+    head = output_head(model)
+    args = (model, head, prompt_ids_BP, prompt_mask_BP, response_ids_BT, response_mask_BT)
+    shared = _shared_prompt_pass(*args[:4]) if share_prompts else None
     if shared is None:  # no prompt repeats, or a cache that cannot be sliced by row
         return _full_forward(*args, temperature=temperature, with_entropy=with_entropy)
-    prompt_out, inverse_B = shared
-    cache = prompt_out.past_key_values
+    prompt_states_N1X, cache, inverse_B = shared
     cache.batch_select_indices(inverse_B)
     attn = torch.cat([prompt_mask_BP, response_mask_BT.to(prompt_mask_BP.dtype)], dim=1)
     num_resp = response_ids_BT.shape[1]
     start_B1 = prompt_mask_BP.long().sum(dim=1, keepdim=True)
-    out = model(
+    rest_BTX, _ = _forward(
+        model,
+        head,
+        keep=num_resp,
         input_ids=response_ids_BT,
         attention_mask=attn,
         position_ids=start_B1 + torch.arange(num_resp, device=attn.device),
         past_key_values=cache,
         use_cache=True,
-        logits_to_keep=num_resp,
     )
     # The last prompt position predicts response token 0, response position t token t+1.
-    first_B1V = prompt_out.logits[:, -1:][inverse_B]
-    rest_BTV = out.logits[:, :-1]
-    parts = [(first_B1V, response_ids_BT[:, :1]), (rest_BTV, response_ids_BT[:, 1:])]
-    logps, entropies = [], []
-    for logits, ids in parts:
-        lp, ent = _scored(logits, ids, temperature=temperature, with_entropy=with_entropy)
-        logps.append(lp)
-        entropies.append(ent)
-    entropy_BT = torch.cat(entropies, dim=1) if with_entropy else None
-    return torch.cat(logps, dim=1), entropy_BT
+    first_B1X, rest_BTX = prompt_states_N1X[inverse_B], rest_BTX[:, :-1]
+    if head is not None:  # hidden states: joined, then one chunked pass through the head
+        states_BTX = torch.cat([first_B1X, rest_BTX], dim=1)
+        return _scored(states_BTX, response_ids_BT, head, temperature, with_entropy)
+    # Logits are scored apart: joining them would copy [B, T, V].
+    first = _scored(first_B1X, response_ids_BT[:, :1], None, temperature, with_entropy)
+    rest = _scored(rest_BTX, response_ids_BT[:, 1:], None, temperature, with_entropy)
+    entropy_BT = torch.cat([first[1], rest[1]], dim=1) if with_entropy else None
+    return torch.cat([first[0], rest[0]], dim=1), entropy_BT
 
 
-def _shared_prompt_pass(model, prompt_ids_BP, prompt_mask_BP):
-    """The distinct prompts' forward pass and each row's prompt index, or None when no prompt
-    repeats or the cache cannot be indexed by row."""
+def _shared_prompt_pass(model, head, prompt_ids_BP, prompt_mask_BP):
+    """The distinct prompts' last states [N, 1, X], their KV cache and each row's prompt
+    index, or None when no prompt repeats or the cache cannot be indexed by row."""
     ids_NP, mask_NP, inverse_B = distinct_prompts(prompt_ids_BP, prompt_mask_BP)
     if ids_NP.shape[0] == prompt_ids_BP.shape[0]:
         return None
-    out = model(
+    states_N1X, cache = _forward(
+        model,
+        head,
+        keep=1,
         input_ids=ids_NP,
         attention_mask=mask_NP,
         position_ids=(mask_NP.cumsum(dim=1) - 1).clamp(min=0),
         use_cache=True,
-        logits_to_keep=1,
     )
-    if not row_sliceable(out.past_key_values):  # e.g. a recurrent-state cache
+    if not row_sliceable(cache):  # e.g. a recurrent-state cache
         return None
-    return out, inverse_B
+    return states_N1X, cache, inverse_B
 
 
 def distinct_prompts(prompt_ids_BP: torch.Tensor, prompt_mask_BP: torch.Tensor):
@@ -107,6 +141,7 @@ def row_sliceable(cache) -> bool:
 
 def _full_forward(
     model,
+    head,
     prompt_ids_BP,
     prompt_mask_BP,
     response_ids_BT,
@@ -119,27 +154,42 @@ def _full_forward(
     ids = torch.cat([prompt_ids_BP, response_ids_BT], dim=1)
     attn = torch.cat([prompt_mask_BP, response_mask_BT.to(prompt_mask_BP.dtype)], dim=1)
     position_ids = (attn.long().cumsum(dim=1) - 1).clamp(min=0)
-    num_resp = response_ids_BT.shape[1]
-    out = model(
+    states_BTX, _ = _forward(
+        model,
+        head,
+        keep=response_ids_BT.shape[1] + 1,
         input_ids=ids,
         attention_mask=attn,
         position_ids=position_ids,
-        logits_to_keep=num_resp + 1,
         use_cache=False,
     )
     # Position P-1+t predicts response token t; the last position predicts past the end.
-    return _scored(
-        out.logits[:, :-1], response_ids_BT, temperature=temperature, with_entropy=with_entropy
-    )
+    return _scored(states_BTX[:, :-1], response_ids_BT, head, temperature, with_entropy)
 
 
 def _scored(
-    logits_BTV: torch.Tensor, ids_BT: torch.Tensor, *, temperature: float, with_entropy: bool
+    states_BTX: torch.Tensor,
+    ids_BT: torch.Tensor,
+    head: torch.Tensor | None,
+    temperature: float,
+    with_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs and entropies from hidden states through ``head`` (in bounded memory), or
+    from the model's logits when it has no plain head."""
+    if head is not None:
+        B, T, H = states_BTX.shape
+        logp_N, entropy_N = token_logprobs_from_hidden(
+            states_BTX.reshape(B * T, H),
+            head,
+            ids_BT.reshape(B * T),
+            temperature=temperature,
+            with_entropy=with_entropy,
+        )
+        entropy_BT = entropy_N.reshape(B, T) if entropy_N is not None else None
+        return logp_N.reshape(B, T), entropy_BT
     # No float() here: the log-prob and entropy functions upcast in chunks, so a bf16 model
-    # never holds a float32 copy of [B, T, V].
-    if temperature != 1.0:
-        logits_BTV = logits_BTV / temperature
+    # never holds a float32 copy of [B, T, V] (the model's own logits exist, though).
+    logits_BTV = states_BTX / temperature if temperature != 1.0 else states_BTX
     logp_BT = token_logprobs_from_logits(logits_BTV, ids_BT)
     entropy_BT = None
     if with_entropy:

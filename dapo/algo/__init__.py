@@ -11,6 +11,7 @@ Every technique lives here once (Yu et al., 2025, arXiv 2503.14476; see the spec
 - k3 KL estimator, only in the GRPO baseline (DAPO §2.3 removes the KL) -> ``losses.kl_k3``
 - per-token log-probabilities and entropy             -> ``logits.token_logprobs_from_logits``,
                                                          ``logits.entropy_from_logits``
+- the same from hidden states, in bounded memory      -> ``logits.token_logprobs_from_hidden``
 - the entropy and token-probability curves            -> ``logits.token_sums``
 - the sampler-vs-forward log-prob check               -> ``logits.max_abs_gap``
 
@@ -32,6 +33,7 @@ from dapo.algo.groups import group_advantages, mixed_groups
 from dapo.algo.logits import (
     entropy_from_logits,
     max_abs_gap,
+    token_logprobs_from_hidden,
     token_logprobs_from_logits,
     token_sums,
 )
@@ -49,6 +51,7 @@ __all__ = [
     "overlong_penalty",
     "policy_loss",
     "shape_rewards",
+    "token_logprobs_from_hidden",
     "token_logprobs_from_logits",
     "token_sums",
 ]

@@ -118,3 +118,110 @@ def max_abs_gap(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.numel() == 0:
         return a.new_zeros(())
     return (a - b).abs().amax()
+
+
+HEAD_CHUNK_ELEMENTS = 1 << 26
+"""Logits computed at once by ``token_logprobs_from_hidden``: 2**26 = 256 MiB in float32,
+about 440 tokens at a 152k vocabulary, whatever the sequence length."""
+
+
+def token_logprobs_from_hidden(
+    hidden_NH: torch.Tensor,
+    weight_VH: torch.Tensor,
+    tokens_N: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(h W^T / T)[token] at every position, and optionally the entropy there,
+    without the ``[N, V]`` logits ever existing in full.
+
+    The output head runs a chunk of ``chunk_tokens`` positions at a time (default: as many as
+    fit ``HEAD_CHUNK_ELEMENTS``); each chunk's logits are upcast to float32, reduced to the
+    log-prob of its token (and the entropy) and dropped. Backward recomputes them chunk by
+    chunk, d log p(o) / d logits = onehot(o) - softmax, so memory grows with the chunk, not
+    with the sequence: at 32k tokens x 152k vocabulary the float32 logits alone are 20 GB.
+    Under autocast the head's matmul runs in the autocast dtype, as an autocast Linear would.
+
+    Args:
+        hidden_NH: the decoder's output ``[N, H]`` at the positions that predict ``tokens``.
+        weight_VH: the output head's weight ``[V, H]`` (a bias-free Linear).
+        tokens_N: long ``[N]``.
+        temperature: logits are divided by it.
+        with_entropy: also the entropy of softmax(h W^T / T) at each position (no gradient).
+
+    Returns:
+        ``(logp_N, entropy_N or None)``, float32 (float64 for float64 inputs).
+    """
+    if tokens_N.dtype != torch.long or tokens_N.shape != hidden_NH.shape[:1]:
+        raise ValueError(
+            f"tokens must be a long [N] tensor for hidden [N, H] = {tuple(hidden_NH.shape)}, "
+            f"got {tokens_N.dtype} {tuple(tokens_N.shape)}"
+        )
+    device_type = hidden_NH.device.type
+    compute = torch.promote_types(hidden_NH.dtype, weight_VH.dtype)
+    if torch.is_autocast_enabled(device_type):
+        compute = torch.get_autocast_dtype(device_type)
+    chunk = chunk_tokens or max(1, HEAD_CHUNK_ELEMENTS // max(weight_VH.shape[0], 1))
+    with torch.autocast(device_type, enabled=False):
+        logp_N, entropy_N = _ChunkedHead.apply(
+            hidden_NH, weight_VH, tokens_N, temperature, chunk, with_entropy, compute
+        )
+    return logp_N, entropy_N if with_entropy else None
+
+
+class _ChunkedHead(torch.autograd.Function):
+    """Log-probs of an output head, a chunk of positions at a time, recomputed in backward."""
+
+    @staticmethod
+    def forward(ctx, hidden_NH, weight_VH, tokens_N, temperature, chunk, with_entropy, compute):
+        out_dtype = stats_dtype(compute)
+        num = hidden_NH.shape[0]
+        logp_N = hidden_NH.new_empty(num, dtype=out_dtype)
+        lse_N = hidden_NH.new_empty(num, dtype=out_dtype)
+        entropy_N = hidden_NH.new_zeros(num if with_entropy else 0, dtype=out_dtype)
+        weight = weight_VH.to(compute)
+        for start in range(0, num, chunk):
+            end = min(start + chunk, num)
+            logits = _chunk_logits(hidden_NH[start:end], weight, temperature, out_dtype)
+            lse = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, tokens_N[start:end, None]).squeeze(1)
+            logp_N[start:end], lse_N[start:end] = picked - lse, lse
+            if with_entropy:  # H = lse - sum p * logits
+                probs = torch.exp(logits - lse[:, None])
+                entropy_N[start:end] = lse - (probs * logits).sum(dim=-1)
+        ctx.save_for_backward(hidden_NH, weight_VH, tokens_N, lse_N)
+        ctx.temperature, ctx.chunk, ctx.compute = temperature, chunk, compute
+        ctx.mark_non_differentiable(entropy_N)
+        return logp_N, entropy_N
+
+    @staticmethod
+    def backward(ctx, grad_logp_N, _grad_entropy_N):
+        hidden_NH, weight_VH, tokens_N, lse_N = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        grad_hidden = torch.zeros_like(hidden_NH) if need_hidden else None
+        grad_weight = torch.zeros_like(weight_VH, dtype=lse_N.dtype) if need_weight else None
+        weight = weight_VH.to(ctx.compute)
+        for start in range(0, hidden_NH.shape[0], ctx.chunk):
+            end = min(start + ctx.chunk, hidden_NH.shape[0])
+            logits = _chunk_logits(hidden_NH[start:end], weight, ctx.temperature, lse_N.dtype)
+            grad = grad_logp_N[start:end, None]
+            # d logp / d logits = onehot(token) - softmax, times the incoming gradient, / T.
+            grad_logits = torch.exp(logits - lse_N[start:end, None]).mul_(-grad)
+            grad_logits.scatter_add_(1, tokens_N[start:end, None], grad)
+            grad_logits = (grad_logits / ctx.temperature).to(ctx.compute)
+            if need_hidden:
+                grad_hidden[start:end] = (grad_logits @ weight).to(hidden_NH.dtype)
+            if need_weight:
+                grad_weight += (grad_logits.T @ hidden_NH[start:end].to(ctx.compute)).to(
+                    grad_weight.dtype
+                )
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight_VH.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def _chunk_logits(hidden, weight, temperature: float, dtype: torch.dtype) -> torch.Tensor:
+    logits = (hidden.to(weight.dtype) @ weight.T).to(dtype)
+    return logits / temperature if temperature != 1.0 else logits
