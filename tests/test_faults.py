@@ -36,14 +36,16 @@ def _steps(run_dir):
 
 
 def _nan_logits_when(model, predicate):
-    """Make the policy's logits NaN on the forward passes where ``predicate()`` holds."""
+    """Make the policy's logits NaN on the forward passes where ``predicate()`` holds: its
+    decoder's output, which both the chunked head and the model's own logits read, is NaN."""
 
     def hook(_module, _args, output):
         if predicate():
-            output.logits = output.logits * float("nan")  # keeps the graph, as a real NaN would
+            # Multiplying keeps the graph, as a real NaN would.
+            output.last_hidden_state = output.last_hidden_state * float("nan")
         return output
 
-    return model.register_forward_hook(hook)
+    return model.get_decoder().register_forward_hook(hook)
 
 
 # ----------------------------------------------------------------------------- non-finite
