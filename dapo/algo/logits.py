@@ -207,21 +207,27 @@ class _ChunkedHead(torch.autograd.Function):
             end = min(start + ctx.chunk, hidden_NH.shape[0])
             logits = _chunk_logits(hidden_NH[start:end], weight, ctx.temperature, lse_N.dtype)
             grad = grad_logp_N[start:end, None]
-            # d logp / d logits = onehot(token) - softmax, times the incoming gradient, / T.
-            grad_logits = torch.exp(logits - lse_N[start:end, None]).mul_(-grad)
+            # d logp / d logits = onehot(token) - softmax, times the incoming gradient, / T;
+            # in place on the chunk's fresh logits, so it holds one [chunk, V] buffer.
+            grad_logits = logits.sub_(lse_N[start:end, None]).exp_().mul_(-grad)
             grad_logits.scatter_add_(1, tokens_N[start:end, None], grad)
-            grad_logits = (grad_logits / ctx.temperature).to(ctx.compute)
+            if ctx.temperature != 1.0:
+                grad_logits.div_(ctx.temperature)
+            grad_logits = grad_logits.to(ctx.compute)
             if need_hidden:
                 grad_hidden[start:end] = (grad_logits @ weight).to(hidden_NH.dtype)
             if need_weight:
-                grad_weight += (grad_logits.T @ hidden_NH[start:end].to(ctx.compute)).to(
-                    grad_weight.dtype
-                )
+                chunk_hidden = hidden_NH[start:end].to(ctx.compute)
+                if grad_weight.dtype == ctx.compute:  # in place: no [V, H] temporary
+                    grad_weight.addmm_(grad_logits.T, chunk_hidden)
+                else:
+                    grad_weight += (grad_logits.T @ chunk_hidden).to(grad_weight.dtype)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight_VH.dtype)
         return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def _chunk_logits(hidden, weight, temperature: float, dtype: torch.dtype) -> torch.Tensor:
+    """A fresh [chunk, V] tensor of logits / temperature in ``dtype`` (safe to change in place)."""
     logits = (hidden.to(weight.dtype) @ weight.T).to(dtype)
-    return logits / temperature if temperature != 1.0 else logits
+    return logits.div_(temperature) if temperature != 1.0 else logits
