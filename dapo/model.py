@@ -1,9 +1,10 @@
 """Per-token log-probs and entropy of given responses, with shared-prompt forward passes.
 
-Where the model's output head is a plain bias-free Linear (Llama, Qwen2, SmolLM, ...), the
-log-probs come from the decoder's hidden states through ``algo.token_logprobs_from_hidden``:
-the head runs a chunk of tokens at a time, forward and backward, so the ``[B, T, V]`` logits
-never exist. Other heads (a bias, soft-capped or scaled logits) take the model's own logits.
+Where the model's output head is a plain bias-free Linear (Llama, Mistral, Qwen2/3, SmolLM:
+``PLAIN_HEAD_MODEL_TYPES``), the log-probs come from the decoder's hidden states through
+``algo.token_logprobs_from_hidden``: the head runs a chunk of tokens at a time, forward and
+backward, so the ``[B, T, V]`` logits never exist. Other heads (a bias, soft-capped or
+scaled logits) take the model's own logits.
 
 Shapes: B = responses, P = prompt tokens (left padded), T = response tokens (right padded),
 H = hidden size, V = vocabulary; X is H or V (hidden states or logits).
@@ -18,8 +19,11 @@ import torch
 from dapo.algo import entropy_from_logits, token_logprobs_from_hidden, token_logprobs_from_logits
 from dapo.batch import Batch
 
-# Configs whose models transform logits after the head (Gemma's soft-capping, Cohere's and
-# Granite's scaling): their log-probs must come from the model's own logits.
+# Model types whose causal-LM logits are exactly ``decoder(...) @ lm_head.weight.T``, read
+# from their transformers forward. Others (Gemma2's soft-capping, Cohere's, Granite's or
+# Falcon-H1's scaling, ...) take the model's own logits: a new type joins after its forward
+# is read, never by default.
+PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"})
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
@@ -28,6 +32,8 @@ def output_head(model) -> torch.Tensor | None:
     head = getattr(model, "get_output_embeddings", lambda: None)()
     decoder = getattr(model, "get_decoder", lambda: None)()
     config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES:
+        return None
     if decoder is None or not isinstance(head, torch.nn.Linear) or head.bias is not None:
         return None
     if any(getattr(config, name, None) not in (None, 1, 1.0) for name in _LOGIT_TRANSFORMS):

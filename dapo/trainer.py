@@ -101,8 +101,11 @@ def build_state(
     compute = DTYPES[cfg.model.compute_dtype]
     ref_model = None
     if cfg.algo.kl_coef > 0:
-        # The naive-GRPO KL anchor: a frozen copy of the starting policy, in the compute dtype.
-        ref_model = copy.deepcopy(model).to(compute).eval().requires_grad_(False)
+        # The naive-GRPO KL anchor: a frozen copy of the starting policy, held in bfloat16
+        # when that is the compute dtype (float16 weights would overflow without autocast's
+        # float32 ops: they stay as the policy's, computed under autocast like it).
+        held = compute if compute == torch.bfloat16 else next(model.parameters()).dtype
+        ref_model = copy.deepcopy(model).to(held).eval().requires_grad_(False)
     sampler = PromptSampler(train_problems, seed=cfg.train.seed)
     stops = stop_token_ids(model, tokenizer, cfg.rollout.stop_token_ids)
     engine = make_engine(cfg.rollout.engine, model, tokenizer, stops, compute)

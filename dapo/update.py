@@ -135,9 +135,10 @@ def minibatch_update(state: TrainState, batch: list[Episode]) -> dict[str, float
     if not (math.isfinite(sums["loss"]) and math.isfinite(norm)):
         # One NaN step poisons Adam's moments for good: drop this update, keep going.
         state.optimizer.zero_grad(set_to_none=True)
-        if scaler is not None and math.isfinite(sums["loss"]):
-            scaler.update()  # a scaled gradient overflowed float16: halve the scale
-            if scaler.get_scale() >= 1.0:  # a smaller scale will do: not a failure yet
+        if scaler is not None:
+            scaler.update()  # after unscale_ it must run, skip or not; it halves the scale
+            if math.isfinite(sums["loss"]) and scaler.get_scale() >= 1.0:
+                # Only the scaled gradient overflowed float16: a smaller scale will do.
                 return {"skipped": 1.0, "scaler_overflows": 1.0}
         state.consecutive_skips += 1
         if state.consecutive_skips >= cfg.train.max_consecutive_skips:

@@ -97,6 +97,10 @@ def test_yaml_file_starts_from_paper_by_default(tmp_path):
         ("model.sft_steps=0", "embedded.sft_steps must be >= 1"),
         ("model.dtype=float64", "model.compute_dtype must be one of ('float32', 'bfloat16', "),
         ("model.param_dtype=fp8", "model.param_dtype must be one of ('float32', 'bfloat16', "),
+        (
+            "model.param_dtype=bfloat16",  # autocast cannot compute wider than the weights
+            "model.compute_dtype=float32 with model.param_dtype=bfloat16",
+        ),
         ("reward.mode=sympy", "reward.mode must be empty (by data_source) or one of"),
         ("rollout.engine=vllm", "rollout.engine must be one of ('dapo', 'hf')"),
         ("algo.clip_ratio_c=0.5", "algo.clip_ratio_c must be 0 (off) or > 1, got 0.5"),
@@ -207,3 +211,12 @@ def test_every_choice_is_declared_once_on_its_field():
     assert choices(RolloutConfig, "engine") == tuple(ENGINES)
     assert choices(ModelConfig, "param_dtype") == tuple(DTYPES)
     assert choices(ModelConfig, "compute_dtype") == tuple(DTYPES)
+
+
+def test_a_run_saved_by_the_previous_release_is_recognised(tmp_path):
+    from dapo.config import dump_yaml, saved_before_keys_moved
+
+    assert saved_before_keys_moved(OLD_CONFIG)
+    new = tmp_path / "config.yaml"
+    new.write_text(dump_yaml(load_config(OLD_CONFIG)))
+    assert not saved_before_keys_moved(new)

@@ -145,7 +145,8 @@ def test_flat_rows(tmp_path, suffix):
     p0, p1 = data.problems
     assert p0.messages == ({"role": "user", "content": "  What is 6*7?"},)
     assert (p0.answer, p0.data_source) == ("42", "arith")
-    assert (p1.answer, p1.data_source) == ("x+1", "mine")  # stripped; the default source
+    # As written (the paper's verifier compares a boxed answer to it raw); the default source.
+    assert (p1.answer, p1.data_source) == (" x+1 ", "mine")
 
     if suffix == ".jsonl":  # the answer column is a number in one row, a string in the other
         schema = dict(check_file(path, question_key="q", answer_key="a").schema)
@@ -494,3 +495,19 @@ def test_a_dapo_file_without_reward_model_names_that_field(tmp_path):
     message = str(info.value)
     assert "read as dapo format, it has no column 'reward_model'" in message
     assert "reward_model.ground_truth" in message
+
+
+def test_the_ground_truth_reaches_the_verifier_as_written(tmp_path):
+    """The reference grades a \\boxed{} answer against the ground truth unnormalised, and
+    normalises an Answer: line's both sides with the same rules: stripping the file's value
+    first would change both verdicts."""
+    from dapo.tasks.math_dapo import math_score
+
+    path = write(
+        tmp_path / "spaced.jsonl",
+        [{"question": "q1", "answer": " 12"}, {"question": "q2", "answer": "5 a "}],
+    )
+    boxed, spaced = load_problems(path, fmt="flat").problems
+    assert (boxed.answer, spaced.answer) == (" 12", "5 a ")
+    assert not math_score("so \\boxed{12}", boxed.answer).correct  # " 12" != "12", as written
+    assert math_score("Answer: 5", spaced.answer).correct  # "5 a " -> "5"

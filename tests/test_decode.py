@@ -295,3 +295,34 @@ def test_every_stop_token_ends_a_response_in_both_engines(tiny_model, tokenizer)
         for b, n in enumerate(ro.lengths_B.tolist()):
             assert ro.response_ids_BT[b, :n].tolist() == ref[b, :n].tolist(), engine
             assert not ro.response_mask_BT[b, n:].any(), engine
+
+
+def test_a_token_of_probability_1e_12_is_drawn_when_u_falls_in_its_interval():
+    # Token 1's interval of the unit interval is [p0, p0 + 1e-12), p0 = 0.574..., between two
+    # float32 numbers (6e-8 apart there): a float32 uniform never lands in it, a float64 can.
+    logits = torch.tensor([[0.3, math.log(1e-12), 0.0]])
+    cdf, _ = sampling_cdf(logits)
+    u = torch.tensor([(cdf[0, 0] + cdf[0, 1]).item() / 2], dtype=torch.float64)
+    assert cdf[0, 0] < u < cdf[0, 1]
+    assert sample_from_logits(logits, u).item() == 1
+    assert sample_from_logits(logits, u.float()).item() != 1
+
+
+def test_decoding_draws_float64_uniforms_from_its_seed(tiny_model, tokenizer):
+    ids, mask = _encode(tokenizer)
+    tokens, _, _ = decode(
+        tiny_model,
+        ids,
+        mask,
+        group_size=2,
+        max_new_tokens=1,
+        stop_token_ids=(tokenizer.eos_token_id,),
+        pad_token_id=tokenizer.pad_token_id,
+        seed=11,
+    )
+    with torch.no_grad():
+        position = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        logits = tiny_model(input_ids=ids, attention_mask=mask, position_ids=position).logits
+    u = torch.rand(6, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+    expected = sample_from_logits(logits[:, -1].repeat_interleave(2, dim=0), u)
+    assert tokens[:, 0].tolist() == expected.tolist()

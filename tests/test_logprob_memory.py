@@ -62,7 +62,7 @@ def test_under_bf16_autocast_the_head_runs_in_bf16_and_returns_float32():
     assert hidden.grad.dtype == weight.grad.dtype == torch.float32
 
 
-def _big_vocab_model(vocab: int = 4096) -> Qwen2ForCausalLM:
+def _big_vocab_model(vocab: int = 4096, tied: bool = True) -> Qwen2ForCausalLM:
     """A tiny Qwen2 whose vocabulary dwarfs every activation, so [tokens x vocab] stands out."""
     config = Qwen2Config(
         vocab_size=vocab,
@@ -72,7 +72,7 @@ def _big_vocab_model(vocab: int = 4096) -> Qwen2ForCausalLM:
         num_attention_heads=2,
         num_key_value_heads=1,
         max_position_embeddings=128,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tied,
     )
     torch.manual_seed(0)
     return Qwen2ForCausalLM(config)
@@ -89,10 +89,11 @@ def _batch(vocab: int):
     return prompt, prompt_mask, response, response_mask
 
 
+@pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("share_prompts", [True, False])
-def test_the_model_path_equals_the_models_own_logits(monkeypatch, share_prompts):
-    model = _big_vocab_model()
-    assert output_head(model) is model.lm_head.weight  # tied to the embeddings, no bias
+def test_the_model_path_equals_the_models_own_logits(monkeypatch, share_prompts, tied):
+    model = _big_vocab_model(tied=tied)
+    assert output_head(model) is model.lm_head.weight  # a bias-free Linear, tied or not
     batch = _batch(4096)
     mask = batch[3]
 
@@ -136,4 +137,7 @@ def test_no_tokens_by_vocabulary_tensor_is_kept_for_backward():
 def test_a_head_that_transforms_its_logits_uses_the_models_logits():
     model = _big_vocab_model(vocab=64)
     model.config.final_logit_softcapping = 30.0
+    assert output_head(model) is None
+    model.config.final_logit_softcapping = None
+    model.config.model_type = "falcon_h1"  # a type whose forward scales its logits
     assert output_head(model) is None

@@ -69,7 +69,14 @@ def test_pure_bf16_adamw_rounds_most_of_that_update_away(tokenizer):
     moved = sum(n for n, _ in changed.values()) / sum(total for _, total in changed.values())
     assert moved < 0.05  # measured: 2.6% of the elements
     assert any(n == 0 for n, _ in changed.values())  # whole tensors did not move
-    cfg = load_config(None, ["model.param_dtype=bfloat16", "train.recompute_old_logprobs=true"])
+    cfg = load_config(
+        None,
+        [
+            "model.param_dtype=bfloat16",
+            "model.compute_dtype=bfloat16",
+            "train.recompute_old_logprobs=true",
+        ],
+    )
     (warning,) = config_warnings(cfg)
     assert "small updates round away" in warning and "param_dtype=float32" in warning
 
@@ -143,3 +150,32 @@ def test_the_grpo_reference_is_held_in_the_compute_dtype(tokenizer):
     state = build_state(cfg, model, tokenizer, [Problem("p", (), "1")])
     assert {p.dtype for p in state.ref_model.parameters()} == {torch.bfloat16}
     assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+def test_a_non_finite_loss_under_the_scaler_is_skipped_and_training_goes_on(tokenizer):
+    cfg = load_config(
+        None,
+        [
+            "model.compute_dtype=float16",
+            "train.recompute_old_logprobs=true",
+            "train.responses_per_minibatch=1",
+        ],
+    )
+    model = tiny_qwen2(tokenizer, SPEC, seed=0)
+    state = build_state(cfg, model, tokenizer, [Problem("p", (), "1")])
+    fired = []
+
+    def first_update_nan(module, _args, output):
+        if module.training and not fired:  # the first update's forward (pi_old runs in eval)
+            fired.append(True)
+            output.last_hidden_state = output.last_hidden_state * float("nan")
+        return output
+
+    model.get_decoder().register_forward_hook(first_update_nan)
+    out = update(state, _episodes(), lr=1e-3)  # 8 mini-batches: the first has a NaN loss
+    # The NaN is skipped (not a crash in the next mini-batch's unscale_), and the scaler goes
+    # on: later mini-batches update the weights once the scale fits.
+    assert out["train/updates"] >= 1.0
+    assert out["train/updates"] + out["train/skipped_updates"] == 8.0
+    assert state.consecutive_skips == 0
+    assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -10,7 +10,7 @@ from dapo.data.problems import Problem
 from dapo.sampling import Group
 from dapo.seeding import derive_seed
 from dapo.trainer import assign_advantages, build_state, lr_at, shape_group
-from dapo.update import accumulate_gradients, fill_logprobs, set_old_logprobs
+from dapo.update import accumulate_gradients, fill_logprobs, set_old_logprobs, update
 
 
 def _episode(length: int, *, correct=True, truncated=False, prompt_len=5, seed=0) -> Episode:
@@ -279,3 +279,42 @@ def test_an_engine_without_exact_logprobs_never_stands_in_for_pi_old(tiny_model,
     fresh = [e.old_logprobs for e in eps]
     fill_logprobs(tiny_model, eps, "old_logprobs", state)
     assert all(torch.equal(a, e.old_logprobs) for a, e in zip(fresh, eps, strict=True))
+
+
+def test_the_run_settings_reach_rollout(tiny_model, tokenizer):
+    problems = [Problem(f"p{i}", ({"role": "user", "content": f"{i} + 1"},), "1") for i in range(2)]
+    cfg = _cfg(
+        "rollout.group_size=2", "rollout.stop_token_ids=[7, 9]", "data.system_prompt=Be brief."
+    )
+    state = build_state(cfg, tiny_model, tokenizer, problems)
+    assert {7, 9, tokenizer.eos_token_id} <= set(state.engine.stop_token_ids)
+    prompts = []
+    real_generate = state.engine.generate
+
+    def recording(batch, **kwargs):
+        prompts.extend(batch)
+        return real_generate(batch, **kwargs)
+
+    state.engine.generate = recording
+    trainer.sample_round(state, problems, seed=1)
+    assert prompts and all(p.startswith("System: Be brief.\nUser: ") for p in prompts)
+
+
+def test_dual_clip_reaches_the_update_metrics(tiny_model, tokenizer):
+    eps = _grouped_episodes()
+    state = build_state(
+        _cfg("algo.clip_ratio_c=3.0", "train.responses_per_minibatch=12"),
+        tiny_model,
+        tokenizer,
+        [Problem("p", (), "1")],
+    )
+    fill_logprobs(tiny_model, eps, "old_logprobs", state)
+    for e in eps:  # pi_old far below pi: ratios of e^5, so every negative advantage is capped
+        e.old_logprobs = e.old_logprobs - 5.0
+    state.cfg.train.recompute_old_logprobs = False
+    state.sampler_logprobs_checked = True
+    for e in eps:
+        e.sampler_logprobs = e.old_logprobs
+    out = update(state, eps, lr=1e-3)
+    negative = sum(e.length for e in eps if e.advantage < 0) / sum(e.length for e in eps)
+    assert out["clip/dual_frac"] == pytest.approx(negative)

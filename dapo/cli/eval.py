@@ -42,6 +42,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     ev.add_argument("--num-problems", type=int, default=0, help="only the first N (0 = all)")
     ev.add_argument("--reward-mode", default="", help="dapo, lenient or math_verify for every row")
     ev.add_argument(
+        "--stop-token-ids",
+        default="",
+        help="comma-separated token ids that also end a response (as rollout.stop_token_ids)",
+    )
+    ev.add_argument(
         "--system-prompt",
         default=None,
         help="a system message before every problem (as data.system_prompt; '' for an empty one)",
@@ -82,6 +87,13 @@ def _ks(text: str, k: int) -> list[int]:
     if bad:
         raise ValueError(f"--pass-k: {bad} not in 1..k={k}; pass@k' needs k' <= k samples")
     return ks
+
+
+def _ids(text: str, flag: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} {text!r}: give comma-separated token ids, e.g. 151645") from None
 
 
 def _phrases(text: str) -> tuple[str, ...]:
@@ -164,10 +176,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = _model(args)
     model.eval()
+    extra = _ids(args.stop_token_ids, "--stop-token-ids")
     t0 = time.perf_counter()
     with RewardPool(workers=1) as pool:
         records = sample_records(
-            make_engine(args.engine, model, tokenizer, stop_token_ids(model, tokenizer)),
+            make_engine(args.engine, model, tokenizer, stop_token_ids(model, tokenizer, extra)),
             tokenizer,
             problems,
             k=args.k,
@@ -204,6 +217,7 @@ def _save(args, out: Path, records: list[dict], per_problem: dict, summary, *, s
         "max_new_tokens": args.max_new_tokens,
         "seed": args.seed,
         "system_prompt": args.system_prompt,
+        "stop_token_ids": args.stop_token_ids,
         "engine": args.engine,
         "resamples": args.resamples,
         "reward_faults": sum(r["faults"] for r in records),

@@ -85,7 +85,7 @@ def describe(cfg: Config) -> str:
 def resolve_config(args: argparse.Namespace) -> tuple[Config, Path | None]:
     """The run's config; with --resume, the saved one under any flags and overrides given."""
     from dapo import rundir
-    from dapo.config import load_config, run_changing_differences
+    from dapo.config import load_config, run_changing_differences, saved_before_keys_moved
 
     if not args.resume:
         return load_config(args.config, args.overrides, base=args.base, preset=args.preset), None
@@ -94,6 +94,14 @@ def resolve_config(args: argparse.Namespace) -> tuple[Config, Path | None]:
     run_dir = rundir.existing_run_dir(args.resume)
     saved_path = run_dir / "config.yaml"
     saved = load_config(saved_path)
+    if saved_before_keys_moved(saved_path):
+        print(
+            f"dapo: notice: {run_dir} was saved by dapo 0.1, and 0.2 continues it differently: "
+            "reward.mode=dapo (and data_source math_dapo) now follows the reference verifier "
+            "exactly (0.1's rules are reward.mode=lenient), sampling draws in float64, and "
+            "model.dtype is now model.compute_dtype, with float32 weights",
+            file=sys.stderr,
+        )
     cfg = load_config(args.config or saved_path, args.overrides, base=args.base, preset=args.preset)
     differences = run_changing_differences(saved, cfg)
     if differences and not args.force:

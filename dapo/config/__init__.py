@@ -20,6 +20,7 @@ from dapo.config.loading import (
     load_config,
     parse_override,
     run_changing_differences,
+    saved_before_keys_moved,
     set_value,
     validate,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "load_config",
     "parse_override",
     "run_changing_differences",
+    "saved_before_keys_moved",
     "set_value",
     "validate",
 ]

@@ -229,7 +229,7 @@ class _Repeats:
         uid = self._by_index.get(r.index) if r.index is not None else None
         if uid is None:
             uid = self._by_prompt.get(key)
-        if uid is not None and r.answer != self.answers[uid]:
+        if uid is not None and r.answer.strip() != self.answers[uid].strip():
             return BadRow(
                 r.row,
                 r.answer_field,

@@ -71,7 +71,9 @@ def _short(value: Any, limit: int = 60) -> str:
 
 
 def _answer(value: Any) -> str:
-    """The ground truth as a stripped string; raises ValueError with the reason."""
+    """The ground truth as a string, as written: the paper's verifier compares a \\boxed{}
+    answer with it unnormalised, so even its spaces count. Raises ValueError with the reason
+    (missing, not a string or an integer, or blank)."""
     if value is None:
         raise ValueError("missing")
     if isinstance(value, bool) or not isinstance(value, (str, int)):
@@ -79,8 +81,8 @@ def _answer(value: Any) -> str:
             f"must be a string or an integer, got {json_type(value)} {_short(value)}"
             "; write it as a string if it is meant as text"
         )
-    text = str(value).strip()
-    if not text:
+    text = str(value)
+    if not text.strip():
         raise ValueError(EMPTY_ANSWER)
     return text
 

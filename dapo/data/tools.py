@@ -101,7 +101,9 @@ def check_file(
     )
     problems = data.problems
     non_integer = [
-        (data.first_row[p.uid], p.answer) for p in problems if not INTEGER_RE.fullmatch(p.answer)
+        (data.first_row[p.uid], p.answer)
+        for p in problems
+        if not INTEGER_RE.fullmatch(p.answer.strip())
     ]
     sources = Counter(p.data_source for p in problems)
     stripped = {tuple((m["role"], m["content"].strip()) for m in p.messages) for p in problems}

@@ -3,9 +3,11 @@
 A row's ``data_source`` picks its verifier, unless ``reward.mode`` names one for every row;
 both are looked up here, among each task's name and aliases:
 
-    math_dapo (alias dapo)  the DAPO verifier: last ``Answer:`` line, normalised string match
+    math_dapo (alias dapo)  the paper's verifier (verl's math_dapo, rule for rule): the last
+                            ``Answer:`` line, Minerva-normalised; else the last \\boxed{}
+    math_lenient (lenient)  forgiving rules (full stops, units, percent, wrappers)
     math_verify             value equality by math-verify (fractions, radicals, sets, ...)
-    arith                   the embedded arithmetic task, graded by the DAPO verifier
+    arith                   the embedded arithmetic task, graded by the lenient rules
 
 A new task is one file in this package that defines ``TASKS``, a tuple of
 :class:`~dapo.tasks.base.Task`: every module here is imported and registered when the
