@@ -27,23 +27,6 @@ from dapo.config.training import (
 )
 from dapo.tasks.arith import ArithConfig
 
-__all__ = [
-    "AlgoConfig",
-    "Config",
-    "DataConfig",
-    "EmbeddedConfig",
-    "EvalConfig",
-    "ModelConfig",
-    "OptimConfig",
-    "RewardConfig",
-    "RolloutConfig",
-    "RunConfig",
-    "SamplingConfig",
-    "TrainConfig",
-    "choices",
-    "field_types",
-]
-
 
 @dataclass
 class Config:
