@@ -6,7 +6,7 @@ Samples are drawn by the run's rollout engine; the caller puts the model in eval
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from dapo.data.problems import Problem
@@ -33,6 +33,7 @@ def evaluate(
     reward_mode: str = "",
     resamples: int = 1000,
     records_out: list | None = None,
+    before_batch: Callable[[int, int], None] | None = None,
 ) -> dict[str, float]:
     """The held-out evaluation of training: ``dapo eval``'s samples and metrics, as val/*.
 
@@ -41,7 +42,8 @@ def evaluate(
     also pass@k, maj@k, length and truncation. Seeded per batch, so the same weights give the
     same figures. ``pool`` grades (default: in-process), with ``reward_mode`` for every row or
     else each row's data_source; a response the verifier fails on counts as incorrect and in
-    ``val/reward_faults``. ``records_out``, when given, receives the per-problem records.
+    ``val/reward_faults``. ``records_out``, when given, receives the per-problem records;
+    ``before_batch`` is ``sample_records``'.
     """
     k = num_samples
     records = sample_records(
@@ -58,6 +60,7 @@ def evaluate(
         system_prompt=system_prompt,
         reward_mode=reward_mode,
         responses_per_batch=prompts_per_batch * k,
+        before_batch=before_batch,
     )
     if records_out is not None:
         records_out[:] = records
@@ -94,16 +97,21 @@ def sample_records(
     system_prompt: str | None = None,
     reward_mode: str = "",
     responses_per_batch: int = 256,
+    before_batch: Callable[[int, int], None] | None = None,
 ) -> list[dict]:
     """k graded samples of every problem, one record per problem (``dapo eval``'s raw data).
 
     A record holds the problem's uid, ground truth, and per sample the response, the extracted
     answer, correctness, length in tokens and truncation; with ``greedy``, also the greedy
     response's correctness. Seeded per batch of prompts, so a fixed seed repeats the figures.
+    ``before_batch(done, total)`` is called before each batch with the problems done so far
+    (progress, thread count).
     """
     per_batch = max(1, responses_per_batch // k)
     records = []
     for start in range(0, len(problems), per_batch):
+        if before_batch is not None:
+            before_batch(start, len(problems))
         chunk = problems[start : start + per_batch]
         prompts = [
             render_prompt(tokenizer, p, chat_template=chat_template, system_prompt=system_prompt)

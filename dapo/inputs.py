@@ -44,6 +44,8 @@ def load_run_data(cfg: Config) -> RunData:
             max_terms=a.max_terms,
             operators=a.operators,
             style=a.solution,
+            prompt=a.prompt,
+            shots=a.shots,
         )
         return RunData([p for p, _ in train], [p for p, _ in val], warmup)
 

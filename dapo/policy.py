@@ -161,6 +161,8 @@ def _embedded(cfg: Config, warmup_pairs: Sequence[tuple[Problem, str]], log):
             a.operators,
             a.solution,
             a.num_warmup,
+            # Appended only when set, so the demo's existing caches keep their keys.
+            *((a.prompt, a.shots) if a.prompt != "dapo" else ()),
         ),
         log=log,
     )

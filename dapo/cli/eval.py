@@ -73,7 +73,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar=("A", "B"),
         help="compare two evaluations (problems.jsonl or its directory), or two models (--data)",
     )
+    _add_setting_args(ev)
     ev.set_defaults(func=cmd_eval)
+
+
+def _add_setting_args(ev: argparse.ArgumentParser) -> None:
+    ev.add_argument(
+        "--config",
+        help="a run's YAML (a recipe, a run's config.yaml): its arith section shapes --data arith",
+    )
+    ev.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="CPU threads (default 0: auto, fewer while other processes keep cores busy)",
+    )
 
 
 def _ks(text: str, k: int) -> list[int]:
@@ -107,11 +121,14 @@ def _problems(args: argparse.Namespace):
         from dapo.config import load_config
         from dapo.inputs import load_run_data
 
-        # The demo's own held-out split: the problems `dapo train` evaluates on.
-        problems = load_run_data(load_config(None, [])).val
+        # The held-out split `dapo train` evaluates on (with --config: that run's arith task).
+        cfg = load_config(args.config, ["data.train_file=", "data.val_file="])
+        problems = load_run_data(cfg).val
     else:
         from dapo.data.files import load_problems
 
+        if args.config:
+            raise ValueError("--config shapes --data arith only; a data file is read as it is")
         problems = load_problems(args.data).problems
     return problems[: args.num_problems] if args.num_problems else problems
 
@@ -162,6 +179,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise ValueError("dapo eval needs MODEL_DIR and --data FILE (or --compare A B)")
     if args.k < 1:
         raise ValueError(f"--k must be >= 1, got {args.k}")
+    if args.threads < 0:
+        raise ValueError(f"--threads must be >= 0 (0 = auto), got {args.threads}")
     ks, phrases = _ks(args.pass_k, args.k), _phrases(args.phrases)
     if args.model != "embedded" and not (Path(args.model) / "config.json").is_file():
         raise ValueError(f"{args.model} is not a saved model directory (no config.json)")
@@ -178,6 +197,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     model.eval()
     extra = _ids(args.stop_token_ids, "--stop-token-ids")
     t0 = time.perf_counter()
+    before_batch = _progress(args, t0)
     with RewardPool(workers=1) as pool:
         records = sample_records(
             make_engine(args.engine, model, tokenizer, stop_token_ids(model, tokenizer, extra)),
@@ -192,7 +212,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
             greedy=args.greedy,
             system_prompt=args.system_prompt,
             reward_mode=args.reward_mode,
+            before_batch=before_batch,
         )
+    before_batch(len(problems), len(problems))
     per_problem = _metrics(records, ks, phrases)
     summary = summarize(list(per_problem.values()), resamples=args.resamples, seed=args.seed)
     _save(args, out, records, per_problem, summary, seconds=time.perf_counter() - t0)
@@ -203,6 +225,27 @@ def cmd_eval(args: argparse.Namespace) -> int:
     print(_table(summary, title))
     print(f"wrote {out / 'summary.json'} and {out / 'problems.jsonl'}")
     return 0
+
+
+def _progress(args: argparse.Namespace, t0: float):
+    """Before each batch: the thread count for it (``--threads``), and a progress line."""
+    import torch
+
+    from dapo.threads import ThreadGovernor
+
+    governor = ThreadGovernor() if args.threads == 0 else None
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    def before_batch(done: int, total: int) -> None:
+        threads = governor.adjust() if governor is not None else torch.get_num_threads()
+        print(
+            f"  {done}/{total} problems, {time.perf_counter() - t0:.0f} s, {threads} threads",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    return before_batch
 
 
 def _save(args, out: Path, records: list[dict], per_problem: dict, summary, *, seconds) -> None:

