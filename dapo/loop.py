@@ -27,6 +27,7 @@ from dapo.progress import LiveProgress
 from dapo.reward_pool import RewardPool
 from dapo.sampling import DynamicSamplingExhausted
 from dapo.seeding import derive_seed
+from dapo.threads import ThreadGovernor
 from dapo.trainer import TrainState, build_state, train_step
 from dapo.update import NonFiniteError
 
@@ -96,6 +97,8 @@ class _Run:
         self.seconds_before = 0.0
         self.t_start = time.perf_counter()
         self.saved_at: int | None = None
+        # run.threads=0: threads follow the cores other processes leave free.
+        self.threads = ThreadGovernor() if cfg.run.threads == 0 else None
 
     def train(self, *, resume: bool) -> dict[str, float]:
         state, cfg = self.state, self.state.cfg
@@ -133,7 +136,9 @@ class _Run:
         """Steps until the last, or a stop signal; then the final checkpoint and model."""
         state, t, e = self.state, self.state.cfg.train, self.state.cfg.eval
         while state.step < t.steps and not stop.requested:
+            self.adjust_threads()
             metrics = train_step(state)
+            metrics["perf/threads"] = float(torch.get_num_threads())
             is_last = state.step == t.steps
             if is_last or (e.every and state.step % e.every == 0):
                 self.val_last = self.validate()
@@ -159,6 +164,10 @@ class _Run:
         else:
             print(text, file=self.stream)
 
+    def adjust_threads(self, *_: int) -> None:
+        if self.threads is not None:
+            self.threads.adjust()
+
     def validate(self) -> dict[str, float]:
         """The held-out evaluation, seeded the same every time (the same weights, the same
         figures)."""
@@ -179,6 +188,7 @@ class _Run:
             system_prompt=cfg.data.system_prompt,
             reward_mode=cfg.reward.mode,
             records_out=self.records,
+            before_batch=self.adjust_threads,
         )
 
     def restore(self) -> None:

@@ -138,7 +138,10 @@ class RunConfig:
     base: str = "paper"
     """Scale the config started from: paper or demo."""
     threads: int = 0
-    """torch CPU threads; 0 = torch's default."""
+    """torch CPU threads; 0 = auto: torch's default (one per core) on a quiet machine, fewer
+    while other processes (the reward workers too) keep cores busy, re-checked before each
+    step and evaluation batch (``dapo/threads.py``). ``1`` repeats a CPU run bit for bit;
+    under auto the count, and so the rounding, follows the machine's load."""
     tensorboard: bool = True
     """Also write every metric as TensorBoard scalars in <run dir>/tensorboard."""
     progress: Literal["auto", "plain"] = "auto"
