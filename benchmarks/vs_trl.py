@@ -2,6 +2,7 @@
 
     pip install -e '.[bench]'          # adds trl (and its accelerate, datasets)
     python benchmarks/vs_trl.py [--reps 3] [--steps 3] [--warmup 1] [--new-tokens 32]
+    python benchmarks/vs_trl.py --model models/smollm2-135m --prompts 4 --new-tokens 256
 
 Both systems get the same tiny Qwen2 (4 layers, hidden 128, the project's tokenizer, the same
 random initial weights), the same arithmetic prompts, 16 prompts x 8 responses per step, every
@@ -9,7 +10,13 @@ response exactly ``--new-tokens`` long (EOS ignored), one optimizer step per rol
 Clip-Higher 0.2 / 0.28, no KL, AdamW at the same learning rate. Repetitions alternate (TRL,
 then this project, with fresh weights each time) so drift in the machine hits both alike. Per
 system: the median seconds per step over every timed step, and tokens/s (generated tokens, the
-same count for both). Prints the figures as text, then one JSON line.
+same count for both), and the seconds per step spent generating (for TRL, time inside the
+model's ``generate``) and in the rest (log-probs, loss, backward, optimizer, rewards). Prints
+the figures as text, then one JSON line.
+
+``--model DIR`` gives both systems a saved Hugging Face model instead (e.g. SmolLM2-135M from
+``dapo model import``); its prompts are the arith task in chat form (``arith.prompt=chat``),
+rendered with the model's chat template for both.
 
 Where the work is not exactly equal (each listed again in the output):
 - rewards: TRL calls the verifier in-process; this project grades in its worker process
@@ -35,13 +42,23 @@ import warnings
 
 import torch
 
-PROMPTS, GROUP = 16, 8
+GROUP = 8
+PROMPTS = 16
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the same for both systems
 
 
-def build(seed: int = 0):
+def build(seed: int = 0, model_dir: str = ""):
     from dapo import demo
 
+    if model_dir:
+        from pathlib import Path
+
+        from transformers import AutoModelForCausalLM
+
+        from dapo.policy import tokenizer_from_dir
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        return model, tokenizer_from_dir(Path(model_dir))
     tokenizer = demo.build_tokenizer()
     spec = demo.TinyModelSpec(hidden_size=128, intermediate_size=256, num_layers=4)
     return demo.tiny_qwen2(tokenizer, spec, seed=seed), tokenizer
@@ -70,7 +87,7 @@ def our_config(new_tokens: int, extra: list[str]):
     )
 
 
-def time_ours(model, tokenizer, problems, cfg, steps: int, warmup: int) -> list[float]:
+def time_ours(model, tokenizer, problems, cfg, steps: int, warmup: int) -> list[tuple]:
     from dapo.reward_pool import RewardPool
     from dapo.trainer import build_state, train_step
 
@@ -82,14 +99,16 @@ def time_ours(model, tokenizer, problems, cfg, steps: int, warmup: int) -> list[
             t0 = time.perf_counter()
             metrics = train_step(state)
             if i >= warmup:
-                times.append(time.perf_counter() - t0)
+                times.append((time.perf_counter() - t0, metrics["perf/generate_s"]))
             assert (
                 metrics["sampling/tokens_generated"] == PROMPTS * GROUP * cfg.rollout.max_new_tokens
             )
     return times
 
 
-def time_trl(model, tokenizer, problems, new_tokens: int, steps: int, warmup: int) -> list[float]:
+def time_trl(
+    model, tokenizer, problems, new_tokens: int, steps: int, warmup: int, microbatch: int = 0
+) -> list[tuple]:
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -102,13 +121,26 @@ def time_trl(model, tokenizer, problems, new_tokens: int, steps: int, warmup: in
 
     class StepTimes(TrainerCallback):
         def __init__(self) -> None:
-            self.times: list[float] = []
+            self.times: list[tuple] = []
+            self.gen = 0.0
 
         def on_step_begin(self, args, state, control, **kw):
-            self.t0 = time.perf_counter()
+            self.t0, self.gen = time.perf_counter(), 0.0
 
         def on_step_end(self, args, state, control, **kw):
-            self.times.append(time.perf_counter() - self.t0)
+            self.times.append((time.perf_counter() - self.t0, self.gen))
+
+    timer = StepTimes()
+    generate = model.generate
+
+    def timed_generate(*a, **kw):
+        t = time.perf_counter()
+        try:
+            return generate(*a, **kw)
+        finally:
+            timer.gen += time.perf_counter() - t
+
+    model.generate = timed_generate
 
     n = (warmup + steps) * PROMPTS
     data = Dataset.from_dict(
@@ -120,9 +152,9 @@ def time_trl(model, tokenizer, problems, new_tokens: int, steps: int, warmup: in
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(
             output_dir=out,
-            per_device_train_batch_size=PROMPTS * GROUP,
-            gradient_accumulation_steps=1,
-            steps_per_generation=1,
+            # One rollout of PROMPTS x GROUP, one optimizer step, in micro-batches if asked.
+            per_device_train_batch_size=microbatch or PROMPTS * GROUP,
+            gradient_accumulation_steps=PROMPTS * GROUP // (microbatch or PROMPTS * GROUP),
             num_generations=GROUP,
             max_completion_length=new_tokens,
             generation_kwargs={"min_new_tokens": new_tokens},
@@ -149,7 +181,6 @@ def time_trl(model, tokenizer, problems, new_tokens: int, steps: int, warmup: in
             gradient_checkpointing=False,
             seed=0,
         )
-        timer = StepTimes()
         trainer = GRPOTrainer(
             model=model,
             reward_funcs=reward,
@@ -170,6 +201,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=1, help="untimed first steps (default 1)")
     ap.add_argument("--new-tokens", type=int, default=32, help="response length (default 32)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--model", default="", help="a Hugging Face model directory (default: tiny)")
+    ap.add_argument("--prompts", type=int, default=16, help="prompts per step (default 16)")
+    ap.add_argument(
+        "--trl-microbatch",
+        type=int,
+        default=0,
+        help="TRL's rows per forward/backward (default 0: all; its full-vocabulary logits of "
+        "32 rows x 344 tokens of SmolLM2 exceed 24 GB)",
+    )
     ap.add_argument(
         "--ours",
         nargs="*",
@@ -192,14 +232,23 @@ def main(argv: list[str] | None = None) -> int:
     transformers.logging.set_verbosity_error()
     from dapo.tasks import arith
 
-    pairs = arith.make_splits((args.warmup + args.steps) * PROMPTS, 0, 0, seed=1234)[0]
+    global PROMPTS
+    PROMPTS = args.prompts
+    chat = dict(prompt="chat", max_terms=3) if args.model else {}
+    pairs = arith.make_splits((args.warmup + args.steps) * PROMPTS, 1, 0, seed=1234, **chat)[0]
     problems = [p for p, _ in pairs]
     cfg = our_config(args.new_tokens, args.ours)
-    base, tokenizer = build()
-    results: dict[str, list[float]] = {"trl": [], "dapo": []}
+    base, tokenizer = build(model_dir=args.model)
+    results: dict[str, list[tuple]] = {"trl": [], "dapo": []}
     for rep in range(args.reps):
         trl_times = time_trl(
-            copy.deepcopy(base), tokenizer, problems, args.new_tokens, args.steps, args.warmup
+            copy.deepcopy(base),
+            tokenizer,
+            problems,
+            args.new_tokens,
+            args.steps,
+            args.warmup,
+            args.trl_microbatch,
         )
         our_times = time_ours(
             copy.deepcopy(base), tokenizer, problems, cfg, args.steps, args.warmup
@@ -208,17 +257,19 @@ def main(argv: list[str] | None = None) -> int:
         results["dapo"] += our_times
         print(
             f"rep {rep + 1}/{args.reps}: TRL "
-            + " ".join(f"{t:.2f}" for t in trl_times)
+            + " ".join(f"{t:.2f}" for t, _ in trl_times)
             + " s | dapo "
-            + " ".join(f"{t:.2f}" for t in our_times)
+            + " ".join(f"{t:.2f}" for t, _ in our_times)
             + " s",
             flush=True,
         )
     tokens = PROMPTS * GROUP * args.new_tokens
     summary = {
         name: {
-            "median_step_s": statistics.median(times),
-            "gen_tokens_per_s": tokens / statistics.median(times),
+            "median_step_s": statistics.median(t for t, _ in times),
+            "gen_tokens_per_s": tokens / statistics.median(t for t, _ in times),
+            "generate_s": statistics.median(g for _, g in times),
+            "rest_s": statistics.median(t - g for t, g in times),
             "steps_timed": len(times),
         }
         for name, times in results.items()
@@ -231,11 +282,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     for name, s in summary.items():
         print(
-            f"{name:>5}: median {s['median_step_s']:.3f} s/step, "
-            f"{s['gen_tokens_per_s']:,.0f} tokens/s ({s['steps_timed']} steps)"
+            f"{name:>5}: median {s['median_step_s']:.3f} s/step (generate {s['generate_s']:.3f}, "
+            f"rest {s['rest_s']:.3f}), {s['gen_tokens_per_s']:,.0f} tokens/s "
+            f"({s['steps_timed']} steps)"
         )
     print(f"ratio (dapo tokens/s over TRL's): {ratio:.2f}")
-    print(json.dumps({"summary": summary, "ratio": ratio, "ours_overrides": args.ours}))
+    print(
+        json.dumps(
+            {
+                "summary": summary,
+                "ratio": ratio,
+                "model": args.model or "tiny",
+                "ours_overrides": args.ours,
+            }
+        )
+    )
     return 0
 
 

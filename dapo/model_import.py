@@ -168,13 +168,15 @@ def _load_tokenizer(path: Path) -> Any:
 
 def _load_model(path: Path) -> Any:
     """The dequantized weights in a fresh (unquantized) model of the same config, float32."""
+    import copy
+
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     quantized = AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32
     )
-    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    config = copy.deepcopy(quantized.config)
     for key in ("quantization_config", "_name_or_path"):
         if hasattr(config, key):
             delattr(config, key)
