@@ -118,6 +118,8 @@ def import_gguf(source: str, out_dir: Path, *, log: Callable[[str], None] = prin
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ValueError(f"{out_dir}: already exists and is not empty; remove it or choose another")
     check_extra()
+    from dapo.policy import stop_token_ids
+
     architecture = gguf_architecture(path)
     check_architecture(path, architecture)
     log(f"importing {path} ({path.stat().st_size / 1e6:.0f} MB, {architecture})")
@@ -126,7 +128,8 @@ def import_gguf(source: str, out_dir: Path, *, log: Callable[[str], None] = prin
     log(f"  tokenizer: {len(tokenizer)} tokens, chat template: {bool(tokenizer.chat_template)}")
     log("  dequantizing the weights ...")
     model = _load_model(path)
-    stops = stop_tokens(tokenizer, model.generation_config.eos_token_id)
+    # The run's rule (the tokenizer's EOS and the generation config's), plus the end tokens.
+    stops = stop_token_ids(model, tokenizer, extra=end_token_ids(tokenizer))
     model.generation_config.eos_token_id = list(stops)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     parameters = sum(p.numel() for p in model.parameters())
@@ -148,16 +151,12 @@ def import_gguf(source: str, out_dir: Path, *, log: Callable[[str], None] = prin
     return ImportSummary(out_dir, architecture, parameters, model.config.vocab_size, stops, seconds)
 
 
-def stop_tokens(tokenizer: Any, listed: int | list[int] | None) -> tuple[int, ...]:
-    """The generation config's stop ids: the file's EOS, whatever it listed, and the known
-    end-of-turn/end-of-text special tokens the vocabulary has."""
-    ids = {tokenizer.eos_token_id}
-    ids.update(listed if isinstance(listed, (list, tuple)) else [listed])
+def end_token_ids(tokenizer: Any) -> list[int]:
+    """The known end-of-turn/end-of-text special tokens (``END_TOKENS``) the vocabulary has."""
     special = set(tokenizer.all_special_tokens) | {
         t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
     }
-    ids.update(tokenizer.convert_tokens_to_ids(t) for t in END_TOKENS if t in special)
-    return tuple(sorted(i for i in ids if i is not None))
+    return [tokenizer.convert_tokens_to_ids(t) for t in END_TOKENS if t in special]
 
 
 def _load_tokenizer(path: Path) -> Any:
