@@ -43,7 +43,6 @@ import warnings
 import torch
 
 GROUP = 8
-PROMPTS = 16
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the same for both systems
 
 
@@ -64,7 +63,7 @@ def build(seed: int = 0, model_dir: str = ""):
     return demo.tiny_qwen2(tokenizer, spec, seed=seed), tokenizer
 
 
-def our_config(new_tokens: int, extra: list[str]):
+def our_config(prompts: int, new_tokens: int, extra: list[str]):
     from dapo.config import load_config
 
     return load_config(
@@ -74,8 +73,8 @@ def our_config(new_tokens: int, extra: list[str]):
             f"rollout.max_new_tokens={new_tokens}",
             "rollout.ignore_eos=true",
             "sampling.dynamic=false",
-            f"train.prompts_per_step={PROMPTS}",
-            f"train.responses_per_minibatch={PROMPTS * GROUP}",
+            f"train.prompts_per_step={prompts}",
+            f"train.responses_per_minibatch={prompts * GROUP}",
             "train.epochs=1",
             "algo.eps_low=0.2",
             "algo.eps_high=0.28",
@@ -101,7 +100,8 @@ def time_ours(model, tokenizer, problems, cfg, steps: int, warmup: int) -> list[
             if i >= warmup:
                 times.append((time.perf_counter() - t0, metrics["perf/generate_s"]))
             assert (
-                metrics["sampling/tokens_generated"] == PROMPTS * GROUP * cfg.rollout.max_new_tokens
+                metrics["sampling/tokens_generated"]
+                == cfg.responses_per_step * cfg.rollout.max_new_tokens
             )
     return times
 
@@ -142,19 +142,19 @@ def time_trl(
 
     model.generate = timed_generate
 
-    n = (warmup + steps) * PROMPTS
+    rows = len(problems) // (warmup + steps) * GROUP  # the problems are all the steps' prompts
     data = Dataset.from_dict(
         {
-            "prompt": [render_prompt(tokenizer, p) for p in problems[:n]],
-            "answer": [p.answer for p in problems[:n]],
+            "prompt": [render_prompt(tokenizer, p) for p in problems],
+            "answer": [p.answer for p in problems],
         }
     )
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(
             output_dir=out,
-            # One rollout of PROMPTS x GROUP, one optimizer step, in micro-batches if asked.
-            per_device_train_batch_size=microbatch or PROMPTS * GROUP,
-            gradient_accumulation_steps=PROMPTS * GROUP // (microbatch or PROMPTS * GROUP),
+            # One rollout of all rows, one optimizer step, in micro-batches if asked.
+            per_device_train_batch_size=microbatch or rows,
+            gradient_accumulation_steps=rows // (microbatch or rows),
             num_generations=GROUP,
             max_completion_length=new_tokens,
             generation_kwargs={"min_new_tokens": new_tokens},
@@ -232,12 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     transformers.logging.set_verbosity_error()
     from dapo.tasks import arith
 
-    global PROMPTS
-    PROMPTS = args.prompts
     chat = dict(prompt="chat", max_terms=3) if args.model else {}
-    pairs = arith.make_splits((args.warmup + args.steps) * PROMPTS, 1, 0, seed=1234, **chat)[0]
+    pairs = arith.make_splits((args.warmup + args.steps) * args.prompts, 1, 0, seed=1234, **chat)[0]
     problems = [p for p, _ in pairs]
-    cfg = our_config(args.new_tokens, args.ours)
+    cfg = our_config(args.prompts, args.new_tokens, args.ours)
     base, tokenizer = build(model_dir=args.model)
     results: dict[str, list[tuple]] = {"trl": [], "dapo": []}
     for rep in range(args.reps):
@@ -263,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             + " s",
             flush=True,
         )
-    tokens = PROMPTS * GROUP * args.new_tokens
+    tokens = args.prompts * GROUP * args.new_tokens
     summary = {
         name: {
             "median_step_s": statistics.median(t for t, _ in times),
@@ -276,8 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     ratio = summary["dapo"]["gen_tokens_per_s"] / summary["trl"]["gen_tokens_per_s"]
     print(
-        f"\n{PROMPTS} prompts x {GROUP} responses x {args.new_tokens} tokens = {tokens} generated "
-        f"tokens per step; threads {torch.get_num_threads()}; trl {trl.__version__}, "
+        f"\n{args.prompts} prompts x {GROUP} responses x {args.new_tokens} tokens = {tokens} "
+        f"generated tokens per step; threads {torch.get_num_threads()}; trl {trl.__version__}, "
         f"transformers {transformers.__version__}, torch {torch.__version__}"
     )
     for name, s in summary.items():
