@@ -271,6 +271,9 @@ RESUME_SAFE_FIELDS = frozenset(
         "reward.workers",
         "reward.timeout_s",
         "reward.memory_mb",
+        "dist.activation_checkpointing",
+        "dist.cpu_offload",
+        "dist.timeout_s",
     }
 )
 

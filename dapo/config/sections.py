@@ -16,7 +16,14 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from dapo.config.setup import DataConfig, EmbeddedConfig, ModelConfig, RewardConfig, RunConfig
+from dapo.config.setup import (
+    DataConfig,
+    DistConfig,
+    EmbeddedConfig,
+    ModelConfig,
+    RewardConfig,
+    RunConfig,
+)
 from dapo.config.training import (
     AlgoConfig,
     EvalConfig,
@@ -40,6 +47,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
     embedded: EmbeddedConfig = field(default_factory=EmbeddedConfig)
     # A task with settings of its own adds its section here, named after the task.
     arith: ArithConfig = field(default_factory=ArithConfig)

@@ -128,6 +128,28 @@ class RewardConfig:
 
 
 @dataclass
+class DistConfig:
+    """Data-parallel training under ``torchrun`` (world size > 1): FSDP2 shards the policy (and
+    the GRPO reference) per decoder layer; one process runs without any of this."""
+
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them:
+    activation memory of about one layer per micro-batch, for one more forward pass."""
+    cpu_offload: bool = False
+    """Keep the sharded float32 weights, gradients and optimizer state in CPU memory (FSDP2's
+    CPUOffloadPolicy; the optimizer step then runs on the CPU): for a model whose states do not
+    fit on the GPUs, at the cost of host-device copies every step."""
+    timeout_s: float = 600.0
+    """Seconds a collective may wait for the other ranks before the run stops with an error
+    (a rank that died or hangs stops the job instead of leaving the others waiting)."""
+
+    def check(self) -> list[str]:
+        if not self.timeout_s > 0:
+            return [f"dist.timeout_s must be > 0, got {self.timeout_s}"]
+        return []
+
+
+@dataclass
 class RunConfig:
     out_dir: str = "runs"
     """Run directories are created under this one."""
