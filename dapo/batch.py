@@ -146,3 +146,18 @@ def split_microbatches(
     if current:
         chunks.append(current)
     return chunks
+
+
+def partition_by_tokens(episodes: Sequence[Episode], parts: int) -> list[list[int]]:
+    """Indices of ``episodes`` in ``parts`` shares of about equal tokens (prompt + response),
+    one per data-parallel rank: longest first, each to the share with the fewest tokens so far
+    (the lowest share on a tie); each share in increasing order. The same on every rank, which
+    holds the same episodes; one share is every index, in order."""
+    shares: list[list[int]] = [[] for _ in range(parts)]
+    loads = [0] * parts
+    cost = [len(e.prompt_ids) + e.length for e in episodes]
+    for i in sorted(range(len(episodes)), key=lambda i: (-cost[i], i)):
+        least = min(range(parts), key=lambda r: (loads[r], r))
+        shares[least].append(i)
+        loads[least] += cost[i]
+    return [sorted(share) for share in shares]

@@ -72,16 +72,16 @@ def restore_rng(state: dict[str, Any]) -> None:
 # ----------------------------------------------------------------------------- writing
 
 
-def _fsync_tree(root: Path) -> None:
+def fsync_tree(root: Path) -> None:
     for path in sorted(root.rglob("*")):
         if path.is_file():
             with path.open("rb") as f:
                 os.fsync(f.fileno())
     for d in [root, *(p for p in root.rglob("*") if p.is_dir())]:
-        _fsync_dir(d)
+        fsync_dir(d)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -89,14 +89,14 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_pointer(ckpt_root: Path, name: str) -> None:
+def write_pointer(ckpt_root: Path, name: str) -> None:
     tmp = ckpt_root / f".{LATEST}.tmp"
     with tmp.open("w") as f:
         f.write(name + "\n")
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, ckpt_root / LATEST)
-    _fsync_dir(ckpt_root)
+    fsync_dir(ckpt_root)
 
 
 def _check_finite(model: torch.nn.Module, step: int) -> None:
@@ -141,12 +141,12 @@ def save(
         }
         manifest = {"format_version": FORMAT_VERSION, "step": step, "files": files}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         if final.exists():  # a step re-run after a resume: the new one replaces it whole
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync_dir(root)
-        _write_pointer(root, name)
+        fsync_dir(root)
+        write_pointer(root, name)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         why = "the disk is full" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
@@ -277,7 +277,7 @@ def write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def export_model(model: torch.nn.Module, tokenizer: Any, dest: Path) -> None:
@@ -286,8 +286,8 @@ def export_model(model: torch.nn.Module, tokenizer: Any, dest: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
-    _fsync_tree(tmp)
+    fsync_tree(tmp)
     if dest.exists():
         shutil.rmtree(dest)
     os.rename(tmp, dest)
-    _fsync_dir(dest.parent)
+    fsync_dir(dest.parent)

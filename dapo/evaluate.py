@@ -9,11 +9,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from dapo import dist
 from dapo.data.problems import Problem
 from dapo.data.prompts import render_prompt
 from dapo.eval_metrics import record_metrics, summarize
 from dapo.reward_pool import RewardPool, grading_job
 from dapo.rollout import Engine, Rollout
+from dapo.seeding import derive_seed
 
 
 def evaluate(
@@ -39,17 +41,21 @@ def evaluate(
 
     ``val/accuracy`` is avg@k (the mean correctness over k samples of every problem), with a
     95% bootstrap interval over problems (``val/accuracy_low``, ``val/accuracy_high``);
-    also pass@k, maj@k, length and truncation. Seeded per batch, so the same weights give the
+    also pass@k, maj@k, length and truncation. Seeded per problem, so the same weights give the
     same figures. ``pool`` grades (default: in-process), with ``reward_mode`` for every row or
     else each row's data_source; a response the verifier fails on counts as incorrect and in
     ``val/reward_faults``. ``records_out``, when given, receives the per-problem records;
     ``before_batch`` is ``sample_records``'.
     """
     k = num_samples
+    # Under torchrun each rank samples a share of the problems; seeded per problem, the
+    # records gathered are the ones one process would draw.
+    mine = dist.share(len(problems))
     records = sample_records(
         engine,
         tokenizer,
-        problems,
+        problems[mine.start : mine.stop],
+        first_index=mine.start,
         k=k,
         temperature=temperature,
         top_p=top_p,
@@ -62,6 +68,7 @@ def evaluate(
         responses_per_batch=prompts_per_batch * k,
         before_batch=before_batch,
     )
+    records = dist.gather_lists(records)
     if records_out is not None:
         records_out[:] = records
     per_problem = [record_metrics(r, ks=[k]) for r in records]
@@ -98,12 +105,14 @@ def sample_records(
     reward_mode: str = "",
     responses_per_batch: int = 256,
     before_batch: Callable[[int, int], None] | None = None,
+    first_index: int = 0,
 ) -> list[dict]:
     """k graded samples of every problem, one record per problem (``dapo eval``'s raw data).
 
     A record holds the problem's uid, ground truth, and per sample the response, the extracted
     answer, correctness, length in tokens and truncation; with ``greedy``, also the greedy
-    response's correctness. Seeded per batch of prompts, so a fixed seed repeats the figures.
+    response's correctness. Each problem's samples are seeded from (seed, its index, counted
+    from ``first_index``), so a fixed seed repeats the figures whatever the batch size.
     ``before_batch(done, total)`` is called before each batch with the problems done so far
     (progress, thread count).
     """
@@ -123,7 +132,7 @@ def sample_records(
             max_new_tokens=max_new_tokens,
             temperature=temperature,
             top_p=top_p,
-            seed=seed + start,
+            seed=[derive_seed(seed, "problem", first_index + start + j) for j in range(len(chunk))],
         )
         jobs = [grading_job(chunk[i // k], text, reward_mode) for i, text in enumerate(ro.texts)]
         graded = pool.grade(jobs)

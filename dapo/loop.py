@@ -16,13 +16,14 @@ from typing import Any, TextIO
 
 import torch
 
-from dapo import checkpoint, rundir
+from dapo import checkpoint, dist, rundir, sharded_checkpoint
 from dapo.config import Config
 from dapo.data.problems import Problem
+from dapo.dist import fsdp
 from dapo.eval_metrics import pick_samples
 from dapo.evaluate import evaluate
 from dapo.interrupt import GracefulStop, RunStopped, StepAborted
-from dapo.metrics import MetricsLogger, open_wandb
+from dapo.metrics import MetricsLogger, NullLogger, open_wandb
 from dapo.progress import LiveProgress
 from dapo.reward_pool import RewardPool
 from dapo.sampling import DynamicSamplingExhausted
@@ -78,17 +79,25 @@ class _Run:
         cfg = state.cfg
         self.state, self.val_problems = state, val_problems
         self.run_dir, self.stream = run_dir, stream
-        self.live = cfg.run.progress == "auto" and getattr(stream, "isatty", lambda: False)()
+        self.live = (
+            cfg.run.progress == "auto"
+            and dist.is_main()
+            and getattr(stream, "isatty", lambda: False)()
+        )
         # Live: the rich display replaces the plain per-step lines; everything else is printed
         # through it so the two never interleave.
-        wandb_run = (
-            open_wandb(cfg.run.wandb_project, run_dir, cfg.to_dict()) if cfg.run.wandb else None
-        )
-        self.logger = MetricsLogger(
-            run_dir / "metrics.jsonl",
-            stream=None if self.live else stream,
-            tensorboard_dir=run_dir / "tensorboard" if cfg.run.tensorboard else None,
-            wandb_run=wandb_run,
+        wandb_run = None
+        if cfg.run.wandb and dist.is_main():
+            wandb_run = open_wandb(cfg.run.wandb_project, run_dir, cfg.to_dict())
+        self.logger = (
+            MetricsLogger(
+                run_dir / "metrics.jsonl",
+                stream=None if self.live else stream,
+                tensorboard_dir=run_dir / "tensorboard" if cfg.run.tensorboard else None,
+                wandb_run=wandb_run,
+            )
+            if dist.is_main()
+            else NullLogger()
         )
         self.progress: LiveProgress | None = None
         self.records: list[dict] = []  # of the latest evaluation, for samples.jsonl
@@ -135,7 +144,7 @@ class _Run:
     def steps(self, stop: GracefulStop) -> None:
         """Steps until the last, or a stop signal; then the final checkpoint and model."""
         state, t, e = self.state, self.state.cfg.train, self.state.cfg.eval
-        while state.step < t.steps and not stop.requested:
+        while state.step < t.steps and not self.stopping(stop):
             self.adjust_threads()
             metrics = train_step(state)
             metrics["perf/threads"] = float(torch.get_num_threads())
@@ -146,17 +155,25 @@ class _Run:
             self.logger.log(state.step, metrics)
             if self.progress is not None:
                 self.progress.step_done(state.step, metrics)
-            if is_last or stop.requested or (t.save_every and state.step % t.save_every == 0):
+            if is_last or self.stopping(stop) or (t.save_every and state.step % t.save_every == 0):
                 self.save()
         if self.saved_at != state.step:
             self.save()
-        if stop.requested and state.step < t.steps:
+        if self.stopping(stop) and state.step < t.steps:
             raise RunStopped(
                 f"stopped by {stop.name} after step {state.step} of {t.steps}; checkpoint "
                 f"saved. Resume with: dapo train --resume {self.run_dir}",
                 stop.signum,
             )
-        checkpoint.export_model(state.model, state.tokenizer, self.run_dir / "model")
+        if fsdp.is_sharded(state.model):
+            sharded_checkpoint.export_model(state.model, state.tokenizer, self.run_dir / "model")
+        else:
+            checkpoint.export_model(state.model, state.tokenizer, self.run_dir / "model")
+
+    @staticmethod
+    def stopping(stop: GracefulStop) -> bool:
+        """Whether a stop signal reached any rank: all ranks stop after the same step."""
+        return dist.any_rank(stop.requested)
 
     def say(self, text: str) -> None:
         if self.progress is not None:
@@ -200,9 +217,9 @@ class _Run:
                 f"{self.run_dir} has no complete checkpoint to resume from; start it again with "
                 f"--overwrite, or choose another run.name"
             )
-        info = checkpoint.load(ckpt, model=state.model, optimizer=state.optimizer)
+        info = sharded_checkpoint.load(ckpt, model=state.model, optimizer=state.optimizer)
         state.load_state_dict(info)
-        state.engine.sync_weights(state.model)
+        state.sync_engine()
         self.val_start, self.val_last = info["val_start"], info["val_last"]
         self.seconds_before = info["train_seconds"]
         self.logger.truncate(info["metrics_bytes"])
@@ -213,7 +230,8 @@ class _Run:
     def save(self) -> Path:
         state = self.state
         state.on_phase("save")
-        ckpt = checkpoint.save(
+        save = sharded_checkpoint.save if fsdp.is_sharded(state.model) else checkpoint.save
+        ckpt = save(
             self.run_dir,
             step=state.step,
             model=state.model,
@@ -244,6 +262,8 @@ class _Run:
             "val/accuracy_end": self.val_last["val/accuracy"],
             "train_seconds": self.seconds(),
         }
+        if not dist.is_main():
+            return summary
         rundir.write_summary(run_dir, summary)
         if self.records:  # responses worth reading, for dapo report
             rundir.write_samples(run_dir, step, pick_samples(self.records))

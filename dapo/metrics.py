@@ -126,3 +126,21 @@ def open_wandb(project: str, run_dir: Path, config: dict[str, Any]) -> Any:
         dir=str(run_dir),
         config=config,
     )
+
+
+class NullLogger:
+    """The logger of every rank but 0 under torchrun: rank 0 writes the run's metrics."""
+
+    purge_step: int | None = None
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Nothing: rank 0 logs the step (its metrics are the same, reduced over ranks)."""
+
+    def sync(self) -> int:
+        return 0
+
+    def truncate(self, size: int) -> None:
+        """Nothing: rank 0 cuts the log back."""
+
+    def close(self) -> None:
+        """Nothing to close."""

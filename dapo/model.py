@@ -18,6 +18,7 @@ import torch
 
 from dapo.algo import entropy_from_logits, token_logprobs_from_hidden, token_logprobs_from_logits
 from dapo.batch import Batch
+from dapo.dist import fsdp
 
 # Model types whose causal-LM logits are exactly ``decoder(...) @ lm_head.weight.T``, read
 # from their transformers forward. Others (Gemma2's soft-capping, Cohere's, Granite's or
@@ -28,7 +29,13 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 def output_head(model) -> torch.Tensor | None:
-    """The output head's weight when logits are exactly ``decoder(...) @ weight.T``, else None."""
+    """The output head's weight when logits are exactly ``decoder(...) @ weight.T``, else None.
+
+    None for a model sharded by FSDP: its hooks gather the weights of the root (embeddings,
+    head) only around the model's own forward, so the head cannot be applied from outside.
+    """
+    if fsdp.is_sharded(model):
+        return None
     head = getattr(model, "get_output_embeddings", lambda: None)()
     decoder = getattr(model, "get_decoder", lambda: None)()
     config = getattr(model, "config", None)
@@ -75,6 +82,9 @@ def response_logprobs(
     """
     head = output_head(model)
     args = (model, head, prompt_ids_BP, prompt_mask_BP, response_ids_BT, response_mask_BT)
+    # A sharded model's forward is a collective: every rank must make the same calls, and
+    # the shared pass makes one or two depending on the micro-batch, so FSDP takes one.
+    share_prompts = share_prompts and not fsdp.is_sharded(model)
     shared = _shared_prompt_pass(*args[:4]) if share_prompts else None
     if shared is None:  # no prompt repeats, or a cache that cannot be sliced by row
         return _full_forward(*args, temperature=temperature, with_entropy=with_entropy)

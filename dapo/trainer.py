@@ -26,11 +26,12 @@ from typing import Any
 
 import torch
 
-from dapo import algo
+from dapo import algo, dist
 from dapo.batch import Episode
 from dapo.config import Config
 from dapo.data.problems import Problem, PromptSampler
 from dapo.data.prompts import render_prompt
+from dapo.dist import fsdp
 from dapo.metrics import accumulate
 from dapo.policy import DTYPES, stop_token_ids
 from dapo.reward_pool import GradeResult, RewardPool, grading_job
@@ -67,6 +68,20 @@ class TrainState:
     """Scales the loss of float16 computation on float32 weights (its gradients underflow
     otherwise); None in float32 and bfloat16."""
 
+    gen_model: torch.nn.Module | None = None
+    """Under FSDP: a whole copy of the policy in the compute dtype that the engine samples
+    from (a sharded model's forward is a collective, and ranks generate different lengths),
+    refreshed from the shards by :meth:`sync_engine`; None in one process."""
+
+    def sync_engine(self) -> None:
+        """Tell the engine the weights changed (after updates, after a resume); under FSDP,
+        gather the shards into the whole copy first."""
+        if self.gen_model is not None:
+            fsdp.gather_into(self.model, self.gen_model)
+            self.engine.sync_weights(self.gen_model)
+        else:
+            self.engine.sync_weights(self.model)
+
     def state_dict(self) -> dict[str, Any]:
         """The counters and cursors a resumed run needs (JSON); the weights and the optimizer
         state are saved beside them by :func:`dapo.checkpoint.save`."""
@@ -92,29 +107,47 @@ class TrainState:
 def build_state(
     cfg: Config, model: torch.nn.Module, tokenizer: Any, train_problems: list[Problem]
 ) -> TrainState:
+    """The run's state around ``model``; under a process group (``torchrun``) the policy and
+    the reference are sharded with FSDP2 and the engine samples from a gathered copy."""
+    compute = DTYPES[cfg.model.compute_dtype]
+    # Frozen copies are held in bfloat16 when that is the compute dtype (float16 weights
+    # would overflow without autocast's float32 ops: they stay as the policy's).
+    held = compute if compute == torch.bfloat16 else next(model.parameters()).dtype
+    ref_model = gen_model = None
+    if cfg.algo.kl_coef > 0:  # the naive-GRPO KL anchor: a frozen copy of the starting policy
+        ref_model = copy.deepcopy(model).to(held).eval().requires_grad_(False)
+    if dist.active():
+        if compute == torch.float16:
+            raise ValueError(
+                "model.compute_dtype=float16 is not supported under torchrun (FSDP); use "
+                "bfloat16, which needs no loss scaling"
+            )
+        gen_model = copy.deepcopy(model).to(held).eval().requires_grad_(False)
+        options = dict(
+            compute_dtype=compute,
+            activation_checkpointing=cfg.dist.activation_checkpointing,
+            cpu_offload=cfg.dist.cpu_offload,
+        )
+        fsdp.shard(model, **options)
+        if ref_model is not None:
+            fsdp.shard(ref_model, **{**options, "activation_checkpointing": False})
     optimizer = torch.optim.AdamW(
         model.parameters(),
         lr=cfg.optim.lr,
         betas=(cfg.optim.beta1, cfg.optim.beta2),
         weight_decay=cfg.optim.weight_decay,
     )
-    compute = DTYPES[cfg.model.compute_dtype]
-    ref_model = None
-    if cfg.algo.kl_coef > 0:
-        # The naive-GRPO KL anchor: a frozen copy of the starting policy, held in bfloat16
-        # when that is the compute dtype (float16 weights would overflow without autocast's
-        # float32 ops: they stay as the policy's, computed under autocast like it).
-        held = compute if compute == torch.bfloat16 else next(model.parameters()).dtype
-        ref_model = copy.deepcopy(model).to(held).eval().requires_grad_(False)
     sampler = PromptSampler(train_problems, seed=cfg.train.seed)
     stops = stop_token_ids(model, tokenizer, cfg.rollout.stop_token_ids)
-    engine = make_engine(cfg.rollout.engine, model, tokenizer, stops, compute)
+    engine = make_engine(cfg.rollout.engine, gen_model or model, tokenizer, stops, compute)
     scaler = None
     if compute == torch.float16 and next(model.parameters()).dtype == torch.float32:
         scaler = torch.amp.GradScaler(next(model.parameters()).device.type)
-    return TrainState(
+    state = TrainState(
         cfg, model, tokenizer, optimizer, sampler, engine, ref_model=ref_model, scaler=scaler
     )
+    state.gen_model = gen_model
+    return state
 
 
 # ----------------------------------------------------------------------------- 1. rollout
@@ -141,9 +174,9 @@ def shape_group(episodes: Sequence[Episode], cfg: Config) -> None:
         e.reward, e.correct, e.trainable = reward, correct, keep
 
 
-def sample_round(state: TrainState, problems: list[Problem], *, seed: int) -> list[Sample]:
-    """G responses per problem (samples i*G .. i*G+G-1 are problem i), generated in calls of
-    at most ``rollout.rows_per_generate`` rows, each seeded from ``seed`` and its index."""
+def sample_round(state: TrainState, problems: list[Problem], *, seeds: list[int]) -> list[Sample]:
+    """G responses per problem (samples i*G .. i*G+G-1 are problem i), problem i's drawn from
+    ``seeds[i]`` alone, in calls of at most ``rollout.rows_per_generate`` rows."""
     cfg, r = state.cfg, state.cfg.rollout
     prompts = [
         render_prompt(
@@ -159,7 +192,7 @@ def sample_round(state: TrainState, problems: list[Problem], *, seed: int) -> li
         prompts,
         group_size=r.group_size,
         rows_per_call=r.rows_per_generate,
-        seed=seed,
+        seed=seeds,
         max_new_tokens=r.max_new_tokens,
         temperature=r.temperature,
         top_p=r.top_p,
@@ -169,13 +202,15 @@ def sample_round(state: TrainState, problems: list[Problem], *, seed: int) -> li
     return samples
 
 
-def rollout_round(state: TrainState, problems: list[Problem], *, seed: int) -> list[Group]:
+def rollout_round(state: TrainState, problems: list[Problem], *, seeds: list[int]) -> list[Group]:
     """G responses for each problem, graded and shaped, as one group per problem."""
     cfg = state.cfg
     G = cfg.rollout.group_size
+    if not problems:  # a rank whose share of a small round is empty
+        return []
     state.model.eval()
     state.on_phase("generate")
-    samples = sample_round(state, problems, seed=seed)
+    samples = sample_round(state, problems, seeds=seeds)
     jobs = [grading_job(problems[b // G], x.text, cfg.reward.mode) for b, x in enumerate(samples)]
     state.on_phase("reward")
     t_reward = time.perf_counter()
@@ -203,6 +238,16 @@ def rollout_round(state: TrainState, problems: list[Problem], *, seed: int) -> l
         shape_group(episodes, cfg)
         groups.append(Group(problem.uid, episodes))
     return groups
+
+
+def round_seeds(state: TrainState, round_index: int, problems: list[Problem]) -> list[int]:
+    """Each problem's sampling seed, from (seed, step, round, its place in the round, its uid):
+    never from a rank or a batch, so that the samples do not depend on the world size."""
+    cfg = state.cfg
+    return [
+        derive_seed(cfg.train.seed, state.step, round_index, "rollout", i, p.uid)
+        for i, p in enumerate(problems)
+    ]
 
 
 def _warn_faults(state: TrainState, graded: GradeResult) -> None:
@@ -247,9 +292,15 @@ def train_step(state: TrainState) -> dict[str, float]:
     t0 = time.perf_counter()
 
     def draw_round(round_index: int, num_prompts: int) -> list[Group]:
+        # Every rank draws the same problems and takes its share; the groups are gathered in
+        # order, so every rank makes the same dynamic-sampling decisions as one process.
         problems = state.sampler.next(num_prompts)
-        seed = derive_seed(cfg.train.seed, state.step, round_index, "rollout")
-        return rollout_round(state, problems, seed=seed)
+        seeds = round_seeds(state, round_index, problems)
+        mine = dist.share(len(problems))
+        groups = rollout_round(
+            state, problems[mine.start : mine.stop], seeds=seeds[mine.start : mine.stop]
+        )
+        return dist.gather_lists(groups)
 
     n = cfg.train.prompts_per_step
     sizes = functools.partial(
@@ -277,9 +328,11 @@ def train_step(state: TrainState) -> dict[str, float]:
     state.on_phase("train")
     metrics = update(state, episodes, lr=lr_at(cfg, state.step)) if episodes else {}
     if metrics.get("train/updates"):
-        state.engine.sync_weights(state.model)
+        state.sync_engine()
     t_train = time.perf_counter() - t1
 
+    if dist.world_size() > 1:
+        state.timers["gen_slots"] = dist.all_reduce_sum(state.timers.get("gen_slots", 0.0))
     metrics.update(rollout_metrics(result))
     metrics.update(_perf_metrics(state, result, metrics, t0=t0, t_gen=t_gen, t_train=t_train))
     state.step += 1

@@ -16,8 +16,17 @@ from typing import TYPE_CHECKING
 import torch
 
 from dapo import algo, dist
-from dapo.batch import Batch, Episode, collate, length_sorted, split_microbatches, split_minibatches
+from dapo.batch import (
+    Batch,
+    Episode,
+    collate,
+    length_sorted,
+    partition_by_tokens,
+    split_microbatches,
+    split_minibatches,
+)
 from dapo.config import Config
+from dapo.dist import fsdp
 from dapo.metrics import accumulate
 from dapo.model import autocast, batch_logprobs, forward_slots
 from dapo.policy import DTYPES
@@ -35,21 +44,36 @@ SAMPLER_LOGPROB_TOLERANCE = 1e-3
 """Largest |sampler - forward| log-prob gap that lets the sampler's stand in for pi_old."""
 
 
+def rank_microbatches(episodes: list[Episode], indices: list[int], max_tokens: int):
+    """This rank's micro-batches of ``episodes[indices]``, then None (a pass that computes
+    nothing) up to the most any rank has: a sharded model's forward and backward are
+    collectives, so every rank runs as many."""
+    order = length_sorted(episodes, indices)
+    micros: list[list[int] | None] = list(
+        split_microbatches(episodes, order, max_tokens=max_tokens)
+    )
+    return micros + [None] * (dist.all_reduce_max(len(micros)) - len(micros))
+
+
 @torch.no_grad()
 def fill_logprobs(model, episodes: list[Episode], attr: str, state: TrainState) -> None:
-    """Forward passes without gradient to store pi_old or pi_ref log-probs on each episode."""
+    """Forward passes without gradient to store pi_old or pi_ref log-probs on each episode:
+    each rank computes a share of the episodes and the ranks exchange the results."""
     cfg, pad_id = state.cfg, state.tokenizer.pad_token_id
     device = next(model.parameters()).device
     model.eval()
-    order = length_sorted(episodes, range(len(episodes)))
-    for micro in split_microbatches(episodes, order, max_tokens=cfg.train.tokens_per_microbatch):
-        b = collate([episodes[i] for i in micro], pad_id=pad_id).to(device)
+    mine = partition_by_tokens(episodes, dist.world_size())[dist.rank()]
+    computed = []
+    for micro in rank_microbatches(episodes, mine, cfg.train.tokens_per_microbatch):
+        b = collate([episodes[i] for i in micro or [0]], pad_id=pad_id).to(device)
         with autocast(model, DTYPES[cfg.model.compute_dtype]):
             logp_BT, _ = batch_logprobs(
                 model, b, temperature=cfg.rollout.temperature, share_prompts=cfg.train.share_prompts
             )
-        for row, i in enumerate(micro):
-            setattr(episodes[i], attr, logp_BT[row, : episodes[i].length].float().cpu())
+        for row, i in enumerate(micro or []):
+            computed.append((i, logp_BT[row, : episodes[i].length].float().cpu()))
+    for i, logp in dist.gather_lists(computed):
+        setattr(episodes[i], attr, logp)
 
 
 def set_old_logprobs(state: TrainState, episodes: list[Episode]) -> dict[str, float]:
@@ -119,19 +143,20 @@ def minibatch_update(state: TrainState, batch: list[Episode]) -> dict[str, float
     """One optimizer update on ``batch`` (skipped when its loss or gradient norm is not
     finite); returns its metric sums."""
     cfg = state.cfg
-    # The loss divisors of the whole mini-batch, summed over data-parallel ranks, fixed before
-    # the first micro-batch; DAPO §3.3.
-    num_tokens = dist.all_reduce_sum(sum(e.num_loss_tokens for e in batch))
-    num_seqs = dist.all_reduce_sum(sum(1 for e in batch if e.num_loss_tokens > 0))
+    # The loss divisors of the whole mini-batch (every rank holds all of it), fixed before the
+    # first micro-batch; DAPO §3.3. Each rank then computes its share's gradient.
+    num_tokens = sum(e.num_loss_tokens for e in batch)
+    num_seqs = sum(1 for e in batch if e.num_loss_tokens > 0)
     if num_tokens == 0:
         return {}  # every response of this mini-batch was overlong-filtered
-    sums = accumulate_gradients(state, batch, num_tokens=num_tokens, num_seqs=num_seqs)
+    mine = partition_by_tokens(batch, dist.world_size())[dist.rank()]
+    sums = accumulate_gradients(state, batch, mine, num_tokens=num_tokens, num_seqs=num_seqs)
     scaler = state.scaler
     if scaler is not None:
         scaler.unscale_(state.optimizer)  # clip and measure the true gradient
     # An infinite max_norm measures the norm without clipping (grad_clip = 0: off).
     max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-    norm = float(torch.nn.utils.clip_grad_norm_(state.model.parameters(), max_norm))
+    norm = fsdp.clip_grad_norm(state.model.parameters(), max_norm)
     if not (math.isfinite(sums["loss"]) and math.isfinite(norm)):
         # One NaN step poisons Adam's moments for good: drop this update, keep going.
         state.optimizer.zero_grad(set_to_none=True)
@@ -184,14 +209,37 @@ def _update_metrics(sums: dict[str, float], cfg: Config, *, lr: float, with_kl: 
     return out
 
 
+RANK_SUMS = (
+    "slots",
+    "real",
+    "tokens",
+    "loss",
+    "entropy_sum",
+    "prob_sum",
+    "clip_low",
+    "clip_high",
+    "clip_dual",
+    "clip_high_prob_sum",
+    "num_clip_high",
+    "kl_sum",
+)
+"""Metric sums over a rank's share of a mini-batch, summed over the ranks."""
+
+
 def accumulate_gradients(
-    state: TrainState, episodes: list[Episode], *, num_tokens: int, num_seqs: int
+    state: TrainState,
+    episodes: list[Episode],
+    mine: list[int] | None = None,
+    *,
+    num_tokens: int,
+    num_seqs: int,
 ) -> dict[str, float]:
-    """Backward over the micro-batches of ``episodes``; returns metric sums.
+    """Backward over the micro-batches of ``episodes[mine]`` (default: all), this rank's share
+    of the mini-batch ``episodes``; returns the mini-batch's metric sums over every rank.
 
     Every micro-batch loss is divided by ``num_tokens`` (token-mean) or ``num_seqs``
     (seq-mean-token-mean) of the whole mini-batch, never by its own count, so the accumulated
-    gradient is the mini-batch gradient whatever the split.
+    gradient, summed over ranks, is the mini-batch gradient whatever the split.
     """
     cfg, model = state.cfg, state.model
     device = next(model.parameters()).device
@@ -199,8 +247,11 @@ def accumulate_gradients(
     sums: dict[str, float] = {}
     # A sum over the mini-batch does not depend on the order: rows of similar length (and a
     # group's rows) go together, for less padding and more shared prompts.
-    order = length_sorted(episodes, range(len(episodes)))
-    for micro in split_microbatches(episodes, order, max_tokens=cfg.train.tokens_per_microbatch):
+    mine = list(range(len(episodes))) if mine is None else mine
+    for micro in rank_microbatches(episodes, mine, cfg.train.tokens_per_microbatch):
+        if micro is None:  # another rank has more: a pass with zero gradient, to match it
+            _idle_pass(state, episodes[0], device)
+            continue
         b = collate([episodes[i] for i in micro], pad_id=state.tokenizer.pad_token_id).to(device)
         with autocast(model, DTYPES[cfg.model.compute_dtype]):
             logp_BT, entropy_BT = batch_logprobs(
@@ -236,9 +287,25 @@ def accumulate_gradients(
         (state.scaler.scale(loss) if state.scaler is not None else loss).backward()
         for k, v in _micro_sums(b, loss, entropy_BT, stats, shared=cfg.train.share_prompts).items():
             accumulate(sums, k, v)
+    if dist.world_size() > 1:
+        sums = dist.sum_dict({k: sums.get(k, 0.0) for k in RANK_SUMS})
     if state.ref_model is not None:
         accumulate(sums, "kl_den", float(denominator))
     return sums
+
+
+def _idle_pass(state: TrainState, episode: Episode, device) -> None:
+    """A forward and a backward that add nothing to the gradient (a zero upstream gradient)."""
+    cfg = state.cfg
+    b = collate([episode], pad_id=state.tokenizer.pad_token_id).to(device)
+    with autocast(state.model, DTYPES[cfg.model.compute_dtype]):
+        logp_BT, _ = batch_logprobs(
+            state.model,
+            b,
+            temperature=cfg.rollout.temperature,
+            share_prompts=cfg.train.share_prompts,
+        )
+    logp_BT.backward(torch.zeros_like(logp_BT))
 
 
 def _micro_sums(b: Batch, loss, entropy_BT, stats, *, shared: bool) -> dict[str, float]:

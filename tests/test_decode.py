@@ -326,3 +326,49 @@ def test_decoding_draws_float64_uniforms_from_its_seed(tiny_model, tokenizer):
     u = torch.rand(6, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
     expected = sample_from_logits(logits[:, -1].repeat_interleave(2, dim=0), u)
     assert tokens[:, 0].tolist() == expected.tolist()
+
+
+def test_a_seed_per_prompt_draws_prompt_i_from_its_own_generator(tiny_model, tokenizer):
+    """Prompt i's G rows at step t read row t of its generator's [64, G] block (steps 0-63)."""
+    ids, mask = _encode(tokenizer)
+    tokens, _, _ = decode(
+        tiny_model,
+        ids,
+        mask,
+        group_size=2,
+        max_new_tokens=1,
+        stop_token_ids=(tokenizer.eos_token_id,),
+        pad_token_id=tokenizer.pad_token_id,
+        seed=[5, 6, 7],
+    )
+    with torch.no_grad():
+        position = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        logits = tiny_model(input_ids=ids, attention_mask=mask, position_ids=position).logits
+    u = torch.cat(
+        [
+            torch.rand((64, 2), generator=torch.Generator().manual_seed(s), dtype=torch.float64)[0]
+            for s in (5, 6, 7)
+        ]
+    )
+    expected = sample_from_logits(logits[:, -1].repeat_interleave(2, dim=0), u)
+    assert tokens[:, 0].tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("engine", ["dapo", "hf"])
+def test_with_a_seed_per_prompt_a_prompts_responses_ignore_the_rest_of_the_batch(
+    eager_eos_model, tokenizer, engine
+):
+    """What a rank draws for its share of a round is what one process draws for the round:
+    over 70 steps (past one block of uniforms), with rows finishing at different steps."""
+    eng = make_engine(engine, eager_eos_model, tokenizer)
+    args = dict(group_size=3, max_new_tokens=70, temperature=1.0)
+    whole = eng.generate(PROMPTS, seed=[21, 22, 23], **args)
+    alone = eng.generate(PROMPTS[1:2], seed=[22], **args)
+    pair = eng.generate([PROMPTS[2], PROMPTS[0]], seed=[23, 21], **args)
+    assert alone.texts == whole.texts[3:6]
+    assert pair.texts == whole.texts[6:9] + whole.texts[0:3]
+    assert len(set(whole.lengths_B.tolist())) > 1  # rows did finish at different steps
+    n = int(alone.lengths_B.max())
+    torch.testing.assert_close(alone.logprobs_BT[:, :n], whole.logprobs_BT[3:6, :n])
+    with pytest.raises(ValueError, match="2 seeds for 3 prompts"):
+        eng.generate(PROMPTS, seed=[1, 2], **args)

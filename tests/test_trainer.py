@@ -209,20 +209,24 @@ def test_sampler_logprobs_that_disagree_stop_the_run_with_the_fix(tiny_model, to
         set_old_logprobs(state, eps)
 
 
-def test_rows_per_generate_splits_a_round_into_seeded_calls(tiny_model, tokenizer):
+def test_a_problems_samples_do_not_depend_on_the_calls_or_the_other_problems(tiny_model, tokenizer):
     problems = [Problem(f"p{i}", ({"role": "user", "content": f"{i} + 1"},), "1") for i in range(5)]
+    seeds = [11, 12, 13, 14, 15]
 
-    def texts(*overrides):
+    def texts(*overrides, which=range(5)):
         cfg = _cfg("rollout.group_size=2", *overrides)
         state = build_state(cfg, tiny_model, tokenizer, problems)
-        return [x.text for x in trainer.sample_round(state, problems, seed=9)], state.timers
+        chosen = [problems[i] for i in which]
+        samples = trainer.sample_round(state, chosen, seeds=[seeds[i] for i in which])
+        return [x.text for x in samples], state.timers
 
     whole, _ = texts()
-    assert texts("rollout.rows_per_generate=10")[0] == whole  # one call: the same draw
     split, timers = texts("rollout.rows_per_generate=4")  # 2 prompts per call: 3 calls
-    assert len(split) == 10 and split != whole  # other calls, other random numbers
-    assert split == texts("rollout.rows_per_generate=4")[0]  # and reproducible
-    assert timers["gen_slots"] >= sum(1 for _ in split)
+    assert split == whole  # each problem reads its own stream: the calls change nothing
+    assert timers["gen_slots"] >= len(split)
+    # Problems 1 and 3 alone (as one rank of two might draw them): their rows of the round.
+    assert texts(which=[1, 3])[0] == whole[2:4] + whole[6:8]
+    assert len(set(whole)) > 2  # and the draws are random, not one text repeated
 
 
 def test_reusing_sampler_logprobs_needs_float32():
@@ -296,7 +300,7 @@ def test_the_run_settings_reach_rollout(tiny_model, tokenizer):
         return real_generate(batch, **kwargs)
 
     state.engine.generate = recording
-    trainer.sample_round(state, problems, seed=1)
+    trainer.sample_round(state, problems, seeds=[1, 2])
     assert prompts and all(p.startswith("System: Be brief.\nUser: ") for p in prompts)
 
 

@@ -9,6 +9,7 @@ verifiers, the tokenizer and the context length. Then the policy is loaded and
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -40,6 +41,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--dry-run",
         action="store_true",
         help="resolve the config, load tokenizer and data, print statistics and exit",
+    )
+    train.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --dry-run: plan memory for N ranks "
+        "(default: $WORLD_SIZE under torchrun, else 1)",
     )
     train.add_argument(
         "--quiet",
@@ -116,22 +125,34 @@ def resolve_config(args: argparse.Namespace) -> tuple[Config, Path | None]:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    import torch
-
-    from dapo import inputs, policy, rundir
+    from dapo import dist
     from dapo.config import config_warnings, dump_yaml
-    from dapo.loop import fit
 
     cfg, run_dir = resolve_config(args)
-    for warning in config_warnings(cfg):
-        print(f"dapo: warning: {warning}", file=sys.stderr)
     if args.quiet:
         cfg.run.progress = "plain"
+    if dist.launched() and not args.dry_run and not args.print_config:
+        try:
+            return _train_ranks(args, cfg, run_dir)
+        finally:
+            dist.shutdown()
+    for warning in config_warnings(cfg):
+        print(f"dapo: warning: {warning}", file=sys.stderr)
     if args.print_config:
         print(dump_yaml(cfg), end="")
         return 0
     resume = run_dir is not None
-    run_dir = _checked_run_dir(args, cfg, run_dir)
+    return _train(args, cfg, _checked_run_dir(args, cfg, run_dir), resume)
+
+
+def _train(args: argparse.Namespace, cfg: Config, run_dir: Path | None, resume: bool) -> int:
+    """Check the model path, data, verifiers and context, then train (or, with --dry-run,
+    print what the run would be)."""
+    import torch
+
+    from dapo import dist, inputs, policy, rundir
+    from dapo.loop import fit
+
     policy.device(cfg.model.device)  # raises now if CUDA is asked for and absent
     if cfg.model.path != "embedded":
         policy.check_model_path(cfg)
@@ -147,19 +168,47 @@ def cmd_train(args: argparse.Namespace) -> int:
     tokenizer = policy.load_tokenizer(cfg)
     lengths = inputs.check_context(cfg, data, tokenizer)
     if args.dry_run:
-        _print_dry_run(cfg, data, lengths)
+        _print_dry_run(
+            cfg, data, lengths, args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+        )
         return 0
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     torch.manual_seed(cfg.train.seed)
     _print_plan(cfg, data)
     print(f"run directory: {run_dir}")
-    rundir.write_config(run_dir, cfg)
+    if dist.is_main():
+        rundir.write_config(run_dir, cfg)
     # A resumed run starts from the same policy (it is the KL reference) and then loads the
-    # checkpoint's weights over it.
+    # checkpoint's weights over it. Under torchrun, rank 0 builds (and caches) the embedded
+    # one before the other ranks load it.
+    if not dist.is_main():
+        dist.barrier()
     model, tokenizer = policy.load_policy(cfg, data.warmup_pairs, tokenizer)
+    if dist.is_main():
+        dist.barrier()
     fit(cfg, model, tokenizer, data.train, data.val, run_dir=run_dir, resume=resume)
     return 0
+
+
+def _train_ranks(args: argparse.Namespace, cfg: Config, run_dir: Path | None) -> int:
+    """``dapo train`` as one rank of a ``torchrun`` job: rank 0 checks and creates the run
+    directory and prints; the other ranks follow it with their standard output silenced
+    (their errors still reach standard error, naming the rank)."""
+    from dapo import dist
+
+    dist.init_from_env(timeout_s=cfg.dist.timeout_s)
+    resume = run_dir is not None
+    if not dist.is_main():
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
+    try:
+        if dist.is_main():
+            run_dir = _checked_run_dir(args, cfg, run_dir)
+        return _train(args, cfg, dist.broadcast(run_dir), resume)
+    except Exception:
+        if dist.world_size() > 1:
+            print(f"dapo: rank {dist.rank()} of {dist.world_size()} failed:", file=sys.stderr)
+        raise
 
 
 def _checked_run_dir(args: argparse.Namespace, cfg: Config, run_dir: Path | None) -> Path | None:
@@ -188,8 +237,8 @@ def _print_plan(cfg: Config, data: RunData) -> None:
         print(line)
 
 
-def _print_dry_run(cfg: Config, data: RunData, lengths: dict[str, float]) -> None:
-    from dapo import inputs
+def _print_dry_run(cfg: Config, data: RunData, lengths: dict[str, float], world_size: int) -> None:
+    from dapo import inputs, memory_plan
     from dapo.config import dump_yaml
 
     print(dump_yaml(cfg), end="")
@@ -201,4 +250,7 @@ def _print_dry_run(cfg: Config, data: RunData, lengths: dict[str, float]) -> Non
         f"(model context {lengths['context']:.0f})"
     )
     print(inputs.describe_budget(cfg, lengths))
+    memory_plan.print_plan(
+        cfg, world_size=world_size, prompt_tokens=int(lengths["prompt_tokens_max"])
+    )
     print("dry run: config, tokenizer and data are valid; nothing was trained or written")

@@ -50,23 +50,25 @@ def generate_samples(
     *,
     group_size: int,
     rows_per_call: int,
-    seed: int,
+    seed: int | Sequence[int],
     **sampling: Any,
 ) -> tuple[list[Sample], int]:
     """G responses per prompt (samples i*G .. i*G+G-1 are prompt i) and the slots computed,
     in engine calls of at most ``rows_per_call`` rows (0 = one call), which bounds memory.
 
-    The first call is seeded with ``seed`` (so one call is the plain draw), call k with a seed
-    derived from (seed, "call", k).
+    With one seed per prompt (what training uses), the calls do not change what is drawn.
+    With one ``seed``, the first call is seeded with it (so one call is the plain draw), call
+    k with a seed derived from (seed, "call", k).
     """
     per_call = max(1, rows_per_call // group_size) if rows_per_call else len(prompts)
     samples, slots = [], 0
     for call, start in enumerate(range(0, len(prompts), per_call)):
+        if not isinstance(seed, int):
+            call_seed = list(seed[start : start + per_call])
+        else:
+            call_seed = seed if call == 0 else derive_seed(seed, "call", call)
         ro = engine.generate(
-            prompts[start : start + per_call],
-            group_size=group_size,
-            seed=seed if call == 0 else derive_seed(seed, "call", call),
-            **sampling,
+            prompts[start : start + per_call], group_size=group_size, seed=call_seed, **sampling
         )
         slots += ro.slots
         samples.extend(ro.samples())

@@ -79,12 +79,14 @@ class Engine(Protocol):
         max_new_tokens: int,
         temperature: float = 1.0,
         top_p: float = 1.0,
-        seed: int = 0,
+        seed: int | Sequence[int] = 0,
         greedy: bool = False,
         ignore_eos: bool = False,
     ) -> Rollout:
         """``group_size`` responses for each prompt (rows i*G .. i*G+G-1 are prompt i),
-        reproducible for a given seed and policy."""
+        reproducible for a given seed and policy. With one seed per prompt, a prompt's
+        responses do not depend on the other prompts of the call (so not on how a round is
+        split into calls or across ranks)."""
         ...
 
     def sync_weights(self, model: torch.nn.Module) -> None:
@@ -152,4 +154,29 @@ def finish_rollout(
         truncated_B=truncated_B,
         texts=texts,
         slots=slots,
+    )
+
+
+def concat_rollouts(parts: Sequence[Rollout], pad_token_id: int) -> Rollout:
+    """The rows of ``parts`` in order, as one rollout: prompts left padded, responses right
+    padded to the longest of any part."""
+    P = max(r.prompt_ids_BP.shape[1] for r in parts)
+    T = max(r.response_ids_BT.shape[1] for r in parts)
+
+    def pad(x: torch.Tensor, width: int, value, *, left: bool) -> torch.Tensor:
+        extra = width - x.shape[1]
+        return torch.nn.functional.pad(x, (extra, 0) if left else (0, extra), value=value)
+
+    return Rollout(
+        prompt_ids_BP=torch.cat([pad(r.prompt_ids_BP, P, pad_token_id, left=True) for r in parts]),
+        prompt_mask_BP=torch.cat([pad(r.prompt_mask_BP, P, 0, left=True) for r in parts]),
+        response_ids_BT=torch.cat(
+            [pad(r.response_ids_BT, T, pad_token_id, left=False) for r in parts]
+        ),
+        response_mask_BT=torch.cat([pad(r.response_mask_BT, T, False, left=False) for r in parts]),
+        logprobs_BT=torch.cat([pad(r.logprobs_BT, T, 0.0, left=False) for r in parts]),
+        lengths_B=torch.cat([r.lengths_B for r in parts]),
+        truncated_B=torch.cat([r.truncated_B for r in parts]),
+        texts=[t for r in parts for t in r.texts],
+        slots=sum(r.slots for r in parts),
     )

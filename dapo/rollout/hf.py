@@ -6,11 +6,19 @@ Shapes: see :mod:`dapo.rollout.base`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from dapo.model import autocast
-from dapo.rollout.base import LiveModelEngine, Rollout, encode_prompts, finish_rollout
+from dapo.rollout.base import (
+    LiveModelEngine,
+    Rollout,
+    concat_rollouts,
+    encode_prompts,
+    finish_rollout,
+)
 
 
 class _SampledLogprobs(LogitsProcessor):
@@ -72,11 +80,26 @@ class HFEngine(LiveModelEngine):
         max_new_tokens: int,
         temperature: float = 1.0,
         top_p: float = 1.0,
-        seed: int = 0,
+        seed: int | Sequence[int] = 0,
         greedy: bool = False,
         ignore_eos: bool = False,
     ) -> Rollout:
-        """See :class:`dapo.rollout.base.Engine`; ``greedy`` decodes the argmax."""
+        """See :class:`dapo.rollout.base.Engine`; ``greedy`` decodes the argmax. ``generate``
+        draws from one global generator, so a seed per prompt costs a call per prompt."""
+        sampling = dict(
+            group_size=group_size,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            greedy=greedy,
+            ignore_eos=ignore_eos,
+        )
+        if not isinstance(seed, int):
+            if len(seed) != len(prompts):
+                raise ValueError(f"{len(seed)} seeds for {len(prompts)} prompts: give one each")
+            pairs = zip(prompts, seed, strict=True)
+            parts = [self.generate([p], seed=int(s), **sampling) for p, s in pairs]
+            return concat_rollouts(parts, self.tokenizer.pad_token_id)
         model, tokenizer = self.model, self.tokenizer
         ids_nP, mask_nP = encode_prompts(tokenizer, prompts, next(model.parameters()).device)
         prompt_ids_BP = ids_nP.repeat_interleave(group_size, dim=0)

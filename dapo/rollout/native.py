@@ -8,15 +8,17 @@ changes what is sampled:
   its KV cache is repeated G times (a group's prompt is most of the tokens in a short rollout);
 - a row that has emitted EOS is removed from the batch and its KV cache, so no compute is
   spent on padding after a finished response;
-- each row draws one uniform number per step from a generator seeded for the whole batch,
-  and turns it into a token by inverting the CDF (float64 throughout: the exact softmax, up
-  to a total variation below 1e-11 on a 152k vocabulary; 8e-13 measured on a long tail). Row
-  b's token at step t depends only on its own logits and ``u[t, b]``, never on which other
-  rows are still running: removing finished rows gives the same tokens as keeping them
+- each row draws one uniform number per step (from a generator seeded for the whole batch, or,
+  with one seed per prompt, from that prompt's own stream, so that a prompt's samples do not
+  depend on the prompts batched with it: ranks split a round and still draw what one process
+  draws), and turns it into a token by inverting the CDF (float64 throughout: the exact softmax,
+  up to a total variation below 1e-11 on a 152k vocabulary; 8e-13 measured on a long tail). Row
+  b's token at step t depends only on its own logits and ``u[t, b]``, never on which other rows
+  are still running: removing finished rows gives the same tokens as keeping them
   (``drop_finished=False``, tested), up to float rounding (a smaller batch may round a logit
-  differently, and a ``u`` within that rounding of a CDF boundary would then pick the
-  neighbouring token). A rerun repeats the same batch shapes, so a seed's tokens are
-  reproducible, resumes included.
+  differently, and a ``u`` within that rounding of a CDF boundary would then pick the neighbouring
+  token). A rerun repeats the same batch shapes, so a seed's tokens are reproducible, resumes
+  included.
 
 The log-prob recorded for each token is that of the temperature-scaled distribution before
 top-p truncation and with EOS unmasked: the policy's own probability, the one the objective's
@@ -50,7 +52,7 @@ class NativeEngine(LiveModelEngine):
         max_new_tokens: int,
         temperature: float = 1.0,
         top_p: float = 1.0,
-        seed: int = 0,
+        seed: int | Sequence[int] = 0,
         greedy: bool = False,
         ignore_eos: bool = False,
     ) -> Rollout:
@@ -148,7 +150,7 @@ def decode(
     pad_token_id: int,
     temperature: float = 1.0,
     top_p: float = 1.0,
-    seed: int = 0,
+    seed: int | Sequence[int] = 0,
     greedy: bool = False,
     ignore_eos: bool = False,
     drop_finished: bool = True,
@@ -161,7 +163,8 @@ def decode(
     A row finishes at the first of ``stop_token_ids``. ``ignore_eos`` masks every stop token
     at every step (fixed-length benchmarks). ``drop_finished=False``
     keeps finished rows in the batch (fed padding, as ``generate`` does): the reference the
-    removal is tested against.
+    removal is tested against. ``seed``: one for the batch, or one per prompt
+    (:class:`Uniforms`).
     """
     device = prompt_ids_nP.device
     num_rows = prompt_ids_nP.shape[0] * group_size
@@ -178,11 +181,10 @@ def decode(
         (num_rows, max_new_tokens), pad_token_id, dtype=torch.long, device=device
     )
     logprobs_BT = torch.zeros((num_rows, max_new_tokens), dtype=torch.float32, device=device)
-    gen = torch.Generator(device=device).manual_seed(seed)
+    uniforms = Uniforms(seed, num_prompts=prompt_ids_nP.shape[0], group_size=group_size)
     steps = slots = 0
     for t in range(max_new_tokens):
-        # Every step draws B numbers whatever is still running: the stream is row-addressed.
-        u_B = torch.rand(num_rows, generator=gen, device=device, dtype=torch.float64)
+        u_B = uniforms.step(t).to(device)
         token_A, logp_A = _draw(
             logits_AV,
             u_B[live.rows_A],
@@ -206,6 +208,43 @@ def decode(
             break
         logits_AV = live.forward(model, cache, token_A)
     return tokens_BT[:, :steps], logprobs_BT[:, :steps], slots
+
+
+class Uniforms:
+    """u[t, b], the uniform number row b turns into its token at step t: the stream is
+    row-addressed, B numbers a step whatever is still running.
+
+    With one ``seed`` for the batch, step t draws all B from one generator. With a seed per
+    prompt, prompt i's G rows read only prompt i's generator, in blocks of ``BLOCK`` steps,
+    so a prompt's draws are the same in any batch: alone, beside others, on any rank.
+    """
+
+    BLOCK = 64
+    """Steps drawn at once from each prompt's generator (one call per prompt per block)."""
+
+    def __init__(self, seed: int | Sequence[int], *, num_prompts: int, group_size: int) -> None:
+        self.group_size = group_size
+        if isinstance(seed, int):
+            self.gens = [torch.Generator().manual_seed(seed)]
+        else:
+            if len(seed) != num_prompts:
+                raise ValueError(f"{len(seed)} seeds for {num_prompts} prompts: give one each")
+            self.gens = [torch.Generator().manual_seed(int(s)) for s in seed]
+        self.per_prompt = not isinstance(seed, int)
+        self.num_rows = num_prompts * group_size
+        self.block_KB: torch.Tensor | None = None
+
+    def step(self, t: int) -> torch.Tensor:
+        """u [B] (float64, on the CPU) of step t; steps are asked for in order."""
+        if not self.per_prompt:
+            return torch.rand(self.num_rows, generator=self.gens[0], dtype=torch.float64)
+        if t % self.BLOCK == 0:
+            blocks = [
+                torch.rand((self.BLOCK, self.group_size), generator=g, dtype=torch.float64)
+                for g in self.gens
+            ]
+            self.block_KB = torch.cat(blocks, dim=1)
+        return self.block_KB[t % self.BLOCK]
 
 
 @dataclass

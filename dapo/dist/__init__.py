@@ -1,0 +1,143 @@
+"""Data-parallel ranks: the one package that talks to ``torch.distributed``.
+
+In one process (no process group) every function is a no-op: world size 1, rank 0, the main
+process, a sum over ranks that returns its argument, a gather that returns a list of one.
+Under ``torchrun`` (:func:`init_from_env`) the same calls are collectives: what every rank
+must decide together (dynamic sampling, skipping an update, stopping), what it must share
+(the groups each rank generated, log-probs) and who writes the run's files (rank 0).
+:mod:`dapo.dist.fsdp` shards the model, :mod:`dapo.dist.dcp` checkpoints it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+import torch
+import torch.distributed as torch_dist
+
+
+def active() -> bool:
+    """Whether this process is in a process group (started by ``torchrun``)."""
+    return torch_dist.is_available() and torch_dist.is_initialized()
+
+
+def launched() -> bool:
+    """Whether this process was started by ``torchrun`` (its environment names a rank)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def init_from_env(*, timeout_s: float) -> torch.device | None:
+    """Join the process group ``torchrun`` describes (NCCL with CUDA, else gloo), with a
+    ``timeout_s`` limit on every collective; returns this rank's device (``cuda:LOCAL_RANK``
+    or the CPU). None, and nothing done, outside ``torchrun``."""
+    if not launched() or active():
+        return None
+    cuda = torch.cuda.is_available()
+    device = torch.device("cpu")
+    if cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    torch_dist.init_process_group(
+        "nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s)
+    )
+    return device
+
+
+def shutdown() -> None:
+    """Leave the process group (after the last collective)."""
+    if active():
+        torch_dist.destroy_process_group()
+
+
+def world_size() -> int:
+    """Processes training together; 1 without a process group."""
+    return torch_dist.get_world_size() if active() else 1
+
+
+def rank() -> int:
+    """This process's rank, 0 without a process group."""
+    return torch_dist.get_rank() if active() else 0
+
+
+def is_main() -> bool:
+    """Whether this process writes the run's outputs (rank 0)."""
+    return rank() == 0
+
+
+def _device() -> torch.device:
+    if torch_dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _reduce(values: list[float], op) -> list[float]:
+    if not active():
+        return values
+    # float64 holds every integer below 2**53 exactly.
+    t = torch.tensor(values, dtype=torch.float64, device=_device())
+    torch_dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+def all_reduce_sum(value: int | float) -> int | float:
+    """``value`` summed over every rank (the same type back); ``value`` itself in one process.
+
+    Counts are summed in float64, which holds every integer below 2**53 exactly.
+    """
+    if not active():
+        return value
+    return type(value)(_reduce([float(value)], torch_dist.ReduceOp.SUM)[0])
+
+
+def all_reduce_max(value: int | float) -> int | float:
+    """The largest ``value`` of any rank (the same type back)."""
+    if not active():
+        return value
+    return type(value)(_reduce([float(value)], torch_dist.ReduceOp.MAX)[0])
+
+
+def sum_dict(values: dict[str, float]) -> dict[str, float]:
+    """Each value summed over every rank; the keys must be the same, in the same order, on
+    every rank."""
+    if not active() or not values:
+        return values
+    return dict(zip(values, _reduce(list(values.values()), torch_dist.ReduceOp.SUM), strict=True))
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether ``flag`` is true on any rank: a stop signal seen by one rank stops all."""
+    return bool(all_reduce_max(int(flag)))
+
+
+def gather_lists(items: list[Any]) -> list[Any]:
+    """Every rank's ``items`` concatenated in rank order, on every rank (pickled objects:
+    tensors inside travel on the CPU)."""
+    if not active():
+        return items
+    parts: list[Any] = [None] * world_size()
+    torch_dist.all_gather_object(parts, items)
+    return [x for part in parts for x in part]
+
+
+def broadcast(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (a picklable object)."""
+    if not active():
+        return value
+    box = [value]
+    torch_dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier() -> None:
+    """Wait until every rank gets here."""
+    if active():
+        torch_dist.barrier()
+
+
+def share(n: int) -> range:
+    """This rank's contiguous part of ``n`` items split in rank order, the parts' sizes
+    differing by at most one."""
+    w, r = world_size(), rank()
+    return range(r * n // w, (r + 1) * n // w)

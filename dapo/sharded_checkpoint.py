@@ -1,0 +1,158 @@
+"""Checkpoints of a run under ``torchrun``: the same directory, protocol and ``latest`` pointer
+as :mod:`dapo.checkpoint`, with the weights and the optimizer state in ``state/`` as
+``torch.distributed.checkpoint`` shards that every rank writes in parallel.
+
+A checkpoint directory then holds ``state/`` (DCP: loadable at any world size, one process
+included), ``rng/rank_N.pt`` (each rank's generators), ``model/`` (config and tokenizer, no
+weights), ``trainer.json`` (one global data cursor and the counters) and ``manifest.json``.
+Either kind of checkpoint resumes at any world size: :func:`load` reads both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from dapo import checkpoint, dist
+from dapo.checkpoint import CheckpointError
+from dapo.dist import dcp, fsdp
+
+
+def save(
+    run_dir: Path,
+    *,
+    step: int,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    optimizer: torch.optim.Optimizer,
+    trainer_state: dict[str, Any],
+    keep: int,
+) -> Path:
+    """Every rank writes its shards into one temporary directory; rank 0 then writes the rest,
+    renames it into place and moves ``latest``; every rank returns once it has."""
+    if dist.any_rank(not fsdp.all_finite(model)):
+        raise CheckpointError(
+            f"refusing to save the checkpoint of step {step}: the weights hold NaN or inf, and "
+            "a checkpoint of broken weights would overwrite good ones. Resume from the last "
+            "checkpoint with a lower optim.lr or optim.grad_clip set."
+        )
+    root = Path(run_dir) / checkpoint.CKPT_DIR
+    name = checkpoint.step_dir_name(step)
+    tmp = root / f".tmp-{name}-{dist.broadcast(os.getpid())}"
+    if dist.is_main():
+        root.mkdir(exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "rng").mkdir(parents=True)
+    dist.barrier()
+    dcp.save(tmp / "state", model, optimizer)
+    torch.save(checkpoint.capture_rng(), tmp / "rng" / f"rank_{dist.rank()}.pt")
+    dist.barrier()
+    problem = None
+    if dist.is_main():
+        try:
+            _finish(tmp, root / name, step, model, tokenizer, trainer_state)
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            problem = f"could not write the checkpoint of step {step} under {root}: {exc}"
+        else:
+            checkpoint.prune(root, keep=keep, protect=name)
+    problem = dist.broadcast(problem)
+    if problem is not None:
+        raise CheckpointError(f"{problem}; resume with: dapo train --resume {run_dir}")
+    return root / name
+
+
+def _finish(tmp: Path, final: Path, step: int, model, tokenizer, trainer_state) -> None:
+    model.config.save_pretrained(tmp / "model")
+    tokenizer.save_pretrained(tmp / "model")
+    trainer = {
+        "format_version": checkpoint.FORMAT_VERSION,
+        "step": step,
+        "world_size": dist.world_size(),
+        **trainer_state,
+    }
+    (tmp / "trainer.json").write_text(json.dumps(trainer, indent=1) + "\n")
+    files = {
+        str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()
+    }
+    manifest = {"format_version": checkpoint.FORMAT_VERSION, "step": step, "files": files}
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    checkpoint.fsync_tree(tmp)
+    if final.exists():  # a step re-run after a resume: the new one replaces it whole
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    checkpoint.fsync_dir(final.parent)
+    checkpoint.write_pointer(final.parent, final.name)
+
+
+def load(ckpt: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Restore weights, optimizer and generators from a checkpoint of either kind, written at
+    any world size, into ``model`` (sharded or not); return its trainer state."""
+    problem = checkpoint.verify(ckpt)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {ckpt} is incomplete: {problem}")
+    trainer = json.loads((ckpt / "trainer.json").read_text())
+    if trainer.get("format_version") != checkpoint.FORMAT_VERSION:
+        raise CheckpointError(
+            f"{ckpt} has checkpoint format {trainer.get('format_version')}, this dapo reads "
+            f"format {checkpoint.FORMAT_VERSION}"
+        )
+    if (ckpt / "state").is_dir():
+        dcp.load(ckpt / "state", model, optimizer)
+        # Each rank its own generators; a rank the checkpoint did not have takes rank 0's.
+        rng = ckpt / "rng" / f"rank_{dist.rank()}.pt"
+        rng = rng if rng.is_file() else ckpt / "rng" / "rank_0.pt"
+    elif fsdp.is_sharded(model):  # written by one process: whole tensors, sharded on load
+        weights = {}
+        for shard in sorted((ckpt / "model").glob("*.safetensors")):
+            weights.update(load_file(shard))
+        _add_tied(model, weights)
+        optim = torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True)
+        dcp.load_full(model, optimizer, weights, optim)
+        rng = ckpt / "rng.pt"
+    else:
+        return checkpoint.load(ckpt, model=model, optimizer=optimizer)
+    checkpoint.restore_rng(torch.load(rng, map_location="cpu", weights_only=True))
+    return trainer
+
+
+def _tied_keys(model: torch.nn.Module) -> tuple[str, str] | None:
+    """(output head key, input embeddings key) when the two share one weight, which
+    ``save_pretrained`` stores once, as the input embeddings."""
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    inputs = getattr(model, "get_input_embeddings", lambda: None)()
+    if head is None or inputs is None or head.weight is not inputs.weight:
+        return None
+    by_module = {id(m): n for n, m in model.named_modules()}
+    return f"{by_module[id(head)]}.weight", f"{by_module[id(inputs)]}.weight"
+
+
+def _add_tied(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    tied = _tied_keys(model)
+    if tied is not None and tied[0] not in weights and tied[1] in weights:
+        weights[tied[0]] = weights[tied[1]]
+
+
+def export_model(model: torch.nn.Module, tokenizer: Any, dest: Path) -> None:
+    """The whole weights gathered on rank 0 and saved there in the Hugging Face format."""
+    weights = dcp.full_weights(model)
+    tied = _tied_keys(model)
+    if tied is not None:
+        weights.pop(tied[0], None)  # stored once, as save_pretrained stores it
+    if dist.is_main():
+        tmp = dest.with_name(f".{dest.name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        checkpoint.fsync_tree(tmp)
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.rename(tmp, dest)
+        checkpoint.fsync_dir(dest.parent)
+    dist.barrier()

@@ -1,0 +1,220 @@
+"""Two gloo ranks under FSDP2 train exactly as one process: the same samples, the same
+dynamic-sampling decisions on every rank, the same weights (to float rounding)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+
+from dapo import inputs, policy
+from dapo.config import load_config
+from dapo.trainer import build_state, train_step
+
+TINY = [
+    # Right sometimes, so dynamic sampling keeps some groups and drops others.
+    "embedded.sft_steps=100",
+    "embedded.hidden=64",
+    "arith.max_terms=2",
+    "arith.num_warmup=256",
+    "arith.num_train=200",
+    "arith.num_val=8",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=24",
+    "algo.l_cache=4",
+    "train.prompts_per_step=4",
+    "sampling.prompts_per_round=6",
+    "sampling.on_max_rounds=train",
+    "train.responses_per_minibatch=8",  # 2 updates per step
+    "train.tokens_per_microbatch=300",  # several micro-batches per update
+    "reward.workers=0",
+    "optim.lr=1e-3",  # large enough that two steps move every weight visibly
+]
+COUNTERS = (
+    "sampling/rounds",
+    "sampling/prompts_drawn",
+    "sampling/groups_mixed",
+    "sampling/groups_kept",
+    "sampling/tokens_generated",
+    "train/updates",
+    "train/tokens",
+)
+
+
+def _config(cache: str, *extra: str):
+    return load_config(None, [*TINY, f"embedded.cache_dir={cache}", *extra], base="demo")
+
+
+def _train(cfg, steps: int = 2):
+    """(metrics of each step, the policy's weights at the end as whole float32 tensors, the
+    largest change of a weight)."""
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    data = inputs.load_run_data(cfg)
+    model, tokenizer = policy.load_policy(cfg, data.warmup_pairs, log=lambda _: None)
+    start = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+    state = build_state(cfg, model, tokenizer, data.train)  # shards the model under ranks
+    metrics = [train_step(state) for _ in range(steps)]
+    source = state.gen_model if state.gen_model is not None else state.model
+    if state.gen_model is not None:
+        state.sync_engine()  # gathers the shards into the whole copy
+    end = {k: v.detach().float().clone() for k, v in source.state_dict().items()}
+    moved = max(float((end[k] - v).abs().max()) for k, v in start.items())
+    return metrics, end, moved
+
+
+def _rank(rank: int, port: int, cache: str, per_rank: list[list[str]], out: Path) -> None:
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
+    )
+    try:
+        torch.save(_train(_config(cache, *per_rank[rank])), out / f"rank_{rank}.pt")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _two_ranks(cache: str, per_rank: list[list[str]], out: Path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_rank, args=(port, cache, per_rank, out), nprocs=2, start_method="spawn")
+    return {r: torch.load(out / f"rank_{r}.pt", weights_only=True) for r in range(2)}
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    cache = str(tmp_path_factory.mktemp("cache"))
+    return cache, _train(_config(cache))
+
+
+@pytest.mark.parametrize(
+    "per_rank",
+    [[[], []], [["train.tokens_per_microbatch=120"], ["train.tokens_per_microbatch=700"]]],
+    ids=["same-split", "different-micro-batches"],
+)
+def test_two_ranks_train_as_one_process(one_process, per_rank, tmp_path):
+    cache, (metrics_1, weights_1, moved) = one_process
+    ranks = _two_ranks(cache, per_rank, tmp_path)
+    # Dynamic sampling dropped groups and drew more rounds; the weights moved far past 1e-6.
+    assert metrics_1[0]["sampling/groups_mixed"] < metrics_1[0]["sampling/prompts_drawn"]
+    assert max(m["sampling/rounds"] for m in metrics_1) > 1 and moved > 1e-3
+    for rank, (metrics, weights, _) in ranks.items():
+        for step in range(2):
+            assert {k: metrics[step][k] for k in COUNTERS} == {
+                k: metrics_1[step][k] for k in COUNTERS
+            }, f"rank {rank}, step {step + 1}"
+            assert metrics[step]["train/loss"] == pytest.approx(
+                metrics_1[step]["train/loss"], abs=1e-6
+            )
+        assert weights.keys() == weights_1.keys()
+        gap = max(float((w - weights_1[k]).abs().max()) for k, w in weights.items())
+        assert gap <= 1e-6, f"rank {rank}: weights differ by up to {gap:.3g}"
+
+
+# ----------------------------------------------------------------------------- torchrun
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = [
+    *TINY,
+    "train.steps=3",
+    "eval.num_samples=2",
+    "eval.every=2",
+    "train.save_every=1",
+    "run.threads=1",
+    "dist.timeout_s=60",
+]
+
+
+def _dapo(ranks: int, *args: str, out_dir: Path, wait: bool = True):
+    """``python -m dapo train ARGS`` in one process (ranks 0) or under torchrun."""
+    launch = [sys.executable, "-m", "dapo"]
+    if ranks:
+        launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}"]
+        launch += ["--standalone", "-m", "dapo"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [*launch, "train", *args]
+    if "--resume" not in args:
+        cmd += [f"run.out_dir={out_dir}"]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    if not wait:
+        return proc
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, f"{cmd}\n{out[-2000:]}\n{err[-4000:]}"
+    return out
+
+
+def _result(run_dir: Path):
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    counters = [{k: m.get(k) for k in (*COUNTERS, "val/accuracy")} for m in lines]
+    return counters, load_file(run_dir / "model" / "model.safetensors")
+
+
+def _same_run(a: Path, b: Path) -> None:
+    (counters_a, weights_a), (counters_b, weights_b) = _result(a), _result(b)
+    assert counters_a == counters_b
+    assert weights_a.keys() == weights_b.keys()
+    gap = max(float((w - weights_b[k]).abs().max()) for k, w in weights_a.items())
+    assert gap <= 1e-6, f"{a.name} and {b.name}: weights differ by up to {gap:.3g}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The cache, the run directory root and an uninterrupted one-process run of 3 steps."""
+    out = tmp_path_factory.mktemp("runs")
+    cache = f"embedded.cache_dir={out / 'cache'}"
+    _dapo(0, *RUN, cache, "run.name=one", out_dir=out)
+    return out, cache
+
+
+def test_torchrun_two_ranks_is_the_one_process_run(runs):
+    out, cache = runs
+    printed = _dapo(2, *RUN, cache, "run.name=two", out_dir=out)
+    assert printed.count("step    3") == 1  # rank 0 prints; rank 1's output is silenced
+    _same_run(out / "one", out / "two")
+    ckpt = out / "two" / "checkpoints" / "step_000003"
+    assert {p.name for p in (ckpt / "rng").iterdir()} == {"rank_0.pt", "rank_1.pt"}
+    assert json.loads((ckpt / "trainer.json").read_text())["world_size"] == 2
+
+
+@pytest.mark.parametrize("first,then", [(2, 0), (0, 2)], ids=["2-ranks-then-1", "1-then-2-ranks"])
+def test_a_checkpoint_resumes_at_another_world_size(runs, first, then):
+    out, cache = runs
+    name = f"from{first}to{then}"
+    _dapo(first, *RUN, cache, "train.steps=2", f"run.name={name}", out_dir=out)
+    _dapo(then, "--resume", str(out / name), "train.steps=3", out_dir=out)
+    _same_run(out / "one", out / name)
+
+
+def test_kill_9_of_one_rank_stops_the_job_and_resume_continues_exactly(runs):
+    out, cache = runs
+    proc = _dapo(2, *RUN, cache, "train.steps=40", "run.name=killed", out_dir=out, wait=False)
+    latest = out / "killed" / "checkpoints" / "latest"
+    deadline = time.monotonic() + 120
+    while not latest.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert latest.exists(), "no checkpoint within 2 minutes"
+    ranks = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True)
+    victim = int(ranks.stdout.split()[-1])
+    killed_at = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    stopped_in = time.monotonic() - killed_at
+    assert proc.returncode != 0 and stopped_in < 90, (proc.returncode, stopped_in)
+    assert "Signal 9" in err or "SIGKILL" in err or "exitcode  : -9" in err
+    # The job died mid-run: resume it (in one process) to step 3 and it is the run of 'one'.
+    step = int(latest.read_text().strip().removeprefix("step_"))
+    assert 1 <= step <= 3, step
+    _dapo(0, "--resume", str(out / "killed"), "train.steps=3", out_dir=out)
+    _same_run(out / "one", out / "killed")
