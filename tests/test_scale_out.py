@@ -52,7 +52,11 @@ COUNTERS = (
 
 
 def _config(cache: str, *extra: str):
-    return load_config(None, [*TINY, f"embedded.cache_dir={cache}", *extra], base="demo")
+    preset = "grpo" if "preset=grpo" in extra else None
+    extra = tuple(x for x in extra if x != "preset=grpo")
+    return load_config(
+        None, [*TINY, f"embedded.cache_dir={cache}", *extra], base="demo", preset=preset
+    )
 
 
 def _train(cfg, steps: int = 2):
@@ -95,6 +99,24 @@ def _two_ranks(cache: str, per_rank: list[list[str]], out: Path):
 def one_process(tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("cache"))
     return cache, _train(_config(cache))
+
+
+# The GRPO baseline's KL term: a sharded frozen reference; its groups are filtered too, so
+# that every update has a real gradient (an all-zero advantage leaves only rounding noise,
+# which Adam's normalisation would turn into full-size steps of random sign).
+GRPO = ["preset=grpo", "sampling.dynamic=true", "algo.kl_coef=0.1"]
+
+
+def test_two_ranks_train_the_grpo_baseline_as_one_process(one_process, tmp_path):
+    cache = one_process[0]
+    metrics_1, weights_1, moved = _train(_config(cache, *GRPO))
+    assert metrics_1[1]["train/kl"] > 0 and moved > 1e-3
+    for rank, (metrics, weights, _) in _two_ranks(cache, [GRPO, GRPO], tmp_path).items():
+        assert [m["train/kl"] for m in metrics] == pytest.approx(
+            [m["train/kl"] for m in metrics_1], abs=1e-6
+        ), rank
+        gap = max(float((w - weights_1[k]).abs().max()) for k, w in weights.items())
+        assert gap <= 1e-6, f"rank {rank}: weights differ by up to {gap:.3g}"
 
 
 @pytest.mark.parametrize(

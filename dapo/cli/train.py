@@ -196,11 +196,15 @@ def _train_ranks(args: argparse.Namespace, cfg: Config, run_dir: Path | None) ->
     directory and prints; the other ranks follow it with their standard output silenced
     (their errors still reach standard error, naming the rank)."""
     from dapo import dist
+    from dapo.config import config_warnings
 
     dist.init_from_env(timeout_s=cfg.dist.timeout_s)
     resume = run_dir is not None
     if not dist.is_main():
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
+    else:
+        for warning in config_warnings(cfg):
+            print(f"dapo: warning: {warning}", file=sys.stderr)
     try:
         if dist.is_main():
             run_dir = _checked_run_dir(args, cfg, run_dir)
