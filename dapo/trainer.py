@@ -77,8 +77,10 @@ class TrainState:
         """Tell the engine the weights changed (after updates, after a resume); under FSDP,
         gather the shards into the whole copy first."""
         if self.gen_model is not None:
+            t0 = time.perf_counter()
             fsdp.gather_into(self.model, self.gen_model)
             self.engine.sync_weights(self.gen_model)
+            accumulate(self.timers, "weight_sync", time.perf_counter() - t0)
         else:
             self.engine.sync_weights(self.model)
 
@@ -335,6 +337,8 @@ def train_step(state: TrainState) -> dict[str, float]:
         state.timers["gen_slots"] = dist.all_reduce_sum(state.timers.get("gen_slots", 0.0))
     metrics.update(rollout_metrics(result))
     metrics.update(_perf_metrics(state, result, metrics, t0=t0, t_gen=t_gen, t_train=t_train))
+    if "weight_sync" in state.timers:  # under FSDP: the gather of whole weights (in train_s)
+        metrics["perf/weight_sync_s"] = state.timers["weight_sync"]
     state.step += 1
     return metrics
 
