@@ -136,17 +136,7 @@ def save(
         torch.save(capture_rng(), tmp / "rng.pt")
         trainer = {"format_version": FORMAT_VERSION, "step": step, **trainer_state}
         (tmp / "trainer.json").write_text(json.dumps(trainer, indent=1) + "\n")
-        files = {
-            str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()
-        }
-        manifest = {"format_version": FORMAT_VERSION, "step": step, "files": files}
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-        fsync_tree(tmp)
-        if final.exists():  # a step re-run after a resume: the new one replaces it whole
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        fsync_dir(root)
-        write_pointer(root, name)
+        publish(tmp, final, step)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         why = "the disk is full" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
@@ -159,6 +149,23 @@ def save(
         ) from exc
     prune(root, keep=keep, protect=name)
     return final
+
+
+def publish(tmp: Path, final: Path, step: int) -> None:
+    """The last moves of a save: the manifest of every file in ``tmp``, written last, an
+    fsync, the rename to ``final`` (replacing a step re-run after a resume whole), and the
+    ``latest`` pointer."""
+    files = {
+        str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()
+    }
+    manifest = {"format_version": FORMAT_VERSION, "step": step, "files": files}
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    fsync_tree(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
+    write_pointer(final.parent, final.name)
 
 
 def prune(root: Path, *, keep: int, protect: str) -> None:

@@ -78,17 +78,7 @@ def _finish(tmp: Path, final: Path, step: int, model, tokenizer, trainer_state) 
         **trainer_state,
     }
     (tmp / "trainer.json").write_text(json.dumps(trainer, indent=1) + "\n")
-    files = {
-        str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()
-    }
-    manifest = {"format_version": checkpoint.FORMAT_VERSION, "step": step, "files": files}
-    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-    checkpoint.fsync_tree(tmp)
-    if final.exists():  # a step re-run after a resume: the new one replaces it whole
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    checkpoint.fsync_dir(final.parent)
-    checkpoint.write_pointer(final.parent, final.name)
+    checkpoint.publish(tmp, final, step)
 
 
 def load(ckpt: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
