@@ -240,3 +240,13 @@ def test_kill_9_of_one_rank_stops_the_job_and_resume_continues_exactly(runs):
     assert 1 <= step <= 3, step
     _dapo(0, "--resume", str(out / "killed"), "train.steps=3", out_dir=out)
     _same_run(out / "one", out / "killed")
+
+
+def test_cpu_offload_on_a_cpu_model_is_refused_with_the_fix(tokenizer):
+    from dapo.demo import TinyModelSpec, tiny_qwen2
+    from dapo.dist import fsdp
+
+    model = tiny_qwen2(tokenizer, TinyModelSpec(hidden_size=16, num_layers=1), seed=0)
+    with pytest.raises(ValueError, match="trains on the CPU already: drop dist.cpu_offload"):
+        fsdp.shard(model, compute_dtype=torch.float32, cpu_offload=True)
+    assert [type(m).__name__ for m in fsdp.decoder_layers(model)] == ["Qwen2DecoderLayer"]

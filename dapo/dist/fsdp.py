@@ -44,6 +44,11 @@ def shard(
     )
     kwargs = {"mp_policy": policy}
     if cpu_offload:
+        if next(model.parameters()).device.type == "cpu":
+            raise ValueError(
+                "dist.cpu_offload=true keeps a GPU run's shards in host memory; this model "
+                "trains on the CPU already: drop dist.cpu_offload"
+            )
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for layer in decoder_layers(model):
         if activation_checkpointing:
