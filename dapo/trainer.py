@@ -145,11 +145,17 @@ def build_state(
     scaler = None
     if compute == torch.float16 and next(model.parameters()).dtype == torch.float32:
         scaler = torch.amp.GradScaler(next(model.parameters()).device.type)
-    state = TrainState(
-        cfg, model, tokenizer, optimizer, sampler, engine, ref_model=ref_model, scaler=scaler
+    return TrainState(
+        cfg,
+        model,
+        tokenizer,
+        optimizer,
+        sampler,
+        engine,
+        ref_model=ref_model,
+        scaler=scaler,
+        gen_model=gen_model,
     )
-    state.gen_model = gen_model
-    return state
 
 
 # ----------------------------------------------------------------------------- 1. rollout
