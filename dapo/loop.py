@@ -159,7 +159,7 @@ class _Run:
                 self.save()
         if self.saved_at != state.step:
             self.save()
-        if self.stopping(stop) and state.step < t.steps:
+        if state.step < t.steps and self.stopping(stop):  # the same step on every rank
             raise RunStopped(
                 f"stopped by {stop.name} after step {state.step} of {t.steps}; checkpoint "
                 f"saved. Resume with: dapo train --resume {self.run_dir}",

@@ -65,6 +65,7 @@ def fill_logprobs(model, episodes: list[Episode], attr: str, state: TrainState) 
     mine = partition_by_tokens(episodes, dist.world_size())[dist.rank()]
     computed = []
     for micro in rank_microbatches(episodes, mine, cfg.train.tokens_per_microbatch):
+        # None: another rank has more passes; this one forwards episode 0 and keeps nothing.
         b = collate([episodes[i] for i in micro or [0]], pad_id=pad_id).to(device)
         with autocast(model, DTYPES[cfg.model.compute_dtype]):
             logp_BT, _ = batch_logprobs(

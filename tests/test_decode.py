@@ -308,50 +308,43 @@ def test_a_token_of_probability_1e_12_is_drawn_when_u_falls_in_its_interval():
     assert sample_from_logits(logits, u.float()).item() != 1
 
 
-def test_decoding_draws_float64_uniforms_from_its_seed(tiny_model, tokenizer):
+def _first_tokens_and_expected(model, tokenizer, seed, u_B):
+    """(the first token decode draws for each of G=2 rows per prompt with ``seed``, the
+    tokens inverse-CDF sampling picks from the model's own logits with uniforms ``u_B``)."""
     ids, mask = _encode(tokenizer)
     tokens, _, _ = decode(
-        tiny_model,
+        model,
         ids,
         mask,
         group_size=2,
         max_new_tokens=1,
         stop_token_ids=(tokenizer.eos_token_id,),
         pad_token_id=tokenizer.pad_token_id,
-        seed=11,
+        seed=seed,
     )
     with torch.no_grad():
         position = (mask.cumsum(dim=1) - 1).clamp(min=0)
-        logits = tiny_model(input_ids=ids, attention_mask=mask, position_ids=position).logits
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=position).logits
+    expected = sample_from_logits(logits[:, -1].repeat_interleave(2, dim=0), u_B)
+    return tokens[:, 0].tolist(), expected.tolist()
+
+
+def test_decoding_draws_float64_uniforms_from_its_seed(tiny_model, tokenizer):
     u = torch.rand(6, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
-    expected = sample_from_logits(logits[:, -1].repeat_interleave(2, dim=0), u)
-    assert tokens[:, 0].tolist() == expected.tolist()
+    drawn, expected = _first_tokens_and_expected(tiny_model, tokenizer, 11, u)
+    assert drawn == expected
 
 
 def test_a_seed_per_prompt_draws_prompt_i_from_its_own_generator(tiny_model, tokenizer):
     """Prompt i's G rows at step t read row t of its generator's [64, G] block (steps 0-63)."""
-    ids, mask = _encode(tokenizer)
-    tokens, _, _ = decode(
-        tiny_model,
-        ids,
-        mask,
-        group_size=2,
-        max_new_tokens=1,
-        stop_token_ids=(tokenizer.eos_token_id,),
-        pad_token_id=tokenizer.pad_token_id,
-        seed=[5, 6, 7],
-    )
-    with torch.no_grad():
-        position = (mask.cumsum(dim=1) - 1).clamp(min=0)
-        logits = tiny_model(input_ids=ids, attention_mask=mask, position_ids=position).logits
     u = torch.cat(
         [
             torch.rand((64, 2), generator=torch.Generator().manual_seed(s), dtype=torch.float64)[0]
             for s in (5, 6, 7)
         ]
     )
-    expected = sample_from_logits(logits[:, -1].repeat_interleave(2, dim=0), u)
-    assert tokens[:, 0].tolist() == expected.tolist()
+    drawn, expected = _first_tokens_and_expected(tiny_model, tokenizer, [5, 6, 7], u)
+    assert drawn == expected
 
 
 @pytest.mark.parametrize("engine", ["dapo", "hf"])
