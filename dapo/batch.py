@@ -29,6 +29,9 @@ class Episode:
     """log pi_old, recomputed before the update (or the sampler's)."""
     ref_logprobs: torch.Tensor | None = None
     """log pi_ref of the frozen reference, only with a KL penalty."""
+    loss_weights: torch.Tensor | None = None
+    """Each token's rollout-correction weight (pi_old / pi_rollout, truncated or masked), only
+    when ``algo.rollout_correction`` is on."""
     reward_fault: str = ""
     """Why the verifier failed on this response (graded incorrect), or empty."""
 
@@ -53,6 +56,7 @@ class Batch:
     advantages_B: torch.Tensor
     old_logprobs_BT: torch.Tensor | None = None
     ref_logprobs_BT: torch.Tensor | None = None
+    loss_weights_BT: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> Batch:
         return Batch(**{k: None if v is None else v.to(device) for k, v in vars(self).items()})
@@ -83,6 +87,7 @@ def collate(episodes: Sequence[Episode], *, pad_id: int) -> Batch:
         advantages_B=torch.tensor([e.advantage for e in episodes], dtype=torch.float32),
         old_logprobs_BT=_pad_rows([e.old_logprobs for e in episodes], width_t),
         ref_logprobs_BT=_pad_rows([e.ref_logprobs for e in episodes], width_t),
+        loss_weights_BT=_pad_rows([e.loss_weights for e in episodes], width_t),
     )
 
 

@@ -36,6 +36,7 @@ from dapo.metrics import accumulate
 from dapo.policy import DTYPES, stop_token_ids
 from dapo.reward_pool import GradeResult, RewardPool, grading_job
 from dapo.rollout import Engine, Sample, generate_samples, make_engine
+from dapo.rollout.base import LiveModelEngine
 from dapo.sampling import Group, SamplingResult, collect_groups, rollout_metrics, round_size
 from dapo.seeding import derive_seed
 from dapo.update import update
@@ -75,14 +76,14 @@ class TrainState:
 
     def sync_engine(self) -> None:
         """Tell the engine the weights changed (after updates, after a resume); under FSDP,
-        gather the shards into the whole copy first."""
+        gather the shards into the whole copy first. Timed (``perf/weight_sync_s``) where
+        there is something to copy: a gather, or an engine with its own weights (vllm)."""
+        t0 = time.perf_counter()
         if self.gen_model is not None:
-            t0 = time.perf_counter()
             fsdp.gather_into(self.model, self.gen_model)
-            self.engine.sync_weights(self.gen_model)
+        self.engine.sync_weights(self.model if self.gen_model is None else self.gen_model)
+        if self.gen_model is not None or not isinstance(self.engine, LiveModelEngine):
             accumulate(self.timers, "weight_sync", time.perf_counter() - t0)
-        else:
-            self.engine.sync_weights(self.model)
 
     def state_dict(self) -> dict[str, Any]:
         """The counters and cursors a resumed run needs (JSON); the weights and the optimizer
@@ -141,7 +142,9 @@ def build_state(
     )
     sampler = PromptSampler(train_problems, seed=cfg.train.seed)
     stops = stop_token_ids(model, tokenizer, cfg.rollout.stop_token_ids)
-    engine = make_engine(cfg.rollout.engine, gen_model or model, tokenizer, stops, compute)
+    engine = make_engine(
+        cfg.rollout.engine, gen_model or model, tokenizer, stops, compute, vllm=vars(cfg.vllm)
+    )
     scaler = None
     if compute == torch.float16 and next(model.parameters()).dtype == torch.float32:
         scaler = torch.amp.GradScaler(next(model.parameters()).device.type)
@@ -343,7 +346,7 @@ def train_step(state: TrainState) -> dict[str, float]:
         state.timers["gen_slots"] = dist.all_reduce_sum(state.timers.get("gen_slots", 0.0))
     metrics.update(rollout_metrics(result))
     metrics.update(_perf_metrics(state, result, metrics, t0=t0, t_gen=t_gen, t_train=t_train))
-    if "weight_sync" in state.timers:  # under FSDP: the gather of whole weights (in train_s)
+    if "weight_sync" in state.timers:  # a gather and/or an engine's load (in train_s)
         metrics["perf/weight_sync_s"] = state.timers["weight_sync"]
     state.step += 1
     return metrics

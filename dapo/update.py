@@ -108,6 +108,55 @@ def set_old_logprobs(state: TrainState, episodes: list[Episode]) -> dict[str, fl
     return out
 
 
+def correction_mode(cfg: Config, engine_exact: bool) -> str:
+    """``algo.rollout_correction`` with auto resolved: token_tis for an engine whose log-probs
+    are not the trainer's, none for one whose are."""
+    mode = cfg.algo.rollout_correction
+    if mode == "auto":
+        return "none" if engine_exact else "token_tis"
+    return mode
+
+
+CORRECTION_CHUNK = 256
+"""Responses padded together to compute their correction weights."""
+
+
+def set_loss_weights(state: TrainState, episodes: list[Episode]) -> dict[str, float]:
+    """The rollout correction's weights on each episode (``algo.rollout_correction``) and the
+    mismatch between the engine's log-probs and pi_old, for an engine whose log-probs are not
+    pi_old's or when a correction is asked for; nothing otherwise."""
+    cfg, exact = state.cfg, state.engine.exact_logprobs
+    mode = correction_mode(cfg, exact)
+    if mode == "none" and exact:
+        return {}
+    sums: dict[str, float] = {}
+    for start in range(0, len(episodes), CORRECTION_CHUNK):
+        chunk = episodes[start : start + CORRECTION_CHUNK]
+        b = collate(chunk, pad_id=state.tokenizer.pad_token_id)
+        rollout_BT = torch.zeros_like(b.old_logprobs_BT)
+        for row, e in enumerate(chunk):
+            rollout_BT[row, : e.length] = e.sampler_logprobs
+        weights_BT, stats = algo.rollout_correction(
+            b.old_logprobs_BT,
+            rollout_BT,
+            b.response_mask_BT,
+            mode=mode,
+            threshold=cfg.algo.rollout_correction_threshold,
+        )
+        n = float(stats["num_tokens"])
+        for key in ("mismatch_abs", "mismatch_kl", "corrected_frac"):
+            accumulate(sums, key, float(stats[key]) * n)
+        accumulate(sums, "tokens", n)
+        for row, e in enumerate(chunk):
+            e.loss_weights = None if mode == "none" else weights_BT[row, : e.length].clone()
+    tokens = max(sums.get("tokens", 0.0), 1.0)
+    return {
+        "mismatch/abs_log_ratio": sums.get("mismatch_abs", 0.0) / tokens,
+        "mismatch/kl": sums.get("mismatch_kl", 0.0) / tokens,
+        "mismatch/corrected_frac": sums.get("corrected_frac", 0.0) / tokens,
+    }
+
+
 def update(state: TrainState, episodes: list[Episode], *, lr: float) -> dict[str, float]:
     """mu epochs over the step's responses, one optimizer update per mini-batch.
 
@@ -118,6 +167,7 @@ def update(state: TrainState, episodes: list[Episode], *, lr: float) -> dict[str
     cfg = state.cfg
     t_logprobs = time.perf_counter()
     check = set_old_logprobs(state, episodes)
+    check |= set_loss_weights(state, episodes)
     if state.ref_model is not None:
         fill_logprobs(state.ref_model, episodes, "ref_logprobs", state)
     accumulate(state.timers, "logprobs", time.perf_counter() - t_logprobs)
@@ -270,6 +320,7 @@ def accumulate_gradients(
             eps_low=cfg.algo.eps_low,
             eps_high=cfg.algo.eps_high,
             clip_ratio_c=cfg.algo.clip_ratio_c,
+            weights=b.loss_weights_BT,
             agg=cfg.algo.loss_agg,
             num_tokens=num_tokens,
             num_seqs=num_seqs,

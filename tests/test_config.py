@@ -102,7 +102,10 @@ def test_yaml_file_starts_from_paper_by_default(tmp_path):
             "model.compute_dtype=float32 with model.param_dtype=bfloat16",
         ),
         ("reward.mode=sympy", "reward.mode must be empty (by data_source) or one of"),
-        ("rollout.engine=vllm", "rollout.engine must be one of ('dapo', 'hf')"),
+        ("rollout.engine=sglang", "rollout.engine must be one of ('dapo', 'hf', 'vllm')"),
+        ("algo.rollout_correction=tis", "algo.rollout_correction must be one of ('auto', 'none'"),
+        ("algo.rollout_correction_threshold=1", "algo.rollout_correction_threshold must be > 1"),
+        ("vllm.gpu_memory_utilization=0", "vllm.gpu_memory_utilization must be in (0, 1]"),
         ("algo.clip_ratio_c=0.5", "algo.clip_ratio_c must be 0 (off) or > 1, got 0.5"),
         ("optim.beta2=1", "optim.beta1 and optim.beta2 must be in [0, 1)"),
         ("rollout.temperature=.inf", "rollout.temperature must be finite"),
@@ -212,6 +215,7 @@ def test_every_choice_is_declared_once_on_its_field():
     from dapo.rollout import ENGINES
 
     assert choices(AlgoConfig, "loss_agg") == algo.AGG_MODES
+    assert choices(AlgoConfig, "rollout_correction") == ("auto", *algo.CORRECTION_MODES)
     assert choices(RolloutConfig, "engine") == tuple(ENGINES)
     assert choices(ModelConfig, "param_dtype") == tuple(DTYPES)
     assert choices(ModelConfig, "compute_dtype") == tuple(DTYPES)

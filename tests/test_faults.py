@@ -242,7 +242,7 @@ def test_a_resumed_run_syncs_its_engine_before_it_generates(
         def sync_weights(self, model):
             calls.append("sync")
 
-    monkeypatch.setattr(trainer, "make_engine", lambda _name, *args: Recording(*args))
+    monkeypatch.setattr(trainer, "make_engine", lambda _name, *args, **_: Recording(*args))
     cfg.train.steps = 2
     _fit(cfg, start, tokenizer, train, val, run_dir, resume=True)
     assert calls[0] == "sync" and calls.count("sync") == 2  # on restore, after step 2

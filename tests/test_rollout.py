@@ -1,3 +1,5 @@
+import importlib.util
+
 import pytest
 import torch
 from helpers import generate
@@ -76,13 +78,20 @@ def test_checkpoint_generation_config_does_not_leak_into_sampling(tiny_model, to
 
 
 def test_every_engine_follows_the_protocol(tiny_model, tokenizer):
-    for name in ENGINES:
+    for name in ("dapo", "hf"):  # the vllm engine: tests/test_vllm_engine.py
         engine = make_engine(name, tiny_model, tokenizer)
         assert isinstance(engine, Engine) and engine.exact_logprobs
         engine.sync_weights(tiny_model)  # reads the live module: nothing to copy
         ro = engine.generate(PROMPTS, group_size=2, max_new_tokens=6, seed=1)
         assert len(ro.samples()) == 4 and ro.slots >= sum(int(n) for n in ro.lengths_B)
-    with pytest.raises(ValueError, match="rollout engine 'vllm': use one of dapo, hf"):
+    assert set(ENGINES) == {"dapo", "hf", "vllm"}
+    with pytest.raises(ValueError, match="rollout engine 'sglang': use one of dapo, hf, vllm"):
+        make_engine("sglang", tiny_model, tokenizer)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")
+def test_the_vllm_engine_without_vllm_says_how_to_install_it(tiny_model, tokenizer):
+    with pytest.raises(ImportError, match=r"pip install 'dapo-rl\[vllm\]'.*Rollout engines"):
         make_engine("vllm", tiny_model, tokenizer)
 
 

@@ -8,6 +8,7 @@ Every technique lives here once (Yu et al., 2025, arXiv 2503.14476; see the spec
 - token-level policy-gradient loss (§3.3)             -> ``losses.aggregate`` / ``policy_loss``
 - soft overlong punishment (§3.4)                     -> ``shaping.overlong_penalty``
 - overlong filtering, hard -1 baseline (ablation)     -> ``shaping.shape_rewards``
+- rollout correction (TIS / MIS) of an engine's log-probs -> ``correction.rollout_correction``
 - k3 KL estimator, only in the GRPO baseline (DAPO §2.3 removes the KL) -> ``losses.kl_k3``
 - per-token log-probabilities and entropy             -> ``logits.token_logprobs_from_logits``,
                                                          ``logits.entropy_from_logits``
@@ -29,6 +30,7 @@ So ``logp_BT`` is ``[B, T]`` and ``scores_nG`` is ``[n, G]``. A trailing ``1``
 marks a broadcast dimension (``adv_B1``).
 """
 
+from dapo.algo.correction import CORRECTION_MODES, rollout_correction
 from dapo.algo.groups import group_advantages, mixed_groups
 from dapo.algo.logits import (
     entropy_from_logits,
@@ -42,6 +44,7 @@ from dapo.algo.shaping import overlong_penalty, shape_rewards
 
 __all__ = [
     "AGG_MODES",
+    "CORRECTION_MODES",
     "aggregate",
     "entropy_from_logits",
     "group_advantages",
@@ -50,6 +53,7 @@ __all__ = [
     "mixed_groups",
     "overlong_penalty",
     "policy_loss",
+    "rollout_correction",
     "shape_rewards",
     "token_logprobs_from_hidden",
     "token_logprobs_from_logits",

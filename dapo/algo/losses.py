@@ -103,6 +103,7 @@ def policy_loss(
     eps_low: float,
     eps_high: float,
     clip_ratio_c: float = 0.0,
+    weights: torch.Tensor | None = None,
     agg: str = "token-mean",
     num_tokens: int | float | torch.Tensor | None = None,
     num_seqs: int | float | torch.Tensor | None = None,
@@ -129,6 +130,12 @@ def policy_loss(
 
     with zero gradient where the bound is active. Positive advantages are unaffected.
 
+    Rollout correction (``weights`` = w, from :func:`dapo.algo.correction.rollout_correction`
+    when the sampling engine's log-probs are not pi_old's) multiplies each token's term,
+    without gradient and without changing the divisor:
+
+        loss_{i,t} = -w_{i,t} J_{i,t}
+
     Positions where ``mask`` is False never count and are excluded with
     ``torch.where`` before ``exp``, so -inf or garbage log-probabilities there give
     a finite loss and a zero (not NaN) gradient. The log-ratio is clamped to
@@ -142,6 +149,7 @@ def policy_loss(
         eps_low: lower clip range, ratio >= 1 - eps_low; >= 0.
         eps_high: upper clip range, ratio <= 1 + eps_high; >= 0.
         clip_ratio_c: the dual-clip bound c for negative advantages; 0 (off) or > 1.
+        weights: per-token loss weights ``[B, T]`` (no gradient), or None (all 1).
         agg, num_tokens, num_seqs: see ``aggregate``.
         return_stats: also return diagnostics.
 
@@ -168,6 +176,12 @@ def policy_loss(
     if clip_ratio_c > 0:
         dual_BT = (adv_BT < 0) & (objective_BT < clip_ratio_c * adv_BT)
         objective_BT = torch.where(dual_BT, clip_ratio_c * adv_BT, objective_BT)
+    if weights is not None:
+        if weights.shape != mask.shape:
+            raise ValueError(
+                f"weights must be [B, T] = {tuple(mask.shape)}, got {tuple(weights.shape)}"
+            )
+        objective_BT = objective_BT * weights.detach()
     loss = aggregate(-objective_BT, mask, agg=agg, num_tokens=num_tokens, num_seqs=num_seqs)
     if not return_stats:
         return loss

@@ -274,6 +274,9 @@ RESUME_SAFE_FIELDS = frozenset(
         "dist.activation_checkpointing",
         "dist.cpu_offload",
         "dist.timeout_s",
+        "vllm.gpu_memory_utilization",
+        "vllm.kv_cache_gib",
+        "vllm.sleep",
     }
 )
 

@@ -23,6 +23,7 @@ from dapo.config.setup import (
     ModelConfig,
     RewardConfig,
     RunConfig,
+    VLLMConfig,
 )
 from dapo.config.training import (
     AlgoConfig,
@@ -48,6 +49,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     run: RunConfig = field(default_factory=RunConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
     embedded: EmbeddedConfig = field(default_factory=EmbeddedConfig)
     # A task with settings of its own adds its section here, named after the task.
     arith: ArithConfig = field(default_factory=ArithConfig)

@@ -150,6 +150,39 @@ class DistConfig:
 
 
 @dataclass
+class VLLMConfig:
+    """The vLLM rollout engine (``rollout.engine=vllm``): one engine in each training process,
+    beside the policy (colocated), loaded with the new weights after every update."""
+
+    gpu_memory_utilization: float = 0.5
+    """GPU: the fraction of the GPU's memory vLLM may hold (its weights and KV cache); the
+    trainer needs the rest. Unused on a CPU, where ``kv_cache_gib`` sizes the cache."""
+    kv_cache_gib: float = 0.0
+    """KV-cache size in GiB; 0 = on a GPU what ``gpu_memory_utilization`` leaves, on a CPU
+    1 GiB."""
+    max_num_seqs: int = 256
+    """Responses decoded at once (vLLM's continuous batch); more waits in the queue."""
+    enforce_eager: bool = False
+    """GPU: no CUDA graphs (faster start, slower decoding). A CPU engine always runs eager."""
+    sleep: bool = True
+    """GPU: release the KV cache and move the engine's weights to host memory while the
+    trainer updates (vLLM's sleep mode, level 1), and take them back before the next rollout.
+    vLLM has no sleep mode on a CPU: there this does nothing."""
+
+    def check(self) -> list[str]:
+        errors = []
+        if not 0 < self.gpu_memory_utilization <= 1:
+            errors.append(
+                f"vllm.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.kv_cache_gib < 0:
+            errors.append(f"vllm.kv_cache_gib must be >= 0 (0 = auto), got {self.kv_cache_gib}")
+        if self.max_num_seqs < 1:
+            errors.append(f"vllm.max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        return errors
+
+
+@dataclass
 class RunConfig:
     out_dir: str = "runs"
     """Run directories are created under this one."""

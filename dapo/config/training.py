@@ -31,9 +31,11 @@ class RolloutConfig:
     """Token ids that end a response besides the tokenizer's EOS and the model's
     generation_config.eos_token_id (instruct models list several, e.g. Qwen2.5's <|im_end|>
     and <|endoftext|>)."""
-    engine: Literal["dapo", "hf"] = "dapo"
-    """dapo (one prefill per prompt, finished rows leave the batch) or hf (transformers
-    generate, for a model whose KV cache cannot be repeated or sliced by row)."""
+    engine: Literal["dapo", "hf", "vllm"] = "dapo"
+    """dapo (one prefill per prompt, finished rows leave the batch), hf (transformers
+    generate, for a model whose KV cache cannot be repeated or sliced by row) or vllm (an
+    inference engine: the ``vllm`` section and the ``[vllm]`` extra; its log-probs are not
+    the trainer's, see ``algo.rollout_correction``)."""
 
     def check(self) -> list[str]:
         errors = []
@@ -83,6 +85,15 @@ class AlgoConfig:
     which punishes softly instead; when neither is on, truncated responses score -1."""
     adv_eps: float = 1e-6
     """eps in (R - mean) / (std + eps)."""
+    rollout_correction: Literal["auto", "none", "token_tis", "seq_tis", "token_mis", "seq_mis"] = (
+        "auto"
+    )
+    """Weigh each token's loss by pi_old / pi_rollout, truncated (tis) or masked (mis) per token
+    or per sequence (``dapo/algo/correction.py``), for an engine whose log-probs are not the
+    trainer's. auto: token_tis for such an engine (vllm), none for an exact one (dapo, hf)."""
+    rollout_correction_threshold: float = 2.0
+    """C: tis caps the weight at C; mis keeps a token or sequence whose ratio is within
+    [1/C, C] (TIS's paper: 2)."""
 
     def check(self) -> list[str]:
         errors = []
@@ -96,6 +107,11 @@ class AlgoConfig:
             errors.append(f"algo.kl_coef must be >= 0, got {self.kl_coef}")
         if self.overlong_factor < 0:
             errors.append("algo.overlong_factor must be >= 0")
+        if not self.rollout_correction_threshold > 1:
+            errors.append(
+                "algo.rollout_correction_threshold must be > 1, got "
+                f"{self.rollout_correction_threshold}"
+            )
         return errors
 
 

@@ -7,9 +7,9 @@ whether their log-probs are exact) and return a :class:`~dapo.rollout.base.Rollo
           finished rows leave the batch (the default)
     hf    :mod:`dapo.rollout.hf`, transformers ``generate``: the reference, and the fallback
           for a model whose KV cache cannot be repeated or sliced by row
-
-An engine that keeps its own copy of the weights (an inference server) joins ``ENGINES`` and
-``rollout.engine``'s choices in :mod:`dapo.config`.
+    vllm  :mod:`dapo.rollout.vllm_engine`, vLLM colocated in the training process: its own
+          copy of the weights, loaded after every update, and log-probs that are not pi_old's
+          (an optional dependency, imported when the engine is made)
 """
 
 from __future__ import annotations
@@ -22,11 +22,12 @@ import torch
 from dapo.rollout.base import Engine, Rollout, Sample
 from dapo.rollout.hf import HFEngine
 from dapo.rollout.native import NativeEngine
+from dapo.rollout.vllm_engine import VLLMEngine
 from dapo.seeding import derive_seed
 
 __all__ = ["ENGINES", "Engine", "Rollout", "Sample", "generate_samples", "make_engine"]
 
-ENGINES = {"dapo": NativeEngine, "hf": HFEngine}
+ENGINES = {"dapo": NativeEngine, "hf": HFEngine, "vllm": VLLMEngine}
 
 
 def make_engine(
@@ -35,12 +36,17 @@ def make_engine(
     tokenizer: Any,
     stop_token_ids: Sequence[int] = (),
     compute_dtype: torch.dtype | None = None,
+    *,
+    vllm: dict[str, Any] | None = None,
 ) -> Engine:
     """The engine called ``name``, sampling from ``model`` (in ``compute_dtype`` when given);
     a response ends at the first of ``stop_token_ids`` (default: the tokenizer's EOS;
-    ``policy.stop_token_ids`` gives a run's set)."""
+    ``policy.stop_token_ids`` gives a run's set). ``vllm`` holds the vllm engine's options
+    (the run's ``vllm`` config section as a dict; its defaults when None)."""
     if name not in ENGINES:
         raise ValueError(f"rollout engine {name!r}: use one of {', '.join(ENGINES)}")
+    if name == "vllm":
+        return VLLMEngine(model, tokenizer, stop_token_ids, compute_dtype, **(vllm or {}))
     return ENGINES[name](model, tokenizer, stop_token_ids, compute_dtype)
 
 

@@ -1,0 +1,267 @@
+"""The ``vllm`` rollout engine: vLLM in the training process (colocated), given the trainer's
+weights after every update.
+
+vLLM brings what a hand-written decoding loop lacks at the paper's scale (paged KV cache,
+continuous batching, CUDA graphs), and two obligations with it:
+
+- it holds its own copy of the weights, so :meth:`VLLMEngine.sync_weights` loads the new ones
+  after every optimizer update (in place, through the worker's ``reload_weights``, in the
+  compute dtype; tied embeddings included, as ``state_dict`` lists ``lm_head.weight``) and
+  resets the prefix cache, whose KV entries the old weights computed;
+- its log-probs come from other kernels and batch shapes than the trainer's forward pass, so
+  they never stand in for pi_old (``exact_logprobs = False``): the trainer recomputes pi_old
+  and corrects for the gap (:mod:`dapo.algo.correction`).
+
+The engine starts from the model's ``config.json`` alone with dummy weights (nothing is read
+from disk), then takes the trainer's weights. Prompts go in as token ids and responses come
+back as token ids (vLLM never sees the tokenizer), so both engines tokenize and decode alike.
+One request per prompt with n = G and the prompt's seed: vLLM seeds sample j of a request with
+seed + j, so a prompt's responses depend on its seed, not on the prompts beside it (up to the
+float rounding of other batch shapes). Log-probs are vLLM's ``processed_logprobs``: after
+temperature, as the native engine records them; with top-p < 1 they are of the truncated
+distribution the tokens were really drawn from.
+
+vLLM runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set before it starts) so that the
+weights are handed over as tensors. Starting it reseeds the global RNGs and, on a CPU, replaces
+``torch.set_num_threads``: both are put back, so a run's own random stream and thread control
+are what they would be without vLLM.
+
+Shapes: see :mod:`dapo.rollout.base`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import shutil
+import tempfile
+import time
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from dapo.rollout.base import Rollout, encode_prompts, finish_rollout
+from dapo.seeding import derive_seed
+
+INSTALL_HINT = (
+    "rollout.engine=vllm needs vLLM (Python >= 3.11): pip install 'dapo-rl[vllm]'; on a "
+    "machine without a GPU see the README, 'Rollout engines', for the CPU install line"
+)
+CPU_KV_CACHE_GIB = 1.0
+"""KV-cache size on a CPU when ``vllm.kv_cache_gib`` is 0 (vLLM's own default reserves a
+fraction of all host memory, which the trainer needs)."""
+SEED_LIMIT = 2**63
+"""vLLM seeds sample j of a request with seed + j; seeds stay below this."""
+
+
+def _check_cpu_head_size(config: Any) -> None:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // max(
+        config.num_attention_heads, 1
+    )
+    if head_dim % 32:
+        raise ValueError(
+            "rollout.engine=vllm on a CPU needs an attention head size that is a multiple of 32 "
+            f"(vLLM's CPU kernels); this model's is {head_dim}. Use rollout.engine=dapo, or for "
+            "the embedded model an embedded.hidden that is a multiple of 128 (4 heads)"
+        )
+
+
+def _vllm():
+    try:
+        import vllm
+    except ImportError as e:
+        raise ImportError(INSTALL_HINT) from e
+    return vllm
+
+
+@contextlib.contextmanager
+def _process_state_kept() -> Iterator[None]:
+    """Undo what starting an in-process vLLM does to the process: it seeds torch's, numpy's
+    and Python's global generators, and a CPU worker swaps ``torch.set_num_threads`` for a
+    function that only warns."""
+    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    py_state, np_state = random.getstate(), np.random.get_state()
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            torch.set_num_threads = set_num_threads
+            torch.set_num_threads(threads)
+            random.setstate(py_state)
+            np.random.set_state(np_state)
+
+
+class VLLMEngine:
+    """Samples with a colocated vLLM engine; see the module docstring. It computes in
+    ``compute_dtype`` (default: the model's); the keyword options are the run's ``vllm``
+    config section (:class:`dapo.config.setup.VLLMConfig` documents each)."""
+
+    exact_logprobs = False
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        stop_token_ids: Sequence[int] = (),
+        compute_dtype: torch.dtype | None = None,
+        *,
+        gpu_memory_utilization: float = 0.5,
+        kv_cache_gib: float = 0.0,
+        max_num_seqs: int = 256,
+        enforce_eager: bool = False,
+        sleep: bool = True,
+    ) -> None:
+        vllm = _vllm()
+        self.tokenizer = tokenizer
+        self.stop_token_ids = tuple(stop_token_ids) or (tokenizer.eos_token_id,)
+        param = next(model.parameters())
+        self.dtype = compute_dtype or param.dtype
+        self.on_gpu = param.device.type == "cuda"
+        if not self.on_gpu:
+            _check_cpu_head_size(model.config)
+        self.sleeps = self.on_gpu and sleep
+        self._asleep: set[str] = set()
+        self.last_sync_s = 0.0
+        """Seconds the last :meth:`sync_weights` took."""
+        # config.json is all vLLM reads: it starts with dummy weights and takes ours below.
+        self._dir = tempfile.mkdtemp(prefix="dapo-vllm-")
+        weakref.finalize(self, shutil.rmtree, self._dir, ignore_errors=True)
+        model.config.save_pretrained(self._dir)
+        kwargs: dict[str, Any] = dict(
+            model=self._dir,
+            skip_tokenizer_init=True,
+            load_format="dummy",
+            dtype=str(self.dtype).removeprefix("torch."),
+            seed=0,
+            logprobs_mode="processed_logprobs",
+            generation_config="vllm",  # never a checkpoint's sampling defaults
+            max_num_seqs=max_num_seqs,
+            enforce_eager=enforce_eager or not self.on_gpu,
+        )
+        if self.on_gpu:
+            kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=sleep)
+        else:
+            # A seeded request whose prompt is cut across two scheduler steps has its sampled
+            # token discarded and its generator rewound, which a CPU generator cannot do.
+            kwargs["enable_chunked_prefill"] = False
+        kv_gib = kv_cache_gib or (0.0 if self.on_gpu else CPU_KV_CACHE_GIB)
+        if kv_gib:
+            kwargs["kv_cache_memory_bytes"] = int(kv_gib * 2**30)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        with _process_state_kept():
+            self.llm = vllm.LLM(**kwargs)
+        self.sync_weights(model)
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Load ``model``'s current weights into the engine (in the compute dtype, one tensor at
+        a time) and drop the prefix cache, which holds KV entries of the old weights."""
+        t0 = time.perf_counter()
+        self._wake(["weights"])
+        weights = ((name, t.detach().to(self.dtype)) for name, t in model.state_dict().items())
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.reset_prefix_cache()
+        self.last_sync_s = time.perf_counter() - t0
+
+    def _wake(self, tags: list[str] | None = None) -> None:
+        wanted = self._asleep if tags is None else self._asleep & set(tags)
+        if wanted:
+            self.llm.wake_up(tags=sorted(wanted))
+            self._asleep -= wanted
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompts: list[str],
+        *,
+        group_size: int,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | Sequence[int] = 0,
+        greedy: bool = False,
+        ignore_eos: bool = False,
+    ) -> Rollout:
+        """See :class:`dapo.rollout.base.Engine`. With one ``seed``, prompt i's seed is derived
+        from (seed, "prompt", i)."""
+        if isinstance(seed, int):
+            seeds = [derive_seed(seed, "prompt", i) for i in range(len(prompts))]
+        else:
+            seeds = [int(s) for s in seed]
+            if len(seeds) != len(prompts):
+                raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts: give one each")
+        ids_nP, mask_nP = encode_prompts(self.tokenizer, prompts, torch.device("cpu"))
+        requests = [
+            {"prompt_token_ids": ids[m.bool()].tolist()}
+            for ids, m in zip(ids_nP, mask_nP, strict=True)
+        ]
+        params = [
+            self._params(
+                s,
+                group_size,
+                max_new_tokens,
+                temperature,
+                top_p,
+                greedy=greedy,
+                ignore_eos=ignore_eos,
+            )
+            for s in seeds
+        ]
+        self._wake()
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        if self.sleeps:  # give the memory back to the trainer until the next rollout
+            self.llm.sleep(level=1)
+            self._asleep = {"weights", "kv_cache"}
+        rows = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
+        if len(rows) != len(prompts) * group_size:
+            raise RuntimeError(
+                f"vLLM returned {len(rows)} responses for {len(prompts)} x {group_size}"
+            )
+        response_ids_BT, logprobs_BT = self._padded(rows)
+        return finish_rollout(
+            self.tokenizer,
+            ids_nP.repeat_interleave(group_size, dim=0),
+            mask_nP.repeat_interleave(group_size, dim=0),
+            response_ids_BT,
+            logprobs_BT,
+            sum(len(c.token_ids) for c in rows),  # continuous batching: no padded slots
+            self.stop_token_ids,
+        )
+
+    def _params(self, seed, group_size, max_new_tokens, temperature, top_p, *, greedy, ignore_eos):
+        """One prompt's request: G samples from ``seed``, every knob set explicitly."""
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            n=group_size,
+            max_tokens=max_new_tokens,
+            min_tokens=max_new_tokens if ignore_eos else 0,  # benchmarks: fixed work
+            temperature=0.0 if greedy else temperature,
+            top_p=1.0 if greedy else top_p,
+            top_k=0,
+            min_p=0.0,
+            repetition_penalty=1.0,
+            presence_penalty=0.0,
+            frequency_penalty=0.0,
+            seed=seed % (SEED_LIMIT - group_size),
+            stop_token_ids=list(self.stop_token_ids),
+            logprobs=0,
+            detokenize=False,
+        )
+
+    def _padded(self, rows: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token ids, log-probs) of vLLM's completions, right padded to the longest."""
+        width = max(len(c.token_ids) for c in rows)
+        response_ids_BT = torch.full((len(rows), width), self.tokenizer.pad_token_id)
+        logprobs_BT = torch.zeros((len(rows), width))
+        for b, c in enumerate(rows):
+            tokens = list(c.token_ids)
+            response_ids_BT[b, : len(tokens)] = torch.tensor(tokens)
+            logprobs_BT[b, : len(tokens)] = torch.tensor(
+                [step[t].logprob for step, t in zip(c.logprobs, tokens, strict=True)]
+            )
+        return response_ids_BT, logprobs_BT

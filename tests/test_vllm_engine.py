@@ -1,0 +1,168 @@
+"""The vllm rollout engine, on the CPU: what it samples, the log-probs it reports, the weight
+sync after an update, and a short training run. Skipped where vLLM is not installed
+(``.ci/run-vllm`` installs it in a virtual environment of its own and runs this file)."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dapo.demo import TinyModelSpec, tiny_qwen2
+from dapo.model import response_logprobs
+from dapo.rollout import make_engine
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (see .ci/run-vllm)"
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+# vLLM's CPU attention needs a head size that is a multiple of 32.
+SPEC = TinyModelSpec(
+    hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=1
+)
+PROMPTS = ["User: 12+7=?\nAssistant:\n", "User: 3*4=?\nAssistant:\n", "User: 9-5=?\nAssistant:\n"]
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return tiny_qwen2(tokenizer, SPEC, seed=0).eval()
+
+
+@pytest.fixture(scope="module")
+def engine(model, tokenizer):
+    """One engine for the module: vLLM takes seconds to start."""
+    return make_engine("vllm", model, tokenizer)
+
+
+def forward_gap(model, ro, temperature: float = 1.0) -> float:
+    """Largest |engine - forward pass| log-prob over the rollout's response tokens."""
+    with torch.no_grad():
+        logp_BT, _ = response_logprobs(
+            model,
+            ro.prompt_ids_BP,
+            ro.prompt_mask_BP,
+            ro.response_ids_BT,
+            ro.response_mask_BT,
+            temperature=temperature,
+        )
+    mask = ro.response_mask_BT
+    return float((logp_BT[mask] - ro.logprobs_BT[mask]).abs().max())
+
+
+def test_greedy_decoding_and_stops_match_the_native_engine(model, tokenizer, engine):
+    native = make_engine("dapo", model, tokenizer)
+    kw = dict(group_size=1, max_new_tokens=12, greedy=True)
+    a, b = engine.generate(PROMPTS, **kw), native.generate(PROMPTS, **kw)
+    for field in ("prompt_ids_BP", "prompt_mask_BP", "response_ids_BT", "response_mask_BT"):
+        assert torch.equal(getattr(a, field), getattr(b, field)), field
+    assert a.lengths_B.tolist() == b.lengths_B.tolist() and a.texts == b.texts
+    # A second stop token, the third token of prompt 0's greedy response: both engines end
+    # that response there, stop token included, and call it finished, not truncated.
+    stop = int(a.response_ids_BT[0, 2])
+    eos = tokenizer.eos_token_id
+    engine.stop_token_ids, native.stop_token_ids = (eos, stop), (eos, stop)
+    try:
+        a, b = engine.generate(PROMPTS, **kw), native.generate(PROMPTS, **kw)
+    finally:
+        engine.stop_token_ids = (eos,)
+    assert int(a.lengths_B[0]) <= 3 and not bool(a.truncated_B[0])
+    assert int(a.response_ids_BT[0, int(a.lengths_B[0]) - 1]) == stop
+    assert torch.equal(a.response_ids_BT, b.response_ids_BT)
+    assert a.truncated_B.tolist() == b.truncated_B.tolist()
+
+
+def test_groups_seeds_and_log_probs(model, tokenizer, engine):
+    G = 4
+    for temperature in (1.0, 0.7):
+        ro = engine.generate(
+            PROMPTS, group_size=G, max_new_tokens=16, temperature=temperature, seed=[5, 6, 7]
+        )
+        assert len(ro.texts) == len(PROMPTS) * G
+        ids_nP = tokenizer(PROMPTS, return_tensors="pt", padding=True)["input_ids"]
+        assert torch.equal(ro.prompt_ids_BP, ids_nP.repeat_interleave(G, dim=0))
+        for b in range(len(ro.texts)):  # a response ends at its first stop token, or at L_max
+            n = int(ro.lengths_B[b])
+            ends = int(ro.response_ids_BT[b, n - 1]) == tokenizer.eos_token_id
+            assert bool(ro.truncated_B[b]) == (not ends) and (ends or n == 16)
+        # The engine's log-probs, after temperature, are a float32 forward pass's to 1e-5.
+        assert forward_gap(model, ro, temperature) < 1e-4
+    # A prompt's G responses come from its own seed, whatever is batched with it.
+    kw = dict(group_size=G, max_new_tokens=16, temperature=0.7)
+    again = engine.generate(PROMPTS[1:], seed=[6, 7], **kw)
+    width = again.response_ids_BT.shape[1]
+    assert torch.equal(again.response_ids_BT, ro.response_ids_BT[G:, :width])
+    other = engine.generate(PROMPTS[1:], seed=[8, 7], **kw)
+    assert not torch.equal(other.response_ids_BT[:G], again.response_ids_BT[:G])
+
+
+def test_after_an_update_only_a_sync_gives_the_new_policy(model, tokenizer, engine):
+    """An optimizer step changes the policy; without a sync the engine samples the old one (the
+    test would fail if the sync were skipped), with it the new one. The long prompt spans
+    several KV-cache blocks, which the prefix cache would otherwise serve from the old
+    weights."""
+    long_prompt = "User: " + " ".join(["12+7=?"] * 60) + "\nAssistant:\n"
+    assert len(tokenizer(long_prompt)["input_ids"]) >= 128
+    prompts = [long_prompt, PROMPTS[0]]
+    engine.generate(prompts, group_size=2, max_new_tokens=8, seed=[1, 2])  # fills the cache
+    new = copy.deepcopy(model).train()
+    optimizer = torch.optim.AdamW(new.parameters(), lr=3e-2)
+    ro = engine.generate(prompts, group_size=2, max_new_tokens=8, seed=[1, 2])
+    tensors = (ro.prompt_ids_BP, ro.prompt_mask_BP, ro.response_ids_BT, ro.response_mask_BT)
+    tensors = [t.clone() for t in tensors]  # the engine's are inference tensors
+    logp_BT, _ = response_logprobs(new, *tensors)
+    (-logp_BT[tensors[3]].mean()).backward()
+    optimizer.step()
+    new.eval()
+    try:
+        stale = engine.generate(prompts, group_size=2, max_new_tokens=8, seed=[1, 2])
+        assert forward_gap(new, stale) > 0.05  # the engine still samples the old weights
+        reset = engine.llm.reset_prefix_cache
+        engine.llm.reset_prefix_cache = lambda: True  # a sync that forgets the prefix cache
+        try:
+            engine.sync_weights(new)
+        finally:
+            engine.llm.reset_prefix_cache = reset
+        cached = engine.generate(prompts, group_size=2, max_new_tokens=8, seed=[1, 2])
+        assert forward_gap(new, cached) > 1e-3  # the long prompt's KV is the old weights'
+        engine.sync_weights(new)
+        assert engine.last_sync_s > 0
+        fresh = engine.generate(prompts, group_size=2, max_new_tokens=8, seed=[1, 2])
+        assert forward_gap(new, fresh) < 1e-4
+    finally:
+        engine.sync_weights(model)
+
+
+def test_a_short_run_with_seq_mis_trains_and_reports_the_mismatch(tmp_path):
+    cmd = [
+        sys.executable, "-m", "dapo", "train", "--quiet",
+        "train.steps=5", "train.prompts_per_step=4", "rollout.group_size=4",
+        "train.responses_per_minibatch=8", "sampling.prompts_per_round=8",
+        "sampling.on_max_rounds=train", "embedded.sft_steps=50", "arith.num_train=100",
+        "arith.num_val=8", "arith.num_warmup=128", "eval.num_samples=2", "eval.every=5",
+        "rollout.engine=vllm", "algo.rollout_correction=seq_mis", "run.threads=1",
+        f"run.out_dir={tmp_path}", "run.name=vllm", f"embedded.cache_dir={tmp_path / 'cache'}",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = tmp_path / "vllm"
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    trained = [m for m in steps if "train/loss" in m]
+    assert len(trained) == 5
+    for m in trained:
+        assert all(math.isfinite(v) for v in m.values() if isinstance(v, float)), m
+        assert 0 <= m["mismatch/abs_log_ratio"] < 1e-3  # float32 on both sides
+        assert m["mismatch/corrected_frac"] == 0.0 and m["perf/weight_sync_s"] > 0
+    (start,) = (tmp_path / "cache").glob("embedded-*/model.safetensors")
+    before, after = load_file(start), load_file(run / "model" / "model.safetensors")
+    assert any(not torch.equal(before[k], after[k]) for k in before)
