@@ -67,6 +67,9 @@ def fit(
         ) from None
     finally:
         state.pool.close()
+        close = getattr(state.engine, "close", None)  # an engine written before close() was
+        if close is not None:
+            close()
 
 
 class _Run:

@@ -142,27 +142,48 @@ def test_after_an_update_only_a_sync_gives_the_new_policy(model, tokenizer, engi
         engine.sync_weights(model)
 
 
-def test_a_short_run_with_seq_mis_trains_and_reports_the_mismatch(tmp_path):
-    cmd = [
-        sys.executable, "-m", "dapo", "train", "--quiet",
-        "train.steps=5", "train.prompts_per_step=4", "rollout.group_size=4",
-        "train.responses_per_minibatch=8", "sampling.prompts_per_round=8",
-        "sampling.on_max_rounds=train", "embedded.sft_steps=50", "arith.num_train=100",
-        "arith.num_val=8", "arith.num_warmup=128", "eval.num_samples=2", "eval.every=5",
-        "rollout.engine=vllm", "algo.rollout_correction=seq_mis", "run.threads=1",
-        f"run.out_dir={tmp_path}", "run.name=vllm", f"embedded.cache_dir={tmp_path / 'cache'}",
-    ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+RUN = [
+    "train.steps=5", "train.prompts_per_step=4", "rollout.group_size=4",
+    "train.responses_per_minibatch=8", "sampling.prompts_per_round=8",
+    "sampling.on_max_rounds=train", "embedded.sft_steps=50", "arith.num_train=100",
+    "arith.num_val=8", "arith.num_warmup=128", "eval.num_samples=2", "eval.every=5",
+    "rollout.engine=vllm", "algo.rollout_correction=seq_mis", "run.threads=1",
+]  # fmt: skip
+
+
+def train(tmp_path: Path, name: str, *launcher: str) -> Path:
+    """The run directory of ``dapo train`` with RUN, under ``launcher`` (e.g. torchrun)."""
+    cmd = [*launcher, "-m", "dapo", "train", "--quiet", *RUN, f"run.out_dir={tmp_path}"]
+    cmd += [f"run.name={name}", f"embedded.cache_dir={tmp_path / 'cache'}"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    run = tmp_path / "vllm"
-    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    trained = [m for m in steps if "train/loss" in m]
+    return tmp_path / name
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_short_run_with_seq_mis_trains_and_reports_the_mismatch(tmp_path):
+    """Five steps train (every metric finite, the weights move); two ranks under torchrun,
+    each with its own engine synced from the gathered weights, draw the same samples and end
+    at the same weights."""
+    one = train(tmp_path, "one", sys.executable)
+    trained = [m for m in metrics(one) if "train/loss" in m]
     assert len(trained) == 5
     for m in trained:
         assert all(math.isfinite(v) for v in m.values() if isinstance(v, float)), m
         assert 0 <= m["mismatch/abs_log_ratio"] < 1e-3  # float32 on both sides
         assert m["mismatch/corrected_frac"] == 0.0 and m["perf/weight_sync_s"] > 0
     (start,) = (tmp_path / "cache").glob("embedded-*/model.safetensors")
-    before, after = load_file(start), load_file(run / "model" / "model.safetensors")
+    before, after = load_file(start), load_file(one / "model" / "model.safetensors")
     assert any(not torch.equal(before[k], after[k]) for k in before)
+
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    two = train(tmp_path, "two", *torchrun, "--nproc-per-node", "2")
+    for a, b in zip(metrics(one), metrics(two), strict=True):
+        drawn = [k for k in a if k.startswith(("rollout/", "sampling/", "val/"))]
+        assert {k: a[k] for k in drawn} == {k: b[k] for k in drawn}
+    ranks = load_file(two / "model" / "model.safetensors")
+    assert max(float((after[k] - ranks[k]).abs().max()) for k in after) < 1e-4

@@ -19,8 +19,12 @@ import torch.distributed as torch_dist
 
 
 def active() -> bool:
-    """Whether this process is in a process group (started by ``torchrun``)."""
-    return torch_dist.is_available() and torch_dist.is_initialized()
+    """Whether this process trains in a process group (started by ``torchrun``, or joined by
+    hand with more than one rank). A group of one that a library made for itself (vLLM in
+    one process) is not one: everything stays a no-op."""
+    if not (torch_dist.is_available() and torch_dist.is_initialized()):
+        return False
+    return launched() or torch_dist.get_world_size() > 1
 
 
 def launched() -> bool:

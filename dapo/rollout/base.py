@@ -93,6 +93,11 @@ class Engine(Protocol):
         """Make the next ``generate`` sample from ``model``'s current weights."""
         ...
 
+    def close(self) -> None:
+        """Release what the engine holds (an inference server's memory and processes); it
+        generates no more after this."""
+        ...
+
 
 class LiveModelEngine:
     """An engine that samples from the trainer's own module, as the native and hf engines do:
@@ -116,6 +121,9 @@ class LiveModelEngine:
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Nothing to copy: generation runs the trainer's own module."""
+
+    def close(self) -> None:
+        """Nothing to release: the module is the trainer's."""
 
 
 def encode_prompts(tokenizer: Any, prompts: list[str], device: torch.device):

@@ -157,6 +157,14 @@ class VLLMEngine:
             self.llm = vllm.LLM(**kwargs)
         self.sync_weights(model)
 
+    def close(self) -> None:
+        """Shut vLLM down while the process group is still there: its teardown destroys its
+        own groups and the default one (under torchrun, the trainer's, which is done with it:
+        the run calls this last). Left to exit time, it would find that group gone."""
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Load ``model``'s current weights into the engine (in the compute dtype, one tensor at
         a time) and drop the prefix cache, which holds KV entries of the old weights."""
