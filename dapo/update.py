@@ -14,6 +14,7 @@ import time
 from typing import TYPE_CHECKING
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from dapo import algo, dist
 from dapo.batch import (
@@ -132,14 +133,13 @@ def set_loss_weights(state: TrainState, episodes: list[Episode]) -> dict[str, fl
     sums: dict[str, float] = {}
     for start in range(0, len(episodes), CORRECTION_CHUNK):
         chunk = episodes[start : start + CORRECTION_CHUNK]
-        b = collate(chunk, pad_id=state.tokenizer.pad_token_id)
-        rollout_BT = torch.zeros_like(b.old_logprobs_BT)
-        for row, e in enumerate(chunk):
-            rollout_BT[row, : e.length] = e.sampler_logprobs
+        old_BT = pad_sequence([e.old_logprobs for e in chunk], batch_first=True)
+        rollout_BT = pad_sequence([e.sampler_logprobs for e in chunk], batch_first=True)
+        lengths_B = torch.tensor([e.length for e in chunk])
         weights_BT, stats = algo.rollout_correction(
-            b.old_logprobs_BT,
+            old_BT,
             rollout_BT,
-            b.response_mask_BT,
+            torch.arange(old_BT.shape[1]) < lengths_B[:, None],
             mode=mode,
             threshold=cfg.algo.rollout_correction_threshold,
         )
