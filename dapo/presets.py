@@ -4,7 +4,8 @@ Two kinds, applied in this order by :func:`dapo.config.load_config`:
 
 - a base scale (``run.base``): ``paper`` (the dataclass defaults, the paper's Qwen2.5-32B
   setup) or ``demo`` (the embedded CPU task, minutes);
-- an algorithm (``run.preset``): ``dapo`` or ``grpo``, the spec's naive baseline.
+- an algorithm (``run.preset``): ``dapo``, ``grpo`` (the spec's naive baseline), or one of
+  DAPO's successors, ``dr_grpo``, ``gspo`` and ``cispo``.
 
 Each returns the config it was given, so ``demo(Config())`` reads naturally.
 """
@@ -56,8 +57,10 @@ def demo(cfg: Config) -> Config:
 def dapo(cfg: Config) -> Config:
     """DAPO: Clip-Higher, token-level loss, soft overlong punishment, dynamic sampling, no KL."""
     cfg.run.preset = "dapo"
-    cfg.algo.eps_high = type(cfg.algo)().eps_high  # the field's default, the paper's 0.28
+    defaults = type(cfg.algo)()  # the fields' defaults: the paper's
+    cfg.algo.eps_low, cfg.algo.eps_high = defaults.eps_low, defaults.eps_high
     cfg.algo.loss_agg = "token-mean"
+    cfg.algo.adv_norm, cfg.algo.ratio_level, cfg.algo.loss_fn = "group", "token", "clip"
     cfg.algo.kl_coef = 0.0
     cfg.algo.overlong_shaping = True
     cfg.algo.overlong_filter = False
@@ -78,5 +81,47 @@ def grpo(cfg: Config) -> Config:
     return cfg
 
 
+# DAPO's successors: each is DAPO (dynamic sampling, soft overlong punishment, no KL) with
+# its one change to the objective, so that a comparison isolates that change.
+
+
+def dr_grpo(cfg: Config) -> Config:
+    """Dr. GRPO (Liu et al., 2025): no std normalisation of the advantage, and each response's
+    loss summed and divided by the constant L_max instead of its own length."""
+    dapo(cfg)
+    cfg.run.preset = "dr_grpo"
+    cfg.algo.adv_norm = "none"
+    cfg.algo.loss_agg = "seq-mean-token-sum-norm"
+    return cfg
+
+
+def gspo(cfg: Config) -> Config:
+    """GSPO (Zheng et al., 2025): the length-normalised sequence-level ratio, clipped at
+    3e-4 / 4e-4, averaged over responses."""
+    dapo(cfg)
+    cfg.run.preset = "gspo"
+    cfg.algo.ratio_level = "sequence"
+    cfg.algo.eps_low, cfg.algo.eps_high = 3e-4, 4e-4
+    cfg.algo.loss_agg = "seq-mean-token-mean"
+    return cfg
+
+
+def cispo(cfg: Config) -> Config:
+    """CISPO (MiniMax-M1, 2025): the clipped ratio as a stop-gradient weight on log pi, so no
+    token's gradient is dropped; no lower bound (eps_low = 1), DAPO's eps_high 0.28 kept as the
+    upper one, token-level mean."""
+    dapo(cfg)
+    cfg.run.preset = "cispo"
+    cfg.algo.loss_fn = "cispo"
+    cfg.algo.eps_low = 1.0
+    return cfg
+
+
 BASES: dict[str, Callable[[Config], Config]] = {"paper": paper, "demo": demo}
-ALGORITHMS: dict[str, Callable[[Config], Config]] = {"dapo": dapo, "grpo": grpo}
+ALGORITHMS: dict[str, Callable[[Config], Config]] = {
+    "dapo": dapo,
+    "grpo": grpo,
+    "dr_grpo": dr_grpo,
+    "gspo": gspo,
+    "cispo": cispo,
+}

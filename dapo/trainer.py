@@ -275,12 +275,13 @@ def _warn_faults(state: TrainState, graded: GradeResult) -> None:
 # ----------------------------------------------------------------------------- 3. advantages
 
 
-def assign_advantages(groups: Sequence[Group], *, eps: float) -> None:
-    """Â_i = (R_i - mean(R_group)) / (std(R_group) + eps), the same for every token of o_i."""
+def assign_advantages(groups: Sequence[Group], *, eps: float, norm: str = "group") -> None:
+    """Â_i = (R_i - mean(R_group)) / (std(R_group) + eps), the same for every token of o_i
+    (``norm``: the group's std, the batch's, or none; ``algo.adv_norm``)."""
     if not groups:
         return
     scores_nG = torch.tensor([[e.reward for e in g.episodes] for g in groups], dtype=torch.float64)
-    adv_nG = algo.group_advantages(scores_nG, eps=eps)
+    adv_nG = algo.group_advantages(scores_nG, eps=eps, norm=norm)
     for g, row in zip(groups, adv_nG.tolist(), strict=True):
         for e, a in zip(g.episodes, row, strict=True):
             e.advantage = a
@@ -333,7 +334,7 @@ def train_step(state: TrainState) -> dict[str, float]:
     state.sampling_prior = (result.groups_mixed, result.prompts_drawn)
     t_gen = time.perf_counter() - t0
 
-    assign_advantages(result.groups, eps=cfg.algo.adv_eps)
+    assign_advantages(result.groups, eps=cfg.algo.adv_eps, norm=cfg.algo.adv_norm)
     episodes = [e for g in result.groups for e in g.episodes]
     t1 = time.perf_counter()
     state.on_phase("train")

@@ -294,7 +294,13 @@ def accumulate_gradients(
     """
     cfg, model = state.cfg, state.model
     device = next(model.parameters()).device
-    denominator = num_seqs if cfg.algo.loss_agg == "seq-mean-token-mean" else num_tokens
+    denominator = num_tokens if cfg.algo.loss_agg == "token-mean" else num_seqs
+    divisors = dict(
+        agg=cfg.algo.loss_agg,
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+        norm_len=cfg.rollout.max_new_tokens,
+    )
     sums: dict[str, float] = {}
     # A sum over the mini-batch does not depend on the order: rows of similar length (and a
     # group's rows) go together, for less padding and more shared prompts.
@@ -321,19 +327,13 @@ def accumulate_gradients(
             eps_high=cfg.algo.eps_high,
             clip_ratio_c=cfg.algo.clip_ratio_c,
             weights=b.loss_weights_BT,
-            agg=cfg.algo.loss_agg,
-            num_tokens=num_tokens,
-            num_seqs=num_seqs,
+            ratio_level=cfg.algo.ratio_level,
+            loss_fn=cfg.algo.loss_fn,
             return_stats=True,
+            **divisors,
         )
         if state.ref_model is not None:
-            kl = algo.aggregate(
-                algo.kl_k3(logp_BT, b.ref_logprobs_BT),
-                b.loss_mask_BT,
-                agg=cfg.algo.loss_agg,
-                num_tokens=num_tokens,
-                num_seqs=num_seqs,
-            )
+            kl = algo.aggregate(algo.kl_k3(logp_BT, b.ref_logprobs_BT), b.loss_mask_BT, **divisors)
             loss = loss + cfg.algo.kl_coef * kl
             accumulate(sums, "kl_sum", float(kl.detach()) * denominator)
         (state.scaler.scale(loss) if state.scaler is not None else loss).backward()

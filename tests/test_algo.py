@@ -246,7 +246,8 @@ def test_masked_garbage_gives_finite_loss_and_zero_grad():
     bad_old[1, 2] = -math.inf  # -inf - -inf = NaN at the masked position
     bad_adv_BT = adv[:, None].expand(2, 3).clone()
     bad_adv_BT[1, 2] = math.nan
-    for agg in AGG_MODES:
+    variants = [(a, r, f) for a in AGG_MODES for r in algo.RATIO_LEVELS for f in algo.LOSS_FNS]
+    for agg, ratio_level, loss_fn in variants:
         leaf = bad_new.clone().requires_grad_()
         loss, stats = policy_loss(
             leaf,
@@ -255,7 +256,10 @@ def test_masked_garbage_gives_finite_loss_and_zero_grad():
             mask,
             eps_low=EPS_LOW,
             eps_high=EPS_HIGH,
+            ratio_level=ratio_level,
+            loss_fn=loss_fn,
             agg=agg,
+            norm_len=3,
             return_stats=True,
         )
         loss.backward()
@@ -263,7 +267,7 @@ def test_masked_garbage_gives_finite_loss_and_zero_grad():
         assert torch.isfinite(leaf.grad).all()
         assert leaf.grad[1, 2].item() == 0.0
         assert all(torch.isfinite(v) for v in stats.values())
-        if agg == "token-mean":
+        if (agg, ratio_level, loss_fn) == ("token-mean", "token", "clip"):
             torch.testing.assert_close(loss, ref.detach())
 
 
@@ -414,7 +418,7 @@ def test_aggregate_all_masked_is_zero_not_nan():
     values = torch.randn(2, 3, dtype=F64, requires_grad=True)
     mask = torch.zeros(2, 3, dtype=torch.bool)
     for agg in AGG_MODES:
-        out = aggregate(values, mask, agg=agg)
+        out = aggregate(values, mask, agg=agg, norm_len=3)
         assert out.item() == 0.0
         (grad,) = torch.autograd.grad(out, values)
         assert torch.equal(grad, torch.zeros_like(grad))

@@ -81,7 +81,8 @@ def test_yaml_file_starts_from_paper_by_default(tmp_path):
         ("algo.eps_high=0.1", "algo.eps_high must be >= algo.eps_low"),
         (
             "algo.loss_agg=mean",
-            "algo.loss_agg must be one of ('token-mean', 'seq-mean-token-mean')",
+            "algo.loss_agg must be one of ('token-mean', 'seq-mean-token-mean', "
+            "'seq-mean-token-sum-norm')",
         ),
         ("sampling.on_max_rounds=skip", "sampling.on_max_rounds must be one of ('error', 'train')"),
         ("rollout.group_size=1", "rollout.group_size must be >= 2"),
@@ -216,6 +217,9 @@ def test_every_choice_is_declared_once_on_its_field():
 
     assert choices(AlgoConfig, "loss_agg") == algo.AGG_MODES
     assert choices(AlgoConfig, "rollout_correction") == ("auto", *algo.CORRECTION_MODES)
+    assert choices(AlgoConfig, "adv_norm") == algo.ADV_NORMS
+    assert choices(AlgoConfig, "ratio_level") == algo.RATIO_LEVELS
+    assert choices(AlgoConfig, "loss_fn") == algo.LOSS_FNS
     assert choices(RolloutConfig, "engine") == tuple(ENGINES)
     assert choices(ModelConfig, "param_dtype") == tuple(DTYPES)
     assert choices(ModelConfig, "compute_dtype") == tuple(DTYPES)
@@ -228,3 +232,35 @@ def test_a_run_saved_by_the_previous_release_is_recognised(tmp_path):
     new = tmp_path / "config.yaml"
     new.write_text(dump_yaml(load_config(OLD_CONFIG)))
     assert not saved_before_keys_moved(new)
+
+
+@pytest.mark.parametrize(
+    ("preset", "fields"),
+    [
+        (
+            "dapo",
+            dict(adv_norm="group", ratio_level="token", loss_fn="clip", loss_agg="token-mean"),
+        ),
+        ("dr_grpo", dict(adv_norm="none", loss_agg="seq-mean-token-sum-norm", eps_high=0.28)),
+        (
+            "gspo",
+            dict(
+                ratio_level="sequence", eps_low=3e-4, eps_high=4e-4, loss_agg="seq-mean-token-mean"
+            ),
+        ),
+        ("cispo", dict(loss_fn="cispo", eps_low=1.0, eps_high=0.28, loss_agg="token-mean")),
+    ],
+)
+def test_successor_presets_are_dapo_with_their_one_change(preset, fields):
+    cfg = load_config(None, [f"run.preset={preset}"])
+    assert {k: getattr(cfg.algo, k) for k in fields} == fields
+    assert cfg.sampling.dynamic and cfg.algo.overlong_shaping and cfg.algo.kl_coef == 0
+    assert cfg.run.preset == preset
+
+
+def test_cispo_allows_eps_low_above_eps_high_but_not_dual_clip():
+    load_config(None, ["run.preset=cispo"])
+    with pytest.raises(ValueError, match="algo.eps_high must be >= algo.eps_low"):
+        load_config(None, ["algo.eps_low=0.5", "algo.eps_high=0.3"])
+    with pytest.raises(ValueError, match="does not apply to algo.loss_fn=cispo"):
+        load_config(None, ["run.preset=cispo", "algo.clip_ratio_c=3"])

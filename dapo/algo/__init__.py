@@ -3,9 +3,13 @@
 Every technique lives here once (Yu et al., 2025, arXiv 2503.14476; see the spec):
 
 - group-relative advantage (GRPO, DAPO §2.2)          -> ``groups.group_advantages``
+  (and its batch-std and Dr. GRPO no-std variants: ``norm``)
 - dynamic sampling filter 0 < #correct < G (§3.2)     -> ``groups.mixed_groups``
 - Clip-Higher, decoupled eps_low / eps_high (§3.1)    -> ``losses.policy_loss``
 - token-level policy-gradient loss (§3.3)             -> ``losses.aggregate`` / ``policy_loss``
+  (and Dr. GRPO's constant normaliser, ``seq-mean-token-sum-norm``)
+- GSPO's sequence-level ratio, CISPO's clipped weight -> ``losses.policy_loss``
+  (``ratio_level``, ``loss_fn``)
 - soft overlong punishment (§3.4)                     -> ``shaping.overlong_penalty``
 - overlong filtering, hard -1 baseline (ablation)     -> ``shaping.shape_rewards``
 - rollout correction (TIS / MIS) of an engine's log-probs -> ``correction.rollout_correction``
@@ -31,7 +35,7 @@ marks a broadcast dimension (``adv_B1``).
 """
 
 from dapo.algo.correction import CORRECTION_MODES, rollout_correction
-from dapo.algo.groups import group_advantages, mixed_groups
+from dapo.algo.groups import ADV_NORMS, group_advantages, mixed_groups
 from dapo.algo.logits import (
     entropy_from_logits,
     max_abs_gap,
@@ -39,12 +43,15 @@ from dapo.algo.logits import (
     token_logprobs_from_logits,
     token_sums,
 )
-from dapo.algo.losses import AGG_MODES, aggregate, kl_k3, policy_loss
+from dapo.algo.losses import AGG_MODES, LOSS_FNS, RATIO_LEVELS, aggregate, kl_k3, policy_loss
 from dapo.algo.shaping import overlong_penalty, shape_rewards
 
 __all__ = [
+    "ADV_NORMS",
     "AGG_MODES",
     "CORRECTION_MODES",
+    "LOSS_FNS",
+    "RATIO_LEVELS",
     "aggregate",
     "entropy_from_logits",
     "group_advantages",

@@ -8,8 +8,13 @@ import torch
 
 from dapo.algo.logits import stats_dtype
 
-AGG_MODES = ("token-mean", "seq-mean-token-mean")
-"""Loss aggregations: DAPO's token-level mean (§3.3) and GRPO's sample-level mean."""
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+"""Loss aggregations: DAPO's token-level mean (§3.3), GRPO's sample-level mean, and Dr. GRPO's
+sum over each response divided by a constant (the generation budget L_max)."""
+RATIO_LEVELS = ("token", "sequence")
+"""The importance ratio per token (PPO, GRPO, DAPO) or per response (GSPO)."""
+LOSS_FNS = ("clip", "cispo")
+"""The clipped surrogate (PPO, DAPO) or CISPO's clipped, stop-gradient weight on log pi."""
 
 # exp() of a log-ratio beyond +-20 (a ratio of ~5e8 or ~2e-9) only happens on a
 # pathological policy step; clamping keeps exp() and its backward finite, as verl does.
@@ -26,6 +31,7 @@ def aggregate(
     agg: str = "token-mean",
     num_tokens: int | float | torch.Tensor | None = None,
     num_seqs: int | float | torch.Tensor | None = None,
+    norm_len: int | float | None = None,
 ) -> torch.Tensor:
     """Reduce per-token values ``[B, T]`` to a scalar loss over the masked tokens.
 
@@ -46,6 +52,12 @@ def aggregate(
 
         L = Σ_i ( Σ_t mask_{i,t} · v_{i,t} / Σ_t mask_{i,t} ) / num_seqs
 
+    ``agg="seq-mean-token-sum-norm"`` (Dr. GRPO, Liu et al. 2025: no length bias):
+
+        L = Σ_i ( Σ_t mask_{i,t} · v_{i,t} / norm_len ) / num_seqs
+
+    with ``norm_len`` a constant (the generation budget L_max), the same for every response.
+
     A sequence with no masked token contributes 0 (not NaN). ``num_seqs``
     defaults to B, this batch's number of rows, fully masked rows included (the
     plain mean over responses); pass the whole mini-batch's B for exact
@@ -61,7 +73,8 @@ def aggregate(
         mask: bool ``[B, T]``, True where a response token counts.
         agg: one of ``AGG_MODES``.
         num_tokens: token-mean divisor; a positive number or a (0-d) tensor.
-        num_seqs: seq-mean-token-mean divisor; a positive number or a (0-d) tensor.
+        num_seqs: the seq-mean divisor; a positive number or a (0-d) tensor.
+        norm_len: seq-mean-token-sum-norm's constant per-response divisor; > 0, required there.
 
     Returns:
         0-d tensor.
@@ -87,10 +100,14 @@ def aggregate(
         # DAPO §3.3: divide by Σ|o_i| of the whole mini-batch, not of this micro-batch.
         return masked_BT.sum() / num_tokens
 
-    num_tokens_B = mask.sum(dim=-1)
-    seq_mean_B = masked_BT.sum(dim=-1) / num_tokens_B.clamp(min=1)
     if num_seqs is None:
         num_seqs = max(values.shape[0], 1)
+    if agg == "seq-mean-token-sum-norm":
+        if norm_len is None or not norm_len > 0:
+            raise ValueError(f"agg={agg!r} needs norm_len > 0 (L_max), got {norm_len}")
+        return (masked_BT.sum(dim=-1) / norm_len).sum() / num_seqs
+    num_tokens_B = mask.sum(dim=-1)
+    seq_mean_B = masked_BT.sum(dim=-1) / num_tokens_B.clamp(min=1)
     return seq_mean_B.sum() / num_seqs
 
 
@@ -104,9 +121,12 @@ def policy_loss(
     eps_high: float,
     clip_ratio_c: float = 0.0,
     weights: torch.Tensor | None = None,
+    ratio_level: str = "token",
+    loss_fn: str = "clip",
     agg: str = "token-mean",
     num_tokens: int | float | torch.Tensor | None = None,
     num_seqs: int | float | torch.Tensor | None = None,
+    norm_len: int | float | None = None,
     return_stats: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped policy-gradient loss -J_DAPO (DAPO §3.1 and §3.3, spec "The objective").
@@ -136,6 +156,22 @@ def policy_loss(
 
         loss_{i,t} = -w_{i,t} J_{i,t}
 
+    GSPO (``ratio_level="sequence"``, Zheng et al. 2025) replaces each token's log-ratio by its
+    response's mean, length-normalised, so that the clip keeps or drops whole responses:
+
+        log s_i = (1/|o_i|) Σ_t (logp_{i,t} - old_logp_{i,t}),
+        log r_{i,t} = sg(log s_i) + logp_{i,t} - sg(logp_{i,t})   (GSPO-token: value s_i)
+
+    whose gradient is s_i ∇logp_{i,t} on every token of o_i; its paper clips at 3e-4 / 4e-4.
+
+    CISPO (``loss_fn="cispo"``, MiniMax-M1 2025) never drops a token's gradient: the clipped
+    ratio becomes a stop-gradient weight on the log-probability,
+
+        J_{i,t} = sg(clip(r_{i,t}, 1 - eps_low, 1 + eps_high)) Â_{i,t} logp_{i,t}
+
+    (its paper sets no lower bound: ``eps_low = 1``). Where no clip is active, its gradient is
+    the clipped surrogate's: r Â ∇logp. Dual-clip does not apply to it.
+
     Positions where ``mask`` is False never count and are excluded with
     ``torch.where`` before ``exp``, so -inf or garbage log-probabilities there give
     a finite loss and a zero (not NaN) gradient. The log-ratio is clamped to
@@ -150,7 +186,9 @@ def policy_loss(
         eps_high: upper clip range, ratio <= 1 + eps_high; >= 0.
         clip_ratio_c: the dual-clip bound c for negative advantages; 0 (off) or > 1.
         weights: per-token loss weights ``[B, T]`` (no gradient), or None (all 1).
-        agg, num_tokens, num_seqs: see ``aggregate``.
+        ratio_level: one of ``RATIO_LEVELS``.
+        loss_fn: one of ``LOSS_FNS``.
+        agg, num_tokens, num_seqs, norm_len: see ``aggregate``.
         return_stats: also return diagnostics.
 
     Returns:
@@ -165,15 +203,21 @@ def policy_loss(
         ``clip_high_prob_mean`` by ``num_clip_high``.
     """
     adv_BT = _checked(logprobs, old_logprobs, advantages, mask, eps_low, eps_high, clip_ratio_c)
-    # where() first, so exp() never sees -inf - -inf = NaN at padding and no NaN can
-    # flow back through the unselected branch.
-    log_ratio_BT = torch.where(mask, logprobs - old_logprobs, torch.zeros_like(logprobs))
-    log_ratio_BT = log_ratio_BT.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio_BT = torch.exp(log_ratio_BT)
+    if ratio_level not in RATIO_LEVELS or loss_fn not in LOSS_FNS:
+        raise ValueError(
+            f"ratio_level must be one of {RATIO_LEVELS} and loss_fn one of {LOSS_FNS}, got "
+            f"{ratio_level!r} and {loss_fn!r}"
+        )
+    zero_BT = torch.zeros_like(logprobs)
+    ratio_BT = torch.exp(_log_ratio(logprobs, old_logprobs, mask, ratio_level))
     clipped_ratio_BT = ratio_BT.clamp(1.0 - eps_low, 1.0 + eps_high)
-    objective_BT = torch.minimum(ratio_BT * adv_BT, clipped_ratio_BT * adv_BT)
+    if loss_fn == "cispo":
+        logp_BT = torch.where(mask, logprobs, zero_BT)
+        objective_BT = clipped_ratio_BT.detach() * adv_BT * logp_BT
+    else:
+        objective_BT = torch.minimum(ratio_BT * adv_BT, clipped_ratio_BT * adv_BT)
     dual_BT = None
-    if clip_ratio_c > 0:
+    if clip_ratio_c > 0 and loss_fn == "clip":
         dual_BT = (adv_BT < 0) & (objective_BT < clip_ratio_c * adv_BT)
         objective_BT = torch.where(dual_BT, clip_ratio_c * adv_BT, objective_BT)
     if weights is not None:
@@ -182,7 +226,9 @@ def policy_loss(
                 f"weights must be [B, T] = {tuple(mask.shape)}, got {tuple(weights.shape)}"
             )
         objective_BT = objective_BT * weights.detach()
-    loss = aggregate(-objective_BT, mask, agg=agg, num_tokens=num_tokens, num_seqs=num_seqs)
+    loss = aggregate(
+        -objective_BT, mask, agg=agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len
+    )
     if not return_stats:
         return loss
 
@@ -191,6 +237,20 @@ def policy_loss(
     num_dual = (mask & dual_BT).sum() if dual_BT is not None else mask.new_zeros(())
     stats["dual_clip_frac"] = num_dual.to(dtype) / stats["num_tokens"].clamp(min=1)
     return loss, stats
+
+
+def _log_ratio(logprobs, old_logprobs, mask, ratio_level: str) -> torch.Tensor:
+    """log r per token, or GSPO's sg(log s_i) + logp - sg(logp); 0 at padding, clamped."""
+    # where() first, so exp() never sees -inf - -inf = NaN at padding and no NaN can
+    # flow back through the unselected branch.
+    zero_BT = torch.zeros_like(logprobs)
+    log_ratio_BT = torch.where(mask, logprobs - old_logprobs, zero_BT)
+    if ratio_level == "sequence":
+        lengths_B1 = mask.sum(dim=-1, keepdim=True).clamp(min=1)
+        seq_B1 = log_ratio_BT.sum(dim=-1, keepdim=True) / lengths_B1
+        logp_BT = torch.where(mask, logprobs, zero_BT)
+        log_ratio_BT = torch.where(mask, seq_B1.detach() + logp_BT - logp_BT.detach(), zero_BT)
+    return log_ratio_BT.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
 def _checked(logprobs, old_logprobs, advantages, mask, eps_low, eps_high, clip_ratio_c):

@@ -189,7 +189,8 @@ class RunConfig:
     name: str = ""
     """Run directory name; empty = <preset>-<timestamp>."""
     preset: str = "dapo"
-    """Algorithm preset applied before the YAML file and overrides: dapo or grpo."""
+    """Algorithm preset applied before the YAML file and overrides: dapo, grpo, or one of
+    DAPO's successors, dr_grpo, gspo and cispo (`dapo/presets.py`)."""
     base: str = "paper"
     """Scale the config started from: paper or demo."""
     threads: int = 0

@@ -70,8 +70,17 @@ class AlgoConfig:
     clip_ratio_c: float = 0.0
     """Dual-clip bound c: a token with a negative advantage loses at most -c A (0 = off, the
     paper's text; the reference's DAPO recipes set 10)."""
-    loss_agg: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
-    """token-mean (DAPO token-level loss) or seq-mean-token-mean (GRPO sample-level loss)."""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """token-mean (DAPO token-level loss), seq-mean-token-mean (GRPO sample-level loss) or
+    seq-mean-token-sum-norm (Dr. GRPO: each response's sum over rollout.max_new_tokens)."""
+    adv_norm: Literal["group", "batch", "none"] = "group"
+    """The advantage's divisor: its group's reward std (GRPO, DAPO), the whole batch's, or
+    none (Dr. GRPO)."""
+    ratio_level: Literal["token", "sequence"] = "token"
+    """The importance ratio per token (DAPO) or per response, length-normalised (GSPO)."""
+    loss_fn: Literal["clip", "cispo"] = "clip"
+    """The clipped surrogate (DAPO) or CISPO's clipped stop-gradient weight on log pi (its
+    eps_low = 1 sets no lower bound)."""
     kl_coef: float = 0.0
     """beta of the k3 KL penalty to a frozen reference model (DAPO: 0, no reference model)."""
     overlong_shaping: bool = True
@@ -99,10 +108,12 @@ class AlgoConfig:
         errors = []
         if self.eps_low < 0:
             errors.append(f"algo.eps_low must be >= 0, got {self.eps_low}")
-        if self.eps_high < self.eps_low:
+        if self.eps_high < self.eps_low and self.loss_fn == "clip":
             errors.append(f"algo.eps_high must be >= algo.eps_low, got {self.eps_high}")
         if self.clip_ratio_c != 0 and not self.clip_ratio_c > 1:
             errors.append(f"algo.clip_ratio_c must be 0 (off) or > 1, got {self.clip_ratio_c}")
+        if self.clip_ratio_c and self.loss_fn == "cispo":
+            errors.append("algo.clip_ratio_c (dual-clip) does not apply to algo.loss_fn=cispo")
         if self.kl_coef < 0:
             errors.append(f"algo.kl_coef must be >= 0, got {self.kl_coef}")
         if self.overlong_factor < 0:
