@@ -2,6 +2,7 @@
 the field or path and the fix, and nothing that dapo did not write is ever deleted."""
 
 import errno
+import importlib.util
 import shutil
 from collections import namedtuple
 
@@ -88,6 +89,17 @@ def test_unwritable_run_directory_is_refused(tmp_path, capsys, monkeypatch):
 def test_missing_model_directory_is_refused_before_loading(tmp_path, capsys):
     assert _train(tmp_path, f"model.path={tmp_path / 'nope'}") == 2
     assert "is not a Hugging Face model directory (no config.json)" in _error(capsys)
+
+
+def test_the_vllm_engine_without_vllm_is_refused_before_loading(tmp_path, capsys, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a)
+    )
+    assert _train(tmp_path, "rollout.engine=vllm") == 2
+    assert "rollout.engine=vllm needs vLLM (Python >= 3.11): pip install 'dapo-rl[vllm]'" in (
+        _error(capsys)
+    )
 
 
 def _a_run_with_a_checkpoint(tmp_path):

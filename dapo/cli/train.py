@@ -156,11 +156,14 @@ def _train(args: argparse.Namespace, cfg: Config, run_dir: Path | None, resume: 
     policy.device(cfg.model.device)  # raises now if CUDA is asked for and absent
     if cfg.model.path != "embedded":
         policy.check_model_path(cfg)
-    if cfg.run.wandb:
-        import importlib.util
+    import importlib.util
 
-        if importlib.util.find_spec("wandb") is None:
-            raise ValueError("run.wandb=true needs the wandb package: pip install wandb")
+    if cfg.run.wandb and importlib.util.find_spec("wandb") is None:
+        raise ValueError("run.wandb=true needs the wandb package: pip install wandb")
+    if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        from dapo.rollout.vllm_engine import INSTALL_HINT
+
+        raise ValueError(INSTALL_HINT)
     data = inputs.load_run_data(cfg)
     if cfg.eval.num_samples == 0:
         cfg.eval.num_samples = data.val_copies
