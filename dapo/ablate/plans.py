@@ -1,0 +1,130 @@
+"""The plans of ``dapo ablate``: rows of config overrides, one row per configuration.
+
+Pure and torch-free: a plan expands, and is tested, without running anything.
+
+- ``table1``: the spec's cumulative chain (DAPO Table 1), from naive GRPO to DAPO, each row
+  the previous one plus one technique. Two choices the table leaves open: soft overlong
+  punishment replaces overlong filtering (DAPO keeps only the punishment), and the last row
+  also drops the KL penalty, so that it is exactly the ``dapo`` preset.
+- ``eps-high``: DAPO with epsilon_high in {0.20, 0.24, 0.28, 0.32, 0.36}, against 0.28.
+- ``2x2``: clip-higher x dynamic sampling, everything else DAPO, against both on.
+- ``successors``: DAPO, Dr. GRPO, GSPO and CISPO (their presets), against DAPO.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Row:
+    """One configuration of a plan."""
+
+    name: str
+    overrides: tuple[str, ...]
+    """``section.field=value`` overrides that make it, applied on the command's own."""
+    compare_to: str | None = None
+    """The row its paired difference is taken against (None: none)."""
+
+
+def table1() -> list[Row]:
+    chain = [
+        ("naive GRPO", ["run.preset=grpo"]),
+        ("+ overlong filtering", ["algo.overlong_filter=true"]),
+        ("+ clip-higher", ["algo.eps_high=0.28"]),
+        (
+            "+ soft overlong punishment",
+            ["algo.overlong_filter=false", "algo.overlong_shaping=true"],
+        ),
+        ("+ token-level loss", ["algo.loss_agg=token-mean"]),
+        ("+ dynamic sampling (= DAPO)", ["sampling.dynamic=true", "algo.kl_coef=0.0"]),
+    ]
+    rows: list[Row] = []
+    overrides: list[str] = []
+    for name, extra in chain:
+        overrides = overrides + extra
+        rows.append(Row(name, tuple(overrides), rows[-1].name if rows else None))
+    return rows
+
+
+def eps_high() -> list[Row]:
+    values = ("0.20", "0.24", "0.28", "0.32", "0.36")
+    return [
+        Row(f"eps_high={v}", ("run.preset=dapo", f"algo.eps_high={v}"), "eps_high=0.28")
+        for v in values
+    ]
+
+
+def two_by_two() -> list[Row]:
+    rows = []
+    for clip in (False, True):
+        for dynamic in (False, True):
+            on_off = ("on" if clip else "off", "on" if dynamic else "off")
+            name = "clip-higher {}, dynamic sampling {}".format(*on_off)
+            overrides = ["run.preset=dapo", f"sampling.dynamic={str(dynamic).lower()}"]
+            if not clip:
+                overrides.append("algo.eps_high=0.2")
+            rows.append(Row(name, tuple(overrides)))
+    best = rows[-1].name
+    return [Row(r.name, r.overrides, None if r.name == best else best) for r in rows]
+
+
+def successors() -> list[Row]:
+    names = {"dapo": "DAPO", "dr_grpo": "Dr. GRPO", "gspo": "GSPO", "cispo": "CISPO"}
+    return [
+        Row(label, (f"run.preset={preset}",), None if preset == "dapo" else "DAPO")
+        for preset, label in names.items()
+    ]
+
+
+PLANS = {"table1": table1, "eps-high": eps_high, "2x2": two_by_two, "successors": successors}
+
+
+@dataclass(frozen=True)
+class Job:
+    """One run of an ablation: a row at one seed."""
+
+    row: Row
+    seed: int
+    name: str
+    """Its run directory's name under the ablation's directory."""
+    overrides: tuple[str, ...]
+
+
+def slug(name: str) -> str:
+    """A row name as a directory name: ``+ clip-higher`` -> ``clip-higher``."""
+    kept = "".join(c if c.isalnum() or c in ".-" else "-" for c in name.lower())
+    return "-".join(part for part in kept.split("-") if part)
+
+
+def parse_budget(budget: str | None) -> tuple[str, ...]:
+    """``steps=N`` as overrides (None: the config's own ``train.steps``)."""
+    if budget is None:
+        return ()
+    kind, _, value = budget.partition("=")
+    if kind != "steps" or not value.isdigit() or int(value) < 1:
+        raise ValueError(
+            f"--budget {budget!r}: give steps=N with N >= 1 (budgets in generated tokens or "
+            "seconds are not supported yet)"
+        )
+    return (f"train.steps={int(value)}",)
+
+
+def expand(plan: str, *, seeds: int, budget: str | None = None, extra: tuple[str, ...] = ()):
+    """Every (row, seed) of ``plan`` as a :class:`Job`: the row's overrides, then the budget,
+    then the seed (``train.seed``), then ``extra`` (the command's own overrides, last)."""
+    if plan not in PLANS:
+        raise ValueError(f"--plan {plan!r}: choose one of {', '.join(PLANS)}")
+    if seeds < 1:
+        raise ValueError(f"--seeds must be >= 1, got {seeds}")
+    limit = parse_budget(budget)
+    return [
+        Job(
+            row,
+            seed,
+            f"{slug(row.name)}-seed{seed}",
+            (*row.overrides, *limit, f"train.seed={seed}", *extra),
+        )
+        for row in PLANS[plan]()
+        for seed in range(seeds)
+    ]

@@ -1,0 +1,95 @@
+"""Running an ablation: each job a ``dapo train`` process writing its own run directory under
+the ablation's, K at a time, with the machine's cores split between them.
+
+Resumable: a job whose run directory holds a ``summary.json`` for its step count is done and
+skipped; one that stopped after a checkpoint is resumed from it (``dapo train --resume``);
+anything else starts over (``--overwrite``). Each job's output goes to ``<name>.log`` beside
+its run directory, so a failed one can be read; the others go on, and the command fails at the
+end naming them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TextIO
+
+from dapo.ablate.plans import Job
+
+
+def state(run_dir: Path, steps: int | None) -> str:
+    """``done`` (summary.json, for ``steps`` when known), ``resume`` (a checkpoint) or ``new``."""
+    summary = run_dir / "summary.json"
+    if summary.is_file():
+        done_steps = json.loads(summary.read_text()).get("steps")
+        if steps is None or done_steps == steps:
+            return "done"
+    if (run_dir / "checkpoints" / "latest").is_file():
+        return "resume"
+    return "new"
+
+
+def job_steps(job: Job) -> int | None:
+    """The job's ``train.steps`` override, last one wins; None when it sets none."""
+    steps = [o.split("=", 1)[1] for o in job.overrides if o.startswith("train.steps=")]
+    return int(steps[-1]) if steps else None
+
+
+def command(job: Job, out_dir: Path, threads: int, how: str) -> list[str]:
+    """The ``dapo train`` command line of ``job`` (``how``: new or resume)."""
+    where = [f"run.out_dir={out_dir}", f"run.name={job.name}", f"run.threads={threads}"]
+    start = ["--resume", str(out_dir / job.name)] if how == "resume" else ["--overwrite"]
+    return [sys.executable, "-m", "dapo", "train", "--quiet", *start, *job.overrides, *where]
+
+
+def launch(cmd: list[str], log: Path) -> int:
+    """Run ``cmd`` with its output in ``log``; its exit code."""
+    with open(log, "w") as out:
+        return subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, check=False).returncode
+
+
+def run_jobs(
+    jobs: Sequence[Job],
+    out_dir: Path,
+    *,
+    parallel: int = 1,
+    cores: int | None = None,
+    stream: TextIO | None = None,
+    launcher: Callable[[list[str], Path], int] = launch,
+) -> list[str]:
+    """Run every job not done yet, ``parallel`` at a time with ``cores // parallel`` threads
+    each; returns the names of the jobs that failed."""
+    stream = stream or sys.stdout
+    out_dir.mkdir(parents=True, exist_ok=True)
+    threads = max(1, (cores or os.cpu_count() or 1) // max(parallel, 1))
+    todo = [(j, state(out_dir / j.name, job_steps(j))) for j in jobs]
+    todo = [(j, how) for j, how in todo if how != "done"]
+    print(
+        f"ablate: {len(jobs)} runs, {len(jobs) - len(todo)} done already, {len(todo)} to run "
+        f"({parallel} at a time, {threads} thread(s) each) in {out_dir}",
+        file=stream,
+    )
+    failed: list[str] = []
+    t0 = time.perf_counter()
+
+    def one(item: tuple[Job, str]) -> None:
+        job, how = item
+        code = launcher(command(job, out_dir, threads, how), out_dir / f"{job.name}.log")
+        if code != 0:
+            failed.append(job.name)
+        verdict = "ok" if code == 0 else f"FAILED (exit {code}, see {job.name}.log)"
+        print(
+            f"ablate: {job.name} {verdict} [{time.perf_counter() - t0:.0f} s]",
+            file=stream,
+            flush=True,
+        )
+
+    with ThreadPoolExecutor(max_workers=max(parallel, 1)) as pool:
+        list(pool.map(one, todo))
+    return failed

@@ -1,0 +1,69 @@
+"""``dapo ablate --plan table1|eps-high|2x2|successors [--seeds 3] [--budget steps=N]
+[--parallel K] [--out DIR] [section.field=value ...]``: run every configuration of a plan at
+every seed as an ordinary run under one directory, then print the table as markdown.
+
+Finished runs are skipped and stopped ones resumed, so the same command continues an
+interrupted ablation. Beside the runs it writes ``table.md``, ``table.json`` and the overlaid
+``dapo report`` of all runs (``report/report.html``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``ablate`` on the ``dapo`` command's subparsers."""
+    from dapo.ablate.plans import PLANS
+
+    p = subparsers.add_parser(
+        "ablate",
+        help="run a plan of configurations x seeds and print the ablation table",
+        description=__doc__,
+    )
+    p.add_argument("--plan", required=True, choices=tuple(PLANS), help="which configurations")
+    p.add_argument("--seeds", type=int, default=3, help="runs per configuration (default 3)")
+    p.add_argument(
+        "--budget",
+        metavar="steps=N",
+        help="equal compute per run: N rollout steps (default: the config's train.steps)",
+    )
+    p.add_argument(
+        "--parallel", type=int, default=1, metavar="K", help="runs at a time (cores split)"
+    )
+    p.add_argument("--out", type=Path, help="the ablation's directory (default runs/ablate-PLAN)")
+    p.add_argument("overrides", nargs="*", metavar="section.field=value", help="for every run")
+    p.set_defaults(func=cmd_ablate)
+
+
+def cmd_ablate(args: argparse.Namespace) -> int:
+    from dapo.ablate import PLANS, expand
+    from dapo.ablate.runs import run_jobs, state
+    from dapo.ablate.table import ablation_table, as_json, markdown, read_result
+    from dapo.config import load_config
+
+    if args.parallel < 1:
+        raise ValueError(f"--parallel must be >= 1, got {args.parallel}")
+    jobs = expand(args.plan, seeds=args.seeds, budget=args.budget, extra=tuple(args.overrides))
+    for job in jobs:  # every configuration is checked before any run starts
+        load_config(None, list(job.overrides))
+    out = args.out or Path("runs") / f"ablate-{args.plan}"
+    failed = run_jobs(jobs, out, parallel=args.parallel)
+    results: dict = {}
+    for job in jobs:
+        if state(out / job.name, None) == "done":
+            results.setdefault(job.row.name, {})[job.seed] = read_result(out / job.name)
+    table = ablation_table(PLANS[args.plan](), results)
+    text = markdown(table)
+    (out / "table.md").write_text(text)
+    (out / "table.json").write_text(as_json(table))
+    done = [out / j.name for j in jobs if (out / j.name / "summary.json").is_file()]
+    if done:
+        from dapo.report import make_report
+
+        make_report(done, out / "report")
+    print(text, end="")
+    if failed:
+        raise ValueError(f"{len(failed)} run(s) failed: {', '.join(failed)} (logs in {out})")
+    return 0

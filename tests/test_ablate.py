@@ -1,0 +1,159 @@
+"""dapo ablate: the plans expand to exactly the spec's configurations, finished runs are
+skipped and stopped ones resumed, and the table's statistics are the right ones."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dapo import cli
+from dapo.ablate import PLANS, expand
+from dapo.ablate.runs import run_jobs
+from dapo.ablate.table import ablation_table, markdown
+from dapo.config import load_config
+from dapo.eval_metrics import bootstrap_ci, paired_bootstrap_ci, paired_permutation_pvalue
+
+
+def algorithm(overrides) -> dict:
+    """The algo and sampling sections a row's overrides give."""
+    cfg = load_config(None, list(overrides)).to_dict()
+    return {f"{s}.{k}": v for s in ("algo", "sampling") for k, v in cfg[s].items()}
+
+
+def changed(a: dict, b: dict) -> set[str]:
+    return {k for k in a if a[k] != b[k]}
+
+
+def test_table1_is_the_cumulative_chain_from_naive_grpo_to_dapo():
+    rows = PLANS["table1"]()
+    configs = [algorithm(r.overrides) for r in rows]
+    assert configs[0] == algorithm(["run.preset=grpo"])
+    assert configs[-1] == algorithm(["run.preset=dapo"])
+    steps = [changed(a, b) for a, b in zip(configs, configs[1:], strict=False)]
+    assert steps == [
+        {"algo.overlong_filter"},
+        {"algo.eps_high"},
+        {"algo.overlong_filter", "algo.overlong_shaping"},
+        {"algo.loss_agg"},
+        {"sampling.dynamic", "algo.kl_coef"},
+    ]
+    assert [r.name for r in rows] == [
+        "naive GRPO",
+        "+ overlong filtering",
+        "+ clip-higher",
+        "+ soft overlong punishment",
+        "+ token-level loss",
+        "+ dynamic sampling (= DAPO)",
+    ]
+    assert [r.compare_to for r in rows] == [None] + [r.name for r in rows[:-1]]
+
+
+def test_the_sweeps_and_the_successors():
+    dapo = algorithm(["run.preset=dapo"])
+    eps = [algorithm(r.overrides) for r in PLANS["eps-high"]()]
+    assert [c["algo.eps_high"] for c in eps] == [0.20, 0.24, 0.28, 0.32, 0.36]
+    assert all(changed(c, dapo) <= {"algo.eps_high"} for c in eps)
+    grid = {
+        (c["algo.eps_high"], c["sampling.dynamic"]): changed(c, dapo)
+        for c in (algorithm(r.overrides) for r in PLANS["2x2"]())
+    }
+    assert grid == {
+        (0.2, False): {"algo.eps_high", "sampling.dynamic"},
+        (0.2, True): {"algo.eps_high"},
+        (0.28, False): {"sampling.dynamic"},
+        (0.28, True): set(),
+    }
+    succ = {r.name: algorithm(r.overrides) for r in PLANS["successors"]()}
+    assert list(succ) == ["DAPO", "Dr. GRPO", "GSPO", "CISPO"]
+    for name, preset in [("Dr. GRPO", "dr_grpo"), ("GSPO", "gspo"), ("CISPO", "cispo")]:
+        assert succ[name] == algorithm([f"run.preset={preset}"])
+
+
+def test_expand_gives_every_row_at_every_seed_with_the_budget_and_overrides_last():
+    jobs = expand("successors", seeds=3, budget="steps=40", extra=("optim.lr=1e-4",))
+    assert len(jobs) == 12 and len({j.name for j in jobs}) == 12
+    assert jobs[1].overrides == (
+        "run.preset=dapo",
+        "train.steps=40",
+        "train.seed=1",
+        "optim.lr=1e-4",
+    )
+    with pytest.raises(ValueError, match="steps=N"):
+        expand("table1", seeds=1, budget="tokens=1000")
+    with pytest.raises(ValueError, match="choose one of table1, eps-high, 2x2, successors"):
+        expand("table2", seeds=1)
+
+
+def test_finished_runs_are_skipped_and_stopped_ones_resumed(tmp_path):
+    jobs = expand("successors", seeds=1, budget="steps=2")
+    done, stopped, finished_shorter = (tmp_path / j.name for j in jobs[:3])
+    for d in (done, finished_shorter):
+        d.mkdir()
+    (done / "summary.json").write_text(json.dumps({"steps": 2}))
+    (finished_shorter / "summary.json").write_text(json.dumps({"steps": 1}))
+    (stopped / "checkpoints").mkdir(parents=True)
+    (stopped / "checkpoints" / "latest").write_text("step_000001\n")
+    launched = []
+
+    def launcher(cmd, log):
+        launched.append(cmd)
+        return 3 if "run.preset=cispo" in cmd else 0
+
+    failed = run_jobs(jobs, tmp_path, parallel=1, cores=2, launcher=launcher)
+    assert failed == [jobs[3].name]
+    names = [next(a for a in c if a.startswith("run.name=")) for c in launched]
+    assert names == [f"run.name={j.name}" for j in jobs[1:]]  # the finished one is skipped
+    resume = launched[0]
+    assert resume[resume.index("--resume") + 1] == str(stopped)
+    assert "--overwrite" in launched[1] and "--overwrite" in launched[2]
+    assert all("run.threads=2" in c for c in launched)
+
+
+def results(**per_row):
+    return {row: {s: {"accuracy": a, "gen_tokens": 100.0 * (s + 1), "seconds": 10.0,
+                      "tokens_per_kept_group": 50.0, "entropy": 0.5, "truncated": 0.1}
+                  for s, a in enumerate(accs)} for row, accs in per_row.items()}  # fmt: skip
+
+
+def test_table_statistics_on_synthetic_results():
+    rows = PLANS["successors"]()
+    a, b = [0.10, 0.20, 0.30], [0.30, 0.30, 0.50]
+    table = ablation_table(rows, results(**{"DAPO": a, "GSPO": b, "CISPO": [0.4]}), resamples=2000)
+    dapo, gspo, cispo = table  # Dr. GRPO has no results: left out
+    assert dapo["accuracy"] == bootstrap_ci(a, resamples=2000) and "diff" not in dapo
+    assert gspo["accuracy"].mean == pytest.approx(sum(b) / 3)
+    assert gspo["diff"] == paired_bootstrap_ci(a, b, resamples=2000)
+    assert gspo["diff"].mean == pytest.approx(0.5 / 3)
+    assert gspo["p"] == paired_permutation_pvalue(a, b, resamples=2000)
+    assert gspo["gen_tokens"] == 200.0  # mean over seeds of 100, 200, 300
+    # One seed: the point itself, paired with DAPO's seed 0, and no p-value.
+    assert (cispo["accuracy"].low, cispo["accuracy"].high) == (0.4, 0.4)
+    assert cispo["diff"].mean == pytest.approx(0.3) and "p" not in cispo
+    text = markdown(table)
+    assert (
+        "| GSPO | 3 | 36.7 [" in text
+        and "| DAPO | +16.7 [" in text
+        and "| CISPO | 1 | 40.0 |" in text
+    )
+
+
+def test_the_command_runs_resumes_and_prints_the_table(tmp_path, capsys):
+    small = [
+        "embedded.sft_steps=20", "embedded.hidden=32", "arith.num_train=40", "arith.num_val=4",
+        "arith.num_warmup=32", "rollout.group_size=4", "train.prompts_per_step=2",
+        "sampling.prompts_per_round=4", "sampling.on_max_rounds=train",
+        "train.responses_per_minibatch=8", "eval.num_samples=1", "reward.workers=0",
+        f"embedded.cache_dir={tmp_path / 'cache'}",
+    ]  # fmt: skip
+    argv = ["ablate", "--plan", "successors", "--seeds", "1", "--budget", "steps=1"]
+    argv += ["--out", str(tmp_path / "abl"), *small]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "4 runs, 0 done already, 4 to run" in out
+    for name in ("DAPO", "Dr. GRPO", "GSPO", "CISPO"):
+        assert f"| {name} | 1 | " in out
+    assert json.loads((tmp_path / "abl" / "table.json").read_text())[1]["compare_to"] == "DAPO"
+    assert (tmp_path / "abl" / "report" / "report.html").is_file()
+    assert cli.main(argv) == 0
+    assert "4 runs, 4 done already, 0 to run" in capsys.readouterr().out
