@@ -100,14 +100,15 @@ def test_finished_runs_are_skipped_and_stopped_ones_resumed(tmp_path):
         launched.append(cmd)
         return 3 if "run.preset=cispo" in cmd else 0
 
-    failed = run_jobs(jobs, tmp_path, parallel=1, cores=2, launcher=launcher)
+    recipe = tmp_path / "recipe.yaml"
+    failed = run_jobs(jobs, tmp_path, parallel=1, cores=2, config=recipe, launcher=launcher)
     assert failed == [jobs[3].name]
     names = [next(a for a in c if a.startswith("run.name=")) for c in launched]
     assert names == [f"run.name={j.name}" for j in jobs[1:]]  # the finished one is skipped
     resume = launched[0]
     assert resume[resume.index("--resume") + 1] == str(stopped)
     assert "--overwrite" in launched[1] and "--overwrite" in launched[2]
-    assert all("run.threads=2" in c for c in launched)
+    assert all("run.threads=2" in c and c[c.index("--config") + 1] == str(recipe) for c in launched)
 
 
 def results(**per_row):

@@ -41,10 +41,13 @@ def job_steps(job: Job) -> int | None:
     return int(steps[-1]) if steps else None
 
 
-def command(job: Job, out_dir: Path, threads: int, how: str) -> list[str]:
-    """The ``dapo train`` command line of ``job`` (``how``: new or resume)."""
+def command(
+    job: Job, out_dir: Path, threads: int, how: str, config: Path | None = None
+) -> list[str]:
+    """The ``dapo train`` command line of ``job`` (``how``: new or resume), on ``config``."""
     where = [f"run.out_dir={out_dir}", f"run.name={job.name}", f"run.threads={threads}"]
     start = ["--resume", str(out_dir / job.name)] if how == "resume" else ["--overwrite"]
+    start += ["--config", str(config)] if config is not None else []
     return [sys.executable, "-m", "dapo", "train", "--quiet", *start, *job.overrides, *where]
 
 
@@ -60,11 +63,12 @@ def run_jobs(
     *,
     parallel: int = 1,
     cores: int | None = None,
+    config: Path | None = None,
     stream: TextIO | None = None,
     launcher: Callable[[list[str], Path], int] = launch,
 ) -> list[str]:
-    """Run every job not done yet, ``parallel`` at a time with ``cores // parallel`` threads
-    each; returns the names of the jobs that failed."""
+    """Run every job not done yet (on the YAML ``config`` when given), ``parallel`` at a time
+    with ``cores // parallel`` threads each; returns the names of the jobs that failed."""
     stream = stream or sys.stdout
     out_dir.mkdir(parents=True, exist_ok=True)
     threads = max(1, (cores or os.cpu_count() or 1) // max(parallel, 1))
@@ -80,7 +84,8 @@ def run_jobs(
 
     def one(item: tuple[Job, str]) -> None:
         job, how = item
-        code = launcher(command(job, out_dir, threads, how), out_dir / f"{job.name}.log")
+        cmd = command(job, out_dir, threads, how, config)
+        code = launcher(cmd, out_dir / f"{job.name}.log")
         if code != 0:
             failed.append(job.name)
         verdict = "ok" if code == 0 else f"FAILED (exit {code}, see {job.name}.log)"

@@ -1,6 +1,7 @@
 """``dapo ablate --plan table1|eps-high|2x2|successors [--seeds 3] [--budget steps=N]
-[--parallel K] [--out DIR] [section.field=value ...]``: run every configuration of a plan at
-every seed as an ordinary run under one directory, then print the table as markdown.
+[--parallel K] [--config FILE] [--out DIR] [section.field=value ...]``: run every
+configuration of a plan at every seed as an ordinary run under one directory, then print the
+table as markdown.
 
 Finished runs are skipped and stopped ones resumed, so the same command continues an
 interrupted ablation. Beside the runs it writes ``table.md``, ``table.json`` and the overlaid
@@ -32,6 +33,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--parallel", type=int, default=1, metavar="K", help="runs at a time (cores split)"
     )
+    p.add_argument("--config", type=Path, help="YAML file every run starts from (a recipe)")
     p.add_argument("--out", type=Path, help="the ablation's directory (default runs/ablate-PLAN)")
     p.add_argument("overrides", nargs="*", metavar="section.field=value", help="for every run")
     p.set_defaults(func=cmd_ablate)
@@ -47,9 +49,9 @@ def cmd_ablate(args: argparse.Namespace) -> int:
         raise ValueError(f"--parallel must be >= 1, got {args.parallel}")
     jobs = expand(args.plan, seeds=args.seeds, budget=args.budget, extra=tuple(args.overrides))
     for job in jobs:  # every configuration is checked before any run starts
-        load_config(None, list(job.overrides))
+        load_config(args.config, list(job.overrides))
     out = args.out or Path("runs") / f"ablate-{args.plan}"
-    failed = run_jobs(jobs, out, parallel=args.parallel)
+    failed = run_jobs(jobs, out, parallel=args.parallel, config=args.config)
     results: dict = {}
     for job in jobs:
         if state(out / job.name, None) == "done":
