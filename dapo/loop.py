@@ -67,7 +67,7 @@ def fit(
         ) from None
     finally:
         state.pool.close()
-        close = getattr(state.engine, "close", None)  # an engine written before close() was
+        close = getattr(state.engine, "close", None)  # engines written before the protocol had it
         if close is not None:
             close()
 

@@ -73,8 +73,9 @@ def ablation_table(
         if paired:
             a = [base[s]["accuracy"] for s in paired]
             b = [runs[s]["accuracy"] for s in paired]
-            record["diff"] = _interval([y - x for x, y in zip(a, b, strict=True)], resamples)
-            if len(paired) > 1:
+            if len(paired) == 1:
+                record["diff"] = _interval([b[0] - a[0]], resamples)
+            else:
                 record["diff"] = paired_bootstrap_ci(a, b, resamples=resamples)
                 record["p"] = paired_permutation_pvalue(a, b, resamples=resamples)
         table.append(record)

@@ -41,7 +41,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def cmd_ablate(args: argparse.Namespace) -> int:
     from dapo.ablate import PLANS, expand
-    from dapo.ablate.runs import run_jobs, state
+    from dapo.ablate.runs import job_steps, run_jobs, state
     from dapo.ablate.table import ablation_table, as_json, markdown, read_result
     from dapo.config import load_config
 
@@ -52,19 +52,18 @@ def cmd_ablate(args: argparse.Namespace) -> int:
         load_config(args.config, list(job.overrides))
     out = args.out or Path("runs") / f"ablate-{args.plan}"
     failed = run_jobs(jobs, out, parallel=args.parallel, config=args.config)
+    done = [j for j in jobs if state(out / j.name, job_steps(j)) == "done"]
     results: dict = {}
-    for job in jobs:
-        if state(out / job.name, None) == "done":
-            results.setdefault(job.row.name, {})[job.seed] = read_result(out / job.name)
+    for job in done:
+        results.setdefault(job.row.name, {})[job.seed] = read_result(out / job.name)
     table = ablation_table(PLANS[args.plan](), results)
     text = markdown(table)
     (out / "table.md").write_text(text)
     (out / "table.json").write_text(as_json(table))
-    done = [out / j.name for j in jobs if (out / j.name / "summary.json").is_file()]
     if done:
         from dapo.report import make_report
 
-        make_report(done, out / "report")
+        make_report([out / j.name for j in done], out / "report")
     print(text, end="")
     if failed:
         raise ValueError(f"{len(failed)} run(s) failed: {', '.join(failed)} (logs in {out})")
