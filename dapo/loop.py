@@ -104,6 +104,7 @@ class _Run:
         )
         self.progress: LiveProgress | None = None
         self.records: list[dict] = []  # of the latest evaluation, for samples.jsonl
+        self.records_step: int | None = None  # the step those records were evaluated at
         self.val_start: dict[str, float] = {}
         self.val_last: dict[str, float] = {}
         self.seconds_before = 0.0
@@ -194,6 +195,7 @@ class _Run:
         state, cfg = self.state, self.state.cfg
         state.on_phase("eval")
         state.model.eval()
+        self.records_step = state.step
         return evaluate(
             state.engine,
             state.tokenizer,
@@ -270,6 +272,8 @@ class _Run:
         rundir.write_summary(run_dir, summary)
         if self.records:  # responses worth reading, for dapo report
             rundir.write_samples(run_dir, step, pick_samples(self.records))
+        if self.records and self.records_step == step:  # intervals over problems (dapo ablate)
+            rundir.write_val_problems(run_dir, step, self.records)
         start, end = summary["val/accuracy_start"], summary["val/accuracy_end"]
         print(
             f"held-out accuracy: {start:.3f} -> {end:.3f} ({100 * (end - start):+.1f} points) "

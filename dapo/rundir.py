@@ -143,3 +143,14 @@ def write_samples(run_dir: Path, step: int, samples: list[dict]) -> None:
     """``samples.jsonl``: a few responses of the final evaluation, for ``dapo report``."""
     text = "".join(json.dumps({"step": step, **x}) + "\n" for x in samples)
     write_atomic(run_dir / "samples.jsonl", text)
+
+
+def write_val_problems(run_dir: Path, step: int, records: list[dict]) -> None:
+    """``val_problems.json``: each held-out problem's accuracy (the mean correctness of its k
+    samples) at the final evaluation, by uid, so that runs can be compared problem by problem."""
+    doc = {
+        "step": step,
+        "uid": [r["uid"] for r in records],
+        "accuracy": [sum(r["correct"]) / len(r["correct"]) for r in records],
+    }
+    write_atomic(run_dir / "val_problems.json", json.dumps(doc) + "\n")

@@ -86,6 +86,12 @@ def test_train_end_to_end(tmp_path, cache_dir, preset, capsys):
 
     summary = json.loads((run / "summary.json").read_text())
     assert summary["val/accuracy_end"] == lines[2]["val/accuracy"]
+    # Each held-out problem's accuracy at the end: their mean is val/accuracy.
+    per_problem = json.loads((run / "val_problems.json").read_text())
+    assert per_problem["step"] == 2 and len(per_problem["uid"]) == len(set(per_problem["uid"]))
+    assert len(per_problem["accuracy"]) == lines[2]["val/num_problems"]
+    mean = sum(per_problem["accuracy"]) / len(per_problem["accuracy"])
+    assert mean == pytest.approx(summary["val/accuracy_end"], abs=1e-12)
     assert "preset: " + preset in (run / "config.yaml").read_text()
 
     trained = AutoModelForCausalLM.from_pretrained(run / "model")
