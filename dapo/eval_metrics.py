@@ -267,6 +267,44 @@ def paired_bootstrap_ci(
     return _bootstrap(_paired_differences(a, b), resamples, seed, level)
 
 
+def crossed_bootstrap_ci(
+    values: Sequence[Sequence[float]],
+    *,
+    resamples: int = 10_000,
+    seed: int = 0,
+    level: float = 0.95,
+) -> Interval:
+    """Percentile-bootstrap interval for the mean of ``values[s][p]``: runs (seeds) ``s`` crossed
+    with the same held-out problems ``p``.
+
+    Each resample draws the seeds with replacement and, independently, the problems with
+    replacement, and averages the chosen cells: both the run-to-run noise and the choice of
+    problems widen the interval. For a paired comparison, pass the differences ``b - a`` cell
+    by cell (same seed, same problem). One seed reduces it to a bootstrap over problems, one
+    problem to a bootstrap over seeds.
+    """
+    _check_resampling(resamples, level)
+    matrix = np.asarray(values, dtype=np.float64)
+    if matrix.ndim != 2 or matrix.size == 0:
+        raise ValueError(f"values must be a non-empty seeds x problems table, got {matrix.shape}")
+    if not np.all(np.isfinite(matrix)):
+        raise ValueError("values contains NaN or infinity")
+    seeds, problems = matrix.shape
+    rng = np.random.default_rng(seed)
+    rows = max(1, _CHUNK_ELEMENTS // (seeds + problems))
+    means = np.empty(resamples, dtype=np.float64)
+    for start in range(0, resamples, rows):
+        n = min(start + rows, resamples) - start
+        # How often each seed and each problem is drawn: a mean over the drawn cells is
+        # (seed counts) @ values @ (problem counts) / (seeds * problems).
+        w_seed = rng.multinomial(seeds, np.full(seeds, 1.0 / seeds), size=n)
+        w_problem = rng.multinomial(problems, np.full(problems, 1.0 / problems), size=n)
+        means[start : start + n] = ((w_seed @ matrix) * w_problem).sum(axis=1)
+    means /= seeds * problems
+    low, high = np.quantile(means, [(1.0 - level) / 2.0, (1.0 + level) / 2.0])
+    return Interval(mean=float(matrix.mean()), low=float(low), high=float(high))
+
+
 def paired_permutation_pvalue(
     a: Sequence[float], b: Sequence[float], *, resamples: int = 10_000, seed: int = 0
 ) -> float:

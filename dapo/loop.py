@@ -43,8 +43,9 @@ def fit(
     run_dir: Path,
     stream: TextIO | None = None,
     resume: bool = False,
-) -> dict[str, float]:
-    """Train for ``cfg.train.steps`` steps, evaluating at start, every ``eval.every`` and end.
+) -> dict[str, Any]:
+    """Train for ``cfg.train.steps`` steps (or until ``train.max_gen_tokens`` or
+    ``train.max_seconds`` is spent), evaluating at start, every ``eval.every`` and end.
 
     With ``resume``, the latest complete checkpoint in ``run_dir`` is restored first (the model
     given must be the starting policy: it is the KL reference) and ``metrics.jsonl`` is cut back
@@ -108,12 +109,13 @@ class _Run:
         self.val_start: dict[str, float] = {}
         self.val_last: dict[str, float] = {}
         self.seconds_before = 0.0
+        self.spent = {"gen_tokens": 0.0, "step_seconds": 0.0}  # against train.max_*
         self.t_start = time.perf_counter()
         self.saved_at: int | None = None
         # run.threads=0: threads follow the cores other processes leave free.
         self.threads = ThreadGovernor() if cfg.run.threads == 0 else None
 
-    def train(self, *, resume: bool) -> dict[str, float]:
+    def train(self, *, resume: bool) -> dict[str, Any]:
         state, cfg = self.state, self.state.cfg
         if resume:
             self.restore()
@@ -148,11 +150,13 @@ class _Run:
     def steps(self, stop: GracefulStop) -> None:
         """Steps until the last, or a stop signal; then the final checkpoint and model."""
         state, t, e = self.state, self.state.cfg.train, self.state.cfg.eval
-        while state.step < t.steps and not self.stopping(stop):
+        while state.step < t.steps and not self.budget_spent() and not self.stopping(stop):
             self.adjust_threads()
             metrics = train_step(state)
             metrics["perf/threads"] = float(torch.get_num_threads())
-            is_last = state.step == t.steps
+            self.spent["gen_tokens"] += metrics.get("sampling/tokens_generated", 0.0)
+            self.spent["step_seconds"] += metrics.get("perf/step_s", 0.0)
+            is_last = state.step == t.steps or self.budget_spent()
             if is_last or (e.every and state.step % e.every == 0):
                 self.val_last = self.validate()
                 metrics.update(self.val_last)
@@ -163,7 +167,8 @@ class _Run:
                 self.save()
         if self.saved_at != state.step:
             self.save()
-        if state.step < t.steps and self.stopping(stop):  # the same step on every rank
+        budget_met = state.step >= t.steps or self.budget_spent()
+        if not budget_met and self.stopping(stop):  # the same step on every rank
             raise RunStopped(
                 f"stopped by {stop.name} after step {state.step} of {t.steps}; checkpoint "
                 f"saved. Resume with: dapo train --resume {self.run_dir}",
@@ -173,6 +178,16 @@ class _Run:
             sharded_checkpoint.export_model(state.model, state.tokenizer, self.run_dir / "model")
         else:
             checkpoint.export_model(state.model, state.tokenizer, self.run_dir / "model")
+
+    def budget_spent(self) -> bool:
+        """Whether ``train.max_gen_tokens`` or ``train.max_seconds`` is reached (on any rank:
+        step times differ between ranks, and all ranks stop after the same step)."""
+        t = self.state.cfg.train
+        tokens = t.max_gen_tokens and self.spent["gen_tokens"] >= t.max_gen_tokens
+        seconds = t.max_seconds and self.spent["step_seconds"] >= t.max_seconds
+        if not (t.max_gen_tokens or t.max_seconds):
+            return False
+        return dist.any_rank(bool(tokens or seconds))
 
     @staticmethod
     def stopping(stop: GracefulStop) -> bool:
@@ -227,6 +242,7 @@ class _Run:
         state.sync_engine()
         self.val_start, self.val_last = info["val_start"], info["val_last"]
         self.seconds_before = info["train_seconds"]
+        self.spent = dict(info.get("spent", self.spent))
         self.logger.truncate(info["metrics_bytes"])
         self.logger.purge_step = state.step + 1
         self.saved_at = state.step
@@ -247,6 +263,7 @@ class _Run:
                 "val_start": self.val_start,
                 "val_last": self.val_last,
                 "train_seconds": self.seconds(),
+                "spent": self.spent,
                 "metrics_bytes": self.logger.sync(),
             },
             keep=state.cfg.train.keep_checkpoints,
@@ -258,7 +275,7 @@ class _Run:
         """Seconds trained, over every process of a resumed run."""
         return self.seconds_before + time.perf_counter() - self.t_start
 
-    def finish(self) -> dict[str, float]:
+    def finish(self) -> dict[str, Any]:
         """summary.json, samples.jsonl and the closing line."""
         step, run_dir = self.state.step, self.run_dir
         summary = {
@@ -266,6 +283,14 @@ class _Run:
             "val/accuracy_start": self.val_start["val/accuracy"],
             "val/accuracy_end": self.val_last["val/accuracy"],
             "train_seconds": self.seconds(),
+            "gen_tokens": self.spent["gen_tokens"],
+            "step_seconds": self.spent["step_seconds"],
+            # What the run was asked for, so that dapo ablate can tell a finished run.
+            "limits": {
+                "steps": self.state.cfg.train.steps,
+                "max_gen_tokens": self.state.cfg.train.max_gen_tokens,
+                "max_seconds": self.state.cfg.train.max_seconds,
+            },
         }
         if not dist.is_main():
             return summary
@@ -275,9 +300,16 @@ class _Run:
         if self.records and self.records_step == step:  # intervals over problems (dapo ablate)
             rundir.write_val_problems(run_dir, step, self.records)
         start, end = summary["val/accuracy_start"], summary["val/accuracy_end"]
+        t = self.state.cfg.train
+        spent = (
+            f" ({self.spent['gen_tokens']:,.0f} tokens generated, "
+            f"{self.spent['step_seconds']:.0f} s of steps)"
+            if t.max_gen_tokens or t.max_seconds
+            else ""
+        )
         print(
             f"held-out accuracy: {start:.3f} -> {end:.3f} ({100 * (end - start):+.1f} points) "
-            f"after {step} steps; model saved to {run_dir / 'model'}",
+            f"after {step} steps{spent}; model saved to {run_dir / 'model'}",
             file=self.stream,
         )
         return summary

@@ -5,14 +5,20 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from dapo import cli
 from dapo.ablate import PLANS, expand
-from dapo.ablate.runs import run_jobs
-from dapo.ablate.table import ablation_table, markdown
+from dapo.ablate.runs import job_limits, run_jobs, state
+from dapo.ablate.table import ablation_table, markdown, to_target
 from dapo.config import load_config
-from dapo.eval_metrics import bootstrap_ci, paired_bootstrap_ci, paired_permutation_pvalue
+from dapo.eval_metrics import (
+    bootstrap_ci,
+    crossed_bootstrap_ci,
+    paired_bootstrap_ci,
+    paired_permutation_pvalue,
+)
 
 
 def algorithm(overrides) -> dict:
@@ -79,10 +85,34 @@ def test_expand_gives_every_row_at_every_seed_with_the_budget_and_overrides_last
         "train.seed=1",
         "optim.lr=1e-4",
     )
-    with pytest.raises(ValueError, match="steps=N"):
-        expand("table1", seeds=1, budget="tokens=1000")
+    # Token and seconds budgets: the budget ends a run, not the step count.
+    tokens = expand("successors", seeds=1, budget="tokens=5000")[0].overrides
+    assert tokens[1:3] == ("train.max_gen_tokens=5000", "train.steps=1000000")
+    seconds = expand("successors", seeds=1, budget="seconds=90")[0].overrides
+    assert seconds[1:3] == ("train.max_seconds=90.0", "train.steps=1000000")
+    for bad in ("tokens=0", "tokens=1e4", "seconds=0", "seconds=inf", "seconds=x", "flops=1"):
+        with pytest.raises(ValueError, match="steps=N, tokens=N"):
+            expand("table1", seeds=1, budget=bad)
     with pytest.raises(ValueError, match="choose one of table1, eps-high, 2x2, successors"):
         expand("table2", seeds=1)
+
+
+def test_a_run_is_done_for_the_budget_its_summary_records(tmp_path):
+    job = expand("successors", seeds=1, budget="tokens=5000")[0]
+    assert job_limits(job) == {"max_gen_tokens": 5000, "steps": 1_000_000}
+    run = tmp_path / "r"
+    run.mkdir()
+    limits = {"steps": 1_000_000, "max_gen_tokens": 5000, "max_seconds": 0.0}
+    (run / "summary.json").write_text(json.dumps({"steps": 7, "limits": limits}))
+    assert state(run, job_limits(job)) == "done"  # stopped at step 7 by its token budget
+    assert state(run, {"max_gen_tokens": 9000}) == "new"  # no checkpoint to go on from
+    (run / "checkpoints").mkdir()
+    (run / "checkpoints" / "latest").write_text("step_000007\n")
+    assert state(run, {"max_gen_tokens": 9000}) == "resume"  # a larger budget goes on
+    # A summary from before budgets were recorded: its steps count.
+    (run / "summary.json").write_text(json.dumps({"steps": 7}))
+    assert state(run, {"steps": 7}) == "done" and state(run, {}) == "done"
+    assert state(run, {"steps": 8}) == state(run, job_limits(job)) == "resume"
 
 
 def test_finished_runs_are_skipped_and_stopped_ones_resumed(tmp_path):
@@ -113,7 +143,8 @@ def test_finished_runs_are_skipped_and_stopped_ones_resumed(tmp_path):
 
 def results(**per_row):
     return {row: {s: {"accuracy": a, "gen_tokens": 100.0 * (s + 1), "seconds": 10.0,
-                      "tokens_per_kept_group": 50.0, "entropy": 0.5, "truncated": 0.1}
+                      "tokens_per_kept_group": 50.0, "entropy": 0.5, "truncated": 0.1,
+                      "curve": [(0, 0.0, 0.0, 0.0), (10, a, 100.0 * (s + 1), 10.0)]}
                   for s, a in enumerate(accs)} for row, accs in per_row.items()}  # fmt: skip
 
 
@@ -136,7 +167,53 @@ def test_table_statistics_on_synthetic_results():
         "| GSPO | 3 | 36.7 [" in text
         and "| DAPO | +16.7 [" in text
         and "| CISPO | 1 | 40.0 |" in text
+        and "95% over seeds]" in text
     )
+    # The target is DAPO's mean (0.2): DAPO seeds 1 and 2 reach it at step 10, with 200 and
+    # 300 tokens; every GSPO seed does.
+    assert dapo["target"] == pytest.approx(0.2)
+    assert dapo["to_target"] == {"reached": 2, "runs": 3, "steps": 10.0, "gen_tokens": 250.0,
+                                 "seconds": 10.0}  # fmt: skip
+    assert "To reach held-out accuracy 20.0" in text and "| DAPO | 2/3 | 10 | 250 | 10 |" in text
+
+
+def test_time_to_target_takes_each_runs_first_evaluation_at_or_above_it():
+    runs = [
+        {"curve": [(0, 0.1, 0, 0), (5, 0.3, 500, 20), (10, 0.25, 1000, 40), (15, 0.4, 1500, 60)]},
+        {"curve": [(0, 0.1, 0, 0), (5, 0.2, 400, 10), (10, 0.35, 900, 30)]},
+        {"curve": [(0, 0.1, 0, 0), (5, 0.2, 400, 10)]},
+    ]
+    assert to_target(runs, 0.3) == {
+        "reached": 2, "runs": 3, "steps": 7.5, "gen_tokens": 700.0, "seconds": 25.0,
+    }  # fmt: skip
+    assert to_target(runs, 0.1)["steps"] == 0.0  # where they all started
+    missed = to_target(runs, 0.9)
+    assert missed["reached"] == 0 and missed["steps"] != missed["steps"]  # NaN
+
+
+def test_intervals_are_over_seeds_and_problems_when_runs_kept_them():
+    rows = PLANS["successors"]()
+    res = results(**{"DAPO": [0.5, 0.25], "GSPO": [0.75, 0.5]})
+    per_problem = {
+        "DAPO": [[1.0, 0.5, 0.0, 0.5], [0.5, 0.0, 0.0, 0.5]],
+        "GSPO": [[1.0, 1.0, 0.5, 0.5], [1.0, 0.5, 0.0, 0.5]],
+    }
+    for row, matrix in per_problem.items():
+        for seed, accs in enumerate(matrix):
+            res[row][seed]["problems"] = {f"p{i}": a for i, a in enumerate(accs)}
+    dapo, gspo = ablation_table(rows, res, resamples=3000)
+    assert dapo["interval"] == "seeds x problems"
+    assert dapo["accuracy"] == crossed_bootstrap_ci(per_problem["DAPO"], resamples=3000)
+    diff = (np.array(per_problem["GSPO"]) - np.array(per_problem["DAPO"])).tolist()
+    assert gspo["diff"] == crossed_bootstrap_ci(diff, resamples=3000)
+    assert gspo["diff"].mean == pytest.approx(0.25)
+    assert gspo["p"] == paired_permutation_pvalue([0.5, 0.25], [0.75, 0.5], resamples=3000)
+    assert "95% over seeds x problems]" in markdown([dapo, gspo])
+    # A run without its problems (or with other problems): over seeds only.
+    del res["GSPO"][1]["problems"]
+    dapo, gspo = ablation_table(rows, res, resamples=3000)
+    assert gspo["interval"] == "seeds" and dapo["interval"] == "seeds x problems"
+    assert gspo["diff"] == paired_bootstrap_ci([0.5, 0.25], [0.75, 0.5], resamples=3000)
 
 
 def test_the_command_runs_resumes_and_prints_the_table(tmp_path, capsys):

@@ -14,6 +14,7 @@ from dapo.eval_metrics import (
     Interval,
     bootstrap_ci,
     compare,
+    crossed_bootstrap_ci,
     majority_vote,
     paired_bootstrap_ci,
     paired_permutation_pvalue,
@@ -315,3 +316,45 @@ def test_pick_samples_takes_shortest_correct_first_wrong_and_reflective():
         ("wrong", "p0", "Wait, 3 + 4\nAnswer: 8"),
         ("reflective", "p0", "Wait, 3 + 4\nAnswer: 8"),
     ]
+
+
+def test_crossed_bootstrap_matches_the_exact_distribution_of_a_two_by_two_table():
+    # Seeds x problems [[0, 0], [0, 1]]: a resample's mean is (times seed 1 is drawn) x
+    # (times problem 1 is drawn) / 4, each count 0, 1, 2 with probability 1/4, 1/2, 1/4. So
+    # the mean is 0 w.p. 7/16, 1/4 w.p. 1/4, 1/2 w.p. 1/4 and 1 w.p. 1/16 (cumulative 0.4375,
+    # 0.6875, 0.9375, 1): quantiles that fall inside one of those steps are exact.
+    table = [[0.0, 0.0], [0.0, 1.0]]
+    for level, low, high in ((0.95, 0.0, 1.0), (0.5, 0.0, 0.5), (0.2, 0.0, 0.25)):
+        got = crossed_bootstrap_ci(table, resamples=20_000, level=level, seed=3)
+        assert (got.mean, got.low, got.high) == (0.25, low, high)
+
+
+def test_crossed_bootstrap_reduces_to_seeds_or_problems_alone():
+    rng = np.random.default_rng(0)
+    per_problem = rng.random(200)
+    # One seed: a bootstrap over problems; identical seeds change nothing.
+    alone = bootstrap_ci(per_problem, resamples=20_000)
+    for table in ([per_problem], [per_problem, per_problem, per_problem]):
+        got = crossed_bootstrap_ci(table, resamples=20_000)
+        assert got.mean == pytest.approx(per_problem.mean())
+        assert got.low == pytest.approx(alone.low, abs=0.004)
+        assert got.high == pytest.approx(alone.high, abs=0.004)
+    # Problems alike within a seed: a bootstrap over seeds.
+    per_seed = [0.1, 0.3, 0.35, 0.6]
+    got = crossed_bootstrap_ci([[v] * 50 for v in per_seed], resamples=20_000)
+    want = bootstrap_ci(per_seed, resamples=20_000)
+    assert got.low == pytest.approx(want.low, abs=0.01)
+    assert got.high == pytest.approx(want.high, abs=0.01)
+    # Both sources of noise: wider than either alone.
+    seeds = rng.random(10) * 0.4
+    by_seed = crossed_bootstrap_ci([[v] * 200 for v in seeds], resamples=20_000)
+    both = crossed_bootstrap_ci(np.add.outer(seeds, per_problem - 0.5), resamples=20_000)
+    width = both.high - both.low
+    assert width > by_seed.high - by_seed.low and width > alone.high - alone.low
+    assert crossed_bootstrap_ci([[0.5]]) == Interval(0.5, 0.5, 0.5)
+
+
+def test_crossed_bootstrap_rejects_what_is_not_a_table():
+    for bad in ([], [[]], [0.1, 0.2], [[0.1, float("nan")]]):
+        with pytest.raises(ValueError):
+            crossed_bootstrap_ci(bad)

@@ -97,17 +97,33 @@ def slug(name: str) -> str:
     return "-".join(part for part in kept.split("-") if part)
 
 
+UNCAPPED_STEPS = 1_000_000
+"""``train.steps`` under a token or seconds budget: the budget, not the step count, ends a run."""
+
+
 def parse_budget(budget: str | None) -> tuple[str, ...]:
-    """``steps=N`` as overrides (None: the config's own ``train.steps``)."""
+    """A budget as overrides (None: the config's own ``train.steps``): ``steps=N`` rollout
+    steps, ``tokens=N`` generated tokens (``train.max_gen_tokens``) or ``seconds=S`` of
+    training steps (``train.max_seconds``); a run stops after the step that spends it."""
     if budget is None:
         return ()
     kind, _, value = budget.partition("=")
-    if kind != "steps" or not value.isdigit() or int(value) < 1:
-        raise ValueError(
-            f"--budget {budget!r}: give steps=N with N >= 1 (budgets in generated tokens or "
-            "seconds are not supported yet)"
-        )
-    return (f"train.steps={int(value)}",)
+    how = "give steps=N, tokens=N (N >= 1) or seconds=S (S > 0)"
+    if kind in ("steps", "tokens"):
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"--budget {budget!r}: {how}")
+        if kind == "steps":
+            return (f"train.steps={int(value)}",)
+        return (f"train.max_gen_tokens={int(value)}", f"train.steps={UNCAPPED_STEPS}")
+    if kind == "seconds":
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = -1.0
+        if not 0 < seconds < float("inf"):
+            raise ValueError(f"--budget {budget!r}: {how}")
+        return (f"train.max_seconds={seconds}", f"train.steps={UNCAPPED_STEPS}")
+    raise ValueError(f"--budget {budget!r}: {how}")
 
 
 def expand(plan: str, *, seeds: int, budget: str | None = None, extra: tuple[str, ...] = ()):

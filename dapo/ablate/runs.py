@@ -1,7 +1,7 @@
 """Running an ablation: each job a ``dapo train`` process writing its own run directory under
 the ablation's, K at a time, with the machine's cores split between them.
 
-Resumable: a job whose run directory holds a ``summary.json`` for its step count is done and
+Resumable: a job whose run directory holds a ``summary.json`` for its budget is done and
 skipped; one that stopped after a checkpoint is resumed from it (``dapo train --resume``);
 anything else starts over (``--overwrite``). Each job's output goes to ``<name>.log`` beside
 its run directory, so a failed one can be read; the others go on, and the command fails at the
@@ -22,23 +22,34 @@ from typing import TextIO
 
 from dapo.ablate.plans import Job
 
+LIMITS = {"steps": int, "max_gen_tokens": int, "max_seconds": float}
+"""The ``train`` fields that say how long a run goes on, as summary.json records them."""
 
-def state(run_dir: Path, steps: int | None) -> str:
-    """``done`` (summary.json, for ``steps`` when known), ``resume`` (a checkpoint) or ``new``."""
+
+def state(run_dir: Path, limits: dict[str, float]) -> str:
+    """``done`` (summary.json, for these ``limits`` when it records them), ``resume`` (a
+    checkpoint: a stopped run, or a finished one given a larger budget) or ``new``."""
     summary = run_dir / "summary.json"
     if summary.is_file():
-        done_steps = json.loads(summary.read_text()).get("steps")
-        if steps is None or done_steps == steps:
+        done = json.loads(summary.read_text())
+        recorded = done.get("limits", {"steps": done.get("steps")})
+        if all(recorded.get(k) == v for k, v in limits.items()):
             return "done"
     if (run_dir / "checkpoints" / "latest").is_file():
         return "resume"
     return "new"
 
 
-def job_steps(job: Job) -> int | None:
-    """The job's ``train.steps`` override, last one wins; None when it sets none."""
-    steps = [o.split("=", 1)[1] for o in job.overrides if o.startswith("train.steps=")]
-    return int(steps[-1]) if steps else None
+def job_limits(job: Job) -> dict[str, float]:
+    """The ``train.steps`` / ``train.max_gen_tokens`` / ``train.max_seconds`` overrides of
+    ``job`` (the last of each wins); the ones it does not set are left out."""
+    limits: dict[str, float] = {}
+    for o in job.overrides:
+        key, _, value = o.partition("=")
+        name = key.removeprefix("train.")
+        if key.startswith("train.") and name in LIMITS:
+            limits[name] = LIMITS[name](value)
+    return limits
 
 
 def command(
@@ -72,7 +83,7 @@ def run_jobs(
     stream = stream or sys.stdout
     out_dir.mkdir(parents=True, exist_ok=True)
     threads = max(1, (cores or os.cpu_count() or 1) // max(parallel, 1))
-    todo = [(j, state(out_dir / j.name, job_steps(j))) for j in jobs]
+    todo = [(j, state(out_dir / j.name, job_limits(j))) for j in jobs]
     todo = [(j, how) for j, how in todo if how != "done"]
     print(
         f"ablate: {len(jobs)} runs, {len(jobs) - len(todo)} done already, {len(todo)} to run "

@@ -1,9 +1,12 @@
 """The ablation table: per row, the mean over seeds of each run's end-of-run numbers, with a
-percentile-bootstrap interval over seeds, and the paired difference (seed by seed) to the row
-it is compared with, with its interval and a sign-flip p-value (:mod:`dapo.eval_metrics`).
+percentile-bootstrap interval, the paired difference (seed by seed, problem by problem) to the
+row it is compared with, with its interval and a sign-flip p-value over seeds, and how much
+training each row needed to reach a target accuracy (:mod:`dapo.eval_metrics`).
 
-With one seed an interval is the point itself and a p-value is not given: a single run says
-nothing about run-to-run noise.
+Intervals are over seeds and problems (:func:`~dapo.eval_metrics.crossed_bootstrap_ci`) when
+every run of the rows involved wrote ``val_problems.json`` for the same problems, else over
+seeds alone. With one seed and no per-problem file an interval is the point itself, and a
+p-value is never given for one seed: a single run says nothing about run-to-run noise.
 """
 
 from __future__ import annotations
@@ -13,10 +16,13 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
+
 from dapo.ablate.plans import Row
 from dapo.eval_metrics import (
     Interval,
     bootstrap_ci,
+    crossed_bootstrap_ci,
     paired_bootstrap_ci,
     paired_permutation_pvalue,
 )
@@ -24,92 +30,183 @@ from dapo.eval_metrics import (
 COLUMNS = ("accuracy", "gen_tokens", "seconds", "tokens_per_kept_group", "entropy", "truncated")
 
 
-def read_result(run_dir: Path) -> dict[str, float]:
+def read_result(run_dir: Path) -> dict:
     """A finished run's numbers: held-out accuracy at the end, generated tokens and training
-    seconds in all, dynamic sampling's generated tokens per kept group (mean over steps), and
-    the last step's entropy and truncated fraction."""
+    seconds in all, dynamic sampling's generated tokens per kept group (mean over steps), the
+    last step's entropy and truncated fraction; ``problems`` (uid -> accuracy at the end, when
+    the run wrote ``val_problems.json``) and ``curve``: (step, held-out accuracy, generated
+    tokens and training seconds up to that step) at every evaluation."""
     summary = json.loads((run_dir / "summary.json").read_text())
-    steps = [
-        m
-        for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-        if "sampling/tokens_generated" in m
-    ]
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in lines if "sampling/tokens_generated" in m]
     last = steps[-1] if steps else {}
     kept = [m["sampling/tokens_per_kept_group"] for m in steps]
-    return {
+    curve, tokens, seconds = [], 0.0, 0.0
+    for m in lines:
+        tokens += m.get("sampling/tokens_generated", 0.0)
+        seconds += m.get("perf/step_s", 0.0)
+        if "val/accuracy" in m:
+            curve.append((m["step"], m["val/accuracy"], tokens, seconds))
+    result = {
         "accuracy": summary["val/accuracy_end"],
-        "gen_tokens": sum(m["sampling/tokens_generated"] for m in steps),
+        "gen_tokens": tokens,
         "seconds": summary.get("train_seconds", math.nan),
         "tokens_per_kept_group": sum(kept) / len(kept) if kept else math.nan,
         "entropy": last.get("train/entropy", math.nan),
         "truncated": last.get("rollout/truncated_frac", math.nan),
+        "curve": curve,
     }
+    per_problem = run_dir / "val_problems.json"
+    if per_problem.is_file():
+        doc = json.loads(per_problem.read_text())
+        if doc.get("step") == summary["steps"]:
+            result["problems"] = dict(zip(doc["uid"], doc["accuracy"], strict=True))
+    return result
 
 
-def _interval(values: Sequence[float], resamples: int) -> Interval:
+def _problem_matrix(runs: Sequence[dict]) -> np.ndarray | None:
+    """Runs x problems (in uid order) when every run has the same problems, else None."""
+    if not runs or any("problems" not in r for r in runs):
+        return None
+    uids = sorted(runs[0]["problems"])
+    if any(sorted(r["problems"]) != uids for r in runs):
+        return None
+    return np.array([[r["problems"][u] for u in uids] for r in runs], dtype=np.float64)
+
+
+def _over_seeds(values: Sequence[float], resamples: int) -> Interval:
     if len(values) == 1:
         return Interval(values[0], values[0], values[0])
     return bootstrap_ci(values, resamples=resamples)
 
 
+def to_target(runs: Sequence[dict], target: float) -> dict:
+    """The first evaluation at which each run's held-out accuracy reached ``target``: how
+    many runs did, and the mean over those of the steps, generated tokens and training seconds
+    it took (NaN when none did)."""
+    # A mean of accuracies is rounded: a run at exactly the first row's mean has reached it.
+    hits = [next((c for c in r["curve"] if c[1] >= target - 1e-9), None) for r in runs]
+    hits = [h for h in hits if h is not None]
+
+    def mean(i: int) -> float:
+        return sum(h[i] for h in hits) / len(hits) if hits else math.nan
+
+    return {
+        "reached": len(hits),
+        "runs": len(runs),
+        "steps": mean(0),
+        "gen_tokens": mean(2),
+        "seconds": mean(3),
+    }
+
+
 def ablation_table(
-    rows: Sequence[Row], results: dict[str, dict[int, dict[str, float]]], resamples: int = 10_000
+    rows: Sequence[Row],
+    results: dict[str, dict[int, dict]],
+    resamples: int = 10_000,
+    target: float | None = None,
 ) -> list[dict]:
-    """One record per row from ``results[row name][seed]``; rows without results are left out
-    (and the differences to them)."""
+    """One record per row from ``results[row name][seed]`` (:func:`read_result`'s); rows
+    without results are left out (and the differences to them). ``target``: the held-out
+    accuracy whose cost is compared (default: the first row's mean accuracy at the end)."""
+    present = [row for row in rows if results.get(row.name)]
+    if target is None and present:
+        first = results[present[0].name]
+        target = sum(r["accuracy"] for r in first.values()) / len(first)
     table = []
-    for row in rows:
-        runs = results.get(row.name, {})
-        if not runs:
-            continue
+    for row in present:
+        runs = results[row.name]
         seeds = sorted(runs)
         record: dict = {"row": row.name, "seeds": len(seeds), "compare_to": row.compare_to}
+        matrix = _problem_matrix([runs[s] for s in seeds])
         acc = [runs[s]["accuracy"] for s in seeds]
-        record["accuracy"] = _interval(acc, resamples)
+        if matrix is not None:
+            record["accuracy"] = crossed_bootstrap_ci(matrix, resamples=resamples)
+            record["interval"] = "seeds x problems"
+        else:
+            record["accuracy"] = _over_seeds(acc, resamples)
+            record["interval"] = "seeds"
         for column in COLUMNS[1:]:
             record[column] = sum(runs[s][column] for s in seeds) / len(seeds)
+        record["target"] = target
+        record["to_target"] = to_target([runs[s] for s in seeds], target)
         base = results.get(row.compare_to or "", {})
         paired = [s for s in seeds if s in base]
         if paired:
-            a = [base[s]["accuracy"] for s in paired]
-            b = [runs[s]["accuracy"] for s in paired]
-            if len(paired) == 1:
-                record["diff"] = _interval([b[0] - a[0]], resamples)
-            else:
-                record["diff"] = paired_bootstrap_ci(a, b, resamples=resamples)
-                record["p"] = paired_permutation_pvalue(a, b, resamples=resamples)
+            _difference(record, [base[s] for s in paired], [runs[s] for s in paired], resamples)
         table.append(record)
     return table
+
+
+def _difference(record: dict, a: list[dict], b: list[dict], resamples: int) -> None:
+    """``diff`` (b - a, paired by seed and, when both have them, by problem) and ``p``."""
+    ma, mb = _problem_matrix(a), _problem_matrix(b)
+    acc_a, acc_b = [r["accuracy"] for r in a], [r["accuracy"] for r in b]
+    if ma is not None and mb is not None and sorted(a[0]["problems"]) == sorted(b[0]["problems"]):
+        record["diff"] = crossed_bootstrap_ci(mb - ma, resamples=resamples)
+    elif len(a) == 1:
+        record["diff"] = _over_seeds([acc_b[0] - acc_a[0]], resamples)
+    else:
+        record["diff"] = paired_bootstrap_ci(acc_a, acc_b, resamples=resamples)
+    if len(a) > 1:
+        record["p"] = paired_permutation_pvalue(acc_a, acc_b, resamples=resamples)
 
 
 def as_json(table: list[dict]) -> str:
     def plain(value):
         if isinstance(value, Interval):
             return {"mean": value.mean, "low": value.low, "high": value.high}
+        if isinstance(value, float) and math.isnan(value):
+            return None
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
         return value
 
     return json.dumps([{k: plain(v) for k, v in r.items()} for r in table], indent=2) + "\n"
 
 
+def _points(i: Interval, sign: bool = False) -> str:
+    fmt = "{:+.1f}" if sign else "{:.1f}"
+    mean, low, high = (fmt.format(100 * x) for x in (i.mean, i.low, i.high))
+    return mean if i.low == i.high else f"{mean} [{low}, {high}]"
+
+
 def markdown(table: list[dict]) -> str:
-    """The table as markdown: accuracy in points with its 95% interval over seeds."""
-
-    def points(i: Interval, sign: bool = False) -> str:
-        fmt = "{:+.1f}" if sign else "{:.1f}"
-        mean, low, high = (fmt.format(100 * x) for x in (i.mean, i.low, i.high))
-        return mean if i.low == i.high else f"{mean} [{low}, {high}]"
-
+    """The table as markdown: accuracy in points with its 95% interval (over seeds and
+    problems, or over seeds: the column header says which), then the cost of reaching the
+    target accuracy."""
+    if not table:
+        return "(no finished runs)\n"
+    over = {r["interval"] for r in table}
+    over_text = over.pop() if len(over) == 1 else "seeds x problems, or seeds"
     lines = [
-        "| configuration | seeds | held-out accuracy [95% over seeds] | vs | difference [95%] | p "
-        "| generated tokens | seconds | tokens per kept group | entropy | truncated |",
+        f"| configuration | seeds | held-out accuracy [95% over {over_text}] | vs "
+        "| difference [95%] | p (seeds) | generated tokens | seconds | tokens per kept group "
+        "| entropy | truncated |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in table:
-        diff = points(r["diff"], sign=True) if "diff" in r else ""
+        diff = _points(r["diff"], sign=True) if "diff" in r else ""
         p = f"{r['p']:.3f}" if "p" in r else ""
         lines.append(
-            f"| {r['row']} | {r['seeds']} | {points(r['accuracy'])} | {r['compare_to'] or ''} "
+            f"| {r['row']} | {r['seeds']} | {_points(r['accuracy'])} | {r['compare_to'] or ''} "
             f"| {diff} | {p} | {r['gen_tokens']:,.0f} | {r['seconds']:.0f} "
             f"| {r['tokens_per_kept_group']:.0f} | {r['entropy']:.3f} | {r['truncated']:.3f} |"
         )
+    target = table[0]["target"]
+    lines += [
+        "",
+        f"To reach held-out accuracy {100 * target:.1f} (mean over the runs that did):",
+        "",
+        "| configuration | runs that reached it | steps | generated tokens | seconds |",
+        "|---|---|---|---|---|",
+    ]
+    for r in table:
+        t = r["to_target"]
+        cost = (
+            f"{t['steps']:.0f} | {t['gen_tokens']:,.0f} | {t['seconds']:.0f}"
+            if t["reached"]
+            else "- | - | -"
+        )
+        lines.append(f"| {r['row']} | {t['reached']}/{t['runs']} | {cost} |")
     return "\n".join(lines) + "\n"

@@ -1,7 +1,7 @@
-"""``dapo ablate --plan table1|eps-high|2x2|successors [--seeds 3] [--budget steps=N]
-[--parallel K] [--config FILE] [--out DIR] [section.field=value ...]``: run every
-configuration of a plan at every seed as an ordinary run under one directory, then print the
-table as markdown.
+"""``dapo ablate --plan table1|eps-high|2x2|successors [--seeds 3]
+[--budget steps=N|tokens=N|seconds=S] [--parallel K] [--target ACC] [--config FILE] [--out DIR]
+[section.field=value ...]``: run every configuration of a plan at every seed as an ordinary
+run under one directory, then print the table as markdown.
 
 Finished runs are skipped and stopped ones resumed, so the same command continues an
 interrupted ablation. Beside the runs it writes ``table.md``, ``table.json`` and the overlaid
@@ -27,8 +27,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seeds", type=int, default=3, help="runs per configuration (default 3)")
     p.add_argument(
         "--budget",
-        metavar="steps=N",
-        help="equal compute per run: N rollout steps (default: the config's train.steps)",
+        metavar="steps=N|tokens=N|seconds=S",
+        help="equal compute per run: N rollout steps, N generated tokens or S seconds of "
+        "training steps, each run stopping after the step that spends it (default: the "
+        "config's train.steps)",
+    )
+    p.add_argument(
+        "--target",
+        type=float,
+        metavar="ACC",
+        help="held-out accuracy (0-1) whose cost in steps, tokens and seconds is compared "
+        "(default: the first row's mean accuracy at the end)",
     )
     p.add_argument(
         "--parallel", type=int, default=1, metavar="K", help="runs at a time (cores split)"
@@ -41,22 +50,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def cmd_ablate(args: argparse.Namespace) -> int:
     from dapo.ablate import PLANS, expand
-    from dapo.ablate.runs import job_steps, run_jobs, state
+    from dapo.ablate.runs import job_limits, run_jobs, state
     from dapo.ablate.table import ablation_table, as_json, markdown, read_result
     from dapo.config import load_config
 
     if args.parallel < 1:
         raise ValueError(f"--parallel must be >= 1, got {args.parallel}")
+    if args.target is not None and not 0.0 <= args.target <= 1.0:
+        raise ValueError(f"--target is a held-out accuracy in [0, 1], got {args.target}")
     jobs = expand(args.plan, seeds=args.seeds, budget=args.budget, extra=tuple(args.overrides))
     for job in jobs:  # every configuration is checked before any run starts
         load_config(args.config, list(job.overrides))
     out = args.out or Path("runs") / f"ablate-{args.plan}"
     failed = run_jobs(jobs, out, parallel=args.parallel, config=args.config)
-    done = [j for j in jobs if state(out / j.name, job_steps(j)) == "done"]
+    done = [j for j in jobs if state(out / j.name, job_limits(j)) == "done"]
     results: dict = {}
     for job in done:
         results.setdefault(job.row.name, {})[job.seed] = read_result(out / job.name)
-    table = ablation_table(PLANS[args.plan](), results)
+    table = ablation_table(PLANS[args.plan](), results, target=args.target)
     text = markdown(table)
     (out / "table.md").write_text(text)
     (out / "table.json").write_text(as_json(table))

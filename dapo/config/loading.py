@@ -264,6 +264,8 @@ RESUME_SAFE_FIELDS = frozenset(
         "run.wandb_project",
         "embedded.cache_dir",
         "train.steps",
+        "train.max_gen_tokens",
+        "train.max_seconds",
         "train.save_every",
         "train.keep_checkpoints",
         "train.max_consecutive_skips",

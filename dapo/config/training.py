@@ -154,6 +154,12 @@ class SamplingConfig:
 class TrainConfig:
     steps: int = 100
     """Rollout steps (each: generate, filter, then epochs x mini-batch updates)."""
+    max_gen_tokens: int = 0
+    """Also stop after the step at which the tokens generated for training (every response
+    sampled, kept or not) reach this many: a budget of equal generation (0 = none)."""
+    max_seconds: float = 0.0
+    """Also stop after the step at which the training steps' time (evaluations and
+    checkpoints not counted) reaches this many seconds (0 = none)."""
     prompts_per_step: int = 512
     """N, prompts (groups) trained on per step (paper: 512)."""
     responses_per_minibatch: int = 512
@@ -193,6 +199,10 @@ class TrainConfig:
         ]
         if self.save_every < 0:
             errors.append("train.save_every must be >= 0 (0 = only after the last step)")
+        if self.max_gen_tokens < 0:
+            errors.append("train.max_gen_tokens must be >= 0 (0 = no limit)")
+        if not self.max_seconds >= 0:
+            errors.append("train.max_seconds must be >= 0 (0 = no limit)")
         return errors
 
 
