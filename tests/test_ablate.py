@@ -60,6 +60,8 @@ def test_the_sweeps_and_the_successors():
     eps = [algorithm(r.overrides) for r in PLANS["eps-high"]()]
     assert [c["algo.eps_high"] for c in eps] == [0.20, 0.24, 0.28, 0.32, 0.36]
     assert all(changed(c, dapo) <= {"algo.eps_high"} for c in eps)
+    compared = [r.compare_to for r in PLANS["eps-high"]()]
+    assert compared == ["eps_high=0.28"] * 2 + [None] + ["eps_high=0.28"] * 2
     grid = {
         (c["algo.eps_high"], c["sampling.dynamic"]): changed(c, dapo)
         for c in (algorithm(r.overrides) for r in PLANS["2x2"]())
@@ -224,7 +226,8 @@ def test_the_command_runs_resumes_and_prints_the_table(tmp_path, capsys):
         "train.responses_per_minibatch=8", "eval.num_samples=1", "reward.workers=0",
         f"embedded.cache_dir={tmp_path / 'cache'}",
     ]  # fmt: skip
-    argv = ["ablate", "--plan", "successors", "--seeds", "1", "--budget", "steps=1"]
+    # A token budget of 1: each run stops after its first step, and is then done.
+    argv = ["ablate", "--plan", "successors", "--seeds", "1", "--budget", "tokens=1"]
     argv += ["--out", str(tmp_path / "abl"), *small]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
@@ -233,5 +236,6 @@ def test_the_command_runs_resumes_and_prints_the_table(tmp_path, capsys):
         assert f"| {name} | 1 | " in out
     assert json.loads((tmp_path / "abl" / "table.json").read_text())[1]["compare_to"] == "DAPO"
     assert (tmp_path / "abl" / "report" / "report.html").is_file()
+    assert json.loads((tmp_path / "abl" / "dapo-seed0" / "summary.json").read_text())["steps"] == 1
     assert cli.main(argv) == 0
     assert "4 runs, 4 done already, 0 to run" in capsys.readouterr().out
