@@ -1,3 +1,6 @@
+from pathlib import Path
+
+from dapo.config import load_config
 from dapo.data.problems import PromptSampler
 from dapo.data.prompts import PROMPT_PREFIX, PROMPT_SUFFIX, render_prompt
 from dapo.tasks import get_verifier
@@ -70,3 +73,24 @@ def test_a_system_prompt_goes_first_unless_the_problem_has_one(tokenizer):
     assert render_prompt(tokenizer, own, system_prompt="Be brief.").startswith("System: Mine.\n")
     raw = render_prompt(tokenizer, plain, chat_template=False, system_prompt="Be brief.")
     assert raw == "Be brief.\n\nWhat is 2 + 2?"
+
+
+def test_the_long_recipe_gives_responses_of_every_length_up_to_past_l_max(tokenizer):
+    # recipes/demo-long.yaml's claim: its warm-up solutions run from ~10 tokens to past L_max,
+    # the one-line style always penalty-free, the step-by-step one punished or truncated at
+    # 5 and 6 terms.
+    cfg = load_config(Path(__file__).parent.parent / "recipes" / "demo-long.yaml")
+    a, l_max = cfg.arith, cfg.rollout.max_new_tokens
+    free = l_max - cfg.algo.l_cache
+    _, _, warmup = make_splits(
+        10, 10, 2000, seed=a.seed, min_terms=a.min_terms, max_terms=a.max_terms,
+        operators=a.operators, style=a.solution,
+    )  # fmt: skip
+    lengths: dict[str, list[int]] = {"one line": [], "step by step": []}
+    for _, solution in warmup:
+        style = "step by step" if solution.count("\n") >= 2 else "one line"
+        lengths[style].append(len(tokenizer(solution)["input_ids"]) + 1)  # and end-of-text
+    assert min(lengths["one line"]) <= 12 and max(lengths["one line"]) <= free
+    assert max(lengths["step by step"]) > l_max
+    punished = sum(n > free for n in lengths["step by step"]) / len(lengths["step by step"])
+    assert 0.2 < punished < 0.8
