@@ -10,8 +10,9 @@ import pytest
 
 from dapo import cli
 from dapo.ablate import PLANS, expand
+from dapo.ablate.plans import interaction_2x2
 from dapo.ablate.runs import job_limits, run_jobs, state
-from dapo.ablate.table import ablation_table, markdown, to_target
+from dapo.ablate.table import ablation_table, contrast, contrast_line, markdown, to_target
 from dapo.config import load_config
 from dapo.eval_metrics import (
     bootstrap_ci,
@@ -239,3 +240,29 @@ def test_the_command_runs_resumes_and_prints_the_table(tmp_path, capsys):
     assert json.loads((tmp_path / "abl" / "dapo-seed0" / "summary.json").read_text())["steps"] == 1
     assert cli.main(argv) == 0
     assert "4 runs, 4 done already, 0 to run" in capsys.readouterr().out
+
+
+def test_the_2x2_interaction_is_both_on_minus_each_alone_plus_neither():
+    weights = interaction_2x2()
+    names = [r.name for r in PLANS["2x2"]()]  # off/off, off/on, on/off, on/on
+    assert weights == {names[3]: 1.0, names[2]: -1.0, names[1]: -1.0, names[0]: 1.0}
+    # Per seed: 0.30 - 0.26 - 0.25 + 0.24 = 0.03, and 0.40 - 0.30 - 0.31 + 0.26 = 0.05.
+    accs = ([0.24, 0.26], [0.25, 0.31], [0.26, 0.30], [0.30, 0.40])
+    res = results(**dict(zip(names, accs, strict=True)))
+    got = contrast(res, weights, resamples=2000)
+    assert got["value"].mean == pytest.approx(0.04) and got["interval"] == "seeds"
+    assert (got["value"].low, got["value"].high) == pytest.approx((0.03, 0.05))
+    assert got["p"] == paired_permutation_pvalue([0, 0], [0.03, 0.05], resamples=2000)
+    assert "= +4.0 [+3.0, +5.0] points (95% over seeds, 2 seeds, p (seeds) " in contrast_line(
+        "interaction", weights, got
+    )
+    # With each run's problems: the same contrast, problem by problem.
+    for row in names:
+        for run in res[row].values():
+            run["problems"] = {"a": run["accuracy"] - 0.1, "b": run["accuracy"] + 0.1}
+    got = contrast(res, weights, resamples=2000)
+    assert got["interval"] == "seeds x problems" and got["value"].mean == pytest.approx(0.04)
+    del res[names[0]][1]
+    assert contrast(res, weights)["seeds"] == 1  # only seed 0 has all four rows
+    del res[names[0]][0]
+    assert contrast(res, weights) is None

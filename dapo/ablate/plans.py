@@ -85,6 +85,17 @@ def successors() -> list[Row]:
 PLANS = {"table1": table1, "eps-high": eps_high, "2x2": two_by_two, "successors": successors}
 
 
+def interaction_2x2() -> dict[str, float]:
+    """The 2x2's interaction as weights on its rows: (both on) - (clip-higher only) -
+    (dynamic sampling only) + (neither), how much more the two give together than apart."""
+    off_off, off_on, on_off, on_on = (r.name for r in two_by_two())
+    return {on_on: 1.0, on_off: -1.0, off_on: -1.0, off_off: 1.0}
+
+
+CONTRASTS = {"2x2": ("interaction", interaction_2x2)}
+"""Per plan, a named weighted sum of its rows reported below the table."""
+
+
 @dataclass(frozen=True)
 class Job:
     """One run of an ablation: a row at one seed."""

@@ -152,6 +152,41 @@ def _difference(record: dict, a: list[dict], b: list[dict], resamples: int) -> N
         record["p"] = paired_permutation_pvalue(acc_a, acc_b, resamples=resamples)
 
 
+def contrast(
+    results: dict[str, dict[int, dict]], weights: dict[str, float], resamples: int = 10_000
+) -> dict | None:
+    """``sum(weight * accuracy)`` over the weighted rows, seed by seed (and problem by problem
+    when every run has its problems), with its interval; None unless every row has a result
+    at a shared seed."""
+    seeds = sorted(set.intersection(*(set(results.get(r, {})) for r in weights)))
+    if not seeds:
+        return None
+    runs = {r: [results[r][s] for s in seeds] for r in weights}
+    matrices = {r: _problem_matrix(v) for r, v in runs.items()}
+    uids = {tuple(sorted(v[0]["problems"])) for v in runs.values() if "problems" in v[0]}
+    per_seed = [
+        sum(w * runs[r][i]["accuracy"] for r, w in weights.items()) for i in range(len(seeds))
+    ]
+    out = {"seeds": len(seeds)}
+    if len(seeds) > 1:  # is the per-seed contrast centred on 0?
+        out["p"] = paired_permutation_pvalue([0.0] * len(seeds), per_seed, resamples=resamples)
+    if all(m is not None for m in matrices.values()) and len(uids) == 1:
+        combined = sum(w * matrices[r] for r, w in weights.items())
+        value = crossed_bootstrap_ci(combined, resamples=resamples)
+        return {"value": value, "interval": "seeds x problems", **out}
+    return {"value": _over_seeds(per_seed, resamples), "interval": "seeds", **out}
+
+
+def contrast_line(name: str, weights: dict[str, float], result: dict) -> str:
+    """A contrast as one markdown line: the weighted rows, its value in points, interval, p."""
+    terms = " ".join(f"{'+' if w > 0 else '-'} ({r})" for r, w in weights.items())
+    p = f", p (seeds) {result['p']:.3f}" if "p" in result else ""
+    return (
+        f"{name.capitalize()}: {terms.removeprefix('+ ')} = {_points(result['value'], True)} "
+        f"points (95% over {result['interval']}, {result['seeds']} seeds{p})\n"
+    )
+
+
 def as_json(table: list[dict]) -> str:
     def plain(value):
         if isinstance(value, Interval):

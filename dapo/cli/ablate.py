@@ -50,8 +50,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def cmd_ablate(args: argparse.Namespace) -> int:
     from dapo.ablate import PLANS, expand
+    from dapo.ablate.plans import CONTRASTS
     from dapo.ablate.runs import job_limits, run_jobs, state
-    from dapo.ablate.table import ablation_table, as_json, markdown, read_result
+    from dapo.ablate.table import (
+        ablation_table,
+        as_json,
+        contrast,
+        contrast_line,
+        markdown,
+        read_result,
+    )
     from dapo.config import load_config
 
     if args.parallel < 1:
@@ -69,6 +77,12 @@ def cmd_ablate(args: argparse.Namespace) -> int:
         results.setdefault(job.row.name, {})[job.seed] = read_result(out / job.name)
     table = ablation_table(PLANS[args.plan](), results, target=args.target)
     text = markdown(table)
+    if args.plan in CONTRASTS:  # the 2x2's interaction
+        name, weights = CONTRASTS[args.plan][0], CONTRASTS[args.plan][1]()
+        found = contrast(results, weights)
+        if found is not None:
+            text += "\n" + contrast_line(name, weights, found)
+            (out / f"{name}.json").write_text(as_json([found]))
     (out / "table.md").write_text(text)
     (out / "table.json").write_text(as_json(table))
     if done:
