@@ -183,10 +183,10 @@ class _Run:
         """Whether ``train.max_gen_tokens`` or ``train.max_seconds`` is reached (on any rank:
         step times differ between ranks, and all ranks stop after the same step)."""
         t = self.state.cfg.train
-        tokens = t.max_gen_tokens and self.spent["gen_tokens"] >= t.max_gen_tokens
-        seconds = t.max_seconds and self.spent["step_seconds"] >= t.max_seconds
         if not (t.max_gen_tokens or t.max_seconds):
             return False
+        tokens = t.max_gen_tokens and self.spent["gen_tokens"] >= t.max_gen_tokens
+        seconds = t.max_seconds and self.spent["step_seconds"] >= t.max_seconds
         return dist.any_rank(bool(tokens or seconds))
 
     @staticmethod
