@@ -59,3 +59,22 @@ def test_budgets_are_checked():
         load_config(None, ["train.max_gen_tokens=-1", "train.max_seconds=-2"])
     assert "train.max_gen_tokens must be >= 0" in str(err.value)
     assert "train.max_seconds must be >= 0" in str(err.value)
+
+
+def test_a_budget_changes_where_a_run_stops_not_its_course(tmp_path, cache_dir):
+    from safetensors.torch import load_file
+
+    common = [f"embedded.cache_dir={cache_dir}", f"run.out_dir={tmp_path}", *SMALL, "eval.every=0"]
+    assert main(["train", *common, "run.name=steps", "train.steps=2"]) == 0
+    by_steps = lines(tmp_path / "steps")
+    tokens = int(by_steps[1]["sampling/tokens_generated"]) + 1  # spent during step 2
+    argv = ["train", *common, "run.name=tokens", "train.steps=10", f"train.max_gen_tokens={tokens}"]
+    assert main(argv) == 0
+    by_tokens = lines(tmp_path / "tokens")
+
+    def course(metrics):
+        return [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in metrics]
+
+    assert course(by_tokens) == course(by_steps)
+    a, b = (load_file(tmp_path / r / "model" / "model.safetensors") for r in ("steps", "tokens"))
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
