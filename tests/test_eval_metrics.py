@@ -14,7 +14,6 @@ from dapo.eval_metrics import (
     Interval,
     bootstrap_ci,
     compare,
-    crossed_bootstrap_ci,
     majority_vote,
     paired_bootstrap_ci,
     paired_permutation_pvalue,
@@ -23,6 +22,7 @@ from dapo.eval_metrics import (
     reflection_count,
     summarize,
 )
+from dapo.intervals import crossed_bootstrap_ci
 
 
 def _brute_force_pass_at_k(n: int, c: int, k: int) -> Fraction:
