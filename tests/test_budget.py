@@ -65,6 +65,7 @@ def test_a_budget_changes_where_a_run_stops_not_its_course(tmp_path, cache_dir):
     from safetensors.torch import load_file
 
     common = [f"embedded.cache_dir={cache_dir}", f"run.out_dir={tmp_path}", *SMALL, "eval.every=0"]
+    common.append("run.threads=1")  # bit for bit: a fixed thread count
     assert main(["train", *common, "run.name=steps", "train.steps=2"]) == 0
     by_steps = lines(tmp_path / "steps")
     tokens = int(by_steps[1]["sampling/tokens_generated"]) + 1  # spent during step 2
