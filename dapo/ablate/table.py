@@ -64,14 +64,16 @@ def read_result(run_dir: Path) -> dict:
     return result
 
 
-def _problem_matrix(runs: Sequence[dict]) -> np.ndarray | None:
-    """Runs x problems (in uid order) when every run has the same problems, else None."""
+def _problem_matrices(*groups: Sequence[dict]) -> list[np.ndarray] | None:
+    """Per group of runs, a runs x problems matrix (problems in uid order), when every run of
+    every group kept its problems and they are the same problems; else None."""
+    runs = [r for group in groups for r in group]
     if not runs or any("problems" not in r for r in runs):
         return None
     uids = sorted(runs[0]["problems"])
     if any(sorted(r["problems"]) != uids for r in runs):
         return None
-    return np.array([[r["problems"][u] for u in uids] for r in runs], dtype=np.float64)
+    return [np.array([[r["problems"][u] for u in uids] for r in g], np.float64) for g in groups]
 
 
 def _over_seeds(values: Sequence[float], resamples: int) -> Interval:
@@ -118,10 +120,10 @@ def ablation_table(
         runs = results[row.name]
         seeds = sorted(runs)
         record: dict = {"row": row.name, "seeds": len(seeds), "compare_to": row.compare_to}
-        matrix = _problem_matrix([runs[s] for s in seeds])
+        matrices = _problem_matrices([runs[s] for s in seeds])
         acc = [runs[s]["accuracy"] for s in seeds]
-        if matrix is not None:
-            record["accuracy"] = crossed_bootstrap_ci(matrix, resamples=resamples)
+        if matrices is not None:
+            record["accuracy"] = crossed_bootstrap_ci(matrices[0], resamples=resamples)
             record["interval"] = "seeds x problems"
         else:
             record["accuracy"] = _over_seeds(acc, resamples)
@@ -140,10 +142,10 @@ def ablation_table(
 
 def _difference(record: dict, a: list[dict], b: list[dict], resamples: int) -> None:
     """``diff`` (b - a, paired by seed and, when both have them, by problem) and ``p``."""
-    ma, mb = _problem_matrix(a), _problem_matrix(b)
+    matrices = _problem_matrices(a, b)
     acc_a, acc_b = [r["accuracy"] for r in a], [r["accuracy"] for r in b]
-    if ma is not None and mb is not None and sorted(a[0]["problems"]) == sorted(b[0]["problems"]):
-        record["diff"] = crossed_bootstrap_ci(mb - ma, resamples=resamples)
+    if matrices is not None:
+        record["diff"] = crossed_bootstrap_ci(matrices[1] - matrices[0], resamples=resamples)
     elif len(a) == 1:
         record["diff"] = _over_seeds([acc_b[0] - acc_a[0]], resamples)
     else:
@@ -162,16 +164,15 @@ def contrast(
     if not seeds:
         return None
     runs = {r: [results[r][s] for s in seeds] for r in weights}
-    matrices = {r: _problem_matrix(v) for r, v in runs.items()}
-    uids = {tuple(sorted(v[0]["problems"])) for v in runs.values() if "problems" in v[0]}
+    matrices = _problem_matrices(*runs.values())
     per_seed = [
         sum(w * runs[r][i]["accuracy"] for r, w in weights.items()) for i in range(len(seeds))
     ]
     out = {"seeds": len(seeds)}
     if len(seeds) > 1:  # is the per-seed contrast centred on 0?
         out["p"] = paired_permutation_pvalue([0.0] * len(seeds), per_seed, resamples=resamples)
-    if all(m is not None for m in matrices.values()) and len(uids) == 1:
-        combined = sum(w * matrices[r] for r, w in weights.items())
+    if matrices is not None:
+        combined = sum(w * m for w, m in zip(weights.values(), matrices, strict=True))
         value = crossed_bootstrap_ci(combined, resamples=resamples)
         return {"value": value, "interval": "seeds x problems", **out}
     return {"value": _over_seeds(per_seed, resamples), "interval": "seeds", **out}
