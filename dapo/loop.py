@@ -150,13 +150,15 @@ class _Run:
     def steps(self, stop: GracefulStop) -> None:
         """Steps until the last, or a stop signal; then the final checkpoint and model."""
         state, t, e = self.state, self.state.cfg.train, self.state.cfg.eval
-        while state.step < t.steps and not self.budget_spent() and not self.stopping(stop):
+        # Checked once per step: under torchrun, budget_spent is a collective.
+        done = state.step >= t.steps or self.budget_spent()
+        while not done and not self.stopping(stop):
             self.adjust_threads()
             metrics = train_step(state)
             metrics["perf/threads"] = float(torch.get_num_threads())
             self.spent["gen_tokens"] += metrics.get("sampling/tokens_generated", 0.0)
             self.spent["step_seconds"] += metrics.get("perf/step_s", 0.0)
-            is_last = state.step == t.steps or self.budget_spent()
+            is_last = done = state.step >= t.steps or self.budget_spent()
             if is_last or (e.every and state.step % e.every == 0):
                 self.val_last = self.validate()
                 metrics.update(self.val_last)
@@ -167,8 +169,7 @@ class _Run:
                 self.save()
         if self.saved_at != state.step:
             self.save()
-        budget_met = state.step >= t.steps or self.budget_spent()
-        if not budget_met and self.stopping(stop):  # the same step on every rank
+        if not done and self.stopping(stop):  # the same step on every rank
             raise RunStopped(
                 f"stopped by {stop.name} after step {state.step} of {t.steps}; checkpoint "
                 f"saved. Resume with: dapo train --resume {self.run_dir}",
