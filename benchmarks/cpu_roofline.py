@@ -6,7 +6,7 @@ Measures, with torch's current thread count:
 - the dense float32 matmul peak (GFLOP/s, best square matmul of 1024-4096);
 - the memory bandwidth (GB/s, best copy of a 256 MiB tensor: bytes read + written);
 then, on the model (a Hugging Face directory, e.g. from ``dapo model import``):
-- a training pass as the trainer runs it (``dapo.model.response_logprobs``, prompts shared
+- a training pass as the trainer runs it (``dapo.models.logprobs.response_logprobs``, prompts shared
   within groups of 8, forward + backward of the token log-probs' sum) on ``--rows`` rows:
   achieved GFLOP/s, counted as 6 x matmul parameters x computed positions (attention's
   score matmuls added), and its share of the matmul peak: a CPU "MFU";
@@ -60,7 +60,7 @@ def matmul_params(model) -> int:
 
 
 def training_pass(model, args) -> dict:
-    from dapo.model import response_logprobs
+    from dapo.models.logprobs import response_logprobs
 
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
@@ -118,7 +118,7 @@ def main() -> None:
     if args.model:
         from transformers import AutoModelForCausalLM
 
-        from dapo.policy import tokenizer_from_dir
+        from dapo.models.policy import tokenizer_from_dir
 
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
         params = sum(q.numel() for q in model.parameters())

@@ -47,14 +47,14 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the same for both sys
 
 
 def build(seed: int = 0, model_dir: str = ""):
-    from dapo import demo
+    from dapo.models import demo
 
     if model_dir:
         from pathlib import Path
 
         from transformers import AutoModelForCausalLM
 
-        from dapo.policy import tokenizer_from_dir
+        from dapo.models.policy import tokenizer_from_dir
 
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         return model, tokenizer_from_dir(Path(model_dir))
@@ -87,8 +87,8 @@ def our_config(prompts: int, new_tokens: int, extra: list[str]):
 
 
 def time_ours(model, tokenizer, problems, cfg, steps: int, warmup: int) -> list[tuple]:
-    from dapo.reward_pool import RewardPool
-    from dapo.trainer import build_state, train_step
+    from dapo.reward.pool import RewardPool
+    from dapo.train.step import build_state, train_step
 
     state = build_state(cfg, model.to(DEVICE), tokenizer, problems)
     times = []
@@ -114,7 +114,7 @@ def time_trl(
     from trl import GRPOConfig, GRPOTrainer
 
     from dapo.data.prompts import render_prompt
-    from dapo.tasks.math_dapo import math_score
+    from dapo.reward.tasks.math_dapo import math_score
 
     def reward(completions, answer, **_):
         return [math_score(c, a).score for c, a in zip(completions, answer, strict=True)]
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     transformers.logging.set_verbosity_error()
-    from dapo.tasks import arith
+    from dapo.reward.tasks import arith
 
     chat = dict(prompt="chat", max_terms=3) if args.model else {}
     pairs = arith.make_splits((args.warmup + args.steps) * args.prompts, 1, 0, seed=1234, **chat)[0]

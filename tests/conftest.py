@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dapo.demo import TinyModelSpec, build_tokenizer, tiny_qwen2
+from dapo.models.demo import TinyModelSpec, build_tokenizer, tiny_qwen2
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""Verifiers that misbehave on purpose, for tests of dapo.reward_pool.
+"""Verifiers that misbehave on purpose, for tests of dapo.reward.pool.
 
 They live in their own module, not in the test file, because worker processes
 (forkserver or spawn) unpickle ``resolve`` by reference and must import it: pytest
@@ -13,8 +13,8 @@ import signal
 import sys
 import time
 
-from dapo.tasks.base import RewardFn, Score
-from dapo.tasks.math_dapo import math_score
+from dapo.reward.tasks.base import RewardFn, Score
+from dapo.reward.tasks.math_dapo import math_score
 
 
 def _raise(response: str, answer: str) -> Score:

@@ -8,9 +8,9 @@ from pathlib import Path
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from dapo.config import load_config
-from dapo.demo import build_tokenizer
+from dapo.models.demo import build_tokenizer
+from dapo.reward.tasks import arith
 from dapo.rollout import Rollout, make_engine
-from dapo.tasks import arith
 
 ARCHS = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
 

@@ -14,7 +14,7 @@ from dapo.ablate.plans import interaction_2x2
 from dapo.ablate.runs import job_limits, run_jobs, state
 from dapo.ablate.table import ablation_table, contrast, contrast_line, markdown, to_target
 from dapo.config import load_config
-from dapo.intervals import (
+from dapo.eval.intervals import (
     bootstrap_ci,
     crossed_bootstrap_ci,
     paired_bootstrap_ci,

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from dapo.bench import summarize_steps
 from dapo.cli import main
+from dapo.train.bench import summarize_steps
 
 
 def test_summary_takes_medians_and_shares():

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from dapo import checkpoint
-from dapo.demo import TinyModelSpec, tiny_qwen2
-from dapo.metrics import MetricsLogger
+from dapo.models.demo import TinyModelSpec, tiny_qwen2
+from dapo.run import checkpoint
+from dapo.run.metrics import MetricsLogger
 
 SPEC = TinyModelSpec(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2)
 

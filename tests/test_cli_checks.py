@@ -8,7 +8,9 @@ from collections import namedtuple
 
 import pytest
 
-from dapo import cli, policy, rundir
+from dapo import cli
+from dapo.models import policy
+from dapo.run import rundir
 
 
 class ModelLoaded(Exception):

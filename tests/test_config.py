@@ -4,7 +4,6 @@ from pathlib import Path
 
 import pytest
 
-from dapo import presets
 from dapo.config import (
     MOVED_KEYS,
     AlgoConfig,
@@ -14,6 +13,7 @@ from dapo.config import (
     choices,
     load_config,
     parse_override,
+    presets,
 )
 
 
@@ -212,7 +212,7 @@ def test_the_config_loads_without_torch():
 
 def test_every_choice_is_declared_once_on_its_field():
     from dapo import algo
-    from dapo.policy import DTYPES
+    from dapo.models.policy import DTYPES
     from dapo.rollout import ENGINES
 
     assert choices(AlgoConfig, "loss_agg") == algo.AGG_MODES

@@ -328,7 +328,7 @@ def test_check_command_prints_figures_and_exit_status(messy_file, dapo_file, cap
         "duplicate rows: 1 (1 problems appear more than once",
         "empty answers: 1",
         "non-integer answers: 2 (e.g. row 1: '\\\\frac{1}{2}', row 4: 'x^2')",
-        "no verifier in dapo.tasks for: other",
+        "no verifier in dapo.reward.tasks for: other",
         "bad rows: 2 (skipped)",
         "  row 5, field reward_model.ground_truth: ground truth '11' differs from row 0's '10'",
     ]:
@@ -501,7 +501,7 @@ def test_the_ground_truth_reaches_the_verifier_as_written(tmp_path):
     """The reference grades a \\boxed{} answer against the ground truth unnormalised, and
     normalises an Answer: line's both sides with the same rules: stripping the file's value
     first would change both verdicts."""
-    from dapo.tasks.math_dapo import math_score
+    from dapo.reward.tasks.math_dapo import math_score
 
     path = write(
         tmp_path / "spaced.jsonl",

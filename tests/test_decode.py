@@ -8,7 +8,7 @@ import torch
 from helpers import generate
 from transformers import TopPLogitsWarper
 
-from dapo.model import response_logprobs
+from dapo.models.logprobs import response_logprobs
 from dapo.rollout import make_engine
 from dapo.rollout.native import decode, sample_from_logits, sampling_cdf
 
@@ -210,14 +210,14 @@ def test_non_finite_logits_stop_sampling_instead_of_drawing_the_last_token():
 
 def test_a_cache_that_cannot_be_sliced_by_row(monkeypatch, tiny_model, tokenizer):
     """Training falls back to the plain forward; the dapo engine says to use the hf one."""
-    import dapo.model
+    import dapo.models.logprobs
     import dapo.rollout.native
 
     ro = generate(tiny_model, tokenizer, PROMPTS, group_size=3, max_new_tokens=8, seed=4)
     args = (ro.prompt_ids_BP, ro.prompt_mask_BP, ro.response_ids_BT, ro.response_mask_BT)
     with torch.no_grad():
         shared, _ = response_logprobs(tiny_model, *args)
-        monkeypatch.setattr(dapo.model, "row_sliceable", lambda cache: False)
+        monkeypatch.setattr(dapo.models.logprobs, "row_sliceable", lambda cache: False)
         fallback, _ = response_logprobs(tiny_model, *args)
         plain, _ = response_logprobs(tiny_model, *args, share_prompts=False)
     assert torch.equal(fallback, plain)
@@ -267,7 +267,7 @@ def test_the_sampler_draws_the_exact_softmax_on_a_152k_vocabulary():
 def test_every_stop_token_ends_a_response_in_both_engines(tiny_model, tokenizer):
     """An instruct model stops on several tokens (its generation_config lists them): both
     engines end a response at the first one, mask what follows and call it finished."""
-    from dapo.policy import stop_token_ids
+    from dapo.models.policy import stop_token_ids
 
     ids, mask = _encode(tokenizer)
     common = dict(max_new_tokens=20, pad_token_id=tokenizer.pad_token_id)

@@ -3,8 +3,8 @@ from pathlib import Path
 from dapo.config import load_config
 from dapo.data.problems import PromptSampler
 from dapo.data.prompts import PROMPT_PREFIX, PROMPT_SUFFIX, render_prompt
-from dapo.tasks import get_verifier
-from dapo.tasks.arith import make_splits, worked_solution
+from dapo.reward.tasks import get_verifier
+from dapo.reward.tasks.arith import make_splits, worked_solution
 
 
 def test_worked_solution_is_graded_correct():

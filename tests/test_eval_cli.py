@@ -6,7 +6,7 @@ import pytest
 
 from dapo.cli import main
 from dapo.data.prompts import PROMPT_PREFIX
-from dapo.tasks import arith
+from dapo.reward.tasks import arith
 
 pytest.importorskip("pyarrow")
 

@@ -9,7 +9,8 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from dapo.eval_metrics import (
+from dapo.eval.intervals import crossed_bootstrap_ci
+from dapo.eval.metrics import (
     REFLECTIVE_PHRASES,
     Interval,
     bootstrap_ci,
@@ -22,7 +23,6 @@ from dapo.eval_metrics import (
     reflection_count,
     summarize,
 )
-from dapo.intervals import crossed_bootstrap_ci
 
 
 def _brute_force_pass_at_k(n: int, c: int, k: int) -> Fraction:
@@ -298,7 +298,7 @@ def test_compare_on_hand_made_evaluations():
 
 
 def test_pick_samples_takes_shortest_correct_first_wrong_and_reflective():
-    from dapo.eval_metrics import pick_samples
+    from dapo.eval.metrics import pick_samples
 
     records = [
         {

@@ -10,12 +10,15 @@ import pytest
 import torch
 from helpers import setup_run
 
-from dapo import checkpoint, loop, tasks, trainer, update
-from dapo.batch import Episode
 from dapo.config import load_config
+from dapo.data.batch import Episode
 from dapo.data.problems import Problem
-from dapo.interrupt import GracefulStop, RunStopped, StepAborted
-from dapo.tasks.base import Task
+from dapo.reward import tasks
+from dapo.reward.tasks.base import Task
+from dapo.run import checkpoint
+from dapo.run.interrupt import GracefulStop, RunStopped, StepAborted
+from dapo.train import loop, update
+from dapo.train import step as trainer
 
 
 def _fit(cfg, model, tokenizer, train, val, run_dir, *, resume=False):

@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM
 
 from dapo.cli import main
 from dapo.data.prompts import PROMPT_PREFIX, dapo_prompt
-from dapo.demo import build_tokenizer
-from dapo.tasks import arith
+from dapo.models.demo import build_tokenizer
+from dapo.reward.tasks import arith
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
@@ -86,7 +86,7 @@ def test_a_saved_demo_tokenizer_loads_as_itself(tmp_path):
     """AutoTokenizer would load it as the model family's class (Qwen2Tokenizer) and tokenize
     differently; the run must see the tokenizer that was saved."""
     from dapo.config import load_config
-    from dapo.policy import load_tokenizer
+    from dapo.models.policy import load_tokenizer
 
     model_dir = save_model(tmp_path / "m", "qwen2")
     tok = load_tokenizer(load_config(None, [f"model.path={model_dir}"]))
@@ -177,7 +177,7 @@ def test_load_policy_puts_the_model_on_the_device_in_the_dtype(tmp_path, dtype):
     import torch
 
     from dapo.config import load_config
-    from dapo.policy import load_policy
+    from dapo.models.policy import load_policy
 
     model_dir = save_model(tmp_path / "m", "llama")
     cfg = load_config(None, [f"model.path={model_dir}", "model.device=cpu"])

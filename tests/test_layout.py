@@ -1,18 +1,21 @@
 """Guards the package layout: which module may import what, and how big things may grow.
 
-The architecture has one dependency direction: ``dapo.algo`` is the pure maths (tensors in,
-tensors out) at the bottom; the model, rollout, batching and sampling code sits on it and
-knows nothing of configuration files, the trainer, the loop or the command line; those sit
-on top. An import that points the other way, or an import cycle, quietly welds two layers
-together, and nothing else would notice until the layers can no longer be tested apart.
+The tree is the architecture. ``dapo/`` holds subpackages by concern, each in one layer of
+``LAYERS`` below (mirrored in ``docs/architecture.md``): ``dapo.algo``, the pure maths
+(tensors in, tensors out), sits at the bottom beside the data and the collectives; rewards,
+configuration, the run's machinery, models, rollout engines, evaluation and training sit on
+it in that order; the commands sit on top. A module imports only from its own package and
+from packages of lower layers. An import that points the other way, or an import cycle,
+quietly welds two layers together, and nothing else would notice until the layers can no
+longer be tested apart.
 
 Three boundaries matter beyond tidiness:
 
-* Verifier worker processes import ``dapo.tasks`` and ``dapo.reward_pool`` (and re-run the
-  ``dapo`` console script, hence the cheap module level of ``dapo.cli``). Importing torch,
-  transformers or numpy there costs seconds and hundreds of MB per worker.
-* ``dapo.config`` and ``dapo.presets`` must load without torch, so a config can be checked
-  (and the CLI can fail fast on a bad one) before anything heavy is imported.
+* Verifier worker processes import ``dapo.reward`` (and re-run the ``dapo`` console script,
+  hence the cheap module level of ``dapo.cli``). Importing torch, transformers or numpy there
+  costs seconds and hundreds of MB per worker.
+* ``dapo.config`` must load without torch, so a config can be checked (and the CLI can fail
+  fast on a bad one) before anything heavy is imported.
 * Only ``dapo.dist`` talks to ``torch.distributed``, so the single-process path never depends
   on it and the collective calls live in one reviewable place.
 
@@ -25,6 +28,7 @@ behaviour is pinned by the self-tests at the end, which run it on a small fake p
 from __future__ import annotations
 
 import ast
+import re
 import sys
 import textwrap
 from collections import deque
@@ -44,6 +48,30 @@ PACKAGE = "dapo"
 # fine: the layout is being built, and a rule starts biting when its module appears.
 # --------------------------------------------------------------------------------------------
 
+# The layers, lowest first: a module may import (at any depth of its code, TYPE_CHECKING
+# blocks aside) only its own package's modules and those of packages in lower layers; two
+# packages of one layer are independent. The most specific prefix places a module, so
+# dapo.data.tools (the `dapo data` command's checks, which read the task registry and a
+# tokenizer) sits with the commands while the rest of dapo.data is at the bottom. Every
+# module of the package must be placed. docs/architecture.md shows the same table.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("dapo.algo", "dapo.data", "dapo.dist"),  # maths, problems and batches, collectives
+    ("dapo.reward",),  # tasks (verifiers), the worker pool; no torch
+    ("dapo.config",),  # typed sections, presets, YAML and overrides; no torch
+    ("dapo.models", "dapo.run"),  # loading and passes; checkpoints, run dir, logging
+    ("dapo.rollout",),  # the engines
+    ("dapo.eval",),  # held-out evaluation and its statistics
+    ("dapo.train",),  # the step, the update, dynamic sampling, the loop
+    ("dapo.ablate", "dapo.data.tools", "dapo.report"),  # commands' machinery
+    ("dapo.cli",),  # the command line, a module per command
+    ("dapo.__main__",),  # python -m dapo
+)
+# The package's own __init__ holds the version and nothing else: below everything.
+ROOT_LAYER = -1
+
+# At most this many modules directly in dapo/ besides __init__.py and __main__.py.
+MAX_TOP_LEVEL_MODULES = 6
+
 # Prefix -> the only things its modules may import directly (its own imports are all it has).
 ALLOWED_ONLY: dict[str, tuple[str, ...]] = {
     # The maths stays pure so it can be read, tested and reused without the rest.
@@ -60,29 +88,35 @@ ALLOWED_ONLY: dict[str, tuple[str, ...]] = {
 
 _HEAVY = ("torch", "transformers", "numpy", "pyarrow", "matplotlib")
 
+# The machinery below the trainer takes plain arguments, never the whole config.
+_NOT_THE_CONFIG = (
+    "dapo.config",
+    "dapo.train.step",
+    "dapo.train.update",
+    "dapo.train.loop",
+    "dapo.cli",
+)
+
 # Prefix -> what its modules must never reach, directly or through other dapo modules.
 NEVER_REACH: dict[str, tuple[str, ...]] = {
     # Imported by every verifier worker process.
-    "dapo.tasks": _HEAVY,
-    "dapo.reward_pool": _HEAVY,
-    "dapo.reward_worker": _HEAVY,
+    "dapo.reward": _HEAVY,
     # A config must load (and be rejected) before torch is imported.
     "dapo.config": ("torch", "transformers"),
-    "dapo.presets": ("torch", "transformers"),
-    # The machinery below the trainer takes plain arguments, never the whole config.
-    "dapo.model": ("dapo.config", "dapo.presets", "dapo.trainer", "dapo.loop", "dapo.cli"),
-    "dapo.rollout": ("dapo.config", "dapo.presets", "dapo.trainer", "dapo.loop", "dapo.cli"),
-    "dapo.batch": ("dapo.config", "dapo.presets", "dapo.trainer", "dapo.loop", "dapo.cli"),
-    "dapo.sampling": ("dapo.config", "dapo.presets", "dapo.trainer", "dapo.loop", "dapo.cli"),
+    "dapo.models.logprobs": _NOT_THE_CONFIG,
+    "dapo.rollout": _NOT_THE_CONFIG,
+    "dapo.data.batch": _NOT_THE_CONFIG,
+    "dapo.train.sampling": _NOT_THE_CONFIG,
 }
 
 # Prefix -> what its modules must not import themselves.
 _FILE_FORMATS = ("json", "yaml", "pyarrow", "safetensors", "csv", "pickle")
 FORBIDDEN_IMPORTS: dict[str, tuple[str, ...]] = {
     # The step orchestrates; reading and writing files belongs to checkpoint/rundir/data.
-    "dapo.trainer": _FILE_FORMATS,
-    "dapo.update": _FILE_FORMATS,  # phase 4 of the same step
-    "dapo.loop": _FILE_FORMATS,  # the run's files are written by rundir and checkpoint
+    "dapo.train.step": _FILE_FORMATS,
+    "dapo.train.update": _FILE_FORMATS,  # phase 4 of the same step
+    "dapo.train.loop": _FILE_FORMATS,  # the run's files are written by rundir and checkpoint
+    "dapo.train.sampling": _FILE_FORMATS,  # dynamic sampling, inside the step
 }
 
 # Prefix -> attribute names its modules must not call (``torch.exp(x)``, ``F.softmax(x)``,
@@ -96,7 +130,10 @@ _MATHS = frozenset(
     | {"sigmoid", "minimum", "maximum", "abs", "amax", "amin", "mean", "sum", "max", "min"}
     | {"sqrt", "pow", "log1p", "expm1", "tanh", "square", "var", "cumsum", "prod", "norm"}
 )
-FORBIDDEN_CALLS: dict[str, frozenset[str]] = {"dapo.trainer": _MATHS, "dapo.update": _MATHS}
+FORBIDDEN_CALLS: dict[str, frozenset[str]] = {
+    "dapo.train.step": _MATHS,
+    "dapo.train.update": _MATHS,
+}
 
 # Dotted name -> the only module prefixes that may import it or refer to it in code.
 RESERVED: dict[str, tuple[str, ...]] = {
@@ -438,6 +475,56 @@ def reach_violations(
     return found
 
 
+def placement(name: str, layers: Sequence[Sequence[str]]) -> tuple[str, int] | None:
+    """The most specific prefix of ``layers`` that covers ``name``, and its layer."""
+    found = [(p, i) for i, layer in enumerate(layers) for p in layer if covers(p, name)]
+    return max(found, key=lambda pi: len(pi[0])) if found else None
+
+
+def unplaced_modules(
+    modules: Mapping[str, Module], layers: Sequence[Sequence[str]], root: str
+) -> list[str]:
+    """Modules in no layer (the package's own __init__ aside)."""
+    return [
+        f"{m.path}:1: {name} is in no layer; add its package to LAYERS (and to the table in "
+        "docs/architecture.md)"
+        for name, m in sorted(modules.items())
+        if name != root and placement(name, layers) is None
+    ]
+
+
+def layer_violations(
+    modules: Mapping[str, Module], layers: Sequence[Sequence[str]], root: str
+) -> list[str]:
+    """Imports of a package in the importer's own layer or a higher one."""
+    found: list[str] = []
+    for name, module in sorted(modules.items()):
+        here = placement(name, layers)
+        if here is None:
+            continue
+        for imp in _unique(module.imports):
+            if not imp.internal or imp.target == root or imp.target not in modules:
+                continue
+            there = placement(imp.target, layers)
+            if there is None or there[0] == here[0] or there[1] < here[1]:
+                continue
+            relation = "the same layer as" if there[1] == here[1] else "a higher layer than"
+            found.append(
+                f"{module.path}:{imp.line}: {name} imports {imp.target}: {there[0]} is in "
+                f"{relation} {here[0]} (layer {there[1]} against {here[1]})"
+            )
+    return found
+
+
+def top_level_modules(root: Path, package: str) -> list[str]:
+    """The modules directly in the package's directory, __init__ and __main__ aside."""
+    return sorted(
+        p.name
+        for p in (root / package).glob("*.py")
+        if p.name not in ("__init__.py", "__main__.py")
+    )
+
+
 def allowed_only_violations(
     modules: Mapping[str, Module], allowed_only: Mapping[str, Sequence[str]]
 ) -> list[str]:
@@ -599,7 +686,7 @@ def _by_location(message: str) -> tuple[str, int, str]:
 
 @dataclass
 class _SourceFile:
-    name: str  # its module name: dapo.trainer, or test_faults for tests/test_faults.py
+    name: str  # its module name: dapo.train.step, or test_faults for tests/test_faults.py
     path: str
     tree: ast.Module
     is_package: bool
@@ -778,6 +865,35 @@ def test_the_package_is_found() -> None:
 
 def test_no_import_cycles() -> None:
     _fail_on(find_cycles(_package()), "import cycles")
+
+
+def test_every_module_is_in_a_layer() -> None:
+    _fail_on(unplaced_modules(_package(), LAYERS, PACKAGE), "modules outside the layers")
+
+
+def test_packages_import_only_lower_layers() -> None:
+    _fail_on(layer_violations(_package(), LAYERS, PACKAGE), "imports against the layers")
+
+
+def test_the_top_level_holds_packages() -> None:
+    found = top_level_modules(REPO, PACKAGE)
+    assert len(found) <= MAX_TOP_LEVEL_MODULES, (
+        f"{len(found)} modules directly in {PACKAGE}/ (at most {MAX_TOP_LEVEL_MODULES}): "
+        f"{', '.join(found)}; put each in the subpackage of its concern"
+    )
+
+
+def _as_path(prefix: str) -> str:
+    path = prefix.replace(".", "/")
+    return f"{path}/" if (REPO / path).is_dir() else f"{path}.py"
+
+
+def test_the_architecture_page_shows_the_layers() -> None:
+    # docs/architecture.md has the same table: a row per layer, lowest first, "| N | paths |".
+    page = (REPO / "docs" / "architecture.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| \d+ \| ([^|]*) \|", page, flags=re.MULTILINE)
+    shown = [sorted(cell.strip(" `") for cell in row.split(",")) for row in rows]
+    assert shown == [sorted(_as_path(p) for p in layer) for layer in LAYERS]
 
 
 def test_algo_imports_only_torch_and_itself() -> None:
@@ -1047,3 +1163,45 @@ def test_checker_catches_in_place_clamp_and_special_forms(tmp_path: Path) -> Non
         "x.clamp_min()",
         "torch.special.entr()",
     ]  # the builtins max and sum count plain numbers: not maths
+
+
+def test_checker_places_modules_in_layers_and_finds_upward_imports(tmp_path: Path) -> None:
+    _write(
+        tmp_path,
+        {
+            "fakepkg/__init__.py": "",
+            "fakepkg/low/__init__.py": "",
+            "fakepkg/low/a.py": "from fakepkg.low import b\n",  # its own package: fine
+            "fakepkg/low/b.py": "def f():\n    from fakepkg.high import c\n",  # upward
+            "fakepkg/low/tool.py": "from fakepkg.high import c\nfrom fakepkg.low import a\n",
+            "fakepkg/mid/__init__.py": "",
+            "fakepkg/mid/m.py": "from fakepkg import side\nfrom fakepkg.low import a\n",
+            "fakepkg/side.py": "from fakepkg.mid import m\n",  # same layer as mid
+            "fakepkg/high/__init__.py": "",
+            "fakepkg/high/c.py": "from fakepkg.low.tool import x\nfrom fakepkg import loose\n",
+            "fakepkg/loose.py": "",
+        },
+    )
+    layers = (("fakepkg.low",), ("fakepkg.mid", "fakepkg.side"), ("fakepkg.high",))
+    layers_with_tool = (*layers, ("fakepkg.low.tool",))
+    modules = module_graph(tmp_path, "fakepkg")
+    assert placement("fakepkg.low.tool", layers_with_tool) == ("fakepkg.low.tool", 3)
+    assert placement("fakepkg.low.a", layers_with_tool) == ("fakepkg.low", 0)
+    assert unplaced_modules(modules, layers, "fakepkg") == [
+        "fakepkg/loose.py:1: fakepkg.loose is in no layer; add its package to LAYERS (and to "
+        "the table in docs/architecture.md)"
+    ]
+    # In layer 0, low.tool may not import high; placed in a layer of its own above high, it
+    # may, and then high may not import it.
+    assert layer_violations(modules, layers_with_tool, "fakepkg") == [
+        "fakepkg/high/c.py:1: fakepkg.high.c imports fakepkg.low.tool: fakepkg.low.tool is in "
+        "a higher layer than fakepkg.high (layer 3 against 2)",
+        "fakepkg/low/b.py:2: fakepkg.low.b imports fakepkg.high.c: fakepkg.high is in "
+        "a higher layer than fakepkg.low (layer 2 against 0)",
+        "fakepkg/mid/m.py:1: fakepkg.mid.m imports fakepkg.side: fakepkg.side is in "
+        "the same layer as fakepkg.mid (layer 1 against 1)",
+        "fakepkg/side.py:1: fakepkg.side imports fakepkg.mid.m: fakepkg.mid is in "
+        "the same layer as fakepkg.side (layer 1 against 1)",
+    ]
+    assert "fakepkg/low/tool.py:1" in layer_violations(modules, layers, "fakepkg")[1]
+    assert top_level_modules(tmp_path, "fakepkg") == ["loose.py", "side.py"]

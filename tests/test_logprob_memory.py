@@ -1,5 +1,5 @@
 """Log-probs in bounded memory: the output head a chunk of tokens at a time, recomputed in
-backward (algo.token_logprobs_from_hidden, used by dapo.model for plain Linear heads)."""
+backward (algo.token_logprobs_from_hidden, used by dapo.models.logprobs for plain Linear heads)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-import dapo.model
+import dapo.models.logprobs
 from dapo.algo import token_logprobs_from_hidden
-from dapo.model import output_head, response_logprobs
+from dapo.models.logprobs import output_head, response_logprobs
 
 
 def _plain(hidden, weight, tokens, temperature):
@@ -106,7 +106,7 @@ def test_the_model_path_equals_the_models_own_logits(monkeypatch, share_prompts,
         return logp.detach()[mask], entropy[mask], [p.grad.clone() for p in model.parameters()]
 
     chunked = run()
-    monkeypatch.setattr(dapo.model, "output_head", lambda _model: None)  # the logits path
+    monkeypatch.setattr(dapo.models.logprobs, "output_head", lambda _model: None)  # the logits path
     plain = run()
     assert _relative(chunked[0], plain[0]) < 1e-6
     assert _relative(chunked[1], plain[1]) < 1e-5

@@ -1,4 +1,4 @@
-"""The paper's verifier (dapo.tasks.math_dapo): hand-written cases, and agreement with the
+"""The paper's verifier (dapo.reward.tasks.math_dapo): hand-written cases, and agreement with the
 reference (verl 0.9.1's math_dapo.py, loaded from its file when verl is installed:
 ``pip install --no-deps verl==0.9.1``) on a corpus of model-like responses and on fuzzing."""
 
@@ -13,10 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dapo.tasks import get_verifier
-from dapo.tasks.base import Score
-from dapo.tasks.math_dapo import math_score, normalize
-from dapo.tasks.math_lenient import lenient_score
+from dapo.reward.tasks import get_verifier
+from dapo.reward.tasks.base import Score
+from dapo.reward.tasks.math_dapo import math_score, normalize
+from dapo.reward.tasks.math_lenient import lenient_score
 
 
 def _score(response: str, truth: str) -> tuple[bool, str]:

@@ -1,4 +1,4 @@
-"""Tests for dapo.tasks.math_verify: math-verify grading of non-integer answers.
+"""Tests for dapo.reward.tasks.math_verify: math-verify grading of non-integer answers.
 
 The verdicts asserted are what math-verify 0.9.0 really returns. Cases in
 ``LIMITATIONS`` are graded in a way a human grader would not; they are pinned here so
@@ -17,11 +17,11 @@ import pytest
 
 pytest.importorskip("math_verify")
 
-import dapo.tasks.math_verify as mv  # noqa: E402
-from dapo.reward_pool import FAULT_SCORE, Job, RewardPool  # noqa: E402
-from dapo.tasks.base import Score  # noqa: E402
-from dapo.tasks.math_lenient import TAIL_CHARS  # noqa: E402
-from dapo.tasks.math_verify import MODE_NAME, math_verify_score, resolve  # noqa: E402
+import dapo.reward.tasks.math_verify as mv  # noqa: E402
+from dapo.reward.pool import FAULT_SCORE, Job, RewardPool  # noqa: E402
+from dapo.reward.tasks.base import Score  # noqa: E402
+from dapo.reward.tasks.math_lenient import TAIL_CHARS  # noqa: E402
+from dapo.reward.tasks.math_verify import MODE_NAME, math_verify_score, resolve  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -210,7 +210,7 @@ def test_resolve_is_picklable_and_grades_any_source():
 def test_sympy_is_imported_only_on_first_use_and_nothing_is_printed():
     code = (
         "import sys\n"
-        "import dapo.tasks, dapo.reward_pool, dapo.tasks.math_verify as mv\n"
+        "import dapo.reward.tasks, dapo.reward.pool, dapo.reward.tasks.math_verify as mv\n"
         "assert 'sympy' not in sys.modules and 'math_verify' not in sys.modules\n"
         "assert mv.math_verify_score('Answer: 0.5', r'\\frac{1}{2}').correct\n"
         "assert 'sympy' in sys.modules\n"

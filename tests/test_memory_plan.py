@@ -12,10 +12,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from dapo import cli, memory_plan, policy
+from dapo import cli
 from dapo.algo import entropy_from_logits, token_logprobs_from_logits
 from dapo.config import load_config
-from dapo.memory_plan import (
+from dapo.models import policy
+from dapo.train import memory_plan
+from dapo.train.memory_plan import (
     KNOWN_SHAPES,
     ModelShape,
     PlanSettings,
@@ -62,7 +64,7 @@ def test_counts_match_the_transformers_models(config):
 
 
 def test_the_embedded_model_is_counted_as_policy_builds_it():
-    from dapo.demo import TinyModelSpec, build_tokenizer, tiny_qwen2
+    from dapo.models.demo import TinyModelSpec, build_tokenizer, tiny_qwen2
 
     cfg = load_config(None, ["embedded.hidden=64", "embedded.layers=3"])
     spec = TinyModelSpec(hidden_size=64, intermediate_size=128, num_layers=3)
@@ -248,8 +250,9 @@ class _LiveBytes(TorchDispatchMode):
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_full_logits_model_is_what_the_logits_path_holds(monkeypatch, dtype, rows):
-    # dapo.model's path under FSDP: the model's logits of the response positions [B, T + 1, V]
-    # (a Linear here), scored as dapo.model._scored does, in upcast blocks of 4 rows.
+    # dapo.models.logprobs's path under FSDP: the model's logits of the response positions
+    # [B, T + 1, V]
+    # (a Linear here), scored as dapo.models.logprobs._scored does, in upcast blocks of 4 rows.
     from dapo.algo import logits
 
     monkeypatch.setattr(logits, "UPCAST_CHUNK_ELEMENTS", 4 * 1000)
@@ -274,8 +277,8 @@ def test_the_full_logits_model_is_what_the_logits_path_holds(monkeypatch, dtype,
 
 
 def test_constants_copied_from_torch_modules_agree():
-    from dapo import sampling
     from dapo.algo import logits
+    from dapo.train import sampling
 
     assert memory_plan.HEAD_CHUNK_ELEMENTS == logits.HEAD_CHUNK_ELEMENTS
     assert memory_plan.MAX_OVERSAMPLE == sampling.MAX_OVERSAMPLE

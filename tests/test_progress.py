@@ -4,7 +4,7 @@ import io
 
 from helpers import setup_run
 
-from dapo import loop
+from dapo.train import loop
 
 
 class FakeTerminal(io.StringIO):

@@ -1,4 +1,4 @@
-"""Tests for dapo.reward_pool: verifier faults cost one response, never the run."""
+"""Tests for dapo.reward.pool: verifier faults cost one response, never the run."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import types
 import faulty_verifiers
 import pytest
 
-from dapo import tasks
-from dapo.reward_pool import FAULT_KINDS, FAULT_SCORE, Fault, Job, RewardPool
-from dapo.tasks.base import Score
-from dapo.tasks.math_dapo import math_score
+from dapo.reward import tasks
+from dapo.reward.pool import FAULT_KINDS, FAULT_SCORE, Fault, Job, RewardPool
+from dapo.reward.tasks.base import Score
+from dapo.reward.tasks.math_dapo import math_score
 
 # Deadline for the misbehaving verifiers; the grade() calls that meet one must
 # return in well under HUNG_CALL_LIMIT_S.

@@ -1,4 +1,5 @@
-"""Tests for dapo.tasks.math_lenient: the forgiving verifier (reward.mode=lenient, the arith task).
+"""Tests for dapo.reward.tasks.math_lenient: the forgiving verifier (reward.mode=lenient, the
+arith task).
 
 The paper's rules, the default, are tested in test_math_dapo.py."""
 
@@ -8,8 +9,13 @@ import time
 
 import pytest
 
-from dapo.tasks.base import Score
-from dapo.tasks.math_lenient import MAX_ANSWER_CHARS, TAIL_CHARS, lenient_score, normalize_answer
+from dapo.reward.tasks.base import Score
+from dapo.reward.tasks.math_lenient import (
+    MAX_ANSWER_CHARS,
+    TAIL_CHARS,
+    lenient_score,
+    normalize_answer,
+)
 
 # Generous for hostile input; normal answers take microseconds.
 TIME_LIMIT_S = 2.0

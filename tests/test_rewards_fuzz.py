@@ -1,5 +1,5 @@
 """Property-based tests (hypothesis) of answer extraction and normalisation in
-dapo.tasks.math_lenient.
+dapo.reward.tasks.math_lenient.
 
 The verifier grades untrusted model output, so these tests check, for inputs built
 to reach its rules and its bounds (LaTeX fragments, "Answer:" markers, grouped
@@ -33,8 +33,13 @@ import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from dapo.tasks.base import Score
-from dapo.tasks.math_lenient import MAX_ANSWER_CHARS, TAIL_CHARS, lenient_score, normalize_answer
+from dapo.reward.tasks.base import Score
+from dapo.reward.tasks.math_lenient import (
+    MAX_ANSWER_CHARS,
+    TAIL_CHARS,
+    lenient_score,
+    normalize_answer,
+)
 
 CI_EXAMPLES = 200
 LONG_EXAMPLES = 10_000

@@ -4,7 +4,7 @@ import pytest
 import torch
 from helpers import generate
 
-from dapo.model import response_logprobs
+from dapo.models.logprobs import response_logprobs
 from dapo.rollout import ENGINES, Engine, generate_samples, make_engine
 
 PROMPTS = ["User: What is 2 + 3?\nAssistant:\n", "Compute 7 + 1 + 4.\n"]  # different lengths
@@ -118,7 +118,7 @@ def test_generate_samples_in_calls_keeps_the_first_calls_draw(tiny_model, tokeni
 
 
 def test_each_call_after_the_first_has_its_own_derived_seed(tiny_model, tokenizer):
-    from dapo.seeding import derive_seed
+    from dapo.run.seeding import derive_seed
 
     engine = make_engine("dapo", tiny_model, tokenizer)
     split, _ = generate_samples(

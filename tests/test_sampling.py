@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from dapo.batch import Episode
-from dapo.sampling import (
+from dapo.data.batch import Episode
+from dapo.train.sampling import (
     DynamicSamplingExhausted,
     Group,
     SamplingResult,

@@ -17,9 +17,10 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-from dapo import inputs, policy
 from dapo.config import load_config
-from dapo.trainer import build_state, train_step
+from dapo.models import policy
+from dapo.train import inputs
+from dapo.train.step import build_state, train_step
 
 TINY = [
     # Right sometimes, so dynamic sampling keeps some groups and drops others.
@@ -243,8 +244,8 @@ def test_kill_9_of_one_rank_stops_the_job_and_resume_continues_exactly(runs):
 
 
 def test_cpu_offload_on_a_cpu_model_is_refused_with_the_fix(tokenizer):
-    from dapo.demo import TinyModelSpec, tiny_qwen2
     from dapo.dist import fsdp
+    from dapo.models.demo import TinyModelSpec, tiny_qwen2
 
     model = tiny_qwen2(tokenizer, TinyModelSpec(hidden_size=16, num_layers=1), seed=0)
     with pytest.raises(ValueError, match="trains on the CPU already: drop dist.cpu_offload"):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from dapo.cli import main
-from dapo.model_import import import_gguf, resolve_source
+from dapo.models.gguf import import_gguf, resolve_source
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "smollm2-135m-arith.yaml"
@@ -62,7 +62,7 @@ def _greedy(model, tokenizer, prompts: list[str], eos: list[int], n: int = 24) -
 def test_import_round_trip_generates_as_the_gguf_model_does(smol):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dapo.policy import tokenizer_from_dir
+    from dapo.models.policy import tokenizer_from_dir
 
     gguf = resolve_source("smollm2")
     ref_tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -95,7 +95,7 @@ def test_import_writes_a_plain_directory_with_every_stop_token(smol):
 def test_both_engines_stop_at_the_chat_turns_end(smol):
     from transformers import AutoModelForCausalLM
 
-    from dapo.policy import stop_token_ids, tokenizer_from_dir
+    from dapo.models.policy import stop_token_ids, tokenizer_from_dir
     from dapo.rollout import make_engine
 
     tok = tokenizer_from_dir(smol)
@@ -157,7 +157,7 @@ def test_two_training_steps_change_the_weights_with_finite_metrics(smol, tmp_pat
 
 @needs_model
 def test_dapo_eval_grades_a_handful_of_chat_problems(smol, tmp_path):
-    from dapo.tasks import get_verifier
+    from dapo.reward.tasks import get_verifier
 
     argv = ["eval", str(smol), "--data", "arith", "--config", str(RECIPE), "--k", "2"]
     argv += ["--num-problems", "3", "--max-new-tokens", "32", "--top-p", "1.0"]

@@ -4,11 +4,11 @@ import pickle
 
 import pytest
 
-from dapo import tasks
-from dapo.tasks.base import Task
-from dapo.tasks.math_dapo import math_score
-from dapo.tasks.math_lenient import lenient_score
-from dapo.tasks.math_verify import math_verify_score
+from dapo.reward import tasks
+from dapo.reward.tasks.base import Task
+from dapo.reward.tasks.math_dapo import math_score
+from dapo.reward.tasks.math_lenient import lenient_score
+from dapo.reward.tasks.math_verify import math_verify_score
 
 
 def test_every_task_file_is_registered_under_its_names():
@@ -27,7 +27,7 @@ def test_an_unknown_name_is_refused_with_the_known_ones_and_the_fix():
         tasks.get_verifier("no_such_source")
     message = str(info.value)
     assert "arith, dapo, lenient, math_dapo, math_lenient, math_verify" in message
-    assert "reward.mode=dapo" in message and "dapo/tasks/" in message
+    assert "reward.mode=dapo" in message and "dapo/reward/tasks/" in message
 
 
 def test_a_name_is_taken_once(monkeypatch):
@@ -47,5 +47,5 @@ def test_no_task_imports_torch():
     import subprocess
     import sys
 
-    code = "import sys, dapo.tasks, dapo.reward_pool; assert 'torch' not in sys.modules"
+    code = "import sys, dapo.reward.tasks, dapo.reward.pool; assert 'torch' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

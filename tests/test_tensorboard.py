@@ -3,7 +3,7 @@ hides what the crashed run logged after its checkpoint, as metrics.jsonl does.""
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from dapo.metrics import MetricsLogger
+from dapo.run.metrics import MetricsLogger
 
 
 def _scalars(tb_dir) -> dict[str, list[tuple[int, float]]]:

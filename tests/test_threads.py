@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from dapo import threads
-from dapo.threads import ThreadGovernor, threads_for
+from dapo.run import threads
+from dapo.run.threads import ThreadGovernor, threads_for
 
 
 @pytest.mark.parametrize(

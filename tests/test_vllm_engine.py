@@ -17,8 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dapo.demo import TinyModelSpec, tiny_qwen2
-from dapo.model import response_logprobs
+from dapo.models.demo import TinyModelSpec, tiny_qwen2
+from dapo.models.logprobs import response_logprobs
 from dapo.rollout import make_engine
 
 pytestmark = pytest.mark.skipif(

@@ -6,8 +6,9 @@ import io
 
 import pytest
 
-from dapo import cli, loop
-from dapo.metrics import MetricsLogger
+from dapo import cli
+from dapo.run.metrics import MetricsLogger
+from dapo.train import loop
 
 
 class FakeRun:

@@ -1,9 +1,9 @@
 """The ablation table: per row, the mean over seeds of each run's end-of-run numbers, with a
 percentile-bootstrap interval, the paired difference (seed by seed, problem by problem) to the
 row it is compared with, with its interval and a sign-flip p-value over seeds, and how much
-training each row needed to reach a target accuracy (:mod:`dapo.intervals`).
+training each row needed to reach a target accuracy (:mod:`dapo.eval.intervals`).
 
-Intervals are over seeds and problems (:func:`~dapo.intervals.crossed_bootstrap_ci`) when
+Intervals are over seeds and problems (:func:`~dapo.eval.intervals.crossed_bootstrap_ci`) when
 every run of the rows involved wrote ``val_problems.json`` for the same problems, else over
 seeds alone. With one seed and no per-problem file an interval is the point itself, and a
 p-value is never given for one seed: a single run says nothing about run-to-run noise.
@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from dapo.ablate.plans import Row
-from dapo.intervals import (
+from dapo.eval.intervals import (
     Interval,
     bootstrap_ci,
     crossed_bootstrap_ci,

@@ -34,10 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from transformers.utils import logging as hf_logging
 
-    from dapo.checkpoint import CheckpointError
-    from dapo.interrupt import RunStopped
-    from dapo.sampling import DynamicSamplingExhausted
-    from dapo.update import NonFiniteError
+    from dapo.run.checkpoint import CheckpointError
+    from dapo.run.interrupt import RunStopped
+    from dapo.train.sampling import DynamicSamplingExhausted
+    from dapo.train.update import NonFiniteError
 
     # Loading/saving bars of a tiny model are noise in a log that prints one line per step.
     hf_logging.disable_progress_bar()

@@ -131,7 +131,7 @@ def format_check(s: CheckStats) -> str:
     lines.append(f"data sources (problems): {sources or 'none'}")
     if s.unknown_sources:
         lines.append(
-            f"  no verifier in dapo.tasks for: {', '.join(s.unknown_sources)}; convert with "
+            f"  no verifier in dapo.reward.tasks for: {', '.join(s.unknown_sources)}; convert with "
             "`dapo data convert --to dapo` (data_source math_dapo) or add a task"
         )
     if s.prompt_tokens is not None:

@@ -111,7 +111,7 @@ def _ids(text: str, flag: str) -> list[int]:
 
 
 def _phrases(text: str) -> tuple[str, ...]:
-    from dapo.eval_metrics import REFLECTIVE_PHRASES
+    from dapo.eval.metrics import REFLECTIVE_PHRASES
 
     return tuple(p.strip() for p in text.split(",") if p.strip()) or REFLECTIVE_PHRASES
 
@@ -119,7 +119,7 @@ def _phrases(text: str) -> tuple[str, ...]:
 def _problems(args: argparse.Namespace):
     if args.data == "arith":
         from dapo.config import load_config
-        from dapo.inputs import load_run_data
+        from dapo.train.inputs import load_run_data
 
         # The held-out split `dapo train` evaluates on (with --config: that run's arith task).
         cfg = load_config(args.config, ["data.train_file=", "data.val_file="])
@@ -135,8 +135,9 @@ def _problems(args: argparse.Namespace):
 
 def _model(args: argparse.Namespace):
     """The policy to evaluate on ``--device`` in ``--dtype``, and its tokenizer."""
-    from dapo import inputs, policy
     from dapo.config import load_config
+    from dapo.models import policy
+    from dapo.train import inputs
 
     if args.model == "embedded":
         # The demo's starting policy, from the warm-up cache (built first if missing).
@@ -155,7 +156,7 @@ def _model(args: argparse.Namespace):
 
 
 def _metrics(records: list[dict], ks: list[int], phrases) -> dict[str, dict[str, float]]:
-    from dapo.eval_metrics import record_metrics
+    from dapo.eval.metrics import record_metrics
 
     return {r["uid"]: record_metrics(r, ks=ks, phrases=phrases) for r in records}
 
@@ -185,10 +186,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.model != "embedded" and not (Path(args.model) / "config.json").is_file():
         raise ValueError(f"{args.model} is not a saved model directory (no config.json)")
     problems = _problems(args)
-    from dapo.eval_metrics import summarize
-    from dapo.evaluate import sample_records
-    from dapo.policy import stop_token_ids
-    from dapo.reward_pool import RewardPool
+    from dapo.eval.evaluate import sample_records
+    from dapo.eval.metrics import summarize
+    from dapo.models.policy import stop_token_ids
+    from dapo.reward.pool import RewardPool
     from dapo.rollout import make_engine
 
     out = _out_dir(args)
@@ -231,7 +232,7 @@ def _progress(args: argparse.Namespace, t0: float):
     """Before each batch: the thread count for it (``--threads``), and a progress line."""
     import torch
 
-    from dapo.threads import ThreadGovernor
+    from dapo.run.threads import ThreadGovernor
 
     governor = ThreadGovernor() if args.threads == 0 else None
     if args.threads:
@@ -310,7 +311,7 @@ def _read_problems(path: Path) -> dict[str, dict[str, float]]:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from dapo.eval_metrics import compare
+    from dapo.eval.metrics import compare
 
     a_path, b_path = args.compare
     if _is_model(a_path) or _is_model(b_path):

@@ -32,7 +32,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from dapo.model_import import import_gguf
+    from dapo.models.gguf import import_gguf
 
     try:
         import_gguf(args.src, args.out_dir, log=lambda m: print(m, file=sys.stderr))

@@ -3,7 +3,7 @@
 Everything that can be wrong with the command is checked before a model is loaded: the config
 (every bad value at once), the run directory, the disk, the model path, the data, the
 verifiers, the tokenizer and the context length. Then the policy is loaded and
-:func:`dapo.loop.fit` trains it.
+:func:`dapo.train.loop.fit` trains it.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from dapo.config import Config
-    from dapo.inputs import RunData
+    from dapo.train.inputs import RunData
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from dapo import presets  # the standard library only
+    from dapo.config import presets  # the standard library only
 
     train = sub.add_parser(
         "train", help="train a policy with DAPO (default: the CPU demo)", description=__doc__
@@ -93,8 +93,8 @@ def describe(cfg: Config) -> str:
 
 def resolve_config(args: argparse.Namespace) -> tuple[Config, Path | None]:
     """The run's config; with --resume, the saved one under any flags and overrides given."""
-    from dapo import rundir
     from dapo.config import load_config, run_changing_differences, saved_before_keys_moved
+    from dapo.run import rundir
 
     if not args.resume:
         return load_config(args.config, args.overrides, base=args.base, preset=args.preset), None
@@ -150,8 +150,11 @@ def _train(args: argparse.Namespace, cfg: Config, run_dir: Path | None, resume: 
     print what the run would be)."""
     import torch
 
-    from dapo import dist, inputs, policy, rundir
-    from dapo.loop import fit
+    from dapo import dist
+    from dapo.models import policy
+    from dapo.run import rundir
+    from dapo.train import inputs
+    from dapo.train.loop import fit
 
     policy.device(cfg.model.device)  # raises now if CUDA is asked for and absent
     if cfg.model.path != "embedded":
@@ -222,7 +225,7 @@ def _checked_run_dir(args: argparse.Namespace, cfg: Config, run_dir: Path | None
     """The run directory, created (a new run) or checked to hold a checkpoint (a resume), and
     checked to be writable with room for checkpoints. A dry run creates nothing (None for a
     new run); a dry resume still checks the run's directory."""
-    from dapo import checkpoint, rundir
+    from dapo.run import checkpoint, rundir
 
     if not args.dry_run:
         if run_dir is None:
@@ -245,8 +248,8 @@ def _print_plan(cfg: Config, data: RunData) -> None:
 
 
 def _print_dry_run(cfg: Config, data: RunData, lengths: dict[str, float], world_size: int) -> None:
-    from dapo import inputs, memory_plan
     from dapo.config import dump_yaml
+    from dapo.train import inputs, memory_plan
 
     print(dump_yaml(cfg), end="")
     _print_plan(cfg, data)

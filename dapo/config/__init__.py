@@ -8,7 +8,7 @@ Resolution order, each layer overriding the one before:
 4. dotted command-line overrides, ``optim.lr=1e-5``.
 
 The sections (one dataclass each, every field with a docstring, each section checking its own
-values) are in :mod:`dapo.config.sections`; the presets of 1 and 2 in :mod:`dapo.presets`;
+values) are in :mod:`dapo.config.sections`; the presets of 1 and 2 in :mod:`dapo.config.presets`;
 reading, overriding, validating and the resume rules in :mod:`dapo.config.loading`.
 """
 

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import yaml
 
-from dapo import presets
+from dapo.config import presets
 from dapo.config.sections import Config, field_types
 
 MOVED_KEYS = {

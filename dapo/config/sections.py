@@ -33,7 +33,7 @@ from dapo.config.training import (
     SamplingConfig,
     TrainConfig,
 )
-from dapo.tasks.arith import ArithConfig
+from dapo.reward.tasks.arith import ArithConfig
 
 
 @dataclass

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from dapo import presets, tasks
+from dapo.config import presets
+from dapo.reward import tasks
 
 
 @dataclass
@@ -109,7 +110,7 @@ class RewardConfig:
     """Address-space limit of each verifier process, MiB; 0 = no limit."""
     mode: str = ""
     """Verifier for every row, a task name (``dapo``: the paper's; ``lenient``; ``math_verify``:
-    see dapo.tasks); empty = chosen by each row's ``data_source`` (``math_dapo`` -> dapo)."""
+    see dapo.reward.tasks); empty = chosen by each row's ``data_source`` (``math_dapo`` -> dapo)."""
 
     def check(self) -> list[str]:
         errors = []
@@ -190,13 +191,13 @@ class RunConfig:
     """Run directory name; empty = <preset>-<timestamp>."""
     preset: str = "dapo"
     """Algorithm preset applied before the YAML file and overrides: dapo, grpo, or one of
-    DAPO's successors, dr_grpo, gspo and cispo (`dapo/presets.py`)."""
+    DAPO's successors, dr_grpo, gspo and cispo (`dapo/config/presets.py`)."""
     base: str = "paper"
     """Scale the config started from: paper or demo."""
     threads: int = 0
     """torch CPU threads; 0 = auto: torch's default (one per core) on a quiet machine, fewer
     while other processes (the reward workers too) keep cores busy, re-checked before each
-    step and evaluation batch (``dapo/threads.py``). ``1`` repeats a CPU run bit for bit;
+    step and evaluation batch (``dapo/run/threads.py``). ``1`` repeats a CPU run bit for bit;
     under auto the count, and so the rounding, follows the machine's load."""
     tensorboard: bool = True
     """Also write every metric as TensorBoard scalars in <run dir>/tensorboard."""

@@ -16,7 +16,6 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dapo import tasks
 from dapo.data.files import (
     DEFAULT_DATA_SOURCE,
     FORMATS,
@@ -32,6 +31,7 @@ from dapo.data.files import (
 from dapo.data.problems import Problem
 from dapo.data.prompts import PROMPT_PREFIX, dapo_prompt, render_prompt, strip_template
 from dapo.data.rows import EMPTY_ANSWER, BadRow, Row, last_user, parse_rows
+from dapo.reward import tasks
 
 # What the official DAPO files hold in these columns; ``convert_file`` writes the same.
 DAPO_ABILITY = "MATH"
@@ -61,7 +61,7 @@ class CheckStats:
     data_sources: dict[str, int]
     """data_source -> distinct problems."""
     unknown_sources: list[str]
-    """data sources with no verifier in the task registry (:mod:`dapo.tasks`)."""
+    """data sources with no verifier in the task registry (:mod:`dapo.reward.tasks`)."""
     templated: int
     """Problems whose last user message already starts with the DAPO template."""
     whitespace_twins: int
@@ -137,7 +137,7 @@ def check_file(
 def _prompt_token_stats(problems: list[Problem], tokenizer_dir: Path) -> dict[str, float]:
     if not tokenizer_dir.is_dir():
         raise ValueError(f"tokenizer {tokenizer_dir}: not a directory; give a local tokenizer")
-    from dapo.policy import tokenizer_from_dir
+    from dapo.models.policy import tokenizer_from_dir
 
     # The trainer's own tokenizer loading and rendering: the lengths rollout will see.
     tok = tokenizer_from_dir(tokenizer_dir, setting="--tokenizer")

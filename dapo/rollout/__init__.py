@@ -23,7 +23,7 @@ from dapo.rollout.base import Engine, Rollout, Sample
 from dapo.rollout.hf import HFEngine
 from dapo.rollout.native import NativeEngine
 from dapo.rollout.vllm_engine import VLLMEngine
-from dapo.seeding import derive_seed
+from dapo.run.seeding import derive_seed
 
 __all__ = ["ENGINES", "Engine", "Rollout", "Sample", "generate_samples", "make_engine"]
 

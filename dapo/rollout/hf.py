@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from dapo.model import autocast
+from dapo.models.logprobs import autocast
 from dapo.rollout.base import (
     LiveModelEngine,
     Rollout,

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dapo.model import autocast, row_sliceable
+from dapo.models.logprobs import autocast, row_sliceable
 from dapo.rollout.base import LiveModelEngine, Rollout, encode_prompts, finish_rollout
 
 

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from dapo.rollout.base import Rollout, encode_prompts, finish_rollout
-from dapo.seeding import derive_seed
+from dapo.run.seeding import derive_seed
 
 INSTALL_HINT = (
     "rollout.engine=vllm needs vLLM (Python >= 3.11): pip install 'dapo-rl[vllm]'; on a "

@@ -1,5 +1,5 @@
 """Checkpoints of a run under ``torchrun``: the same directory, protocol and ``latest`` pointer
-as :mod:`dapo.checkpoint`, with the weights and the optimizer state in ``state/`` as
+as :mod:`dapo.run.checkpoint`, with the weights and the optimizer state in ``state/`` as
 ``torch.distributed.checkpoint`` shards that every rank writes in parallel.
 
 A checkpoint directory then holds ``state/`` (DCP: loadable at any world size, one process
@@ -19,9 +19,10 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from dapo import checkpoint, dist
-from dapo.checkpoint import CheckpointError
+from dapo import dist
 from dapo.dist import dcp, fsdp
+from dapo.run import checkpoint
+from dapo.run.checkpoint import CheckpointError
 
 
 def save(

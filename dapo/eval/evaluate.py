@@ -12,10 +12,10 @@ from typing import Any
 from dapo import dist
 from dapo.data.problems import Problem
 from dapo.data.prompts import render_prompt
-from dapo.eval_metrics import record_metrics, summarize
-from dapo.reward_pool import RewardPool, grading_job
+from dapo.eval.metrics import record_metrics, summarize
+from dapo.reward.pool import RewardPool, grading_job
 from dapo.rollout import Engine, Rollout
-from dapo.seeding import derive_seed
+from dapo.run.seeding import derive_seed
 
 
 def evaluate(

@@ -7,10 +7,10 @@ One step (spec, "One training step"):
 3. group-normalised advantages                                           ``assign_advantages``
 4. pi_old (and pi_ref) log-probs, then mu epochs of mini-batch updates   ``update.update``
 
-Phase 4, the update with its exact token-level accumulation, is :mod:`dapo.update`; the loop
+Phase 4, the update with its exact token-level accumulation, is :mod:`dapo.train.update`; the loop
 around the step (evaluation, checkpoints, resume, signals, the run's outputs) is
-:mod:`dapo.loop`. Data-parallel ranks will only add all-reduces through :mod:`dapo.dist`:
-the divisor of each mini-batch (``num_tokens``, in :mod:`dapo.update`) is already an
+:mod:`dapo.train.loop`. Data-parallel ranks will only add all-reduces through :mod:`dapo.dist`:
+the divisor of each mini-batch (``num_tokens``, in :mod:`dapo.train.update`) is already an
 explicit value summed there, not hidden inside the loss.
 """
 
@@ -27,19 +27,19 @@ from typing import Any
 import torch
 
 from dapo import algo, dist
-from dapo.batch import Episode
 from dapo.config import Config
+from dapo.data.batch import Episode
 from dapo.data.problems import Problem, PromptSampler
 from dapo.data.prompts import render_prompt
 from dapo.dist import fsdp
-from dapo.metrics import accumulate
-from dapo.policy import DTYPES, stop_token_ids
-from dapo.reward_pool import GradeResult, RewardPool, grading_job
+from dapo.models.policy import DTYPES, stop_token_ids
+from dapo.reward.pool import GradeResult, RewardPool, grading_job
 from dapo.rollout import Engine, Sample, generate_samples, make_engine
 from dapo.rollout.base import LiveModelEngine
-from dapo.sampling import Group, SamplingResult, collect_groups, rollout_metrics, round_size
-from dapo.seeding import derive_seed
-from dapo.update import update
+from dapo.run.metrics import accumulate
+from dapo.run.seeding import derive_seed
+from dapo.train.sampling import Group, SamplingResult, collect_groups, rollout_metrics, round_size
+from dapo.train.update import update
 
 
 @dataclass
@@ -87,7 +87,7 @@ class TrainState:
 
     def state_dict(self) -> dict[str, Any]:
         """The counters and cursors a resumed run needs (JSON); the weights and the optimizer
-        state are saved beside them by :func:`dapo.checkpoint.save`."""
+        state are saved beside them by :func:`dapo.run.checkpoint.save`."""
         state = {
             "step": self.step,
             "sampler": self.sampler.state_dict(),

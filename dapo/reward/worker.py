@@ -1,7 +1,7 @@
-"""The worker side of :mod:`dapo.reward_pool`: grade one response, reduce the verdict (or
+"""The worker side of :mod:`dapo.reward.pool`: grade one response, reduce the verdict (or
 the failure) to primitives, and serve chunks of jobs under an address-space limit.
 
-Only the standard library and :mod:`dapo.tasks` are imported, so a worker loads no torch.
+Only the standard library and :mod:`dapo.reward.tasks` are imported, so a worker loads no torch.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from dapo.tasks import RewardFn, Score
+from dapo.reward.tasks import RewardFn, Score
 
 try:
     import resource

@@ -11,7 +11,7 @@ generation copy, the GRPO reference). Parameters are exact for Qwen2/Qwen3/Llama
 (the tests check Qwen2.5's published counts); activations and logits are a rough model (the
 tests compare ``activation_bytes`` and the full logits with what autograd keeps).
 
-    python -m dapo.memory_plan          # the table of docs/scale-out.md
+    python -m dapo.train.memory_plan          # the table of docs/scale-out.md
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# Copies of dapo.algo.logits.HEAD_CHUNK_ELEMENTS and dapo.sampling.MAX_OVERSAMPLE (a test
+# Copies of dapo.algo.logits.HEAD_CHUNK_ELEMENTS and dapo.train.sampling.MAX_OVERSAMPLE (a test
 # keeps them equal): those modules import torch, and a dry run plans before it loads.
 HEAD_CHUNK_ELEMENTS = 1 << 26
 MAX_OVERSAMPLE = 4
@@ -225,7 +225,7 @@ def plan_memory(shape: ModelShape, settings: PlanSettings) -> MemoryPlan:
     p, w = shape.num_parameters, s.world_size
     master, compute = DTYPE_BYTES[s.param_dtype], DTYPE_BYTES[s.compute_dtype]
     # Frozen copies (generation, reference) are bf16 when that computes, else the weights'
-    # dtype (dapo.trainer); one process generates from its own module, under autocast.
+    # dtype (dapo.train.step); one process generates from its own module, under autocast.
     frozen = 2 if s.compute_dtype == "bfloat16" else master
     copy = p * frozen if s.sharded else (p * compute if compute != master else 0)
     tokens, ckpt = s.microbatch_tokens, s.activation_checkpointing and s.sharded
@@ -286,13 +286,13 @@ def format_plan(plan: MemoryPlan) -> str:
     width = max(len(name) for name, _, _ in rows) + 2
     count_text = f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.2f}M"
     head = f"memory per GPU on paper, world size {w}: {count_text} parameters, {compute} "
-    head += f"compute, {master} weights ({unit}; the model: dapo/memory_plan.py)"
+    head += f"compute, {master} weights ({unit}; the model: dapo/train/memory_plan.py)"
     lines = (f"  {name:<{width}}{size(n):>9}  {when}".rstrip() for name, n, when in rows)
     return "\n".join([head, *lines])
 
 
 def round_prompts(cfg: Config) -> int:
-    """The most prompts one generation round may draw (``dapo.sampling.round_size``)."""
+    """The most prompts one generation round may draw (``dapo.train.sampling.round_size``)."""
     n, smp = cfg.train.prompts_per_step, cfg.sampling
     default = (smp.prompts_per_round or n) if smp.dynamic else n
     return max(default, MAX_OVERSAMPLE * n) if smp.dynamic and smp.oversample else default
@@ -326,15 +326,15 @@ def settings_from_config(cfg: Config, *, world_size: int, prompt_tokens: int) ->
 
 
 def embedded_hf_config(cfg: Config) -> dict[str, Any]:
-    """The embedded tiny Qwen2's config fields, as ``dapo.policy`` builds it."""
-    from dapo.demo import TinyModelSpec, build_tokenizer
+    """The embedded tiny Qwen2's config fields, as ``dapo.models.policy`` builds it."""
+    from dapo.models.demo import TinyModelSpec, build_tokenizer
 
     spec = TinyModelSpec()
     return {
         "model_type": "qwen2",
         "vocab_size": len(build_tokenizer()),
         "hidden_size": cfg.embedded.hidden,
-        "intermediate_size": 2 * cfg.embedded.hidden,  # as dapo.policy sizes the spec
+        "intermediate_size": 2 * cfg.embedded.hidden,  # as dapo.models.policy sizes the spec
         "num_hidden_layers": cfg.embedded.layers,
         "num_attention_heads": spec.num_heads,
         "num_key_value_heads": spec.num_kv_heads,

@@ -10,11 +10,11 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from dapo import tasks
 from dapo.config import Config
 from dapo.data.problems import Problem
 from dapo.data.prompts import render_prompt
-from dapo.policy import context_length
+from dapo.models.policy import context_length
+from dapo.reward import tasks
 
 
 @dataclass
@@ -33,7 +33,7 @@ def load_run_data(cfg: Config) -> RunData:
     """The embedded task's splits, or ``data.train_file`` and ``data.val_file``."""
     d, a = cfg.data, cfg.arith
     if not d.train_file:
-        from dapo.tasks import arith
+        from dapo.reward.tasks import arith
 
         train, val, warmup = arith.make_splits(
             a.num_train,

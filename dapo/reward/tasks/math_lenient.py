@@ -2,7 +2,7 @@
 
     R_correct(o, a) = +1 if the answer extracted from o is equivalent to a, else -1
 
-Like the paper's verifier (:mod:`dapo.tasks.math_dapo`), the model is told to end with a
+Like the paper's verifier (:mod:`dapo.reward.tasks.math_dapo`), the model is told to end with a
 line ``Answer: <answer>``; we take the last such line, normalise it and the ground truth
 with the same function, and compare strings; nothing is parsed as a number or evaluated.
 But the rules forgive what the paper's count wrong, so this is a different reward (the
@@ -24,14 +24,14 @@ and memory on any string ... and never take the training run down"), hence:
 - ``lenient_score`` returns an incorrect ``Score`` for ``None`` or non-string input
   instead of raising.
 
-The task is registered as ``math_lenient`` (alias ``lenient``); see :mod:`dapo.tasks`.
+The task is registered as ``math_lenient`` (alias ``lenient``); see :mod:`dapo.reward.tasks`.
 """
 
 from __future__ import annotations
 
 import re
 
-from dapo.tasks.base import NO_ANSWER, Score, Task, ground_truth_text
+from dapo.reward.tasks.base import NO_ANSWER, Score, Task, ground_truth_text
 
 __all__ = [
     "MAX_ANSWER_CHARS",

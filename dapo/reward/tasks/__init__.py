@@ -10,7 +10,7 @@ both are looked up here, among each task's name and aliases:
     arith                   the embedded arithmetic task, graded by the lenient rules
 
 A new task is one file in this package that defines ``TASKS``, a tuple of
-:class:`~dapo.tasks.base.Task`: every module here is imported and registered when the
+:class:`~dapo.reward.tasks.base.Task`: every module here is imported and registered when the
 package is. Verifiers run in worker processes, so nothing in this package imports torch; a
 task with settings of its own defines them as a dataclass beside its verifier (see
 ``arith.ArithConfig``) and :mod:`dapo.config` adds it as a section.
@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from dapo.tasks.base import RewardFn, Score, Task
+from dapo.reward.tasks.base import RewardFn, Score, Task
 
 __all__ = [
     "REGISTRY",
@@ -87,7 +87,7 @@ def get_task(name: str) -> Task:
             f"no reward function for data_source {name!r}; known tasks: {', '.join(names())}. "
             "Set reward.mode=dapo (or math_verify) to grade every row with one verifier, "
             "convert the file with `dapo data convert --to dapo` (data_source math_dapo), or "
-            f"add a task: one file in dapo/tasks/ that defines TASKS. The tasks:{known}"
+            f"add a task: one file in dapo/reward/tasks/ that defines TASKS. The tasks:{known}"
         )
     return task
 

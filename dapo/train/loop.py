@@ -16,21 +16,22 @@ from typing import Any, TextIO
 
 import torch
 
-from dapo import checkpoint, dist, rundir, sharded_checkpoint
+from dapo import dist
 from dapo.config import Config
 from dapo.data.problems import Problem
 from dapo.dist import fsdp
-from dapo.eval_metrics import pick_samples
-from dapo.evaluate import evaluate
-from dapo.interrupt import GracefulStop, RunStopped, StepAborted
-from dapo.metrics import MetricsLogger, NullLogger, open_wandb
-from dapo.progress import LiveProgress
-from dapo.reward_pool import RewardPool
-from dapo.sampling import DynamicSamplingExhausted
-from dapo.seeding import derive_seed
-from dapo.threads import ThreadGovernor
-from dapo.trainer import TrainState, build_state, train_step
-from dapo.update import NonFiniteError
+from dapo.eval.evaluate import evaluate
+from dapo.eval.metrics import pick_samples
+from dapo.reward.pool import RewardPool
+from dapo.run import checkpoint, rundir, sharded_checkpoint
+from dapo.run.interrupt import GracefulStop, RunStopped, StepAborted
+from dapo.run.metrics import MetricsLogger, NullLogger, open_wandb
+from dapo.run.progress import LiveProgress
+from dapo.run.seeding import derive_seed
+from dapo.run.threads import ThreadGovernor
+from dapo.train.sampling import DynamicSamplingExhausted
+from dapo.train.step import TrainState, build_state, train_step
+from dapo.train.update import NonFiniteError
 
 
 def fit(

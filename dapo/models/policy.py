@@ -1,6 +1,6 @@
 """The one place a policy is loaded: model and tokenizer, device and dtype.
 
-``model.path=embedded`` builds the demo's tiny Qwen2 (:mod:`dapo.demo`, warm-started on the
+``model.path=embedded`` builds the demo's tiny Qwen2 (:mod:`dapo.models.demo`, warm-started on the
 arith task and cached); any other path is a local Hugging Face directory, loaded with
 transformers. Cheap checks (the directory, the tokenizer, the context length) come apart from
 the weights, so a run can make them before a load that takes minutes.
@@ -50,7 +50,7 @@ def check_model_path(cfg: Config) -> Path:
 def load_tokenizer(cfg: Config) -> Any:
     """The run's tokenizer, without the model: left padding, a pad token."""
     if cfg.model.path == "embedded":
-        from dapo.demo import build_tokenizer
+        from dapo.models.demo import build_tokenizer
 
         return build_tokenizer()
     return tokenizer_from_dir(Path(cfg.model.path))
@@ -99,7 +99,7 @@ def _tokenizer_class(path: Path) -> str:
 def context_length(cfg: Config) -> int | None:
     """The model's maximum sequence length, read from its config (no weights loaded)."""
     if cfg.model.path == "embedded":
-        from dapo.demo import TinyModelSpec
+        from dapo.models.demo import TinyModelSpec
 
         return TinyModelSpec().max_positions
     from transformers import AutoConfig
@@ -141,8 +141,8 @@ def load_policy(
 
 
 def _embedded(cfg: Config, warmup_pairs: Sequence[tuple[Problem, str]], log):
-    from dapo import demo
-    from dapo.tasks import arith
+    from dapo.models import demo
+    from dapo.reward.tasks import arith
 
     e, a = cfg.embedded, cfg.arith
     return demo.load_embedded(

@@ -11,10 +11,11 @@ from collections.abc import Callable
 
 import torch
 
-from dapo import inputs, policy
 from dapo.config import Config
-from dapo.reward_pool import RewardPool
-from dapo.trainer import build_state, train_step
+from dapo.models import policy
+from dapo.reward.pool import RewardPool
+from dapo.train import inputs
+from dapo.train.step import build_state, train_step
 
 PHASES = ("generate", "reward", "logprobs", "train", "other")
 

@@ -54,7 +54,7 @@ class Task:
     """A task the trainer can grade: a name, its verifier, and the other names that pick it.
 
     A row's ``data_source`` and the ``reward.mode`` setting are both looked up among the names
-    and aliases of the registered tasks (``dapo.tasks.get_verifier``).
+    and aliases of the registered tasks (``dapo.reward.tasks.get_verifier``).
     """
 
     name: str

@@ -7,7 +7,7 @@ Responses grow with the number of terms (2 to 5 terms: 10 to 18 tokens in the di
 so the demo's L_max and L_cache are set just above the longest correct answer.
 
 The task owns its settings (``ArithConfig``, the ``arith`` section of a run's config) and is
-graded by the lenient rules (:mod:`dapo.tasks.math_lenient`): its prompts ask for the same
+graded by the lenient rules (:mod:`dapo.reward.tasks.math_lenient`): its prompts ask for the same
 ``Answer:`` line, and the demo's published figures were measured with those rules.
 """
 
@@ -20,8 +20,8 @@ from typing import Literal
 
 from dapo.data.problems import Problem
 from dapo.data.prompts import dapo_prompt
-from dapo.tasks.base import Task
-from dapo.tasks.math_lenient import lenient_score
+from dapo.reward.tasks.base import Task
+from dapo.reward.tasks.math_lenient import lenient_score
 
 PHRASINGS = (
     "Compute {expr}.",

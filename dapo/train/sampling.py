@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dapo.algo import mixed_groups
-from dapo.batch import Episode
+from dapo.data.batch import Episode
 
 
 @dataclass

@@ -24,7 +24,7 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from dapo.data.problems import Problem
 from dapo.data.prompts import PROMPT_PREFIX, PROMPT_SUFFIX, render_prompt
-from dapo.tasks import arith
+from dapo.reward.tasks import arith
 
 # Words keep their leading space (as in GPT-2's byte-level BPE), digits are single tokens so
 # that numbers of any size are spelled, and every other character is a token of its own.

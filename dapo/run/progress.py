@@ -3,7 +3,7 @@
 The live display shows step / total, the phase the step is in (generate, reward, train, eval,
 save), the ETA, and the latest reward, accuracy, length, dynamic-sampling kept fraction and
 tokens/s. In a log file or CI (not a terminal) or with ``--quiet``, each step is one plain line
-(:class:`dapo.metrics.MetricsLogger` prints it), which greps and diffs well.
+(:class:`dapo.run.metrics.MetricsLogger` prints it), which greps and diffs well.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ import shutil
 import time
 from pathlib import Path
 
-from dapo.checkpoint import CKPT_DIR, write_atomic
 from dapo.config import Config, dump_yaml
+from dapo.run.checkpoint import CKPT_DIR, write_atomic
 
 RUN_MARKERS = ("config.yaml", "metrics.jsonl", CKPT_DIR)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

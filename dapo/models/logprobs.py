@@ -17,7 +17,7 @@ import contextlib
 import torch
 
 from dapo.algo import entropy_from_logits, token_logprobs_from_hidden, token_logprobs_from_logits
-from dapo.batch import Batch
+from dapo.data.batch import Batch
 from dapo.dist import fsdp
 
 # Model types whose causal-LM logits are exactly ``decoder(...) @ lm_head.weight.T``, read
@@ -222,7 +222,7 @@ def batch_logprobs(
     with_entropy: bool = False,
     share_prompts: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`response_logprobs` of a collated :class:`~dapo.batch.Batch`."""
+    """:func:`response_logprobs` of a collated :class:`~dapo.data.batch.Batch`."""
     return response_logprobs(
         model,
         batch.prompt_ids_BP,

@@ -11,7 +11,7 @@ trainer can count and log, and ``grade`` always returns one ``Score`` per job.
 Workers come from the "forkserver" start method (a fresh, small interpreter, so they
 neither inherit the trainer's threads, CUDA state and address space nor start
 slowly), or "spawn" where forkserver does not exist. This module (and the worker side,
-``dapo.reward_worker``) imports only the standard library and ``dapo.tasks``, so it loads no
+``dapo.reward.worker``) imports only the standard library and ``dapo.reward.tasks``, so it loads no
 torch into a worker. But
 multiprocessing runs a ``__main__`` *script* again in every child it starts (the
 forkserver's own preload of it never happens on Python 3.11): that is why
@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
-from dapo.reward_worker import (
+from dapo.reward.tasks import RewardFn, Score, get_verifier
+from dapo.reward.worker import (
     describe_exit,
     exception_text,
     grade_one,
@@ -39,7 +40,6 @@ from dapo.reward_worker import (
     to_score,
     worker_main,
 )
-from dapo.tasks import RewardFn, Score, get_verifier
 
 if TYPE_CHECKING:
     from dapo.data.problems import Problem

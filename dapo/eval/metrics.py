@@ -7,7 +7,7 @@ The unit of resampling is always the *problem*: the n responses to one problem a
 correlated (same prompt, same difficulty), so treating responses as independent would make
 the intervals far too narrow. Each problem first collapses to its own metrics
 (:func:`problem_metrics`), then :func:`summarize` and :func:`compare` bootstrap over problems
-(:mod:`dapo.intervals`).
+(:mod:`dapo.eval.intervals`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from dapo.intervals import (
+from dapo.eval.intervals import (
     Interval,
     bootstrap_ci,
     check_resampling,

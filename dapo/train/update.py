@@ -17,7 +17,8 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from dapo import algo, dist
-from dapo.batch import (
+from dapo.config import Config
+from dapo.data.batch import (
     Batch,
     Episode,
     collate,
@@ -26,15 +27,14 @@ from dapo.batch import (
     split_microbatches,
     split_minibatches,
 )
-from dapo.config import Config
 from dapo.dist import fsdp
-from dapo.metrics import accumulate
-from dapo.model import autocast, batch_logprobs, forward_slots
-from dapo.policy import DTYPES
-from dapo.seeding import derive_seed
+from dapo.models.logprobs import autocast, batch_logprobs, forward_slots
+from dapo.models.policy import DTYPES
+from dapo.run.metrics import accumulate
+from dapo.run.seeding import derive_seed
 
 if TYPE_CHECKING:
-    from dapo.trainer import TrainState
+    from dapo.train.step import TrainState
 
 
 class NonFiniteError(RuntimeError):

@@ -118,7 +118,7 @@ def import_gguf(source: str, out_dir: Path, *, log: Callable[[str], None] = prin
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ValueError(f"{out_dir}: already exists and is not empty; remove it or choose another")
     check_extra()
-    from dapo.policy import stop_token_ids
+    from dapo.models.policy import stop_token_ids
 
     architecture = gguf_architecture(path)
     check_architecture(path, architecture)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import re
 
-from dapo.tasks.base import NO_ANSWER, Score, Task, ground_truth_text
+from dapo.reward.tasks.base import NO_ANSWER, Score, Task, ground_truth_text
 
 __all__ = ["BOX_TAIL_CHARS", "TAIL_CHARS", "TASKS", "math_score", "normalize"]
 

@@ -1,7 +1,7 @@
 """Confidence intervals and a test for means: the percentile bootstrap over one level
 (problems, or seeds), paired, and crossed (seeds x problems), and the paired sign-flip test.
 
-Pure numpy, no I/O; :mod:`dapo.eval_metrics` (``dapo eval``) and :mod:`dapo.ablate.table`
+Pure numpy, no I/O; :mod:`dapo.eval.metrics` (``dapo eval``) and :mod:`dapo.ablate.table`
 (``dapo ablate``) build on it.
 """
 

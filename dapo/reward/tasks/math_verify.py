@@ -1,6 +1,7 @@
 r"""A general verifier for answers that are not integers, built on ``math-verify``.
 
-Why: the string modes (:mod:`dapo.tasks.math_dapo`, :mod:`dapo.tasks.math_lenient`) compare
+Why: the string modes (:mod:`dapo.reward.tasks.math_dapo`,
+:mod:`dapo.reward.tasks.math_lenient`) compare
 normalised strings, which is exact for DAPO-Math-17k's integer answers but grades ``0.5``
 against ``\frac{1}{2}``, ``2\sqrt{3}`` against ``\sqrt{12}`` or ``\{3,2,1\}`` against
 ``\{1,2,3\}`` as wrong. This mode parses both answers into SymPy objects with HuggingFace's
@@ -22,7 +23,7 @@ Threat model: model outputs are untrusted, and SymPy is not built for hostile in
 ``9^{9^{9^{9^{9}}}}`` parses in milliseconds (evaluation is lazy), then ``verify``
 tries to evaluate the tower (still running after 10 s); ``1000000!`` takes 6 s; and
 nothing bounds the memory such work allocates. So this verifier is meant to run under
-``dapo.reward_pool.RewardPool`` with ``workers >= 1``: the pool kills a worker past
+``dapo.reward.pool.RewardPool`` with ``workers >= 1``: the pool kills a worker past
 its per-response deadline and caps its address space, and the response then grades
 incorrect with a ``Fault`` ("timeout", "memory" or "crash") that the trainer counts.
 With ``workers=0`` nothing bounds time or memory.
@@ -41,7 +42,7 @@ memory in caches); and ``ImportError`` propagates when math-verify is not instal
 since grading every response wrong without a word would silently ruin a training run.
 
 math-verify (and SymPy with it, about 0.5 s) is imported on the first call, not with
-this module: importing ``dapo.tasks`` or starting a reward worker costs nothing
+this module: importing ``dapo.reward.tasks`` or starting a reward worker costs nothing
 unless this mode is used.
 
 The module shares its name with the ``math_verify`` package it wraps; ``from math_verify
@@ -54,8 +55,8 @@ import functools
 import logging
 from typing import Any
 
-from dapo.tasks.base import NO_ANSWER, RewardFn, Score, Task, ground_truth_text
-from dapo.tasks.math_lenient import TAIL_CHARS, extract_answer
+from dapo.reward.tasks.base import NO_ANSWER, RewardFn, Score, Task, ground_truth_text
+from dapo.reward.tasks.math_lenient import TAIL_CHARS, extract_answer
 
 __all__ = ["GOLD_CACHE_SIZE", "MODE_NAME", "TASKS", "math_verify_score", "resolve"]
 
@@ -232,7 +233,7 @@ def resolve(data_source: str) -> RewardFn:
     """A ``RewardPool`` resolver that grades every data source with ``math_verify_score``.
 
     Module-level, hence picklable, so workers can receive it:
-    ``RewardPool(resolve=dapo.tasks.math_verify.resolve)``.
+    ``RewardPool(resolve=dapo.reward.tasks.math_verify.resolve)``.
     """
     return math_verify_score
 
