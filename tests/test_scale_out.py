@@ -141,7 +141,14 @@ def test_two_ranks_train_as_one_process(one_process, per_rank, tmp_path):
             )
         assert weights.keys() == weights_1.keys()
         gap = max(float((w - weights_1[k]).abs().max()) for k, w in weights.items())
-        assert gap <= 1e-6, f"rank {rank}: weights differ by up to {gap:.3g}"
+        # Other micro-batch budgets sum the same float32 gradient in another order, and Adam
+        # turns a rounding difference in a near-zero gradient into part of a full step: in one
+        # process, budgets of 120 and 700 tokens instead of 300 alone move the weights by up
+        # to 7.2e-7 and 1.9e-7 after these 2 steps (measured on a 2-core x86 CPU, torch 2.13),
+        # and two ranks with those budgets by 1.2e-6. The weights moved 3e-3: the bound is
+        # still 1,500 times smaller than the training's own change.
+        bound = 1e-6 if per_rank == [[], []] else 2e-6
+        assert gap <= bound, f"rank {rank}: weights differ by up to {gap:.3g}"
 
 
 # ----------------------------------------------------------------------------- torchrun
