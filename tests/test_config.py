@@ -264,3 +264,21 @@ def test_cispo_allows_eps_low_above_eps_high_but_not_dual_clip():
         load_config(None, ["algo.eps_low=0.5", "algo.eps_high=0.3"])
     with pytest.raises(ValueError, match="does not apply to algo.loss_fn=cispo"):
         load_config(None, ["run.preset=cispo", "algo.clip_ratio_c=3"])
+
+
+def test_every_config_field_is_described_with_its_docstring_and_presets():
+    from dapo.config.describe import describe, field_docs, type_name
+
+    fields = describe()
+    assert len({f.key for f in fields}) == len(fields) >= 100
+    assert [f.key for f in fields if not f.doc] == []  # the reference page shows each one
+    by_key = {f.key: f for f in fields}
+    eps_high = by_key["algo.eps_high"]
+    assert (eps_high.type, eps_high.default) == ("float", 0.28)
+    assert eps_high.doc == field_docs(AlgoConfig)["eps_high"]
+    # The value each preset gives it where that differs from the paper's default.
+    assert eps_high.presets == {"grpo": 0.2, "gspo": 4e-4}
+    assert by_key["rollout.max_new_tokens"].presets == {"demo": 28}
+    assert by_key["algo.kl_coef"].presets == {"grpo": 0.001}
+    assert by_key["rollout.engine"].type == '"dapo" | "hf" | "vllm"'
+    assert type_name(list[int]) == "list[int]" and type_name(str | None) == "str | None"

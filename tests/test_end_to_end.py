@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dapo.cli import main
+from dapo.run.metric_docs import metric_pattern
 
 SMALL = [
     "embedded.sft_steps=30",
@@ -69,6 +70,9 @@ def test_train_end_to_end(tmp_path, cache_dir, preset, capsys):
         assert key in lines[1] or key in lines[2], key
     assert 0.0 <= lines[2]["val/accuracy"] <= 1.0
     assert ("train/kl" in lines[1]) == (preset == "grpo")
+    # Every name the run logged is documented (docs/reference/metrics.md is made from these).
+    undocumented = {k for x in lines for k in x if k != "step" and metric_pattern(k) is None}
+    assert not undocumented, f"add to dapo/run/metric_docs.py: {sorted(undocumented)}"
     assert lines[1]["sampling/groups_kept"] <= 4
 
     # TensorBoard has the same scalars under the same names.

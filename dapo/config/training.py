@@ -215,7 +215,9 @@ class OptimConfig:
     weight_decay: float = 0.1
     """AdamW weight decay."""
     beta1: float = 0.9
+    """AdamW's first-moment decay (torch's default; the paper does not say)."""
     beta2: float = 0.999
+    """AdamW's second-moment decay (torch's default; the paper does not say)."""
     grad_clip: float = 1.0
     """Clip the gradient norm of each update to this (0 = off)."""
 

@@ -1,0 +1,123 @@
+"""Every metric a run logs, with its meaning: the source of ``docs/reference/metrics.md``.
+
+A metric is named ``area/name`` and written once per step to ``metrics.jsonl``, TensorBoard
+and W&B; ``SUMMARY`` lists the keys of a run's ``summary.json``. ``tests/test_metric_docs.py``
+keeps these tables and the code in step both ways: every name a training run logs is here,
+and every name here is one the code writes.
+"""
+
+from __future__ import annotations
+
+AREAS: dict[str, str] = {
+    "rollout": "What the policy generated this step, over every response of every round.",
+    "reward": "The verifier's health.",
+    "sampling": "What dynamic sampling did and what it cost (DAPO §3.2).",
+    "train": "The updates: loss, entropy, optimisation.",
+    "clip": "The clipped objective (Clip-Higher, DAPO §3.1; dual-clip).",
+    "mismatch": "Rollout correction, for engines whose log-probs are not the trainer's (vllm).",
+    "val": "Held-out evaluation, on evaluation steps only (step 0, every eval.every, the end).",
+    "perf": "Where the step's time went. The only metrics that differ between identical runs.",
+}
+
+METRICS: dict[str, str] = {
+    # rollout
+    "rollout/accuracy": "Share of the step's responses graded correct (all rounds, kept or not).",
+    "rollout/reward_mean": "Mean shaped reward R_correct + R_length of those responses.",
+    "rollout/response_len_mean": "Mean response length in tokens.",
+    "rollout/response_len_max": "Longest response in tokens.",
+    "rollout/truncated_frac": "Share of responses with no stop token within L_max "
+    "(rollout.max_new_tokens).",
+    # reward
+    "reward/faults": "Responses whose verifier raised, hung past reward.timeout_s or ran out "
+    "of reward.memory_mb: graded incorrect, and training goes on.",
+    # sampling
+    "sampling/rounds": "Generation rounds this step (1 without dynamic sampling).",
+    "sampling/prompts_drawn": "Prompts drawn over the rounds.",
+    "sampling/groups_mixed": "Groups with 0 < #correct < G, the ones dynamic sampling keeps.",
+    "sampling/groups_kept": "Groups trained on: N (train.prompts_per_step), or fewer when "
+    "sampling.on_max_rounds=train ran out of rounds.",
+    "sampling/kept_frac": "groups_kept / prompts_drawn.",
+    "sampling/groups_surplus": "Mixed groups drawn beyond N and dropped (over-sampling's margin).",
+    "sampling/exhausted": "1 when sampling.max_rounds ran out before N groups were kept "
+    "(with sampling.on_max_rounds=train), else 0.",
+    "sampling/tokens_generated": "Tokens generated this step, every response counted.",
+    "sampling/tokens_per_kept_group": "tokens_generated / groups_kept: what a kept group cost.",
+    # train
+    "train/loss": "Mean policy loss over the step's updates (-J, plus the KL term for GRPO).",
+    "train/entropy": "Mean entropy of the policy's token distribution per trained token.",
+    "train/token_prob_mean": "Mean pi_old probability of the trained tokens.",
+    "train/grad_norm": "Mean gradient norm over the updates, before clipping.",
+    "train/lr": "Learning rate of the step (after warm-up).",
+    "train/updates": "Optimizer updates applied this step.",
+    "train/skipped_updates": "Updates skipped for a non-finite loss or gradient norm.",
+    "train/tokens": "Response tokens trained on per epoch (the token-level loss's divisor "
+    "summed over mini-batches).",
+    "train/kl": "k3 estimate of KL(pi_theta || pi_ref) per token; only with a reference model "
+    "(algo.kl_coef > 0, the GRPO baseline).",
+    "train/sampler_logprob_gap": "Largest gap between the sampler's log-probs and a forward "
+    "pass, checked on a process's first step when train.recompute_old_logprobs=false.",
+    "train/scaler_overflows": "float16 only: updates skipped because the scaled gradient "
+    "overflowed (the loss scale is halved; not counted toward train.max_consecutive_skips).",
+    "train/loss_scale": "float16 only: the loss scaler's scale after the step.",
+    # clip
+    "clip/low_frac": "Share of trained tokens where the lower clip 1 - eps_low is active.",
+    "clip/high_frac": "Share of trained tokens where the upper clip 1 + eps_high is active.",
+    "clip/high_prob_mean": "Mean pi_old probability of the up-clipped tokens (the paper's "
+    "Clip-Higher diagnostic).",
+    "clip/dual_frac": "Share of trained tokens capped by dual-clip (algo.clip_ratio_c).",
+    # mismatch
+    "mismatch/abs_log_ratio": "Mean |log pi_old - log pi_rollout| per trained token.",
+    "mismatch/kl": "k3 estimate of KL(pi_rollout || pi_old) from the sampled tokens.",
+    "mismatch/corrected_frac": "Share of trained tokens whose correction weight was truncated "
+    "(TIS) or zeroed (MIS).",
+    # val
+    "val/accuracy": "Held-out avg@k: the mean over problems of the share of k samples "
+    "graded correct (k = eval.num_samples).",
+    "val/accuracy_low": "Lower end of val/accuracy's 95% bootstrap interval over problems.",
+    "val/accuracy_high": "Upper end of val/accuracy's 95% bootstrap interval over problems.",
+    "val/pass@{k}": "Held-out pass@k (unbiased estimator, Chen et al. 2021), k = "
+    "eval.num_samples: the metric's name carries the number, val/pass@4 on the demo.",
+    "val/maj@k": "Held-out majority vote over the k extracted answers.",
+    "val/response_len_mean": "Mean held-out response length in tokens.",
+    "val/truncated_frac": "Share of held-out responses truncated at eval.max_new_tokens.",
+    "val/num_problems": "Distinct held-out problems evaluated.",
+    "val/num_samples": "Samples per problem, k.",
+    "val/reward_faults": "Held-out responses whose verifier faulted (graded incorrect).",
+    # perf
+    "perf/step_s": "Seconds of the step; the phases below add up to it.",
+    "perf/generate_s": "Seconds generating (every round).",
+    "perf/reward_s": "Seconds grading the responses.",
+    "perf/logprobs_s": "Seconds of the pi_old / pi_ref forward passes.",
+    "perf/train_s": "Seconds of the updates (forward, backward, optimizer).",
+    "perf/other_s": "Seconds of the rest of the step.",
+    "perf/gen_tokens_per_s": "Generated tokens per second of generation.",
+    "perf/train_tokens_per_s": "Trained tokens per second of training.",
+    "perf/gen_padding_frac": "Share of generation slots computed after their response ended.",
+    "perf/train_padding_frac": "Share of micro-batch positions that are padding.",
+    "perf/weight_sync_s": "Seconds giving the engine the new weights (vllm; the gathered "
+    "copy under FSDP).",
+    "perf/threads": "torch threads used this step (run.threads=0 follows the free cores).",
+}
+
+
+SUMMARY: dict[str, str] = {
+    "steps": "Steps trained.",
+    "val/accuracy_start": "val/accuracy at step 0, the starting policy.",
+    "val/accuracy_end": "val/accuracy at the last evaluation.",
+    "train_seconds": "Seconds of the whole run, over every process of a resumed one.",
+    "gen_tokens": "Tokens generated for training (what train.max_gen_tokens limits).",
+    "step_seconds": "Seconds of the training steps (what train.max_seconds limits).",
+    "limits": "What the run was asked for: steps, max_gen_tokens, max_seconds (dapo ablate "
+    "tells a finished run by them).",
+}
+"""The keys of a run's ``summary.json``, written when it ends."""
+
+
+def metric_pattern(name: str) -> str | None:
+    """The catalogue entry a logged name belongs to: ``val/pass@8`` -> ``val/pass@{k}``."""
+    if name in METRICS:
+        return name
+    area, _, rest = name.partition("/")
+    if area == "val" and rest.startswith("pass@") and rest[5:].isdigit():
+        return "val/pass@{k}"
+    return None
