@@ -11,10 +11,12 @@ import pytest
 from dapo import cli
 from dapo.models import policy
 from dapo.run import rundir
+from dapo.train import loop
 
 
 class ModelLoaded(Exception):
-    """Raised in place of loading the policy: reaching it means every check passed."""
+    """Raised in place of training: reaching it means every check passed and the run started
+    (its directory made, its config written, the policy "loaded")."""
 
 
 @pytest.fixture(autouse=True)
@@ -22,7 +24,8 @@ def no_model(monkeypatch):
     def refuse(*_a, **_k):
         raise ModelLoaded
 
-    monkeypatch.setattr(policy, "load_policy", refuse)
+    monkeypatch.setattr(policy, "load_policy", lambda cfg, pairs, tokenizer: (None, tokenizer))
+    monkeypatch.setattr(loop, "fit", refuse)
 
 
 def _train(tmp_path, *args, name="r"):

@@ -18,7 +18,7 @@ import sys
 from dapo.cli import ablate, bench, data, model, report, train
 from dapo.cli import eval as eval_
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "parse_args"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,8 +30,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with config overrides (``section.field=value``) allowed anywhere:
+    ``dapo train a=b --overwrite c=d`` as well as before or after every flag."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    overrides = [x for x in extra if "=" in x and not x.startswith("-")]
+    if extra and (overrides != extra or not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *overrides]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     from transformers.utils import logging as hf_logging
 
     from dapo.run.checkpoint import CheckpointError

@@ -12,10 +12,11 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from dapo.config import Config
+    from dapo.run.rundir import NewRun
     from dapo.train.inputs import RunData
 
 
@@ -128,12 +129,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     from dapo import dist
     from dapo.config import config_warnings, dump_yaml
 
-    cfg, run_dir = resolve_config(args)
+    cfg, resume_dir = resolve_config(args)
     if args.quiet:
         cfg.run.progress = "plain"
     if dist.launched() and not args.dry_run and not args.print_config:
         try:
-            return _train_ranks(args, cfg, run_dir)
+            return _train_ranks(args, cfg, resume_dir)
         finally:
             dist.shutdown()
     for warning in config_warnings(cfg):
@@ -141,26 +142,20 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(dump_yaml(cfg), end="")
         return 0
-    resume = run_dir is not None
-    return _train(args, cfg, _checked_run_dir(args, cfg, run_dir), resume)
+    return _train(args, cfg, resume_dir)
 
 
-def _train(args: argparse.Namespace, cfg: Config, run_dir: Path | None, resume: bool) -> int:
-    """Check the model path, data, verifiers and context, then train (or, with --dry-run,
-    print what the run would be)."""
-    import torch
+def _checked_inputs(cfg: Config) -> tuple[RunData, Any, dict[str, float]]:
+    """The device, model path, optional packages, data, verifiers, tokenizer and context,
+    checked: everything but the run directory, before anything on disk changes."""
+    import importlib.util
 
-    from dapo import dist
     from dapo.models import policy
-    from dapo.run import rundir
     from dapo.train import inputs
-    from dapo.train.loop import fit
 
     policy.device(cfg.model.device)  # raises now if CUDA is asked for and absent
     if cfg.model.path != "embedded":
         policy.check_model_path(cfg)
-    import importlib.util
-
     if cfg.run.wandb and importlib.util.find_spec("wandb") is None:
         raise ValueError("run.wandb=true needs the wandb package: pip install wandb")
     if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
@@ -172,73 +167,118 @@ def _train(args: argparse.Namespace, cfg: Config, run_dir: Path | None, resume: 
         cfg.eval.num_samples = data.val_copies
     inputs.check_verifiers(cfg, data)
     tokenizer = policy.load_tokenizer(cfg)
-    lengths = inputs.check_context(cfg, data, tokenizer)
+    return data, tokenizer, inputs.check_context(cfg, data, tokenizer)
+
+
+def _train(args: argparse.Namespace, cfg: Config, resume_dir: Path | None) -> int:
+    """Check every input, then open the run directory (rank 0) and train; with --dry-run,
+    print what the run would be. An earlier run that --overwrite replaces is moved aside
+    only after every check, and removed only once the new run has started."""
+    import torch
+
+    from dapo import dist
+    from dapo.models import policy
+    from dapo.run import rundir
+    from dapo.train.loop import fit
+
+    data, tokenizer, lengths = _checked_inputs(cfg)
     if args.dry_run:
-        _print_dry_run(
-            cfg, data, lengths, args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
-        )
+        if dist.is_main():
+            _checked_run_dir(args, cfg, resume_dir)
+        world_size = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+        _print_dry_run(cfg, data, lengths, world_size)
         return 0
-    if cfg.run.threads:
-        torch.set_num_threads(cfg.run.threads)
-    torch.manual_seed(cfg.train.seed)
-    _print_plan(cfg, data)
-    print(f"run directory: {run_dir}")
-    if dist.is_main():
-        rundir.write_config(run_dir, cfg)
-    # A resumed run starts from the same policy (it is the KL reference) and then loads the
-    # checkpoint's weights over it. Under torchrun, rank 0 builds (and caches) the embedded
-    # one before the other ranks load it.
-    if not dist.is_main():
-        dist.barrier()
-    model, tokenizer = policy.load_policy(cfg, data.warmup_pairs, tokenizer)
-    if dist.is_main():
-        dist.barrier()
-    fit(cfg, model, tokenizer, data.train, data.val, run_dir=run_dir, resume=resume)
+    opened = _open_run_dir(args, cfg, resume_dir) if dist.is_main() else None
+    run_dir = dist.broadcast(opened.path if opened else None)
+    started = False
+    try:
+        if cfg.run.threads:
+            torch.set_num_threads(cfg.run.threads)
+        torch.manual_seed(cfg.train.seed)
+        _print_plan(cfg, data)
+        print(f"run directory: {run_dir}")
+        if dist.is_main():
+            rundir.write_config(run_dir, cfg)
+        # A resumed run starts from the same policy (it is the KL reference) and then loads
+        # the checkpoint's weights over it. Under torchrun, rank 0 builds (and caches) the
+        # embedded one before the other ranks load it.
+        if not dist.is_main():
+            dist.barrier()
+        model, tokenizer = policy.load_policy(cfg, data.warmup_pairs, tokenizer)
+        if dist.is_main():
+            dist.barrier()
+        started = True
+        if opened is not None and resume_dir is None:
+            rundir.finish_replacing(opened)
+        fit(cfg, model, tokenizer, data.train, data.val, run_dir=run_dir, resume=bool(resume_dir))
+    finally:
+        if opened is not None:
+            if not started and resume_dir is None:
+                rundir.undo_new_run(opened)
+            elif opened.lock is not None:
+                opened.lock.release()
     return 0
 
 
-def _train_ranks(args: argparse.Namespace, cfg: Config, run_dir: Path | None) -> int:
+def _train_ranks(args: argparse.Namespace, cfg: Config, resume_dir: Path | None) -> int:
     """``dapo train`` as one rank of a ``torchrun`` job: rank 0 checks and creates the run
     directory and prints; the other ranks follow it with their standard output silenced
     (their errors still reach standard error, naming the rank)."""
     from dapo import dist
     from dapo.config import config_warnings
+    from dapo.run.launcher import watch_launcher
 
     dist.init_from_env(timeout_s=cfg.dist.timeout_s)
-    resume = run_dir is not None
+    watch_launcher(dist.rank())
     if not dist.is_main():
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
     else:
         for warning in config_warnings(cfg):
             print(f"dapo: warning: {warning}", file=sys.stderr)
     try:
-        if dist.is_main():
-            run_dir = _checked_run_dir(args, cfg, run_dir)
-        return _train(args, cfg, dist.broadcast(run_dir), resume)
+        return _train(args, cfg, resume_dir)
     except Exception:
         if dist.world_size() > 1:
             print(f"dapo: rank {dist.rank()} of {dist.world_size()} failed:", file=sys.stderr)
         raise
 
 
-def _checked_run_dir(args: argparse.Namespace, cfg: Config, run_dir: Path | None) -> Path | None:
-    """The run directory, created (a new run) or checked to hold a checkpoint (a resume), and
-    checked to be writable with room for checkpoints. A dry run creates nothing (None for a
-    new run); a dry resume still checks the run's directory."""
+def _checked_run_dir(args: argparse.Namespace, cfg: Config, resume_dir: Path | None) -> None:
+    """What --dry-run can tell of the run directory without changing anything: a new run's
+    would be refused, or a resumed one has no checkpoint or no room."""
     from dapo.run import checkpoint, rundir
 
-    if not args.dry_run:
-        if run_dir is None:
-            run_dir = rundir.new_run_dir(cfg, overwrite=args.overwrite)
-        elif checkpoint.find_latest(run_dir) is None:
-            raise ValueError(
-                f"--resume {run_dir}: no complete checkpoint there (it stopped before its first "
-                "one); start it again with --overwrite"
-            )
-    if run_dir is not None:
-        rundir.check_writable(run_dir)
+    if resume_dir is None:
+        rundir.plan_new_run(cfg, overwrite=args.overwrite)
+        return
+    if checkpoint.find_latest(resume_dir) is None:
+        raise ValueError(
+            f"--resume {resume_dir}: no complete checkpoint there (it stopped before its first "
+            "one); start it again with --overwrite"
+        )
+    rundir.check_writable(resume_dir)
+    rundir.check_space(resume_dir, cfg)
+
+
+def _open_run_dir(args: argparse.Namespace, cfg: Config, resume_dir: Path | None) -> NewRun:
+    """The run directory, locked for this process: a new one created (an earlier run it
+    replaces moved aside), or the resumed one checked to hold a checkpoint; both checked to
+    be writable with room for checkpoints."""
+    from dapo.run import rundir
+    from dapo.run.lock import RunLock
+
+    _checked_run_dir(args, cfg, resume_dir)
+    if resume_dir is not None:
+        opened = rundir.NewRun(resume_dir, lock=RunLock(resume_dir).acquire())
+        return opened
+    opened = rundir.plan_new_run(cfg, overwrite=args.overwrite)
+    run_dir = rundir.start_new_run(opened)
+    try:
         rundir.check_space(run_dir, cfg)
-    return run_dir
+    except Exception:
+        rundir.undo_new_run(opened)
+        raise
+    return opened
 
 
 def _print_plan(cfg: Config, data: RunData) -> None:

@@ -188,7 +188,8 @@ class RunConfig:
     out_dir: str = "runs"
     """Run directories are created under this one."""
     name: str = ""
-    """Run directory name; empty = <preset>-<timestamp>."""
+    """Run directory name, one plain directory name under out_dir (no ``/``, not ``.`` or
+    ``..``); empty = <preset>-<timestamp>."""
     preset: str = "dapo"
     """Algorithm preset applied before the YAML file and overrides: dapo, grpo, or one of
     DAPO's successors, dr_grpo, gspo and cispo (`dapo/config/presets.py`)."""
@@ -216,4 +217,9 @@ class RunConfig:
             errors.append(f"run.base must be one of {tuple(presets.BASES)}")
         if self.threads < 0:
             errors.append("run.threads must be >= 0 (0 = torch's default)")
+        if self.name in (".", "..") or "/" in self.name or "\\" in self.name:
+            errors.append(
+                f"run.name must be one plain directory name (no '/', not '.' or '..'), got "
+                f"{self.name!r}; put the parent directories in run.out_dir"
+            )
         return errors

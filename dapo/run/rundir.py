@@ -1,9 +1,12 @@
-"""The run directory: created, refused or overwritten, and checked before any model is loaded.
+"""The run directory: created, refused or replaced, and checked before any model is loaded.
 
 A run directory holds ``config.yaml``, ``metrics.jsonl``, ``checkpoints/``, ``model/``,
-``summary.json`` and ``samples.jsonl`` (the last two written here too). Every check here runs
-before the (possibly long) model load, so a typo in a path or a full disk costs seconds, not
-the minutes of loading a 32B model.
+``summary.json`` and ``samples.jsonl`` (the last two written here too), and two files of
+dapo's own: ``.dapo-run``, the mark that dapo created it (``--overwrite`` deletes nothing
+without it, and nothing in it that dapo did not write), and ``.dapo-lock``, held by the
+process that runs in it (:mod:`dapo.run.lock`). Every check runs before the (possibly long)
+model load, so a typo in a path or a full disk costs seconds, not the minutes of loading a
+32B model; and every check of the command runs before an earlier run is touched.
 """
 
 from __future__ import annotations
@@ -12,47 +15,158 @@ import json
 import os
 import shutil
 import time
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 from dapo.config import Config, dump_yaml
 from dapo.run.checkpoint import CKPT_DIR, write_atomic
+from dapo.run.lock import LOCK_NAME, RunLock
 
-RUN_MARKERS = ("config.yaml", "metrics.jsonl", CKPT_DIR)
+MARK = ".dapo-run"
+"""Written when dapo creates a run directory: --overwrite deletes nothing without it."""
+# What dapo writes at the top of a run directory (and ".<name>.tmp" while writing one).
+OWN_ENTRIES = (
+    MARK,
+    LOCK_NAME,
+    ".write-test",
+    "config.yaml",
+    "metrics.jsonl",
+    "tensorboard",
+    CKPT_DIR,
+    "model",
+    "summary.json",
+    "samples.jsonl",
+    "val_problems.json",
+    "wandb",
+)
+RUN_MARKERS = ("config.yaml", "metrics.jsonl", CKPT_DIR)  # a run, marked or from before marks
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def is_run_dir(path: Path) -> bool:
-    return path.is_dir() and any((path / m).exists() for m in RUN_MARKERS)
+    return path.is_dir() and any((path / m).exists() for m in (MARK, *RUN_MARKERS))
 
 
-def new_run_dir(cfg: Config, *, overwrite: bool = False) -> Path:
-    """The directory of a new run. One that holds another run is refused unless ``overwrite``;
-    a non-empty directory that is not a run is never deleted."""
+def is_own_entry(name: str) -> bool:
+    """Whether dapo writes a top-level entry of this name into a run directory."""
+    name = name.removeprefix(".").removesuffix(".tmp") if name.endswith(".tmp") else name
+    if name.startswith("config.before-resume-") and name.endswith(".yaml"):
+        return True
+    return name in OWN_ENTRIES
+
+
+@dataclass
+class NewRun:
+    """Where a new run goes, decided before anything on disk changes (:func:`plan_new_run`),
+    then made (:func:`start_new_run`); an earlier run it replaces is moved aside and removed
+    only once the new run has started (:func:`finish_replacing`), or put back
+    (:func:`undo_new_run`)."""
+
+    path: Path
+    replaces: bool = False
+    aside: Path | None = None
+    lock: RunLock | None = None
+
+
+def plan_new_run(cfg: Config, *, overwrite: bool = False) -> NewRun:
+    """The directory of a new run, checked: free, or (with ``overwrite``) holding a run that
+    dapo created and nothing else. Changes nothing on disk."""
     name = cfg.run.name or f"{cfg.run.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(cfg.run.out_dir) / name
+    if run_dir.is_symlink():
+        raise ValueError(f"run directory {run_dir} is a symbolic link; choose another run.name")
     if run_dir.exists() and not run_dir.is_dir():
         raise ValueError(f"run directory {run_dir} is a file; choose another run.name")
-    if run_dir.is_dir() and any(run_dir.iterdir()):
-        if not is_run_dir(run_dir):
-            raise ValueError(
-                f"run directory {run_dir} is not empty and holds no dapo run; choose another "
-                "run.name or run.out_dir (dapo never deletes what it did not write)"
-            )
-        if not overwrite:
-            raise FileExistsError(
-                f"run directory {run_dir} already holds a run; continue it with "
-                f"`dapo train --resume {run_dir}`, replace it with --overwrite, or pick another "
-                "run.name"
-            )
-        shutil.rmtree(run_dir)
+    entries = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
+    if not entries:
+        return NewRun(run_dir)
+    if not is_run_dir(run_dir):
+        raise ValueError(
+            f"run directory {run_dir} is not empty and holds no dapo run; choose another "
+            "run.name or run.out_dir (dapo never deletes what it did not write)"
+        )
+    if not overwrite:
+        raise FileExistsError(
+            f"run directory {run_dir} already holds a run; continue it with "
+            f"`dapo train --resume {run_dir}`, replace it with --overwrite, or pick another "
+            "run.name"
+        )
+    if not (run_dir / MARK).is_file():
+        raise ValueError(
+            f"--overwrite: {run_dir} has no {MARK} mark, so dapo did not create it (or a dapo "
+            "from before runs were marked did) and will not delete it. It holds: "
+            f"{_listing(entries)}. Delete it yourself if it is an old run you no longer need, "
+            "or pick another run.name"
+        )
+    foreign = [e for e in entries if not is_own_entry(e)]
+    if foreign:
+        raise ValueError(
+            f"--overwrite: {run_dir} holds files dapo did not write: {_listing(foreign)}. Move "
+            "them out of it first (dapo deletes only what it wrote), or pick another run.name"
+        )
+    return NewRun(run_dir, replaces=True)
+
+
+def _listing(names: list[str], most: int = 8) -> str:
+    shown = ", ".join(names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def start_new_run(plan: NewRun) -> Path:
+    """Create the run directory of ``plan``, marked and locked for this process. An earlier
+    run it replaces is locked (refused while another process uses it) and moved aside."""
+    run_dir = plan.path
+    if plan.replaces:
+        old_lock = RunLock(run_dir).acquire()
+        plan.aside = run_dir.with_name(f".{run_dir.name}.replaced-{uuid.uuid4().hex[:8]}")
+        try:
+            os.rename(run_dir, plan.aside)
+        finally:
+            old_lock.release()
+        print(f"dapo: the earlier run in {run_dir} is kept at {plan.aside} until this one starts")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
+        undo_new_run(plan)
         raise ValueError(
             f"cannot create run directory {run_dir}: {exc.strerror}; set run.out_dir to a "
             "writable place"
         ) from exc
+    try:
+        check_writable(run_dir)
+        plan.lock = RunLock(run_dir).acquire()
+        mark = {"run_id": uuid.uuid4().hex, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        write_atomic(run_dir / MARK, json.dumps(mark) + "\n")
+    except Exception:
+        undo_new_run(plan)
+        raise
     return run_dir
+
+
+def finish_replacing(plan: NewRun) -> None:
+    """The new run has started: remove the run it replaced (only dapo's own entries)."""
+    if plan.aside is None:
+        return
+    aside, plan.aside = plan.aside, None
+    if all(is_own_entry(p.name) for p in aside.iterdir()):
+        shutil.rmtree(aside)
+    else:  # something appeared in it meanwhile: keep it for its owner
+        print(f"dapo: warning: {aside} holds files dapo did not write; it was kept")
+
+
+def undo_new_run(plan: NewRun) -> None:
+    """The new run failed before it started: remove its (still dapo-only) directory and put
+    the run it replaced back."""
+    if plan.lock is not None:
+        plan.lock.release()
+        plan.lock = None
+    run_dir = plan.path
+    if run_dir.is_dir() and all(is_own_entry(p.name) for p in run_dir.iterdir()):
+        shutil.rmtree(run_dir)
+    if plan.aside is not None and not run_dir.exists():
+        os.rename(plan.aside, run_dir)
+        plan.aside = None
 
 
 def existing_run_dir(path: str | Path) -> Path:
@@ -110,7 +224,9 @@ def check_space(run_dir: Path, cfg: Config) -> None:
     """Refuse to start when the disk cannot hold two checkpoints (the newest being written
     while the previous one is still the safe copy)."""
     need = 2 * estimate_checkpoint_bytes(cfg)
-    free = shutil.disk_usage(run_dir).free
+    # A new run's directory does not exist yet: its nearest ancestor is on the same disk.
+    where = next(p for p in (run_dir.absolute(), *run_dir.absolute().parents) if p.exists())
+    free = shutil.disk_usage(where).free
     if free < need:
         raise ValueError(
             f"run directory {run_dir} has {free / 2**20:.0f} MiB free, but checkpointing needs "

@@ -1,0 +1,41 @@
+"""A rank ends with its launcher.
+
+torchrun starts each rank in a session of its own, so a signal to the launcher's process
+group does not reach the ranks, and a launcher killed with SIGKILL (a scheduler's time limit,
+the OOM killer) leaves them training as orphans: writing checkpoints into a run directory
+that a ``--resume`` may be writing at the same time. A daemon thread of each rank watches its
+parent process and ends the rank within ``poll_s`` seconds of the parent's death (the rank is
+then re-parented, so its parent pid changes). Nothing is saved: the other ranks end at the
+same moment, and the run resumes from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+_watching: list[threading.Thread] = []
+
+
+def watch_launcher(rank: int, *, poll_s: float = 1.0) -> None:
+    """End this process when the process that started it is gone (once per process)."""
+    if _watching:
+        return
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        print(
+            f"dapo: rank {rank}: its launcher (pid {parent}) is gone; exiting so that no "
+            "orphan keeps writing the run directory (resume from the last checkpoint)",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)  # at once: the other ranks are ending too, no collective can finish
+
+    thread = threading.Thread(target=watch, name="dapo-launcher-watch", daemon=True)
+    thread.start()
+    _watching.append(thread)
