@@ -49,7 +49,7 @@ from dapo.run.seeding import derive_seed
 
 INSTALL_HINT = (
     "rollout.engine=vllm needs vLLM (Python >= 3.11): pip install 'dapo-rl[vllm]'; on a "
-    "machine without a GPU see the README, 'Rollout engines', for the CPU install line"
+    "machine without a GPU, the CPU install lines are in docs/guides/rollout-engines.md"
 )
 CPU_KV_CACHE_GIB = 1.0
 """KV-cache size on a CPU when ``vllm.kv_cache_gib`` is 0 (vLLM's own default reserves a

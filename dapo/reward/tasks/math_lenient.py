@@ -6,11 +6,11 @@ Like the paper's verifier (:mod:`dapo.reward.tasks.math_dapo`), the model is tol
 line ``Answer: <answer>``; we take the last such line, normalise it and the ground truth
 with the same function, and compare strings; nothing is parsed as a number or evaluated.
 But the rules forgive what the paper's count wrong, so this is a different reward (the
-README's reward-mode table lists every difference): a trailing full stop (``Answer: 7.``),
-a percent or degree sign (``12\\%``, ``90^\\circ``), a unit from a short list after a number,
-``\boxed{}`` and other wrappers anywhere, thousands separators and a leading ``+``. It reads
-the answer on the marker's own line only (``Answer:`` then a newline is no answer) and
-never falls back to a ``\boxed{}`` without a marker.
+reward-mode table of docs/guides/data-and-verifiers.md lists every difference): a trailing
+full stop (``Answer: 7.``), a percent or degree sign (``12\\%``, ``90^\\circ``), a unit from a
+short list after a number, ``\boxed{}`` and other wrappers anywhere, thousands separators and
+a leading ``+``. It reads the answer on the marker's own line only (``Answer:`` then a
+newline is no answer) and never falls back to a ``\boxed{}`` without a marker.
 
 Model outputs are untrusted input (spec: "a verifier must return in bounded time
 and memory on any string ... and never take the training run down"), hence:
