@@ -1,10 +1,19 @@
-"""The paper's verifier (dapo.reward.tasks.math_dapo): hand-written cases, and agreement with the
-reference (verl 0.9.1's math_dapo.py, loaded from its file when verl is installed:
-``pip install --no-deps verl==0.9.1``) on a corpus of model-like responses and on fuzzing."""
+"""The paper's verifier (dapo.reward.tasks.math_dapo) in both of its reference versions:
+hand-written cases, and agreement with each reference on a corpus of model-like responses and
+on fuzzing. ``math_score`` is verl 0.4.1's ``math_dapo.py`` (the DAPO era's: the answer line
+only), ``math_score_boxed`` verl 0.9.1's (a ``\\boxed{}`` fallback).
+
+The references are the files themselves, read alone (importing verl would pull in its
+training stack): ``.ci/run`` downloads both wheels with ``pip download --no-deps`` and
+extracts ``math_dapo-0.4.1.py`` and ``math_dapo-0.9.1.py`` into ``.verl-reference/`` (or
+``$DAPO_VERL_REFERENCE``); an installed verl 0.9.1 serves for that version too. A test whose
+reference is absent skips."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import os
 import random
 import time
 from pathlib import Path
@@ -15,58 +24,65 @@ from hypothesis import strategies as st
 
 from dapo.reward.tasks import get_verifier
 from dapo.reward.tasks.base import Score
-from dapo.reward.tasks.math_dapo import math_score, normalize
+from dapo.reward.tasks.math_dapo import math_score, math_score_boxed, normalize
 from dapo.reward.tasks.math_lenient import lenient_score
 
 
-def _score(response: str, truth: str) -> tuple[bool, str]:
-    s = math_score(response, truth)
+def _score(response: str, truth: str, grade=math_score) -> tuple[bool, str]:
+    s = grade(response, truth)
     return s.correct, s.pred
 
 
+INVALID = (False, "[INVALID]")
+
+
 @pytest.mark.parametrize(
-    ("response", "truth", "correct", "pred"),
+    ("response", "truth", "v041", "v091"),
     [
-        ("so the sum is 34.\nAnswer: 34", "34", True, "34"),
-        ("Answer:\n34", "34", True, "34"),  # the whitespace after the colon spans lines
-        ("answer : 34", "34", True, "34"),  # case and spaces
-        ("Answer: 7.", "7", False, "7."),  # a trailing full stop stays
-        ("Answer: 12\\%", "12", False, "12\\%"),  # so does a percent sign
-        ("Answer: 12 students", "12", True, "12"),  # a listed word goes
-        ("Answer: 90^\\circ", "90", True, "90"),
-        ("Answer: $1,000$", "1000", True, "1000"),
-        ("Answer: x = 5", "5", True, "5"),
-        ("Answer: \\boxed{72}", "72", True, "72"),
-        ("Answer: \\frac12", "\\frac{1}{2}", True, "\\frac{1}{2}"),
-        ("Answer: 3\nAnswer: 4", "4", True, "4"),  # the last answer line
-        ("Answer: 3 then more\nno answer here", "3", False, "3thenmore"),
-        ("The answer is \\boxed{9}.", "9", True, "9"),  # no answer line: the last box
-        ("\\boxed{ 9 }", "9", False, " 9 "),  # a box is compared as written
-        ("Answer: 8\n\\boxed{9}", "9", False, "8"),  # an answer line wins over a box
-        ("no answer at all", "5", False, "[INVALID]"),
-        ("\\boxed{5" + "x" * 120, "5", False, "[INVALID]"),  # a box that never closes
+        ("so the sum is 34.\nAnswer: 34", "34", (True, "34"), None),
+        ("Answer:\n34", "34", (True, "34"), None),  # the whitespace after the colon spans lines
+        ("answer : 34", "34", (True, "34"), None),  # case and spaces
+        ("Answer: 7.", "7", (False, "7."), None),  # a trailing full stop stays
+        ("Answer: 12\\%", "12", (False, "12\\%"), None),  # so does a percent sign
+        ("Answer: 12 students", "12", (True, "12"), None),  # a listed word goes
+        ("Answer: 90^\\circ", "90", (True, "90"), None),
+        ("Answer: $1,000$", "1000", (True, "1000"), None),
+        ("Answer: x = 5", "5", (True, "5"), None),
+        ("Answer: \\boxed{72}", "72", (True, "72"), None),
+        ("Answer: \\frac12", "\\frac{1}{2}", (True, "\\frac{1}{2}"), None),
+        ("Answer: 3\nAnswer: 4", "4", (True, "4"), None),  # the last answer line
+        ("Answer: 3 then more\nno answer here", "3", (False, "3thenmore"), None),
+        # Without an answer line, 0.4.1 has no answer; 0.9.1 takes the last box, as written.
+        ("The answer is \\boxed{9}.", "9", INVALID, (True, "9")),
+        ("\\boxed{ 9 }", "9", INVALID, (False, " 9 ")),
+        ("Answer: 8\n\\boxed{9}", "9", (False, "8"), None),  # an answer line wins over a box
+        ("no answer at all", "5", INVALID, None),
+        ("\\boxed{5" + "x" * 120, "5", INVALID, None),  # a box that never closes
     ],
 )
-def test_the_reference_rules_by_hand(response, truth, correct, pred):
-    assert _score(response, truth) == (correct, pred)
+def test_the_reference_rules_by_hand(response, truth, v041, v091):
+    assert _score(response, truth) == v041
+    assert _score(response, truth, math_score_boxed) == (v091 or v041)
 
 
 def test_only_the_tails_are_read():
     pad = "x" * 400
-    assert _score("Answer: 5\n" + pad, "5") == (False, "[INVALID]")  # past 300 characters
+    assert _score("Answer: 5\n" + pad, "5") == INVALID  # past 300 characters
     box = "\\boxed{5} " + "y" * 95  # the box starts 105 characters from the end
-    assert _score(box, "5") == (False, "[INVALID]")
-    assert _score(box[10:] + "\\boxed{5}", "5") == (True, "5")
+    assert _score(box, "5", math_score_boxed) == INVALID
+    assert _score(box[10:] + "\\boxed{5}", "5", math_score_boxed) == (True, "5")
 
 
-def test_input_that_cannot_be_graded_is_wrong_without_raising():
-    assert math_score(None, "5") == Score(-1.0, False, "")  # type: ignore[arg-type]
-    assert math_score("Answer: None", None) == Score(-1.0, False, "")  # type: ignore[arg-type]
-    assert math_score("Answer: 5", 5).correct  # an int ground truth is its digits
+@pytest.mark.parametrize("grade", [math_score, math_score_boxed])
+def test_input_that_cannot_be_graded_is_wrong_without_raising(grade):
+    assert grade(None, "5") == Score(-1.0, False, "")  # type: ignore[arg-type]
+    assert grade("Answer: None", None) == Score(-1.0, False, "")  # type: ignore[arg-type]
+    assert grade("Answer: 5", 5).correct  # an int ground truth is its digits
 
 
 def test_registered_as_the_default_for_dapo_files_and_mode():
     assert get_verifier("math_dapo") is math_score and get_verifier("dapo") is math_score
+    assert get_verifier("math_dapo_boxed") is math_score_boxed
 
 
 def test_normalize_examples():
@@ -89,21 +105,43 @@ def test_normalize_examples():
     ],
 )
 def test_hostile_responses_are_graded_in_bounded_time(hostile):
-    start = time.perf_counter()
-    math_score(hostile, "1")
-    assert time.perf_counter() - start < 0.5
+    for grade in (math_score, math_score_boxed):
+        start = time.perf_counter()
+        grade(hostile, "1")
+        assert time.perf_counter() - start < 0.5
 
 
 # ----------------------------------------------------------------------------- the reference
 
 
-def _reference():
+REFERENCE_DIR = Path(
+    os.environ.get("DAPO_VERL_REFERENCE", Path(__file__).resolve().parents[1] / ".verl-reference")
+)
+VERSIONS = {"0.4.1": math_score, "0.9.1": math_score_boxed}
+
+
+def _installed_verl(version: str) -> Path | None:
     spec = importlib.util.find_spec("verl")
     if spec is None or not spec.submodule_search_locations:
-        pytest.skip("verl is not installed (pip install --no-deps verl==0.9.1)")
-    path = Path(next(iter(spec.submodule_search_locations)), "utils/reward_score/math_dapo.py")
+        return None
+    root = Path(next(iter(spec.submodule_search_locations)))
+    metadata = list(root.parent.glob(f"verl-{version}.dist-info"))
+    return root / "utils/reward_score/math_dapo.py" if metadata else None
+
+
+@functools.cache
+def _reference(version: str):
+    path = REFERENCE_DIR / f"math_dapo-{version}.py"
+    if not path.is_file():
+        path = _installed_verl(version)
+    if path is None:
+        pytest.skip(
+            f"verl {version}'s math_dapo.py is absent: pip download --no-deps verl=={version}, "
+            f"then extract verl/utils/reward_score/math_dapo.py as {REFERENCE_DIR}/"
+            f"math_dapo-{version}.py (.ci/run does)"
+        )
     # The file alone: importing the verl package would pull in its training stack.
-    module_spec = importlib.util.spec_from_file_location("verl_math_dapo_reference", path)
+    module_spec = importlib.util.spec_from_file_location(f"verl_math_dapo_{version}", path)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
     return module.compute_score
@@ -126,7 +164,7 @@ MARKERS = [
 ]
 
 
-def _corpus(n: int, seed: int) -> list[tuple[str, str]]:
+def model_like_corpus(n: int, seed: int) -> list[tuple[str, str]]:
     """Model-like responses: reasoning, then an answer in one of many spellings (or none)."""
     rng = random.Random(seed)
     words = "so we get the value of x is then wait let me check compute sum".split()
@@ -149,19 +187,26 @@ def _corpus(n: int, seed: int) -> list[tuple[str, str]]:
     return out
 
 
-def test_agrees_with_the_reference_on_a_corpus_of_model_like_responses():
-    reference = _reference()
-    corpus = _corpus(5000, seed=0)
+@pytest.mark.parametrize("version", VERSIONS)
+def test_agrees_with_the_reference_on_a_corpus_of_model_like_responses(version):
+    reference, ours = _reference(version), VERSIONS[version]
+    corpus = model_like_corpus(5000, seed=0)
     disagree = []
     for response, truth in corpus:
         ref = reference(response, truth)
-        ours = math_score(response, truth)
-        if (ref["acc"], ref["score"], ref["pred"]) != (ours.correct, ours.score, ours.pred):
-            disagree.append((response[-80:], truth, ref, ours))
+        mine = ours(response, truth)
+        if (ref["acc"], ref["score"], ref["pred"]) != (mine.correct, mine.score, mine.pred):
+            disagree.append((response[-80:], truth, ref, mine))
     assert disagree == []
-    # The corpus exercises the rules where the modes part ways.
+
+
+def test_the_corpus_exercises_where_the_modes_part_ways():
+    corpus = model_like_corpus(5000, seed=0)
     differ = sum(lenient_score(r, t).correct != math_score(r, t).correct for r, t in corpus)
     assert differ > 200
+    # The boxed fallback changes the grade of every boxed answer without an answer line.
+    versions = sum(math_score(r, t).correct != math_score_boxed(r, t).correct for r, t in corpus)
+    assert versions > 200
 
 
 _PIECES = st.sampled_from(
@@ -170,9 +215,10 @@ _PIECES = st.sampled_from(
 )
 
 
+@pytest.mark.parametrize("version", VERSIONS)
 @settings(max_examples=300, deadline=None)
 @given(st.lists(_PIECES, max_size=60).map("".join), st.sampled_from(["5", "12", "5.", " 12"]))
-def test_agrees_with_the_reference_on_fuzzed_responses(response, truth):
-    ref = _reference()(response, truth)
-    ours = math_score(response, truth)
+def test_agrees_with_the_reference_on_fuzzed_responses(version, response, truth):
+    ref = _reference(version)(response, truth)
+    ours = VERSIONS[version](response, truth)
     assert (ours.correct, ours.score, ours.pred) == (ref["acc"], ref["score"], ref["pred"])

@@ -6,16 +6,31 @@ import pytest
 
 from dapo.reward import tasks
 from dapo.reward.tasks.base import Task
-from dapo.reward.tasks.math_dapo import math_score
+from dapo.reward.tasks.math_dapo import math_score, math_score_boxed
 from dapo.reward.tasks.math_lenient import lenient_score
 from dapo.reward.tasks.math_verify import math_verify_score
 
 
 def test_every_task_file_is_registered_under_its_names():
-    assert tasks.names() == ("arith", "dapo", "lenient", "math_dapo", "math_lenient", "math_verify")
-    assert [t.name for t in tasks.tasks()] == ["arith", "math_dapo", "math_lenient", "math_verify"]
+    assert tasks.names() == (
+        "arith",
+        "dapo",
+        "lenient",
+        "math_dapo",
+        "math_dapo_boxed",
+        "math_lenient",
+        "math_verify",
+    )
+    assert [t.name for t in tasks.tasks()] == [
+        "arith",
+        "math_dapo",
+        "math_dapo_boxed",
+        "math_lenient",
+        "math_verify",
+    ]
     assert tasks.get_verifier("math_dapo") is math_score  # the paper's rules, the default
     assert tasks.get_verifier("dapo") is math_score  # the reward.mode spelling
+    assert tasks.get_verifier("math_dapo_boxed") is math_score_boxed  # verl 0.9.1's
     assert tasks.get_verifier("lenient") is lenient_score
     assert tasks.get_verifier("arith") is lenient_score
     assert tasks.get_verifier("math_verify") is math_verify_score
@@ -26,7 +41,7 @@ def test_an_unknown_name_is_refused_with_the_known_ones_and_the_fix():
     with pytest.raises(ValueError, match="no_such_source") as info:
         tasks.get_verifier("no_such_source")
     message = str(info.value)
-    assert "arith, dapo, lenient, math_dapo, math_lenient, math_verify" in message
+    assert "arith, dapo, lenient, math_dapo, math_dapo_boxed, math_lenient, math_verify" in message
     assert "reward.mode=dapo" in message and "dapo/reward/tasks/" in message
 
 

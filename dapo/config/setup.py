@@ -109,8 +109,10 @@ class RewardConfig:
     memory_mb: int = 2048
     """Address-space limit of each verifier process, MiB; 0 = no limit."""
     mode: str = ""
-    """Verifier for every row, a task name (``dapo``: the paper's; ``lenient``; ``math_verify``:
-    see dapo.reward.tasks); empty = chosen by each row's ``data_source`` (``math_dapo`` -> dapo)."""
+    """Verifier for every row, a task name (``dapo``: the paper's, verl 0.4.1's;
+    ``math_dapo_boxed``: verl 0.9.1's, with a \\boxed{} fallback; ``lenient``;
+    ``math_verify``: see dapo.reward.tasks); empty = chosen by each row's ``data_source``
+    (``math_dapo`` -> dapo)."""
 
     def check(self) -> list[str]:
         errors = []

@@ -3,8 +3,9 @@
 A row's ``data_source`` picks its verifier, unless ``reward.mode`` names one for every row;
 both are looked up here, among each task's name and aliases:
 
-    math_dapo (alias dapo)  the paper's verifier (verl's math_dapo, rule for rule): the last
-                            ``Answer:`` line, Minerva-normalised; else the last \\boxed{}
+    math_dapo (alias dapo)  the paper's verifier (verl 0.4.1's math_dapo, rule for rule): the
+                            last ``Answer:`` line, Minerva-normalised
+    math_dapo_boxed         verl 0.9.1's: the same, else the last \\boxed{}
     math_lenient (lenient)  forgiving rules (full stops, units, percent, wrappers)
     math_verify             value equality by math-verify (fractions, radicals, sets, ...)
     arith                   the embedded arithmetic task, graded by the lenient rules

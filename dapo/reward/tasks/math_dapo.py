@@ -1,11 +1,18 @@
-r"""R_correct as the paper computed it: the DAPO verifier of verl (``math_dapo.py``, verl 0.9.1).
+r"""R_correct as the paper computed it: the DAPO verifier of verl (``math_dapo.py``).
 
     R_correct(o, a) = +1 if the answer extracted from o is equivalent to a, else -1
 
-The paper's numbers were made with these rules, so they are the default (``reward.mode=dapo``,
-``data_source`` ``math_dapo``), reproduced here rule for rule, including what they reject.
-Written afresh from the reference's rules; ``tests/test_math_dapo.py`` compares the two on a
-corpus when verl is installed. The rules, in order:
+Two versions of the reference, each reproduced rule for rule, including what it rejects:
+
+- ``math_dapo`` (alias ``dapo``; the default, ``reward.mode=dapo`` and ``data_source``
+  ``math_dapo``): verl 0.4.1's, the DAPO era's. The answer is the last ``Answer:`` line and
+  nothing else (rules 1-3 below): the reward the paper's numbers were made with.
+- ``math_dapo_boxed``: verl 0.9.1's, what the peers run today. Without an answer line it
+  falls back to the last ``\boxed{}`` (rule 4), so it pays responses 0.4.1 counts wrong.
+
+Written afresh from the references' rules; ``tests/test_math_dapo.py`` compares each with its
+verl version's file on a corpus of model-like responses and on fuzzed ones. The rules, in
+order:
 
 1. Only the last ``TAIL_CHARS`` (300) characters of the response are read.
 2. The answer is the last match of ``Answer``, optional whitespace, ``:``, optional
@@ -15,8 +22,9 @@ corpus when verl is installed. The rules, in order:
    and compared as strings. A trailing full stop stays (``Answer: 7.`` is wrong), as does a
    percent sign (``12\%``); a word from ``REMOVED`` is deleted wherever it occurs, so
    ``Answer: 12 students`` is 12, and the word goes from inside longer words too.
-4. With no answer line at all, the last ``\boxed{...}`` in the last ``BOX_TAIL_CHARS`` (100)
-   characters is the answer, compared to the ground truth as written (not normalised).
+4. ``math_dapo_boxed`` only: with no answer line at all, the last ``\boxed{...}`` in the last
+   ``BOX_TAIL_CHARS`` (100) characters is the answer, compared to the ground truth as written
+   (not normalised).
 
 Model outputs are untrusted input: every rule is a bounded scan or a regular expression run
 on at most 300 characters, nothing is parsed as a number or evaluated, and ``math_score``
@@ -29,7 +37,7 @@ import re
 
 from dapo.reward.tasks.base import NO_ANSWER, Score, Task, ground_truth_text
 
-__all__ = ["BOX_TAIL_CHARS", "TAIL_CHARS", "TASKS", "math_score", "normalize"]
+__all__ = ["BOX_TAIL_CHARS", "TAIL_CHARS", "TASKS", "math_score", "math_score_boxed", "normalize"]
 
 TAIL_CHARS = 300
 """Characters read from the end of a response (the reference's window)."""
@@ -154,17 +162,33 @@ def _last_boxed(text: str) -> str | None:
 
 
 def math_score(response: str, ground_truth: str) -> Score:
-    """Grade ``response`` against ``ground_truth`` with the paper's rules (R_correct).
+    """Grade ``response`` against ``ground_truth`` with the paper's rules (R_correct; verl
+    0.4.1): the last answer line, Minerva-normalised, equals the ground truth.
 
     Returns:
         ``Score(1.0, True, pred)`` or ``Score(-1.0, False, pred)``; ``pred`` is the
-        normalised answer line, else the boxed answer as written, else ``"[INVALID]"``
-        (the reference's placeholder); ``""`` for input that cannot be graded. Never raises.
+        normalised answer line, else ``"[INVALID]"`` (the reference's placeholder); ``""`` for
+        input that cannot be graded. Never raises.
 
     Example:
         >>> math_score("so 5 * 7 - 1 = 34.\\nAnswer:\\n$34$", "34")
         Score(score=1.0, correct=True, pred='34')
     """
+    return _graded(response, ground_truth, boxed=False)
+
+
+def math_score_boxed(response: str, ground_truth: str) -> Score:
+    """:func:`math_score` with verl 0.9.1's fallback: without an answer line, the last
+    ``\\boxed{}`` of the last 100 characters, compared as written. Never raises.
+
+    Example:
+        >>> math_score_boxed("The answer is \\\\boxed{9}.", "9")
+        Score(score=1.0, correct=True, pred='9')
+    """
+    return _graded(response, ground_truth, boxed=True)
+
+
+def _graded(response: str, ground_truth: str, *, boxed: bool) -> Score:
     truth = ground_truth_text(response, ground_truth)
     if truth is None:
         return NO_ANSWER
@@ -172,10 +196,10 @@ def math_score(response: str, ground_truth: str) -> Score:
     lines = _ANSWER_LINE.findall(tail)
     pred = normalize(lines[-1] if lines else _NO_ANSWER_LINE)
     correct = pred == normalize(truth)
-    if pred == _NO_ANSWER_LINE:  # no answer line: the last box, compared as written
-        boxed = _last_boxed(tail[-BOX_TAIL_CHARS:])
-        if boxed is not None:
-            pred, correct = boxed, boxed == truth
+    if boxed and pred == _NO_ANSWER_LINE:  # no answer line: the last box, compared as written
+        box = _last_boxed(tail[-BOX_TAIL_CHARS:])
+        if box is not None:
+            pred, correct = box, box == truth
     return Score(score=1.0 if correct else -1.0, correct=correct, pred=pred)
 
 
@@ -183,8 +207,14 @@ TASKS = (
     Task(
         "math_dapo",
         math_score,
-        "the paper's verifier (verl's math_dapo): the last 'Answer:' line, Minerva-normalised, "
-        "equals the ground truth; without one, the last \\boxed{} as written",
+        "the paper's verifier (verl 0.4.1's math_dapo): the last 'Answer:' line, "
+        "Minerva-normalised, equals the ground truth",
         aliases=("dapo",),
+    ),
+    Task(
+        "math_dapo_boxed",
+        math_score_boxed,
+        "verl 0.9.1's math_dapo: as math_dapo, and without an 'Answer:' line the last "
+        "\\boxed{} as written",
     ),
 )
