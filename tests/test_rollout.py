@@ -91,7 +91,7 @@ def test_every_engine_follows_the_protocol(tiny_model, tokenizer):
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")
 def test_the_vllm_engine_without_vllm_says_how_to_install_it(tiny_model, tokenizer):
-    with pytest.raises(ImportError, match=r"pip install 'dapo-rl\[vllm\]'.*Rollout engines"):
+    with pytest.raises(ImportError, match=r"pip install 'dapo-rl\[vllm\]'.*rollout-engines.md"):
         make_engine("vllm", tiny_model, tokenizer)
 
 
