@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import datetime
 import socket
+import time
 
 import torch.distributed
 import torch.multiprocessing as mp
@@ -38,3 +40,39 @@ def test_two_ranks_agree_on_the_sum():
     mp.start_processes(_rank_main, args=(port, out), nprocs=2, start_method="spawn")
     results = sorted(out.get() for _ in range(2))
     assert results == [(0, 2, 0, True, 7), (1, 2, 1, False, 7)]
+
+
+def _waiting_rank(rank: int, port: int, out) -> None:
+    torch.distributed.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=1),
+    )
+    dist.join_long_waits(60.0)
+    try:
+        if rank == 0:
+            time.sleep(3)  # rank 0 alone loads (or writes) the model, past the 1 s timeout
+        start = time.monotonic()
+        dist.wait_for_all()
+        waited = time.monotonic() - start
+        try:  # the training collectives keep their own, short timeout
+            if rank == 1:
+                dist.barrier()
+            out.put((rank, waited, "ok"))
+        except RuntimeError:
+            out.put((rank, waited, "timed out"))
+    finally:
+        dist.shutdown()
+
+
+def test_ranks_wait_for_rank_0_past_the_collective_timeout():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_waiting_rank, args=(port, out), nprocs=2, start_method="spawn")
+    results = dict((rank, (waited, status)) for rank, waited, status in (out.get(), out.get()))
+    assert results[1][0] > 2.5  # rank 1 waited the 3 s, far past the group's 1 s timeout
+    assert results[1][1] == "timed out"  # while a plain barrier alone gives up after 1 s

@@ -109,3 +109,40 @@ def test_eval_in_bfloat16(tmp_path, model_and_data):
     assert _eval(model_dir, data, tmp_path / "bf16", "--dtype", "bfloat16") == 0
     records = (tmp_path / "bf16" / "problems.jsonl").read_text().splitlines()
     assert len(records) == 6
+
+
+def test_a_killed_evaluation_resumes_to_the_uninterrupted_result(
+    tmp_path, model_and_data, capsys, monkeypatch
+):
+    from dapo.eval.journal import NAME, Journal
+
+    model_dir, data = model_and_data
+    args = ("--k", "64", "--seed", "3")  # 256 responses a batch: 4 problems, then 2
+    assert _eval(model_dir, data, tmp_path / "whole", *args) == 0
+    real_append, appended = Journal.append, []
+
+    def killed_after_the_first_batch(self, records):
+        if appended:
+            raise KeyboardInterrupt  # as a kill between two batches
+        real_append(self, records)
+        appended.append(len(records))
+
+    monkeypatch.setattr(Journal, "append", killed_after_the_first_batch)
+    with pytest.raises(KeyboardInterrupt):
+        _eval(model_dir, data, tmp_path / "resumed", *args)
+    assert appended == [4] and (tmp_path / "resumed" / NAME).is_file()
+    assert not (tmp_path / "resumed" / "problems.jsonl").exists()
+    monkeypatch.setattr(Journal, "append", real_append)
+    capsys.readouterr()
+    assert _eval(model_dir, data, tmp_path / "resumed", *args) == 0
+    assert "resuming: 4 of 6 problems already in" in capsys.readouterr().out
+    whole_records = (tmp_path / "whole" / "problems.jsonl").read_text()
+    assert (tmp_path / "resumed" / "problems.jsonl").read_text() == whole_records
+    whole = json.loads((tmp_path / "whole" / "summary.json").read_text())
+    resumed = json.loads((tmp_path / "resumed" / "summary.json").read_text())
+    assert resumed["metrics"] == whole["metrics"]
+    assert not (tmp_path / "resumed" / NAME).exists()
+    # Another protocol (another seed) does not reuse the journal's records.
+    (tmp_path / "resumed" / NAME).write_text((tmp_path / "whole" / "problems.jsonl").read_text())
+    assert _eval(model_dir, data, tmp_path / "resumed", "--k", "64", "--seed", "4") == 0
+    assert "resuming" not in capsys.readouterr().out

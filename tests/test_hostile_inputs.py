@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import save_model
 from test_scale_out import TINY
 
 from dapo import cli
@@ -278,3 +279,145 @@ def test_ranks_end_when_the_launcher_is_killed(tmp_path):
     time.sleep(2)
     assert latest.read_text() == written  # and nothing writes the run any more
     assert json.loads((tmp_path / "r" / ".dapo-run").read_text())["run_id"]
+
+
+# --- bad data, named -----------------------------------------------------------------------------
+
+GOOD_ROW = json.dumps(
+    {
+        "prompt": [{"role": "user", "content": "What is 1+1?"}],
+        "reward_model": {"ground_truth": "2"},
+        "data_source": "math_dapo",
+    }
+).encode()
+
+
+def _row(content: str = "x", truth: str = '"1"') -> bytes:
+    text = '{"prompt": [{"role": "user", "content": "%s"}], "reward_model": {"ground_truth": %s}}'
+    return (text % (content, truth)).encode()
+
+
+BAD_LINES = {
+    "deep": (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nests lists or objects"),
+    "long-integer": (_row(truth="9" * 5000), "Exceeds the limit (4300 digits)"),
+    "surrogate": (_row("a \\ud800 b"), "holds a lone surrogate (U+D800"),
+    "invalid-utf8": (_row("a \xff b").replace(b"\xc3\xbf", b"\xff"), "is not UTF-8 (byte 0xff"),
+    "huge-line": (_row("a" * (100 * 2**20)), "is over 16 MiB"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_LINES)
+def test_a_bad_line_is_named_with_its_row_and_never_a_traceback(tmp_path, capsys, case):
+    line, reason = BAD_LINES[case]
+    path = tmp_path / f"{case}.jsonl"
+    path.write_bytes(GOOD_ROW + b"\n" + line + b"\n" + GOOD_ROW + b"\n")
+    assert cli.main(["data", "check", str(path)]) == 1  # the bad row counted, the rest read
+    out = capsys.readouterr().out
+    assert "bad rows: 1 (skipped)" in out and "row 1, field" in out and reason in out
+    # Training reads it strictly: one line naming the file, the row and the fix.
+    from dapo.data.files import DataError, load_problems
+
+    with pytest.raises(DataError) as err:
+        load_problems(path)
+    assert str(err.value).startswith(f"{path}: row 1, field ") and reason in str(err.value)
+    assert "data.on_bad_row=skip" in str(err.value)
+    assert len(load_problems(path, on_bad_row="skip").problems) == 1  # skipped, and counted
+
+
+def test_a_byte_order_mark_is_read_as_nothing(tmp_path):
+    from dapo.data.files import load_problems
+
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + GOOD_ROW + b"\n")
+    assert [p.answer for p in load_problems(path).problems] == ["2"]
+
+
+def test_an_empty_file_and_a_file_of_only_bad_rows_stop_the_run_naming_the_file(tmp_path, capsys):
+    empty, bad, good = tmp_path / "empty.jsonl", tmp_path / "bad.jsonl", tmp_path / "good.jsonl"
+    empty.write_text("\n\n")
+    bad.write_bytes(_row(truth='""') + b"\n" + b'{"prompt": "x"}\n')
+    good.write_bytes(GOOD_ROW + b"\n")
+    assert cli.main(["data", "check", str(empty)]) == 2
+    assert f"{empty}: holds no rows" in _error(capsys)
+    model = save_model(tmp_path / "model", "qwen2")
+    args = ["train", f"run.out_dir={tmp_path}", "data.on_bad_row=skip", f"model.path={model}"]
+    assert cli.main([*args, f"data.train_file={bad}", f"data.val_file={good}"]) == 2
+    err = _error(capsys)
+    assert f"{bad}: none of its 2 rows is usable (2 bad; the first: row 0" in err
+    assert f"dapo data check {bad}" in err
+    assert cli.main([*args, f"data.train_file={good}", f"data.val_file={empty}"]) == 2
+    assert f"{empty}: holds no rows" in _error(capsys)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["model"]  # no run dir
+
+
+# --- small ones ----------------------------------------------------------------------------------
+
+
+def test_checkpoints_are_ordered_by_step_number_past_999999(tmp_path):
+    from dapo.run import checkpoint
+
+    root = tmp_path / "checkpoints"
+    for step in (999_998, 999_999, 1_000_000, 1_000_001):
+        ckpt = root / checkpoint.step_dir_name(step)
+        ckpt.mkdir(parents=True)
+        (ckpt / "manifest.json").write_text('{"files": {}}')
+    assert [p.name for p in checkpoint.step_dirs(root)][-2:] == ["step_1000000", "step_1000001"]
+    assert checkpoint.find_latest(tmp_path).name == "step_1000001"  # no pointer: the newest
+    checkpoint.prune(root, keep=2, protect="")
+    assert [p.name for p in checkpoint.step_dirs(root)] == ["step_1000000", "step_1000001"]
+
+
+def test_a_latest_pointer_that_leads_outside_the_run_is_ignored(tmp_path):
+    from dapo.run import checkpoint
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "manifest.json").write_text('{"files": {}}')
+    root = tmp_path / "run" / "checkpoints"
+    root.mkdir(parents=True)
+    (root / "latest").write_text("../../elsewhere\n")
+    assert checkpoint.read_pointer(tmp_path / "run") is None
+    assert checkpoint.find_latest(tmp_path / "run") is None
+
+
+def test_ablation_runs_do_not_inherit_a_launchers_rank(monkeypatch):
+    from dapo.ablate.runs import run_environment
+
+    launched = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "h"}
+    launched |= {"MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "x", "GROUP_RANK": "0"}
+    env = run_environment({**launched, "PATH": "/bin", "HOME": "/root", "OMP_NUM_THREADS": "2"})
+    assert env == {"PATH": "/bin", "HOME": "/root", "OMP_NUM_THREADS": "2"}
+
+
+def test_run_names_are_shown_literally_in_figures():
+    from matplotlib.text import Text
+
+    from dapo.report.figures import legend_label
+
+    for name in ("a$b$c", "cost_$5_run", "_hidden", "x^2_y"):
+        label = legend_label(name)
+        shown, is_math = Text(text=label)._preprocess_math(label)
+        assert not is_math and shown.replace("\\$", "$") == name
+
+
+# --- time bounds ---------------------------------------------------------------------------------
+
+
+def test_a_verifier_that_hangs_on_every_response_costs_one_batch_deadline():
+    from faulty_verifiers import resolve
+
+    from dapo.reward.pool import FAULT_SCORE, Job, RewardPool
+
+    jobs = [Job("ok", "Answer: 1", "1")] + [Job("sleep", f"r{i}", "1") for i in range(8)]
+    with RewardPool(workers=2, timeout_s=1.0, resolve=resolve, batch_timeout_s=2.5) as pool:
+        start = time.monotonic()
+        result = pool.grade(jobs)
+        took = time.monotonic() - start
+        # Without the batch deadline: 8 responses x 1 s. With it: 2.5 s and the rest faulted.
+        assert took < 4.5, took
+        assert result.scores[0].correct and result.scores[1:] == [FAULT_SCORE] * 8
+        assert [f.index for f in result.faults] == list(range(1, 9))
+        assert {f.kind for f in result.faults} == {"timeout"}
+        assert any("reward.batch_timeout_s" in f.detail for f in result.faults)
+        # The pool goes on grading (fresh workers) in the next call.
+        assert pool.grade([Job("ok", "Answer: 2", "2")]).scores[0].correct

@@ -62,10 +62,29 @@ def command(
     return [sys.executable, "-m", "dapo", "train", "--quiet", *start, *job.overrides, *where]
 
 
+# Set by torchrun for its ranks: a run that inherited them would try to join that job's group.
+_LAUNCHER_VARIABLES = frozenset(
+    {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+    | {"GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME"}
+)
+
+
+def run_environment(environ: dict[str, str]) -> dict[str, str]:
+    """The environment of each run: this one, less what a launcher set for its ranks."""
+    return {
+        k: v
+        for k, v in environ.items()
+        if k not in _LAUNCHER_VARIABLES and not k.startswith("TORCHELASTIC_")
+    }
+
+
 def launch(cmd: list[str], log: Path) -> int:
     """Run ``cmd`` with its output in ``log``; its exit code."""
+    env = run_environment(dict(os.environ))
     with open(log, "w") as out:
-        return subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, check=False).returncode
+        return subprocess.run(
+            cmd, stdout=out, stderr=subprocess.STDOUT, check=False, env=env
+        ).returncode
 
 
 def run_jobs(

@@ -173,20 +173,25 @@ def _write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def cmd_eval(args: argparse.Namespace) -> int:
-    if args.compare:
-        return cmd_compare(args)
+def _check(args: argparse.Namespace) -> None:
     if not args.model or not args.data:
         raise ValueError("dapo eval needs MODEL_DIR and --data FILE (or --compare A B)")
     if args.k < 1:
         raise ValueError(f"--k must be >= 1, got {args.k}")
     if args.threads < 0:
         raise ValueError(f"--threads must be >= 0 (0 = auto), got {args.threads}")
-    ks, phrases = _ks(args.pass_k, args.k), _phrases(args.phrases)
     if args.model != "embedded" and not (Path(args.model) / "config.json").is_file():
         raise ValueError(f"{args.model} is not a saved model directory (no config.json)")
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    if args.compare:
+        return cmd_compare(args)
+    _check(args)
+    ks, phrases = _ks(args.pass_k, args.k), _phrases(args.phrases)
     problems = _problems(args)
     from dapo.eval.evaluate import sample_records
+    from dapo.eval.journal import Journal
     from dapo.eval.metrics import summarize
     from dapo.models.policy import stop_token_ids
     from dapo.reward.pool import RewardPool
@@ -194,16 +199,21 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     out = _out_dir(args)
     out.mkdir(parents=True, exist_ok=True)
+    journal = Journal(out, _protocol(args, len(problems)))
+    done = journal.resume([p.uid for p in problems])
+    if done:
+        print(f"resuming: {len(done)} of {len(problems)} problems already in {journal.path}")
     model, tokenizer = _model(args)
     model.eval()
     extra = _ids(args.stop_token_ids, "--stop-token-ids")
     t0 = time.perf_counter()
     before_batch = _progress(args, t0)
     with RewardPool(workers=1) as pool:
-        records = sample_records(
+        records = done + sample_records(
             make_engine(args.engine, model, tokenizer, stop_token_ids(model, tokenizer, extra)),
             tokenizer,
-            problems,
+            problems[len(done) :],
+            first_index=len(done),
             k=args.k,
             temperature=args.temperature,
             top_p=args.top_p,
@@ -213,12 +223,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
             greedy=args.greedy,
             system_prompt=args.system_prompt,
             reward_mode=args.reward_mode,
-            before_batch=before_batch,
+            before_batch=lambda i, n: before_batch(len(done) + i, len(done) + n),
+            after_batch=journal.append,
         )
     before_batch(len(problems), len(problems))
     per_problem = _metrics(records, ks, phrases)
     summary = summarize(list(per_problem.values()), resamples=args.resamples, seed=args.seed)
     _save(args, out, records, per_problem, summary, seconds=time.perf_counter() - t0)
+    journal.finish()
     title = (
         f"{args.model} on {args.data}: {len(problems)} problems x {args.k} samples "
         f"(T {args.temperature}, top_p {args.top_p}, seed {args.seed})"
@@ -249,12 +261,12 @@ def _progress(args: argparse.Namespace, t0: float):
     return before_batch
 
 
-def _save(args, out: Path, records: list[dict], per_problem: dict, summary, *, seconds) -> None:
-    """summary.json (the protocol and the metrics) and problems.jsonl (one record each)."""
-    protocol = {
+def _protocol(args: argparse.Namespace, problems: int) -> dict:
+    """What the evaluation is: its records repeat exactly when all of this does."""
+    return {
         "model": str(args.model),
         "data": str(args.data),
-        "problems": len(records),
+        "problems": problems,
         "k": args.k,
         "temperature": args.temperature,
         "top_p": args.top_p,
@@ -263,6 +275,16 @@ def _save(args, out: Path, records: list[dict], per_problem: dict, summary, *, s
         "system_prompt": args.system_prompt,
         "stop_token_ids": args.stop_token_ids,
         "engine": args.engine,
+        "greedy": args.greedy,
+        "reward_mode": args.reward_mode,
+        "dtype": args.dtype,
+    }
+
+
+def _save(args, out: Path, records: list[dict], per_problem: dict, summary, *, seconds) -> None:
+    """summary.json (the protocol and the metrics) and problems.jsonl (one record each)."""
+    protocol = {
+        **_protocol(args, len(records)),
         "resamples": args.resamples,
         "reward_faults": sum(r["faults"] for r in records),
         "seconds": round(seconds, 1),

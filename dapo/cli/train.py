@@ -203,10 +203,10 @@ def _train(args: argparse.Namespace, cfg: Config, resume_dir: Path | None) -> in
         # the checkpoint's weights over it. Under torchrun, rank 0 builds (and caches) the
         # embedded one before the other ranks load it.
         if not dist.is_main():
-            dist.barrier()
+            dist.wait_for_all()
         model, tokenizer = policy.load_policy(cfg, data.warmup_pairs, tokenizer)
         if dist.is_main():
-            dist.barrier()
+            dist.wait_for_all()
         started = True
         if opened is not None and resume_dir is None:
             rundir.finish_replacing(opened)
@@ -228,7 +228,7 @@ def _train_ranks(args: argparse.Namespace, cfg: Config, resume_dir: Path | None)
     from dapo.config import config_warnings
     from dapo.run.launcher import watch_launcher
 
-    dist.init_from_env(timeout_s=cfg.dist.timeout_s)
+    dist.init_from_env(timeout_s=cfg.dist.timeout_s, wait_timeout_s=cfg.dist.wait_timeout_s)
     watch_launcher(dist.rank())
     if not dist.is_main():
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)

@@ -108,6 +108,11 @@ class RewardConfig:
     """Seconds one response may take to grade before its worker is killed."""
     memory_mb: int = 2048
     """Address-space limit of each verifier process, MiB; 0 = no limit."""
+    batch_timeout_s: float = 600.0
+    """Seconds one step's grading may take in all: a verifier that hangs on every response
+    costs at most this, not responses x timeout_s; what is not graded by then counts as a
+    fault (graded incorrect). 0 = no limit. Raise it, or reward.workers, for many slow
+    responses (math_verify on sets: about 50 ms each)."""
     mode: str = ""
     """Verifier for every row, a task name (``dapo``: the paper's, verl 0.4.1's;
     ``math_dapo_boxed``: verl 0.9.1's, with a \\boxed{} fallback; ``lenient``;
@@ -122,6 +127,8 @@ class RewardConfig:
             errors.append("reward.timeout_s must be > 0")
         if self.memory_mb < 0:
             errors.append("reward.memory_mb must be >= 0 (0 = no limit)")
+        if self.batch_timeout_s < 0:
+            errors.append("reward.batch_timeout_s must be >= 0 (0 = no limit)")
         if self.mode not in ("", *tasks.names()):
             errors.append(
                 f"reward.mode must be empty (by data_source) or one of {tasks.names()}, "
@@ -145,11 +152,17 @@ class DistConfig:
     timeout_s: float = 600.0
     """Seconds a collective may wait for the other ranks before the run stops with an error
     (a rank that died or hangs stops the job instead of leaving the others waiting)."""
+    wait_timeout_s: float = 7200.0
+    """Seconds the other ranks wait while rank 0 alone builds, loads or saves the whole model
+    (a 32B model takes longer than timeout_s to load or write)."""
 
     def check(self) -> list[str]:
+        errors = []
         if not self.timeout_s > 0:
-            return [f"dist.timeout_s must be > 0, got {self.timeout_s}"]
-        return []
+            errors.append(f"dist.timeout_s must be > 0, got {self.timeout_s}")
+        if not self.wait_timeout_s > 0:
+            errors.append(f"dist.wait_timeout_s must be > 0, got {self.wait_timeout_s}")
+        return errors
 
 
 @dataclass

@@ -21,6 +21,7 @@ import json
 import os
 import re
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,8 @@ SKIP_HINT = "pass data.on_bad_row=skip to skip and count such rows"
 # DAPO-Math-17k's answers all match this (its SOURCE.md); anything else is graded only
 # as well as the verifier's normalisation allows, so ``check`` counts it.
 INTEGER_RE = re.compile(r"-?[0-9]+")
+MAX_LINE_BYTES = 16 * 2**20
+"""A JSON line longer than this is a bad row, not read into memory whole."""
 
 
 class DataError(ValueError):
@@ -93,35 +96,70 @@ def read_table(path: str | os.PathLike[str]) -> Table:
     return _read_jsonl(path)
 
 
+def _json_record(data: bytes, lineno: int) -> Any:
+    """One JSON line's object, or a str saying why it is not one (the row's reason)."""
+    try:
+        line = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return f"line {lineno} is not UTF-8 (byte 0x{data[exc.start]:02x} at column {exc.start})"
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as exc:
+        return f"line {lineno} is not valid JSON ({exc.msg})"
+    except RecursionError:
+        return f"line {lineno} nests lists or objects too deep to be a problem"
+    except ValueError as exc:  # an integer of more digits than Python converts
+        return f"line {lineno} is not usable JSON ({str(exc).split(':')[0]}; write it as a string)"
+    if not isinstance(rec, dict):
+        return f"line {lineno} is a JSON {json_type(rec)}, not an object"
+    return rec
+
+
+def _lines(f: Any) -> Iterator[tuple[int, bytes]]:
+    """(line number, bytes) of every non-blank line; ``b""`` for a line over MAX_LINE_BYTES,
+    whose rest is skipped without being held in memory."""
+    lineno = 0
+    while True:
+        data = f.readline(MAX_LINE_BYTES + 1)
+        if not data:
+            return
+        lineno += 1
+        if len(data) > MAX_LINE_BYTES and not data.endswith(b"\n"):
+            while (rest := f.readline(MAX_LINE_BYTES)) and not rest.endswith(b"\n"):
+                pass
+            yield lineno, b""  # too long: reported by the caller
+            continue
+        if lineno == 1:
+            data = data.removeprefix(b"\xef\xbb\xbf")  # a byte-order mark is no content
+        if data.strip():
+            yield lineno, data
+
+
 def _read_jsonl(path: Path) -> Table:
     records: list[Any] = []
     columns: dict[str, None] = {}  # first-seen order
-    try:
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                if not records and line.lstrip().startswith("["):
-                    raise DataError(
-                        f"{path}: holds a JSON array; write one JSON object per line (JSON Lines)"
-                    )
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    records.append(f"line {lineno} is not valid JSON ({exc.msg})")
-                    continue
-                if not isinstance(rec, dict):
-                    records.append(f"line {lineno} is a JSON {json_type(rec)}, not an object")
-                    continue
-                records.append(rec)
+    with path.open("rb") as f:
+        for lineno, data in _lines(f):
+            if not data:
+                records.append(
+                    f"line {lineno} is over {MAX_LINE_BYTES // 2**20} MiB, longer than any "
+                    "problem; split or shorten it"
+                )
+                continue
+            if not records and data.lstrip().startswith(b"["):
+                raise DataError(
+                    f"{path}: holds a JSON array; write one JSON object per line (JSON Lines)"
+                )
+            rec = _json_record(data, lineno)
+            records.append(rec)
+            if isinstance(rec, dict):
                 columns.update(dict.fromkeys(rec))
-    except UnicodeDecodeError as exc:
-        raise DataError(f"{path}: not UTF-8 text, so not JSON Lines ({exc})") from None
     objects = [r for r in records if isinstance(r, dict)]
     try:
         schema = [(f.name, str(f.type)) for f in pa.Table.from_pylist(objects).schema]
-    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
-        # Rows disagree on a column's type (a number here, a string there): say which.
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, UnicodeError):
+        # Rows disagree on a column's type (a number here, a string there), or a string is no
+        # text (a lone surrogate): say what each column holds; the rows say what is wrong.
         schema = []
         for col in columns:
             kinds = sorted({json_type(r.get(col)) for r in objects} - {"null"}) or ["null"]
@@ -261,6 +299,8 @@ def load_table(
     """``load_problems`` of a table already read."""
     if on_bad_row not in ON_BAD_ROW:
         raise ValueError(f"on_bad_row must be one of {', '.join(ON_BAD_ROW)}; got {on_bad_row!r}")
+    if not table.records:
+        raise DataError(f"{table.path}: holds no rows (an empty file?); give a file of problems")
     fmt, _ = resolve_format(table, fmt, question_key=question_key, answer_key=answer_key)
     out = LoadedData(path=table.path, fmt=fmt, problems=[], copies={}, rows=len(table.records))
     repeats = _Repeats()

@@ -70,6 +70,19 @@ def _short(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _text(value: str) -> str:
+    """``value``, checked to be text: JSON can spell a lone surrogate (``"\\ud800"``), which
+    no tokenizer, terminal or file can encode."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"holds a lone surrogate (U+{ord(value[exc.start]):04X} at character {exc.start}), "
+            "which is not text; the file's writer split a character: fix its encoding"
+        ) from None
+    return value
+
+
 def _answer(value: Any) -> str:
     """The ground truth as a string, as written: the paper's verifier compares a \\boxed{}
     answer with it unnormalised, so even its spaces count. Raises ValueError with the reason
@@ -81,7 +94,7 @@ def _answer(value: Any) -> str:
             f"must be a string or an integer, got {json_type(value)} {_short(value)}"
             "; write it as a string if it is meant as text"
         )
-    text = str(value)
+    text = _text(str(value))
     if not text.strip():
         raise ValueError(EMPTY_ANSWER)
     return text
@@ -102,7 +115,7 @@ def _messages(value: Any) -> tuple[dict[str, str], ...]:
             raise ValueError(
                 f"message {k} must be a {{role, content}} pair of strings, got {_short(m)}"
             )
-        out.append({"role": m["role"], "content": m["content"]})
+        out.append({"role": _text(m["role"]), "content": _text(m["content"])})
     if not any(m["content"].strip() for m in out):
         raise ValueError("empty prompt (no message has any content)")
     return tuple(out)
@@ -113,7 +126,7 @@ def _data_source(value: Any, default: str) -> str:
         return default
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"must be a non-empty string, got {_short(value)}")
-    return value
+    return _text(value)
 
 
 def _index(extra_info: Any) -> str | None:
@@ -126,7 +139,7 @@ def _index(extra_info: Any) -> str | None:
         return None
     if isinstance(index, bool) or not isinstance(index, (str, int)):
         raise ValueError(f"index must be an integer or a string, got {_short(index)}")
-    return str(index)
+    return _text(str(index))
 
 
 def parse_row(
@@ -165,7 +178,7 @@ def parse_row(
                 raise ValueError("missing")
             if not isinstance(question, str):
                 raise ValueError(f"must be a string, got {json_type(question)} {_short(question)}")
-            if not question.strip():
+            if not _text(question).strip():
                 raise ValueError("empty prompt (blank question)")
             raw = ({"role": "user", "content": question},)
             name = answer_field = answer_key

@@ -32,10 +32,16 @@ def launched() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
-def init_from_env(*, timeout_s: float) -> torch.device | None:
+_long_waits: Any = None
+"""A gloo group whose barrier waits ``wait_timeout_s``: for ranks idle while rank 0 alone
+builds, loads or saves the model, which may take longer than any training collective should."""
+
+
+def init_from_env(*, timeout_s: float, wait_timeout_s: float | None = None) -> torch.device | None:
     """Join the process group ``torchrun`` describes (NCCL with CUDA, else gloo), with a
-    ``timeout_s`` limit on every collective; returns this rank's device (``cuda:LOCAL_RANK``
-    or the CPU). None, and nothing done, outside ``torchrun``."""
+    ``timeout_s`` limit on every collective, and a group for long waits (``wait_timeout_s``,
+    default ``timeout_s``; see :func:`wait_for_all`); returns this rank's device
+    (``cuda:LOCAL_RANK`` or the CPU). None, and nothing done, outside ``torchrun``."""
     if not launched() or active():
         return None
     cuda = torch.cuda.is_available()
@@ -46,13 +52,24 @@ def init_from_env(*, timeout_s: float) -> torch.device | None:
     torch_dist.init_process_group(
         "nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s)
     )
+    join_long_waits(wait_timeout_s or timeout_s)
     return device
+
+
+def join_long_waits(wait_timeout_s: float) -> None:
+    """Make the group of :func:`wait_for_all` (every rank calls it, after joining)."""
+    global _long_waits
+    _long_waits = torch_dist.new_group(
+        backend="gloo", timeout=datetime.timedelta(seconds=wait_timeout_s)
+    )
 
 
 def shutdown() -> None:
     """Leave the process group (after the last collective)."""
+    global _long_waits
     if active():
         torch_dist.destroy_process_group()
+    _long_waits = None
 
 
 def world_size() -> int:
@@ -138,6 +155,14 @@ def barrier() -> None:
     """Wait until every rank gets here."""
     if active():
         torch_dist.barrier()
+
+
+def wait_for_all() -> None:
+    """Wait until every rank gets here, for as long as ``dist.wait_timeout_s``: the ranks that
+    idle while rank 0 alone builds, loads or saves the whole model (minutes for a large one)
+    are not cut off by the training collectives' ``timeout_s``."""
+    if active():
+        torch_dist.barrier(group=_long_waits)
 
 
 def share(n: int) -> range:

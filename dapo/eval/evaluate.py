@@ -68,10 +68,9 @@ def evaluate(
         responses_per_batch=prompts_per_batch * k,
         before_batch=before_batch,
     )
-    records = dist.gather_lists(records)
+    per_problem, everyone = _exchange(records, k)
     if records_out is not None:
-        records_out[:] = records
-    per_problem = [record_metrics(r, ks=[k]) for r in records]
+        records_out[:] = everyone[: mine.start] + records + everyone[mine.stop :]
     summary = summarize(per_problem, resamples=resamples, seed=seed % 2**32)
     acc = summary["avg@k"]
     return {
@@ -84,8 +83,18 @@ def evaluate(
         "val/truncated_frac": summary["truncated_frac"].mean,
         "val/num_problems": float(len(problems)),
         "val/num_samples": float(k),
-        "val/reward_faults": float(sum(r["faults"] for r in records)),
+        "val/reward_faults": float(sum(r["faults"] for r in everyone)),
     }
+
+
+def _exchange(records: list[dict], k: int) -> tuple[list[dict], list[dict]]:
+    """Every rank's per-problem metrics and records, in problem order, with the records'
+    responses left out: ranks exchange metrics and verdicts, not texts (at AIME's k = 32 and
+    20k-token responses those are tens of MB a rank)."""
+    metrics = [record_metrics(r, ks=[k]) for r in records]
+    light = [{key: v for key, v in r.items() if key != "responses"} for r in records]
+    gathered = dist.gather_lists(list(zip(metrics, light, strict=True)))
+    return [m for m, _ in gathered], [r for _, r in gathered]
 
 
 def sample_records(
@@ -106,6 +115,7 @@ def sample_records(
     responses_per_batch: int = 256,
     before_batch: Callable[[int, int], None] | None = None,
     first_index: int = 0,
+    after_batch: Callable[[list[dict]], None] | None = None,
 ) -> list[dict]:
     """k graded samples of every problem, one record per problem (``dapo eval``'s raw data).
 
@@ -114,7 +124,8 @@ def sample_records(
     response's correctness. Each problem's samples are seeded from (seed, its index, counted
     from ``first_index``), so a fixed seed repeats the figures whatever the batch size.
     ``before_batch(done, total)`` is called before each batch with the problems done so far
-    (progress, thread count).
+    (progress, thread count); ``after_batch(records)`` after each, with its records (``dapo
+    eval`` writes them to disk then).
     """
     per_batch = max(1, responses_per_batch // k)
     records = []
@@ -143,7 +154,10 @@ def sample_records(
                 grading_job(p, text, reward_mode) for p, text in zip(chunk, g.texts, strict=True)
             ]
             greedy_correct = [s.correct for s in pool.grade(greedy_jobs).scores]
-        records += _records(chunk, ro, graded, k, greedy_correct)
+        batch = _records(chunk, ro, graded, k, greedy_correct)
+        if after_batch is not None:
+            after_batch(batch)
+        records += batch
     return records
 
 

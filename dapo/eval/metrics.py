@@ -252,7 +252,8 @@ def pick_samples(
 ) -> list[dict[str, Any]]:
     """A few responses worth reading from evaluation records (``dapo eval``'s problems.jsonl
     format): the shortest correct ones, the first wrong ones, and the first with reflective
-    phrases. Each: kind, uid, ground_truth, answer, correct, response."""
+    phrases. Each: kind, uid, ground_truth, answer, correct, response. Records without their
+    responses (another rank's, under torchrun) are passed over."""
     flat = [
         {
             "uid": r["uid"],
@@ -262,6 +263,7 @@ def pick_samples(
             "response": text,
         }
         for r in records
+        if "responses" in r
         for text, answer, correct in zip(r["responses"], r["answers"], r["correct"], strict=True)
     ]
     correct = sorted((s for s in flat if s["correct"]), key=lambda s: len(s["response"]))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -141,14 +142,29 @@ def import_gguf(source: str, out_dir: Path, *, log: Callable[[str], None] = prin
         model.save_pretrained(partial)
         tokenizer.save_pretrained(partial)
         _write_provenance(partial, path, architecture)
+        _fsync_files(partial)  # on disk before the name says complete (a crash, a power loss)
         if out_dir.exists():
             out_dir.rmdir()  # checked empty above
         partial.rename(out_dir)
+        _fsync_files(out_dir.parent, files=False)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     seconds = time.perf_counter() - started
     log(f"  wrote {out_dir} in {seconds:.1f} s (stop tokens {list(stops)})")
     return ImportSummary(out_dir, architecture, parameters, model.config.vocab_size, stops, seconds)
+
+
+def _fsync_files(directory: Path, *, files: bool = True) -> None:
+    """Flush ``directory``'s files (unless ``files`` is False) and then its entries."""
+    for path in sorted(directory.iterdir()) if files else []:
+        if path.is_file():
+            with path.open("rb") as f:
+                os.fsync(f.fileno())
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def end_token_ids(tokenizer: Any) -> list[int]:

@@ -60,6 +60,12 @@ def _line_panel(ax: Axes, runs: Sequence[Run], colours: list[Any], spec: PanelSp
         _no_data(ax)
 
 
+def legend_label(name: str) -> str:
+    """A run name as matplotlib shows it literally: "$" would open a formula otherwise (and a
+    name starting with "_", which automatic legends hide, shows: labels are given explicitly)."""
+    return name.replace("$", r"\$")
+
+
 def _figure_legend(
     fig: Any, runs: Sequence[Run], colours: list[Any], styles=(), max_cols: int = 4
 ) -> int:
@@ -67,7 +73,7 @@ def _figure_legend(
     from matplotlib.lines import Line2D
 
     handles = [Line2D([], [], color=c, linewidth=2) for c in colours]
-    labels = [run.name for run in runs]
+    labels = [legend_label(run.name) for run in runs]
     for style, label, kwargs in styles:
         handles.append(Line2D([], [], color="black", linestyle=style, **kwargs))
         labels.append(label)

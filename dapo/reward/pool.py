@@ -27,10 +27,10 @@ import pickle
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from dapo.reward.jobs import FAULT_KINDS, FAULT_SCORE, Fault, GradeResult, Job, grading_job
 from dapo.reward.tasks import RewardFn, Score, get_verifier
 from dapo.reward.worker import (
     describe_exit,
@@ -40,9 +40,6 @@ from dapo.reward.worker import (
     to_score,
     worker_main,
 )
-
-if TYPE_CHECKING:
-    from dapo.data.problems import Problem
 
 __all__ = [
     "FAULT_KINDS",
@@ -54,12 +51,6 @@ __all__ = [
     "grading_job",
 ]
 
-FAULT_KINDS = ("error", "timeout", "memory", "crash")
-
-# Same verdict as a response with no answer, so a fault never earns reward; pred is
-# None (not "") so that a faulted response can be told from one without an answer.
-FAULT_SCORE = Score(score=-1.0, correct=False, pred=None)  # type: ignore[arg-type]
-
 # Starting a worker is not the verifier's time. It takes milliseconds, or seconds
 # where the __main__ script imports torch (see above); allow far more than that
 # before calling the setup broken.
@@ -68,47 +59,6 @@ STARTUP_TIMEOUT_S = 120.0
 # A SIGKILLed process is gone within milliseconds; only one stuck in the kernel
 # (uninterruptible I/O) outlives this, and we stop waiting for it rather than hang.
 JOIN_TIMEOUT_S = 5.0
-
-
-@dataclass(frozen=True)
-class Job:
-    """One response to grade with the verifier registered for ``data_source``."""
-
-    data_source: str
-    response: str
-    answer: str
-
-
-@dataclass(frozen=True)
-class Fault:
-    """Why one job got ``FAULT_SCORE`` instead of its verifier's verdict.
-
-    Attributes:
-        index: position of the job in the sequence passed to ``RewardPool.grade``.
-        kind: one of ``FAULT_KINDS``: "error" (the verifier or resolver raised, or
-            returned something that is not a ``Score``), "timeout" (ran past
-            ``timeout_s``; the worker was killed), "memory" (MemoryError, normally
-            from the worker's address-space limit), "crash" (the worker died:
-            segfault, ``os._exit``, the kernel's OOM killer).
-        detail: one line for logs, at most about ``MAX_DETAIL_CHARS`` characters.
-    """
-
-    index: int
-    kind: str
-    detail: str
-
-
-@dataclass
-class GradeResult:
-    """Verdicts for a batch: ``scores[i]`` belongs to job ``i``; faults sorted by index."""
-
-    scores: list[Score]
-    faults: list[Fault]
-
-
-def grading_job(problem: Problem, response: str, reward_mode: str = "") -> Job:
-    """What the pool grades: ``reward_mode`` for every row, else the row's data_source."""
-    return Job(reward_mode or problem.data_source, response, problem.answer)
 
 
 def default_start_method() -> str:
@@ -149,7 +99,10 @@ class RewardPool:
     ``0`` for no limit). A worker past its deadline is killed and the job it was on
     faults as "timeout"; a worker that dies faults its job as "crash"; either way a
     replacement grades the rest of the chunk. One ``grade`` call therefore takes at
-    most about ``timeout_s`` longer per hanging response.
+    most about ``timeout_s`` longer per hanging response, and never more than
+    ``batch_timeout_s`` in all (when > 0): then every worker still busy is killed and each
+    job not graded yet faults as "timeout" (a verifier that hangs on every response costs
+    one deadline per batch, not one per response).
 
     ``workers == 0``: grade in this process, one job after another. Exceptions,
     MemoryError included, still become faults, but nothing bounds time or memory:
@@ -174,6 +127,7 @@ class RewardPool:
         memory_mb: int = 2048,
         resolve: Callable[[str], RewardFn] = get_verifier,
         start_method: str | None = None,
+        batch_timeout_s: float = 0.0,
     ) -> None:
         if workers < 0:
             raise ValueError(f"workers must be >= 0, got {workers}")
@@ -181,6 +135,8 @@ class RewardPool:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if memory_mb < 0:
             raise ValueError(f"memory_mb must be >= 0 (0: no limit), got {memory_mb}")
+        if batch_timeout_s < 0:
+            raise ValueError(f"batch_timeout_s must be >= 0 (0: no limit), got {batch_timeout_s}")
         if workers > 0:
             # Fail here, not in a worker mid-training, if resolve cannot travel.
             try:
@@ -191,6 +147,7 @@ class RewardPool:
                     f"worker processes: {exception_text(exc)}"
                 ) from exc
         self._timeout_s = float(timeout_s)
+        self._batch_timeout_s = float(batch_timeout_s)
         self._memory_mb = int(memory_mb)
         self._resolve = resolve
         self._slots = [_Worker(f"dapo-reward-{i}") for i in range(workers)]
@@ -265,16 +222,35 @@ class RewardPool:
                 self._send_pending(slot)
             busy.append(slot)
 
+        limit = self._batch_timeout_s
+        batch_deadline = time.monotonic() + limit if limit else float("inf")
         while busy:
             by_conn = {slot.conn: slot for slot in busy}
-            timeout = max(0.0, min(slot.deadline for slot in busy) - time.monotonic())
-            for conn in wait(list(by_conn), timeout):
+            until = min(batch_deadline, *(slot.deadline for slot in busy))
+            for conn in wait(list(by_conn), max(0.0, until - time.monotonic())):
                 self._receive(by_conn[conn], scores, faults)
             now = time.monotonic()
+            if now >= batch_deadline:
+                for slot in busy:
+                    self._abandon(slot, scores, faults)
+                return
             for slot in busy:
                 if slot.pending and slot.deadline <= now:
                     self._expire(slot, scores, faults)
             busy = [slot for slot in busy if slot.pending]
+
+    def _abandon(self, slot: _Worker, scores: list[Score | None], faults: list[Fault]) -> None:
+        """The batch's deadline passed: kill ``slot``'s worker, fault the jobs it still holds."""
+        if slot.conn is not None and slot.conn.poll():
+            self._receive(slot, scores, faults)  # what it finished in time still counts
+        detail = (
+            f"not graded within the batch's {self._batch_timeout_s:g} s (reward.batch_timeout_s)"
+        )
+        for index, _job in slot.pending:
+            scores[index] = FAULT_SCORE
+            faults.append(Fault(index=index, kind="timeout", detail=detail))
+        slot.pending.clear()
+        self._stop(slot)
 
     def _start(self, slot: _Worker) -> None:
         if self._context is None:

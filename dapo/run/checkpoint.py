@@ -43,6 +43,13 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
+def step_dirs(root: Path) -> list[Path]:
+    """The checkpoint directories under ``root``, by step number: past step 999,999 the names
+    grow a digit, and step_1000000 sorts before step_999999 as a string."""
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_RE.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
 # ----------------------------------------------------------------------------- RNG
 
 
@@ -170,7 +177,7 @@ def publish(tmp: Path, final: Path, step: int) -> None:
 
 def prune(root: Path, *, keep: int, protect: str) -> None:
     """Delete all but the newest ``keep`` complete checkpoints, and stale temporaries."""
-    steps = sorted((p for p in root.iterdir() if _STEP_RE.match(p.name)), key=lambda p: p.name)
+    steps = step_dirs(root)
     for old in steps[:-keep]:
         if old.name != protect:
             shutil.rmtree(old, ignore_errors=True)
@@ -185,7 +192,9 @@ def read_pointer(run_dir: Path) -> Path | None:
     pointer = Path(run_dir) / CKPT_DIR / LATEST
     if not pointer.is_file():
         return None
-    return pointer.parent / pointer.read_text().strip()
+    name = pointer.read_text().strip()
+    # Only a checkpoint of this run: a pointer edited to lead elsewhere is ignored.
+    return pointer.parent / name if _STEP_RE.match(name) else None
 
 
 def verify(ckpt: Path) -> str | None:
@@ -214,7 +223,7 @@ def find_latest(run_dir: Path) -> Path | None:
     pointed = read_pointer(run_dir)
     if pointed is not None and pointed.is_dir() and verify(pointed) is None:
         return pointed
-    steps = sorted((p for p in root.iterdir() if _STEP_RE.match(p.name)), key=lambda p: p.name)
+    steps = step_dirs(root)
     for ckpt in reversed(steps):
         if verify(ckpt) is None:
             return ckpt

@@ -39,6 +39,7 @@ OWN_ENTRIES = (
     "samples.jsonl",
     "val_problems.json",
     "wandb",
+    "report",  # dapo report RUN_DIR without --out
 )
 RUN_MARKERS = ("config.yaml", "metrics.jsonl", CKPT_DIR)  # a run, marked or from before marks
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

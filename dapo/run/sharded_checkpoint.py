@@ -146,4 +146,4 @@ def export_model(model: torch.nn.Module, tokenizer: Any, dest: Path) -> None:
             shutil.rmtree(dest)
         os.rename(tmp, dest)
         checkpoint.fsync_dir(dest.parent)
-    dist.barrier()
+    dist.wait_for_all()  # rank 0 alone writes the whole model

@@ -62,7 +62,12 @@ def run_bench(cfg: Config, *, steps: int, warmup: int, log: Callable[[str], None
     state = build_state(cfg, model, tokenizer, data.train)
     r = cfg.reward
     timed = []
-    with RewardPool(workers=r.workers, timeout_s=r.timeout_s, memory_mb=r.memory_mb) as pool:
+    with RewardPool(
+        workers=r.workers,
+        timeout_s=r.timeout_s,
+        memory_mb=r.memory_mb,
+        batch_timeout_s=r.batch_timeout_s,
+    ) as pool:
         state.pool = pool
         for i in range(warmup + steps):
             metrics = train_step(state)

@@ -49,7 +49,7 @@ def load_run_data(cfg: Config) -> RunData:
         )
         return RunData([p for p, _ in train], [p for p, _ in val], warmup)
 
-    from dapo.data.files import load_problems
+    from dapo.data.files import DataError, load_problems
 
     def load(path: str):
         return load_problems(
@@ -64,6 +64,14 @@ def load_run_data(cfg: Config) -> RunData:
         )
 
     train, val = load(d.train_file), load(d.val_file)
+    for data in (train, val):
+        if not data.problems:  # every row skipped (data.on_bad_row=skip)
+            first = data.skipped[0]
+            raise DataError(
+                f"{data.path}: none of its {data.rows} rows is usable ({len(data.skipped)} bad; "
+                f"the first: {first}); fix the file, or run `dapo data check {data.path}` to "
+                "list them"
+            )
     # AIME 2024 repeats each problem 32 times: evaluation samples k per problem instead.
     val_copies = max(val.copies.values(), default=1)
     notes = []

@@ -56,7 +56,12 @@ def fit(
     run_dir = Path(run_dir)
     state = build_state(cfg, model, tokenizer, train_problems)
     r = cfg.reward
-    state.pool = RewardPool(workers=r.workers, timeout_s=r.timeout_s, memory_mb=r.memory_mb)
+    state.pool = RewardPool(
+        workers=r.workers,
+        timeout_s=r.timeout_s,
+        memory_mb=r.memory_mb,
+        batch_timeout_s=r.batch_timeout_s,
+    )
     try:
         run = _Run(state, val_problems, run_dir=run_dir, stream=stream)
         return run.train(resume=resume)
