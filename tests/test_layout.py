@@ -64,7 +64,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("dapo.train",),  # the step, the update, dynamic sampling, the loop
     ("dapo.ablate", "dapo.data.tools", "dapo.report"),  # commands' machinery
     ("dapo.cli",),  # the command line, a module per command
-    ("dapo.__main__",),  # python -m dapo
+    ("dapo.__main__", "dapo.memory_plan"),  # python -m dapo, python -m dapo.memory_plan
 )
 # The package's own __init__ holds the version and nothing else: below everything.
 ROOT_LAYER = -1

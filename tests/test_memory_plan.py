@@ -318,3 +318,13 @@ def test_dry_run_prints_the_plan_for_the_world_size(tmp_path, capsys, monkeypatc
     assert cli.main(["train", "--dry-run", *small]) == 0
     assert "memory per GPU on paper, world size 3:" in capsys.readouterr().out
     assert not any(tmp_path.iterdir())
+
+
+def test_the_documented_command_prints_the_table():
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "dapo.memory_plan"], capture_output=True, text=True, check=True
+    ).stdout
+    assert out == memory_plan.markdown_table() + "\n"

@@ -11,7 +11,7 @@ generation copy, the GRPO reference). Parameters are exact for Qwen2/Qwen3/Llama
 (the tests check Qwen2.5's published counts); activations and logits are a rough model (the
 tests compare ``activation_bytes`` and the full logits with what autograd keeps).
 
-    python -m dapo.train.memory_plan          # the table of docs/scale-out.md
+    python -m dapo.memory_plan          # the table of docs/scale-out.md
 """
 
 from __future__ import annotations
