@@ -1,12 +1,112 @@
-"""``python -m dapo.memory_plan``: the memory plan's table, the command of earlier versions.
+"""``python -m dapo.memory_plan``: memory per GPU on paper, before anything is loaded.
 
-The plan itself is :mod:`dapo.train.memory_plan` (``python -m dapo.train.memory_plan`` is the
-same table); this entry point keeps the documented command working.
+    python -m dapo.memory_plan                               # 0.5B to 32B at 1, 8, 64 GPUs
+    python -m dapo.memory_plan --config RECIPE [--json]      # a recipe on its hardware
+
+A recipe states the hardware it is written for in a top-level ``hardware:`` mapping
+(``gpus`` and ``gpu_gib``; ``gpus: 0`` and ``memory_gib`` for a CPU one). The recipe's plan
+needs neither weights nor data: the model's shape comes from ``<model.path>/config.json``, or
+from the built-in shapes when the directory is absent and its name is a known model; the
+longest prompt is taken as ``--prompt-tokens`` (512). ``--json`` prints a list of rows with
+``model``, ``gpus``, ``gpu_gib``, ``peak_train_gib``, ``peak_generate_gib``, ``spare_gib``
+and ``fits`` (4 GiB to spare, which CI asks of every recipe). The plan itself is
+:mod:`dapo.train.memory_plan`.
 """
 
 from __future__ import annotations
 
-from dapo.train.memory_plan import markdown_table
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from dapo.config import load_config
+from dapo.config.loading import read_hardware
+from dapo.train.memory_plan import (
+    KNOWN_SHAPES,
+    ModelShape,
+    markdown_table,
+    model_shape,
+    plan_memory,
+    settings_from_config,
+)
+
+_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_FIELDS += ("num_key_value_heads", "vocab_size", "tie_word_embeddings")
+RECIPE_SHAPES: dict[str, dict[str, Any]] = {
+    "qwen2.5-math-1.5b": KNOWN_SHAPES["qwen2.5-1.5b"],  # the same sizes as the base model
+    "smollm2-135m": {
+        "model_type": "llama",
+        **dict(zip(_FIELDS, (576, 1536, 30, 9, 3, 49152, True), strict=True)),
+    },
+}
+"""Models the recipes name besides the table's, sized when their directory is absent."""
+
+SPARE_GIB = 4.0
+"""What a recipe must leave free on its card: allocator fragmentation, CUDA context, NCCL."""
+
+
+def recipe_shape(cfg: Any) -> ModelShape:
+    """The recipe's model: its config.json, or the built-in shape of a known model's name."""
+    path = Path(cfg.model.path)
+    if cfg.model.path == "embedded" or (path / "config.json").is_file():
+        return model_shape(cfg)
+    shapes = {**KNOWN_SHAPES, **RECIPE_SHAPES}
+    known = shapes.get(path.name.lower())
+    if known is None:
+        raise ValueError(
+            f"{path}/config.json is absent and {path.name!r} is none of the built-in shapes "
+            f"({', '.join(shapes)}); point model.path at the model's directory"
+        )
+    return ModelShape.from_hf_config(known)
+
+
+def recipe_plan(recipe: Path, *, prompt_tokens: int = 512) -> dict[str, Any]:
+    """The plan of ``recipe`` on the hardware it states, as one JSON row."""
+    cfg = load_config(recipe)
+    hardware = read_hardware(recipe)
+    gpus = hardware["gpus"]
+    settings = settings_from_config(cfg, world_size=max(gpus, 1), prompt_tokens=prompt_tokens)
+    plan = plan_memory(recipe_shape(cfg), settings)
+    budget = hardware["gpu_gib"] if gpus else hardware["memory_gib"]
+    peak = plan.total / 2**30
+    return {
+        "recipe": str(recipe),
+        "model": Path(cfg.model.path).name,
+        "device": "cuda" if gpus else "cpu",
+        "gpus": gpus,
+        "gpu_gib": budget,
+        "peak_train_gib": round(plan.training_peak / 2**30, 2),
+        "peak_generate_gib": round(plan.generation_peak / 2**30, 2),
+        "spare_gib": round(budget - peak, 2),
+        "fits": budget - peak >= SPARE_GIB,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dapo.memory_plan", description=__doc__)
+    parser.add_argument("--config", type=Path, action="append", metavar="RECIPE")
+    parser.add_argument("--json", action="store_true", help="one JSON list of rows")
+    parser.add_argument("--prompt-tokens", type=int, default=512, metavar="T")
+    args = parser.parse_args(argv)
+    if not args.config:
+        print(markdown_table())
+        return 0
+    try:
+        rows = [recipe_plan(r, prompt_tokens=args.prompt_tokens) for r in args.config]
+    except (OSError, ValueError) as exc:
+        parser.exit(2, f"dapo: error: {exc}\n")
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    for row in [] if args.json else rows:
+        where = f"{row['gpus']} x {row['gpu_gib']} GiB" if row["gpus"] else "CPU"
+        print(
+            f"{row['recipe']}: {row['model']} on {where}: peak {row['peak_train_gib']} GiB "
+            f"training, {row['peak_generate_gib']} GiB generating; {row['spare_gib']} GiB spare"
+            + ("" if row["fits"] else f" (less than the {SPARE_GIB:g} GiB a recipe must leave)")
+        )
+    return 0
+
 
 if __name__ == "__main__":
-    print(markdown_table())
+    raise SystemExit(main())

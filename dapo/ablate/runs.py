@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import subprocess
 import sys
 import time
@@ -78,9 +79,19 @@ def run_environment(environ: dict[str, str]) -> dict[str, str]:
     }
 
 
-def launch(cmd: list[str], log: Path) -> int:
-    """Run ``cmd`` with its output in ``log``; its exit code."""
-    env = run_environment(dict(os.environ))
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, as ``CUDA_VISIBLE_DEVICES`` would name them."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [g.strip() for g in listed.split(",") if g.strip() and g.strip() != "-1"]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+
+
+def launch(cmd: list[str], log: Path, extra_env: dict[str, str] | None = None) -> int:
+    """Run ``cmd`` with its output in ``log`` (and ``extra_env`` set); its exit code."""
+    env = {**run_environment(dict(os.environ)), **(extra_env or {})}
     with open(log, "w") as out:
         return subprocess.run(
             cmd, stdout=out, stderr=subprocess.STDOUT, check=False, env=env
@@ -95,10 +106,12 @@ def run_jobs(
     cores: int | None = None,
     config: Path | None = None,
     stream: TextIO | None = None,
-    launcher: Callable[[list[str], Path], int] = launch,
+    launcher: Callable[..., int] = launch,
 ) -> list[str]:
     """Run every job not done yet (on the YAML ``config`` when given), ``parallel`` at a time
-    with ``cores // parallel`` threads each; returns the names of the jobs that failed."""
+    with ``cores // parallel`` threads each, and, on a machine with GPUs, each run on one of
+    them in turn (``CUDA_VISIBLE_DEVICES``), so that K runs do not all land on the first;
+    returns the names of the jobs that failed."""
     stream = stream or sys.stdout
     out_dir.mkdir(parents=True, exist_ok=True)
     threads = max(1, (cores or os.cpu_count() or 1) // max(parallel, 1))
@@ -111,11 +124,23 @@ def run_jobs(
     )
     failed: list[str] = []
     t0 = time.perf_counter()
+    gpus = visible_gpus()
+    slots: queue.Queue[int] = queue.Queue()
+    for slot in range(max(parallel, 1)):
+        slots.put(slot)
 
     def one(item: tuple[Job, str]) -> None:
         job, how = item
         cmd = command(job, out_dir, threads, how, config)
-        code = launcher(cmd, out_dir / f"{job.name}.log")
+        slot = slots.get()  # a run's place among those running now: its GPU
+        try:
+            if gpus:
+                gpu = {"CUDA_VISIBLE_DEVICES": gpus[slot % len(gpus)]}
+                code = launcher(cmd, out_dir / f"{job.name}.log", gpu)
+            else:
+                code = launcher(cmd, out_dir / f"{job.name}.log")
+        finally:
+            slots.put(slot)
         if code != 0:
             failed.append(job.name)
         verdict = "ok" if code == 0 else f"FAILED (exit {code}, see {job.name}.log)"

@@ -153,7 +153,7 @@ def _checked_inputs(cfg: Config) -> tuple[RunData, Any, dict[str, float]]:
     from dapo.models import policy
     from dapo.train import inputs
 
-    policy.device(cfg.model.device)  # raises now if CUDA is asked for and absent
+    policy.compute_device(cfg.model.device)  # raises now if it is absent or not this rank's
     if cfg.model.path != "embedded":
         policy.check_model_path(cfg)
     if cfg.run.wandb and importlib.util.find_spec("wandb") is None:

@@ -166,6 +166,7 @@ def load_config(
     run_section = tree.get("run") if isinstance(tree.get("run"), dict) else {}
     file_base = tree.pop("base", None) or run_section.get("base")
     file_preset = tree.pop("preset", None) or run_section.get("preset")
+    tree.pop("hardware", None)  # what a recipe is written for: read_hardware, not the run
     base = base or _pick(parsed, "run.base") or file_base
     base = base or ("paper" if path is not None else "demo")
     preset = preset or _pick(parsed, "run.preset") or file_preset or "dapo"
@@ -181,6 +182,26 @@ def load_config(
             set_value(cfg, key, value)
     validate(cfg)
     return cfg
+
+
+def read_hardware(path: str | Path) -> dict[str, Any]:
+    """A recipe's top-level ``hardware:`` mapping, checked: ``gpus`` (0 for a CPU) and
+    ``gpu_gib`` per GPU, or ``memory_gib`` of host memory for a CPU recipe."""
+    path = Path(path)
+    hardware = _read_yaml(path).get("hardware")
+    if not isinstance(hardware, dict):
+        raise ValueError(
+            f"{path}: no hardware: mapping; a recipe states what it is written for, e.g. "
+            "hardware: {gpus: 8, gpu_gib: 80} (or {gpus: 0, memory_gib: 24} on a CPU)"
+        )
+    gpus = hardware.get("gpus")
+    need = "gpu_gib" if gpus else "memory_gib"
+    size = hardware.get(need)
+    if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 0:
+        raise ValueError(f"{path}: hardware.gpus must be an integer >= 0, got {gpus!r}")
+    if isinstance(size, bool) or not isinstance(size, (int, float)) or not size > 0:
+        raise ValueError(f"{path}: hardware.{need} must be a number > 0, got {size!r}")
+    return {"gpus": gpus, need: float(size)}
 
 
 def _pick(parsed: list[tuple[str, Any]], key: str) -> Any:

@@ -154,7 +154,8 @@ class DistConfig:
     (a rank that died or hangs stops the job instead of leaving the others waiting)."""
     wait_timeout_s: float = 7200.0
     """Seconds the other ranks wait while rank 0 alone builds, loads or saves the whole model
-    (a 32B model takes longer than timeout_s to load or write)."""
+    (a 32B model takes longer than timeout_s to load or write), or while one rank still
+    generates after the others (its longest response, up to L_max)."""
 
     def check(self) -> list[str]:
         errors = []

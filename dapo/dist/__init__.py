@@ -37,21 +37,50 @@ _long_waits: Any = None
 builds, loads or saves the model, which may take longer than any training collective should."""
 
 
+_rank_device: torch.device | None = None
+"""This rank's compute device, chosen once at :func:`init_from_env`: the collectives put their
+tensors there, whatever a library (vLLM) later makes the current CUDA device."""
+
+
+def rank_device(*, cuda_count: int, local_rank: int) -> torch.device:
+    """The GPU of a rank under a launcher: ``cuda:LOCAL_RANK`` when the node's GPUs are all
+    visible, the one visible GPU when the launcher gives each task one (``srun``), the CPU
+    without GPUs."""
+    if cuda_count == 0:
+        return torch.device("cpu")
+    if cuda_count == 1:
+        return torch.device("cuda", 0)
+    if local_rank >= cuda_count:
+        raise ValueError(
+            f"LOCAL_RANK={local_rank} but {cuda_count} GPUs are visible to this rank: start "
+            f"at most {cuda_count} ranks per node (torchrun --nproc-per-node), or give each "
+            "rank one GPU (CUDA_VISIBLE_DEVICES, srun --gpus-per-task=1)"
+        )
+    return torch.device("cuda", local_rank)
+
+
+def backend(cuda: bool) -> str:
+    """NCCL for CUDA tensors and gloo for CPU ones (CPU-offloaded shards, objects), or gloo."""
+    return "cuda:nccl,cpu:gloo" if cuda else "gloo"
+
+
 def init_from_env(*, timeout_s: float, wait_timeout_s: float | None = None) -> torch.device | None:
-    """Join the process group ``torchrun`` describes (NCCL with CUDA, else gloo), with a
-    ``timeout_s`` limit on every collective, and a group for long waits (``wait_timeout_s``,
-    default ``timeout_s``; see :func:`wait_for_all`); returns this rank's device
-    (``cuda:LOCAL_RANK`` or the CPU). None, and nothing done, outside ``torchrun``."""
+    """Join the process group ``torchrun`` describes (:func:`backend`), with a ``timeout_s``
+    limit on every collective, and a group for long waits (``wait_timeout_s``, default
+    ``timeout_s``; see :func:`wait_for_all`); returns this rank's device
+    (:func:`rank_device`). None, and nothing done, outside ``torchrun``."""
+    global _rank_device
     if not launched() or active():
         return None
     cuda = torch.cuda.is_available()
-    device = torch.device("cpu")
-    if cuda:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    count = torch.cuda.device_count() if cuda else 0
+    device = rank_device(cuda_count=count, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+    if device.type == "cuda":
         torch.cuda.set_device(device)
     torch_dist.init_process_group(
-        "nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s)
+        backend(device.type == "cuda"), timeout=datetime.timedelta(seconds=timeout_s)
     )
+    _rank_device = device
     join_long_waits(wait_timeout_s or timeout_s)
     return device
 
@@ -66,10 +95,10 @@ def join_long_waits(wait_timeout_s: float) -> None:
 
 def shutdown() -> None:
     """Leave the process group (after the last collective)."""
-    global _long_waits
+    global _long_waits, _rank_device
     if active():
         torch_dist.destroy_process_group()
-    _long_waits = None
+    _long_waits = _rank_device = None
 
 
 def world_size() -> int:
@@ -88,7 +117,11 @@ def is_main() -> bool:
 
 
 def _device() -> torch.device:
-    if torch_dist.get_backend() == "nccl":
+    """Where reductions put their tensors: this rank's GPU, never "the current device"
+    (vLLM's worker makes that cuda:0 on every rank); the CPU with gloo alone."""
+    if _rank_device is not None:
+        return _rank_device
+    if "nccl" in str(torch_dist.get_backend()):  # a group made by hand (tests, a library)
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -132,13 +165,15 @@ def any_rank(flag: bool) -> bool:
     return bool(all_reduce_max(int(flag)))
 
 
-def gather_lists(items: list[Any]) -> list[Any]:
+def gather_lists(items: list[Any], *, patient: bool = False) -> list[Any]:
     """Every rank's ``items`` concatenated in rank order, on every rank (pickled objects:
-    tensors inside travel on the CPU)."""
+    tensors inside travel on the CPU). ``patient``: after generation, where one rank may
+    still decode its longest response long after the others, the ranks wait on the group of
+    :func:`wait_for_all` (``dist.wait_timeout_s``), not the training collectives' timeout."""
     if not active():
         return items
     parts: list[Any] = [None] * world_size()
-    torch_dist.all_gather_object(parts, items)
+    torch_dist.all_gather_object(parts, items, group=_long_waits if patient else None)
     return [x for part in parts for x in part]
 
 

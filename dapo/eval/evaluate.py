@@ -36,6 +36,7 @@ def evaluate(
     resamples: int = 1000,
     records_out: list | None = None,
     before_batch: Callable[[int, int], None] | None = None,
+    rows_per_generate: int = 0,
 ) -> dict[str, float]:
     """The held-out evaluation of training: ``dapo eval``'s samples and metrics, as val/*.
 
@@ -45,7 +46,9 @@ def evaluate(
     same figures. ``pool`` grades (default: in-process), with ``reward_mode`` for every row or
     else each row's data_source; a response the verifier fails on counts as incorrect and in
     ``val/reward_faults``. ``records_out``, when given, receives the per-problem records;
-    ``before_batch`` is ``sample_records``'.
+    ``before_batch`` is ``sample_records``'. A batch holds ``prompts_per_batch`` problems'
+    k samples, or fewer problems when ``rows_per_generate`` (> 0) bounds the responses
+    generated at once (training's ``rollout.rows_per_generate``: AIME's avg@32 is 960 rows).
     """
     k = num_samples
     # Under torchrun each rank samples a share of the problems; seeded per problem, the
@@ -65,7 +68,9 @@ def evaluate(
         chat_template=chat_template,
         system_prompt=system_prompt,
         reward_mode=reward_mode,
-        responses_per_batch=prompts_per_batch * k,
+        responses_per_batch=min(prompts_per_batch * k, max(rows_per_generate, k))
+        if rows_per_generate
+        else prompts_per_batch * k,
         before_batch=before_batch,
     )
     per_problem, everyone = _exchange(records, k)
@@ -93,7 +98,7 @@ def _exchange(records: list[dict], k: int) -> tuple[list[dict], list[dict]]:
     20k-token responses those are tens of MB a rank)."""
     metrics = [record_metrics(r, ks=[k]) for r in records]
     light = [{key: v for key, v in r.items() if key != "responses"} for r in records]
-    gathered = dist.gather_lists(list(zip(metrics, light, strict=True)))
+    gathered = dist.gather_lists(list(zip(metrics, light, strict=True)), patient=True)
     return [m for m, _ in gathered], [r for _, r in gathered]
 
 

@@ -245,11 +245,15 @@ def forward_slots(b: Batch, *, shared: bool) -> tuple[float, float]:
     return float(prompts.numel() + resp.numel()), float(prompts.sum() + resp.sum())
 
 
-def autocast(model: torch.nn.Module, compute_dtype: torch.dtype | None):
-    """A context that runs ``model`` in ``compute_dtype`` (torch.autocast on its device) when
-    its weights are another dtype: float32 master weights, bf16 matmuls. Nothing to do when
-    they match, or when ``compute_dtype`` is None."""
+def autocast(
+    model: torch.nn.Module, compute_dtype: torch.dtype | None, device: torch.device | None = None
+):
+    """A context that runs ``model`` in ``compute_dtype`` (torch.autocast on ``device``, the
+    run's compute device; default: where its weights are) when its weights are another dtype:
+    float32 master weights, bf16 matmuls. Nothing to do when they match, or when
+    ``compute_dtype`` is None. The device matters: CPU-offloaded weights are on the CPU while
+    the GPU computes, and autocast on the CPU would leave the GPU's matmuls in float32."""
     weights = next(model.parameters())
     if compute_dtype is None or weights.dtype == compute_dtype:
         return contextlib.nullcontext()
-    return torch.autocast(weights.device.type, dtype=compute_dtype)
+    return torch.autocast((device or weights.device).type, dtype=compute_dtype)

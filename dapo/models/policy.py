@@ -9,12 +9,14 @@ the weights, so a run can make them before a load that takes minutes.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from dapo import dist
 from dapo.config import Config, ModelConfig, choices
 from dapo.data.problems import Problem
 
@@ -27,12 +29,42 @@ GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def device(name: str) -> torch.device:
-    """``auto`` is CUDA when a device is visible, else the CPU."""
+def compute_device(name: str) -> torch.device:
+    """The one device a run computes on, from ``model.device``, chosen once: every tensor of
+    the run is made on it or moved to it (never found from a parameter: CPU offload keeps
+    parameters on the CPU while the GPU computes).
+
+    Under ``torchrun`` each rank has its own (:func:`dapo.dist.rank_device`: ``cuda:LOCAL_RANK``,
+    or the one GPU a launcher such as ``srun`` shows each task), and a ``model.device`` that
+    names another is refused. In one process, ``auto`` is ``cuda:0`` when a GPU is visible,
+    else the CPU; ``cuda`` is the current CUDA device; ``cuda:N`` must be visible.
+    """
+    cuda = torch.cuda.is_available()
+    if dist.launched():
+        count = torch.cuda.device_count() if cuda else 0
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        chosen = dist.rank_device(cuda_count=count, local_rank=local_rank)
+        if name not in ("auto", chosen.type, str(chosen)):
+            raise ValueError(
+                f"model.device={name} under torchrun: each rank computes on its own device, "
+                f"{chosen} for this one (LOCAL_RANK={local_rank}, {count} GPUs visible); set "
+                "model.device=auto, or choose GPUs with CUDA_VISIBLE_DEVICES"
+            )
+        return chosen
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"model.device={name} but no CUDA device is visible; use model.device=cpu")
+        return torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if name.startswith("cuda"):
+        if not cuda:
+            raise ValueError(
+                f"model.device={name} but no CUDA device is visible; use model.device=cpu"
+            )
+        index = int(name.split(":")[1]) if ":" in name else torch.cuda.current_device()
+        if index >= torch.cuda.device_count():
+            raise ValueError(
+                f"model.device={name} but only {torch.cuda.device_count()} GPUs are visible "
+                f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})"
+            )
+        return torch.device("cuda", index)
     return torch.device(name)
 
 
@@ -126,9 +158,10 @@ def load_policy(
     warmup_pairs: Sequence[tuple[Problem, str]] = (),
     tokenizer: Any = None,
     log: Callable[[str], None] = print,
+    device: torch.device | None = None,
 ) -> tuple[torch.nn.Module, Any]:
-    """The policy on ``model.device`` with its weights in ``model.param_dtype``, and its
-    tokenizer.
+    """The policy on ``device`` (default: :func:`compute_device` of ``model.device``) with its
+    weights in ``model.param_dtype``, and its tokenizer.
 
     The embedded tiny Qwen2 is warm-started on ``warmup_pairs`` (problem, worked solution)
     when it is not cached yet; any other ``model.path`` is loaded with transformers.
@@ -137,7 +170,8 @@ def load_policy(
         model, tokenizer = _embedded(cfg, warmup_pairs, log)
     else:
         model, tokenizer = _pretrained(cfg, tokenizer)
-    return model.to(device(cfg.model.device), dtype=DTYPES[cfg.model.param_dtype]), tokenizer
+    device = device or compute_device(cfg.model.device)
+    return model.to(device, dtype=DTYPES[cfg.model.param_dtype]), tokenizer
 
 
 def _embedded(cfg: Config, warmup_pairs: Sequence[tuple[Problem, str]], log):

@@ -38,16 +38,19 @@ def make_engine(
     compute_dtype: torch.dtype | None = None,
     *,
     vllm: dict[str, Any] | None = None,
+    device: torch.device | None = None,
 ) -> Engine:
-    """The engine called ``name``, sampling from ``model`` (in ``compute_dtype`` when given);
-    a response ends at the first of ``stop_token_ids`` (default: the tokenizer's EOS;
-    ``policy.stop_token_ids`` gives a run's set). ``vllm`` holds the vllm engine's options
-    (the run's ``vllm`` config section as a dict; its defaults when None)."""
+    """The engine called ``name``, sampling from ``model`` (in ``compute_dtype`` when given)
+    on ``device`` (the run's compute device; default: the model's); a response ends at the
+    first of ``stop_token_ids`` (default: the tokenizer's EOS; ``policy.stop_token_ids``
+    gives a run's set). ``vllm`` holds the vllm engine's options (the run's ``vllm`` config
+    section as a dict; its defaults when None)."""
     if name not in ENGINES:
         raise ValueError(f"rollout engine {name!r}: use one of {', '.join(ENGINES)}")
     if name == "vllm":
-        return VLLMEngine(model, tokenizer, stop_token_ids, compute_dtype, **(vllm or {}))
-    return ENGINES[name](model, tokenizer, stop_token_ids, compute_dtype)
+        options = vllm or {}
+        return VLLMEngine(model, tokenizer, stop_token_ids, compute_dtype, device=device, **options)
+    return ENGINES[name](model, tokenizer, stop_token_ids, compute_dtype, device=device)
 
 
 def generate_samples(

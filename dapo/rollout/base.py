@@ -113,11 +113,16 @@ class LiveModelEngine:
         tokenizer: Any,
         stop_token_ids: Sequence[int] = (),
         compute_dtype: torch.dtype | None = None,
+        *,
+        device: torch.device | None = None,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.stop_token_ids = tuple(stop_token_ids) or (tokenizer.eos_token_id,)
         self.compute_dtype = compute_dtype
         """Autocast to this when it differs from the weights' dtype, as training computes."""
+        self.device = device or next(model.parameters()).device
+        """Where prompts go and sampling runs: the run's compute device (a bare engine made
+        in a test or a script takes its model's)."""
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Nothing to copy: generation runs the trainer's own module."""

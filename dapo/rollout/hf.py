@@ -101,7 +101,7 @@ class HFEngine(LiveModelEngine):
             parts = [self.generate([p], seed=int(s), **sampling) for p, s in pairs]
             return concat_rollouts(parts, self.tokenizer.pad_token_id)
         model, tokenizer = self.model, self.tokenizer
-        ids_nP, mask_nP = encode_prompts(tokenizer, prompts, next(model.parameters()).device)
+        ids_nP, mask_nP = encode_prompts(tokenizer, prompts, self.device)
         prompt_ids_BP = ids_nP.repeat_interleave(group_size, dim=0)
         prompt_mask_BP = mask_nP.repeat_interleave(group_size, dim=0)
         recorder = _SampledLogprobs(temperature)
@@ -113,7 +113,7 @@ class HFEngine(LiveModelEngine):
         if ignore_eos:  # benchmarks: stop tokens masked until max_new_tokens, fixing the work
             kwargs["min_new_tokens"] = max_new_tokens
         torch.manual_seed(seed)
-        with autocast(model, self.compute_dtype):
+        with autocast(model, self.compute_dtype, self.device):
             out = model.generate(
                 input_ids=prompt_ids_BP,
                 attention_mask=prompt_mask_BP,

@@ -58,8 +58,8 @@ class NativeEngine(LiveModelEngine):
     ) -> Rollout:
         """See :class:`dapo.rollout.base.Engine`; ``greedy`` decodes the argmax."""
         tok = self.tokenizer
-        ids_nP, mask_nP = encode_prompts(tok, prompts, next(self.model.parameters()).device)
-        with autocast(self.model, self.compute_dtype):
+        ids_nP, mask_nP = encode_prompts(tok, prompts, self.device)
+        with autocast(self.model, self.compute_dtype, self.device):
             response_ids_BT, logprobs_BT, slots = decode(
                 self.model,
                 ids_nP,

@@ -26,6 +26,16 @@ weights are handed over as tensors. Starting it reseeds the global RNGs and, on 
 ``torch.set_num_threads``: both are put back, so a run's own random stream and thread control
 are what they would be without vLLM.
 
+On GPUs, the engine runs on the run's compute device. vLLM's one-process executor takes its
+GPU from the device *type* ("cuda": GPU 0, on every rank), so under ``torchrun`` it is started
+with its external-launcher executor, whose worker takes the GPU from ``LOCAL_RANK`` (set to
+this rank's GPU while it starts; each rank's engine is then one replica of an
+external data-parallel group), and the trainer's current CUDA device, which vLLM's worker
+sets, is put back and checked. Between rollouts it sleeps at level 2 (weights and KV cache
+released, nothing copied to host memory): the weights are reloaded anyway, after every
+update, or from the trainer's module when it wakes without one. ``torch.cuda.empty_cache()``
+hands the trainer's cached blocks back before it wakes.
+
 Shapes: see :mod:`dapo.rollout.base`.
 """
 
@@ -44,6 +54,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dapo import dist
 from dapo.rollout.base import Rollout, encode_prompts, finish_rollout
 from dapo.run.seeding import derive_seed
 
@@ -96,6 +107,31 @@ def _process_state_kept() -> Iterator[None]:
             np.random.set_state(np_state)
 
 
+@contextlib.contextmanager
+def _on_device(device: torch.device) -> Iterator[None]:
+    """Start vLLM on ``device``: its external-launcher worker takes the GPU from LOCAL_RANK,
+    which a launcher giving each task one GPU (srun) sets to something else than that GPU's
+    index here. The CUDA device vLLM's worker makes current is put back, and checked."""
+    if device.type != "cuda":
+        yield
+        return
+    local_rank = os.environ.get("LOCAL_RANK")
+    os.environ["LOCAL_RANK"] = str(device.index or 0)
+    try:
+        yield
+    finally:
+        if local_rank is None:
+            os.environ.pop("LOCAL_RANK", None)
+        else:
+            os.environ["LOCAL_RANK"] = local_rank
+        torch.cuda.set_device(device)
+    if torch.cuda.current_device() != (device.index or 0):
+        raise RuntimeError(
+            f"after vLLM started, the current CUDA device is cuda:{torch.cuda.current_device()}, "
+            f"not this rank's {device}"
+        )
+
+
 class VLLMEngine:
     """Samples with a colocated vLLM engine; see the module docstring. It computes in
     ``compute_dtype`` (default: the model's); the keyword options are the run's ``vllm``
@@ -115,23 +151,55 @@ class VLLMEngine:
         max_num_seqs: int = 256,
         enforce_eager: bool = False,
         sleep: bool = True,
+        device: torch.device | None = None,
     ) -> None:
         vllm = _vllm()
         self.tokenizer = tokenizer
         self.stop_token_ids = tuple(stop_token_ids) or (tokenizer.eos_token_id,)
         param = next(model.parameters())
         self.dtype = compute_dtype or param.dtype
-        self.on_gpu = param.device.type == "cuda"
+        self.device = device or param.device
+        self.on_gpu = self.device.type == "cuda"
         if not self.on_gpu:
             _check_cpu_head_size(model.config)
+        elif not dist.launched() and (self.device.index or 0) != 0:
+            raise ValueError(
+                f"rollout.engine=vllm in one process runs on the first visible GPU, not "
+                f"{self.device}: pick the GPU with CUDA_VISIBLE_DEVICES={self.device.index} "
+                "and model.device=auto"
+            )
         self.sleeps = self.on_gpu and sleep
         self._asleep: set[str] = set()
+        self._source: torch.nn.Module = model
+        """The module whose weights the engine holds (reloaded after a level-2 sleep)."""
         self.last_sync_s = 0.0
         """Seconds the last :meth:`sync_weights` took."""
         # config.json is all vLLM reads: it starts with dummy weights and takes ours below.
         self._dir = tempfile.mkdtemp(prefix="dapo-vllm-")
         weakref.finalize(self, shutil.rmtree, self._dir, ignore_errors=True)
         model.config.save_pretrained(self._dir)
+        kwargs = self._llm_options(
+            gpu_memory_utilization=gpu_memory_utilization,
+            kv_cache_gib=kv_cache_gib,
+            max_num_seqs=max_num_seqs,
+            enforce_eager=enforce_eager,
+            sleep=sleep,
+        )
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        with _process_state_kept(), _on_device(self.device):
+            self.llm = vllm.LLM(**kwargs)
+        self.sync_weights(model)
+
+    def _llm_options(
+        self,
+        *,
+        gpu_memory_utilization: float,
+        kv_cache_gib: float,
+        max_num_seqs: int,
+        enforce_eager: bool,
+        sleep: bool,
+    ) -> dict[str, Any]:
+        """``vllm.LLM``'s arguments for this engine (see the module docstring)."""
         kwargs: dict[str, Any] = dict(
             model=self._dir,
             skip_tokenizer_init=True,
@@ -155,10 +223,9 @@ class VLLMEngine:
         kv_gib = kv_cache_gib or (0.0 if self.on_gpu else CPU_KV_CACHE_GIB)
         if kv_gib:
             kwargs["kv_cache_memory_bytes"] = int(kv_gib * 2**30)
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        with _process_state_kept():
-            self.llm = vllm.LLM(**kwargs)
-        self.sync_weights(model)
+        if self.on_gpu and dist.launched():
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        return kwargs
 
     def close(self) -> None:
         """Shut vLLM down while the process group is still there: its teardown destroys its
@@ -172,17 +239,30 @@ class VLLMEngine:
         """Load ``model``'s current weights into the engine (in the compute dtype, one tensor at
         a time) and drop the prefix cache, which holds KV entries of the old weights."""
         t0 = time.perf_counter()
-        self._wake(["weights"])
+        self._source = model
+        self._wake(["weights"], reload=False)
+        self._load(model)
+        self.last_sync_s = time.perf_counter() - t0
+
+    def _load(self, model: torch.nn.Module) -> None:
         weights = ((name, t.detach().to(self.dtype)) for name, t in model.state_dict().items())
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()
-        self.last_sync_s = time.perf_counter() - t0
 
-    def _wake(self, tags: list[str] | None = None) -> None:
-        wanted = self._asleep if tags is None else self._asleep & set(tags)
-        if wanted:
-            self.llm.wake_up(tags=sorted(wanted))
-            self._asleep -= wanted
+    def _wake(self, tags: list[str] | None = None, *, reload: bool = True) -> None:
+        """Wake what sleeps of ``tags`` (all by default). The trainer's cached GPU blocks go
+        back first, or vLLM would find the memory it gave up still held; weights a level-2
+        sleep discarded are reloaded from the module they came from (unless the caller
+        loads new ones)."""
+        wanted = set(self._asleep) if tags is None else self._asleep & set(tags)
+        if not wanted:
+            return
+        if self.on_gpu:
+            torch.cuda.empty_cache()
+        self.llm.wake_up(tags=sorted(wanted))
+        self._asleep -= wanted
+        if reload and "weights" in wanted:
+            self._load(self._source)
 
     @torch.inference_mode()
     def generate(
@@ -225,7 +305,9 @@ class VLLMEngine:
         self._wake()
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         if self.sleeps:  # give the memory back to the trainer until the next rollout
-            self.llm.sleep(level=1)
+            # Level 2: the weights are dropped, not copied to host memory (level 1): they are
+            # reloaded after the update anyway.
+            self.llm.sleep(level=2)
             self._asleep = {"weights", "kv_cache"}
         rows = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
         if len(rows) != len(prompts) * group_size:

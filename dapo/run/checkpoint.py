@@ -22,6 +22,7 @@ import os
 import random
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,10 @@ def step_dirs(root: Path) -> list[Path]:
 # ----------------------------------------------------------------------------- RNG
 
 
-def capture_rng() -> dict[str, Any]:
+def capture_rng(device: torch.device | None = None) -> dict[str, Any]:
+    """This process's generators: Python's, numpy's, torch's CPU one and, when it computes
+    on a GPU, that one GPU's (``cuda_rank``) - not every visible GPU's, which would tie the
+    checkpoint to the number of GPUs of the machine that wrote it."""
     version, internal, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
@@ -61,19 +65,41 @@ def capture_rng() -> dict[str, Any]:
         "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device is not None and device.type == "cuda":
+        state["cuda_rank"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def restore_rng(state: dict[str, Any]) -> None:
+def restore_rng(state: dict[str, Any], device: torch.device | None = None) -> None:
+    """Set the generators :func:`capture_rng` saved; the GPU one on ``device``. A checkpoint
+    from other hardware resumes: with no GPU here, or a GPU state from a checkpoint of
+    before, only the GPU's generator (dropout, none in dapo's sampling, which draws on the
+    CPU) differs from the uninterrupted run's, and a warning says so."""
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    gpu = device is not None and device.type == "cuda"
+    saved = state.get("cuda_rank")
+    if saved is None and state.get("cuda"):  # dapo <= 0.2: every visible GPU's state
+        index = (device.index or 0) if gpu else 0
+        saved = state["cuda"][index] if gpu and index < len(state["cuda"]) else None
+        if saved is None:
+            _warn_gpu_stream(f"{len(state['cuda'])} GPU generator states")
+    if saved is not None and gpu:
+        torch.cuda.set_rng_state(saved, device)
+    elif saved is not None:
+        _warn_gpu_stream("a GPU generator state")
+
+
+def _warn_gpu_stream(what: str) -> None:
+    warnings.warn(
+        f"the checkpoint holds {what}, which this process cannot use (another number of GPUs, "
+        "or none): resumed here, only the GPU generator's draws differ from the uninterrupted "
+        "run (dapo samples with CPU generators)",
+        stacklevel=3,
+    )
 
 
 # ----------------------------------------------------------------------------- writing
@@ -125,9 +151,11 @@ def save(
     optimizer: torch.optim.Optimizer,
     trainer_state: dict[str, Any],
     keep: int,
+    device: torch.device | None = None,
 ) -> Path:
     """Write the checkpoint of ``step`` atomically, point ``latest`` at it, keep the newest
-    ``keep``. On any failure the previous checkpoint and pointer are left as they were."""
+    ``keep``; the generators of this process, and of its compute ``device``. On any failure
+    the previous checkpoint and pointer are left as they were."""
     _check_finite(model, step)
     root = Path(run_dir) / CKPT_DIR
     root.mkdir(exist_ok=True)
@@ -140,7 +168,7 @@ def save(
         model.save_pretrained(tmp / "model", safe_serialization=True)
         tokenizer.save_pretrained(tmp / "model")
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(capture_rng(), tmp / "rng.pt")
+        torch.save(capture_rng(device), tmp / "rng.pt")
         trainer = {"format_version": FORMAT_VERSION, "step": step, **trainer_state}
         (tmp / "trainer.json").write_text(json.dumps(trainer, indent=1) + "\n")
         publish(tmp, final, step)
@@ -261,8 +289,15 @@ def load_weights(model: torch.nn.Module, model_dir: Path) -> None:
         )
 
 
-def load(ckpt: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """Restore weights, optimiser and RNG from ``ckpt``; return its trainer state."""
+def load(
+    ckpt: Path,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device | None = None,
+) -> dict:
+    """Restore weights, optimiser and RNG (``device``'s generator too) from ``ckpt``; return
+    its trainer state."""
     problem = verify(ckpt)
     if problem is not None:
         raise CheckpointError(f"checkpoint {ckpt} is incomplete: {problem}")
@@ -278,7 +313,7 @@ def load(ckpt: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer
     optimizer.load_state_dict(
         torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True)
     )
-    restore_rng(torch.load(ckpt / "rng.pt", map_location="cpu", weights_only=True))
+    restore_rng(torch.load(ckpt / "rng.pt", map_location="cpu", weights_only=True), device)
     return trainer
 
 

@@ -34,6 +34,7 @@ def save(
     optimizer: torch.optim.Optimizer,
     trainer_state: dict[str, Any],
     keep: int,
+    device: torch.device | None = None,
 ) -> Path:
     """Every rank writes its shards into one temporary directory; rank 0 then writes the rest,
     renames it into place and moves ``latest``; every rank returns once it has."""
@@ -52,7 +53,7 @@ def save(
         (tmp / "rng").mkdir(parents=True)
     dist.barrier()
     dcp.save(tmp / "state", model, optimizer)
-    torch.save(checkpoint.capture_rng(), tmp / "rng" / f"rank_{dist.rank()}.pt")
+    torch.save(checkpoint.capture_rng(device), tmp / "rng" / f"rank_{dist.rank()}.pt")
     dist.barrier()
     problem = None
     if dist.is_main():
@@ -82,7 +83,13 @@ def _finish(tmp: Path, final: Path, step: int, model, tokenizer, trainer_state) 
     checkpoint.publish(tmp, final, step)
 
 
-def load(ckpt: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+def load(
+    ckpt: Path,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device | None = None,
+) -> dict:
     """Restore weights, optimizer and generators from a checkpoint of either kind, written at
     any world size, into ``model`` (sharded or not); return its trainer state."""
     problem = checkpoint.verify(ckpt)
@@ -108,8 +115,8 @@ def load(ckpt: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer
         dcp.load_full(model, optimizer, weights, optim)
         rng = ckpt / "rng.pt"
     else:
-        return checkpoint.load(ckpt, model=model, optimizer=optimizer)
-    checkpoint.restore_rng(torch.load(rng, map_location="cpu", weights_only=True))
+        return checkpoint.load(ckpt, model=model, optimizer=optimizer, device=device)
+    checkpoint.restore_rng(torch.load(rng, map_location="cpu", weights_only=True), device)
     return trainer
 
 

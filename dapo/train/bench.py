@@ -78,7 +78,7 @@ def run_bench(cfg: Config, *, steps: int, warmup: int, log: Callable[[str], None
         **summarize_steps(timed),
         **peak_memory(),
         "threads": torch.get_num_threads(),
-        "device": str(next(model.parameters()).device),
+        "device": str(state.device),
         "responses_per_step": cfg.responses_per_step,
         "max_new_tokens": cfg.rollout.max_new_tokens,
     }

@@ -233,6 +233,7 @@ class _Run:
             reward_mode=cfg.reward.mode,
             records_out=self.records,
             before_batch=self.adjust_threads,
+            rows_per_generate=cfg.rollout.rows_per_generate,
         )
 
     def restore(self) -> None:
@@ -244,7 +245,9 @@ class _Run:
                 f"{self.run_dir} has no complete checkpoint to resume from; start it again with "
                 f"--overwrite, or choose another run.name"
             )
-        info = sharded_checkpoint.load(ckpt, model=state.model, optimizer=state.optimizer)
+        info = sharded_checkpoint.load(
+            ckpt, model=state.model, optimizer=state.optimizer, device=state.device
+        )
         state.load_state_dict(info)
         state.sync_engine()
         self.val_start, self.val_last = info["val_start"], info["val_last"]
@@ -265,6 +268,7 @@ class _Run:
             model=state.model,
             tokenizer=state.tokenizer,
             optimizer=state.optimizer,
+            device=state.device,
             trainer_state={
                 **state.state_dict(),
                 "val_start": self.val_start,

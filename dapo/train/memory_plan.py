@@ -46,7 +46,7 @@ KNOWN_SHAPES: dict[str, dict[str, Any]] = {
         ("qwen2.5-32b", 5120, 27648, 64, 40, 8, 152064, False),
     )
 }
-"""The ``config.json`` fields that size four Qwen2.5 base models."""
+"""The ``config.json`` fields that size four Qwen2.5 base models (the table's)."""
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from dapo.data.batch import Episode
 from dapo.data.problems import Problem, PromptSampler
 from dapo.data.prompts import render_prompt
 from dapo.dist import fsdp
-from dapo.models.policy import DTYPES, stop_token_ids
+from dapo.models.policy import DTYPES, compute_device, stop_token_ids
 from dapo.reward.pool import GradeResult, RewardPool, grading_job
 from dapo.rollout import Engine, Sample, generate_samples, make_engine
 from dapo.rollout.base import LiveModelEngine
@@ -69,6 +69,9 @@ class TrainState:
     """Scales the loss of float16 computation on float32 weights (its gradients underflow
     otherwise); None in float32 and bfloat16."""
 
+    device: torch.device = torch.device("cpu")
+    """The run's compute device (:func:`~dapo.models.policy.compute_device`): every tensor of
+    the step goes there, not where a parameter is (CPU offload keeps shards on the host)."""
     gen_model: torch.nn.Module | None = None
     """Under FSDP: a whole copy of the policy in the compute dtype that the engine samples
     from (a sharded model's forward is a collective, and ranks generate different lengths),
@@ -108,11 +111,56 @@ class TrainState:
 
 
 def build_state(
-    cfg: Config, model: torch.nn.Module, tokenizer: Any, train_problems: list[Problem]
+    cfg: Config,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    train_problems: list[Problem],
+    device: torch.device | None = None,
 ) -> TrainState:
-    """The run's state around ``model``; under a process group (``torchrun``) the policy and
-    the reference are sharded with FSDP2 and the engine samples from a gathered copy."""
+    """The run's state around ``model``, computing on ``device`` (default: ``model.device``'s,
+    :func:`compute_device`); under ``torchrun``, see :func:`_copies_and_shards`."""
+    device = device or compute_device(cfg.model.device)
     compute = DTYPES[cfg.model.compute_dtype]
+    ref_model, gen_model = _copies_and_shards(cfg, model, compute)
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=cfg.optim.lr,
+        betas=(cfg.optim.beta1, cfg.optim.beta2),
+        weight_decay=cfg.optim.weight_decay,
+    )
+    sampler = PromptSampler(train_problems, seed=cfg.train.seed)
+    stops = stop_token_ids(model, tokenizer, cfg.rollout.stop_token_ids)
+    engine = make_engine(
+        cfg.rollout.engine,
+        gen_model or model,
+        tokenizer,
+        stops,
+        compute,
+        vllm=vars(cfg.vllm),
+        device=device,
+    )
+    scaler = None
+    if compute == torch.float16 and next(model.parameters()).dtype == torch.float32:
+        scaler = torch.amp.GradScaler(device.type)
+    return TrainState(
+        cfg,
+        model,
+        tokenizer,
+        optimizer,
+        sampler,
+        engine,
+        ref_model=ref_model,
+        scaler=scaler,
+        device=device,
+        gen_model=gen_model,
+    )
+
+
+def _copies_and_shards(
+    cfg: Config, model: torch.nn.Module, compute: torch.dtype
+) -> tuple[torch.nn.Module | None, torch.nn.Module | None]:
+    """The frozen GRPO reference (with a KL term) and, under a process group, the whole copy
+    the engine samples from; the policy and the reference are then sharded with FSDP2."""
     # Frozen copies are held in bfloat16 when that is the compute dtype (float16 weights
     # would overflow without autocast's float32 ops: they stay as the policy's).
     held = compute if compute == torch.bfloat16 else next(model.parameters()).dtype
@@ -134,31 +182,7 @@ def build_state(
         fsdp.shard(model, **options)
         if ref_model is not None:
             fsdp.shard(ref_model, **{**options, "activation_checkpointing": False})
-    optimizer = torch.optim.AdamW(
-        model.parameters(),
-        lr=cfg.optim.lr,
-        betas=(cfg.optim.beta1, cfg.optim.beta2),
-        weight_decay=cfg.optim.weight_decay,
-    )
-    sampler = PromptSampler(train_problems, seed=cfg.train.seed)
-    stops = stop_token_ids(model, tokenizer, cfg.rollout.stop_token_ids)
-    engine = make_engine(
-        cfg.rollout.engine, gen_model or model, tokenizer, stops, compute, vllm=vars(cfg.vllm)
-    )
-    scaler = None
-    if compute == torch.float16 and next(model.parameters()).dtype == torch.float32:
-        scaler = torch.amp.GradScaler(next(model.parameters()).device.type)
-    return TrainState(
-        cfg,
-        model,
-        tokenizer,
-        optimizer,
-        sampler,
-        engine,
-        ref_model=ref_model,
-        scaler=scaler,
-        gen_model=gen_model,
-    )
+    return ref_model, gen_model
 
 
 # ----------------------------------------------------------------------------- 1. rollout
@@ -312,7 +336,7 @@ def train_step(state: TrainState) -> dict[str, float]:
         groups = rollout_round(
             state, problems[mine.start : mine.stop], seeds=seeds[mine.start : mine.stop]
         )
-        return dist.gather_lists(groups)
+        return dist.gather_lists(groups, patient=True)
 
     n = cfg.train.prompts_per_step
     sizes = functools.partial(

@@ -60,15 +60,14 @@ def rank_microbatches(episodes: list[Episode], indices: list[int], max_tokens: i
 def fill_logprobs(model, episodes: list[Episode], attr: str, state: TrainState) -> None:
     """Forward passes without gradient to store pi_old or pi_ref log-probs on each episode:
     each rank computes a share of the episodes and the ranks exchange the results."""
-    cfg, pad_id = state.cfg, state.tokenizer.pad_token_id
-    device = next(model.parameters()).device
+    cfg, pad_id, device = state.cfg, state.tokenizer.pad_token_id, state.device
     model.eval()
     mine = partition_by_tokens(episodes, dist.world_size())[dist.rank()]
     computed = []
     for micro in rank_microbatches(episodes, mine, cfg.train.tokens_per_microbatch):
         # None: another rank has more passes; this one forwards episode 0 and keeps nothing.
         b = collate([episodes[i] for i in micro or [0]], pad_id=pad_id).to(device)
-        with autocast(model, DTYPES[cfg.model.compute_dtype]):
+        with autocast(model, DTYPES[cfg.model.compute_dtype], device):
             logp_BT, _ = batch_logprobs(
                 model, b, temperature=cfg.rollout.temperature, share_prompts=cfg.train.share_prompts
             )
@@ -292,8 +291,7 @@ def accumulate_gradients(
     (seq-mean-token-mean) of the whole mini-batch, never by its own count, so the accumulated
     gradient, summed over ranks, is the mini-batch gradient whatever the split.
     """
-    cfg, model = state.cfg, state.model
-    device = next(model.parameters()).device
+    cfg, model, device = state.cfg, state.model, state.device
     denominator = num_tokens if cfg.algo.loss_agg == "token-mean" else num_seqs
     divisors = dict(
         agg=cfg.algo.loss_agg,
@@ -310,7 +308,7 @@ def accumulate_gradients(
             _idle_pass(state, episodes[0], device)
             continue
         b = collate([episodes[i] for i in micro], pad_id=state.tokenizer.pad_token_id).to(device)
-        with autocast(model, DTYPES[cfg.model.compute_dtype]):
+        with autocast(model, DTYPES[cfg.model.compute_dtype], device):
             logp_BT, entropy_BT = batch_logprobs(
                 model,
                 b,
@@ -350,7 +348,7 @@ def _idle_pass(state: TrainState, episode: Episode, device) -> None:
     """A forward and a backward that add nothing to the gradient (a zero upstream gradient)."""
     cfg = state.cfg
     b = collate([episode], pad_id=state.tokenizer.pad_token_id).to(device)
-    with autocast(state.model, DTYPES[cfg.model.compute_dtype]):
+    with autocast(state.model, DTYPES[cfg.model.compute_dtype], state.device):
         logp_BT, _ = batch_logprobs(
             state.model,
             b,

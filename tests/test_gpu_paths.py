@@ -1,0 +1,248 @@
+"""The GPU paths, checked on a CPU: the device a run computes on, the generators a checkpoint
+keeps, the process group's backends. Each of these failed on GPUs before (issue: the first
+run on real GPUs): every rank on cuda:0, an RNG state per visible GPU that a machine with
+fewer GPUs could not restore, NCCL asked to carry CPU tensors."""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dapo import dist
+from dapo.models import policy
+from dapo.run import checkpoint
+
+
+class _FakeCuda:
+    """torch.cuda's generator and device queries, recorded: a CPU build has no GPU to ask."""
+
+    def __init__(self, monkeypatch, count: int) -> None:
+        self.set_calls: list[tuple[torch.Tensor, torch.device]] = []
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(
+            torch.cuda,
+            "get_rng_state",
+            lambda device: torch.tensor([device.index], dtype=torch.uint8),
+        )
+        monkeypatch.setattr(
+            torch.cuda,
+            "set_rng_state",
+            lambda state, device: self.set_calls.append((state, device)),
+        )
+
+
+def test_a_checkpoint_keeps_only_its_own_gpus_generator(monkeypatch):
+    fake = _FakeCuda(monkeypatch, count=8)
+    state = checkpoint.capture_rng(torch.device("cuda", 3))
+    assert torch.equal(state["cuda_rank"], torch.tensor([3], dtype=torch.uint8))
+    assert "cuda" not in state  # not one state per visible GPU
+    checkpoint.restore_rng(state, torch.device("cuda", 0))  # another rank, another machine
+    assert fake.set_calls == [(state["cuda_rank"], torch.device("cuda", 0))]
+
+
+def test_a_checkpoint_of_8_gpus_resumes_on_4_on_1_and_on_a_cpu(monkeypatch):
+    before = checkpoint.capture_rng()
+    # dapo <= 0.2 saved torch.cuda.get_rng_state_all(): one state per GPU the rank saw.
+    before["cuda"] = [torch.tensor([i], dtype=torch.uint8) for i in range(8)]
+    fake = _FakeCuda(monkeypatch, count=4)
+    checkpoint.restore_rng(before, torch.device("cuda", 2))  # its own GPU's state
+    assert [int(s) for s, _ in fake.set_calls] == [2]
+    with pytest.warns(UserWarning, match="2 GPU generator states"):
+        checkpoint.restore_rng({**before, "cuda": before["cuda"][:2]}, torch.device("cuda", 3))
+    with pytest.warns(UserWarning, match="only the GPU generator's draws differ"):
+        checkpoint.restore_rng(before, None)  # one process on a CPU
+    new = checkpoint.capture_rng(torch.device("cuda", 1))
+    with pytest.warns(UserWarning, match="a GPU generator state"):
+        checkpoint.restore_rng(new, torch.device("cpu"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        checkpoint.restore_rng(checkpoint.capture_rng(), None)  # CPU to CPU: nothing to say
+
+
+def test_each_rank_computes_on_its_own_gpu_or_the_one_it_is_shown():
+    assert dist.rank_device(cuda_count=8, local_rank=5) == torch.device("cuda", 5)
+    # srun --gpus-per-task=1: each task sees one GPU, whatever its LOCAL_RANK.
+    assert dist.rank_device(cuda_count=1, local_rank=5) == torch.device("cuda", 0)
+    assert dist.rank_device(cuda_count=0, local_rank=1) == torch.device("cpu")
+    with pytest.raises(ValueError, match="LOCAL_RANK=4 but 4 GPUs are visible"):
+        dist.rank_device(cuda_count=4, local_rank=4)
+    assert dist.backend(True) == "cuda:nccl,cpu:gloo" and dist.backend(False) == "gloo"
+
+
+def _launched(monkeypatch, local_rank: int) -> None:
+    for key, value in {"RANK": "1", "WORLD_SIZE": "8", "MASTER_ADDR": "h"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+
+
+def test_model_device_is_the_ranks_and_a_contradiction_is_refused(monkeypatch):
+    _FakeCuda(monkeypatch, count=8)
+    _launched(monkeypatch, local_rank=5)
+    assert policy.compute_device("auto") == torch.device("cuda", 5)
+    assert policy.compute_device("cuda") == torch.device("cuda", 5)
+    assert policy.compute_device("cuda:5") == torch.device("cuda", 5)
+    with pytest.raises(ValueError, match="model.device=cuda:0 under torchrun.*cuda:5 for this"):
+        policy.compute_device("cuda:0")
+    with pytest.raises(ValueError, match="model.device=cpu under torchrun"):
+        policy.compute_device("cpu")
+
+
+def test_one_process_picks_a_visible_gpu_or_says_which_are(monkeypatch):
+    _FakeCuda(monkeypatch, count=2)
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    assert policy.compute_device("auto") == torch.device("cuda", 0)
+    assert policy.compute_device("cuda:1") == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match="only 2 GPUs are visible"):
+        policy.compute_device("cuda:2")
+    assert policy.compute_device("cpu") == torch.device("cpu")
+
+
+# --- the vllm engine on its rank's GPU, with a stand-in for vLLM ---------------------------------
+
+
+class _StandInLLM:
+    """Records how the engine builds and drives vLLM; like vLLM's worker, it makes cuda:0 the
+    current device when it starts."""
+
+    built: list[dict] = []
+
+    def __init__(self, cuda, **kwargs) -> None:
+        self.cuda, self.calls = cuda, []
+        _StandInLLM.built.append({**kwargs, "LOCAL_RANK": os.environ.get("LOCAL_RANK")})
+        cuda.current = 0
+
+    def collective_rpc(self, method, kwargs):
+        list(kwargs["weights_iterator"])
+        self.calls.append(method)
+
+    def reset_prefix_cache(self):
+        self.calls.append("reset_prefix_cache")
+
+    def sleep(self, level):
+        self.calls.append(f"sleep({level})")
+
+    def wake_up(self, tags):
+        self.calls.append(f"wake_up({','.join(tags)}) after {self.cuda.emptied} empty_cache")
+
+    def generate(self, requests, params, use_tqdm):
+        eos = params[0].stop_token_ids[0]
+        done = [
+            SimpleNamespace(
+                index=j, token_ids=[eos], logprobs=[{eos: SimpleNamespace(logprob=-0.5)}]
+            )
+            for j in range(params[0].n)
+        ]  # noqa: E501
+        return [SimpleNamespace(outputs=done) for _ in requests]
+
+
+class _Cuda:
+    def __init__(self, monkeypatch) -> None:
+        self.current, self.emptied = 0, 0
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: self.current)
+        monkeypatch.setattr(torch.cuda, "set_device", self._set)
+        monkeypatch.setattr(torch.cuda, "empty_cache", self._empty)
+
+    def _set(self, device) -> None:
+        self.current = torch.device(device).index
+
+    def _empty(self) -> None:
+        self.emptied += 1
+
+
+def _engine(monkeypatch, tiny_model, tokenizer, device, **options):
+    cuda = _Cuda(monkeypatch)
+    fake = SimpleNamespace(LLM=lambda **kw: _StandInLLM(cuda, **kw), SamplingParams=SimpleNamespace)
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    _StandInLLM.built.clear()
+    from dapo.rollout.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(tiny_model, tokenizer, device=device, **options)
+    return engine, cuda
+
+
+def test_under_torchrun_each_ranks_engine_starts_on_its_gpu(monkeypatch, tiny_model, tokenizer):
+    _launched(monkeypatch, local_rank=3)
+    engine, cuda = _engine(monkeypatch, tiny_model, tokenizer, torch.device("cuda", 3))
+    built = _StandInLLM.built[0]
+    # The one-process executor would take GPU 0 from the device type "cuda" on every rank.
+    assert built["distributed_executor_backend"] == "external_launcher"
+    assert built["LOCAL_RANK"] == "3" and built["enable_sleep_mode"]
+    assert cuda.current == 3  # vLLM's worker made cuda:0 current: put back
+    assert os.environ["LOCAL_RANK"] == "3"
+
+
+def test_one_gpu_per_task_starts_vllm_on_that_gpu(monkeypatch, tiny_model, tokenizer):
+    _launched(monkeypatch, local_rank=5)  # srun: LOCAL_RANK 5, and one visible GPU, cuda:0
+    _engine(monkeypatch, tiny_model, tokenizer, torch.device("cuda", 0))
+    assert _StandInLLM.built[0]["LOCAL_RANK"] == "0"
+    assert os.environ["LOCAL_RANK"] == "5"
+
+
+def test_one_process_on_another_gpu_than_the_first_is_refused(monkeypatch, tiny_model, tokenizer):
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES=2"):
+        _engine(monkeypatch, tiny_model, tokenizer, torch.device("cuda", 2))
+    engine, _ = _engine(monkeypatch, tiny_model, tokenizer, torch.device("cuda", 0))
+    assert "distributed_executor_backend" not in _StandInLLM.built[0]
+
+
+def test_the_engine_sleeps_without_copying_weights_and_wakes_on_freed_memory(
+    monkeypatch, tiny_model, tokenizer
+):
+    _launched(monkeypatch, local_rank=1)
+    engine, cuda = _engine(monkeypatch, tiny_model, tokenizer, torch.device("cuda", 1))
+    llm = engine.llm
+    assert llm.calls == ["reload_weights", "reset_prefix_cache"]  # the trainer's weights
+    kwargs = dict(group_size=2, max_new_tokens=4, seed=[7])
+    engine.generate(["1 + 1 ="], **kwargs)  # an evaluation before any update
+    engine.generate(["2 + 2 ="], **kwargs)  # no update in between: weights from the module
+    engine.sync_weights(tiny_model)  # after an update: woken, then loaded once
+    assert llm.calls[2:] == [
+        "sleep(2)",
+        "wake_up(kv_cache,weights) after 1 empty_cache",
+        "reload_weights",
+        "reset_prefix_cache",
+        "sleep(2)",
+        "wake_up(weights) after 2 empty_cache",
+        "reload_weights",
+        "reset_prefix_cache",
+    ]
+
+
+def test_parallel_ablation_runs_spread_over_the_visible_gpus(monkeypatch, tmp_path):
+    import threading
+    import time
+
+    from dapo.ablate.plans import expand
+    from dapo.ablate.runs import run_jobs
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,5")
+    running: dict[str, str] = {}
+    clashes, seen, lock = [], [], threading.Lock()
+
+    def launcher(cmd, log, env):
+        gpu = env["CUDA_VISIBLE_DEVICES"]
+        with lock:
+            clashes.extend(name for name, g in running.items() if g == gpu)
+            running[log.name] = gpu
+            seen.append(gpu)
+        time.sleep(0.05)
+        with lock:
+            del running[log.name]
+        return 0
+
+    jobs = expand("2x2", seeds=2, budget="steps=2")
+    assert run_jobs(jobs, tmp_path, parallel=2, cores=2, launcher=launcher) == []
+    # 8 runs, 2 at a time: each on one GPU, never two at once on the same.
+    assert len(seen) == 8 and set(seen) == {"2", "5"} and clashes == []
