@@ -258,3 +258,46 @@ def test_cpu_offload_on_a_cpu_model_is_refused_with_the_fix(tokenizer):
     with pytest.raises(ValueError, match="trains on the CPU already: drop dist.cpu_offload"):
         fsdp.shard(model, compute_dtype=torch.float32, cpu_offload=True)
     assert [type(m).__name__ for m in fsdp.decoder_layers(model)] == ["Qwen2DecoderLayer"]
+
+
+def test_activation_checkpointing_in_one_process_trains_as_without_it(one_process):
+    cache, (metrics_1, weights_1, _) = one_process
+    metrics, weights, _ = _train(_config(cache, "dist.activation_checkpointing=true"))
+    for step in range(2):
+        assert {k: metrics[step][k] for k in COUNTERS} == {k: metrics_1[step][k] for k in COUNTERS}
+    gap = max(float((w - weights_1[k]).abs().max()) for k, w in weights.items())
+    # The layers recomputed in backward and no shared prompt cache: another summation order.
+    assert gap <= 2e-6, f"weights differ by up to {gap:.3g}"
+
+
+def test_checkpointed_layers_keep_a_fraction_of_the_activations(tokenizer):
+    import copy
+
+    from dapo.data.batch import Episode, collate
+    from dapo.dist import fsdp
+    from dapo.models.demo import TinyModelSpec, tiny_qwen2
+    from dapo.models.logprobs import batch_logprobs
+
+    plain = tiny_qwen2(tokenizer, TinyModelSpec(hidden_size=32, num_layers=4), seed=0)
+    checkpointed = copy.deepcopy(plain)
+    fsdp.checkpoint_layers(checkpointed)
+    assert fsdp.is_checkpointed(checkpointed) and not fsdp.is_checkpointed(plain)
+    ids = torch.tensor([8, 9, 10, 11, 12])
+    episode = Episode(torch.tensor([5, 6, 7]), ids, torch.zeros(5), False, True, 1.0)
+    b = collate([episode] * 3, pad_id=tokenizer.pad_token_id)
+
+    def saved_bytes(model):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t
+        ):
+            logp_BT, _ = batch_logprobs(model.train(), b)
+        logp_BT.sum().backward()  # the recompute happens here, outside the hooks
+        return sum(saved), [p.grad.clone() for p in model.parameters()]
+
+    (kept, grads), (kept_ckpt, grads_ckpt) = saved_bytes(plain), saved_bytes(checkpointed)
+    assert kept_ckpt < kept / 10  # 4 layers' activations against their inputs and one layer's
+    # The same gradient (the plain model shares prompts, the checkpointed one cannot: another
+    # summation order, so to float32 rounding).
+    for a, g in zip(grads, grads_ckpt, strict=True):
+        torch.testing.assert_close(g, a, rtol=1e-5, atol=1e-5)

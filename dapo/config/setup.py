@@ -140,11 +140,13 @@ class RewardConfig:
 @dataclass
 class DistConfig:
     """Data-parallel training under ``torchrun`` (world size > 1): FSDP2 shards the policy (and
-    the GRPO reference) per decoder layer; one process runs without any of this."""
+    the GRPO reference) per decoder layer; one process runs without it (activation
+    checkpointing aside)."""
 
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping them:
-    activation memory of about one layer per micro-batch, for one more forward pass."""
+    activation memory of about one layer per micro-batch, for one more forward pass. In one
+    process too (there it turns the shared-prompt forward off, as FSDP does)."""
     cpu_offload: bool = False
     """Keep the sharded float32 weights, gradients and optimizer state in CPU memory (FSDP2's
     CPUOffloadPolicy; the optimizer step then runs on the CPU): for a model whose states do not

@@ -78,8 +78,22 @@ def checkpoint_layer(layer: torch.nn.Module) -> None:
     layer.forward = recomputed
 
 
+def checkpoint_layers(model: torch.nn.Module) -> None:
+    """:func:`checkpoint_layer` every decoder layer of a model that is not sharded (one
+    process), and mark it: its forward passes then run without a shared prompt cache, which a
+    recomputed layer would append to twice."""
+    for layer in decoder_layers(model):
+        checkpoint_layer(layer)
+    model.dapo_activation_checkpointing = True  # type: ignore[assignment]
+
+
 def is_sharded(model: torch.nn.Module) -> bool:
     return isinstance(model, FSDPModule)
+
+
+def is_checkpointed(model: torch.nn.Module) -> bool:
+    """Whether :func:`checkpoint_layers` recomputes ``model``'s layers (one process)."""
+    return bool(getattr(model, "dapo_activation_checkpointing", False))
 
 
 @torch.no_grad()

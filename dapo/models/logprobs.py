@@ -83,8 +83,9 @@ def response_logprobs(
     head = output_head(model)
     args = (model, head, prompt_ids_BP, prompt_mask_BP, response_ids_BT, response_mask_BT)
     # A sharded model's forward is a collective: every rank must make the same calls, and
-    # the shared pass makes one or two depending on the micro-batch, so FSDP takes one.
-    share_prompts = share_prompts and not fsdp.is_sharded(model)
+    # the shared pass makes one or two depending on the micro-batch, so FSDP takes one. A
+    # checkpointed layer's recompute would append its keys and values to the cache again.
+    share_prompts = share_prompts and not (fsdp.is_sharded(model) or fsdp.is_checkpointed(model))
     shared = _shared_prompt_pass(*args[:4]) if share_prompts else None
     if shared is None:  # no prompt repeats, or a cache that cannot be sliced by row
         return _full_forward(*args, temperature=temperature, with_entropy=with_entropy)

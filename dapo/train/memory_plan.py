@@ -228,7 +228,7 @@ def plan_memory(shape: ModelShape, settings: PlanSettings) -> MemoryPlan:
     # dtype (dapo.train.step); one process generates from its own module, under autocast.
     frozen = 2 if s.compute_dtype == "bfloat16" else master
     copy = p * frozen if s.sharded else (p * compute if compute != master else 0)
-    tokens, ckpt = s.microbatch_tokens, s.activation_checkpointing and s.sharded
+    tokens, ckpt = s.microbatch_tokens, s.activation_checkpointing
     gathered = 0
     if s.sharded:  # two layers (one prefetched) and the root's embedding/head in the
         # compute dtype, and one layer's unsharded float32 gradient before reduce-scatter
@@ -261,7 +261,7 @@ def format_plan(plan: MemoryPlan) -> str:
     w, master, compute = s.world_size, s.param_dtype, s.compute_dtype
     share = f"1/{w} shard" if s.sharded else "whole"
     where = "host" if plan.offloaded else "GPU"
-    ckpt = ", checkpointed" if s.activation_checkpointing and s.sharded else ""
+    ckpt = ", checkpointed" if s.activation_checkpointing else ""
     unit, size = ("GiB", _in(GIB)) if max(plan.total, plan.host) >= GIB else ("MiB", _in(2**20))
     copy = "generation copy (whole)" if s.sharded else f"autocast's {compute} weight copy"
     kv = f"KV cache ({s.rows} rows x {s.prompt_tokens + s.max_new_tokens} tokens)"
@@ -359,8 +359,8 @@ def print_plan(cfg: Config, *, world_size: int, prompt_tokens: int) -> None:
         return
     settings = settings_from_config(cfg, world_size=world_size, prompt_tokens=prompt_tokens)
     print(format_plan(plan_memory(shape, settings)))
-    if not settings.sharded and (cfg.dist.activation_checkpointing or cfg.dist.cpu_offload):
-        print("  note: dist.activation_checkpointing and dist.cpu_offload apply from 2 ranks")
+    if not settings.sharded and cfg.dist.cpu_offload:
+        print("  note: dist.cpu_offload applies from 2 ranks")
     if cfg.rollout.rows_per_generate == 0:
         print(
             f"  note: KV cache of a whole round per rank (up to {round_prompts(cfg)} prompts x "
@@ -385,7 +385,7 @@ def markdown_table(
             plain = plan_memory(shape, replace(settings, world_size=w))
             ck = plan_memory(shape, replace(settings, world_size=w, activation_checkpointing=True))
             states = plain.weights + plain.gradients + plain.optimizer
-            # The dist options apply from 2 ranks: one process has no checkpointed column.
+            # docs/scale-out.md's table: checkpointed figures beside the plain ones from 2 ranks.
             acts, training = gib(plain.activations), gib(plain.training_peak)
             if w > 1:
                 acts += f" ({gib(ck.activations)})"

@@ -61,10 +61,8 @@ class TrainState:
     """Told each phase of a step as it starts (generate, reward, train, eval, save)."""
     timers: dict[str, float] = field(default_factory=dict)
     """Seconds (and counts) of the running step's phases, for the perf/* metrics."""
-    sampling_prior: tuple[int, int] = (0, 0)
-    """(mixed groups, prompts drawn) of the last step: the kept fraction that sizes rounds."""
-    sampler_logprobs_checked: bool = False
-    """Whether the sampler's log-probs were compared with a forward pass in this process."""
+    sampling_prior: tuple[int, int] = (0, 0)  # (mixed groups, prompts drawn) of the last step
+    sampler_logprobs_checked: bool = False  # against a forward pass, in this process
     scaler: torch.amp.GradScaler | None = None
     """Scales the loss of float16 computation on float32 weights (its gradients underflow
     otherwise); None in float32 and bfloat16."""
@@ -159,14 +157,16 @@ def build_state(
 def _copies_and_shards(
     cfg: Config, model: torch.nn.Module, compute: torch.dtype
 ) -> tuple[torch.nn.Module | None, torch.nn.Module | None]:
-    """The frozen GRPO reference (with a KL term) and, under a process group, the whole copy
-    the engine samples from; the policy and the reference are then sharded with FSDP2."""
+    """The frozen reference (KL) and, under FSDP2 (which shards both models), the whole copy
+    the engine samples from; activation checkpointing (FSDP's, or in one process)."""
     # Frozen copies are held in bfloat16 when that is the compute dtype (float16 weights
     # would overflow without autocast's float32 ops: they stay as the policy's).
     held = compute if compute == torch.bfloat16 else next(model.parameters()).dtype
     ref_model = gen_model = None
     if cfg.algo.kl_coef > 0:  # the naive-GRPO KL anchor: a frozen copy of the starting policy
         ref_model = copy.deepcopy(model).to(held).eval().requires_grad_(False)
+    if not dist.active() and cfg.dist.activation_checkpointing:
+        fsdp.checkpoint_layers(model)
     if dist.active():
         if compute == torch.float16:
             raise ValueError(
