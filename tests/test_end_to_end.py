@@ -1,6 +1,7 @@
 """A short real run through the command line: warm-up, rollouts, updates, evaluation, saving."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -119,3 +120,25 @@ def test_refuses_to_overwrite_a_run(tmp_path, cache_dir, capsys):
 def test_config_error_exits_2_naming_the_field(capsys):
     assert main(["train", "optim.lr=-1"]) == 2
     assert "optim.lr must be > 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("engine", ["dapo", "hf"])
+def test_no_deprecated_transformers_api_with_either_engine(tmp_path, cache_dir, engine, capsys):
+    # transformers renamed past_key_values to cache (5.2x) and will remove the old name: a run
+    # that warns today breaks at that upgrade. Every warning of the run is recorded.
+    import warnings
+
+    args = ["train", f"embedded.cache_dir={cache_dir}", f"run.out_dir={tmp_path}", "run.name=r"]
+    args += [*SMALL, "train.steps=1", f"rollout.engine={engine}"]
+    args += ["train.recompute_old_logprobs=true"] if engine == "hf" else []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(args) == 0
+    deprecations = [
+        str(w.message)
+        for w in caught
+        if issubclass(w.category, (FutureWarning, DeprecationWarning))
+    ]
+    assert deprecations == []
+    printed = capsys.readouterr()  # transformers' logger says "... are deprecated. Use ..."
+    assert not re.search(r"(is|are) deprecated", printed.out + printed.err)

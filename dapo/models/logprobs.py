@@ -13,6 +13,9 @@ H = hidden size, V = vocabulary; X is H or V (hidden states or logits).
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
+from typing import Any
 
 import torch
 
@@ -48,13 +51,31 @@ def output_head(model) -> torch.Tensor | None:
     return head.weight
 
 
-def _forward(model, head: torch.Tensor | None, *, keep: int, **kwargs):
+@functools.cache
+def _cache_parameter(cls: type) -> str:
+    params = inspect.signature(cls.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def cache_argument(module: torch.nn.Module, cache: Any) -> dict[str, Any]:
+    """The KV cache as ``module``'s forward takes it: ``cache=`` in transformers that renamed
+    it (``past_key_values`` is deprecated there), ``past_key_values=`` before."""
+    return {_cache_parameter(type(module)): cache}
+
+
+def returned_cache(out: Any) -> Any:
+    """The KV cache a forward returned, under either name."""
+    return out["cache"] if "cache" in out else out.get("past_key_values")
+
+
+def _forward(model, head: torch.Tensor | None, *, keep: int, cache: Any = None, **kwargs):
     """(hidden states or logits [B, keep, X] of the last ``keep`` positions, the KV cache)."""
     if head is None:
-        out = model(**kwargs, logits_to_keep=keep)
-        return out.logits, out.past_key_values
-    out = model.get_decoder()(**kwargs)
-    return out.last_hidden_state[:, -keep:], out.past_key_values
+        out = model(**kwargs, **cache_argument(model, cache), logits_to_keep=keep)
+        return out.logits, returned_cache(out)
+    decoder = model.get_decoder()
+    out = decoder(**kwargs, **cache_argument(decoder, cache))
+    return out.last_hidden_state[:, -keep:], returned_cache(out)
 
 
 def response_logprobs(
@@ -101,7 +122,7 @@ def response_logprobs(
         input_ids=response_ids_BT,
         attention_mask=attn,
         position_ids=start_B1 + torch.arange(num_resp, device=attn.device),
-        past_key_values=cache,
+        cache=cache,
         use_cache=True,
     )
     # The last prompt position predicts response token 0, response position t token t+1.

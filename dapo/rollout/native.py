@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dapo.models.logprobs import autocast, row_sliceable
+from dapo.models.logprobs import autocast, cache_argument, returned_cache, row_sliceable
 from dapo.rollout.base import LiveModelEngine, Rollout, encode_prompts, finish_rollout
 
 
@@ -281,8 +281,8 @@ class _Rows:
             input_ids=token_A[:, None],
             attention_mask=self.mask_AL,
             position_ids=self.next_pos_A[:, None],
-            past_key_values=cache,
             use_cache=True,
+            **cache_argument(model, cache),
         )
         self.next_pos_A = self.next_pos_A + 1
         return out.logits[:, -1].float()
@@ -298,7 +298,7 @@ def _prefill(model, prompt_ids_nP, prompt_mask_nP, group_size: int):
         use_cache=True,
         logits_to_keep=1,
     )
-    cache = out.past_key_values
+    cache = returned_cache(out)
     if not row_sliceable(cache):
         raise ValueError(
             f"rollout.engine=dapo: {type(model).__name__}'s KV cache "
