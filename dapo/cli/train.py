@@ -267,10 +267,10 @@ def _open_run_dir(args: argparse.Namespace, cfg: Config, resume_dir: Path | None
     from dapo.run import rundir
     from dapo.run.lock import RunLock
 
-    _checked_run_dir(args, cfg, resume_dir)
     if resume_dir is not None:
-        opened = rundir.NewRun(resume_dir, lock=RunLock(resume_dir).acquire())
-        return opened
+        _checked_run_dir(args, cfg, resume_dir)
+        return rundir.NewRun(resume_dir, lock=RunLock(resume_dir).acquire())
+    # Planned once: an automatic name holds the time, and a second plan could name another.
     opened = rundir.plan_new_run(cfg, overwrite=args.overwrite)
     run_dir = rundir.start_new_run(opened)
     try:

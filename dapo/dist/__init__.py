@@ -59,6 +59,12 @@ def rank_device(*, cuda_count: int, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+def launched_device() -> torch.device:
+    """:func:`rank_device` of this process, from its ``LOCAL_RANK`` and the GPUs it sees."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return rank_device(cuda_count=count, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+
+
 def backend(cuda: bool) -> str:
     """NCCL for CUDA tensors and gloo for CPU ones (CPU-offloaded shards, objects), or gloo."""
     return "cuda:nccl,cpu:gloo" if cuda else "gloo"
@@ -72,9 +78,7 @@ def init_from_env(*, timeout_s: float, wait_timeout_s: float | None = None) -> t
     global _rank_device
     if not launched() or active():
         return None
-    cuda = torch.cuda.is_available()
-    count = torch.cuda.device_count() if cuda else 0
-    device = rank_device(cuda_count=count, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+    device = launched_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch_dist.init_process_group(

@@ -41,13 +41,12 @@ def compute_device(name: str) -> torch.device:
     """
     cuda = torch.cuda.is_available()
     if dist.launched():
-        count = torch.cuda.device_count() if cuda else 0
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        chosen = dist.rank_device(cuda_count=count, local_rank=local_rank)
+        chosen = dist.launched_device()
         if name not in ("auto", chosen.type, str(chosen)):
             raise ValueError(
                 f"model.device={name} under torchrun: each rank computes on its own device, "
-                f"{chosen} for this one (LOCAL_RANK={local_rank}, {count} GPUs visible); set "
+                f"{chosen} for this one (LOCAL_RANK={os.environ.get('LOCAL_RANK', '0')}, "
+                f"{torch.cuda.device_count() if cuda else 0} GPUs visible); set "
                 "model.device=auto, or choose GPUs with CUDA_VISIBLE_DEVICES"
             )
         return chosen
