@@ -10,7 +10,7 @@ from the built-in shapes when the directory is absent and its name is a known mo
 longest prompt is taken as ``--prompt-tokens`` (512). ``--json`` prints a list of rows with
 ``model``, ``gpus``, ``gpu_gib``, ``peak_train_gib``, ``peak_generate_gib``, ``spare_gib``
 and ``fits`` (4 GiB to spare, which CI asks of every recipe). The plan itself is
-:mod:`dapo.train.memory_plan`.
+:mod:`dapo.training.memory_plan`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 from dapo.config import load_config
 from dapo.config.loading import read_hardware
-from dapo.train.memory_plan import (
+from dapo.training.memory_plan import (
     KNOWN_SHAPES,
     ModelShape,
     markdown_table,

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from dapo.cli import main
-from dapo.train.bench import summarize_steps
+from dapo.training.bench import summarize_steps
 
 
 def test_summary_takes_medians_and_shares():

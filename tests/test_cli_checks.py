@@ -11,7 +11,7 @@ import pytest
 from dapo import cli
 from dapo.models import policy
 from dapo.run import rundir
-from dapo.train import loop
+from dapo.training import loop
 
 
 class ModelLoaded(Exception):

@@ -17,8 +17,8 @@ from dapo.reward import tasks
 from dapo.reward.tasks.base import Task
 from dapo.run import checkpoint
 from dapo.run.interrupt import GracefulStop, RunStopped, StepAborted
-from dapo.train import loop, update
-from dapo.train import step as trainer
+from dapo.training import loop, update
+from dapo.training import step as trainer
 
 
 def _fit(cfg, model, tokenizer, train, val, run_dir, *, resume=False):

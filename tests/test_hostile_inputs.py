@@ -20,7 +20,7 @@ from dapo import cli
 from dapo.dist import dcp
 from dapo.models import policy
 from dapo.run.lock import RunLock
-from dapo.train import loop
+from dapo.training import loop
 
 ROOT = Path(__file__).resolve().parents[1]
 

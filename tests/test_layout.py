@@ -61,8 +61,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("dapo.models", "dapo.run"),  # loading and passes; checkpoints, run dir, logging
     ("dapo.rollout",),  # the engines
     ("dapo.eval",),  # held-out evaluation and its statistics
-    ("dapo.train",),  # the step, the update, dynamic sampling, the loop
+    ("dapo.training",),  # the step, the update, dynamic sampling, the loop
     ("dapo.ablate", "dapo.data.tools", "dapo.report"),  # commands' machinery
+    ("dapo.api",),  # dapo.train, dapo.evaluate, dapo.load_config: what the commands run
     ("dapo.cli",),  # the command line, a module per command
     ("dapo.__main__", "dapo.memory_plan"),  # python -m dapo, python -m dapo.memory_plan
 )
@@ -91,9 +92,9 @@ _HEAVY = ("torch", "transformers", "numpy", "pyarrow", "matplotlib")
 # The machinery below the trainer takes plain arguments, never the whole config.
 _NOT_THE_CONFIG = (
     "dapo.config",
-    "dapo.train.step",
-    "dapo.train.update",
-    "dapo.train.loop",
+    "dapo.training.step",
+    "dapo.training.update",
+    "dapo.training.loop",
     "dapo.cli",
 )
 
@@ -106,17 +107,17 @@ NEVER_REACH: dict[str, tuple[str, ...]] = {
     "dapo.models.logprobs": _NOT_THE_CONFIG,
     "dapo.rollout": _NOT_THE_CONFIG,
     "dapo.data.batch": _NOT_THE_CONFIG,
-    "dapo.train.sampling": _NOT_THE_CONFIG,
+    "dapo.training.sampling": _NOT_THE_CONFIG,
 }
 
 # Prefix -> what its modules must not import themselves.
 _FILE_FORMATS = ("json", "yaml", "pyarrow", "safetensors", "csv", "pickle")
 FORBIDDEN_IMPORTS: dict[str, tuple[str, ...]] = {
     # The step orchestrates; reading and writing files belongs to checkpoint/rundir/data.
-    "dapo.train.step": _FILE_FORMATS,
-    "dapo.train.update": _FILE_FORMATS,  # phase 4 of the same step
-    "dapo.train.loop": _FILE_FORMATS,  # the run's files are written by rundir and checkpoint
-    "dapo.train.sampling": _FILE_FORMATS,  # dynamic sampling, inside the step
+    "dapo.training.step": _FILE_FORMATS,
+    "dapo.training.update": _FILE_FORMATS,  # phase 4 of the same step
+    "dapo.training.loop": _FILE_FORMATS,  # the run's files are written by rundir and checkpoint
+    "dapo.training.sampling": _FILE_FORMATS,  # dynamic sampling, inside the step
 }
 
 # Prefix -> attribute names its modules must not call (``torch.exp(x)``, ``F.softmax(x)``,
@@ -131,8 +132,8 @@ _MATHS = frozenset(
     | {"sqrt", "pow", "log1p", "expm1", "tanh", "square", "var", "cumsum", "prod", "norm"}
 )
 FORBIDDEN_CALLS: dict[str, frozenset[str]] = {
-    "dapo.train.step": _MATHS,
-    "dapo.train.update": _MATHS,
+    "dapo.training.step": _MATHS,
+    "dapo.training.update": _MATHS,
 }
 
 # Dotted name -> the only module prefixes that may import it or refer to it in code.
@@ -295,13 +296,19 @@ def module_graph(root: Path, package: str) -> dict[str, Module]:
         source = path.read_text(encoding="utf-8")
         tree = ast.parse(source, filename=str(path))
         is_package = path.name == "__init__.py"
+        imports = _collect_imports(tree, name, is_package, package, files)
+        if name == package:
+            # The package's own __init__ re-exports the Python API from a module __getattr__:
+            # importing any module of the package runs the __init__ but not that function, so
+            # only code that asks for dapo.train (and so on) reaches the API through it.
+            imports = [imp for imp in imports if imp.module_level]
         modules[name] = Module(
             name=name,
             path=path.relative_to(root).as_posix(),
             tree=tree,
             n_lines=len(source.splitlines()),
             is_package=is_package,
-            imports=_collect_imports(tree, name, is_package, package, files),
+            imports=imports,
         )
     return modules
 
@@ -686,7 +693,7 @@ def _by_location(message: str) -> tuple[str, int, str]:
 
 @dataclass
 class _SourceFile:
-    name: str  # its module name: dapo.train.step, or test_faults for tests/test_faults.py
+    name: str  # its module name: dapo.training.step, or test_faults for tests/test_faults.py
     path: str
     tree: ast.Module
     is_package: bool

@@ -17,8 +17,8 @@ from dapo import cli
 from dapo.algo import entropy_from_logits, token_logprobs_from_logits
 from dapo.config import load_config
 from dapo.models import policy
-from dapo.train import memory_plan
-from dapo.train.memory_plan import (
+from dapo.training import memory_plan
+from dapo.training.memory_plan import (
     KNOWN_SHAPES,
     ModelShape,
     PlanSettings,
@@ -279,7 +279,7 @@ def test_the_full_logits_model_is_what_the_logits_path_holds(monkeypatch, dtype,
 
 def test_constants_copied_from_torch_modules_agree():
     from dapo.algo import logits
-    from dapo.train import sampling
+    from dapo.training import sampling
 
     assert memory_plan.HEAD_CHUNK_ELEMENTS == logits.HEAD_CHUNK_ELEMENTS
     assert memory_plan.MAX_OVERSAMPLE == sampling.MAX_OVERSAMPLE

@@ -12,8 +12,8 @@ from dapo.config import config_warnings, load_config
 from dapo.data.batch import Episode
 from dapo.data.problems import Problem
 from dapo.models.demo import TinyModelSpec, tiny_qwen2
-from dapo.train.step import build_state, train_step
-from dapo.train.update import update
+from dapo.training.step import build_state, train_step
+from dapo.training.update import update
 
 SPEC = TinyModelSpec(
     hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1

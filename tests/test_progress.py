@@ -4,7 +4,7 @@ import io
 
 from helpers import setup_run
 
-from dapo.train import loop
+from dapo.training import loop
 
 
 class FakeTerminal(io.StringIO):

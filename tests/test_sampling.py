@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from dapo.data.batch import Episode
-from dapo.train.sampling import (
+from dapo.training.sampling import (
     DynamicSamplingExhausted,
     Group,
     SamplingResult,

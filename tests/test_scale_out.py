@@ -19,8 +19,8 @@ from safetensors.torch import load_file
 
 from dapo.config import load_config
 from dapo.models import policy
-from dapo.train import inputs
-from dapo.train.step import build_state, train_step
+from dapo.training import inputs
+from dapo.training.step import build_state, train_step
 
 TINY = [
     # Right sometimes, so dynamic sampling keeps some groups and drops others.

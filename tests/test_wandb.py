@@ -8,7 +8,7 @@ import pytest
 
 from dapo import cli
 from dapo.run.metrics import MetricsLogger
-from dapo.train import loop
+from dapo.training import loop
 
 
 class FakeRun:

@@ -49,8 +49,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from dapo.run.checkpoint import CheckpointError
     from dapo.run.interrupt import RunStopped
-    from dapo.train.sampling import DynamicSamplingExhausted
-    from dapo.train.update import NonFiniteError
+    from dapo.training.sampling import DynamicSamplingExhausted
+    from dapo.training.update import NonFiniteError
 
     # Loading/saving bars of a tiny model are noise in a log that prints one line per step.
     hf_logging.disable_progress_bar()

@@ -23,7 +23,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="check or convert a problem file (Parquet or JSON Lines)",
         description=__doc__,
     )
-    sub = data.add_subparsers(dest="data_command", required=True, metavar="{check,convert}")
+    sub = data.add_subparsers(dest="data_command", required=True, metavar="{check,convert,make}")
 
     check = sub.add_parser(
         "check",
@@ -71,13 +71,40 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     convert.set_defaults(func=cmd_convert)
 
+    _add_make_parser(sub)
+
+
+def _add_make_parser(sub: argparse._SubParsersAction) -> None:
+    make = sub.add_parser(
+        "make",
+        help="write a generated task's problems (code-easy) in the DAPO format",
+        description=(
+            "Write COUNT generated problems to OUT (.parquet or .jsonl). code-easy: write "
+            "compute(a, ...) returning a short arithmetic expression of its arguments, graded by "
+            "running five asserts in the code task's sandbox (data_source code)."
+        ),
+    )
+    make.add_argument("task", choices=("code-easy",), help="the generated task")
+    make.add_argument("dst", type=Path, metavar="OUT", help="output file")
+    make.add_argument("--count", type=int, default=1000, help="problems (default 1000)")
+    make.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
+    make.add_argument(
+        "--skip",
+        type=int,
+        default=0,
+        help="leave out the seed's first N problems: a held-out file disjoint from a training "
+        "file of N problems made with the same seed",
+    )
+    make.set_defaults(func=cmd_make)
+
 
 def _add_format_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--format",
-        choices=("auto", "dapo", "flat"),
+        choices=("auto", "dapo", "flat", "humaneval"),
         default="auto",
-        help="input format; auto: dapo when there are prompt and reward_model columns",
+        help="input format; auto: dapo when there are prompt and reward_model columns, "
+        "humaneval for task_id, prompt, entry_point and test (or a .jsonl.gz)",
     )
     parser.add_argument(
         "--question-key", default="question", metavar="K", help="flat format's question column"
@@ -124,7 +151,7 @@ def format_check(s: CheckStats) -> str:
         )
     lines.append(f"DAPO template: {s.templated:,} of {s.problems:,} problems already wrapped")
     lines.append(f"empty answers: {s.empty_answers:,}")
-    examples = ", ".join(f"row {row}: {answer!r}" for row, answer in s.non_integer_examples)
+    examples = ", ".join(f"row {row}: {_clip(answer)!r}" for row, answer in s.non_integer_examples)
     non_integer = f"non-integer answers: {s.non_integer_answers:,}"
     lines.append(non_integer + (f" (e.g. {examples})" if examples else ""))
     sources = ", ".join(f"{name} {n:,}" for name, n in s.data_sources.items())
@@ -173,3 +200,16 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if len(result.skipped) > MAX_BAD_ROWS_SHOWN:
         print(f"  ... and {len(result.skipped) - MAX_BAD_ROWS_SHOWN:,} more skipped")
     return 0
+
+
+def cmd_make(args: argparse.Namespace) -> int:
+    from dapo.data.tools import make_file
+
+    rows = make_file(args.task, args.dst, count=args.count, seed=args.seed, skip=args.skip)
+    print(f"wrote {rows:,} {args.task} problems to {args.dst}")
+    return 0
+
+
+def _clip(text: str, limit: int = 60) -> str:
+    # A code row's answer is a JSON object of tests: a line of the report, not the whole of it.
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -295,6 +295,7 @@ RESUME_SAFE_FIELDS = frozenset(
         "reward.timeout_s",
         "reward.memory_mb",
         "reward.batch_timeout_s",
+        "reward.function_sha256",
         "dist.activation_checkpointing",
         "dist.cpu_offload",
         "dist.timeout_s",

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from dapo.config import presets
-from dapo.reward import tasks
+from dapo.reward import custom, tasks
 
 
 @dataclass
@@ -118,6 +118,20 @@ class RewardConfig:
     ``math_dapo_boxed``: verl 0.9.1's, with a \\boxed{} fallback; ``lenient``;
     ``math_verify``: see dapo.reward.tasks); empty = chosen by each row's ``data_source``
     (``math_dapo`` -> dapo)."""
+    function: str = ""
+    """A reward function of your own for every row, in place of the verifiers:
+    ``PATH.py:NAME`` or ``package.module:NAME``, called as NAME(response, ground_truth) in the
+    reward workers (same limits) and returning a float (correct when > 0), a bool, a Score or
+    a dict with ``score`` (and ``correct``). Empty = the verifiers (reward.mode, data_source)."""
+    function_sha256: str = ""
+    """Set by dapo when the run starts: the SHA-256 of reward.function's file, so that a resume
+    can warn when the file changed since. Leave it empty."""
+
+    @property
+    def grader(self) -> str:
+        """What grades every row (reward.function, else reward.mode); empty: each row's
+        data_source picks its verifier."""
+        return self.function or self.mode
 
     def check(self) -> list[str]:
         errors = []
@@ -134,6 +148,16 @@ class RewardConfig:
                 f"reward.mode must be empty (by data_source) or one of {tasks.names()}, "
                 f"got {self.mode!r}"
             )
+        if self.function:
+            if self.mode:
+                errors.append(
+                    "reward.function replaces every row's verifier and reward.mode picks one: "
+                    "give one of them"
+                )
+            try:
+                custom.split_spec(self.function)
+            except ValueError as exc:
+                errors.append(str(exc))
         return errors
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dapo.data import code_rows
 from dapo.data.files import (
     DEFAULT_DATA_SOURCE,
     FORMATS,
@@ -214,7 +215,11 @@ def convert_file(
     if on_bad_row not in ON_BAD_ROW:
         raise ValueError(f"on_bad_row must be one of {', '.join(ON_BAD_ROW)}; got {on_bad_row!r}")
     _check_destination(src, dst)
+    if fmt == "humaneval" or (fmt == "auto" and src.name.endswith(".gz")):
+        return _write_code_rows(code_rows.humaneval_rows(src), dst, to, "humaneval")
     table = read_table(src)
+    if fmt == "auto" and code_rows.is_humaneval(table.columns):
+        return _write_code_rows(code_rows.humaneval_rows(src), dst, to, "humaneval")
     src_fmt, _ = resolve_format(table, fmt, question_key=question_key, answer_key=answer_key)
     to = to or ("flat" if src_fmt == "dapo" else "dapo")
     records: list[dict[str, Any]] = []
@@ -248,6 +253,34 @@ def convert_file(
         records.append({key: record[key] for key in order})
     _write_atomic(records, _schema(records, indices, to, question_key, answer_key), dst)
     return ConvertResult(src_fmt, to, len(table.records), len(records), wrapped, skipped)
+
+
+def _write_code_rows(
+    records: list[dict[str, Any]], dst: Path, to: str | None, src_fmt: str
+) -> ConvertResult:
+    if to not in (None, "dapo"):
+        raise ValueError(f"a {src_fmt} file converts to the dapo format (code rows), not {to}")
+    _write_atomic(records, _dapo_schema(pa.string()), dst)
+    return ConvertResult(src_fmt, "dapo", len(records), len(records), 0, [])
+
+
+def make_file(
+    task: str, dst: str | os.PathLike[str], *, count: int, seed: int, skip: int = 0
+) -> int:
+    """Write ``count`` generated problems of ``task`` (``code-easy``) to ``dst``, after the
+    first ``skip`` of the seed's sequence (so that a held-out file shares none with a
+    training file of ``skip`` problems and the same seed)."""
+    if task != "code-easy":
+        raise ValueError(f"unknown task {task!r}; dapo data make knows code-easy")
+    if count < 1 or skip < 0:
+        raise ValueError(f"--count must be >= 1 and --skip >= 0, got {count} and {skip}")
+    dst = Path(dst)
+    _check_destination(Path(os.devnull), dst)
+    records = code_rows.easy_code_rows(skip + count, seed)[skip:]
+    for record in records:  # one index type for the column: the schema's string
+        record["extra_info"]["index"] = str(record["extra_info"]["index"])
+    _write_atomic(records, _dapo_schema(pa.string()), dst)
+    return len(records)
 
 
 def _check_destination(src: Path, dst: Path) -> None:

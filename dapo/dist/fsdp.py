@@ -2,7 +2,7 @@
 the gradient norm over the shards, sum (not average) the gradients of the ranks.
 
 The loss of a mini-batch is already divided by the token count of the whole global
-mini-batch (``dapo.train.update``), so each rank's gradient is its share of the sum: the ranks'
+mini-batch (``dapo.training.update``), so each rank's gradient is its share of the sum: the ranks'
 gradients are summed, and FSDP's division by the world size is turned off.
 """
 

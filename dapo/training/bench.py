@@ -14,8 +14,8 @@ import torch
 from dapo.config import Config
 from dapo.models import policy
 from dapo.reward.pool import RewardPool
-from dapo.train import inputs
-from dapo.train.step import build_state, train_step
+from dapo.training import inputs
+from dapo.training.step import build_state, train_step
 
 PHASES = ("generate", "reward", "logprobs", "train", "other")
 

@@ -34,7 +34,7 @@ from dapo.run.metrics import accumulate
 from dapo.run.seeding import derive_seed
 
 if TYPE_CHECKING:
-    from dapo.train.step import TrainState
+    from dapo.training.step import TrainState
 
 
 class NonFiniteError(RuntimeError):

@@ -7,11 +7,10 @@ One step (spec, "One training step"):
 3. group-normalised advantages                                           ``assign_advantages``
 4. pi_old (and pi_ref) log-probs, then mu epochs of mini-batch updates   ``update.update``
 
-Phase 4, the update with its exact token-level accumulation, is :mod:`dapo.train.update`; the loop
-around the step (evaluation, checkpoints, resume, signals, the run's outputs) is
-:mod:`dapo.train.loop`. Data-parallel ranks will only add all-reduces through :mod:`dapo.dist`:
-the divisor of each mini-batch (``num_tokens``, in :mod:`dapo.train.update`) is already an
-explicit value summed there, not hidden inside the loss.
+Phase 4, the update with its exact token-level accumulation, is :mod:`dapo.training.update`
+(the divisor of each mini-batch, ``num_tokens``, an explicit value summed over ranks by
+:mod:`dapo.dist`, not hidden inside the loss); the loop around the step (evaluation,
+checkpoints, resume, signals, the run's outputs) is :mod:`dapo.training.loop`.
 """
 
 from __future__ import annotations
@@ -38,8 +37,9 @@ from dapo.rollout import Engine, Sample, generate_samples, make_engine
 from dapo.rollout.base import LiveModelEngine
 from dapo.run.metrics import accumulate
 from dapo.run.seeding import derive_seed
-from dapo.train.sampling import Group, SamplingResult, collect_groups, rollout_metrics, round_size
-from dapo.train.update import update
+from dapo.training import sampling
+from dapo.training.sampling import Group, SamplingResult, collect_groups
+from dapo.training.update import update
 
 
 @dataclass
@@ -246,7 +246,7 @@ def rollout_round(state: TrainState, problems: list[Problem], *, seeds: list[int
     state.model.eval()
     state.on_phase("generate")
     samples = sample_round(state, problems, seeds=seeds)
-    jobs = [grading_job(problems[b // G], x.text, cfg.reward.mode) for b, x in enumerate(samples)]
+    jobs = [grading_job(problems[b // G], x.text, cfg.reward.grader) for b, x in enumerate(samples)]
     state.on_phase("reward")
     t_reward = time.perf_counter()
     graded = (state.pool or RewardPool(workers=0)).grade(jobs)
@@ -340,7 +340,7 @@ def train_step(state: TrainState) -> dict[str, float]:
 
     n = cfg.train.prompts_per_step
     sizes = functools.partial(
-        round_size,
+        sampling.round_size,
         num_groups=n,
         dynamic=s.dynamic,
         prompts_per_round=s.prompts_per_round,
@@ -369,7 +369,7 @@ def train_step(state: TrainState) -> dict[str, float]:
 
     if dist.world_size() > 1:
         state.timers["gen_slots"] = dist.all_reduce_sum(state.timers.get("gen_slots", 0.0))
-    metrics.update(rollout_metrics(result))
+    metrics.update(sampling.rollout_metrics(result))
     metrics.update(_perf_metrics(state, result, metrics, t0=t0, t_gen=t_gen, t_train=t_train))
     if "weight_sync" in state.timers:  # a gather and/or an engine's load (in train_s)
         metrics["perf/weight_sync_s"] = state.timers["weight_sync"]

@@ -7,6 +7,7 @@ Everything here is cheap next to loading weights (a 32B model takes minutes), so
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,7 +15,7 @@ from dapo.config import Config
 from dapo.data.problems import Problem
 from dapo.data.prompts import render_prompt
 from dapo.models.policy import context_length
-from dapo.reward import tasks
+from dapo.reward import custom, tasks
 
 
 @dataclass
@@ -86,9 +87,33 @@ def load_run_data(cfg: Config) -> RunData:
 
 def check_verifiers(cfg: Config, data: RunData) -> None:
     """Every row must have a verifier before the first rollout, not at it."""
+    if cfg.reward.function:
+        return  # it grades every row, whatever its data_source (check_reward_function)
     sources = {cfg.reward.mode} if cfg.reward.mode else {p.data_source for p in data.train}
     for source in sorted(sources | ({p.data_source for p in data.val} - {""})):
         tasks.get_task(cfg.reward.mode or source)
+
+
+def check_reward_function(cfg: Config, fn: Callable[..., Any] | None = None) -> list[str]:
+    """Load and check ``reward.function`` (or ``fn``, the function it names, given in Python)
+    before any model loads, and record its file's SHA-256 in the config; returns a warning
+    when a resumed run's file changed since it started."""
+    spec = cfg.reward.function
+    if not spec:
+        return []
+    if fn is None:
+        sha = custom.check_spec(spec)
+    else:
+        custom.check_callable(fn, f"reward_fn={spec}")
+        sha = custom.file_sha256(custom.spec_file(spec))
+    before, cfg.reward.function_sha256 = cfg.reward.function_sha256, sha
+    if before and before != sha:
+        return [
+            f"reward.function={spec}: the file changed since the run started (SHA-256 "
+            f"{before[:12]}... then, {sha[:12]}... now): the resumed run is graded by the new "
+            "code; the run's earlier config is kept as config.before-resume-*.yaml"
+        ]
+    return []
 
 
 def prompt_lengths(cfg: Config, tokenizer: Any, problems: list[Problem]) -> list[int]:

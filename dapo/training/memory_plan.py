@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# Copies of dapo.algo.logits.HEAD_CHUNK_ELEMENTS and dapo.train.sampling.MAX_OVERSAMPLE (a test
+# Copies of dapo.algo.logits.HEAD_CHUNK_ELEMENTS and dapo.training.sampling.MAX_OVERSAMPLE (a test
 # keeps them equal): those modules import torch, and a dry run plans before it loads.
 HEAD_CHUNK_ELEMENTS = 1 << 26
 MAX_OVERSAMPLE = 4
@@ -225,7 +225,7 @@ def plan_memory(shape: ModelShape, settings: PlanSettings) -> MemoryPlan:
     p, w = shape.num_parameters, s.world_size
     master, compute = DTYPE_BYTES[s.param_dtype], DTYPE_BYTES[s.compute_dtype]
     # Frozen copies (generation, reference) are bf16 when that computes, else the weights'
-    # dtype (dapo.train.step); one process generates from its own module, under autocast.
+    # dtype (dapo.training.step); one process generates from its own module, under autocast.
     frozen = 2 if s.compute_dtype == "bfloat16" else master
     copy = p * frozen if s.sharded else (p * compute if compute != master else 0)
     tokens, ckpt = s.microbatch_tokens, s.activation_checkpointing
@@ -286,13 +286,13 @@ def format_plan(plan: MemoryPlan) -> str:
     width = max(len(name) for name, _, _ in rows) + 2
     count_text = f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.2f}M"
     head = f"memory per GPU on paper, world size {w}: {count_text} parameters, {compute} "
-    head += f"compute, {master} weights ({unit}; the model: dapo/train/memory_plan.py)"
+    head += f"compute, {master} weights ({unit}; the model: dapo/training/memory_plan.py)"
     lines = (f"  {name:<{width}}{size(n):>9}  {when}".rstrip() for name, n, when in rows)
     return "\n".join([head, *lines])
 
 
 def round_prompts(cfg: Config) -> int:
-    """The most prompts one generation round may draw (``dapo.train.sampling.round_size``)."""
+    """The most prompts one generation round may draw (``dapo.training.sampling.round_size``)."""
     n, smp = cfg.train.prompts_per_step, cfg.sampling
     default = (smp.prompts_per_round or n) if smp.dynamic else n
     return max(default, MAX_OVERSAMPLE * n) if smp.dynamic and smp.oversample else default

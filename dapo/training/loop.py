@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -22,6 +23,7 @@ from dapo.data.problems import Problem
 from dapo.dist import fsdp
 from dapo.eval.evaluate import evaluate
 from dapo.eval.metrics import pick_samples
+from dapo.reward.custom import make_resolver
 from dapo.reward.pool import RewardPool
 from dapo.run import checkpoint, rundir, sharded_checkpoint
 from dapo.run.interrupt import GracefulStop, RunStopped, StepAborted
@@ -29,9 +31,9 @@ from dapo.run.metrics import MetricsLogger, NullLogger, open_wandb
 from dapo.run.progress import LiveProgress
 from dapo.run.seeding import derive_seed
 from dapo.run.threads import ThreadGovernor
-from dapo.train.sampling import DynamicSamplingExhausted
-from dapo.train.step import TrainState, build_state, train_step
-from dapo.train.update import NonFiniteError
+from dapo.training.sampling import DynamicSamplingExhausted
+from dapo.training.step import TrainState, build_state, train_step
+from dapo.training.update import NonFiniteError
 
 
 def fit(
@@ -44,13 +46,15 @@ def fit(
     run_dir: Path,
     stream: TextIO | None = None,
     resume: bool = False,
+    reward_fn: Callable[..., Any] | None = None,
 ) -> dict[str, Any]:
     """Train for ``cfg.train.steps`` steps (or until ``train.max_gen_tokens`` or
     ``train.max_seconds`` is spent), evaluating at start, every ``eval.every`` and end.
 
     With ``resume``, the latest complete checkpoint in ``run_dir`` is restored first (the model
     given must be the starting policy: it is the KL reference) and ``metrics.jsonl`` is cut back
-    to what that checkpoint had logged, so no step is missing or logged twice.
+    to what that checkpoint had logged, so no step is missing or logged twice. ``reward_fn``
+    is the function that ``reward.function`` names, when it was given in Python.
     """
     stream = stream or sys.stdout
     run_dir = Path(run_dir)
@@ -61,6 +65,7 @@ def fit(
         timeout_s=r.timeout_s,
         memory_mb=r.memory_mb,
         batch_timeout_s=r.batch_timeout_s,
+        resolve=make_resolver(r.function, reward_fn),
     )
     try:
         run = _Run(state, val_problems, run_dir=run_dir, stream=stream)
@@ -230,7 +235,7 @@ class _Run:
             pool=state.pool,
             chat_template=cfg.data.apply_chat_template,
             system_prompt=cfg.data.system_prompt,
-            reward_mode=cfg.reward.mode,
+            reward_mode=cfg.reward.grader,
             records_out=self.records,
             before_batch=self.adjust_threads,
             rows_per_generate=cfg.rollout.rows_per_generate,

@@ -1,0 +1,154 @@
+"""The Python API: what ``dapo train`` and ``dapo eval`` run, callable from a script.
+
+    import dapo
+
+    def reward(response: str, ground_truth: str) -> float:   # top level of a .py file
+        return 1.0 if response.strip().endswith(ground_truth) else -1.0
+
+    cfg = dapo.load_config("recipes/smollm2-135m-arith.yaml", ["train.steps=10"])
+    result = dapo.train(cfg, reward_fn=reward)
+    print(result.run_dir, result.start_accuracy, result.end_accuracy)
+    scores = dapo.evaluate(result.run_dir / "model", "val.jsonl", k=8, reward_fn=reward)
+
+The command line parses its flags into exactly these calls, so a script and a command with
+the same settings make the same run. ``reward_fn`` must be a function at the top level of a
+module or script: reward workers are separate processes that import it by name (a lambda is
+refused with that message). Under ``torchrun`` every rank calls :func:`train` alike.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dapo.api.evaluation import EvalResult, evaluate
+from dapo.config import Config, parse_override, set_value, validate
+from dapo.config import load_config as _load
+
+__all__ = ["EvalResult", "TrainResult", "evaluate", "load_config", "train"]
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    *,
+    base: str | None = None,
+    preset: str | None = None,
+) -> Config:
+    """The config ``dapo train`` would run: the demo (no ``path``) or a YAML file, under
+    dotted ``overrides`` such as ``"optim.lr=1e-5"``; ValueError lists every bad value."""
+    return _load(path, list(overrides), base=base, preset=preset)
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What a finished run left: its directory and its held-out accuracy at start and end
+    (``summary.json``, here as ``summary``). None where this rank wrote no summary (the
+    ranks other than 0 under torchrun)."""
+
+    run_dir: Path
+    steps: int | None
+    start_accuracy: float | None
+    end_accuracy: float | None
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+def train(
+    config: Config | str | Path | None = None,
+    *,
+    overrides: Sequence[str] = (),
+    reward_fn: Callable[..., Any] | None = None,
+    base: str | None = None,
+    preset: str | None = None,
+    resume: str | Path | None = None,
+    overwrite: bool = False,
+    force: bool = False,
+    quiet: bool = False,
+) -> TrainResult:
+    """Train as ``dapo train`` does and return the run's summary.
+
+    Args:
+        config: a :class:`~dapo.config.Config` (copied, not changed), a YAML file, or None
+            for the embedded CPU demo.
+        overrides: dotted ``section.field=value`` settings applied last.
+        reward_fn: a function ``(response, ground_truth) -> float | bool | Score | dict``
+            that grades every row in place of the verifiers, as ``reward.function`` does.
+        base, preset: as ``--base`` and ``--preset`` (a file or Config picks its own).
+        resume: a run directory to continue from its latest checkpoint (its saved config,
+            under ``overrides``); ``force`` accepts overrides that change the run.
+        overwrite: replace the run already in the run directory (default: refuse).
+        quiet: one plain line per step instead of the live display.
+    """
+    from dapo.api import training
+
+    cfg, resume_dir = _config(config, overrides, base, preset, resume, overwrite, force)
+    if reward_fn is not None:
+        _set_reward_fn(cfg, reward_fn)
+    if quiet:
+        cfg.run.progress = "plain"
+    run_dir = training.run(cfg, resume_dir, overwrite=overwrite, reward_fn=reward_fn)
+    assert run_dir is not None
+    return _result(run_dir)
+
+
+def _config(
+    config: Config | str | Path | None,
+    overrides: Sequence[str],
+    base: str | None,
+    preset: str | None,
+    resume: str | Path | None,
+    overwrite: bool,
+    force: bool,
+) -> tuple[Config, Path | None]:
+    from dapo.api import training
+
+    if not isinstance(config, Config):
+        return training.resolve_config(
+            config,
+            list(overrides),
+            base=base,
+            preset=preset,
+            resume=resume,
+            overwrite=overwrite,
+            force=force,
+        )
+    if resume or base or preset:
+        raise ValueError(
+            "train(config=Config, ...) runs that config as it is: give resume, base and preset "
+            "with a YAML path or None instead"
+        )
+    cfg = copy.deepcopy(config)
+    for item in overrides:
+        key, value = parse_override(item)
+        set_value(cfg, key, value)
+    validate(cfg)
+    return cfg, None
+
+
+def _set_reward_fn(cfg: Config, reward_fn: Callable[..., Any]) -> None:
+    from dapo.reward import custom
+
+    spec = custom.spec_of(reward_fn)
+    if cfg.reward.function and cfg.reward.function != spec:
+        raise ValueError(
+            f"reward_fn names {spec} but the config's reward.function is "
+            f"{cfg.reward.function}: give one of them"
+        )
+    cfg.reward.function = spec
+    validate(cfg)
+
+
+def _result(run_dir: Path) -> TrainResult:
+    path = run_dir / "summary.json"
+    summary = json.loads(path.read_text()) if path.is_file() else {}
+    return TrainResult(
+        run_dir=run_dir,
+        steps=summary.get("steps"),
+        start_accuracy=summary.get("val/accuracy_start"),
+        end_accuracy=summary.get("val/accuracy_end"),
+        summary=summary,
+    )

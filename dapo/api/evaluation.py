@@ -1,0 +1,331 @@
+"""An evaluation under the paper's protocol, as ``dapo eval`` and :func:`dapo.evaluate` run it:
+k samples per problem, avg@k, pass@k and maj@k with 95% bootstrap intervals over problems,
+written to ``summary.json`` and ``problems.jsonl`` and resumable from its journal."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+DEFAULT_OUT = "evals"
+
+
+@dataclass
+class EvalRequest:
+    """One evaluation's settings; the names are ``dapo eval``'s flags."""
+
+    model: str
+    data: str
+    k: int = 32
+    pass_k: str = ""
+    temperature: float = 1.0
+    top_p: float = 0.7
+    max_new_tokens: int = 20480
+    seed: int = 0
+    greedy: bool = False
+    num_problems: int = 0
+    reward_mode: str = ""
+    reward_function: str = ""
+    stop_token_ids: str = ""
+    system_prompt: str | None = None
+    resamples: int = 10_000
+    phrases: str = ""
+    out: Path | None = None
+    device: str = "auto"
+    engine: str = "dapo"
+    dtype: str = "float32"
+    config: str | None = None
+    threads: int = 0
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """Where the evaluation was written, and its metrics: name -> {mean, low, high}."""
+
+    out_dir: Path
+    metrics: dict[str, dict[str, float]]
+    protocol: dict[str, Any]
+
+
+def _comma(values: str | Sequence[Any]) -> str:
+    return values if isinstance(values, str) else ",".join(str(v) for v in values)
+
+
+def evaluate(
+    model_dir: str | Path,
+    data: str | Path,
+    *,
+    k: int = 32,
+    pass_k: str | Sequence[int] = (),
+    reward_fn: Callable[..., Any] | None = None,
+    stop_token_ids: str | Sequence[int] = (),
+    phrases: str | Sequence[str] = (),
+    **settings: Any,
+) -> EvalResult:
+    """Evaluate ``model_dir`` (a saved causal LM, or ``"embedded"``) on ``data`` (a problem
+    file, or ``"arith"``) as ``dapo eval`` does; ``settings`` are its other flags by their
+    names (temperature, top_p, max_new_tokens, seed, greedy, num_problems, reward_mode,
+    reward_function, system_prompt, resamples, out, device, engine, dtype, config, threads).
+    ``reward_fn`` grades every response in place of the verifiers, as ``reward.function``."""
+    request = EvalRequest(
+        model=str(model_dir),
+        data=str(data),
+        k=k,
+        pass_k=_comma(pass_k),
+        stop_token_ids=_comma(stop_token_ids),
+        phrases=_comma(phrases),
+        **settings,
+    )
+    if request.out is not None:
+        request.out = Path(request.out)
+    return run(request, reward_fn=reward_fn)
+
+
+def run(req: EvalRequest, *, reward_fn: Callable[..., Any] | None = None) -> EvalResult:
+    """Sample, grade, summarise and write ``req``'s evaluation; a journal left by an
+    interrupted one with the same protocol is continued."""
+    from dapo.eval.evaluate import sample_records
+    from dapo.eval.journal import Journal
+    from dapo.eval.metrics import summarize
+    from dapo.models.policy import stop_token_ids
+    from dapo.reward.custom import make_resolver
+    from dapo.reward.pool import RewardPool
+    from dapo.rollout import make_engine
+
+    _check(req, reward_fn)
+    ks, phrases = _ks(req.pass_k, req.k), _phrases(req.phrases)
+    problems = _problems(req)
+    out = out_dir(req)
+    out.mkdir(parents=True, exist_ok=True)
+    journal = Journal(out, _protocol(req, len(problems)))
+    done = journal.resume([p.uid for p in problems])
+    if done:
+        print(f"resuming: {len(done)} of {len(problems)} problems already in {journal.path}")
+    model, tokenizer = _model(req)
+    model.eval()
+    extra = _ids(req.stop_token_ids, "--stop-token-ids")
+    t0 = time.perf_counter()
+    before_batch = _progress(req, t0)
+    resolve = make_resolver(req.reward_function, reward_fn)
+    with RewardPool(workers=1, resolve=resolve) as pool:
+        records = done + sample_records(
+            make_engine(req.engine, model, tokenizer, stop_token_ids(model, tokenizer, extra)),
+            tokenizer,
+            problems[len(done) :],
+            first_index=len(done),
+            k=req.k,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            max_new_tokens=req.max_new_tokens,
+            seed=req.seed,
+            pool=pool,
+            greedy=req.greedy,
+            system_prompt=req.system_prompt,
+            reward_mode=req.reward_function or req.reward_mode,
+            before_batch=lambda i, n: before_batch(len(done) + i, len(done) + n),
+            after_batch=journal.append,
+        )
+    before_batch(len(problems), len(problems))
+    per_problem = {r["uid"]: _record_metrics(r, ks, phrases) for r in records}
+    summary = summarize(list(per_problem.values()), resamples=req.resamples, seed=req.seed)
+    protocol = _save(req, out, records, per_problem, summary, seconds=time.perf_counter() - t0)
+    journal.finish()
+    title = (
+        f"{req.model} on {req.data}: {len(problems)} problems x {req.k} samples "
+        f"(T {req.temperature}, top_p {req.top_p}, seed {req.seed})"
+    )
+    print(_table(summary, title))
+    print(f"wrote {out / 'summary.json'} and {out / 'problems.jsonl'}")
+    metrics = {name: asdict(iv) for name, iv in summary.items()}
+    return EvalResult(out_dir=out, metrics=metrics, protocol=protocol)
+
+
+def _check(req: EvalRequest, reward_fn: Callable[..., Any] | None) -> None:
+    from dapo.reward import custom
+
+    if not req.model or not req.data:
+        raise ValueError("dapo eval needs MODEL_DIR and --data FILE (or --compare A B)")
+    if req.k < 1:
+        raise ValueError(f"--k must be >= 1, got {req.k}")
+    if req.threads < 0:
+        raise ValueError(f"--threads must be >= 0 (0 = auto), got {req.threads}")
+    if req.model != "embedded" and not (Path(req.model) / "config.json").is_file():
+        raise ValueError(f"{req.model} is not a saved model directory (no config.json)")
+    if reward_fn is not None:
+        spec = custom.spec_of(reward_fn)
+        if req.reward_function and req.reward_function != spec:
+            raise ValueError(f"reward_fn names {spec}, reward_function {req.reward_function}")
+        req.reward_function = spec
+        custom.check_callable(reward_fn, f"reward_fn={spec}")
+    elif req.reward_function:
+        custom.check_spec(req.reward_function)
+    if req.reward_function and req.reward_mode:
+        raise ValueError(
+            "--reward-function grades every row and --reward-mode picks a verifier: give one"
+        )
+
+
+def _ks(text: str, k: int) -> list[int]:
+    if not text:
+        return sorted({1, k})
+    try:
+        ks = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise ValueError(f"--pass-k {text!r}: give comma-separated integers, e.g. 1,8,32") from None
+    bad = [x for x in ks if not 1 <= x <= k]
+    if bad:
+        raise ValueError(f"--pass-k: {bad} not in 1..k={k}; pass@k' needs k' <= k samples")
+    return ks
+
+
+def _ids(text: str, flag: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} {text!r}: give comma-separated token ids, e.g. 151645") from None
+
+
+def _phrases(text: str) -> tuple[str, ...]:
+    from dapo.eval.metrics import REFLECTIVE_PHRASES
+
+    return tuple(p.strip() for p in text.split(",") if p.strip()) or REFLECTIVE_PHRASES
+
+
+def _problems(req: EvalRequest) -> list:
+    if req.data == "arith":
+        from dapo.config import load_config
+        from dapo.training.inputs import load_run_data
+
+        # The held-out split `dapo train` evaluates on (with --config: that run's arith task).
+        cfg = load_config(req.config, ["data.train_file=", "data.val_file="])
+        problems = load_run_data(cfg).val
+    else:
+        from dapo.data.files import load_problems
+
+        if req.config:
+            raise ValueError("--config shapes --data arith only; a data file is read as it is")
+        problems = load_problems(req.data).problems
+    return problems[: req.num_problems] if req.num_problems else problems
+
+
+def _model(req: EvalRequest) -> tuple[Any, Any]:
+    """The policy to evaluate on ``req.device`` in ``req.dtype``, and its tokenizer."""
+    from dapo.config import load_config
+    from dapo.models import policy
+    from dapo.training import inputs
+
+    if req.model == "embedded":
+        # The demo's starting policy, from the warm-up cache (built first if missing).
+        cfg = load_config(None, [])
+        warmup, tokenizer = inputs.load_run_data(cfg).warmup_pairs, None
+    else:
+        cfg = load_config(None, [f"model.path={req.model}"])
+        warmup, tokenizer = [], policy.load_tokenizer(cfg)
+    # Set after the config is checked: the demo base reuses sampler log-probs in training,
+    # which needs float32; an evaluation does not train.
+    cfg.model.device = req.device
+    # Weights in the evaluation's dtype too: it holds no optimizer state to keep in float32.
+    cfg.model.param_dtype = cfg.model.compute_dtype = req.dtype
+    log = lambda m: print(m, file=sys.stderr)  # noqa: E731 - stdout is the result table
+    return policy.load_policy(cfg, warmup, tokenizer, log=log)
+
+
+def _record_metrics(record: dict, ks: list[int], phrases: tuple[str, ...]) -> dict[str, float]:
+    from dapo.eval.metrics import record_metrics
+
+    return record_metrics(record, ks=ks, phrases=phrases)
+
+
+def _table(summary: dict, title: str) -> str:
+    lines = [title, f"{'metric':<18} mean [95% bootstrap interval over problems]"]
+    lines += [f"{name:<18} {iv}" for name, iv in summary.items()]
+    return "\n".join(lines)
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _progress(req: EvalRequest, t0: float) -> Callable[[int, int], None]:
+    """Before each batch: the thread count for it (``threads``), and a progress line."""
+    import torch
+
+    from dapo.run.threads import ThreadGovernor
+
+    governor = ThreadGovernor() if req.threads == 0 else None
+    if req.threads:
+        torch.set_num_threads(req.threads)
+
+    def before_batch(done: int, total: int) -> None:
+        threads = governor.adjust() if governor is not None else torch.get_num_threads()
+        print(
+            f"  {done}/{total} problems, {time.perf_counter() - t0:.0f} s, {threads} threads",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    return before_batch
+
+
+def _protocol(req: EvalRequest, problems: int) -> dict[str, Any]:
+    """What the evaluation is: its records repeat exactly when all of this does."""
+    protocol = {
+        "model": str(req.model),
+        "data": str(req.data),
+        "problems": problems,
+        "k": req.k,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "max_new_tokens": req.max_new_tokens,
+        "seed": req.seed,
+        "system_prompt": req.system_prompt,
+        "stop_token_ids": req.stop_token_ids,
+        "engine": req.engine,
+        "greedy": req.greedy,
+        "reward_mode": req.reward_mode,
+        "dtype": req.dtype,
+    }
+    if req.reward_function:
+        protocol["reward_function"] = req.reward_function
+    return protocol
+
+
+def _save(
+    req: EvalRequest, out: Path, records: list[dict], per_problem: dict, summary, *, seconds
+) -> dict[str, Any]:
+    """summary.json (the protocol and the metrics) and problems.jsonl (one record each)."""
+    protocol = {
+        **_protocol(req, len(records)),
+        "resamples": req.resamples,
+        "reward_faults": sum(r["faults"] for r in records),
+        "seconds": round(seconds, 1),
+    }
+    result = {
+        "protocol": protocol,
+        "metrics": {k: {"mean": v.mean, "low": v.low, "high": v.high} for k, v in summary.items()},
+    }
+    _write(out / "summary.json", json.dumps(result, indent=2) + "\n")
+    lines = [json.dumps({**r, "metrics": per_problem[r["uid"]]}) for r in records]
+    _write(out / "problems.jsonl", "\n".join(lines) + "\n")
+    return protocol
+
+
+def out_dir(req: EvalRequest) -> Path:
+    """Where the evaluation goes: ``out``, else ``evals/<model>-<data>-k<k>``."""
+    if req.out:
+        return Path(req.out)
+    if req.model == "embedded":
+        name = "embedded"
+    else:
+        path = Path(req.model).resolve()
+        # runs/<name>/model and checkpoints/step_N/model: the parent says which one.
+        name = f"{path.parent.name}-{path.name}" if path.name == "model" else path.name
+    return Path(DEFAULT_OUT) / f"{name}-{Path(req.data).stem}-k{req.k}"

@@ -1,0 +1,300 @@
+"""A training run from start to end, as ``dapo train`` and :func:`dapo.train` run it.
+
+Everything that can be wrong is checked before a model is loaded: the config (every bad
+value at once), the run directory, the disk, the model path, the data, the verifiers or the
+reward function, the tokenizer and the context length. Then the run directory is opened
+(rank 0), the policy loaded, and :func:`dapo.training.loop.fit` trains it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dapo.config import (
+    Config,
+    config_warnings,
+    load_config,
+    run_changing_differences,
+    saved_before_keys_moved,
+)
+
+if TYPE_CHECKING:
+    from dapo.run.rundir import NewRun
+    from dapo.training.inputs import RunData
+
+
+def describe(cfg: Config) -> str:
+    """The run's batch sizes in their units, printed at start."""
+    t, r = cfg.train, cfg.rollout
+    return (
+        f"preset {cfg.run.preset} on base {cfg.run.base}: {t.prompts_per_step} prompts/step x "
+        f"{r.group_size} responses/prompt = {cfg.responses_per_step} responses/step; "
+        f"{t.responses_per_minibatch} responses/mini-batch x {t.epochs} epoch(s) = "
+        f"{cfg.updates_per_step} gradient updates/step; micro-batches of <= "
+        f"{t.tokens_per_microbatch} padded tokens; L_max {r.max_new_tokens} tokens"
+    )
+
+
+def resolve_config(
+    config: str | Path | None,
+    overrides: Sequence[str],
+    *,
+    base: str | None = None,
+    preset: str | None = None,
+    resume: str | Path | None = None,
+    overwrite: bool = False,
+    force: bool = False,
+) -> tuple[Config, Path | None]:
+    """The run's config; with ``resume``, the saved one under any file and overrides given."""
+    from dapo.run import rundir
+
+    if not resume:
+        return load_config(config, overrides, base=base, preset=preset), None
+    if overwrite:
+        raise ValueError("--resume continues a run and --overwrite replaces it: give one")
+    run_dir = rundir.existing_run_dir(resume)
+    saved_path = run_dir / "config.yaml"
+    saved = load_config(saved_path)
+    if saved_before_keys_moved(saved_path):
+        print(
+            f"dapo: notice: {run_dir} was saved by dapo 0.1, and 0.2 continues it differently: "
+            "reward.mode=dapo (and data_source math_dapo) now follows the reference verifier "
+            "exactly (0.1's rules are reward.mode=lenient), sampling draws in float64, and "
+            "model.dtype is now model.compute_dtype, with float32 weights",
+            file=sys.stderr,
+        )
+    cfg = load_config(config or saved_path, overrides, base=base, preset=preset)
+    differences = run_changing_differences(saved, cfg)
+    if differences and not force:
+        listing = "\n  ".join(differences)
+        raise ValueError(
+            f"--resume {run_dir}: the config differs from the run's in fields that change the "
+            f"run:\n  {listing}\nthe resumed run would not be the run that was started. Drop "
+            "these changes, or add --force to resume with them anyway (the old config.yaml is "
+            "kept beside the new one)"
+        )
+    _refuse_code_from(run_dir, cfg)
+    return cfg, run_dir
+
+
+def _refuse_code_from(run_dir: Path, cfg: Config) -> None:
+    """A run directory is data, perhaps from elsewhere: the reward function its config names
+    may not be a file inside it (resuming would run code that came with the directory)."""
+    from dapo.reward import custom
+
+    if not cfg.reward.function:
+        return
+    target, _ = custom.split_spec(cfg.reward.function)
+    if custom.is_path_spec(target):
+        path = Path(target).expanduser().resolve()
+        if path.is_relative_to(run_dir.resolve()):
+            raise ValueError(
+                f"--resume {run_dir}: reward.function={cfg.reward.function} is a file inside "
+                "the run directory, and dapo runs no code that came with a run directory; "
+                "copy it elsewhere, read it, and resume with reward.function=THAT.py:NAME --force"
+            )
+
+
+def run(
+    cfg: Config,
+    resume_dir: Path | None = None,
+    *,
+    overwrite: bool = False,
+    dry_run: bool = False,
+    world_size: int | None = None,
+    reward_fn: Callable[..., Any] | None = None,
+) -> Path | None:
+    """Train ``cfg`` (or, with ``dry_run``, print what the run would be): in this process, or
+    as one rank of a ``torchrun`` job. The run directory, or None after a dry run."""
+    from dapo import dist
+
+    if dist.launched() and not dry_run:
+        try:
+            return _run_rank(cfg, resume_dir, overwrite=overwrite, reward_fn=reward_fn)
+        finally:
+            dist.shutdown()
+    for warning in config_warnings(cfg):
+        print(f"dapo: warning: {warning}", file=sys.stderr)
+    return _train(cfg, resume_dir, overwrite, dry_run, world_size, reward_fn)
+
+
+def _run_rank(
+    cfg: Config, resume_dir: Path | None, *, overwrite: bool, reward_fn: Callable[..., Any] | None
+) -> Path | None:
+    """One rank of a ``torchrun`` job: rank 0 checks and creates the run directory and
+    prints; the other ranks follow it with their standard output silenced (their errors
+    still reach standard error, naming the rank)."""
+    from dapo import dist
+    from dapo.run.launcher import watch_launcher
+
+    dist.init_from_env(timeout_s=cfg.dist.timeout_s, wait_timeout_s=cfg.dist.wait_timeout_s)
+    watch_launcher(dist.rank())
+    if not dist.is_main():
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
+    else:
+        for warning in config_warnings(cfg):
+            print(f"dapo: warning: {warning}", file=sys.stderr)
+    try:
+        return _train(cfg, resume_dir, overwrite, False, None, reward_fn)
+    except Exception:
+        if dist.world_size() > 1:
+            print(f"dapo: rank {dist.rank()} of {dist.world_size()} failed:", file=sys.stderr)
+        raise
+
+
+def _checked_inputs(
+    cfg: Config, reward_fn: Callable[..., Any] | None
+) -> tuple[RunData, Any, dict[str, float]]:
+    """The device, model path, optional packages, data, verifiers, tokenizer and context,
+    checked: everything but the run directory, before anything on disk changes."""
+    from dapo.models import policy
+    from dapo.training import inputs
+
+    policy.compute_device(cfg.model.device)  # raises now if it is absent or not this rank's
+    if cfg.model.path != "embedded":
+        policy.check_model_path(cfg)
+    if cfg.run.wandb and importlib.util.find_spec("wandb") is None:
+        raise ValueError("run.wandb=true needs the wandb package: pip install wandb")
+    if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        from dapo.rollout.vllm_engine import INSTALL_HINT
+
+        raise ValueError(INSTALL_HINT)
+    for warning in inputs.check_reward_function(cfg, reward_fn):
+        print(f"dapo: warning: {warning}", file=sys.stderr)
+    data = inputs.load_run_data(cfg)
+    if cfg.eval.num_samples == 0:
+        cfg.eval.num_samples = data.val_copies
+    inputs.check_verifiers(cfg, data)
+    tokenizer = policy.load_tokenizer(cfg)
+    return data, tokenizer, inputs.check_context(cfg, data, tokenizer)
+
+
+def _train(
+    cfg: Config,
+    resume_dir: Path | None,
+    overwrite: bool,
+    dry_run: bool,
+    world_size: int | None,
+    reward_fn: Callable[..., Any] | None,
+) -> Path | None:
+    """Check every input, then open the run directory (rank 0) and train; with ``dry_run``,
+    print what the run would be. An earlier run that ``overwrite`` replaces is moved aside
+    only after every check, and removed only once the new run has started."""
+    import torch
+
+    from dapo import dist
+    from dapo.models import policy
+    from dapo.run import rundir
+    from dapo.training.loop import fit
+
+    data, tokenizer, lengths = _checked_inputs(cfg, reward_fn)
+    if dry_run:
+        if dist.is_main():
+            _checked_run_dir(cfg, resume_dir, overwrite)
+        ranks = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+        _print_dry_run(cfg, data, lengths, ranks)
+        return None
+    opened = _open_run_dir(cfg, resume_dir, overwrite) if dist.is_main() else None
+    run_dir = dist.broadcast(opened.path if opened else None)
+    started = False
+    try:
+        if cfg.run.threads:
+            torch.set_num_threads(cfg.run.threads)
+        torch.manual_seed(cfg.train.seed)
+        _print_plan(cfg, data)
+        print(f"run directory: {run_dir}")
+        if dist.is_main():
+            rundir.write_config(run_dir, cfg)
+        # A resumed run starts from the same policy (it is the KL reference) and then loads
+        # the checkpoint's weights over it. Under torchrun, rank 0 builds (and caches) the
+        # embedded one before the other ranks load it.
+        if not dist.is_main():
+            dist.wait_for_all()
+        model, tokenizer = policy.load_policy(cfg, data.warmup_pairs, tokenizer)
+        if dist.is_main():
+            dist.wait_for_all()
+        started = True
+        if opened is not None and resume_dir is None:
+            rundir.finish_replacing(opened)
+        inputs = (cfg, model, tokenizer, data.train, data.val)
+        fit(*inputs, run_dir=run_dir, resume=bool(resume_dir), reward_fn=reward_fn)
+    finally:
+        if opened is not None:
+            if not started and resume_dir is None:
+                rundir.undo_new_run(opened)
+            elif opened.lock is not None:
+                opened.lock.release()
+    return Path(run_dir)
+
+
+def _checked_run_dir(cfg: Config, resume_dir: Path | None, overwrite: bool) -> None:
+    """What a dry run can tell of the run directory without changing anything: a new run's
+    would be refused, or a resumed one has no checkpoint or no room."""
+    from dapo.run import checkpoint, rundir
+
+    if resume_dir is None:
+        rundir.plan_new_run(cfg, overwrite=overwrite)
+        return
+    if checkpoint.find_latest(resume_dir) is None:
+        raise ValueError(
+            f"--resume {resume_dir}: no complete checkpoint there (it stopped before its first "
+            "one); start it again with --overwrite"
+        )
+    rundir.check_writable(resume_dir)
+    rundir.check_space(resume_dir, cfg)
+
+
+def _open_run_dir(cfg: Config, resume_dir: Path | None, overwrite: bool) -> NewRun:
+    """The run directory, locked for this process: a new one created (an earlier run it
+    replaces moved aside), or the resumed one checked to hold a checkpoint; both checked to
+    be writable with room for checkpoints."""
+    from dapo.run import rundir
+    from dapo.run.lock import RunLock
+
+    if resume_dir is not None:
+        _checked_run_dir(cfg, resume_dir, overwrite)
+        return rundir.NewRun(resume_dir, lock=RunLock(resume_dir).acquire())
+    # Planned once: an automatic name holds the time, and a second plan could name another.
+    opened = rundir.plan_new_run(cfg, overwrite=overwrite)
+    run_dir = rundir.start_new_run(opened)
+    try:
+        rundir.check_space(run_dir, cfg)
+    except Exception:
+        rundir.undo_new_run(opened)
+        raise
+    return opened
+
+
+def _print_plan(cfg: Config, data: RunData) -> None:
+    print(describe(cfg))
+    if cfg.reward.function:
+        print(
+            f"reward: {cfg.reward.function} (SHA-256 {cfg.reward.function_sha256[:12]}...) "
+            "grades every row"
+        )
+    for line in data.notes:
+        print(line)
+
+
+def _print_dry_run(cfg: Config, data: RunData, lengths: dict[str, float], world_size: int) -> None:
+    from dapo.config import dump_yaml
+    from dapo.training import inputs, memory_plan
+
+    print(dump_yaml(cfg), end="")
+    _print_plan(cfg, data)
+    print(
+        f"train {len(data.train)} problems, val {len(data.val)} problems x "
+        f"{cfg.eval.num_samples} samples; prompt tokens min {lengths['prompt_tokens_min']}, "
+        f"median {lengths['prompt_tokens_median']:.0f}, max {lengths['prompt_tokens_max']} "
+        f"(model context {lengths['context']:.0f})"
+    )
+    print(inputs.describe_budget(cfg, lengths))
+    memory_plan.print_plan(
+        cfg, world_size=world_size, prompt_tokens=int(lengths["prompt_tokens_max"])
+    )
+    print("dry run: config, tokenizer and data are valid; nothing was trained or written")

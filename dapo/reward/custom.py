@@ -1,0 +1,225 @@
+"""A reward function of the user's own: ``reward.function=PATH.py:NAME`` or ``module:NAME``.
+
+The function is called as ``NAME(response, ground_truth)`` for every response, in place of
+the verifier that the row's ``data_source`` would pick, and may return:
+
+- a ``float`` (or ``int``): the score; the response counts as correct when it is > 0;
+- a ``bool``: +1.0 and correct, or -1.0 and incorrect (the paper's R_correct);
+- a :class:`~dapo.reward.tasks.base.Score`, as it is;
+- a ``dict`` with ``score`` and optionally ``correct`` (a bool; default score > 0) and
+  ``pred`` (a string shown in samples).
+
+"Correct" is what dynamic sampling filters on (a group all correct or all wrong teaches
+nothing) and what accuracy counts. The function runs in the reward workers like every
+verifier (:mod:`dapo.reward.pool`): a deadline and a memory limit per response; whatever it
+raises or returns wrongly is a fault (``reward/faults``), graded incorrect, and training goes
+on. Standard library only at module level: workers import this.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import numbers
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dapo.reward.tasks import RewardFn, Score, get_verifier
+
+FIX = (
+    "give reward.function as PATH.py:NAME (a Python file and a function in it) or "
+    "package.module:NAME (an importable module), NAME taking (response, ground_truth)"
+)
+
+
+def is_path_spec(target: str) -> bool:
+    """Whether the part before ``:NAME`` names a file rather than a module."""
+    return target.endswith(".py") or "/" in target or "\\" in target
+
+
+def split_spec(spec: str) -> tuple[str, str]:
+    """``PATH.py:NAME`` or ``module:NAME`` -> (target, name); ValueError naming the fix."""
+    target, sep, name = spec.rpartition(":")
+    if not sep or not target or not name.isidentifier():
+        raise ValueError(f"reward.function={spec!r} is not TARGET:NAME; {FIX}")
+    return target, name
+
+
+def spec_file(spec: str) -> Path:
+    """The file that holds the function: the path given, or the module's source file."""
+    target, _ = split_spec(spec)
+    if is_path_spec(target):
+        path = Path(target).expanduser()
+        if not path.is_file():
+            raise ValueError(f"reward.function={spec!r}: no file {path.resolve()}; {FIX}")
+        return path.resolve()
+    try:
+        found = importlib.util.find_spec(target)
+    except (ImportError, ValueError) as exc:
+        found, error = None, exc
+    else:
+        error = None
+    if found is None or found.origin is None or not Path(found.origin).is_file():
+        local = Path(target.replace(".", "/") + ".py")
+        hint = ""
+        if local.is_file():
+            hint = f" (there is ./{local}: write reward.function=./{local}:NAME)"
+        why = f": {error}" if error else ""
+        raise ValueError(f"reward.function={spec!r}: no module {target!r}{why}{hint}; {FIX}")
+    return Path(found.origin).resolve()
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _module_name(path: Path) -> str:
+    # One module per file, whatever it is called: two reward files both named rewards.py
+    # must not replace each other in sys.modules.
+    return "dapo_user_reward_" + hashlib.sha256(str(path).encode()).hexdigest()[:16]
+
+
+def load_function(spec: str) -> Callable[..., Any]:
+    """Import the module or file that ``spec`` names and return its function NAME."""
+    target, name = split_spec(spec)
+    if is_path_spec(target):
+        path = spec_file(spec)
+        module_name = _module_name(path)
+        module = sys.modules.get(module_name)
+        if module is None:
+            loader_spec = importlib.util.spec_from_file_location(module_name, path)
+            assert loader_spec is not None and loader_spec.loader is not None
+            module = importlib.util.module_from_spec(loader_spec)
+            sys.modules[module_name] = module  # so that pickle and dataclasses find it
+            try:
+                loader_spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[module_name]
+                raise
+    else:
+        spec_file(spec)  # a clear error for a module that does not exist
+        module = importlib.import_module(target)
+    fn = getattr(module, name, None)
+    if fn is None:
+        where = getattr(module, "__file__", target)
+        raise ValueError(f"reward.function={spec!r}: {where} has no {name!r}; {FIX}")
+    return fn
+
+
+def check_callable(fn: Any, where: str) -> None:
+    """``fn`` must be callable as ``fn(response, ground_truth)``."""
+    if not callable(fn):
+        raise ValueError(f"{where} is a {type(fn).__name__}, not a function; {FIX}")
+    try:
+        inspect.signature(fn).bind("response", "ground truth")
+    except TypeError as exc:
+        raise ValueError(
+            f"{where} cannot be called as {getattr(fn, '__name__', 'it')}(response, "
+            f"ground_truth): {exc}; {FIX}"
+        ) from None
+    except ValueError:
+        pass  # a builtin without a signature: it is called and judged by what it returns
+
+
+def check_spec(spec: str) -> str:
+    """Load ``spec`` and check it: the SHA-256 of its file, or ValueError with the fix."""
+    path = spec_file(spec)
+    try:
+        fn = load_function(spec)
+    except ValueError:
+        raise
+    except Exception as exc:
+        raise ValueError(
+            f"reward.function={spec!r}: importing {path} raised {type(exc).__name__}: {exc}"
+        ) from exc
+    check_callable(fn, f"reward.function={spec!r}")
+    return file_sha256(path)
+
+
+def spec_of(fn: Callable[..., Any]) -> str:
+    """The ``reward.function`` value naming ``fn``, a function given in Python: worker
+    processes import it by that name, so a lambda or a nested function cannot be used."""
+    qualname = getattr(fn, "__qualname__", "")
+    module = getattr(fn, "__module__", None)
+    if not qualname.isidentifier() or module is None:
+        raise ValueError(
+            f"reward_fn={fn!r} is not a top-level function of a module: reward workers are "
+            "separate processes that import it by name, so a lambda, a nested function, a "
+            "method or a partial cannot reach them. Define it with def at the top level of a "
+            ".py file and pass that function (or reward.function=PATH.py:NAME)"
+        )
+    if module == "__main__":
+        main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+        if main_file is None:
+            raise ValueError(
+                f"reward_fn={qualname} is defined in an interactive session, which worker "
+                "processes cannot import; put it in a .py file and pass reward_fn from there "
+                "(or reward.function=PATH.py:NAME)"
+            )
+        return f"{Path(main_file).resolve()}:{qualname}"
+    return f"{module}:{qualname}"
+
+
+def to_score(value: Any) -> Score:
+    """What a user's function returned, as a Score; TypeError for anything else."""
+    if isinstance(value, Score):
+        return value
+    if isinstance(value, bool):
+        return Score(score=1.0 if value else -1.0, correct=value, pred="")
+    if isinstance(value, numbers.Real):
+        score = float(value)
+        return Score(score=score, correct=score > 0, pred="")
+    if isinstance(value, dict) and "score" in value:
+        score = value["score"]
+        if isinstance(score, bool) or not isinstance(score, numbers.Real):
+            raise TypeError(f"its 'score' is {type(score).__name__}, not a number")
+        correct = value.get("correct", float(score) > 0)
+        if not isinstance(correct, bool):
+            raise TypeError(f"its 'correct' is {type(correct).__name__}, not a bool")
+        pred = value.get("pred", "")
+        pred = pred if isinstance(pred, str) else ""
+        return Score(score=float(score), correct=correct, pred=pred)
+    raise TypeError(
+        f"a reward function returned {type(value).__name__}; return a float, a bool, a Score "
+        "or a dict with 'score' (and optionally 'correct')"
+    )
+
+
+class CustomReward:
+    """The reward pool's ``resolve`` for a user's function: every data_source gets it.
+
+    Pickled to the workers as its spec (and the function, when one was given in Python:
+    pickle sends that by its module and name), each worker imports the function once.
+    """
+
+    def __init__(self, spec: str, fn: Callable[..., Any] | None = None) -> None:
+        self.spec, self.given = spec, fn
+        self._loaded: Callable[..., Any] | None = fn
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Not what was loaded here: a file's module has a name only this process knows.
+        return {"spec": self.spec, "given": self.given}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["spec"], state["given"])  # type: ignore[misc]
+
+    def __repr__(self) -> str:
+        return f"CustomReward({self.spec!r})"
+
+    def __call__(self, data_source: str) -> RewardFn:
+        if self._loaded is None:
+            self._loaded = load_function(self.spec)
+        fn = self._loaded
+        return lambda response, ground_truth: to_score(fn(response, ground_truth))
+
+
+def make_resolver(
+    function: str = "", fn: Callable[..., Any] | None = None
+) -> Callable[[str], RewardFn]:
+    """The reward pool's ``resolve``: the user's function when one is set, else the task
+    registry (each row's verifier)."""
+    return CustomReward(function, fn) if function else get_verifier
