@@ -14,6 +14,7 @@ from dapo.reward.tasks.math_verify import math_verify_score
 def test_every_task_file_is_registered_under_its_names():
     assert tasks.names() == (
         "arith",
+        "code",
         "dapo",
         "lenient",
         "math_dapo",
@@ -23,6 +24,7 @@ def test_every_task_file_is_registered_under_its_names():
     )
     assert [t.name for t in tasks.tasks()] == [
         "arith",
+        "code",
         "math_dapo",
         "math_dapo_boxed",
         "math_lenient",
@@ -41,7 +43,8 @@ def test_an_unknown_name_is_refused_with_the_known_ones_and_the_fix():
     with pytest.raises(ValueError, match="no_such_source") as info:
         tasks.get_verifier("no_such_source")
     message = str(info.value)
-    assert "arith, dapo, lenient, math_dapo, math_dapo_boxed, math_lenient, math_verify" in message
+    known = "arith, code, dapo, lenient, math_dapo, math_dapo_boxed, math_lenient, math_verify"
+    assert known in message
     assert "reward.mode=dapo" in message and "dapo/reward/tasks/" in message
 
 

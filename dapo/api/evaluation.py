@@ -198,6 +198,18 @@ def _phrases(text: str) -> tuple[str, ...]:
 
 
 def _problems(req: EvalRequest) -> list:
+    problems = _read_problems(req)
+    if not (req.reward_function or req.reward_mode) and any(
+        p.data_source == "code" for p in problems
+    ):
+        from dapo.reward import sandbox
+
+        # Before the model loads: a machine without a sandbox fails here, naming the fix.
+        print(f"code rows: graded in the {sandbox.pick_mode()} sandbox", file=sys.stderr)
+    return problems
+
+
+def _read_problems(req: EvalRequest) -> list:
     if req.data == "arith":
         from dapo.config import load_config
         from dapo.training.inputs import load_run_data

@@ -34,6 +34,7 @@ from dapo.config.training import (
     TrainConfig,
 )
 from dapo.reward.tasks.arith import ArithConfig
+from dapo.reward.tasks.code import CodeConfig
 
 
 @dataclass
@@ -53,6 +54,7 @@ class Config:
     embedded: EmbeddedConfig = field(default_factory=EmbeddedConfig)
     # A task with settings of its own adds its section here, named after the task.
     arith: ArithConfig = field(default_factory=ArithConfig)
+    code: CodeConfig = field(default_factory=CodeConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -100,7 +100,7 @@ def _expression(rng: random.Random, names: tuple[str, ...]) -> list[str]:
     return tokens
 
 
-def _value(tokens: list[str], args: dict[str, int]) -> int:
+def expression_value(tokens: list[str], args: dict[str, int]) -> int:
     """The expression's value with Python's precedence: products first, then sums."""
     first = tokens[0]
     terms, signs = [args[first] if first in args else int(first)], []
@@ -118,8 +118,8 @@ def _value(tokens: list[str], args: dict[str, int]) -> int:
 
 
 def _constant(tokens: list[str], names: tuple[str, ...]) -> bool:
-    values = {_value(tokens, dict.fromkeys(names, x)) for x in (-3, 2, 7)}
-    values |= {_value(tokens, {n: i + 2 for i, n in enumerate(names)})}
+    values = {expression_value(tokens, dict.fromkeys(names, x)) for x in (-3, 2, 7)}
+    values |= {expression_value(tokens, {n: i + 2 for i, n in enumerate(names)})}
     return len(values) == 1
 
 
@@ -142,7 +142,7 @@ def easy_code_rows(count: int, seed: int) -> list[dict[str, Any]]:
         for _ in range(5):
             args = {n: rng.randint(-9, 9) for n in names}
             call = ", ".join(str(args[n]) for n in names)
-            checks.append(f"assert {EASY_ENTRY_POINT}({call}) == {_value(tokens, args)}")
+            checks.append(f"assert {EASY_ENTRY_POINT}({call}) == {expression_value(tokens, args)}")
         tests = "\n".join(checks) + "\n"
         rows.append(code_row(len(rows), stub, EASY_ENTRY_POINT, tests, ""))
     return rows

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from dapo.reward.tasks import RewardFn, Score, get_verifier
+from dapo.reward.tasks.code import CodeConfig, CodeSettings
 
 FIX = (
     "give reward.function as PATH.py:NAME (a Python file and a function in it) or "
@@ -218,8 +219,12 @@ class CustomReward:
 
 
 def make_resolver(
-    function: str = "", fn: Callable[..., Any] | None = None
+    function: str = "", fn: Callable[..., Any] | None = None, code: CodeConfig | None = None
 ) -> Callable[[str], RewardFn]:
     """The reward pool's ``resolve``: the user's function when one is set, else the task
-    registry (each row's verifier)."""
-    return CustomReward(function, fn) if function else get_verifier
+    registry (each row's verifier), with ``code`` rows graded under ``code``'s settings."""
+    if function:
+        return CustomReward(function, fn)
+    if code is not None and not code.is_default():
+        return CodeSettings(code)
+    return get_verifier

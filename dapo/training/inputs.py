@@ -90,8 +90,25 @@ def check_verifiers(cfg: Config, data: RunData) -> None:
     if cfg.reward.function:
         return  # it grades every row, whatever its data_source (check_reward_function)
     sources = {cfg.reward.mode} if cfg.reward.mode else {p.data_source for p in data.train}
-    for source in sorted(sources | ({p.data_source for p in data.val} - {""})):
-        tasks.get_task(cfg.reward.mode or source)
+    names = {tasks.get_task(cfg.reward.mode or source).name for source in sources}
+    names |= {tasks.get_task(p.data_source).name for p in data.val if p.data_source}
+    if "code" in names:
+        check_code_sandbox(cfg)
+
+
+def check_code_sandbox(cfg: Config) -> str:
+    """The sandbox mode ``code`` rows will run in; ValueError naming the fix when this
+    machine has no such mode, or when a program may outlive its grading deadline."""
+    from dapo.reward import sandbox
+
+    if cfg.code.wall_s >= cfg.reward.timeout_s:
+        raise ValueError(
+            f"code.wall_s={cfg.code.wall_s:g} must be below reward.timeout_s="
+            f"{cfg.reward.timeout_s:g}: a program at its limit must still be graded in time"
+        )
+    mode = sandbox.pick_mode(cfg.code.sandbox)
+    print(f"code rows: graded in the {mode} sandbox (code.sandbox={cfg.code.sandbox})")
+    return mode
 
 
 def check_reward_function(cfg: Config, fn: Callable[..., Any] | None = None) -> list[str]:
@@ -103,6 +120,9 @@ def check_reward_function(cfg: Config, fn: Callable[..., Any] | None = None) -> 
         return []
     if fn is None:
         sha = custom.check_spec(spec)
+        target, name = custom.split_spec(spec)
+        if custom.is_path_spec(target):  # the run's config then works from any directory
+            cfg.reward.function = spec = f"{custom.spec_file(spec)}:{name}"
     else:
         custom.check_callable(fn, f"reward_fn={spec}")
         sha = custom.file_sha256(custom.spec_file(spec))

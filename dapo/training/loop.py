@@ -65,7 +65,7 @@ def fit(
         timeout_s=r.timeout_s,
         memory_mb=r.memory_mb,
         batch_timeout_s=r.batch_timeout_s,
-        resolve=make_resolver(r.function, reward_fn),
+        resolve=make_resolver(r.function, reward_fn, cfg.code),
     )
     try:
         run = _Run(state, val_problems, run_dir=run_dir, stream=stream)

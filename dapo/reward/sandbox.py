@@ -1,0 +1,400 @@
+"""Run an untrusted Python program in a fresh, bounded, isolated process (Linux only).
+
+``run_python`` starts one process per call in one of ``MODES`` (``bwrap``: bubblewrap's
+namespaces and a read-only file system; ``unshare``: network and PID namespaces; ``process``:
+none), each with an empty environment, a fresh working directory, ``python -I -S -B`` (the
+standard library only), resource limits, ``no_new_privs``, death with the caller and, when
+the caller is root, a uid of its own, every process of which is killed at the end. An audit
+hook refuses processes, signals, sockets, ctypes and writes outside the working directory:
+defence in depth, not a boundary. docs/guides/code-sandbox.md says what each mode isolates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import math
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+try:
+    import ctypes
+    import resource
+
+    _PRCTL: Callable[..., int] | None = ctypes.CDLL(None, use_errno=True).prctl
+except (ImportError, OSError, AttributeError):  # not Linux: no mode is available
+    resource, _PRCTL = None, None  # type: ignore[assignment]
+
+MODES = ("bwrap", "unshare", "process")
+"""The isolation modes, strongest first; ``auto`` picks the first that works here."""
+UID_BASE = 1 << 29
+"""Runs take uids from here up (no passwd entry): UID_BASE + pid * 64 + a slot."""
+_PROBE_UID = UID_BASE - 1
+_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
+_WORLD_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm")
+_MAX_SOURCE_BYTES = 100_000  # the source travels as one argv string (Linux caps it at 128 KiB)
+_NS = " and allow unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1)"
+_FIX = {"bwrap": "apt-get install bubblewrap" + _NS, "unshare": "apt-get install util-linux" + _NS}
+_FIX["process"] = "run on Linux with a python3 every user may execute (apt-get install python3)"
+
+
+class SandboxUnavailable(ValueError):
+    """This machine cannot run the requested sandbox; the message names the fix."""
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """What one run may use. Each limit ends the run, never the caller."""
+
+    wall_s: float = 5.0
+    """Wall-clock seconds before the run is killed; below reward.timeout_s (10 s by default),
+    so that a run that hits it still answers before the reward pool's own deadline."""
+    cpu_s: float = 4.0
+    """CPU seconds per process (RLIMIT_CPU, rounded up): SIGXCPU, then SIGKILL a second on."""
+    memory_mb: int = 512
+    """Address space of each process (RLIMIT_AS), MiB: a larger allocation is a MemoryError."""
+    processes: int = 32
+    """Processes and threads of the run (RLIMIT_NPROC); enforced only when the caller is root
+    and the run has a uid of its own (otherwise it would count the caller's own tasks)."""
+    output_bytes: int = 64 * 1024
+    """stdout and stderr together: past this the run is killed and ``output_exceeded`` set;
+    no more than this (plus one 64 KiB read) is ever held in memory."""
+    file_bytes: int = 16 * 2**20
+    """Largest file the run may write (RLIMIT_FSIZE)."""
+    open_files: int = 64
+    """Open file descriptors per process (RLIMIT_NOFILE)."""
+    tmp_bytes: int = 64 * 2**20
+    """Size of each private tmpfs of bwrap mode: /tmp (which holds the working directory),
+    /var/tmp and /dev/shm."""
+
+    def __post_init__(self) -> None:
+        for field in fields(self):
+            if not getattr(self, field.name) > 0:
+                raise ValueError(f"SandboxLimits.{field.name} must be > 0")
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """How one run ended: the outermost process's exit status (negative: the signal that killed
+    it; bwrap reports the program's signal as 128 + its number), stdout (at most output_bytes),
+    the last 4 KiB of stderr, whether it was killed at wall_s or for writing past output_bytes,
+    the seconds from its start to the end of its cleanup, and the isolation mode it ran in."""
+
+    returncode: int
+    stdout: bytes
+    stderr: bytes
+    timed_out: bool
+    output_exceeded: bool
+    elapsed_s: float
+    mode: str
+
+
+# Runs in the sandbox's interpreter (any Python >= 3.8) before the program; argv is
+# [-c, SOURCE, AUDIT]. The hook keeps to string work and calls that audit nothing themselves.
+# Refusing to open directories outside the working directory keeps dir_fd tricks out too.
+BOOT = r"""
+import sys
+def _guard(os, root):
+    deny = frozenset(("os.fork", "os.forkpty", "os.exec", "os.posix_spawn", "os.spawn",
+        "os.system", "subprocess.Popen", "os.kill", "os.killpg", "signal.pthread_kill",
+        "socket.__new__", "ctypes.dlopen", "os.symlink", "os.link", "resource.prlimit"))
+    modules = frozenset(("ctypes", "_ctypes", "_posixsubprocess", "socket", "_socket"))
+    paths = {"os.rename": 2, "os.remove": 1, "os.rmdir": 1, "os.mkdir": 1, "os.chmod": 1,
+        "os.chown": 1, "os.truncate": 1, "os.utime": 1, "os.setxattr": 1,
+        "os.removexattr": 1, "os.chflags": 1}
+    writing = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
+    me = str(os.getpid())
+    def where(path):
+        return os.path.normpath(os.path.join(os.getcwd(), os.fsdecode(path)))
+    def inside(path):
+        return not isinstance(path, (str, bytes)) or (where(path) + "/").startswith(root + "/")
+    def hook(event, args):
+        if event in deny:
+            raise PermissionError("sandbox: %s is not allowed" % event)
+        if event == "import" and args[0].partition(".")[0] in modules:
+            raise PermissionError("sandbox: import %s is not allowed" % args[0])
+        if event == "open" and isinstance(args[0], (str, bytes)):
+            parts = where(args[0]).split("/")
+            if len(parts) > 2 and parts[1] == "proc" and parts[2].isdigit() and parts[2] != me:
+                raise PermissionError("sandbox: other processes are not readable")
+            if not inside(args[0]) and ((args[2] or 0) & writing or os.path.isdir(args[0])):
+                raise PermissionError("sandbox: writes outside the working directory")
+        elif event in paths and not all(inside(p) for p in args[: paths[event]]):
+            raise PermissionError("sandbox: %s outside the working directory" % event)
+    sys.addaudithook(hook)
+import os
+_source, _audit = sys.argv[1:3]
+del sys.argv[1:]
+if _audit == "1":
+    _guard(os, os.getcwd())
+exec(compile(_source, "<sandbox>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+"""
+
+
+_SLOTS = itertools.count()
+_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0  # only root can give a run its own uid
+
+
+def _child_setup(limits: SandboxLimits, own_uid: bool) -> Callable[[], None]:
+    """What the child runs between fork and exec, after the uid change."""
+    prctl, parent = _PRCTL, os.getpid()
+    cpu, memory = math.ceil(limits.cpu_s), limits.memory_mb * 2**20
+    settings = [
+        (resource.RLIMIT_CPU, cpu, cpu + 1),
+        (resource.RLIMIT_AS, memory, memory),
+        (resource.RLIMIT_FSIZE, limits.file_bytes, limits.file_bytes),
+        (resource.RLIMIT_NOFILE, limits.open_files, limits.open_files),
+        (resource.RLIMIT_CORE, 0, 0),
+    ]
+    if own_uid:
+        settings.append((resource.RLIMIT_NPROC, limits.processes, limits.processes))
+
+    def setup() -> None:
+        if prctl is not None:
+            prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: die with the caller
+            prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS: setuid binaries grant nothing
+        if os.getppid() != parent:  # the caller died before the signal was armed
+            os._exit(1)
+        for what, soft, hard in settings:  # soft == hard: the program cannot raise them
+            resource.setrlimit(what, (soft, hard))
+
+    return setup
+
+
+def _wrapper(mode: str, limits: SandboxLimits) -> list[str]:
+    """The command line that puts the interpreter in ``mode``'s namespaces."""
+    if mode == "unshare":
+        return [shutil.which("unshare") or "unshare", *_unshare_flags(), "--"]
+    if mode != "bwrap":
+        return []
+    args = [shutil.which("bwrap") or "bwrap", "--unshare-all", "--die-with-parent", "--new-session"]
+    args += ["--clearenv", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
+    for path in _WORLD_WRITABLE:  # --size: bwrap 0.7 and later; older ones fail the probe
+        if os.path.isdir(path):
+            args += ["--perms", "1777", "--size", str(limits.tmp_bytes), "--tmpfs", path]
+    args += ["--dir", "/tmp/work", "--chdir", "/tmp/work"]
+    args += [arg for name, value in _ENV.items() for arg in ("--setenv", name, value)]
+    return [*args, "--"]
+
+
+@functools.cache
+def _unshare_flags() -> tuple[str, ...]:
+    # --map-current-user (util-linux 2.38) keeps the program unprivileged inside; older
+    # versions map to root, a root over nothing but the new namespaces.
+    base = ("--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child", "--mount-proc")
+    for mapping in ("--map-current-user", "--map-root-user"):
+        if _probe(["unshare", "--user", mapping, *base, "--", "true"]):
+            return ("--user", mapping, *base)
+    return ("--user", "--map-root-user", *base)
+
+
+def _probe(command: list[str]) -> bool:
+    """Whether ``command`` succeeds started as runs are (as a run's uid, when root)."""
+    ids = {"user": _PROBE_UID, "group": _PROBE_UID, "extra_groups": []} if _ROOT else {}
+    try:
+        done = subprocess.run(command, capture_output=True, timeout=20, env=_ENV, cwd="/", **ids)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0
+
+
+@functools.cache
+def _interpreter() -> str:
+    """A Python the run's uid may execute (sys.executable may sit in a home only root reads),
+    or "" when there is none."""
+    candidates = [sys.executable, getattr(sys, "_base_executable", ""), "/usr/bin/python3"]
+    candidates.append(shutil.which("python3", path=_ENV["PATH"]) or "")
+    for path in dict.fromkeys(c for c in candidates if c):
+        if _probe([path, "-I", "-S", "-B", "-c", "import json, sys; sys.addaudithook"]):
+            return path
+    return ""
+
+
+@functools.cache
+def _mode_works(mode: str) -> bool:
+    if resource is None or not sys.platform.startswith("linux") or not _interpreter():
+        return False
+    if mode == "process":
+        return True
+    if shutil.which(mode) is None:
+        return False
+    return _probe([*_wrapper(mode, SandboxLimits()), _interpreter(), "-I", "-S", "-c", "pass"])
+
+
+def forget_probes() -> None:
+    """Probe the machine again on the next call (after installing bubblewrap, say)."""
+    for probe in (_mode_works, _interpreter, _unshare_flags):
+        probe.cache_clear()
+
+
+def available_modes() -> tuple[str, ...]:
+    """The modes that work on this machine, strongest first (probed once per process)."""
+    return tuple(mode for mode in MODES if _mode_works(mode))
+
+
+def pick_mode(requested: str = "auto") -> str:
+    """``requested`` if it works here; for ``auto``, the strongest mode that does.
+
+    Raises:
+        ValueError: an unknown mode. SandboxUnavailable (a ValueError) naming the fix: the
+            requested mode, or for ``auto`` every mode, does not work here.
+    """
+    if requested == "auto":
+        for mode in filter(_mode_works, MODES):
+            return mode
+        raise SandboxUnavailable(f"no sandbox mode works here: {_FIX['process']}")
+    if requested not in MODES:
+        raise ValueError(f"sandbox mode must be auto or one of {', '.join(MODES)}: {requested!r}")
+    if not _mode_works(requested):
+        raise SandboxUnavailable(f"sandbox mode {requested} does not work here: {_FIX[requested]}")
+    return requested
+
+
+def _kill_uid(uid: int) -> bool:
+    """SIGKILL each live process of ``uid`` or of an orphaned run; whether there was one."""
+    found = False
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError, IndexError):  # gone meanwhile
+            if not _left(os.stat(f"/proc/{pid}").st_uid, uid):
+                continue
+            # A zombie is dead already, waiting for its parent to reap it.
+            if Path(f"/proc/{pid}/stat").read_bytes().rsplit(b") ", 1)[1][:1] != b"Z":
+                os.kill(int(pid), signal.SIGKILL)
+                found = True
+    return found
+
+
+def _left(owner: int, uid: int) -> bool:
+    # This run's, or an orphan's: a caller killed mid-run leaves files, and in bwrap mode maybe
+    # a process (bwrap arms its init's parent-death signal a moment after starting it).
+    caller = f"/proc/{owner - UID_BASE >> 6}"
+    return owner == uid or owner >= UID_BASE and not os.path.exists(caller)
+
+
+def _clean_up(proc: subprocess.Popen, uid: int | None, workdir: str | None) -> None:
+    """Kill the process group, then every process of the run's uid (a daemon that left the
+    group is still that uid); then remove the working directory and whatever the uid left
+    in the world-writable directories (process and unshare modes share the host's), or any
+    run whose caller died did."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for _ in range(1000 if uid is not None else 0):
+        if not _kill_uid(uid):
+            break
+        time.sleep(0.001)
+    if workdir is not None:
+        if uid is None:  # not root: the program may have taken its own permissions away
+            subprocess.run(["chmod", "-R", "u+rwx", workdir], capture_output=True)  # no links
+        shutil.rmtree(workdir, ignore_errors=True)
+    for top in {*_WORLD_WRITABLE, tempfile.gettempdir()} if uid is not None else ():
+        with contextlib.suppress(OSError), os.scandir(top) as entries:
+            for entry in [e for e in entries if _left(e.stat(follow_symlinks=False).st_uid, uid)]:
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                else:
+                    os.unlink(entry.path)
+
+
+def run_python(
+    source: str,
+    *,
+    stdin: bytes = b"",
+    limits: SandboxLimits = SandboxLimits(),  # noqa: B008 - frozen, so safely shared
+    mode: str = "auto",
+    audit: bool = True,
+) -> RunResult:
+    """Run ``source`` as a program in a fresh sandboxed process; wait for its end.
+
+    ``stdin`` is its standard input. However the run ends, nothing of it is left: its
+    processes are killed and its working directory removed. ``audit=False`` leaves out the
+    audit hook, to test the layers under it.
+
+    Raises:
+        ValueError: a source over 100,000 bytes or holding NUL; an unknown mode.
+        SandboxUnavailable: the mode does not work here (the message names the fix).
+        OSError: the process could not start (the machine is out of processes or memory).
+    """
+    mode = pick_mode(mode)
+    if "\0" in source or len(source.encode("utf-8", "surrogatepass")) > _MAX_SOURCE_BYTES:
+        raise ValueError(f"source must be under {_MAX_SOURCE_BYTES} bytes, without NUL")
+    # A uid unique on the machine: pids are (pid_max <= 2**22), a process runs at most 64 at
+    # a time, and next() of a count is atomic.
+    uid = UID_BASE + (os.getpid() << 6) + next(_SLOTS) % 64 if _ROOT else None
+    options = {"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}
+    if uid is not None:
+        _kill_uid(uid)  # a process left by an earlier owner of this uid (a killed caller)
+    command = [*_wrapper(mode, limits), _interpreter(), "-I", "-S", "-B", "-c", BOOT, source]
+    command.append("1" if audit else "0")
+    workdir = None if mode == "bwrap" else tempfile.mkdtemp(prefix="dapo-sandbox-")
+    start = time.monotonic()
+    # stdin from an unnamed file, not a pipe: nothing to feed while reading the output.
+    with tempfile.TemporaryFile() as feed:
+        feed.write(stdin)
+        feed.seek(0)
+        try:
+            if workdir is not None and uid is not None:
+                os.chown(workdir, uid, uid)
+            proc = subprocess.Popen(
+                command, stdin=feed, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                cwd=workdir or "/", env=_ENV, start_new_session=True,
+                preexec_fn=_child_setup(limits, uid is not None), **options,
+            )  # fmt: skip
+        except BaseException:
+            if workdir is not None:
+                shutil.rmtree(workdir, ignore_errors=True)
+            raise
+    with proc:
+        out, err, timed_out, exceeded = _watch(proc, limits, uid, workdir)
+    elapsed = time.monotonic() - start
+    return RunResult(proc.returncode, out, err, timed_out, exceeded, elapsed, mode)
+
+
+def _watch(
+    proc: subprocess.Popen, limits: SandboxLimits, uid: int | None, workdir: str | None
+) -> tuple[bytes, bytes, bool, bool]:
+    """Read ``proc``'s output until it ends, overruns ``wall_s`` or writes more than
+    ``output_bytes``; clean up everything of the run; read what is left (at most 1 s)."""
+    buffers = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
+    out, err = buffers.values()
+    total, timed_out, cleaned = 0, False, False
+    deadline = time.monotonic() + limits.wall_s
+    with selectors.DefaultSelector() as selector:
+        for fd in buffers:
+            selector.register(fd, selectors.EVENT_READ)
+        try:
+            while (selector.get_map() or not cleaned) and total <= limits.output_bytes:
+                now = time.monotonic()
+                if not cleaned and (proc.poll() is not None or now >= deadline):
+                    # Ended, or out of time: whatever still holds the pipes dies now.
+                    timed_out, cleaned = proc.returncode is None, True
+                    _clean_up(proc, uid, workdir)
+                    deadline = now + 1.0
+                elif cleaned and now >= deadline:
+                    break
+                if not selector.get_map():  # the pipes are closed: only the exit is left
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        proc.wait(max(0.0, deadline - now))
+                    continue
+                # The pipes' end of file wakes this at once when the program exits.
+                for key, _ in selector.select(min(deadline - now, 0.05)):
+                    chunk = os.read(key.fd, 65536)
+                    if not chunk:
+                        selector.unregister(key.fd)
+                    total += len(chunk)
+                    buffers[key.fd].extend(chunk)
+                    del err[:-4096]  # stderr: only its tail
+        finally:
+            if not cleaned:
+                _clean_up(proc, uid, workdir)
+    return bytes(out[: limits.output_bytes]), bytes(err), timed_out, total > limits.output_bytes

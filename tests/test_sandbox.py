@@ -1,0 +1,369 @@
+"""The sandbox (dapo.reward.sandbox): limits, cleanup, and what each isolation mode blocks.
+
+Every test of a mode runs in each mode available here and is skipped where a mode is not
+(CI without bubblewrap); ``process`` mode works on every Linux machine. The hostile programs
+run with the audit hook off where a test checks a claim about the layer under it (the
+namespaces, the uid, the limits), and with it on where the claim is the hook's.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import tracemalloc
+from pathlib import Path
+
+import pytest
+
+from dapo.reward.sandbox import (
+    MODES,
+    UID_BASE,
+    SandboxLimits,
+    SandboxUnavailable,
+    available_modes,
+    forget_probes,
+    pick_mode,
+    run_python,
+)
+
+HERE = available_modes()
+ROOT = os.geteuid() == 0
+FAST = SandboxLimits(wall_s=1.0, cpu_s=2.0)  # the wall clock, not the CPU limit, ends a loop
+MARGIN_S = 1.5  # start, cleanup and a loaded 2-core machine, on top of wall_s
+
+
+def every_mode(*, root: tuple[str, ...] = ()) -> list:
+    """Each mode as a parameter, skipped where it does not work here, or (the modes in
+    ``root``) where the claim needs a uid of its own and we are not root."""
+    params = []
+    for mode in MODES:
+        marks = [pytest.mark.skipif(mode not in HERE, reason=f"{mode} mode does not work here")]
+        if mode in root:
+            marks.append(pytest.mark.skipif(not ROOT, reason="needs root (a uid per run)"))
+        params.append(pytest.param(mode, marks=marks))
+    return params
+
+
+def leftovers(marker: str) -> list[int]:
+    """Live processes of a sandbox: their command line holds ``marker``, or (root) their uid
+    is one of the runs this process started (another test session may be running its own)."""
+    ours = range(UID_BASE + (os.getpid() << 6), UID_BASE + (os.getpid() + 1 << 6))
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b") ", 1)[1]
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            owner = os.stat(f"/proc/{pid}").st_uid
+        except (OSError, IndexError):
+            continue
+        if stat[:1] != b"Z" and (marker.encode() in cmdline or owner in ours):
+            found.append(int(pid))
+    return found
+
+
+class Trap:
+    """What the hostile programs aim at, and how to tell whether one got through."""
+
+    def __init__(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.marker = f"dapo-hostile-{secrets.token_hex(6)}"
+        self.secret = f"secret-{secrets.token_hex(8)}"
+        monkeypatch.setenv("DAPO_TEST_SECRET", self.secret)
+        roots = ("/tmp", "/var/tmp", "/dev/shm", str(tmp_path))
+        self.outside = [Path(root) / self.marker for root in roots if os.path.isdir(root)]
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.server.settimeout(0.2)
+        self.port = self.server.getsockname()[1]
+        self.victim = subprocess.Popen(["sleep", "60"])
+
+    def programs(self) -> dict[str, str]:
+        """Each hostile program's source, by name."""
+        victims = (os.getpid(), self.victim.pid)
+        return {
+            "infinite loop": "while True:\n    pass\n",
+            "fork bomb": f"import os, time  # {self.marker}\nn = 0\nfor _ in range(300):\n"
+            "    try:\n        if os.fork() == 0:\n            time.sleep(30)\n"
+            "            os._exit(0)\n        n += 1\n    except OSError:\n        break\n"
+            "print('forked', n)\n",
+            "8 GB allocation": "x = bytearray(8 * 2**30)\nprint('allocated')\n",
+            "write outside": f"for path in {[str(p) for p in self.outside]!r}:\n"
+            "    try:\n        open(path, 'w').write('x')\n    except OSError as e:\n"
+            "        print(path, e)\n",
+            "socket": f"import socket\nsocket.create_connection(('127.0.0.1', {self.port}), 1)\n",
+            "environment": "import os\nprint(dict(os.environ))\nfor pid in os.listdir('/proc'):\n"
+            "    try:\n        print(open('/proc/%s/environ' % pid, 'rb').read())\n"
+            "    except Exception:\n        pass\n",
+            "kill the parent": f"import os\nfor pid in (os.getppid(), 1, *{victims!r}):\n"
+            "    try:\n        os.kill(pid, 9)\n    except Exception as e:\n"
+            "        print(pid, e)\n",
+            "daemon": f"import os, subprocess, time\ntry:\n    subprocess.Popen(['/bin/sh', '-c',"
+            f" 'sleep 30; : {self.marker}'], start_new_session=True)\nexcept Exception:\n"
+            "    pass\nif os.fork() == 0:\n    os.setsid()\n"
+            f"    time.sleep(30)  # {self.marker}\nprint('left a daemon')\n",
+            "1 GB of output": "import sys\nchunk = b'x' * 2**20\nfor _ in range(1024):\n"
+            "    sys.stdout.buffer.write(chunk)\n",
+        }
+
+    def escaped(self, output: bytes = b"") -> list[str]:
+        """Everything that got out: files, a connection, a dead victim, live processes, the
+        secret in ``output``; empty when nothing did."""
+        found = [f"created {p}" for p in self.outside if p.exists()]
+        try:
+            self.server.accept()[0].close()
+            found.append("connected to the test server")
+        except TimeoutError:
+            pass
+        if self.victim.poll() is not None:
+            found.append("killed the victim process")
+        found += [f"left process {pid}" for pid in leftovers(self.marker)]
+        if self.secret.encode() in output:
+            found.append("read the test process's environment")
+        return found
+
+    def close(self) -> None:
+        self.server.close()
+        self.victim.kill()
+        self.victim.wait()
+        for path in self.outside:
+            path.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def trap(tmp_path, monkeypatch):
+    trap = Trap(tmp_path, monkeypatch)
+    yield trap
+    trap.close()
+
+
+# --- modes -----------------------------------------------------------------------------------
+
+
+def test_process_mode_works_everywhere_and_auto_is_the_strongest():
+    assert "process" in HERE
+    assert HERE == tuple(m for m in MODES if m in HERE)
+    assert pick_mode() == pick_mode("auto") == HERE[0]
+    assert run_python("print(6 * 7)").mode == HERE[0]
+
+
+def test_an_unavailable_mode_is_refused_naming_the_fix(monkeypatch, tmp_path):
+    with pytest.raises(ValueError, match="must be auto or one of bwrap, unshare, process"):
+        pick_mode("docker")
+    monkeypatch.setenv("PATH", str(tmp_path))  # neither bwrap nor unshare can be found
+    forget_probes()
+    try:
+        assert available_modes() == ("process",)
+        with pytest.raises(SandboxUnavailable, match=r"apt-get install bubblewrap"):
+            pick_mode("bwrap")
+        with pytest.raises(SandboxUnavailable, match=r"apt-get install util-linux"):
+            run_python("pass", mode="unshare")
+        assert pick_mode() == "process"
+    finally:
+        monkeypatch.undo()
+        forget_probes()
+    assert available_modes() == HERE
+
+
+def test_limits_must_be_positive():
+    with pytest.raises(ValueError, match="SandboxLimits.memory_mb must be > 0"):
+        SandboxLimits(memory_mb=0)
+    with pytest.raises(ValueError, match="under 100000 bytes, without NUL"):
+        run_python("x = 1\0")
+    with pytest.raises(ValueError, match="under 100000 bytes"):
+        run_python("#" * 100_001)
+
+
+# --- every run ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", every_mode())
+def test_a_run_is_fresh_isolated_python_and_leaves_nothing(mode, trap):
+    program = (
+        "import os, sys\nprint(sys.stdin.read().upper())\nprint(os.getcwd())\n"
+        "print(sorted(os.environ))\nprint(sys.flags.isolated, sys.flags.no_site)\n"
+        "open('note.txt', 'w').write('mine')\nprint(sorted(os.listdir('.')))\n"
+        "try:\n    import pytest\nexcept ImportError:\n    print('no site-packages')\n"
+        "print(open('/proc/self/status').read().count('NoNewPrivs:\\t1'))\n"
+        "sys.stderr.write('to stderr')\nsys.exit(3)\n"
+    )
+    result = run_python(program, stdin=b"hello", mode=mode, limits=FAST)
+    lines = result.stdout.decode().splitlines()
+    assert (result.returncode, result.mode, result.timed_out) == (3, mode, False)
+    assert lines[0] == "HELLO" and lines[4] == "['note.txt']" and lines[5] == "no site-packages"
+    assert set(eval(lines[2])) <= {"PATH", "LANG", "PWD", "LC_CTYPE"}  # nothing of ours
+    assert lines[3] == "1 1"  # -I -S: isolated, no site
+    assert lines[6] == "1"  # no_new_privs: a setuid binary would run with our uid
+    assert result.stderr == b"to stderr"
+    assert not os.path.exists(os.path.join(lines[1], "note.txt"))  # removed (or never here)
+    assert trap.escaped(result.stdout) == []
+
+
+@pytest.mark.parametrize("mode", every_mode(root=MODES))
+def test_each_run_has_a_uid_of_its_own(mode):
+    uids = [int(run_python("import os; print(os.getuid())", mode=mode).stdout) for _ in "ab"]
+    assert uids[0] != uids[1] and min(uids) >= UID_BASE
+
+
+@pytest.mark.parametrize("mode", every_mode())
+def test_the_limits_end_the_run_not_the_caller(mode):
+    limits = SandboxLimits(wall_s=2.0, memory_mb=256, file_bytes=2**20, open_files=32)
+    big_file = "import os\nfd = os.open('big', os.O_WRONLY | os.O_CREAT)\n"
+    big_file += "print(os.write(fd, b'x' * (2**20 + 1)))\nos.write(fd, b'x')\n"
+    result = run_python(big_file, mode=mode, limits=limits)
+    assert result.stdout == b"1048576\n" and result.returncode == 1  # cut at file_bytes
+    assert result.stderr.endswith(b"OSError: [Errno 27] File too large\n")
+    files = "fs = []\ntry:\n    while True:\n        fs.append(open('/dev/null'))\n"
+    result = run_python(files + "except OSError as e:\n    print(e.errno, len(fs))\n", mode=mode)
+    errno, opened = result.stdout.split()
+    assert errno == b"24" and 50 < int(opened) < 64  # EMFILE at open_files (64)
+    result = run_python("x = bytearray(300 * 2**20)\n", mode=mode, limits=limits)
+    assert result.returncode == 1 and result.stderr.endswith(b"MemoryError\n")
+    start = time.monotonic()  # a CPU-bound loop ends at cpu_s, before wall_s
+    result = run_python("while True:\n    pass\n", mode=mode, limits=SandboxLimits(cpu_s=1))
+    assert result.returncode != 0 and not result.timed_out
+    assert time.monotonic() - start < 1 + MARGIN_S
+
+
+@pytest.mark.parametrize("mode", every_mode(root=MODES))
+def test_threads_and_processes_are_counted_together(mode):
+    program = (
+        "import threading, time\nn = 0\ntry:\n    for _ in range(100):\n"
+        "        threading.Thread(target=time.sleep, args=(5,), daemon=True).start()\n"
+        "        n += 1\nexcept RuntimeError:\n    pass\nprint(n)\n"
+    )
+    result = run_python(program, mode=mode, limits=SandboxLimits(processes=8))
+    assert 0 < int(result.stdout) < 8, result
+
+
+# --- hostile programs, the layers under the audit hook ------------------------------------------
+
+BOUND_S = FAST.wall_s + MARGIN_S
+# (program, the modes whose layers under the hook block it on their own, as root)
+OS_LAYER = {
+    "infinite loop": MODES,
+    "fork bomb": MODES,
+    "8 GB allocation": MODES,
+    "write outside": MODES,
+    "socket": ("bwrap", "unshare"),
+    "environment": MODES,
+    "kill the parent": MODES,
+    "daemon": MODES,
+    "1 GB of output": MODES,
+}
+NEEDS_ROOT = {  # the modes whose claim rests on the run's own uid (file permissions, signals)
+    "write outside": ("unshare", "process"),
+    "environment": ("process",),
+    "kill the parent": ("process",),
+    "fork bomb": MODES,
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "mode"),
+    [
+        pytest.param(name, p.values[0], marks=p.marks, id=f"{name}-{p.values[0]}")
+        for name, modes in OS_LAYER.items()
+        for p in every_mode(root=NEEDS_ROOT.get(name, ()))
+        if p.values[0] in modes
+    ],
+)
+def test_the_layers_under_the_hook_contain_a_hostile_program(name, mode, trap):
+    tracemalloc.start()
+    result = run_python(trap.programs()[name], mode=mode, limits=FAST, audit=False)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert result.elapsed_s < BOUND_S, result
+    assert trap.escaped(result.stdout + result.stderr) == [], result
+    assert peak < FAST.output_bytes + 2**20  # 1 GB of output never sat in our memory
+    if name == "fork bomb":
+        assert 0 < int(result.stdout.split()[-1]) < FAST.processes
+    if name == "8 GB allocation":
+        assert b"MemoryError" in result.stderr and b"allocated" not in result.stdout
+    if name == "1 GB of output":
+        assert result.output_exceeded and len(result.stdout) == FAST.output_bytes
+    if name == "infinite loop":
+        assert result.timed_out
+
+
+def test_process_mode_alone_lets_a_socket_through(trap):
+    # The honest row of the table: without the hook, process mode has the host's network.
+    result = run_python(trap.programs()["socket"], mode="process", limits=FAST, audit=False)
+    assert result.returncode == 0 and trap.escaped() == ["connected to the test server"]
+
+
+# --- the audit hook ----------------------------------------------------------------------------
+
+REFUSED = {
+    "import socket": "import socket is not allowed",
+    "import subprocess; subprocess.run(['true'])": "import _posixsubprocess is not allowed",
+    "import os; os.fork()": "os.fork is not allowed",
+    "import os; os.system('true')": "os.system is not allowed",
+    "import os; os.kill(os.getpid(), 0)": "os.kill is not allowed",
+    "import ctypes": "import ctypes is not allowed",
+    "import os; os.symlink('/etc', 'etc')": "os.symlink is not allowed",
+    "open('/var/tmp/x', 'w')": "writes outside the working directory",
+    "import os; os.open('/var/tmp', os.O_RDONLY)": "writes outside the working directory",
+    "import os; os.mkdir('../escape')": "os.mkdir outside the working directory",
+    "import os; open(f'/proc/{os.getpid() + 1}/environ')": "other processes are not readable",
+}
+
+
+@pytest.mark.parametrize("mode", every_mode())
+def test_the_audit_hook_refuses_what_it_lists_and_allows_the_rest(mode):
+    for program, message in REFUSED.items():
+        result = run_python(program, mode=mode, limits=FAST)
+        assert result.returncode == 1 and message.encode() in result.stderr, program
+    allowed = (
+        "import json, os, threading\nos.mkdir('d')\nwith open('d/a', 'w') as f:\n"
+        "    f.write(json.dumps([1]))\nos.rename('d/a', 'b')\n"
+        "print(open('b').read(), open('/proc/self/status').read()[:4], os.listdir('/usr'))\n"
+    )
+    result = run_python(allowed, mode=mode, limits=FAST)
+    assert result.returncode == 0 and result.stdout.startswith(b"[1] Name ['"), result
+
+
+# --- the sandbox dies with its caller ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", every_mode())
+def test_a_killed_caller_takes_its_sandbox_with_it(mode):
+    marker = f"dapo-orphan-{secrets.token_hex(6)}"
+    caller = (
+        "from dapo.reward.sandbox import SandboxLimits, run_python\n"
+        f"run_python('import time\\ntime.sleep(30)  # {marker}', mode={mode!r},"
+        " limits=SandboxLimits(wall_s=30, cpu_s=30))\n"
+    )
+    tree = {"bwrap": 4, "unshare": 3, "process": 2}[mode]  # the caller, wrappers, the program
+    process = subprocess.Popen([sys.executable, "-c", caller], cwd=Path(__file__).parents[1])
+    try:
+        deadline = time.monotonic() + 10
+        while len(leftovers(marker)) < tree and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(leftovers(marker)) == tree
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+    deadline = time.monotonic() + 2
+    while leftovers(marker) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert leftovers(marker) == []
+
+
+@pytest.mark.skipif(not ROOT, reason="needs root (a uid per run)")
+def test_the_next_run_ends_what_a_killed_caller_left():
+    # bwrap arms its init's parent-death signal a moment after starting it: a caller killed
+    # in that moment leaves the sandbox running until the next run on the machine sweeps it.
+    marker = f"dapo-orphan-{secrets.token_hex(6)}"
+    orphan_uid = UID_BASE + (2**22 << 6)  # a caller pid above pid_max: never alive
+    options = {"user": orphan_uid, "group": orphan_uid, "extra_groups": []}
+    orphan = subprocess.Popen(["/bin/sh", "-c", f"sleep 30; : {marker}"], **options)
+    try:
+        assert leftovers(marker) == [orphan.pid]
+        assert run_python("pass").returncode == 0
+        assert orphan.wait(timeout=2) == -signal.SIGKILL and leftovers(marker) == []
+    finally:
+        orphan.kill()
+        orphan.wait()
