@@ -133,3 +133,70 @@ def test_dapo_train_on_code_rows_refuses_what_cannot_grade_before_the_model_load
         monkeypatch.undo()
         sandbox.forget_probes()
     assert not (tmp_path / "runs").exists() and not any(tmp_path.glob("dapo-*"))
+
+
+# --- a training run whose responses are hostile programs --------------------------------------
+
+ADD_TRUTH = json.dumps({"entry_point": "add", "tests": "assert add(2, 3) == 5\n"})
+HOSTILE_PROGRAMS = [
+    "import os\nwhile True:\n    os.fork()",  # a fork bomb
+    "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)",  # kill the grader
+    "import os\nif os.fork() == 0:\n    os.setsid()\n    import time\n    time.sleep(600)",
+    "import sys\nsys.exit(0)",  # exits 0 before the tests
+    "x = ' ' * (8 * 2**30)",  # 8 GB
+    "print('y' * 10**9)",  # 1 GB of output
+    "def add(a, b):\n    return 0",  # wrong
+    "def add(a, b):\n    return a + b",  # right
+]
+
+
+def test_a_run_whose_responses_are_hostile_programs_keeps_training(
+    tmp_path, tiny_model, tokenizer, monkeypatch
+):
+    import dataclasses
+    import os
+
+    from helpers import setup_run
+
+    from dapo.training import loop
+    from dapo.training import step as trainer
+
+    overrides = ["train.steps=2", "reward.workers=1", "eval.num_samples=1"]
+    cfg, train, val, run_dir, _ = setup_run(tmp_path, tiny_model, *overrides)
+    code = lambda ps: [dataclasses.replace(p, answer=ADD_TRUTH, data_source="code") for p in ps]  # noqa: E731
+    real_make_engine = trainer.make_engine
+
+    class HostileTexts:
+        """The tiny model's tokens (trained on), graded as if it had written these programs."""
+
+        exact_logprobs = True
+
+        def __init__(self, *args):
+            self.inner = real_make_engine("dapo", *args)
+
+        def generate(self, prompts, **kwargs):
+            rollout = self.inner.generate(prompts, **kwargs)
+            texts = [
+                f"```python\n{HOSTILE_PROGRAMS[i % 8]}\n```" for i in range(len(rollout.texts))
+            ]
+            return dataclasses.replace(rollout, texts=texts)
+
+        def sync_weights(self, model):
+            self.inner.sync_weights(model)
+
+    monkeypatch.setattr(trainer, "make_engine", lambda _name, *args, **_: HostileTexts(*args))
+    summary = loop.fit(
+        cfg,
+        tiny_model,
+        tokenizer,
+        code(train),
+        code(val),
+        run_dir=run_dir,
+        stream=open(os.devnull, "w"),
+    )
+    assert summary["steps"] == 2
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # 2 prompts x 4 responses a step: the programs of slots 0-3 and 4-7 of HOSTILE_PROGRAMS;
+    # only the last one is right, and no program is a fault of the pool.
+    assert [x["rollout/accuracy"] for x in lines[1:]] == [0.125, 0.125]
+    assert [x["reward/faults"] for x in lines[1:]] == [0.0, 0.0]
