@@ -1,6 +1,7 @@
 """A short real run through the command line: warm-up, rollouts, updates, evaluation, saving."""
 
 import json
+import logging
 import re
 
 import pytest
@@ -122,23 +123,70 @@ def test_config_error_exits_2_naming_the_field(capsys):
     assert "optim.lr must be > 0" in capsys.readouterr().err
 
 
+class _Records(logging.Handler):
+    """Every record transformers logs, whatever its handlers and their streams."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 @pytest.mark.parametrize("engine", ["dapo", "hf"])
-def test_no_deprecated_transformers_api_with_either_engine(tmp_path, cache_dir, engine, capsys):
+def test_no_deprecated_transformers_api_with_either_engine(tmp_path, cache_dir, engine, capfd):
     # transformers renamed past_key_values to cache (5.2x) and will remove the old name: a run
     # that warns today breaks at that upgrade. Every warning of the run is recorded.
     import warnings
 
+    # transformers logs each deprecation once per process: forget what earlier tests logged.
+    logging.Logger.warning_once.cache_clear()
     args = ["train", f"embedded.cache_dir={cache_dir}", f"run.out_dir={tmp_path}", "run.name=r"]
     args += [*SMALL, "train.steps=1", f"rollout.engine={engine}"]
     args += ["train.recompute_old_logprobs=true"] if engine == "hf" else []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert main(args) == 0
+    records = _Records()
+    logging.getLogger("transformers").addHandler(records)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert main(args) == 0
+    finally:
+        logging.getLogger("transformers").removeHandler(records)
+    assert not [m for m in records.messages if "deprecated" in m]
     deprecations = [
         str(w.message)
         for w in caught
         if issubclass(w.category, (FutureWarning, DeprecationWarning))
     ]
     assert deprecations == []
-    printed = capsys.readouterr()  # transformers' logger says "... are deprecated. Use ..."
+    # transformers' logger says "... are deprecated. Use ..." on the stderr it found at import.
+    printed = capfd.readouterr()
     assert not re.search(r"(is|are) deprecated", printed.out + printed.err)
+
+
+def test_a_pass_without_a_cache_asks_for_no_deprecated_name():
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from dapo.models.logprobs import returned_cache
+
+    config = Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    decoder = Qwen2ForCausalLM(config).get_decoder()
+    ids = torch.arange(5).unsqueeze(0)
+    logger, records = logging.getLogger("transformers"), _Records()
+    logging.Logger.warning_once.cache_clear()  # logged once per process: forget earlier tests
+    logger.addHandler(records)
+    try:
+        assert returned_cache(decoder(input_ids=ids, use_cache=False)) is None
+        assert returned_cache(decoder(input_ids=ids, use_cache=True)) is not None
+    finally:
+        logger.removeHandler(records)
+    assert not [m for m in records.messages if "deprecated" in m]

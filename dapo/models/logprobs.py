@@ -64,8 +64,14 @@ def cache_argument(module: torch.nn.Module, cache: Any) -> dict[str, Any]:
 
 
 def returned_cache(out: Any) -> Any:
-    """The KV cache a forward returned, under either name."""
-    return out["cache"] if "cache" in out else out.get("past_key_values")
+    """The KV cache a forward returned, under either name; None when it returned none.
+    Looked up among the keys the output really has: asking the output itself for
+    ``past_key_values`` (``in``, ``get``) makes transformers 5.2x log that it is deprecated."""
+    keys = out.keys()
+    for name in ("cache", "past_key_values"):
+        if name in keys:
+            return out[name]
+    return None
 
 
 def _forward(model, head: torch.Tensor | None, *, keep: int, cache: Any = None, **kwargs):

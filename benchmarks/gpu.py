@@ -1,0 +1,625 @@
+"""Measure a GPU: a bf16 training step, decoding, the chunked head, a one-rank FSDP step.
+
+    python benchmarks/gpu.py                       # on CUDA: Qwen2.5-0.5B and 1.5B shapes
+    python benchmarks/gpu.py --shapes qwen2.5-0.5b --steps 10 --json
+    python benchmarks/gpu.py --tiny --json         # any machine: the same code, tiny sizes
+
+Random weights of the shapes in ``dapo.training.memory_plan.KNOWN_SHAPES`` (a transformers
+``Qwen2Config`` with their fields; nothing is downloaded). Without CUDA, or with ``--tiny``,
+the same code runs a tiny Qwen2 (hidden 64, 2 layers, vocabulary 512) in seconds, so CI keeps
+it working (``tests/test_gpu_bench.py``). Per shape:
+
+1. **matmul peak** (once): the best of a few timed batches of square matmuls in the compute
+   dtype (bf16 on CUDA, float32 on a CPU): the denominator of MFU.
+2. **train**: ``dapo.training.update.minibatch_update`` (the DAPO loss over the micro-batches,
+   backward, gradient clipping, AdamW) on a fixed synthetic mini-batch: float32 master weights
+   under bf16 autocast on CUDA (float32 on a CPU), every row a distinct prompt (nothing shared)
+   and a response of the same length; pi_old comes from one untimed forward pass plus noise
+   (so that ratios differ from 1). One untimed step, then ``--steps`` timed ones (median).
+   tokens/s counts prompt and response tokens. MFU = model FLOPs per step / step time / peak,
+   model FLOPs = 6 N_layers S + 6 V H R + 6 L q S_row^2 summed over rows: the decoder layers'
+   weights over every position S, the output head (V x H) over the R response positions it
+   runs on, and causal attention (q = heads x head_dim); no recompute counted. Peak memory is
+   ``torch.cuda.max_memory_allocated`` over the timed steps, beside the memory plan's training
+   peak for the same settings (``settings_from_config``, ``plan_memory``); null on a CPU.
+3. **decode**: the native engine (``make_engine("dapo", ...)``) drawing 64 rows (4 prompts x
+   16) of 1,024 new tokens, EOS ignored; tokens/s after an untimed short warm-up. The prompts
+   come from the demo tokenizer (a small vocabulary: the model's 152k-row head still runs).
+4. **head**: the log-prob pass, forward and backward, over 16,384 response positions at the
+   shape's hidden size and vocabulary: ``token_logprobs_from_hidden`` (chunked) against the
+   full logits and ``token_logprobs_from_logits``; peak memory above the inputs (on CUDA the
+   allocator's; on a Linux CPU the rise of the resident high-water mark, reset through
+   ``/proc/self/clear_refs``), and the largest log-prob gap between the two.
+5. **fsdp**: a process group of one rank (NCCL for CUDA, gloo on a CPU), the model sharded by
+   ``dapo.dist.fsdp`` through ``build_state``, two steps on the same mini-batch; the first
+   step's loss and gradient norm beside the one-process step's from the same weights.
+
+``--json`` makes the last line of stdout one JSON object with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import transformers
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from dapo import dist
+from dapo.algo import token_logprobs_from_hidden, token_logprobs_from_logits
+from dapo.config import Config, load_config
+from dapo.data.batch import Episode
+from dapo.data.problems import Problem
+from dapo.dist import fsdp
+from dapo.models.demo import build_tokenizer
+from dapo.models.policy import DTYPES, compute_device
+from dapo.rollout import make_engine
+from dapo.training.memory_plan import (
+    DTYPE_BYTES,
+    KNOWN_SHAPES,
+    ModelShape,
+    PlanSettings,
+    kv_cache_bytes,
+    output_head_bytes,
+    plan_memory,
+    settings_from_config,
+)
+from dapo.training.step import TrainState, build_state
+from dapo.training.update import fill_logprobs, minibatch_update
+
+MIB = 2**20
+DEFAULT_SHAPES = ("qwen2.5-0.5b", "qwen2.5-1.5b")
+HOST = torch.device("cpu")
+"""Episodes live in host memory, as in a run: collate moves each micro-batch to the device."""
+TINY_FIELDS: dict[str, Any] = {
+    "model_type": "qwen2",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "tie_word_embeddings": True,
+}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How much work each section does."""
+
+    rows: int  # responses of the training mini-batch
+    prompt: int  # tokens of each training prompt
+    response: int  # tokens of each training response
+    microbatch_tokens: int  # train.tokens_per_microbatch
+    decode_prompts: int
+    decode_group: int  # responses per decoding prompt
+    decode_prompt: int  # tokens of each decoding prompt
+    decode_new: int  # new tokens per decoded row
+    head_tokens: int
+    head_chunk: int | None  # positions per chunk of the head; None: the project's default
+    matmul_n: int
+
+
+REAL = Sizes(16, 256, 768, 8192, 4, 16, 256, 1024, 16384, None, 8192)
+# The tiny head keeps 16k positions but a chunk of 512 (1/32 of them, as the default's 441
+# positions are of 16k at a 152k vocabulary): the default would be one chunk at V = 512.
+TINY = Sizes(4, 16, 48, 128, 2, 4, 16, 32, 16384, 512, 512)
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _proc_status(field: str) -> int | None:
+    """A ``/proc/self/status`` memory field in bytes, or None off Linux."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def reset_peak(device: torch.device) -> int | None:
+    """Start a peak-memory window; the bytes in use now (None where it cannot be measured)."""
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device)
+    try:  # "5" resets the resident high-water mark to the current resident size (Linux)
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+    except OSError:
+        return None
+    return _proc_status("VmRSS")
+
+
+def read_peak(device: torch.device) -> int | None:
+    """The peak bytes of the window :func:`reset_peak` started."""
+    sync(device)
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return _proc_status("VmHWM")
+
+
+def mib(n: float | None) -> float | None:
+    return None if n is None else round(n / MIB, 1)
+
+
+def matmul_peak(
+    device: torch.device, dtype: torch.dtype, n: int, *, batches: int = 3, reps: int = 10
+) -> dict:
+    """FLOP/s of ``n x n`` matmuls in ``dtype``: the best of ``batches`` timed batches."""
+    g = torch.Generator(device).manual_seed(0)
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=g)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=g)
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    torch.matmul(a, b, out=out)  # the first call picks and loads its kernel
+    best = float("inf")
+    for _ in range(batches):
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            torch.matmul(a, b, out=out)
+        sync(device)
+        best = min(best, (time.perf_counter() - t0) / reps)
+    flops = 2 * n**3 / best
+    return {"dtype": str(dtype).removeprefix("torch."), "n": n, "tflops": flops / 1e12}
+
+
+def build_model(fields: dict[str, Any], tokenizer: Any, device: torch.device) -> torch.nn.Module:
+    """A Qwen2 of ``fields`` with random float32 weights (seed 0), made on ``device``."""
+    config = Qwen2Config(
+        **{k: v for k, v in fields.items() if k != "model_type"},
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    with device:  # made there: a 1.5B model's init on the CPU and a copy would take minutes
+        return Qwen2ForCausalLM(config)
+
+
+def run_config(sizes: Sizes, compute: str) -> Config:
+    """The run settings the training step reads (and the memory plan plans from)."""
+    return load_config(
+        None,
+        [
+            f"model.compute_dtype={compute}",
+            "model.param_dtype=float32",
+            "train.recompute_old_logprobs=true",  # required in bf16; the steps never read it
+            f"rollout.max_new_tokens={sizes.response}",
+            f"algo.l_cache={max(1, sizes.response // 4)}",
+            f"train.responses_per_minibatch={sizes.rows}",
+            f"train.tokens_per_microbatch={sizes.microbatch_tokens}",
+            "optim.lr=1e-6",
+            "optim.warmup_steps=0",
+            "reward.workers=0",
+        ],
+    )
+
+
+def train_state(cfg: Config, model: torch.nn.Module, tok: Any, device: torch.device) -> TrainState:
+    """The trainer's state around ``model`` (sharded when a process group is active)."""
+    problem = Problem(uid="bench", messages=({"role": "user", "content": "1 + 1"},), answer="2")
+    return build_state(cfg, model, tok, [problem], device)
+
+
+def synthetic_episodes(sizes: Sizes, vocab: int) -> list[Episode]:
+    """``rows`` responses of random tokens, each after its own random prompt (nothing shared,
+    so the FLOPs are those of the formula), with advantages drawn from N(0, 1)."""
+    g = torch.Generator(HOST).manual_seed(1)
+    out = []
+    for _ in range(sizes.rows):
+        prompt = torch.randint(3, vocab, (sizes.prompt,), generator=g, device=HOST)
+        response = torch.randint(3, vocab, (sizes.response,), generator=g, device=HOST)
+        advantage = float(torch.randn((), generator=g, device=HOST))
+        out.append(
+            Episode(
+                prompt_ids=prompt,
+                response_ids=response,
+                sampler_logprobs=torch.zeros(sizes.response, device=HOST),
+                truncated=False,
+                correct=advantage > 0,
+                reward=advantage,
+                advantage=advantage,
+            )
+        )
+    return out
+
+
+def set_old_logprobs(state: TrainState, episodes: list[Episode]) -> None:
+    """pi_old: a forward pass of the starting weights, moved by noise of 0.1 so that the
+    ratios are not all 1 (where the loss would not depend on the weights) and some clip."""
+    fill_logprobs(state.model, episodes, "old_logprobs", state)
+    g = torch.Generator(HOST).manual_seed(2)
+    for e in episodes:
+        e.old_logprobs = e.old_logprobs + 0.1 * torch.randn(e.length, generator=g, device=HOST)
+
+
+def model_flops(shape: ModelShape, sizes: Sizes) -> float:
+    """Model FLOPs of one training step (forward and backward), as the module docstring says."""
+    seq = sizes.prompt + sizes.response
+    dense = 6 * shape.layers * shape.layer_parameters * seq
+    head = 6 * shape.vocab * shape.hidden * sizes.response
+    attention = 6 * shape.layers * shape.heads * shape.head_dim * seq**2
+    return float(sizes.rows * (dense + head + attention))
+
+
+def timed_steps(state: TrainState, episodes: list[Episode], steps: int) -> list[float]:
+    out = []
+    for _ in range(steps):
+        sync(state.device)
+        t0 = time.perf_counter()
+        minibatch_update(state, episodes)
+        sync(state.device)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def train_section(
+    shape: ModelShape,
+    model: torch.nn.Module,
+    tok: Any,
+    sizes: Sizes,
+    device: torch.device,
+    compute: str,
+    steps: int,
+) -> tuple[dict, list[Episode]]:
+    """Figures of the timed steps, and the mini-batch (with pi_old) they trained on."""
+    cfg = run_config(sizes, compute)
+    state = train_state(cfg, model, tok, device)
+    episodes = synthetic_episodes(sizes, shape.vocab)
+    set_old_logprobs(state, episodes)
+    first = minibatch_update(state, episodes)  # untimed: AdamW makes its state here
+    reset_peak(device)
+    seconds = statistics.median(timed_steps(state, episodes, steps))
+    peak = read_peak(device) if device.type == "cuda" else None
+    tokens = sizes.rows * (sizes.prompt + sizes.response)
+    flops = model_flops(shape, sizes)
+    settings = settings_from_config(cfg, world_size=1, prompt_tokens=sizes.prompt)
+    plan = plan_memory(shape, settings)
+    state.optimizer.zero_grad(set_to_none=True)
+    del state
+    return {
+        "rows": sizes.rows,
+        "tokens_per_row": sizes.prompt + sizes.response,
+        "microbatch_tokens": sizes.microbatch_tokens,
+        "steps": steps,
+        "step_s": seconds,
+        "tokens_per_s": tokens / seconds,
+        "flops_per_step": flops,
+        "tflops": flops / seconds / 1e12,
+        "loss_first_step": first["loss"],
+        "grad_norm_first_step": first["grad_norm"],
+        "peak_mib": mib(peak),
+        "plan_training_peak_mib": mib(plan.training_peak),
+        "plan_activations_mib": mib(plan.activations),
+    }, episodes
+
+
+def decode_prompts(sizes: Sizes) -> list[str]:
+    """Distinct prompts of ``decode_prompt`` demo-tokenizer tokens ("3", " 4", ...: a digit
+    each)."""
+    digits = range(1, sizes.decode_prompt)
+    return [
+        str(i % 10) + "".join(f" {(i + k) % 10}" for k in digits)
+        for i in range(sizes.decode_prompts)
+    ]
+
+
+def decode_section(
+    shape: ModelShape,
+    model: torch.nn.Module,
+    tok: Any,
+    sizes: Sizes,
+    device: torch.device,
+    compute: str,
+) -> dict:
+    """Tokens/s of the native engine, EOS ignored, after a short untimed warm-up."""
+    engine = make_engine("dapo", model, tok, (tok.eos_token_id,), DTYPES[compute], device=device)
+    model.eval()
+    prompts = decode_prompts(sizes)
+    options = dict(group_size=sizes.decode_group, seed=0, ignore_eos=True)
+    engine.generate(prompts, max_new_tokens=4, **options)  # kernels chosen and loaded here
+    start = reset_peak(device)
+    t0 = time.perf_counter()
+    rollout = engine.generate(prompts, max_new_tokens=sizes.decode_new, **options)
+    sync(device)
+    seconds = time.perf_counter() - t0
+    peak = read_peak(device) if device.type == "cuda" else None
+    rows, tokens = len(rollout.texts), int(rollout.lengths_B.sum())
+    prompt_tokens = int(rollout.prompt_mask_BP[0].sum())
+    kv = kv_cache_bytes(
+        shape, tokens=prompt_tokens + sizes.decode_new, rows=rows, compute=DTYPE_BYTES[compute]
+    )
+    return {
+        "rows": rows,
+        "prompt_tokens": prompt_tokens,
+        "new_tokens": sizes.decode_new,
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "peak_mib": mib(peak),
+        "rise_mib": mib(None if peak is None or start is None else peak - start),
+        "plan_kv_cache_mib": mib(kv),
+    }
+
+
+def head_pass(
+    way: str,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    tokens: torch.Tensor,
+    sizes: Sizes,
+    compute: str,
+) -> torch.Tensor:
+    """Log-probs of ``tokens`` through the head, forward and backward (gradients accumulate
+    in ``hidden`` and ``weight``), as the chunked head or through the full logits."""
+    device_type = hidden.device.type
+    with torch.autocast(device_type, dtype=DTYPES[compute], enabled=compute != "float32"):
+        if way == "chunked":
+            logp, _ = token_logprobs_from_hidden(
+                hidden, weight, tokens, chunk_tokens=sizes.head_chunk
+            )
+        else:  # what a model's own forward computes: the [N, V] logits, in the compute dtype
+            logp = token_logprobs_from_logits(torch.nn.functional.linear(hidden, weight), tokens)
+    logp.sum().backward()
+    return logp.detach()
+
+
+def head_section(shape: ModelShape, sizes: Sizes, device: torch.device, compute: str) -> dict:
+    """Peak memory above the inputs of the chunked head and of the full logits, at
+    ``head_tokens`` positions; the chunked one first, so that it never reuses what the other
+    freed (on a CPU, freed memory that stays resident is not counted again)."""
+    n, h, v = sizes.head_tokens, shape.hidden, shape.vocab
+    g = torch.Generator(device).manual_seed(3)
+    hidden = torch.randn(n, h, device=device, generator=g).requires_grad_()
+    weight = (0.02 * torch.randn(v, h, device=device, generator=g)).requires_grad_()
+    tokens = torch.randint(0, v, (n,), device=device, generator=g)
+    out: dict[str, Any] = {"tokens": n, "chunk_tokens": sizes.head_chunk}
+    logps = {}
+    for way in ("chunked", "full"):
+        hidden.grad = weight.grad = None
+        start = reset_peak(device)
+        logps[way] = head_pass(way, hidden, weight, tokens, sizes, compute)
+        peak = read_peak(device)
+        out[f"{way}_mib"] = mib(None if peak is None or start is None else peak - start)
+    out["max_logprob_gap"] = float((logps["chunked"] - logps["full"]).abs().max())
+    out["full_logits_mib"] = mib(n * v * DTYPE_BYTES[compute])
+    if sizes.head_chunk is None:  # the plan counts the project's default chunk
+        settings = PlanSettings(compute_dtype=compute, microbatch_tokens=n)
+        out["plan_chunked_mib"] = mib(
+            output_head_bytes(shape, settings, compute=DTYPE_BYTES[compute])
+        )
+    out["measured_by"] = "cuda allocator" if device.type == "cuda" else "resident high-water"
+    return out
+
+
+FSDP_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def in_one_rank_group(device: torch.device, body: Callable[[torch.device], dict]) -> dict:
+    """``body(device)`` inside a process group of one rank, joined as ``torchrun`` would
+    (``dapo.dist.init_from_env``: NCCL beside gloo on CUDA); the environment is put back."""
+    saved = {k: os.environ.get(k) for k in FSDP_ENV}
+    port = str(free_port())
+    # LOCAL_RANK picks the rank's GPU among the visible ones: the one the other sections use.
+    local = str(device.index or 0)
+    os.environ.update(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK=local, MASTER_ADDR="127.0.0.1", MASTER_PORT=port
+    )
+    try:
+        device = dist.init_from_env(timeout_s=600)
+        if device is None:
+            raise RuntimeError("the one-rank process group did not start")
+        return body(device)
+    finally:
+        dist.shutdown()
+        for k, value in saved.items():
+            if value is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = value
+
+
+def fsdp_section(
+    fields: dict[str, Any],
+    tok: Any,
+    sizes: Sizes,
+    device: torch.device,
+    compute: str,
+    episodes: list[Episode],
+    train: dict,
+) -> dict:
+    """Two steps of the sharded model on the training mini-batch; the first one's loss and
+    gradient norm against the one-process first step (the same starting weights, seed 0)."""
+
+    def body(rank_device: torch.device) -> dict:
+        if rank_device != device:
+            raise RuntimeError(f"the rank computes on {rank_device}, not {device}")
+        cfg = run_config(sizes, compute)
+        state = train_state(cfg, build_model(fields, tok, device), tok, device)
+        reset_peak(device)
+        sync(device)
+        t0 = time.perf_counter()
+        first = minibatch_update(state, episodes)
+        sync(device)
+        first_s = time.perf_counter() - t0
+        (step_s,) = timed_steps(state, episodes, 1)
+        peak = read_peak(device) if device.type == "cuda" else None
+        return {
+            "backend": "nccl" if device.type == "cuda" else "gloo",
+            "sharded": fsdp.is_sharded(state.model),
+            "first_step_s": first_s,
+            "step_s": step_s,
+            "peak_mib": mib(peak),
+            "loss": first["loss"],
+            "loss_one_process": train["loss_first_step"],
+            "loss_gap": abs(first["loss"] - train["loss_first_step"]),
+            "grad_norm": first["grad_norm"],
+            "grad_norm_one_process": train["grad_norm_first_step"],
+        }
+
+    return in_one_rank_group(device, body)
+
+
+def release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def gib_or_mib(value: float | None) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value / 1024:.2f} GiB" if value >= 1024 else f"{value:.1f} MiB"
+
+
+def describe(section: str, r: dict) -> str:
+    """One line of figures per section."""
+    if section == "train":
+        return (
+            f"  train: {r['rows']} rows x {r['tokens_per_row']} tokens, micro-batches of "
+            f"{r['microbatch_tokens']}: {r['step_s']:.3f} s/step (median of {r['steps']}), "
+            f"{r['tokens_per_s']:,.0f} tokens/s, {r['tflops']:.3g} TFLOP/s, MFU {r['mfu']:.3f};"
+            f" peak {gib_or_mib(r['peak_mib'])}, plan {gib_or_mib(r['plan_training_peak_mib'])}"
+        )
+    if section == "decode":
+        return (
+            f"  decode: {r['rows']} rows x {r['new_tokens']} new tokens after "
+            f"{r['prompt_tokens']}: {r['seconds']:.2f} s, {r['tokens_per_s']:,.0f} tokens/s; "
+            f"rise {gib_or_mib(r['rise_mib'])}, KV cache plan {gib_or_mib(r['plan_kv_cache_mib'])}"
+        )
+    if section == "head":
+        return (
+            f"  head at {r['tokens']} tokens: chunked {gib_or_mib(r['chunked_mib'])}, full "
+            f"logits {gib_or_mib(r['full_mib'])} ({r['measured_by']}; the logits alone "
+            f"{gib_or_mib(r['full_logits_mib'])}); max log-prob gap {r['max_logprob_gap']:.2e}"
+        )
+    return (
+        f"  fsdp ({r['backend']}, 1 rank): {r['step_s']:.3f} s/step (first "
+        f"{r['first_step_s']:.2f} s), peak {gib_or_mib(r['peak_mib'])}; loss {r['loss']:.6g} "
+        f"vs {r['loss_one_process']:.6g} in one process (gap {r['loss_gap']:.1e}), grad norm "
+        f"{r['grad_norm']:.6g} vs {r['grad_norm_one_process']:.6g}"
+    )
+
+
+def run_shape(
+    name: str,
+    fields: dict[str, Any],
+    sizes: Sizes,
+    device: torch.device,
+    compute: str,
+    steps: int,
+    peak_tflops: float,
+) -> dict:
+    """Every section on one shape, printing a line each as it ends; MFU against
+    ``peak_tflops``."""
+    tok = build_tokenizer()
+    shape = ModelShape.from_hf_config(fields)
+    print(f"{name}: {shape.num_parameters / 1e6:,.1f}M parameters", flush=True)
+    model = build_model(fields, tok, device)
+    log(f"{name}: training step")
+    train, episodes = train_section(shape, model, tok, sizes, device, compute, steps)
+    train["mfu"] = train["tflops"] / peak_tflops
+    print(describe("train", train), flush=True)
+    log(f"{name}: decoding")
+    decode = decode_section(shape, model, tok, sizes, device, compute)
+    print(describe("decode", decode), flush=True)
+    del model
+    release(device)
+    log(f"{name}: output head")
+    head = head_section(shape, sizes, device, compute)
+    print(describe("head", head), flush=True)
+    release(device)
+    log(f"{name}: one-rank FSDP step")
+    sharded = fsdp_section(fields, tok, sizes, device, compute, episodes, train)
+    print(describe("fsdp", sharded), flush=True)
+    release(device)
+    sections = {"train": train, "decode": decode, "head": head, "fsdp": sharded}
+    return {"params": shape.num_parameters, "sizes": asdict(sizes), **sections}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--shapes", nargs="+", choices=sorted(KNOWN_SHAPES), default=list(DEFAULT_SHAPES)
+    )
+    parser.add_argument("--tiny", action="store_true", help="tiny sizes (the default off CUDA)")
+    parser.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
+    parser.add_argument("--steps", type=int, help="timed training steps (5; tiny: 2)")
+    parser.add_argument("--threads", type=int, help="CPU threads (default: torch's)")
+    parser.add_argument("--compute-dtype", choices=("bfloat16", "float32"))
+    parser.add_argument("--device", default="auto", help="cuda, cuda:N or cpu (default auto)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if dist.launched():  # the fsdp section makes its own group; torchrun's ranks would clash
+        raise SystemExit("benchmarks/gpu.py starts its own one-rank group: run it without torchrun")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = compute_device(args.device)
+    cuda = device.type == "cuda"
+    tiny = args.tiny or not cuda
+    if not cuda and not args.tiny:
+        log("no CUDA device: the tiny shape runs")
+    compute = args.compute_dtype or ("bfloat16" if cuda else "float32")
+    steps = args.steps or (2 if tiny else 5)
+    cpu_name = f"{platform.machine()} CPU, {os.cpu_count()} cores"
+    name = torch.cuda.get_device_name(device) if cuda else cpu_name
+    result: dict[str, Any] = {
+        "device": name,
+        "device_type": device.type,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "date": datetime.date.today().isoformat(),
+        "tiny": tiny,
+        "threads": torch.get_num_threads(),
+        "compute_dtype": compute,
+    }
+    print(f"{name} ({device}), torch {torch.__version__}, {result['date']}", flush=True)
+    matmul = matmul_peak(device, DTYPES[compute], (TINY if tiny else REAL).matmul_n)
+    print(f"matmul peak: {matmul['tflops']:.4g} TFLOP/s ({matmul['dtype']})", flush=True)
+    result["matmul"] = matmul
+    shapes = {"tiny-qwen2": TINY_FIELDS} if tiny else {s: KNOWN_SHAPES[s] for s in args.shapes}
+    result["shapes"] = {
+        s: run_shape(s, f, TINY if tiny else REAL, device, compute, steps, matmul["tflops"])
+        for s, f in shapes.items()
+    }
+    if args.json:
+        print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

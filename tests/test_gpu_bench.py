@@ -1,0 +1,101 @@
+"""`benchmarks/gpu.py --tiny`: the GPU benchmark's code, run on the CPU at tiny sizes, so that
+it still works the day a GPU is lent. Its figures are checked where they have a known value
+(FLOPs, token counts, the one-rank FSDP step against one process) and for sense elsewhere."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# The tiny Qwen2 (hidden 64, intermediate 128, 2 layers, 4 heads of 16, 2 KV heads,
+# vocabulary 512, tied), by hand: per layer q, k, v, o projections 64 x (64 + 32 + 32) +
+# 64 x 64, their biases 64 + 32 + 32, the MLP 3 x 64 x 128, two norms 2 x 64.
+LAYER_PARAMS = 64 * 128 + 64 * 64 + 128 + 3 * 64 * 128 + 2 * 64
+PARAMS = 2 * LAYER_PARAMS + 512 * 64 + 64
+
+
+@pytest.fixture(scope="module")
+def tiny_run() -> tuple[dict, str]:
+    """The JSON figures and the stdout of one tiny run (one thread: the machine is shared)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "benchmarks/gpu.py", "--tiny", "--json", "--threads", "1"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.strip().splitlines()
+    return json.loads(lines[-1]), done.stdout
+
+
+def test_the_run_names_its_machine_and_prints_a_line_per_section(tiny_run):
+    result, stdout = tiny_run
+    assert result["device_type"] == "cpu" and result["tiny"] is True
+    assert result["torch"] and result["transformers"] and len(result["date"]) == 10
+    assert result["threads"] == 1 and result["compute_dtype"] == "float32"
+    assert result["matmul"]["dtype"] == "float32" and result["matmul"]["tflops"] > 0
+    assert list(result["shapes"]) == ["tiny-qwen2"]
+    for line in ("matmul peak:", "  train:", "  decode:", "  head at 16384 tokens:", "  fsdp"):
+        assert line in stdout
+
+
+def test_training_step_figures(tiny_run):
+    shape = tiny_run[0]["shapes"]["tiny-qwen2"]
+    train = shape["train"]
+    assert shape["params"] == PARAMS == 107_072
+    # 4 rows of 16 + 48 tokens: 6 x layers x layer params per position, the head over the
+    # 48 response positions, causal attention 6 x layers x 64 x 64^2 per row.
+    flops = 4 * (6 * 2 * LAYER_PARAMS * 64 + 6 * 512 * 64 * 48 + 6 * 2 * 64 * 64**2)
+    assert train["flops_per_step"] == flops == 164_364_288
+    assert train["tokens_per_s"] == pytest.approx(4 * 64 / train["step_s"])
+    assert train["tokens_per_s"] > 0 and 0 < train["mfu"] < 1
+    assert train["mfu"] == pytest.approx(
+        train["tflops"] / tiny_run[0]["matmul"]["tflops"], rel=1e-9
+    )
+    # The plan holds at least float32 weights, gradients and two AdamW moments.
+    assert train["plan_training_peak_mib"] >= 16 * PARAMS / 2**20
+    assert train["plan_activations_mib"] > 0
+    assert train["peak_mib"] is None  # measured on CUDA only
+    assert train["loss_first_step"] != 0 and train["grad_norm_first_step"] > 0
+
+
+def test_decoding_draws_every_token_it_was_asked_for(tiny_run):
+    decode = tiny_run[0]["shapes"]["tiny-qwen2"]["decode"]
+    assert decode["rows"] == 8 and decode["prompt_tokens"] == 16 and decode["new_tokens"] == 32
+    assert decode["tokens"] == 8 * 32  # EOS ignored: no row stops early
+    assert decode["tokens_per_s"] == pytest.approx(8 * 32 / decode["seconds"])
+    # K and V of 2 layers x 2 KV heads x 16 dims, float32, 8 rows of 16 + 32 tokens.
+    assert decode["plan_kv_cache_mib"] == round(2 * 2 * 32 * 4 * 48 * 8 / 2**20, 1)
+
+
+def test_chunked_head_is_the_full_logits_in_less_memory(tiny_run):
+    head = tiny_run[0]["shapes"]["tiny-qwen2"]["head"]
+    assert head["tokens"] == 16384 and head["chunk_tokens"] == 512
+    assert head["max_logprob_gap"] < 1e-4
+    assert head["full_logits_mib"] == 16384 * 512 * 4 / 2**20 == 32.0
+    if sys.platform == "linux":  # the resident high-water mark is read from /proc
+        # Autograd keeps the logits and more; the chunked head a few [512, 512] chunks and
+        # the gradient of the hidden states (4 MiB).
+        assert head["full_mib"] >= head["full_logits_mib"]
+        assert head["chunked_mib"] < head["full_mib"] / 4
+
+
+def test_one_rank_fsdp_step_matches_one_process(tiny_run):
+    sharded = tiny_run[0]["shapes"]["tiny-qwen2"]["fsdp"]
+    train = tiny_run[0]["shapes"]["tiny-qwen2"]["train"]
+    assert sharded["backend"] == "gloo" and sharded["sharded"] is True
+    assert sharded["loss_one_process"] == train["loss_first_step"]
+    assert sharded["loss_gap"] <= 1e-5
+    assert sharded["loss"] == pytest.approx(train["loss_first_step"], abs=1e-5)
+    assert sharded["grad_norm"] == pytest.approx(train["grad_norm_first_step"], rel=1e-5)
+    assert sharded["step_s"] > 0 and sharded["first_step_s"] > 0
