@@ -254,3 +254,16 @@ def test_the_command_line_runs_through_the_api(monkeypatch, tmp_path) -> None:
     monkeypatch.setattr(training, "run", lambda cfg, resume_dir, **kw: seen.update(cfg=cfg, **kw))
     assert main(["train", "optim.lr=3e-6", f"run.out_dir={tmp_path}", "--dry-run"]) == 0
     assert seen["cfg"].optim.lr == 3e-6 and seen["dry_run"] is True
+
+
+def test_overrides_may_be_a_mapping_and_results_read_as_mappings(tmp_path) -> None:
+    cfg = dapo.load_config(None, {"train.steps": 3, "sampling.dynamic": False, "run.name": "x"})
+    assert (cfg.train.steps, cfg.sampling.dynamic, cfg.run.name) == (3, False, "x")
+    with pytest.raises(ValueError, match="not 'train.steps=3'"):
+        dapo.load_config(None, "train.steps=3")
+    summary = {"steps": 2, "val/accuracy_start": 0.25, "val/accuracy_end": 0.5}
+    result = dapo.TrainResult(tmp_path, 2, 0.25, 0.5, summary)
+    assert result["run_dir"] == tmp_path and result["val/accuracy_end"] == 0.5
+    metrics = {"avg@k": {"mean": 0.5, "low": 0.25, "high": 0.75}}
+    ev = dapo.EvalResult(tmp_path, metrics, {"k": 4})
+    assert ev["avg@k"]["mean"] == 0.5 and ev["protocol"] == {"k": 4}

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,14 +34,14 @@ __all__ = ["EvalResult", "TrainResult", "evaluate", "load_config", "train"]
 
 def load_config(
     path: str | Path | None = None,
-    overrides: Sequence[str] = (),
+    overrides: Sequence[str] | Mapping[str, Any] = (),
     *,
     base: str | None = None,
     preset: str | None = None,
 ) -> Config:
     """The config ``dapo train`` would run: the demo (no ``path``) or a YAML file, under
     dotted ``overrides`` such as ``"optim.lr=1e-5"``; ValueError lists every bad value."""
-    return _load(path, list(overrides), base=base, preset=preset)
+    return _load(path, as_overrides(overrides), base=base, preset=preset)
 
 
 @dataclass(frozen=True)
@@ -56,11 +56,28 @@ class TrainResult:
     end_accuracy: float | None
     summary: dict[str, Any] = field(default_factory=dict)
 
+    def __getitem__(self, key: str) -> Any:
+        """``result["run_dir"]`` as ``result.run_dir``; any other key from ``summary``."""
+        return getattr(self, key) if key in _TRAIN_FIELDS else self.summary[key]
+
+
+_TRAIN_FIELDS = ("run_dir", "steps", "start_accuracy", "end_accuracy", "summary")
+
+
+def as_overrides(overrides: Sequence[str] | Mapping[str, Any]) -> list[str]:
+    """Dotted overrides as ``section.field=value`` strings; a mapping's values are written
+    as YAML reads them back (``{"train.steps": 2}`` is ``train.steps=2``)."""
+    if isinstance(overrides, str):
+        raise ValueError(f"overrides must be a list of section.field=value, not {overrides!r}")
+    if isinstance(overrides, Mapping):
+        return [f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in overrides.items()]
+    return list(overrides)
+
 
 def train(
     config: Config | str | Path | None = None,
     *,
-    overrides: Sequence[str] = (),
+    overrides: Sequence[str] | Mapping[str, Any] = (),
     reward_fn: Callable[..., Any] | None = None,
     base: str | None = None,
     preset: str | None = None,
@@ -74,7 +91,8 @@ def train(
     Args:
         config: a :class:`~dapo.config.Config` (copied, not changed), a YAML file, or None
             for the embedded CPU demo.
-        overrides: dotted ``section.field=value`` settings applied last.
+        overrides: dotted ``section.field=value`` settings applied last (or a mapping of
+            ``section.field`` to value).
         reward_fn: a function ``(response, ground_truth) -> float | bool | Score | dict``
             that grades every row in place of the verifiers, as ``reward.function`` does.
         base, preset: as ``--base`` and ``--preset`` (a file or Config picks its own).
@@ -85,7 +103,8 @@ def train(
     """
     from dapo.api import training
 
-    cfg, resume_dir = _config(config, overrides, base, preset, resume, overwrite, force)
+    items = as_overrides(overrides)
+    cfg, resume_dir = _config(config, items, base, preset, resume, overwrite, force)
     if reward_fn is not None:
         _set_reward_fn(cfg, reward_fn)
     if quiet:

@@ -52,6 +52,12 @@ class EvalResult:
     metrics: dict[str, dict[str, float]]
     protocol: dict[str, Any]
 
+    def __getitem__(self, key: str) -> Any:
+        """``result["avg@k"]`` as ``result.metrics["avg@k"]``; the fields by their names."""
+        return (
+            getattr(self, key) if key in ("out_dir", "metrics", "protocol") else self.metrics[key]
+        )
+
 
 def _comma(values: str | Sequence[Any]) -> str:
     return values if isinstance(values, str) else ",".join(str(v) for v in values)
