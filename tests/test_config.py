@@ -282,3 +282,14 @@ def test_every_config_field_is_described_with_its_docstring_and_presets():
     assert by_key["algo.kl_coef"].presets == {"grpo": 0.001}
     assert by_key["rollout.engine"].type == '"dapo" | "hf" | "vllm"'
     assert type_name(list[int]) == "list[int]" and type_name(str | None) == "str | None"
+
+
+def test_overrides_of_a_given_config_follow_renamed_keys_and_leave_it_unchanged():
+    from dapo.config import apply_overrides
+
+    cfg = load_config(None, [])
+    changed = apply_overrides(cfg, ["data.num_val=9", "optim.lr=2e-6"])  # data.num_val: moved
+    assert (changed.arith.num_val, changed.optim.lr) == (9, 2e-6)
+    assert (cfg.arith.num_val, cfg.optim.lr) == (load_config(None, []).arith.num_val, 3e-4)
+    with pytest.raises(ValueError, match="optim.lr must be > 0"):
+        apply_overrides(cfg, ["optim.lr=-1"])

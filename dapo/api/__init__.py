@@ -18,7 +18,6 @@ refused with that message). Under ``torchrun`` every rank calls :func:`train` al
 
 from __future__ import annotations
 
-import copy
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from dapo.api.evaluation import EvalResult, evaluate
-from dapo.config import Config, parse_override, set_value, validate
+from dapo.config import Config, apply_overrides, validate
 from dapo.config import load_config as _load
 
 __all__ = ["EvalResult", "TrainResult", "evaluate", "load_config", "train"]
@@ -140,24 +139,13 @@ def _config(
             "train(config=Config, ...) runs that config as it is: give resume, base and preset "
             "with a YAML path or None instead"
         )
-    cfg = copy.deepcopy(config)
-    for item in overrides:
-        key, value = parse_override(item)
-        set_value(cfg, key, value)
-    validate(cfg)
-    return cfg, None
+    return apply_overrides(config, overrides), None
 
 
 def _set_reward_fn(cfg: Config, reward_fn: Callable[..., Any]) -> None:
     from dapo.reward import custom
 
-    spec = custom.spec_of(reward_fn)
-    if cfg.reward.function and cfg.reward.function != spec:
-        raise ValueError(
-            f"reward_fn names {spec} but the config's reward.function is "
-            f"{cfg.reward.function}: give one of them"
-        )
-    cfg.reward.function = spec
+    cfg.reward.function = custom.spec_for(reward_fn, cfg.reward.function)
     validate(cfg)
 
 

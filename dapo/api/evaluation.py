@@ -164,13 +164,9 @@ def _check(req: EvalRequest, reward_fn: Callable[..., Any] | None) -> None:
     if req.model != "embedded" and not (Path(req.model) / "config.json").is_file():
         raise ValueError(f"{req.model} is not a saved model directory (no config.json)")
     if reward_fn is not None:
-        spec = custom.spec_of(reward_fn)
-        if req.reward_function and req.reward_function != spec:
-            raise ValueError(f"reward_fn names {spec}, reward_function {req.reward_function}")
-        req.reward_function = spec
-        custom.check_callable(reward_fn, f"reward_fn={spec}")
-    elif req.reward_function:
-        custom.check_spec(req.reward_function)
+        req.reward_function = custom.spec_for(reward_fn, req.reward_function)
+    if req.reward_function:
+        custom.check(req.reward_function, reward_fn)
     if req.reward_function and req.reward_mode:
         raise ValueError(
             "--reward-function grades every row and --reward-mode picks a verifier: give one"

@@ -15,6 +15,7 @@ reading, overriding, validating and the resume rules in :mod:`dapo.config.loadin
 from dapo.config.loading import (
     MOVED_KEYS,
     RESUME_SAFE_FIELDS,
+    apply_overrides,
     config_warnings,
     dump_yaml,
     load_config,
@@ -44,6 +45,7 @@ from dapo.config.sections import (
 __all__ = [
     "MOVED_KEYS",
     "RESUME_SAFE_FIELDS",
+    "apply_overrides",
     "AlgoConfig",
     "Config",
     "DataConfig",

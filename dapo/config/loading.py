@@ -8,6 +8,7 @@ Keys that moved since a run was saved (the embedded task's and model's fields le
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import sys
 import types
@@ -180,6 +181,16 @@ def load_config(
     for key, value in _moved(_flatten(tree, str(path)) + parsed):
         if key not in ("run.base", "run.preset"):
             set_value(cfg, key, value)
+    validate(cfg)
+    return cfg
+
+
+def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Config:
+    """A copy of ``cfg`` under dotted overrides (renamed keys followed, as load_config
+    does), validated."""
+    cfg = copy.deepcopy(cfg)
+    for key, value in _moved([parse_override(o) for o in overrides]):
+        set_value(cfg, key, value)
     validate(cfg)
     return cfg
 

@@ -141,6 +141,27 @@ def check_spec(spec: str) -> str:
     return file_sha256(path)
 
 
+def check(spec: str, fn: Callable[..., Any] | None = None) -> tuple[str, str]:
+    """Check the reward function before any model loads: ``spec`` (loaded here), or ``fn``,
+    the function ``spec`` names, given in Python. Returns the spec (a file's made absolute, so
+    that a run's config works from any directory) and the SHA-256 of its file."""
+    if fn is not None:
+        check_callable(fn, f"reward_fn={spec}")
+        return spec, file_sha256(spec_file(spec))
+    sha = check_spec(spec)
+    target, name = split_spec(spec)
+    return (f"{spec_file(spec)}:{name}" if is_path_spec(target) else spec), sha
+
+
+def spec_for(fn: Callable[..., Any], given: str = "") -> str:
+    """The spec naming ``fn`` (:func:`spec_of`); ValueError when ``given``, a spec set
+    besides, names another function."""
+    spec = spec_of(fn)
+    if given and given != spec:
+        raise ValueError(f"reward_fn names {spec} but reward.function is {given}: give one of them")
+    return spec
+
+
 def spec_of(fn: Callable[..., Any]) -> str:
     """The ``reward.function`` value naming ``fn``, a function given in Python: worker
     processes import it by that name, so a lambda or a nested function cannot be used."""

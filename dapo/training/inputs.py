@@ -115,17 +115,10 @@ def check_reward_function(cfg: Config, fn: Callable[..., Any] | None = None) -> 
     """Load and check ``reward.function`` (or ``fn``, the function it names, given in Python)
     before any model loads, and record its file's SHA-256 in the config; returns a warning
     when a resumed run's file changed since it started."""
-    spec = cfg.reward.function
-    if not spec:
+    if not cfg.reward.function:
         return []
-    if fn is None:
-        sha = custom.check_spec(spec)
-        target, name = custom.split_spec(spec)
-        if custom.is_path_spec(target):  # the run's config then works from any directory
-            cfg.reward.function = spec = f"{custom.spec_file(spec)}:{name}"
-    else:
-        custom.check_callable(fn, f"reward_fn={spec}")
-        sha = custom.file_sha256(custom.spec_file(spec))
+    spec, sha = custom.check(cfg.reward.function, fn)
+    cfg.reward.function = spec
     before, cfg.reward.function_sha256 = cfg.reward.function_sha256, sha
     if before and before != sha:
         return [
