@@ -1,0 +1,395 @@
+"""A device check that needs no GPU (issue 33, item 6): the passes a GPU run takes, with the
+model and every input on a device other than the CPU, so that a tensor made without the
+compute device fails.
+
+The device is ``meta`` under :class:`DeviceCheck`, a ``FakeTensorMode``: tensors hold no data,
+and every op checks that its tensors share one device, a CPU 0-d scalar aside, as on CUDA.
+Plain meta tensors check less (``meta @ cpu`` passes), and a fake ``cuda:0`` cannot run a model
+on the CPU-only torch wheel: Python indexing needs a CUDA device guard, which that build lacks,
+and autograd on it aborts the process. Fake meta runs forward and backward. Each pass also has
+a negative test: one place made to create its tensor on the CPU, and the check raises.
+
+Covered: ``response_logprobs``, forward and backward: the shared-prompt pass (its KV cache
+indexed by row) and the full forward, with and without entropy, the chunked head over several
+chunks and the model's own logits; ``algo.policy_loss`` in every loss_fn, ratio_level and
+loss_agg (dual-clip, weights), ``kl_k3``, ``token_sums``; ``fill_logprobs`` (pi_old, grpo's
+pi_ref) and ``minibatch_update`` (micro-batches, the loss and KL, backward, clipping, AdamW's
+step) for the dapo and grpo presets; ``NativeEngine.generate``: ``encode_prompts``, the prefill
+and its row cache, the drawing of a token (CPU uniforms moved to the device, per-prompt seeds,
+top-p, greedy), rows leaving the batch and the cache, a step on the cache, ``finish_rollout``;
+``HFEngine.generate`` for one token; ``collate(...).to(device)``.
+
+Stepped around, as fake tensors hold no data: a value read from a tensor (``.item()``,
+``float()``, ``bool()``) is answered by the function that reads it (``READS_*``; a read with
+no answer fails): the logits are finite, half the rows finish at the first step, metrics, the
+gradient norm and AdamW's step count are 1, transformers' checks inside ``generate`` are True
+(it warns about the special tokens, and every row finishes after one token), ids decode as
+EOS; ``nonzero`` sees every element set, ``unique`` groups of G rows. Autocast is off on meta
+(it has no meta backend; the runs are float32). grpo's reference copy is made by the test.
+
+Not covered: values; bf16/fp16 autocast and the GradScaler; a second step after rows left;
+``update``'s host-side work (the mini-batch split, the sampler's log-prob check, rollout
+correction weights), ``Rollout.samples``; FSDP, vLLM; what only a GPU shows (kernels, memory,
+streams), and an embedding fed CPU ids, which CUDA refuses and meta lets pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import os
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+import dapo
+from dapo import algo
+from dapo.algo import logits as head_maths
+from dapo.config import load_config
+from dapo.data.batch import Batch, Episode, collate
+from dapo.data.problems import Problem
+from dapo.models import logprobs
+from dapo.rollout import native
+from dapo.rollout.base import encode_prompts
+from dapo.rollout.hf import HFEngine
+from dapo.training.step import TrainState, build_state
+from dapo.training.update import fill_logprobs, minibatch_update
+
+DEVICE = torch.device("meta")
+PACKAGE = os.path.dirname(os.path.abspath(dapo.__file__)) + os.sep
+TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+G, P, T = 2, 5, 6  # responses per prompt, prompt and response tokens
+aten = torch.ops.aten
+SCALAR_READS = (aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero.default)
+
+# transformers 4.x asks whether the attention mask pads; 5.x sees fake tensors and builds the
+# mask without asking. It pads here too, so the mask is built.
+READS_FORWARD = {"_ignore_causal_mask_sdpa": False}
+READS_UPDATE = {"forward_slots": 1.0, "_micro_sums": 1.0, "accumulate_gradients": 1.0}
+READS_UPDATE |= {"clip_grad_norm": 1.0, "minibatch_update": 1}  # minibatch_update: AdamW's step
+# Half the rows finish at the first step: RowCache.keep (dapo/rollout/kv_cache.py) keeps 2 of 4.
+READS_DECODE = {"sample_from_logits": True, "retire": True, "keep": 2}
+
+
+def mixed_devices():
+    """What a mix of devices raises: FakeTensorMode's check, or a meta kernel's own."""
+    return pytest.raises(RuntimeError, match="on the same device|Mismatching .* device")
+
+
+class DeviceCheck(FakeTensorMode):
+    """Fake tensors whose ops check devices. What data would decide is answered: a value read
+    from a tensor as ``reads`` says (:meth:`read`), ``nonzero`` as every element set, ``unique``
+    of rows as groups of G rows. ``answered`` lists what it answered, in order."""
+
+    def __init__(self, reads: dict[str, object] | None = None) -> None:
+        super().__init__(allow_non_fake_inputs=True)
+        self.reads = READS_FORWARD | (reads or {})
+        self.answered: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        x = args[0] if args else None
+        if func is aten.detach_.default and not isinstance(x, FakeTensor):
+            # torch.tensor(data, device="meta") makes a plain meta tensor, which FakeTensorMode
+            # converts when an op takes it, but refuses to detach_ in place (inference mode).
+            return func(*args, **(kwargs or {}))
+        if not isinstance(x, FakeTensor):
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        if func in SCALAR_READS:
+            return self.read()
+        if func is aten.nonzero.default:
+            self.answered.append("nonzero")
+            return x.new_empty((x.numel(), x.dim()), dtype=torch.long)
+        if func is aten.unique_dim.default:
+            assert args[1] == 0, "unique over rows only"
+            self.answered.append("unique")
+            groups = -(-x.shape[0] // G)
+            inverse, counts = (x.new_empty(n, dtype=torch.long) for n in (len(x), groups))
+            return x[::G].clone(), inverse, counts
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def read(self):
+        """``reads``' answer for the first function it names among those the read runs in,
+        torch's aside, from the one that reads out to the first of dapo's; none fails."""
+        frame, sites = inspect.currentframe(), []
+        while frame.f_code.co_filename == __file__:  # this mode's own frames
+            frame = frame.f_back
+        while frame is not None and frame.f_code.co_filename != __file__:  # the test's: none
+            if not frame.f_code.co_filename.startswith(TORCH):
+                sites.append(frame.f_code.co_name)
+            if frame.f_code.co_filename.startswith(PACKAGE):
+                break
+            frame = frame.f_back
+        site = next((s for s in sites if s in self.reads), None)
+        self.answered.append(site or sites[0] if sites else "(this test)")
+        if site is None:
+            raise AssertionError(f"{sites or 'this test'} reads a value: the check has no answer")
+        return self.reads[site]
+
+
+@pytest.fixture(autouse=True)
+def autocast_off_on_meta(monkeypatch):
+    """torch.autocast and is_autocast_enabled refuse the meta device: off there, as a float32
+    run (compute dtype = weights' dtype) has it; every other device is left as it is."""
+    real_autocast, real_enabled = torch.autocast, torch.is_autocast_enabled
+
+    def autocast(device_type, *args, **kwargs):
+        if device_type == "meta":
+            return contextlib.nullcontext()
+        return real_autocast(device_type, *args, **kwargs)
+
+    def is_autocast_enabled(device_type=None):
+        if device_type == "meta":
+            return False
+        return real_enabled() if device_type is None else real_enabled(device_type)
+
+    monkeypatch.setattr(torch, "autocast", autocast)
+    monkeypatch.setattr(torch, "is_autocast_enabled", is_autocast_enabled)
+
+
+def on_device(model):
+    """``model`` with every weight and buffer (the rotary ``inv_freq`` too) a fake tensor on
+    DEVICE, ties kept; inside the mode."""
+    model.to_empty(device=DEVICE)
+    if model.config.tie_word_embeddings:  # to_empty makes a new Parameter per module
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    tensors = [*model.parameters(), *model.buffers()]
+    assert tensors and all(isinstance(t, FakeTensor) and t.device == DEVICE for t in tensors)
+    return model
+
+
+class ForgetsDevice:
+    """``torch`` as one module sees it, except that its factories ignore ``device=`` and make
+    their tensors on the CPU: the bug the check must catch."""
+
+    FACTORIES = ("arange", "tensor", "zeros", "ones", "full", "empty")
+
+    def __getattr__(self, name):
+        attr = getattr(torch, name)
+        if name in self.FACTORIES:
+            return lambda *args, device=None, **kwargs: attr(*args, **kwargs)
+        return attr
+
+
+def test_the_check_catches_a_cpu_tensor_and_allows_a_cpu_scalar():
+    host = torch.ones(3, 4)  # made outside the mode: a real CPU tensor
+    with DeviceCheck() as check:
+        x = torch.ones(3, 4, device=DEVICE)
+        assert isinstance(x, FakeTensor) and x.device == DEVICE
+        assert (x * torch.tensor(2.0)).device == DEVICE  # a CPU 0-d scalar, as on CUDA
+        mixes = [
+            lambda: x + host,
+            lambda: x @ torch.ones(4, 2),
+            lambda: torch.cat([x, torch.ones(1, 4)]),
+            lambda: x.gather(1, torch.zeros(3, 1, dtype=torch.long)),
+            lambda: torch.searchsorted(x, torch.ones(3, 1)),
+        ]
+        for mix in mixes:
+            with mixed_devices():
+                mix()
+        with pytest.raises(AssertionError, match="no answer"):
+            bool(x.sum() > 0)  # a read the test did not answer fails
+        assert check.answered == ["(this test)"]
+
+
+PROMPTS = ["1 + 1 =", "12 + 30 ="]
+PROBLEM = Problem(uid="p", messages=({"role": "user", "content": "1 + 1"},), answer="2")
+
+
+def responses(vocab: int):
+    """(prompt ids, prompt mask, response ids, response mask) of 2 prompts x G responses, made
+    on DEVICE inside the mode."""
+    prompt_ids = torch.randint(3, vocab, (2, P), device=DEVICE).repeat_interleave(G, dim=0)
+    response_ids = torch.randint(3, vocab, (2 * G, T), device=DEVICE)
+    ones = torch.ones(2 * G, P + T, dtype=torch.long, device=DEVICE)
+    return prompt_ids, ones[:, :P], response_ids, ones[:, P:].bool()
+
+
+def host_episodes(vocab: int) -> list[Episode]:
+    """Two groups of G responses, of unequal lengths, on the host, as a run holds them."""
+    g, out = torch.Generator().manual_seed(0), []
+    for i in range(2):
+        prompt = torch.randint(3, vocab, (P - i,), generator=g)
+        for j, n in enumerate(range(T, T - G, -1)):
+            zeros, response = torch.zeros(n), torch.randint(3, vocab, (n,), generator=g)
+            per_token = dict(old_logprobs=zeros, ref_logprobs=zeros, loss_weights=zeros + 1)
+            grade = dict(
+                truncated=False, correct=j == 0, reward=float(j == 0), advantage=1.0 - 2 * j
+            )
+            out.append(Episode(prompt, response, zeros, **grade, **per_token))
+    return out
+
+
+@pytest.mark.parametrize("head", ["chunked", "logits"])
+@pytest.mark.parametrize("with_entropy", [False, True])
+@pytest.mark.parametrize("share_prompts", [True, False])
+def test_logprob_pass_on_the_device(tiny_model, monkeypatch, head, with_entropy, share_prompts):
+    vocab = tiny_model.config.vocab_size
+    if head == "logits":  # a head that is not a plain Linear: the model's own logits
+        monkeypatch.setattr(logprobs, "output_head", lambda model: None)
+    else:  # 3 positions a chunk: the head's loops run several times, forward and backward
+        monkeypatch.setattr(head_maths, "HEAD_CHUNK_ELEMENTS", 3 * vocab)
+    with DeviceCheck() as check:
+        model = on_device(tiny_model)
+        logp, entropy = logprobs.response_logprobs(
+            model,
+            *responses(vocab),
+            temperature=0.7,
+            with_entropy=with_entropy,
+            share_prompts=share_prompts,
+        )
+        assert logp.device == DEVICE and logp.shape == (2 * G, T)
+        if with_entropy:
+            assert entropy.device == DEVICE and entropy.shape == logp.shape
+        else:
+            assert entropy is None
+        logp.sum().backward()
+    assert all(p.grad is not None and p.grad.device == DEVICE for p in model.parameters())
+    assert ("unique" in check.answered) == share_prompts  # the shared-prompt pass ran
+
+
+@pytest.mark.parametrize("share_prompts", [True, False])
+def test_logprob_pass_catches_a_cpu_tensor(tiny_model, monkeypatch, share_prompts):
+    with DeviceCheck():
+        model, inputs = on_device(tiny_model), responses(tiny_model.config.vocab_size)
+        if share_prompts:  # the response positions (torch.arange) made on the CPU
+            monkeypatch.setattr(logprobs, "torch", ForgetsDevice())
+        else:  # or the response mask left on the host
+            inputs = (*inputs[:3], torch.ones(2 * G, T, dtype=torch.bool))
+        with mixed_devices():
+            logprobs.response_logprobs(model, *inputs, share_prompts=share_prompts)
+
+
+def test_losses_on_the_device():
+    rows, tokens = 2 * G, 2 * G * T
+    with DeviceCheck():
+        logp = torch.zeros(rows, T, device=DEVICE, requires_grad=True)
+        old, ref = torch.zeros(rows, T, device=DEVICE), torch.zeros(rows, T, device=DEVICE)
+        adv, weights = torch.ones(rows, device=DEVICE), torch.ones(rows, T, device=DEVICE)
+        mask = torch.ones(rows, T, dtype=torch.bool, device=DEVICE)
+        for loss_fn in algo.LOSS_FNS:
+            for ratio_level in algo.RATIO_LEVELS:
+                for agg in algo.AGG_MODES:
+                    divisors = dict(agg=agg, num_tokens=tokens, num_seqs=rows, norm_len=T)
+                    loss, stats = algo.policy_loss(
+                        logp, old, adv, mask, eps_low=0.2, eps_high=0.28, clip_ratio_c=3.0,
+                        weights=weights, ratio_level=ratio_level, loss_fn=loss_fn,
+                        return_stats=True, **divisors,
+                    )  # fmt: skip
+                    kl = algo.aggregate(algo.kl_k3(logp, ref), mask, **divisors)
+                    (loss + 0.001 * kl).backward()
+                    assert loss.device == kl.device == logp.grad.device == DEVICE
+                    assert stats and all(v.device == DEVICE for v in stats.values())
+        sums = algo.token_sums(torch.zeros(rows, T, device=DEVICE), old, mask)
+        assert all(v.device == DEVICE for v in sums.values())
+        with mixed_devices():  # pi_old left on the host
+            algo.policy_loss(logp, torch.zeros(rows, T), adv, mask, eps_low=0.2, eps_high=0.28)
+
+
+def run_config(preset: str):
+    return load_config(
+        None,
+        [
+            "model.compute_dtype=float32",  # no autocast: meta has none (bf16 is not checked)
+            "train.recompute_old_logprobs=true",
+            f"rollout.max_new_tokens={T}",
+            "algo.l_cache=2",
+            "train.responses_per_minibatch=4",
+            "train.tokens_per_microbatch=24",  # 2 rows a micro-batch: 2 micro-batches
+            "reward.workers=0",
+        ],
+        preset=preset,
+    )
+
+
+def train_state(preset: str, model, tokenizer, ref_model=None) -> TrainState:
+    """build_state's state around ``model`` on DEVICE (inside the mode). grpo's frozen
+    reference is ``ref_model`` (a copy of the starting policy, made outside the mode): the
+    ``.to(dtype)`` build_state gives its copy changes nothing, and then cannot swap
+    FakeTensorMode's parameters."""
+    cfg = run_config(preset)
+    kl_coef, cfg.algo.kl_coef = cfg.algo.kl_coef, 0.0
+    state = build_state(cfg, on_device(model), tokenizer, [PROBLEM], DEVICE)
+    if kl_coef > 0:
+        cfg.algo.kl_coef = kl_coef
+        state.ref_model = on_device(ref_model).eval().requires_grad_(False)
+    return state
+
+
+@pytest.mark.parametrize("preset", ["dapo", "grpo"])
+def test_training_update_on_the_device(tiny_model, tokenizer, preset):
+    episodes, ref_model = host_episodes(len(tokenizer)), copy.deepcopy(tiny_model)
+    with DeviceCheck(READS_UPDATE) as check:
+        state = train_state(preset, tiny_model, tokenizer, ref_model)
+        # pi_old (and grpo's pi_ref) by forward passes, brought back to the host's episodes
+        fill_logprobs(state.model, episodes, "old_logprobs", state)
+        if state.ref_model is not None:
+            fill_logprobs(state.ref_model, episodes, "ref_logprobs", state)
+        sums = minibatch_update(state, episodes)
+    assert (state.ref_model is not None) == (preset == "grpo")
+    olds, refs = [e.old_logprobs for e in episodes], [e.ref_logprobs for e in episodes]
+    assert all(isinstance(x, FakeTensor) and x.device.type == "cpu" for x in olds)
+    assert all(isinstance(x, FakeTensor) for x in refs) == (preset == "grpo")
+    assert sums["updates"] == 1.0  # the loss, backward, clipping and AdamW's step ran
+    assert ("kl_sum" in sums) == (preset == "grpo")
+    params = list(state.model.parameters())
+    moments = [m for s in state.optimizer.state.values() for m in s.values() if m.dim() > 0]
+    assert len(moments) == 2 * len(params) and all(m.device == DEVICE for m in moments)
+    assert all(p.device == DEVICE for p in params)
+    assert check.answered.count("unique") >= 2  # each micro-batch shared its group's prompt
+
+
+def test_training_update_catches_a_batch_left_on_the_host(tiny_model, tokenizer, monkeypatch):
+    episodes = host_episodes(len(tokenizer))
+    with DeviceCheck(READS_UPDATE):
+        state = train_state("dapo", tiny_model, tokenizer)
+        monkeypatch.setattr(Batch, "to", lambda self, device: self)  # never moved
+        with mixed_devices():
+            minibatch_update(state, episodes)
+
+
+@pytest.mark.parametrize(
+    "sampling", [{}, {"top_p": 0.9, "temperature": 0.7, "seed": [1, 2]}, {"greedy": True}]
+)
+def test_native_engine_on_the_device(tiny_model, tokenizer, sampling):
+    reads = READS_DECODE | {"finish_rollout": tokenizer.eos_token_id}
+    with DeviceCheck(reads) as check:
+        engine = native.NativeEngine(on_device(tiny_model), tokenizer)
+        assert engine.device == DEVICE
+        rollout = engine.generate(PROMPTS, group_size=G, max_new_tokens=2, **sampling)
+    tensors = [v for v in vars(rollout).values() if isinstance(v, torch.Tensor)]
+    assert len(tensors) == 7 and all(t.device == DEVICE for t in tensors)
+    assert rollout.response_ids_BT.shape == rollout.logprobs_BT.shape == (2 * G, 2)
+    assert check.answered.count("retire") == 2  # rows finished and left, the others stepped
+
+
+def test_native_engine_catches_a_cpu_tensor(tiny_model, tokenizer, monkeypatch):
+    reads = READS_DECODE | {"finish_rollout": tokenizer.eos_token_id}
+    with DeviceCheck(reads):
+        engine = native.NativeEngine(on_device(tiny_model), tokenizer)
+        monkeypatch.setattr(native, "torch", ForgetsDevice())  # stop tokens, rows on the CPU
+        with mixed_devices():
+            engine.generate(PROMPTS, group_size=G, max_new_tokens=2)
+
+
+def test_hf_engine_on_the_device(tiny_model, tokenizer):
+    # Every value transformers' generate reads answers True: its checks of the special tokens
+    # warn, and every row has finished after one token.
+    reads = {"generate": True, "finish_rollout": tokenizer.eos_token_id}
+    with DeviceCheck(reads):
+        engine = HFEngine(on_device(tiny_model), tokenizer)
+        rollout = engine.generate(PROMPTS, group_size=G, max_new_tokens=2)
+    tensors = [v for v in vars(rollout).values() if isinstance(v, torch.Tensor)]
+    assert len(tensors) == 7 and all(t.device == DEVICE for t in tensors)
+    assert rollout.logprobs_BT.shape == (2 * G, 1)
+
+
+def test_prompts_and_batches_go_to_the_device(tokenizer):
+    episodes = host_episodes(len(tokenizer))
+    with DeviceCheck():
+        ids, mask = encode_prompts(tokenizer, PROMPTS, DEVICE)
+        batch = collate(episodes, pad_id=tokenizer.pad_token_id).to(DEVICE)
+    assert ids.device == mask.device == DEVICE and ids.shape == mask.shape and len(ids) == 2
+    fields = vars(batch)
+    assert len(fields) == 9 and all(v.device == DEVICE for v in fields.values())
