@@ -29,3 +29,11 @@ def tiny_model(tokenizer):
         max_positions=256,
     )
     return tiny_qwen2(tokenizer, spec, seed=0)
+
+
+@pytest.fixture()
+def eager_eos_model(tiny_model, tokenizer):
+    """The tiny model with EOS made likely, so that responses finish at different steps."""
+    with torch.no_grad():
+        tiny_model.model.embed_tokens.weight[tokenizer.eos_token_id] *= 8
+    return tiny_model

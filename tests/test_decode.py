@@ -15,14 +15,6 @@ from dapo.rollout.native import decode, sample_from_logits, sampling_cdf
 PROMPTS = ["User: What is 2 + 3?\nAssistant:\n", "Compute 7 + 1 + 4.\n", "Hi"]
 
 
-@pytest.fixture()
-def eager_eos_model(tiny_model, tokenizer):
-    """The tiny model with EOS made likely, so that responses finish at different steps."""
-    with torch.no_grad():
-        tiny_model.model.embed_tokens.weight[tokenizer.eos_token_id] *= 8
-    return tiny_model
-
-
 def _encode(tokenizer, prompts=PROMPTS):
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     return enc["input_ids"], enc["attention_mask"]

@@ -7,7 +7,8 @@ changes what is sampled:
 - the G responses of a prompt share its prefill: the prompt goes through the model once and
   its KV cache is repeated G times (a group's prompt is most of the tokens in a short rollout);
 - a row that has emitted EOS is removed from the batch and its KV cache, so no compute is
-  spent on padding after a finished response;
+  spent on padding after a finished response; the cache is written in place and a finished
+  row leaves it without the cache being copied (:mod:`dapo.rollout.kv_cache`);
 - each row draws one uniform number per step (from a generator seeded for the whole batch, or,
   with one seed per prompt, from that prompt's own stream, so that a prompt's samples do not
   depend on the prompts batched with it: ranks split a round and still draw what one process
@@ -37,6 +38,7 @@ import torch
 
 from dapo.models.logprobs import autocast, cache_argument, returned_cache, row_sliceable
 from dapo.rollout.base import LiveModelEngine, Rollout, encode_prompts, finish_rollout
+from dapo.rollout.kv_cache import RowCache
 
 
 class NativeEngine(LiveModelEngine):
@@ -169,14 +171,9 @@ def decode(
     device = prompt_ids_nP.device
     num_rows = prompt_ids_nP.shape[0] * group_size
     stops = torch.tensor(list(stop_token_ids), device=device)
-    cache, logits_AV = _prefill(model, prompt_ids_nP, prompt_mask_nP, group_size)
-    mask_AL = prompt_mask_nP.repeat_interleave(group_size, dim=0)
-    live = _Rows(
-        rows_A=torch.arange(num_rows, device=device),
-        mask_AL=mask_AL,
-        next_pos_A=mask_AL.long().sum(dim=1),
-        done_A=torch.zeros(num_rows, dtype=torch.bool, device=device),
-    )
+    width = prompt_ids_nP.shape[1] + max_new_tokens
+    cache, logits_AV = _prefill(model, prompt_ids_nP, prompt_mask_nP, group_size, width)
+    live = _Rows.start(prompt_mask_nP, group_size, width)
     tokens_BT = torch.full(
         (num_rows, max_new_tokens), pad_token_id, dtype=torch.long, device=device
     )
@@ -249,15 +246,35 @@ class Uniforms:
 
 @dataclass
 class _Rows:
-    """The batch rows still decoding: the output row each one is, its attention mask and next
-    position, and (only when finished rows are kept) whether it has finished."""
+    """The batch rows still decoding: the output row each one is, its attention mask (the
+    ``prompt`` positions first, ``width`` positions in use) and next position, and (only when
+    finished rows are kept) whether it has finished."""
 
     rows_A: torch.Tensor
-    mask_AL: torch.Tensor
+    mask_AW: torch.Tensor
+    prompt: int
+    width: int
     next_pos_A: torch.Tensor
     done_A: torch.Tensor
 
-    def retire(self, finished_A, token_A, cache, *, drop: bool, pad: int):
+    @classmethod
+    def start(cls, prompt_mask_nP: torch.Tensor, group_size: int, width: int) -> _Rows:
+        """Every row running; the mask has room for ``width`` positions: the prompt's, then
+        ones (a finished row leaves the batch, so a running row attends to all its response)."""
+        prompt = prompt_mask_nP.shape[1]
+        mask_BP = prompt_mask_nP.repeat_interleave(group_size, dim=0)
+        mask_BW = mask_BP.new_ones((mask_BP.shape[0], width))
+        mask_BW[:, :prompt] = mask_BP
+        return cls(
+            rows_A=torch.arange(mask_BP.shape[0], device=mask_BP.device),
+            mask_AW=mask_BW,
+            prompt=prompt,
+            width=prompt,
+            next_pos_A=mask_BP.long().sum(dim=1),
+            done_A=torch.zeros(mask_BP.shape[0], dtype=torch.bool, device=mask_BP.device),
+        )
+
+    def retire(self, finished_A, token_A, cache: RowCache, *, drop: bool, pad: int):
         """Remove the rows that just finished from the batch and its cache (``drop``), or mark
         them done and feed them padding; the tokens to feed next, or None when none runs."""
         if not drop:
@@ -267,29 +284,32 @@ class _Rows:
             keep_A = ~finished_A
             if not keep_A.any():
                 return None
-            cache.batch_select_indices(keep_A.nonzero().squeeze(1))
-            self.rows_A, token_A = self.rows_A[keep_A], token_A[keep_A]
-            self.mask_AL, self.next_pos_A = self.mask_AL[keep_A], self.next_pos_A[keep_A]
-            self.done_A = self.done_A[keep_A]
+            order_A = cache.keep(keep_A)  # rows change places: the per-row state follows
+            self.rows_A, token_A = self.rows_A[order_A], token_A[order_A]
+            # Past the prompt every running row's mask is ones: only the prompt's part moves.
+            prompt_AP = self.mask_AW[order_A, : self.prompt]
+            self.mask_AW = self.mask_AW[: order_A.numel()]
+            self.mask_AW[:, : self.prompt] = prompt_AP
+            self.next_pos_A, self.done_A = self.next_pos_A[order_A], self.done_A[order_A]
         return token_A
 
-    def forward(self, model, cache, token_A) -> torch.Tensor:
+    def forward(self, model, cache: RowCache, token_A) -> torch.Tensor:
         """One decoding step of every row in the batch; the next logits [A, V] in float32."""
-        ones_A1 = self.mask_AL.new_ones((self.mask_AL.shape[0], 1))
-        self.mask_AL = torch.cat([self.mask_AL, ones_A1], dim=1)
+        self.width += 1
         out = model(
             input_ids=token_A[:, None],
-            attention_mask=self.mask_AL,
+            attention_mask=self.mask_AW[:, : self.width],
             position_ids=self.next_pos_A[:, None],
             use_cache=True,
-            **cache_argument(model, cache),
+            **cache_argument(model, cache.cache),
         )
         self.next_pos_A = self.next_pos_A + 1
         return out.logits[:, -1].float()
 
 
-def _prefill(model, prompt_ids_nP, prompt_mask_nP, group_size: int):
-    """One forward pass per prompt; its KV cache and last logits repeated G times."""
+def _prefill(model, prompt_ids_nP, prompt_mask_nP, group_size: int, width: int):
+    """One forward pass per prompt; its KV cache (room for ``width`` positions) and last
+    logits repeated G times."""
     position_nP = (prompt_mask_nP.long().cumsum(dim=1) - 1).clamp(min=0)
     out = model(
         input_ids=prompt_ids_nP,
@@ -305,8 +325,8 @@ def _prefill(model, prompt_ids_nP, prompt_mask_nP, group_size: int):
             f"({type(cache).__name__}) cannot be repeated or sliced by row; "
             "set rollout.engine=hf (transformers generate)"
         )
-    cache.batch_repeat_interleave(group_size)
-    return cache, out.logits[:, -1].float().repeat_interleave(group_size, dim=0)
+    rows = RowCache(cache, group_size=group_size, max_length=width)
+    return rows, out.logits[:, -1].float().repeat_interleave(group_size, dim=0)
 
 
 def _draw(logits_AV, u_A, *, temperature: float, top_p: float, greedy: bool, masked_tokens):
