@@ -116,8 +116,11 @@ def test_two_ranks_train_the_grpo_baseline_as_one_process(one_process, tmp_path)
         assert [m["train/kl"] for m in metrics] == pytest.approx(
             [m["train/kl"] for m in metrics_1], abs=1e-6
         ), rank
+        # Rounding only: a sum split over ranks rounds differently, and Adam's division by
+        # sqrt(v) carries that into the weights (1.2e-6 after these steps with transformers
+        # 4.56.2, whose attention kernels round differently; a real error moves them 1e-3).
         gap = max(float((w - weights_1[k]).abs().max()) for k, w in weights.items())
-        assert gap <= 1e-6, f"rank {rank}: weights differ by up to {gap:.3g}"
+        assert gap <= 2e-6, f"rank {rank}: weights differ by up to {gap:.3g}"
 
 
 @pytest.mark.parametrize(
