@@ -176,9 +176,24 @@ def end_token_ids(tokenizer: Any) -> list[int]:
 
 
 def _load_tokenizer(path: Path) -> Any:
+    """The tokenizer, its EOS the file's own ``tokenizer.ggml.eos_token_id``: transformers 4.56
+    makes SmolLM2's EOS ``<|im_start|>`` (its BOS), so that every response would stop where a
+    new turn starts and the end of a turn would be missed (5.x reads the file's)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    eos = gguf_int_field(path, "tokenizer.ggml.eos_token_id")
+    if eos is not None and eos < len(tokenizer) and tokenizer.eos_token_id != eos:
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos)
+    return tokenizer
+
+
+def gguf_int_field(path: Path, name: str) -> int | None:
+    """An integer field of a GGUF file's metadata, or None when it has none."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(path).fields.get(name)
+    return None if field is None else int(field.parts[field.data[0]][0])
 
 
 def _load_model(path: Path) -> Any:
