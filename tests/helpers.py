@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 from pathlib import Path
 
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -66,3 +67,12 @@ def save_model(path: Path, arch: str, *, context: int = 512, tokenizer: bool = T
 def generate(model, tokenizer, prompts: list[str], *, engine: str = "dapo", **kwargs) -> Rollout:
     """``make_engine(engine, model, tokenizer).generate(prompts, **kwargs)``."""
     return make_engine(engine, model, tokenizer).generate(prompts, **kwargs)
+
+
+def load_script(relative: str):
+    """A script of the repository (``scripts/NAME.py``, not a package) as a module."""
+    path = Path(__file__).resolve().parents[1] / relative
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

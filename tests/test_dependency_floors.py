@@ -1,11 +1,11 @@
 """The declared dependency floors are the ones CI tests: scripts/dependency_floors.py reads
 them from pyproject.toml, and .ci/run runs .ci/run-floors, which installs exactly them."""
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -13,12 +13,7 @@ pytestmark = pytest.mark.skipif(sys.version_info < (3, 11), reason="tomllib is P
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location(
-        "dependency_floors", ROOT / "scripts/dependency_floors.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/dependency_floors.py")
 
 
 def test_the_floors_are_read_from_pyproject():

@@ -7,11 +7,11 @@ two commands are the ones CI runs.
 """
 
 import dataclasses
-import importlib.util
 import re
 from pathlib import Path
 
 import yaml
+from helpers import load_script
 
 from dapo.config import Config
 
@@ -23,12 +23,7 @@ TEST_COMMAND = "python -m pytest -q"
 
 
 def _generator():
-    spec = importlib.util.spec_from_file_location(
-        "gen_reference", ROOT / "scripts/gen_reference.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/gen_reference.py")
 
 
 def test_generated_reference_pages_match_the_code():
