@@ -76,8 +76,9 @@ from dapo.training.memory_plan import (
     plan_memory,
     settings_from_config,
 )
+from dapo.training.old_logprobs import fill_logprobs
 from dapo.training.step import TrainState, build_state
-from dapo.training.update import fill_logprobs, minibatch_update
+from dapo.training.update import minibatch_update
 
 MIB = 2**20
 DEFAULT_SHAPES = ("qwen2.5-0.5b", "qwen2.5-1.5b")

@@ -1,6 +1,6 @@
 """``python -m dapo.memory_plan``: memory per GPU on paper, before anything is loaded.
 
-    python -m dapo.memory_plan                               # 0.5B to 32B at 1, 8, 64 GPUs
+    python -m dapo.memory_plan [--json]                      # 0.5B to 32B at 1, 8, 64 GPUs
     python -m dapo.memory_plan --config RECIPE [--json]      # a recipe on its hardware
 
 A recipe states the hardware it is written for in a top-level ``hardware:`` mapping
@@ -9,8 +9,12 @@ needs neither weights nor data: the model's shape comes from ``<model.path>/conf
 from the built-in shapes when the directory is absent and its name is a known model; the
 longest prompt is taken as ``--prompt-tokens`` (512). ``--json`` prints a list of rows with
 ``model``, ``gpus``, ``gpu_gib``, ``peak_train_gib``, ``peak_generate_gib``, ``spare_gib``
-and ``fits`` (4 GiB to spare, which CI asks of every recipe). The plan itself is
-:mod:`dapo.training.memory_plan`.
+and ``fits`` (4 GiB to spare, which CI asks of every recipe), the settings the plan used
+(``tp_size``, ``grad_sync``, ``activation_checkpointing``, ``microbatch_tokens``, ...) and
+every part in GiB (``weights_gib``, ``gradients_gib``, ... ``load_host_gib``). The table's
+7B and 32B rows take the settings of their recipes (``TABLE_RECIPES``), the others the
+defaults. The plan itself is :mod:`dapo.training.memory_plan`, its layout
+:mod:`dapo.training.memory_table`.
 """
 
 from __future__ import annotations
@@ -25,11 +29,11 @@ from dapo.config.loading import read_hardware
 from dapo.training.memory_plan import (
     KNOWN_SHAPES,
     ModelShape,
-    markdown_table,
     model_shape,
     plan_memory,
     settings_from_config,
 )
+from dapo.training.memory_table import SPARE_GIB, markdown_table, plan_row, table_rows
 
 _FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 _FIELDS += ("num_key_value_heads", "vocab_size", "tie_word_embeddings")
@@ -42,8 +46,20 @@ RECIPE_SHAPES: dict[str, dict[str, Any]] = {
 }
 """Models the recipes name besides the table's, sized when their directory is absent."""
 
-SPARE_GIB = 4.0
-"""What a recipe must leave free on its card: allocator fragmentation, CUDA context, NCCL."""
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+TABLE_RECIPES = {"qwen2.5-7b": "dapo-qwen2.5-7b.yaml", "qwen2.5-32b": "dapo-qwen2.5-32b.yaml"}
+"""The table's models that take their recipe's settings (``recipes/`` of the repository)."""
+
+
+def the_table_rows() -> list[dict[str, Any]]:
+    """docs/scale-out.md's table as rows, the 7B and 32B ones at their recipes' settings."""
+    missing = [name for name in TABLE_RECIPES.values() if not (RECIPES / name).is_file()]
+    if missing:
+        raise OSError(
+            f"the table takes the settings of {', '.join(missing)}, absent from {RECIPES}: "
+            "run it from a checkout of the repository"
+        )
+    return table_rows({m: load_config(RECIPES / name) for m, name in TABLE_RECIPES.items()})
 
 
 def recipe_shape(cfg: Any) -> ModelShape:
@@ -69,18 +85,9 @@ def recipe_plan(recipe: Path, *, prompt_tokens: int = 512) -> dict[str, Any]:
     settings = settings_from_config(cfg, world_size=max(gpus, 1), prompt_tokens=prompt_tokens)
     plan = plan_memory(recipe_shape(cfg), settings)
     budget = hardware["gpu_gib"] if gpus else hardware["memory_gib"]
-    peak = plan.total / 2**30
-    return {
-        "recipe": str(recipe),
-        "model": Path(cfg.model.path).name,
-        "device": "cuda" if gpus else "cpu",
-        "gpus": gpus,
-        "gpu_gib": budget,
-        "peak_train_gib": round(plan.training_peak / 2**30, 2),
-        "peak_generate_gib": round(plan.generation_peak / 2**30, 2),
-        "spare_gib": round(budget - peak, 2),
-        "fits": budget - peak >= SPARE_GIB,
-    }
+    row = {"recipe": str(recipe), "model": Path(cfg.model.path).name}
+    row |= {"device": "cuda" if gpus else "cpu", "gpus": gpus, "gpu_gib": budget}
+    return row | plan_row(plan, gpu_gib=budget)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,10 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="one JSON list of rows")
     parser.add_argument("--prompt-tokens", type=int, default=512, metavar="T")
     args = parser.parse_args(argv)
-    if not args.config:
-        print(markdown_table())
-        return 0
     try:
+        if not args.config:
+            table = the_table_rows()
+            print(json.dumps(table, indent=1) if args.json else markdown_table(table))
+            return 0
         rows = [recipe_plan(r, prompt_tokens=args.prompt_tokens) for r in args.config]
     except (OSError, ValueError) as exc:
         parser.exit(2, f"dapo: error: {exc}\n")

@@ -41,8 +41,12 @@ def setup_run(tmp_path, tiny_model, *overrides):
     return cfg, [p for p, _ in train], [p for p, _ in val], run_dir, start
 
 
-def save_model(path: Path, arch: str, *, context: int = 512, tokenizer: bool = True) -> Path:
-    """A tiny random Qwen2 or Llama saved with save_pretrained, with the demo's tokenizer."""
+def save_model(
+    path: Path, arch: str, *, context: int = 512, tokenizer: bool = True, heads: int = 2
+) -> Path:
+    """A tiny random Qwen2 or Llama saved with save_pretrained, with the demo's tokenizer;
+    ``heads`` attention heads, one key-value head (or ``heads`` of them when it is over 2,
+    for tensor parallelism to split)."""
     tok = build_tokenizer()  # word-level, with a chat template ("User: ...\nAssistant:\n")
     config_cls, model_cls = ARCHS[arch]
     config = config_cls(
@@ -50,8 +54,8 @@ def save_model(path: Path, arch: str, *, context: int = 512, tokenizer: bool = T
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
+        num_attention_heads=heads,
+        num_key_value_heads=1 if heads <= 2 else heads,
         max_position_embeddings=context,
         tie_word_embeddings=True,
         eos_token_id=tok.eos_token_id,

@@ -24,7 +24,7 @@ def no_model(monkeypatch):
     def refuse(*_a, **_k):
         raise ModelLoaded
 
-    monkeypatch.setattr(policy, "load_policy", lambda cfg, pairs, tokenizer: (None, tokenizer))
+    monkeypatch.setattr(policy, "load_policy", lambda cfg, pairs, tokenizer, **_: (None, tokenizer))
     monkeypatch.setattr(loop, "fit", refuse)
 
 

@@ -54,8 +54,9 @@ from dapo.models import logprobs
 from dapo.rollout import native
 from dapo.rollout.base import encode_prompts
 from dapo.rollout.hf import HFEngine
+from dapo.training.old_logprobs import fill_logprobs
 from dapo.training.step import TrainState, build_state
-from dapo.training.update import fill_logprobs, minibatch_update
+from dapo.training.update import minibatch_update
 
 DEVICE = torch.device("meta")
 PACKAGE = os.path.dirname(os.path.abspath(dapo.__file__)) + os.sep
@@ -68,6 +69,7 @@ SCALAR_READS = (aten._local_scalar_dense.default, aten.item.default, aten.is_non
 # mask without asking. It pads here too, so the mask is built.
 READS_FORWARD = {"_ignore_causal_mask_sdpa": False}
 READS_UPDATE = {"forward_slots": 1.0, "_micro_sums": 1.0, "accumulate_gradients": 1.0}
+READS_UPDATE |= {"_micro_loss": 1.0}  # grpo: the KL term's value, for its metric
 READS_UPDATE |= {"clip_grad_norm": 1.0, "minibatch_update": 1}  # minibatch_update: AdamW's step
 # Half the rows finish at the first step: RowCache.keep (dapo/rollout/kv_cache.py) keeps 2 of 4.
 READS_DECODE = {"sample_from_logits": True, "retire": True, "keep": 2}

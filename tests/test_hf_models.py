@@ -131,11 +131,18 @@ def test_a_bad_row_is_named_before_any_model_loads(tmp_path, files, capsys):
 
 @pytest.mark.parametrize("recipe", sorted(p.name for p in (ROOT / "recipes").glob("*.yaml")))
 def test_every_recipe_dry_runs_on_a_tiny_model(tmp_path, files, recipe, capsys):
+    from dapo.config import load_config
+    from dapo.config.loading import read_hardware
+
     args = ["train", "--config", str(ROOT / "recipes" / recipe), "--dry-run"]
+    tp = load_config(ROOT / "recipes" / recipe).rollout.tp_size
+    if tp > 1:  # planned for its cards: a dry run at their world size
+        args += ["--world-size", str(read_hardware(ROOT / "recipes" / recipe)["gpus"])]
     if recipe != "demo.yaml":
         # The recipe's own paths point at downloads; a tiny model with a long enough
-        # context and the fixture files stand in for them.
-        model_dir = save_model(tmp_path / "m", "qwen2", context=32768)
+        # context (and heads that its tensor-parallel size divides) and the fixture files
+        # stand in for them.
+        model_dir = save_model(tmp_path / "m", "qwen2", context=32768, heads=max(2, tp))
         args += [
             f"model.path={model_dir}",
             f"data.train_file={files[0]}",
@@ -153,12 +160,14 @@ def test_every_recipe_dry_runs_on_a_tiny_model(tmp_path, files, recipe, capsys):
 
 @pytest.mark.skipif(not (SHARED / "aime-2024").is_dir(), reason="../shared/data is absent")
 def test_the_32b_recipe_dry_runs_on_the_real_files(tmp_path, capsys):
-    model_dir = save_model(tmp_path / "m", "qwen2", context=32768)
+    model_dir = save_model(tmp_path / "m", "qwen2", context=32768, heads=8)
     args = [
         "train",
         "--config",
         str(ROOT / "recipes" / "dapo-qwen2.5-32b.yaml"),
         "--dry-run",
+        "--world-size",
+        "64",
         f"model.path={model_dir}",
         f"data.train_file={SHARED / 'dapo-math-17k' / 'dapo_math_17k.parquet'}",
         f"data.val_file={SHARED / 'aime-2024' / 'aime-2024.parquet'}",
@@ -170,6 +179,19 @@ def test_the_32b_recipe_dry_runs_on_the_real_files(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "17917 rows" in out and "11 bad rows skipped" in out
     assert "val 30 problems x 32 samples" in out
+
+
+def test_a_tensor_parallel_size_the_run_cannot_split_is_refused_before_loading(tmp_path, capsys):
+    model_dir = save_model(tmp_path / "m", "qwen2", heads=2)  # 2 heads, 1 key-value head
+    base = ["train", "--dry-run", f"model.path={model_dir}", "rollout.tp_size=2"]
+    assert main(base) == 2
+    assert "launch with torchrun --nproc-per-node N (N a multiple of 2" in capsys.readouterr().err
+    assert main([*base, "--world-size", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "rollout.tp_size=2 does not divide the model's key-value heads" in err
+    assert "rollout.tp_size=2 splits the native engine's copy" in (
+        main([*base, "--world-size", "4", "rollout.engine=hf"]) == 2 and capsys.readouterr().err
+    )
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

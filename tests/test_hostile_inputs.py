@@ -36,7 +36,7 @@ def no_training(monkeypatch):
     def refuse(*_a, **_k):
         raise Started
 
-    monkeypatch.setattr(policy, "load_policy", lambda cfg, pairs, tokenizer: (None, tokenizer))
+    monkeypatch.setattr(policy, "load_policy", lambda cfg, pairs, tokenizer, **_: (None, tokenizer))
     monkeypatch.setattr(loop, "fit", refuse)
 
 

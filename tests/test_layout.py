@@ -116,6 +116,8 @@ FORBIDDEN_IMPORTS: dict[str, tuple[str, ...]] = {
     # The step orchestrates; reading and writing files belongs to checkpoint/rundir/data.
     "dapo.training.step": _FILE_FORMATS,
     "dapo.training.update": _FILE_FORMATS,  # phase 4 of the same step
+    "dapo.training.old_logprobs": _FILE_FORMATS,  # its first part
+    "dapo.training.exchange": _FILE_FORMATS,  # who trains what: objects between ranks, no files
     "dapo.training.loop": _FILE_FORMATS,  # the run's files are written by rundir and checkpoint
     "dapo.training.sampling": _FILE_FORMATS,  # dynamic sampling, inside the step
 }
@@ -134,6 +136,7 @@ _MATHS = frozenset(
 FORBIDDEN_CALLS: dict[str, frozenset[str]] = {
     "dapo.training.step": _MATHS,
     "dapo.training.update": _MATHS,
+    "dapo.training.old_logprobs": _MATHS,
 }
 
 # Dotted name -> the only module prefixes that may import it or refer to it in code.

@@ -1,6 +1,8 @@
 """The memory plan: exact parameter counts, every part of a plan computed by hand, what
-sharding and CPU offload move, the rough activation and logits models against what autograd
-saves or holds, and ``dapo train --dry-run --world-size N``."""
+sharding, CPU offload, ``dist.grad_sync`` and ``rollout.tp_size`` move, the rough activation
+and output-head models against what autograd saves or holds, ``dapo train --dry-run
+--world-size N``, the table's JSON rows, and every recipe (7B on 8 and 32B on 64 GPUs of
+80 GB among them) fitting its hardware."""
 
 import json
 import weakref
@@ -14,19 +16,19 @@ from torch.utils._pytree import tree_leaves
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from dapo import cli
-from dapo.algo import entropy_from_logits, token_logprobs_from_logits
+from dapo.algo.logits import token_logprobs_from_hidden
 from dapo.config import load_config
 from dapo.models import policy
-from dapo.training import memory_plan
+from dapo.training import memory_plan, memory_table
 from dapo.training.memory_plan import (
     KNOWN_SHAPES,
     ModelShape,
     PlanSettings,
     activation_bytes,
-    format_plan,
     plan_memory,
     settings_from_config,
 )
+from dapo.training.memory_table import format_plan
 
 
 @pytest.mark.parametrize(
@@ -110,43 +112,126 @@ def test_every_part_of_a_small_plan_by_hand():
     plan = plan_memory(shape, HAND_SETTINGS)
     assert plan.weights == plan.gradients == 138_048 * 4 // 2 == 276_096
     assert plan.optimizer == 2 * 276_096
-    assert plan.generation_copy == 138_048 * 2  # whole, bf16
+    # dist.grad_sync=minibatch (the default): an unsharded float32 gradient of everything
+    assert plan.accumulated_gradients == 4 * 138_048 == 552_192
+    assert plan.generation_copy == 138_048 * 2  # whole, bf16 (rollout.tp_size 1)
     # two bf16 layers, the bf16 embedding + final norm, one float32 layer gradient
     assert plan.gathered_layers == (2 * layer + 64_064) * 2 + layer * 4 == 424_064
     per_token_layer = 2 * (6 * 64 + 2 * 32 + 4 * 128) + 16 * 64
     assert plan.activations == 100 * 2 * per_token_layer == 588_800
-    # Under FSDP the full logits: 100 tokens in rows of 10 + 22 have 100 x 23 / 32 logit
-    # positions (a row's response and the position before it), rounded up: 72; four bf16
-    # [72, 1000] tensors at once in backward.
-    assert plan.output_head == 4 * 2 * 72 * 1000 == 576_000
+    # The chunked head under FSDP: all 100 tokens fit a chunk (2**26 // 1000 = 67108) of
+    # float32 logits and their bf16 copy; the head's float32 gradient, and a chunk's bf16
+    # [V, H] gradient with its float32 copy (the weight itself is in the gathered root).
+    assert plan.output_head == 100 * 1000 * (4 + 2) + 1000 * 64 * (4 + 2 + 4) == 1_240_000
     assert plan.kv_cache == 2 * 2 * 32 * 2 * (10 + 22) * 3 == 24_576  # K,V x layers x kv
     assert plan.reference == 138_048 * 2 // 2
+    # Loading: the rank's float32 shard and the largest tensor (the embedding) in float32.
+    assert plan.load_host == 276_096 + 1000 * 64 * 4 == 532_096
     held = 276_096 + 2 * 276_096 + 276_096 + 138_048
     assert plan.generation_peak == held + 24_576
-    assert plan.training_peak == held + 276_096 + 424_064 + 588_800 + 576_000
+    assert plan.training_peak == held + 276_096 + 552_192 + 424_064 + 588_800 + 1_240_000
     assert plan.total == plan.training_peak and plan.host == 0
-    assert "world size 2" in format_plan(plan) and "1/2 shard" in format_plan(plan)
-    assert "output head (full logits, 4 x bfloat16)" in format_plan(plan)
-    # One process: the chunked head, here all 100 tokens (2**26 // 1000 = 67108 fit a chunk)
-    # of float32 logits and their bf16 copy; the bf16 head and its float32 gradient.
+    text = format_plan(plan)
+    assert "world size 2" in text and "1/2 shard" in text
+    assert "output head (a logit chunk, the weight's float32 gradient)" in text
+    assert "rollout.tp_size 1, dist.grad_sync minibatch" in text
+    assert "host memory per rank while loading" in text
+    # One process: the same chunk, and the head's weight cast to bf16; no unsharded gradient
+    # beside the gradients; loading holds the whole float32 model.
     alone = plan_memory(shape, replace(HAND_SETTINGS, world_size=1))
-    assert alone.output_head == 100 * 1000 * (4 + 2) + 1000 * 64 * (2 + 4) == 984_000
-    assert "output head (logit chunks, its gradient)" in format_plan(alone)
+    assert alone.output_head == 100 * 1000 * (4 + 2) + 1000 * 64 * (2 + 4 + 2 + 4) == 1_368_000
+    assert alone.accumulated_gradients == 0 and alone.load_host == 138_048 * 4
+    assert "output head (a logit chunk, the bfloat16 weight, its float32 gradient)" in (
+        format_plan(alone)
+    )
 
 
-def test_the_head_is_a_chunk_in_one_process_and_full_logits_under_fsdp():
+def test_the_head_is_a_chunk_in_one_process_and_under_fsdp():
     shape = ModelShape.from_hf_config(KNOWN_SHAPES["qwen2.5-7b"])
     paper = PlanSettings()  # one 512 + 20480-token response per micro-batch, bf16
-    # 2**26 // 152064 = 441 tokens of float32 + bf16 logits; the bf16 head, its float32 grad
+    # 2**26 // 152064 = 441 tokens of float32 + bf16 logits, the head's float32 gradient, a
+    # chunk's bf16 [V, H] gradient and its float32 copy; one process adds the bf16 weight.
+    chunk = 441 * 152064 * (4 + 2)
     one = plan_memory(shape, paper).output_head
-    assert one == 441 * 152064 * (4 + 2) + 152064 * 3584 * (2 + 4)
-    for w in (2, 8, 64):  # 20481 positions x 152064 x four bf16 tensors: 23.20 GiB
-        assert plan_memory(shape, replace(paper, world_size=w)).output_head == (
-            4 * 2 * 20481 * 152064
-        )
-    # Two such rows: twice the positions.
+    assert one == chunk + 152064 * 3584 * (2 + 4 + 2 + 4)
+    for w in (2, 8, 64):  # 5.45 GiB, whatever the world size
+        fsdp = plan_memory(shape, replace(paper, world_size=w)).output_head
+        assert fsdp == chunk + 152064 * 3584 * (4 + 2 + 4)
+    # Two responses per micro-batch: the same chunk.
     two = replace(paper, world_size=8, microbatch_tokens=2 * 20992)
-    assert plan_memory(shape, two).output_head == 4 * 2 * 2 * 20481 * 152064
+    assert plan_memory(shape, two).output_head == fsdp
+    # float32 compute: the chunk's gradient is added in place, no [V, H] temporary.
+    fp32 = replace(paper, world_size=8, compute_dtype="float32")
+    assert plan_memory(shape, fp32).output_head == 441 * 152064 * 8 + 152064 * 3584 * 4
+
+
+def test_grad_sync_minibatch_adds_exactly_a_float32_gradient_of_the_whole_model():
+    shape = ModelShape.from_hf_config(KNOWN_SHAPES["qwen2.5-7b"])
+    for w in (2, 8, 64):
+        mini = plan_memory(shape, replace(HAND_SETTINGS, world_size=w, grad_sync="minibatch"))
+        micro = plan_memory(shape, replace(HAND_SETTINGS, world_size=w, grad_sync="microbatch"))
+        assert mini.training_peak - micro.training_peak == 4 * 7_615_616_512
+        assert mini.generation_peak == micro.generation_peak  # freed after the reduce-scatter
+        assert micro.accumulated_gradients == 0
+    # bf16 master weights too: FSDP2 accumulates in its float32 reduce dtype.
+    bf16 = replace(HAND_SETTINGS, world_size=8, param_dtype="bfloat16")
+    assert plan_memory(shape, bf16).accumulated_gradients == 4 * 7_615_616_512
+    # One process has no FSDP: the option changes nothing.
+    alone = replace(HAND_SETTINGS, world_size=1)
+    assert plan_memory(shape, alone) == replace(
+        plan_memory(shape, replace(alone, grad_sync="microbatch")), settings=alone
+    )
+    with pytest.raises(ValueError, match="dist.grad_sync"):
+        plan_memory(shape, replace(alone, grad_sync="step"))
+
+
+def test_tp_size_divides_the_copys_split_part_and_the_kv_cache():
+    shape = ModelShape.from_hf_config(HAND)  # 4 heads, 2 KV heads, tied, no biases
+    # Split (dapo.dist.tensor_parallel.tp_plan): both layers' q, k, v, o (64 x 128 + 64 x 64)
+    # and MLP (3 x 64 x 128) weights, and the embedding (1000 x 64), whose shard the tied head
+    # shares; whole: the 5 RMSNorms (4 x 64 in the layers, 64 at the end).
+    split = 2 * (64 * 128 + 64 * 64 + 3 * 64 * 128) + 1000 * 64
+    assert shape.tp_split_parameters == split == 137_728 == 138_048 - 5 * 64
+    tp2 = plan_memory(shape, replace(HAND_SETTINGS, tp_size=2))
+    assert tp2.generation_copy == 137_728 * 2 // 2 + 5 * 64 * 2 == 138_368
+    assert tp2.kv_cache == 24_576 // 2
+    untied = ModelShape.from_hf_config({**HAND, "tie_word_embeddings": False})
+    assert untied.tp_split_parameters == split + 1000 * 64  # the vocabulary-parallel head
+    # Qwen2's q, k, v biases are split with their columns; Llama's o bias stays whole.
+    biased = ModelShape.from_hf_config({**HAND, "attention_bias": True})
+    assert biased.num_parameters - biased.tp_split_parameters == 5 * 64 + 2 * 64
+    qwen = ModelShape.from_hf_config({**HAND, "model_type": "qwen2"})
+    assert qwen.tp_split_parameters == split + 2 * (64 + 2 * 32)
+    for name, k in (("qwen2.5-7b", 2), ("qwen2.5-7b", 4), ("qwen2.5-32b", 8)):
+        big = ModelShape.from_hf_config(KNOWN_SHAPES[name])
+        one = plan_memory(big, replace(PlanSettings(), world_size=64))
+        tp = plan_memory(big, replace(PlanSettings(), world_size=64, tp_size=k))
+        whole = big.num_parameters - big.tp_split_parameters
+        assert tp.generation_copy == big.tp_split_parameters * 2 // k + whole * 2
+        assert one.generation_copy - whole * 2 == k * (tp.generation_copy - whole * 2)
+        assert one.kv_cache == k * tp.kv_cache
+        # Only generation changes.
+        assert tp.training_peak - one.training_peak == tp.generation_copy - one.generation_copy
+    for settings, match in (
+        (replace(HAND_SETTINGS, world_size=1, tp_size=2), "needs torchrun"),
+        (replace(HAND_SETTINGS, world_size=6, tp_size=4), "must divide the world size 6"),
+        (replace(HAND_SETTINGS, world_size=4, tp_size=4), "2 key-value heads"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            plan_memory(shape, settings)
+
+
+def test_loading_holds_a_shard_and_the_largest_tensor_per_rank():
+    shape = ModelShape.from_hf_config(KNOWN_SHAPES["qwen2.5-32b"])
+    assert shape.largest_tensor == 152064 * 5120  # the embedding (and the untied head)
+    for w in (8, 64):
+        plan = plan_memory(shape, replace(PlanSettings(), world_size=w))
+        assert plan.load_host == -(-32_763_876_352 * 4 // w) + 152064 * 5120 * 4
+    assert plan.load_host / 2**30 < 5  # 4.81 GiB at 64 ranks, not 122 GiB
+    alone = plan_memory(shape, PlanSettings(param_dtype="bfloat16"))
+    assert alone.load_host == 32_763_876_352 * 2  # the whole model in param_dtype
+    # Host memory is not GPU memory: no peak has it.
+    assert plan.total == max(plan.training_peak, plan.generation_peak)
 
 
 def test_more_ranks_shrink_the_shards_but_not_the_generation_copy():
@@ -230,51 +315,58 @@ def test_the_activation_model_is_near_what_autograd_saves(weights, autocast):
 
 class _LiveBytes(TorchDispatchMode):
     """The most bytes of tensor storage alive at once, of the tensors ops make under it (a
-    fused kernel's own temporaries are not seen)."""
+    fused kernel's own temporaries are not seen); ``inputs`` made before it are left out."""
 
-    def __init__(self):
+    def __init__(self, *inputs: torch.Tensor):
         super().__init__()
         self.live: dict[int, int] = {}
+        self.inputs = {t.untyped_storage().data_ptr() for t in inputs}
         self.peak = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             storage = t.untyped_storage() if isinstance(t, torch.Tensor) else None
-            if storage is not None and storage.data_ptr() not in self.live:
-                self.live[storage.data_ptr()] = storage.nbytes()
-                weakref.finalize(storage, self.live.pop, storage.data_ptr())
+            ptr = storage.data_ptr() if storage is not None else None
+            if ptr is not None and ptr not in self.live and ptr not in self.inputs:
+                self.live[ptr] = storage.nbytes()
+                weakref.finalize(storage, self.live.pop, ptr)
         self.peak = max(self.peak, sum(self.live.values()))
         return out
 
 
-@pytest.mark.parametrize("rows", [1, 3])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_full_logits_model_is_what_the_logits_path_holds(monkeypatch, dtype, rows):
-    # dapo.models.logprobs's path under FSDP: the model's logits of the response positions
-    # [B, T + 1, V]
-    # (a Linear here), scored as dapo.models.logprobs._scored does, in upcast blocks of 4 rows.
+@pytest.mark.parametrize(
+    ("weights", "autocast", "world_size"),
+    [
+        (torch.bfloat16, False, 2),  # FSDP: the head's weight gathered in bf16
+        (torch.float32, True, 1),  # one process: float32 weights under bf16 autocast
+        (torch.float32, False, 2),  # float32 compute (gloo on a CPU)
+    ],
+    ids=["fsdp-bf16", "one-process-autocast", "float32"],
+)
+def test_the_head_model_is_what_the_chunked_head_holds(monkeypatch, weights, autocast, world_size):
+    # dapo.algo.logits's chunked head, forward and backward, 50 positions in chunks of 10, at
+    # a vocabulary whose [V, H] tensors dominate as a real model's do (152k x 3584).
+    positions, vocab, hidden_size, chunk = 50, 20_000, 64, 10
     from dapo.algo import logits
 
-    monkeypatch.setattr(logits, "UPCAST_CHUNK_ELEMENTS", 4 * 1000)
-    prompt, response, vocab = 10, 600 // rows, 1000
+    for module in (logits, memory_plan):
+        monkeypatch.setattr(module, "HEAD_CHUNK_ELEMENTS", chunk * vocab)
     g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(rows, response + 1, 8, generator=g, dtype=dtype, requires_grad=True)
-    weight = torch.randn(vocab, 8, generator=g, dtype=dtype)
-    ids = torch.randint(vocab, (rows, response), generator=g)
-    with _LiveBytes() as live:
-        logits_BTV = (hidden @ weight.T)[:, :-1]
-        logp = token_logprobs_from_logits(logits_BTV, ids)
-        with torch.no_grad():
-            entropy_from_logits(logits_BTV.detach())
-        del logits_BTV
+    hidden = torch.randn(positions, hidden_size, generator=g, dtype=weights, requires_grad=True)
+    weight = torch.randn(vocab, hidden_size, generator=g, dtype=weights, requires_grad=True)
+    ids = torch.randint(vocab, (positions,), generator=g)
+    with _LiveBytes(hidden, weight, ids) as live:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logp, _ = token_logprobs_from_hidden(hidden, weight, ids, with_entropy=True)
         logp.sum().backward()
-    shape = replace(ModelShape.from_hf_config(HAND), vocab=vocab)
-    compute = str(dtype).removeprefix("torch.")
-    settings = PlanSettings(world_size=2, compute_dtype=compute, prompt_tokens=prompt)
-    settings = replace(settings, max_new_tokens=response, microbatch_tokens=rows * (10 + response))
-    modelled = plan_memory(shape, settings).output_head
-    assert 1 <= live.peak / modelled < 1.05, (live.peak, modelled)
+    shape = replace(ModelShape.from_hf_config(HAND), vocab=vocab, hidden=hidden_size)
+    compute = "bfloat16" if autocast or weights == torch.bfloat16 else "float32"
+    master = str(weights).removeprefix("torch.")
+    settings = PlanSettings(world_size=world_size, param_dtype=master, compute_dtype=compute)
+    modelled = plan_memory(shape, replace(settings, microbatch_tokens=positions)).output_head
+    # Above the model: the hidden states' gradient and the [N] log-probs (1% here).
+    assert 1 <= live.peak / modelled < 1.03, (live.peak, modelled)
 
 
 def test_constants_copied_from_torch_modules_agree():
@@ -293,10 +385,19 @@ def test_settings_from_a_config():
     # A 20980-token response is longer than the 16384-token budget: a micro-batch alone.
     assert s.microbatch_tokens == 500 + 20480
     assert s.reference and s.compute_dtype == "bfloat16" and s.world_size == 8
+    assert (s.tp_size, s.grad_sync) == (1, "minibatch")
     overrides = ["rollout.rows_per_generate=384", "sampling.oversample=false"]
     cfg = load_config(None, overrides, base="paper")
     assert settings_from_config(cfg, world_size=64, prompt_tokens=10).rows == 128  # 512x16/64
     assert settings_from_config(cfg, world_size=8, prompt_tokens=10).rows == 384
+    # Tensor parallel 8: 64 ranks are 8 generating groups, each with 512 x 16 / 8 rows of a
+    # round, every rank of a group holding them all (1/8 of their KV heads each).
+    overrides += ["rollout.tp_size=8", "dist.grad_sync=microbatch"]
+    cfg = load_config(None, overrides, base="paper")
+    s = settings_from_config(cfg, world_size=64, prompt_tokens=10)
+    assert (s.rows, s.tp_size, s.grad_sync) == (384, 8, "microbatch")
+    assert settings_from_config(cfg, world_size=256, prompt_tokens=10).rows == 256  # 32 groups
+    assert settings_from_config(cfg, world_size=64, prompt_tokens=10, tp_size=2).rows == 256
 
 
 def test_a_model_directory_is_read_from_its_config_json(tmp_path, capsys):
@@ -304,7 +405,7 @@ def test_a_model_directory_is_read_from_its_config_json(tmp_path, capsys):
     cfg = load_config(None, [f"model.path={tmp_path}"])
     assert memory_plan.model_shape(cfg).num_parameters == 1_543_714_304
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba"}))
-    memory_plan.print_plan(cfg, world_size=1, prompt_tokens=10)
+    memory_table.print_plan(cfg, world_size=1, prompt_tokens=10)
     assert "memory plan: not available (model_type 'mamba'" in capsys.readouterr().out
 
 
@@ -316,8 +417,24 @@ def test_dry_run_prints_the_plan_for_the_world_size(tmp_path, capsys, monkeypatc
     out = capsys.readouterr().out
     assert "memory per GPU on paper, world size 4:" in out
     assert "weights (float32, 1/4 shard)" in out and "peak per GPU" in out
+    assert "settings: rollout.tp_size 1, dist.grad_sync minibatch" in out
+    assert "unsharded float32 gradients (grad_sync minibatch)" in out
     assert cli.main(["train", "--dry-run", *small]) == 0
     assert "memory per GPU on paper, world size 3:" in capsys.readouterr().out
+    # The run's own rollout.tp_size and dist.grad_sync (the tiny model's 2 KV heads: tp 2).
+    tp = ["rollout.tp_size=2", "dist.grad_sync=microbatch"]
+    assert cli.main(["train", "--dry-run", "--world-size", "4", *small, *tp]) == 0
+    out = capsys.readouterr().out
+    assert "settings: rollout.tp_size 2, dist.grad_sync microbatch" in out
+    assert "generation copy (tp 2: 1/2 split)" in out and "1/2 of the KV heads" in out
+    assert "unsharded float32 gradients" not in out
+    cfg = load_config(None, [*small, *tp])
+    shape = memory_plan.model_shape(cfg)
+    plan = plan_memory(shape, settings_from_config(cfg, world_size=4, prompt_tokens=77))
+    assert format_plan(plan) in out  # the plan of the run's config (its longest prompt: 77)
+    # One process cannot generate tensor-parallel: the dry run refuses, as the run would.
+    assert cli.main(["train", "--dry-run", "--world-size", "1", *small, *tp]) == 2
+    assert "rollout.tp_size=2 splits generation over 2 ranks" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
 
 
@@ -325,33 +442,71 @@ def test_the_documented_command_prints_the_table():
     import subprocess
     import sys
 
+    from dapo.memory_plan import the_table_rows
+
     out = subprocess.run(
         [sys.executable, "-m", "dapo.memory_plan"], capture_output=True, text=True, check=True
     ).stdout
-    assert out == memory_plan.markdown_table() + "\n"
+    assert out == memory_table.markdown_table(the_table_rows()) + "\n"
+    # docs/scale-out.md shows it as printed.
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "scale-out.md").read_text()
+    assert out in docs
 
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
-DOES_NOT_FIT_YET = {
-    # The paper's setup on its 64 x 96 GB: 118 GiB training, 149 GiB generating, until
-    # generation is tensor-parallel and FSDP's output head chunked (docs/scale-out.md).
-    "dapo-qwen2.5-32b.yaml",
-}
+COMPONENT_KEYS = {f"{part}_gib" for part in memory_table.COMPONENTS}
+COMPONENT_KEYS |= {"load_host_gib", "offloaded_host_gib"}
+
+
+def test_the_table_as_json_rows_at_the_recipes_settings():
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "dapo.memory_plan", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    rows = json.loads(out)
+    models = ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-32b")
+    assert [(r["model"], r["gpus"]) for r in rows] == [(m, w) for m in models for w in (1, 8, 64)]
+    keys = {"model", "gpus", "gpu_gib", "peak_train_gib", "peak_generate_gib", "spare_gib"}
+    keys |= {"fits", "tp_size", "grad_sync", "activation_checkpointing", "microbatch_tokens"}
+    keys |= {"rows_per_generate", "params", *COMPONENT_KEYS}
+    for row in rows:
+        assert keys <= set(row) and row["gpu_gib"] == 80
+        parts = sum(row[f"{part}_gib"] for part in memory_table.COMPONENTS)
+        assert max(row["peak_train_gib"], row["peak_generate_gib"]) <= parts + 0.1
+    by = {(r["model"], r["gpus"]): r for r in rows}
+    # 0.5B and 1.5B: the defaults; 7B and 32B: their recipes' (tp_size at most the GPUs, 1 alone).
+    assert (
+        by["qwen2.5-1.5b", 8]["tp_size"] == 1
+        and not by["qwen2.5-1.5b", 8]["activation_checkpointing"]
+    )
+    assert [by["qwen2.5-7b", w]["tp_size"] for w in (1, 8, 64)] == [1, 4, 4]
+    assert [by["qwen2.5-32b", w]["tp_size"] for w in (1, 8, 64)] == [1, 8, 8]
+    assert by["qwen2.5-7b", 8]["grad_sync"] == "minibatch"
+    assert by["qwen2.5-32b", 64]["grad_sync"] == "microbatch"
+    assert by["qwen2.5-32b", 64]["activation_checkpointing"] and by["qwen2.5-32b", 64]["fits"]
 
 
 @pytest.mark.parametrize(
-    "recipe",
-    [
-        pytest.param(
-            r,
-            id=r.stem,
-            marks=[pytest.mark.xfail(strict=True, reason="tensor-parallel generation is missing")]
-            if r.name in DOES_NOT_FIT_YET
-            else [],
-        )
-        for r in sorted(RECIPES.glob("*.yaml"))
-    ],
+    ("recipe", "model", "gpus"),
+    [("dapo-qwen2.5-7b.yaml", "Qwen2.5-7B", 8), ("dapo-qwen2.5-32b.yaml", "Qwen2.5-32B", 64)],
 )
+def test_the_papers_lengths_fit_80_gb_gpus(recipe, model, gpus):
+    # Issue 26's targets: L_max 20480 on 80 GB cards, within 76 GiB in both phases.
+    from dapo.memory_plan import recipe_plan
+
+    row = recipe_plan(RECIPES / recipe)
+    assert (row["model"], row["gpus"], row["gpu_gib"]) == (model, gpus, 80)
+    assert row["max_new_tokens"] == 20480 and row["activation_checkpointing"]
+    assert row["peak_train_gib"] <= 76 and row["peak_generate_gib"] <= 76, row
+    assert row["tp_size"] == (4 if gpus == 8 else 8)
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES.glob("*.yaml")), ids=lambda r: r.stem)
 def test_every_recipe_fits_the_hardware_it_states_with_4_gib_to_spare(recipe):
     from dapo.memory_plan import recipe_plan
 
@@ -379,9 +534,10 @@ def test_a_recipes_plan_as_json_and_its_hardware_checked(tmp_path):
     ).stdout
     (row,) = json.loads(out)
     assert {"model", "gpus", "gpu_gib", "peak_train_gib", "peak_generate_gib"} <= set(row)
+    assert COMPONENT_KEYS | {"tp_size", "grad_sync", "microbatch_tokens"} <= set(row)
     assert (row["model"], row["gpus"], row["gpu_gib"]) == ("Qwen2.5-Math-1.5B", 1, 80.0)
-    # The plan of its settings on 1 GPU: 52.3 GiB training, 56.9 GiB generating.
-    assert (row["peak_train_gib"], row["peak_generate_gib"]) == (52.28, 56.88)
+    # The plan of its settings on 1 GPU: 53.6 GiB training, 56.9 GiB generating.
+    assert (row["peak_train_gib"], row["peak_generate_gib"]) == (53.58, 56.88)
     bad = tmp_path / "r.yaml"
     bad.write_text("base: demo\nhardware: {gpus: 2}\n")
     from dapo.config.loading import read_hardware
@@ -391,3 +547,12 @@ def test_a_recipes_plan_as_json_and_its_hardware_checked(tmp_path):
     bad.write_text("base: demo\n")
     with pytest.raises(ValueError, match="no hardware: mapping"):
         read_hardware(bad)
+
+
+def test_layers_kept_gathered_after_forward_count_every_layer_in_the_compute_dtype():
+    shape = ModelShape.from_hf_config(KNOWN_SHAPES["qwen2.5-7b"])
+    kept = plan_memory(shape, PlanSettings(world_size=8, reshard_after_forward=False))
+    freed = plan_memory(shape, PlanSettings(world_size=8))
+    # bf16: (28 - 2) more layers of 2 bytes per parameter, nothing else changes.
+    assert kept.gathered_layers - freed.gathered_layers == 26 * shape.layer_parameters * 2
+    assert kept.training_peak - freed.training_peak == 26 * shape.layer_parameters * 2

@@ -8,9 +8,10 @@ from dapo.data.batch import Episode, collate, length_sorted, split_microbatches
 from dapo.data.problems import Problem
 from dapo.run.seeding import derive_seed
 from dapo.training import step as trainer
+from dapo.training.old_logprobs import fill_logprobs, set_old_logprobs
 from dapo.training.sampling import Group
 from dapo.training.step import assign_advantages, build_state, lr_at, shape_group
-from dapo.training.update import accumulate_gradients, fill_logprobs, set_old_logprobs, update
+from dapo.training.update import accumulate_gradients, update
 
 
 def _episode(length: int, *, correct=True, truncated=False, prompt_len=5, seed=0) -> Episode:

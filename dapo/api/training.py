@@ -148,16 +148,18 @@ def _run_rank(
 
 
 def _checked_inputs(
-    cfg: Config, reward_fn: Callable[..., Any] | None
+    cfg: Config, reward_fn: Callable[..., Any] | None, world_size: int
 ) -> tuple[RunData, Any, dict[str, float]]:
-    """The device, model path, optional packages, data, verifiers, tokenizer and context,
-    checked: everything but the run directory, before anything on disk changes."""
+    """The device, model path, tensor-parallel size, optional packages, data, verifiers,
+    tokenizer and context, checked: everything but the run directory, before anything on
+    disk changes."""
     from dapo.models import policy
     from dapo.training import inputs
 
     policy.compute_device(cfg.model.device)  # raises now if it is absent or not this rank's
     if cfg.model.path != "embedded":
         policy.check_model_path(cfg)
+    inputs.check_tensor_parallel(cfg, world_size)
     if cfg.run.wandb and importlib.util.find_spec("wandb") is None:
         raise ValueError("run.wandb=true needs the wandb package: pip install wandb")
     if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
@@ -192,11 +194,11 @@ def _train(
     from dapo.run import rundir
     from dapo.training.loop import fit
 
-    data, tokenizer, lengths = _checked_inputs(cfg, reward_fn)
+    ranks = (world_size or int(os.environ.get("WORLD_SIZE", "1"))) if dry_run else dist.world_size()
+    data, tokenizer, lengths = _checked_inputs(cfg, reward_fn, ranks)
     if dry_run:
         if dist.is_main():
             _checked_run_dir(cfg, resume_dir, overwrite)
-        ranks = world_size or int(os.environ.get("WORLD_SIZE", "1"))
         _print_dry_run(cfg, data, lengths, ranks)
         return None
     opened = _open_run_dir(cfg, resume_dir, overwrite) if dist.is_main() else None
@@ -212,10 +214,11 @@ def _train(
             rundir.write_config(run_dir, cfg)
         # A resumed run starts from the same policy (it is the KL reference) and then loads
         # the checkpoint's weights over it. Under torchrun, rank 0 builds (and caches) the
-        # embedded one before the other ranks load it.
+        # embedded one before the other ranks load it, and a pretrained one stored as
+        # safetensors is loaded straight into shards (each rank reads only its own).
         if not dist.is_main():
             dist.wait_for_all()
-        model, tokenizer = policy.load_policy(cfg, data.warmup_pairs, tokenizer)
+        model, tokenizer = policy.load_policy(cfg, data.warmup_pairs, tokenizer, shard=True)
         if dist.is_main():
             dist.wait_for_all()
         started = True
@@ -283,7 +286,7 @@ def _print_plan(cfg: Config, data: RunData) -> None:
 
 def _print_dry_run(cfg: Config, data: RunData, lengths: dict[str, float], world_size: int) -> None:
     from dapo.config import dump_yaml
-    from dapo.training import inputs, memory_plan
+    from dapo.training import inputs, memory_table
 
     print(dump_yaml(cfg), end="")
     _print_plan(cfg, data)
@@ -294,7 +297,7 @@ def _print_dry_run(cfg: Config, data: RunData, lengths: dict[str, float], world_
         f"(model context {lengths['context']:.0f})"
     )
     print(inputs.describe_budget(cfg, lengths))
-    memory_plan.print_plan(
+    memory_table.print_plan(
         cfg, world_size=world_size, prompt_tokens=int(lengths["prompt_tokens_max"])
     )
     print("dry run: config, tokenizer and data are valid; nothing was trained or written")

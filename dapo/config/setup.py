@@ -175,6 +175,19 @@ class DistConfig:
     """Keep the sharded float32 weights, gradients and optimizer state in CPU memory (FSDP2's
     CPUOffloadPolicy; the optimizer step then runs on the CPU): for a model whose states do not
     fit on the GPUs, at the cost of host-device copies every step."""
+    grad_sync: Literal["minibatch", "microbatch"] = "minibatch"
+    """When the ranks' gradients are summed and sharded (FSDP2's reduce-scatter): once per
+    mini-batch, after its last micro-batch (each rank accumulates an unsharded float32
+    gradient of the whole model in between: fastest, and one full gradient of memory), or
+    after every micro-batch (memory stays sharded, one reduce-scatter of every gradient per
+    micro-batch: for a model whose full gradient does not fit, 32B). The same update either
+    way, up to float summation order."""
+    reshard_after_forward: bool = True
+    """Free each decoder layer's gathered weights after its forward and gather them again for
+    its backward (FSDP2's default: memory holds about two layers' weights). False keeps every
+    layer gathered from its forward to its backward: fewer all-gathers (a shared prompt's two
+    passes and the backward reuse one), for the whole model's weights in the compute dtype on
+    every rank during a micro-batch; for a model small beside its GPUs."""
     timeout_s: float = 600.0
     """Seconds a collective may wait for the other ranks before the run stops with an error
     (a rank that died or hangs stops the job instead of leaving the others waiting)."""

@@ -36,9 +36,18 @@ class RolloutConfig:
     generate, for a model whose KV cache cannot be repeated or sliced by row) or vllm (an
     inference engine: the ``vllm`` section and the ``[vllm]`` extra; its log-probs are not
     the trainer's, see ``algo.rollout_correction``)."""
+    tp_size: int = 1
+    """Under torchrun: ranks that generate together, tensor parallel, k at a time (one engine
+    per group of k consecutive ranks, each holding 1/k of every split weight and of the KV
+    cache) instead of a whole copy of the model on every rank. Must divide the world size and
+    the model's attention and key-value heads. 1 = every rank its own whole copy."""
 
     def check(self) -> list[str]:
         errors = []
+        if self.tp_size < 1:
+            errors.append(
+                f"rollout.tp_size must be >= 1 (1 = no tensor parallelism), got {self.tp_size}"
+            )
         if self.group_size < 2:
             errors.append(
                 "rollout.group_size must be >= 2 (advantages compare within a group), "

@@ -6,7 +6,7 @@ Shapes: B = responses, P = prompt tokens (left padded), T = response tokens (rig
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -34,10 +34,34 @@ class Episode:
     when ``algo.rollout_correction`` is on."""
     reward_fault: str = ""
     """Why the verifier failed on this response (graded incorrect), or empty."""
+    sizes: tuple[int, int] | None = None
+    """(prompt, response) tokens of a :meth:`summary`, whose tensors are None."""
 
     @property
     def length(self) -> int:
+        if self.response_ids is None:
+            return self.sizes[1]
         return int(self.response_ids.numel())
+
+    @property
+    def prompt_length(self) -> int:
+        if self.prompt_ids is None:
+            return self.sizes[0]
+        return int(self.prompt_ids.numel())
+
+    def summary(self) -> Episode:
+        """This episode without its tokens, log-probs and text: what ranks exchange to decide
+        together (dynamic sampling, advantages, who trains what). The rank that generated it
+        keeps the whole episode and sends it to the rank that trains it; a summary cannot be
+        collated by mistake (its tensors are None)."""
+        return replace(
+            self,
+            prompt_ids=None,
+            response_ids=None,
+            sampler_logprobs=None,
+            text="",
+            sizes=(self.prompt_length, self.length),
+        )
 
     @property
     def num_loss_tokens(self) -> int:
@@ -153,16 +177,29 @@ def split_microbatches(
     return chunks
 
 
-def partition_by_tokens(episodes: Sequence[Episode], parts: int) -> list[list[int]]:
+def partition_by_tokens(
+    episodes: Sequence[Episode], parts: int, units: Sequence[int] | None = None
+) -> list[list[int]]:
     """Indices of ``episodes`` in ``parts`` shares of about equal tokens (prompt + response),
     one per data-parallel rank: longest first, each to the share with the fewest tokens so far
     (the lowest share on a tie); each share in increasing order. The same on every rank, which
-    holds the same episodes; one share is every index, in order."""
+    holds the same episodes; one share is every index, in order.
+
+    With ``units`` (a key per episode: its group), the episodes of a unit go to one share
+    together and their prompt counts once: a group's prompt then runs once on one rank
+    (``response_logprobs`` shares it), instead of on every rank that holds one of its rows."""
+    keys = list(range(len(episodes))) if units is None else list(units)
+    members: dict[int, list[int]] = {}
+    for i, key in enumerate(keys):
+        members.setdefault(key, []).append(i)
+    cost = {
+        key: max(episodes[i].prompt_length for i in rows) + sum(episodes[i].length for i in rows)
+        for key, rows in members.items()
+    }
     shares: list[list[int]] = [[] for _ in range(parts)]
     loads = [0] * parts
-    cost = [len(e.prompt_ids) + e.length for e in episodes]
-    for i in sorted(range(len(episodes)), key=lambda i: (-cost[i], i)):
+    for key in sorted(members, key=lambda k: (-cost[k], members[k][0])):
         least = min(range(parts), key=lambda r: (loads[r], r))
-        shares[least].append(i)
-        loads[least] += cost[i]
+        shares[least].extend(members[key])
+        loads[least] += cost[key]
     return [sorted(share) for share in shares]

@@ -181,6 +181,22 @@ def gather_lists(items: list[Any], *, patient: bool = False) -> list[Any]:
     return [x for part in parts for x in part]
 
 
+def exchange(outgoing: list[list[Any]]) -> list[Any]:
+    """Point to point: ``outgoing[r]`` goes to rank r alone; returns what every rank sent this
+    one, in rank order (pickled objects, tensors inside on the CPU). One scatter per rank, so
+    each object crosses the network once, to the rank that needs it (``gather_lists`` gives
+    everything to everyone)."""
+    if not active():
+        return list(outgoing[0])
+    received: list[Any] = []
+    for src in range(world_size()):
+        box: list[Any] = [None]
+        parts = outgoing if src == rank() else None
+        torch_dist.scatter_object_list(box, parts, src=src)
+        received.extend(box[0])
+    return received
+
+
 def broadcast(value: Any) -> Any:
     """Rank 0's ``value`` on every rank (a picklable object)."""
     if not active():

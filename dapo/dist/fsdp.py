@@ -8,9 +8,14 @@ gradients are summed, and FSDP's division by the world size is turned off.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+
+T = TypeVar("T")
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -32,6 +37,7 @@ def shard(
     compute_dtype: torch.dtype,
     activation_checkpointing: bool = False,
     cpu_offload: bool = False,
+    reshard_after_forward: bool = True,
 ) -> torch.nn.Module:
     """``fully_shard`` each decoder layer, then the rest of ``model`` (embeddings, final norm,
     head), in place: the weights stay in their dtype (float32 master weights and optimizer
@@ -53,7 +59,7 @@ def shard(
     for layer in decoder_layers(model):
         if activation_checkpointing:
             checkpoint_layer(layer)
-        fully_shard(layer, **kwargs)
+        fully_shard(layer, **kwargs, reshard_after_forward=reshard_after_forward)
     fully_shard(model, **kwargs)
     for module in model.modules():
         if isinstance(module, FSDPModule):
@@ -80,20 +86,44 @@ def checkpoint_layer(layer: torch.nn.Module) -> None:
 
 def checkpoint_layers(model: torch.nn.Module) -> None:
     """:func:`checkpoint_layer` every decoder layer of a model that is not sharded (one
-    process), and mark it: its forward passes then run without a shared prompt cache, which a
-    recomputed layer would append to twice."""
+    process)."""
     for layer in decoder_layers(model):
         checkpoint_layer(layer)
-    model.dapo_activation_checkpointing = True  # type: ignore[assignment]
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def is_checkpointed(model: torch.nn.Module) -> bool:
-    """Whether :func:`checkpoint_layers` recomputes ``model``'s layers (one process)."""
-    return bool(getattr(model, "dapo_activation_checkpointing", False))
+def within_forward(model: torch.nn.Module, fn: Callable[[Callable[..., Any]], T]) -> T:
+    """``fn(forward)`` run as ``model``'s own forward, ``forward`` being the model's real one.
+
+    FSDP2 gathers the root's weights (embeddings, final norm, head) in the hooks around the
+    root module's forward, and hooks its backward (the reduce-scatter of their gradients) on
+    what that forward returns. Code that takes the model apart (the decoder, then a chunked
+    head on its hidden states; a prompt pass, then a response pass) runs inside that call, so
+    it sees whole weights and its gradients are reduced as the model's own would be.
+    """
+    own = "forward" in vars(model)
+    saved = vars(model).get("forward")
+    forward = model.forward
+    model.forward = lambda: fn(forward)  # type: ignore[method-assign]
+    try:
+        return model()
+    finally:
+        if own:
+            model.forward = saved  # type: ignore[method-assign]
+        else:
+            del model.forward
+
+
+def set_grad_sync(model: torch.nn.Module, sync: bool) -> None:
+    """Whether the next backward reduce-scatters the gradients (FSDP2's switch). Off, each rank
+    accumulates unsharded float32 gradients (FSDP2 keeps them in the reduce dtype) across
+    micro-batches; the backward that turns it on again adds its own and reduces them all once.
+    Nothing to do for a model that is not sharded."""
+    if is_sharded(model):
+        model.set_requires_gradient_sync(sync)  # type: ignore[operator]
 
 
 @torch.no_grad()
@@ -126,3 +156,29 @@ def all_finite(model: torch.nn.Module) -> bool:
         if not bool(torch.isfinite(local).all()):
             return False
     return True
+
+
+def local_part(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
+    """(the part of ``tensor`` this rank holds, where that part lies in the whole tensor),
+    for a loader that reads only that part (:mod:`dapo.models.sharded_load`); an empty index
+    for a tensor that is not a shard or is replicated. FSDP2 shards dimension 0 as
+    ``torch.chunk`` does: rank r of n holds rows [r*c, (r+1)*c) with c = ceil(rows / n), the
+    last ranks fewer or none (its padding is not part of the tensor)."""
+    if not isinstance(tensor, DTensor):
+        return tensor, ()
+    local = tensor.to_local()
+    if len(tensor.placements) != 1:
+        raise NotImplementedError("reading shards over a mesh of more than one dimension")
+    placement, mesh = tensor.placements[0], tensor.device_mesh
+    if placement.is_replicate():
+        return local, ()
+    if not placement.is_shard():
+        raise NotImplementedError(f"reading into a {placement} placement")
+    dim, size = placement.dim, tensor.shape[placement.dim]
+    chunk = -(-size // mesh.size())
+    start = min(mesh.get_local_rank() * chunk, size)
+    if local.shape[dim] != max(0, min(chunk, size - start)):
+        raise AssertionError(f"a shard of {local.shape[dim]} rows at row {start} of {size}")
+    index = [slice(None)] * tensor.dim()
+    index[dim] = slice(start, start + local.shape[dim])
+    return local, tuple(index)

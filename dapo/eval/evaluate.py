@@ -37,6 +37,7 @@ def evaluate(
     records_out: list | None = None,
     before_batch: Callable[[int, int], None] | None = None,
     rows_per_generate: int = 0,
+    tp_mesh: Any = None,
 ) -> dict[str, float]:
     """The held-out evaluation of training: ``dapo eval``'s samples and metrics, as val/*.
 
@@ -49,11 +50,12 @@ def evaluate(
     ``before_batch`` is ``sample_records``'. A batch holds ``prompts_per_batch`` problems'
     k samples, or fewer problems when ``rows_per_generate`` (> 0) bounds the responses
     generated at once (training's ``rollout.rows_per_generate``: AIME's avg@32 is 960 rows).
+    Under torchrun each rank (``tp_mesh``: each group of ranks that generate together)
+    samples a share of the problems; seeded per problem, the records gathered are the ones one
+    process would draw.
     """
     k = num_samples
-    # Under torchrun each rank samples a share of the problems; seeded per problem, the
-    # records gathered are the ones one process would draw.
-    mine = dist.share(len(problems))
+    mine = _share(len(problems), tp_mesh)
     records = sample_records(
         engine,
         tokenizer,
@@ -73,7 +75,7 @@ def evaluate(
         else prompts_per_batch * k,
         before_batch=before_batch,
     )
-    per_problem, everyone = _exchange(records, k)
+    per_problem, everyone = _exchange(records, k, tp_mesh)
     if records_out is not None:
         records_out[:] = everyone[: mine.start] + records + everyone[mine.stop :]
     summary = summarize(per_problem, resamples=resamples, seed=seed % 2**32)
@@ -92,13 +94,28 @@ def evaluate(
     }
 
 
-def _exchange(records: list[dict], k: int) -> tuple[list[dict], list[dict]]:
-    """Every rank's per-problem metrics and records, in problem order, with the records'
-    responses left out: ranks exchange metrics and verdicts, not texts (at AIME's k = 32 and
-    20k-token responses those are tens of MB a rank)."""
+def _share(n: int, tp_mesh: Any) -> range:
+    """This rank's problems: its share, or its tensor-parallel group's (every rank of a group
+    generates all of the group's, in lockstep)."""
+    if tp_mesh is None:
+        return dist.share(n)
+    from dapo.dist import tensor_parallel
+
+    return tensor_parallel.group_share(n, tp_mesh)
+
+
+def _exchange(records: list[dict], k: int, tp_mesh: Any = None) -> tuple[list[dict], list[dict]]:
+    """Every rank's (group's) per-problem metrics and records, in problem order, with the
+    records' responses left out: ranks exchange metrics and verdicts, not texts (at AIME's
+    k = 32 and 20k-token responses those are tens of MB a rank)."""
     metrics = [record_metrics(r, ks=[k]) for r in records]
     light = [{key: v for key, v in r.items() if key != "responses"} for r in records]
-    gathered = dist.gather_lists(list(zip(metrics, light, strict=True)), patient=True)
+    mine = list(zip(metrics, light, strict=True))
+    if tp_mesh is not None:
+        from dapo.dist import tensor_parallel
+
+        mine = tensor_parallel.group_contribution(mine, tp_mesh)
+    gathered = dist.gather_lists(mine, patient=True)
     return [m for m, _ in gathered], [r for _, r in gathered]
 
 

@@ -19,9 +19,11 @@ from typing import Any
 
 import torch
 
+from dapo import dist
 from dapo.algo import entropy_from_logits, token_logprobs_from_hidden, token_logprobs_from_logits
 from dapo.data.batch import Batch
 from dapo.dist import fsdp
+from dapo.models import prompt_cache
 
 # Model types whose causal-LM logits are exactly ``decoder(...) @ lm_head.weight.T``, read
 # from their transformers forward. Others (Gemma2's soft-capping, Cohere's, Granite's or
@@ -34,11 +36,10 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 def output_head(model) -> torch.Tensor | None:
     """The output head's weight when logits are exactly ``decoder(...) @ weight.T``, else None.
 
-    None for a model sharded by FSDP: its hooks gather the weights of the root (embeddings,
-    head) only around the model's own forward, so the head cannot be applied from outside.
+    For a model sharded by FSDP this is the whole weight only while the model's own forward
+    runs (its hooks gather the root's weights there): :func:`response_logprobs` asks for it
+    inside :func:`dapo.dist.fsdp.within_forward`.
     """
-    if fsdp.is_sharded(model):
-        return None
     head = getattr(model, "get_output_embeddings", lambda: None)()
     decoder = getattr(model, "get_decoder", lambda: None)()
     config = getattr(model, "config", None)
@@ -75,11 +76,13 @@ def returned_cache(out: Any) -> Any:
 
 
 def _forward(model, head: torch.Tensor | None, *, keep: int, cache: Any = None, **kwargs):
-    """(hidden states or logits [B, keep, X] of the last ``keep`` positions, the KV cache)."""
+    """(hidden states or logits [B, keep, X] of the last ``keep`` positions, the KV cache).
+    ``model`` is the module, or (under FSDP) its own forward, called from inside its hooks."""
+    module = getattr(model, "__self__", model)  # the module of a bound forward
     if head is None:
-        out = model(**kwargs, **cache_argument(model, cache), logits_to_keep=keep)
+        out = model(**kwargs, **cache_argument(module, cache), logits_to_keep=keep)
         return out.logits, returned_cache(out)
-    decoder = model.get_decoder()
+    decoder = module.get_decoder()
     out = decoder(**kwargs, **cache_argument(decoder, cache))
     return out.last_hidden_state[:, -keep:], returned_cache(out)
 
@@ -106,18 +109,44 @@ def response_logprobs(
     the responses run on top. Gradients flow back through the cache (its indexing sums them
     over a group's rows), so values and gradients are those of the full forward, up to float
     rounding (tested); a group's prompt is computed once instead of G times.
+
+    A model sharded by FSDP runs all of this inside its own forward (:func:`fsdp.within_forward`),
+    where its hooks have gathered the head: the chunked head and the shared prompt work there
+    as in one process.
     """
-    head = output_head(model)
+    args = (prompt_ids_BP, prompt_mask_BP, response_ids_BT, response_mask_BT)
+    options = dict(temperature=temperature, with_entropy=with_entropy, share_prompts=share_prompts)
+    if fsdp.is_sharded(model):
+        return fsdp.within_forward(model, lambda fwd: _owned(_logprobs(fwd, *args, **options)))
+    return _logprobs(model, *args, **options)
+
+
+def _owned(pair: tuple[torch.Tensor, torch.Tensor | None]):
+    """Tensors that are not views ([B, T]: cheap): FSDP hooks the backward of what a forward
+    returns, and an in-place change of a view would bypass that hook."""
+    return tuple(None if t is None else t.clone() if t._is_view() else t for t in pair)
+
+
+def _logprobs(
+    model,
+    prompt_ids_BP: torch.Tensor,
+    prompt_mask_BP: torch.Tensor,
+    response_ids_BT: torch.Tensor,
+    response_mask_BT: torch.Tensor,
+    *,
+    temperature: float,
+    with_entropy: bool,
+    share_prompts: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`response_logprobs` of ``model``: the module, or its forward inside FSDP's hooks."""
+    module = getattr(model, "__self__", model)
+    head = output_head(module)
     args = (model, head, prompt_ids_BP, prompt_mask_BP, response_ids_BT, response_mask_BT)
-    # A sharded model's forward is a collective: every rank must make the same calls, and
-    # the shared pass makes one or two depending on the micro-batch, so FSDP takes one. A
-    # checkpointed layer's recompute would append its keys and values to the cache again.
-    share_prompts = share_prompts and not (fsdp.is_sharded(model) or fsdp.is_checkpointed(model))
-    shared = _shared_prompt_pass(*args[:4]) if share_prompts else None
+    sharded = fsdp.is_sharded(module)
+    shared = _shared_prompt_pass(*args[:4], sharded=sharded) if share_prompts else None
     if shared is None:  # no prompt repeats, or a cache that cannot be sliced by row
         return _full_forward(*args, temperature=temperature, with_entropy=with_entropy)
     prompt_states_N1X, cache, inverse_B = shared
-    cache.batch_select_indices(inverse_B)
     attn = torch.cat([prompt_mask_BP, response_mask_BT.to(prompt_mask_BP.dtype)], dim=1)
     num_resp = response_ids_BT.shape[1]
     start_B1 = prompt_mask_BP.long().sum(dim=1, keepdim=True)
@@ -128,7 +157,7 @@ def response_logprobs(
         input_ids=response_ids_BT,
         attention_mask=attn,
         position_ids=start_B1 + torch.arange(num_resp, device=attn.device),
-        cache=cache,
+        cache=prompt_cache.prefix_cache(cache, inverse_B),
         use_cache=True,
     )
     # The last prompt position predicts response token 0, response position t token t+1.
@@ -143,11 +172,19 @@ def response_logprobs(
     return torch.cat([first[0], rest[0]], dim=1), entropy_BT
 
 
-def _shared_prompt_pass(model, head, prompt_ids_BP, prompt_mask_BP):
+def _shared_prompt_pass(model, head, prompt_ids_BP, prompt_mask_BP, *, sharded: bool = False):
     """The distinct prompts' last states [N, 1, X], their KV cache and each row's prompt
-    index, or None when no prompt repeats or the cache cannot be indexed by row."""
+    index, or None when no prompt repeats or the cache cannot be indexed by row. The cache's
+    layers are then :func:`prompt_cache.recorded`: a layer recomputed in backward (activation
+    checkpointing) hands back its keys instead of appending them again.
+
+    A ``sharded`` model's forward is a collective: every rank must make the same calls, so the
+    ranks share prompts where any of them has one that repeats (one scalar all-reduce). Not
+    everywhere: FSDP2 reduce-scatters a layer's gradient after the backward of each call, so
+    the two passes cost two reduce-scatters where gradients are synchronised."""
     ids_NP, mask_NP, inverse_B = distinct_prompts(prompt_ids_BP, prompt_mask_BP)
-    if ids_NP.shape[0] == prompt_ids_BP.shape[0]:
+    repeats = ids_NP.shape[0] < prompt_ids_BP.shape[0]
+    if not (dist.any_rank(repeats) if sharded else repeats):
         return None
     states_N1X, cache = _forward(
         model,
@@ -160,6 +197,7 @@ def _shared_prompt_pass(model, head, prompt_ids_BP, prompt_mask_BP):
     )
     if not row_sliceable(cache):  # e.g. a recurrent-state cache
         return None
+    prompt_cache.recorded(cache)
     return states_N1X, cache, inverse_B
 
 

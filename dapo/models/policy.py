@@ -158,18 +158,29 @@ def load_policy(
     tokenizer: Any = None,
     log: Callable[[str], None] = print,
     device: torch.device | None = None,
+    *,
+    shard: bool = False,
 ) -> tuple[torch.nn.Module, Any]:
     """The policy on ``device`` (default: :func:`compute_device` of ``model.device``) with its
     weights in ``model.param_dtype``, and its tokenizer.
 
     The embedded tiny Qwen2 is warm-started on ``warmup_pairs`` (problem, worked solution)
-    when it is not cached yet; any other ``model.path`` is loaded with transformers.
+    when it is not cached yet; any other ``model.path`` is loaded with transformers. With
+    ``shard`` under ``torchrun``, a model stored as safetensors is loaded straight into FSDP
+    shards (:mod:`dapo.models.sharded_load`: each rank reads only its rows), and the model
+    returned is sharded; otherwise it is whole.
     """
+    device = device or compute_device(cfg.model.device)
+    if shard and dist.active() and cfg.model.path != "embedded":
+        from dapo.models import sharded_load
+
+        model = sharded_load.load(cfg, check_model_path(cfg), device, log)
+        if model is not None:
+            return model, tokenizer or load_tokenizer(cfg)
     if cfg.model.path == "embedded":
         model, tokenizer = _embedded(cfg, warmup_pairs, log)
     else:
         model, tokenizer = _pretrained(cfg, tokenizer)
-    device = device or compute_device(cfg.model.device)
     return model.to(device, dtype=DTYPES[cfg.model.param_dtype]), tokenizer
 
 

@@ -43,7 +43,11 @@ from dapo.rollout.kv_cache import RowCache
 
 class NativeEngine(LiveModelEngine):
     """Samples with :func:`decode` on the trainer's live module (nothing to sync); its
-    log-probs are the policy's own (a float32 forward pass gives them to 1e-5, tested)."""
+    log-probs are the policy's own (a float32 forward pass gives them to 1e-5, tested).
+
+    The module may be a tensor-parallel copy (:mod:`dapo.dist.tensor_parallel`), unchanged:
+    every rank of its group calls ``generate`` with the same prompts and seeds, sees the same
+    logits, and so finishes the same rows at the same steps as the others."""
 
     @torch.inference_mode()
     def generate(

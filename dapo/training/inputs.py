@@ -183,3 +183,44 @@ def describe_budget(cfg: Config, stats: dict[str, float]) -> str:
         f"{cfg.sampling.max_rounds or 'unbounded'} rounds); "
         f"{t.prompts_per_step * r.group_size * per_response / 1e6:.2f}M trained on"
     )
+
+
+def check_tensor_parallel(cfg: Config, world_size: int) -> None:
+    """``rollout.tp_size`` against the launch and the model, before any model loads: the
+    native engine only, under torchrun, a size that divides the world size and the model's
+    heads (:func:`dapo.dist.tensor_parallel.check_tp_size`, from config.json alone)."""
+    k = cfg.rollout.tp_size
+    if k == 1:
+        return
+    if cfg.rollout.engine != "dapo":
+        raise ValueError(
+            f"rollout.tp_size={k} splits the native engine's copy; rollout.engine="
+            f"{cfg.rollout.engine} generates from a whole copy per rank: use rollout.engine=dapo "
+            "or rollout.tp_size=1"
+        )
+    if world_size == 1:
+        raise ValueError(
+            f"rollout.tp_size={k} splits generation over {k} ranks of a torchrun job, and this "
+            f"is one process: launch with torchrun --nproc-per-node N (N a multiple of {k}; "
+            "a dry run: --world-size N), or set rollout.tp_size=1"
+        )
+    from dapo.dist.tensor_parallel import require_tp_size
+
+    require_tp_size(k, world_size, _model_config(cfg))
+
+
+def _model_config(cfg: Config) -> Any:
+    """The policy's transformers config, read from config.json (no weights, no code)."""
+    if cfg.model.path == "embedded":
+        from dapo.models.demo import TinyModelSpec
+
+        spec = TinyModelSpec()
+        return {
+            "model_type": "qwen2",
+            "num_attention_heads": spec.num_heads,
+            "num_key_value_heads": spec.num_kv_heads,
+            "intermediate_size": 2 * cfg.embedded.hidden,
+        }
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(cfg.model.path)

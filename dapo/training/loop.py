@@ -239,6 +239,7 @@ class _Run:
             records_out=self.records,
             before_batch=self.adjust_threads,
             rows_per_generate=cfg.rollout.rows_per_generate,
+            tp_mesh=state.tp_mesh,
         )
 
     def restore(self) -> None:

@@ -2,24 +2,28 @@
 
 One process holds float32 (``model.param_dtype``) weights, gradients and AdamW state, run
 under autocast, whose cache keeps a compute-dtype copy of every weight while it generates or
-trains. Under torchrun (here: from 2 ranks) FSDP2 shards those three per decoder layer,
-gathers two layers at a time in the compute dtype, computes full logits (no chunked head),
-and the native engine generates from a whole frozen copy on every rank; the ``dist`` options
-apply only then. Generation (KV cache) and training (gradients, activations, output head)
-never overlap: the peak is the larger phase plus what both hold (weights, AdamW state, the
-generation copy, the GRPO reference). Parameters are exact for Qwen2/Qwen3/Llama/Mistral
-(the tests check Qwen2.5's published counts); activations and logits are a rough model (the
-tests compare ``activation_bytes`` and the full logits with what autograd keeps).
+trains. Under torchrun (here: from 2 ranks) FSDP2 shards those three per decoder layer and
+gathers two layers at a time in the compute dtype; with ``dist.grad_sync=minibatch`` each rank
+also accumulates an unsharded float32 gradient of the whole model over a mini-batch. The
+output head runs a chunk of logits at a time (``dapo.algo.logits``) in both. Generation
+runs from a frozen compute-dtype copy, split over each ``rollout.tp_size`` ranks (the decoder
+layers' Linear weights, the embedding, the head and the KV heads; the norms whole); the
+``dist`` options and ``tp_size`` apply only under torchrun. Generation (KV cache) and training
+(gradients, activations, output head) never overlap: the peak is the larger phase plus what
+both hold (weights, AdamW state, the generation copy, the GRPO reference). Loading is planned
+in host memory. Parameters are exact for Qwen2/Qwen3/Llama/Mistral (the tests check Qwen2.5's
+published counts); activations and logits are a rough model (the tests compare
+``activation_bytes`` and the chunked head with what autograd keeps).
 
-    python -m dapo.memory_plan          # the table of docs/scale-out.md
+    python -m dapo.memory_plan          # the table of docs/scale-out.md (memory_table.py)
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -108,6 +112,24 @@ class ModelShape:
         return attention + mlp + 2 * h + 2 * self.head_dim * self.qk_norm
 
     @property
+    def tp_split_parameters(self) -> int:
+        """What tensor-parallel generation splits over its ranks (``dapo.dist.tensor_parallel``
+        ``tp_plan``): every decoder layer's Linear weights (q, k, v, o, gate, up, down) and
+        the biases of the column-wise ones (q, k, v, gate, up), the embedding and an untied
+        head (both over the vocabulary; a tied head shares the embedding's shard). Whole on
+        every rank: the norms and the row-wise layers' biases (o, down)."""
+        h, i, q, kv = self.hidden, self.intermediate, self.heads * self.head_dim, self.kv_dim
+        linear = h * (q + 2 * kv) + q * h + 3 * h * i
+        linear += (q + 2 * kv) * self.qkv_bias + 2 * i * self.mlp_bias
+        return self.layers * linear + self.vocab * h * (1 if self.tied else 2)
+
+    @property
+    def largest_tensor(self) -> int:
+        """Elements of the largest weight: the embedding, or an MLP projection, or q."""
+        q = self.heads * self.head_dim
+        return max(self.vocab, self.intermediate, q) * self.hidden
+
+    @property
     def outer_parameters(self) -> int:
         """Outside the decoder layers: the embedding V H, the untied head V H, the final norm H."""
         return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
@@ -135,10 +157,38 @@ class PlanSettings:
     """A frozen GRPO reference model (``algo.kl_coef > 0``)."""
     activation_checkpointing: bool = False
     cpu_offload: bool = False
+    grad_sync: str = "minibatch"
+    """``dist.grad_sync``: ``minibatch`` accumulates an unsharded float32 gradient of the
+    whole model on every rank until a mini-batch's last micro-batch; ``microbatch`` does not."""
+    tp_size: int = 1
+    """``rollout.tp_size``: ranks that generate together, tensor parallel (1 in one process)."""
+    reshard_after_forward: bool = True
+    """``dist.reshard_after_forward``: False keeps every layer gathered from its forward to its
+    backward."""
 
     @property
     def sharded(self) -> bool:
         return self.world_size > 1
+
+    def check(self, shape: ModelShape) -> None:
+        """ValueError for settings no run has."""
+        w, k = self.world_size, self.tp_size
+        if w < 1:
+            raise ValueError(f"world size must be >= 1, got {w}")
+        if self.grad_sync not in ("minibatch", "microbatch"):
+            raise ValueError(f"dist.grad_sync must be minibatch or microbatch: {self.grad_sync}")
+        if k > 1 and w == 1:
+            raise ValueError(
+                f"rollout.tp_size {k} needs torchrun (one process generates alone): plan the "
+                "run's ranks with --world-size N"
+            )
+        if k < 1 or w % k:
+            raise ValueError(f"rollout.tp_size {k} must divide the world size {w}")
+        if shape.heads % k or shape.kv_heads % k:
+            raise ValueError(
+                f"rollout.tp_size {k} must divide the model's {shape.heads} attention and "
+                f"{shape.kv_heads} key-value heads"
+            )
 
 
 @dataclass(frozen=True)
@@ -150,12 +200,16 @@ class MemoryPlan:
     weights: int
     gradients: int
     optimizer: int
+    accumulated_gradients: int
+    """The unsharded float32 gradient of ``dist.grad_sync=minibatch`` (training only)."""
     generation_copy: int
     gathered_layers: int
     activations: int
     output_head: int
     kv_cache: int
     reference: int
+    load_host: int
+    """Host memory per rank while the model loads (not on the GPU, not in the peaks)."""
 
     @property
     def offloaded(self) -> bool:
@@ -178,7 +232,7 @@ class MemoryPlan:
 
     @property
     def training_peak(self) -> int:
-        grads = 0 if self.offloaded else self.gradients
+        grads = (0 if self.offloaded else self.gradients) + self.accumulated_gradients
         return self.held + grads + self.gathered_layers + self.activations + self.output_head
 
     @property
@@ -200,95 +254,82 @@ def activation_bytes(shape: ModelShape, *, tokens: int, compute: int, checkpoint
 
 
 def output_head_bytes(shape: ModelShape, s: PlanSettings, *, compute: int) -> int:
-    """One process: a float32 chunk of logits and its compute-dtype copy, the head's weight in
-    the compute dtype and its float32 gradient (``dapo.algo.logits``). FSDP: the logits of each
-    row's response and the position before it, from the model's own forward (no chunked head):
-    backward holds four compute-dtype [positions, V] tensors at once, forward no more (see
-    docs/scale-out.md); the head's weight is counted in the gathered root."""
-    tokens, vocab = s.microbatch_tokens, shape.vocab
-    if s.sharded:  # rows of prompt + L_max tokens
-        positions = -(-tokens * (s.max_new_tokens + 1) // (s.prompt_tokens + s.max_new_tokens))
-        return 4 * compute * positions * vocab
-    chunk = min(tokens, max(1, HEAD_CHUNK_ELEMENTS // vocab))
-    return chunk * vocab * (4 + compute) + vocab * shape.hidden * (compute + 4)
+    """The chunked head (``dapo.algo.logits``), in one process and under FSDP alike. Backward
+    holds a float32 chunk of ``HEAD_CHUNK_ELEMENTS`` logits (fewer for a shorter micro-batch)
+    and its compute-dtype copy, the head's float32 weight gradient accumulated over the
+    chunks and, unless the compute dtype is float32, a chunk's ``[V, H]`` gradient in it and
+    its float32 copy; one process adds the head's weight cast to the compute dtype, which
+    FSDP has gathered in it (counted in the gathered root)."""
+    vocab, weight = shape.vocab, shape.vocab * shape.hidden
+    chunk = min(s.microbatch_tokens, max(1, HEAD_CHUNK_ELEMENTS // vocab))
+    held = 4 * weight + (0 if compute == 4 else (compute + 4) * weight)
+    if not s.sharded and compute != DTYPE_BYTES[s.param_dtype]:
+        held += compute * weight
+    return chunk * vocab * (4 + compute) + held
 
 
-def kv_cache_bytes(shape: ModelShape, *, tokens: int, rows: int, compute: int) -> int:
-    """K and V of every layer for ``rows`` responses of ``tokens`` (prompt + L_max) each."""
-    return 2 * shape.layers * shape.kv_dim * compute * tokens * rows
+def kv_cache_bytes(shape: ModelShape, *, tokens: int, rows: int, compute: int, tp: int = 1) -> int:
+    """K and V of every layer for ``rows`` responses of ``tokens`` (prompt + L_max) each; a
+    rank of a tensor-parallel group of ``tp`` holds 1/tp of the key-value heads."""
+    return math.ceil(2 * shape.layers * shape.kv_dim * compute * tokens * rows / tp)
+
+
+def generation_copy_bytes(shape: ModelShape, s: PlanSettings, *, frozen: int) -> int:
+    """Under FSDP a frozen copy (``frozen`` bytes a value) to generate from, whole or with
+    ``shape.tp_split_parameters`` split over ``s.tp_size`` ranks; one process generates from its
+    own module, whose compute-dtype copy under autocast this counts (none in float32)."""
+    master, compute = DTYPE_BYTES[s.param_dtype], DTYPE_BYTES[s.compute_dtype]
+    if not s.sharded:
+        return shape.num_parameters * compute if compute != master else 0
+    split = shape.tp_split_parameters
+    return math.ceil(split * frozen / s.tp_size) + (shape.num_parameters - split) * frozen
+
+
+def load_host_bytes(shape: ModelShape, s: PlanSettings) -> int:
+    """Host memory of a rank while it loads: under torchrun it builds the model on the meta
+    device and reads only its shards from the safetensors files, so its float32 shard and the
+    largest tensor in flight; one process, the whole model in ``model.param_dtype``."""
+    master = DTYPE_BYTES[s.param_dtype]
+    if not s.sharded:
+        return shape.num_parameters * master
+    return math.ceil(shape.num_parameters * master / s.world_size) + shape.largest_tensor * master
 
 
 def plan_memory(shape: ModelShape, settings: PlanSettings) -> MemoryPlan:
     s = settings
-    if s.world_size < 1:
-        raise ValueError(f"world size must be >= 1, got {s.world_size}")
+    s.check(shape)
     p, w = shape.num_parameters, s.world_size
     master, compute = DTYPE_BYTES[s.param_dtype], DTYPE_BYTES[s.compute_dtype]
     # Frozen copies (generation, reference) are bf16 when that computes, else the weights'
-    # dtype (dapo.training.step); one process generates from its own module, under autocast.
+    # dtype (dapo.training.step).
     frozen = 2 if s.compute_dtype == "bfloat16" else master
-    copy = p * frozen if s.sharded else (p * compute if compute != master else 0)
     tokens, ckpt = s.microbatch_tokens, s.activation_checkpointing
     gathered = 0
-    if s.sharded:  # two layers (one prefetched) and the root's embedding/head in the
-        # compute dtype, and one layer's unsharded float32 gradient before reduce-scatter
+    if s.sharded:  # two layers (one prefetched; every layer without resharding after
+        # forward) and the root's embedding/head in the compute dtype, and one layer's
+        # unsharded float32 gradient before reduce-scatter
         layer = shape.layer_parameters
-        gathered = (2 * layer + shape.outer_parameters) * compute + layer * 4
+        layers = 2 if s.reshard_after_forward else shape.layers
+        gathered = (layers * layer + shape.outer_parameters) * compute + layer * 4
+    kv_tokens = s.prompt_tokens + s.max_new_tokens
     return MemoryPlan(
         shape=shape,
         settings=s,
         weights=math.ceil(p * master / w),
         gradients=math.ceil(p * master / w),
         optimizer=math.ceil(2 * p * master / w),
-        generation_copy=copy,
+        # FSDP2 accumulates in its reduce dtype, float32, whatever param_dtype is.
+        accumulated_gradients=4 * p if s.sharded and s.grad_sync == "minibatch" else 0,
+        generation_copy=generation_copy_bytes(shape, s, frozen=frozen),
         gathered_layers=gathered,
         activations=activation_bytes(shape, tokens=tokens, compute=compute, checkpointing=ckpt),
         output_head=output_head_bytes(shape, s, compute=compute),
         kv_cache=kv_cache_bytes(
-            shape, tokens=s.prompt_tokens + s.max_new_tokens, rows=s.rows, compute=compute
+            shape, tokens=kv_tokens, rows=s.rows, compute=compute, tp=s.tp_size
         ),
         reference=math.ceil(p * frozen / w) if s.reference else 0,
+        load_host=load_host_bytes(shape, s),
     )
-
-
-def _in(unit: int):
-    return lambda n: f"{n / unit:.2f}"
-
-
-def format_plan(plan: MemoryPlan) -> str:
-    """The plan as a small text table, in GiB (MiB for a plan under 1 GiB)."""
-    s, count = plan.settings, plan.shape.num_parameters
-    w, master, compute = s.world_size, s.param_dtype, s.compute_dtype
-    share = f"1/{w} shard" if s.sharded else "whole"
-    where = "host" if plan.offloaded else "GPU"
-    ckpt = ", checkpointed" if s.activation_checkpointing else ""
-    unit, size = ("GiB", _in(GIB)) if max(plan.total, plan.host) >= GIB else ("MiB", _in(2**20))
-    copy = "generation copy (whole)" if s.sharded else f"autocast's {compute} weight copy"
-    kv = f"KV cache ({s.rows} rows x {s.prompt_tokens + s.max_new_tokens} tokens)"
-    logits = f"full logits, 4 x {compute}" if s.sharded else "logit chunks, its gradient"
-    rows = [
-        (f"weights ({master}, {share})", plan.weights, where + ", always"),
-        (f"gradients ({master}, {share})", plan.gradients, where + ", training"),
-        (f"AdamW state (2 x {master}, {share})", plan.optimizer, where + ", always"),
-        (copy, plan.generation_copy, "GPU, always"),
-        (f"FSDP gathered layers ({compute})", plan.gathered_layers, "GPU, training"),
-        (f"activations ({s.microbatch_tokens} tokens{ckpt})", plan.activations, "GPU, training"),
-        (f"output head ({logits})", plan.output_head, "GPU, training"),
-        (kv, plan.kv_cache, "GPU, generation"),
-        (f"GRPO reference ({share})", plan.reference, where + ", always"),
-        ("peak in generation", plan.generation_peak, ""),
-        ("peak in training", plan.training_peak, ""),
-        ("peak per GPU", plan.total, ""),
-    ]
-    if plan.offloaded:
-        rows.append(("host memory per rank", plan.host, ""))
-    rows = [row for row in rows if row[1] or not row[2]]  # parts this run does not have: out
-    width = max(len(name) for name, _, _ in rows) + 2
-    count_text = f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.2f}M"
-    head = f"memory per GPU on paper, world size {w}: {count_text} parameters, {compute} "
-    head += f"compute, {master} weights ({unit}; the model: dapo/training/memory_plan.py)"
-    lines = (f"  {name:<{width}}{size(n):>9}  {when}".rstrip() for name, n, when in rows)
-    return "\n".join([head, *lines])
 
 
 def round_prompts(cfg: Config) -> int:
@@ -298,19 +339,25 @@ def round_prompts(cfg: Config) -> int:
     return max(default, MAX_OVERSAMPLE * n) if smp.dynamic and smp.oversample else default
 
 
-def rows_per_rank(cfg: Config, world_size: int) -> int:
-    """Responses one rank generates at once: a whole round's share, or fewer by
-    ``rollout.rows_per_generate``."""
-    share = math.ceil(round_prompts(cfg) * cfg.rollout.group_size / world_size)
+def rows_per_rank(cfg: Config, world_size: int, tp_size: int = 1) -> int:
+    """Responses one rank generates at once: its tensor-parallel group's share of a whole
+    round (``world_size / tp_size`` groups, every rank of a group holding all its rows), or
+    fewer by ``rollout.rows_per_generate``."""
+    groups = max(1, world_size // tp_size)
+    share = math.ceil(round_prompts(cfg) * cfg.rollout.group_size / groups)
     limit = cfg.rollout.rows_per_generate
     return min(limit, share) if limit > 0 else share
 
 
-def settings_from_config(cfg: Config, *, world_size: int, prompt_tokens: int) -> PlanSettings:
+def settings_from_config(
+    cfg: Config, *, world_size: int, prompt_tokens: int, tp_size: int | None = None
+) -> PlanSettings:
     """The plan's settings for a run of ``world_size`` ranks whose longest prompt has
-    ``prompt_tokens`` tokens (every response counted at L_max: an upper bound)."""
+    ``prompt_tokens`` tokens (every response counted at L_max: an upper bound), generating
+    ``tp_size`` ranks at a time (by default ``rollout.tp_size``)."""
     context = prompt_tokens + cfg.rollout.max_new_tokens
     share = math.ceil(cfg.train.responses_per_minibatch / world_size) * context
+    tp = cfg.rollout.tp_size if tp_size is None else tp_size
     return PlanSettings(
         world_size=world_size,
         param_dtype=cfg.model.param_dtype,
@@ -318,10 +365,13 @@ def settings_from_config(cfg: Config, *, world_size: int, prompt_tokens: int) ->
         microbatch_tokens=max(context, min(cfg.train.tokens_per_microbatch, share)),
         prompt_tokens=prompt_tokens,
         max_new_tokens=cfg.rollout.max_new_tokens,
-        rows=rows_per_rank(cfg, world_size),
+        rows=rows_per_rank(cfg, world_size, tp),
         reference=cfg.algo.kl_coef > 0,
         activation_checkpointing=cfg.dist.activation_checkpointing,
         cpu_offload=cfg.dist.cpu_offload,
+        grad_sync=cfg.dist.grad_sync,
+        tp_size=tp,
+        reshard_after_forward=cfg.dist.reshard_after_forward,
     )
 
 
@@ -348,53 +398,3 @@ def model_shape(cfg: Config) -> ModelShape:
         return ModelShape.from_hf_config(embedded_hf_config(cfg))
     path = Path(cfg.model.path) / "config.json"
     return ModelShape.from_hf_config(json.loads(path.read_text(encoding="utf-8")))
-
-
-def print_plan(cfg: Config, *, world_size: int, prompt_tokens: int) -> None:
-    """The dry run's memory table (or why there is none)."""
-    try:
-        shape = model_shape(cfg)
-    except (OSError, ValueError, KeyError) as exc:
-        print(f"memory plan: not available ({exc})")
-        return
-    settings = settings_from_config(cfg, world_size=world_size, prompt_tokens=prompt_tokens)
-    print(format_plan(plan_memory(shape, settings)))
-    if not settings.sharded and cfg.dist.cpu_offload:
-        print("  note: dist.cpu_offload applies from 2 ranks")
-    if cfg.rollout.rows_per_generate == 0:
-        print(
-            f"  note: KV cache of a whole round per rank (up to {round_prompts(cfg)} prompts x "
-            f"{cfg.rollout.group_size} / {world_size}), every row at the longest prompt + L_max:"
-            " an upper bound; rollout.rows_per_generate bounds it"
-        )
-
-
-def markdown_table(
-    names: Sequence[str] = tuple(KNOWN_SHAPES),
-    world_sizes: Sequence[int] = (1, 8, 64),
-    settings: PlanSettings = PlanSettings(),
-) -> str:
-    """GiB per GPU of ``KNOWN_SHAPES`` at each world size (docs/scale-out.md's table)."""
-    head = "model|params|GPUs|weights + grads + AdamW|generation copy|activations (checkpointed)"
-    head += "|output head|KV cache|peak in training (checkpointed)|peak in generation"
-    lines = ["| " + head.replace("|", " | ") + " |", "|---|" + "---:|" * 9]
-    gib = _in(GIB)
-    for name in names:
-        shape = ModelShape.from_hf_config(KNOWN_SHAPES[name])
-        for w in world_sizes:
-            plain = plan_memory(shape, replace(settings, world_size=w))
-            ck = plan_memory(shape, replace(settings, world_size=w, activation_checkpointing=True))
-            states = plain.weights + plain.gradients + plain.optimizer
-            # docs/scale-out.md's table: checkpointed figures beside the plain ones from 2 ranks.
-            acts, training = gib(plain.activations), gib(plain.training_peak)
-            if w > 1:
-                acts += f" ({gib(ck.activations)})"
-                training += f" ({gib(ck.training_peak)})"
-            cells = (name, f"{shape.num_parameters / 1e9:.2f}B", str(w), gib(states))
-            cells += (gib(plain.generation_copy), acts, gib(plain.output_head), gib(plain.kv_cache))
-            lines.append("| " + " | ".join((*cells, training, gib(plain.generation_peak))) + " |")
-    return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    print(markdown_table())

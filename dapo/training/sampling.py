@@ -21,6 +21,9 @@ from dapo.data.batch import Episode
 class Group:
     uid: str
     episodes: list[Episode]
+    origin: tuple[int, int, int] | None = None
+    """Under ranks, for a group of summaries: (round, index in the round, the rank that holds
+    its whole episodes); see :mod:`dapo.training.exchange`."""
 
     @property
     def correct(self) -> list[bool]:

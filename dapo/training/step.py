@@ -15,7 +15,6 @@ checkpoints, resume, signals, the run's outputs) is :mod:`dapo.training.loop`.
 
 from __future__ import annotations
 
-import copy
 import functools
 import sys
 import time
@@ -30,14 +29,15 @@ from dapo.config import Config
 from dapo.data.batch import Episode
 from dapo.data.problems import Problem, PromptSampler
 from dapo.data.prompts import render_prompt
-from dapo.dist import fsdp
+from dapo.dist import fsdp, tensor_parallel
 from dapo.models.policy import DTYPES, compute_device, stop_token_ids
 from dapo.reward.pool import GradeResult, RewardPool, grading_job
 from dapo.rollout import Engine, Sample, generate_samples, make_engine
 from dapo.rollout.base import LiveModelEngine
 from dapo.run.metrics import accumulate
 from dapo.run.seeding import derive_seed
-from dapo.training import sampling
+from dapo.training import exchange, sampling
+from dapo.training.copies import copies_and_shards
 from dapo.training.sampling import Group, SamplingResult, collect_groups
 from dapo.training.update import update
 
@@ -71,16 +71,22 @@ class TrainState:
     """The run's compute device (:func:`~dapo.models.policy.compute_device`): every tensor of
     the step goes there, not where a parameter is (CPU offload keeps shards on the host)."""
     gen_model: torch.nn.Module | None = None
-    """Under FSDP: a whole copy of the policy in the compute dtype that the engine samples
-    from (a sharded model's forward is a collective, and ranks generate different lengths),
-    refreshed from the shards by :meth:`sync_engine`; None in one process."""
+    """Under FSDP: a copy of the policy in the compute dtype that the engine samples from (a
+    sharded model's forward is a collective, and ranks generate different lengths), whole or
+    split over ``tp_mesh``'s groups, refreshed from the shards by :meth:`sync_engine`; None in
+    one process."""
+    tp_mesh: Any = None
+    """With ``rollout.tp_size`` > 1: the ("dp", "tp") mesh of the ranks that generate together
+    (:mod:`dapo.dist.tensor_parallel`); None otherwise."""
 
     def sync_engine(self) -> None:
         """Tell the engine the weights changed (after updates, after a resume); under FSDP,
         gather the shards into the whole copy first. Timed (``perf/weight_sync_s``) where
         there is something to copy: a gather, or an engine with its own weights (vllm)."""
         t0 = time.perf_counter()
-        if self.gen_model is not None:
+        if self.tp_mesh is not None:
+            tensor_parallel.fill_tp_copy(self.model, self.gen_model)
+        elif self.gen_model is not None:
             fsdp.gather_into(self.model, self.gen_model)
         self.engine.sync_weights(self.model if self.gen_model is None else self.gen_model)
         if self.gen_model is not None or not isinstance(self.engine, LiveModelEngine):
@@ -116,10 +122,10 @@ def build_state(
     device: torch.device | None = None,
 ) -> TrainState:
     """The run's state around ``model``, computing on ``device`` (default: ``model.device``'s,
-    :func:`compute_device`); under ``torchrun``, see :func:`_copies_and_shards`."""
+    :func:`compute_device`); under ``torchrun``, see :mod:`dapo.training.copies`."""
     device = device or compute_device(cfg.model.device)
     compute = DTYPES[cfg.model.compute_dtype]
-    ref_model, gen_model = _copies_and_shards(cfg, model, compute)
+    ref_model, gen_model, tp_mesh = copies_and_shards(cfg, model, compute, device)
     optimizer = torch.optim.AdamW(
         model.parameters(),
         lr=cfg.optim.lr,
@@ -151,38 +157,8 @@ def build_state(
         scaler=scaler,
         device=device,
         gen_model=gen_model,
+        tp_mesh=tp_mesh,
     )
-
-
-def _copies_and_shards(
-    cfg: Config, model: torch.nn.Module, compute: torch.dtype
-) -> tuple[torch.nn.Module | None, torch.nn.Module | None]:
-    """The frozen reference (KL) and, under FSDP2 (which shards both models), the whole copy
-    the engine samples from; activation checkpointing (FSDP's, or in one process)."""
-    # Frozen copies are held in bfloat16 when that is the compute dtype (float16 weights
-    # would overflow without autocast's float32 ops: they stay as the policy's).
-    held = compute if compute == torch.bfloat16 else next(model.parameters()).dtype
-    ref_model = gen_model = None
-    if cfg.algo.kl_coef > 0:  # the naive-GRPO KL anchor: a frozen copy of the starting policy
-        ref_model = copy.deepcopy(model).to(held).eval().requires_grad_(False)
-    if not dist.active() and cfg.dist.activation_checkpointing:
-        fsdp.checkpoint_layers(model)
-    if dist.active():
-        if compute == torch.float16:
-            raise ValueError(
-                "model.compute_dtype=float16 is not supported under torchrun (FSDP); use "
-                "bfloat16, which needs no loss scaling"
-            )
-        gen_model = copy.deepcopy(model).to(held).eval().requires_grad_(False)
-        options = dict(
-            compute_dtype=compute,
-            activation_checkpointing=cfg.dist.activation_checkpointing,
-            cpu_offload=cfg.dist.cpu_offload,
-        )
-        fsdp.shard(model, **options)
-        if ref_model is not None:
-            fsdp.shard(ref_model, **{**options, "activation_checkpointing": False})
-    return ref_model, gen_model
 
 
 # ----------------------------------------------------------------------------- 1. rollout
@@ -209,9 +185,12 @@ def shape_group(episodes: Sequence[Episode], cfg: Config) -> None:
         e.reward, e.correct, e.trainable = reward, correct, keep
 
 
-def sample_round(state: TrainState, problems: list[Problem], *, seeds: list[int]) -> list[Sample]:
+def sample_round(
+    state: TrainState, problems: list[Problem], *, seeds: list[int], count: bool = True
+) -> list[Sample]:
     """G responses per problem (samples i*G .. i*G+G-1 are problem i), problem i's drawn from
-    ``seeds[i]`` alone, in calls of at most ``rollout.rows_per_generate`` rows."""
+    ``seeds[i]`` alone, in calls of at most ``rollout.rows_per_generate`` rows; their slots
+    counted in ``perf/gen_padding_frac`` when ``count``."""
     cfg, r = state.cfg, state.cfg.rollout
     prompts = [
         render_prompt(
@@ -233,19 +212,25 @@ def sample_round(state: TrainState, problems: list[Problem], *, seeds: list[int]
         top_p=r.top_p,
         ignore_eos=r.ignore_eos,
     )
-    accumulate(state.timers, "gen_slots", float(slots))
+    accumulate(state.timers, "gen_slots", float(slots) if count else 0.0)
     return samples
 
 
-def rollout_round(state: TrainState, problems: list[Problem], *, seeds: list[int]) -> list[Group]:
-    """G responses for each problem, graded and shaped, as one group per problem."""
+def rollout_round(
+    state: TrainState, problems: list[Problem], *, seeds: list[int], keep: bool = True
+) -> list[Group]:
+    """G responses for each problem, graded and shaped, as one group per problem. Not
+    ``keep``: generated (in lockstep with a tensor-parallel group's first rank, which keeps
+    them) and dropped."""
     cfg = state.cfg
     G = cfg.rollout.group_size
     if not problems:  # a rank whose share of a small round is empty
         return []
     state.model.eval()
     state.on_phase("generate")
-    samples = sample_round(state, problems, seeds=seeds)
+    samples = sample_round(state, problems, seeds=seeds, count=keep)
+    if not keep:
+        return []
     jobs = [grading_job(problems[b // G], x.text, cfg.reward.grader) for b, x in enumerate(samples)]
     state.on_phase("reward")
     t_reward = time.perf_counter()
@@ -321,22 +306,34 @@ def lr_at(cfg: Config, step: int) -> float:
     return cfg.optim.lr * min(1.0, (step + 1) / cfg.optim.warmup_steps)
 
 
+def draw_round(
+    state: TrainState, held: exchange.Held, round_index: int, num_prompts: int
+) -> list[Group]:
+    """A round's groups on every rank: each rank (tensor-parallel group) generates its share,
+    gathered in order as summaries (``held`` keeps the whole ones): one process's decisions."""
+    problems = state.sampler.next(num_prompts)
+    seeds = round_seeds(state, round_index, problems)
+    mesh = state.tp_mesh
+    if mesh is None:
+        mine, keep = dist.share(len(problems)), True
+    else:  # every rank of a group generates the group's share; its first rank keeps it
+        mine = tensor_parallel.group_share(len(problems), mesh)
+        keep = tensor_parallel.tp_coordinates(mesh)[1] == 0
+    groups = rollout_round(
+        state, problems[mine.start : mine.stop], seeds=seeds[mine.start : mine.stop], keep=keep
+    )
+    if dist.world_size() == 1:
+        return groups  # tokens move once, to the rank that trains them (exchange.deliver):
+    summaries = held.summarise(groups, round_index=round_index, start=mine.start)
+    return dist.gather_lists(summaries, patient=True)
+
+
 def train_step(state: TrainState) -> dict[str, float]:
     """One rollout step: rounds of rollouts until N groups are kept, advantages, the updates."""
     cfg, s = state.cfg, state.cfg.sampling
     state.timers.clear()
     t0 = time.perf_counter()
-
-    def draw_round(round_index: int, num_prompts: int) -> list[Group]:
-        # Every rank draws the same problems and takes its share; the groups are gathered in
-        # order, so every rank makes the same dynamic-sampling decisions as one process.
-        problems = state.sampler.next(num_prompts)
-        seeds = round_seeds(state, round_index, problems)
-        mine = dist.share(len(problems))
-        groups = rollout_round(
-            state, problems[mine.start : mine.stop], seeds=seeds[mine.start : mine.stop]
-        )
-        return dist.gather_lists(groups, patient=True)
+    held = exchange.Held()
 
     n = cfg.train.prompts_per_step
     sizes = functools.partial(
@@ -348,7 +345,7 @@ def train_step(state: TrainState) -> dict[str, float]:
         prior=state.sampling_prior,
     )
     result = collect_groups(
-        draw_round,
+        functools.partial(draw_round, state, held),
         num_groups=n,
         dynamic=s.dynamic,
         max_rounds=s.max_rounds,
@@ -362,7 +359,10 @@ def train_step(state: TrainState) -> dict[str, float]:
     episodes = [e for g in result.groups for e in g.episodes]
     t1 = time.perf_counter()
     state.on_phase("train")
-    metrics = update(state, episodes, lr=lr_at(cfg, state.step)) if episodes else {}
+    plan = exchange.training_plan(cfg, state.step, episodes)
+    if dist.world_size() > 1:
+        episodes = exchange.deliver(result.groups, held, plan)
+    metrics = update(state, episodes, lr=lr_at(cfg, state.step), plan=plan) if episodes else {}
     if metrics.get("train/updates"):
         state.sync_engine()
     t_train = time.perf_counter() - t1

@@ -14,7 +14,6 @@ import time
 from typing import TYPE_CHECKING
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
 from dapo import algo, dist
 from dapo.config import Config
@@ -22,16 +21,20 @@ from dapo.data.batch import (
     Batch,
     Episode,
     collate,
-    length_sorted,
     partition_by_tokens,
-    split_microbatches,
-    split_minibatches,
 )
 from dapo.dist import fsdp
 from dapo.models.logprobs import autocast, batch_logprobs, forward_slots
 from dapo.models.policy import DTYPES
 from dapo.run.metrics import accumulate
-from dapo.run.seeding import derive_seed
+from dapo.training.exchange import (
+    MiniBatch,
+    rank_microbatches,
+    stand_in,
+    trained_by,
+    training_plan,
+)
+from dapo.training.old_logprobs import fill_logprobs, set_loss_weights, set_old_logprobs
 
 if TYPE_CHECKING:
     from dapo.training.step import TrainState
@@ -41,147 +44,40 @@ class NonFiniteError(RuntimeError):
     """Too many consecutive updates had a non-finite loss or gradient norm."""
 
 
-SAMPLER_LOGPROB_TOLERANCE = 1e-3
-"""Largest |sampler - forward| log-prob gap that lets the sampler's stand in for pi_old."""
-
-
-def rank_microbatches(episodes: list[Episode], indices: list[int], max_tokens: int):
-    """This rank's micro-batches of ``episodes[indices]``, then None (a pass that computes
-    nothing) up to the most any rank has: a sharded model's forward and backward are
-    collectives, so every rank runs as many."""
-    order = length_sorted(episodes, indices)
-    micros: list[list[int] | None] = list(
-        split_microbatches(episodes, order, max_tokens=max_tokens)
-    )
-    return micros + [None] * (dist.all_reduce_max(len(micros)) - len(micros))
-
-
-@torch.no_grad()
-def fill_logprobs(model, episodes: list[Episode], attr: str, state: TrainState) -> None:
-    """Forward passes without gradient to store pi_old or pi_ref log-probs on each episode:
-    each rank computes a share of the episodes and the ranks exchange the results."""
-    cfg, pad_id, device = state.cfg, state.tokenizer.pad_token_id, state.device
-    model.eval()
-    mine = partition_by_tokens(episodes, dist.world_size())[dist.rank()]
-    computed = []
-    for micro in rank_microbatches(episodes, mine, cfg.train.tokens_per_microbatch):
-        # None: another rank has more passes; this one forwards episode 0 and keeps nothing.
-        b = collate([episodes[i] for i in micro or [0]], pad_id=pad_id).to(device)
-        with autocast(model, DTYPES[cfg.model.compute_dtype], device):
-            logp_BT, _ = batch_logprobs(
-                model, b, temperature=cfg.rollout.temperature, share_prompts=cfg.train.share_prompts
-            )
-        for row, i in enumerate(micro or []):
-            computed.append((i, logp_BT[row, : episodes[i].length].float().cpu()))
-    for i, logp in dist.gather_lists(computed):
-        setattr(episodes[i], attr, logp)
-
-
-def set_old_logprobs(state: TrainState, episodes: list[Episode]) -> dict[str, float]:
-    """pi_old: recomputed by a forward pass, or the sampler's once they are shown to match it.
-
-    The check runs on the first step of each process (one forward pass) and stops the run on a
-    gap above the tolerance; otherwise the sampler's values are used, the ones an uninterrupted
-    run used, and only the run's first step logs the gap, so a resumed run stays bit-identical.
-    An engine whose log-probs are not exact never stands in for pi_old.
-    """
-    if state.cfg.train.recompute_old_logprobs or not state.engine.exact_logprobs:
-        fill_logprobs(state.model, episodes, "old_logprobs", state)
-        return {}
-    out = {}
-    if not state.sampler_logprobs_checked:
-        fill_logprobs(state.model, episodes, "old_logprobs", state)
-        gap = max(float(algo.max_abs_gap(e.old_logprobs, e.sampler_logprobs)) for e in episodes)
-        if not gap <= SAMPLER_LOGPROB_TOLERANCE:
-            raise ValueError(
-                f"train.recompute_old_logprobs=false: the sampler's log-probs differ from a "
-                f"forward pass by up to {gap:.3g} (tolerance {SAMPLER_LOGPROB_TOLERANCE}) at "
-                f"model.compute_dtype={state.cfg.model.compute_dtype}, so they cannot stand in "
-                "for pi_old. "
-                "Set train.recompute_old_logprobs=true (needed in bfloat16 and float16)."
-            )
-        state.sampler_logprobs_checked = True
-        if state.step == 0:
-            out["train/sampler_logprob_gap"] = gap
-    for e in episodes:
-        e.old_logprobs = e.sampler_logprobs
-    return out
-
-
-def correction_mode(cfg: Config, engine_exact: bool) -> str:
-    """``algo.rollout_correction`` with auto resolved: token_tis for an engine whose log-probs
-    are not the trainer's, none for one whose are."""
-    mode = cfg.algo.rollout_correction
-    if mode == "auto":
-        return "none" if engine_exact else "token_tis"
-    return mode
-
-
-CORRECTION_CHUNK = 256
-"""Responses padded together to compute their correction weights."""
-
-
-def set_loss_weights(state: TrainState, episodes: list[Episode]) -> dict[str, float]:
-    """The rollout correction's weights on each episode (``algo.rollout_correction``) and the
-    mismatch between the engine's log-probs and pi_old, for an engine whose log-probs are not
-    pi_old's or when a correction is asked for; nothing otherwise."""
-    cfg, exact = state.cfg, state.engine.exact_logprobs
-    mode = correction_mode(cfg, exact)
-    if mode == "none" and exact:
-        return {}
-    sums: dict[str, float] = {}
-    for start in range(0, len(episodes), CORRECTION_CHUNK):
-        chunk = episodes[start : start + CORRECTION_CHUNK]
-        old_BT = pad_sequence([e.old_logprobs for e in chunk], batch_first=True)
-        rollout_BT = pad_sequence([e.sampler_logprobs for e in chunk], batch_first=True)
-        lengths_B = torch.tensor([e.length for e in chunk])
-        weights_BT, stats = algo.rollout_correction(
-            old_BT,
-            rollout_BT,
-            torch.arange(old_BT.shape[1]) < lengths_B[:, None],
-            mode=mode,
-            threshold=cfg.algo.rollout_correction_threshold,
-        )
-        n = float(stats["num_tokens"])
-        for key in ("mismatch_abs", "mismatch_kl", "corrected_frac"):
-            accumulate(sums, key, float(stats[key]) * n)
-        accumulate(sums, "tokens", n)
-        for row, e in enumerate(chunk):
-            e.loss_weights = None if mode == "none" else weights_BT[row, : e.length].clone()
-    tokens = max(sums.get("tokens", 0.0), 1.0)
-    return {
-        "mismatch/abs_log_ratio": sums.get("mismatch_abs", 0.0) / tokens,
-        "mismatch/kl": sums.get("mismatch_kl", 0.0) / tokens,
-        "mismatch/corrected_frac": sums.get("corrected_frac", 0.0) / tokens,
-    }
-
-
-def update(state: TrainState, episodes: list[Episode], *, lr: float) -> dict[str, float]:
-    """mu epochs over the step's responses, one optimizer update per mini-batch.
+def update(
+    state: TrainState,
+    episodes: list[Episode],
+    *,
+    lr: float,
+    plan: list[MiniBatch] | None = None,
+) -> dict[str, float]:
+    """mu epochs over the step's responses, one optimizer update per mini-batch of ``plan``
+    (default: :func:`~dapo.training.exchange.training_plan`; under ranks, only the episodes
+    this rank trains need be whole).
 
     Each micro-batch loss is divided by the token count (token-mean) or sequence count
     (seq-mean-token-mean) of its whole mini-batch, so the accumulated gradient is exactly the
     mini-batch gradient, whatever the micro-batch split (DAPO §3.3).
     """
     cfg = state.cfg
+    plan = plan or training_plan(cfg, state.step, episodes)
+    mine = trained_by(plan, dist.rank())
+    first_epoch = plan[: len(plan) // cfg.train.epochs]
     t_logprobs = time.perf_counter()
-    check = set_old_logprobs(state, episodes)
-    check |= set_loss_weights(state, episodes)
+    check = set_old_logprobs(state, episodes, mine)
+    check |= set_loss_weights(state, episodes, mine, trained_by(first_epoch, dist.rank()))
     if state.ref_model is not None:
-        fill_logprobs(state.ref_model, episodes, "ref_logprobs", state)
+        fill_logprobs(state.ref_model, episodes, "ref_logprobs", state, mine)
     accumulate(state.timers, "logprobs", time.perf_counter() - t_logprobs)
     for group in state.optimizer.param_groups:
         group["lr"] = lr
 
     state.model.train()
-    gen = torch.Generator().manual_seed(derive_seed(cfg.train.seed, state.step, "minibatch"))
     sums: dict[str, float] = {}
-    for _epoch in range(cfg.train.epochs):
-        for mini in split_minibatches(
-            len(episodes), cfg.train.responses_per_minibatch, generator=gen
-        ):
-            for k, v in minibatch_update(state, [episodes[i] for i in mini]).items():
-                accumulate(sums, k, v)
+    for mb in plan:
+        batch = [episodes[i] for i in mb.indices]
+        for k, v in minibatch_update(state, batch, mb.shares[dist.rank()]).items():
+            accumulate(sums, k, v)
     out = _update_metrics(sums, cfg, lr=lr, with_kl=state.ref_model is not None)
     if state.scaler is not None:
         out["train/scaler_overflows"] = sums.get("scaler_overflows", 0.0)
@@ -189,9 +85,12 @@ def update(state: TrainState, episodes: list[Episode], *, lr: float) -> dict[str
     return out | check
 
 
-def minibatch_update(state: TrainState, batch: list[Episode]) -> dict[str, float]:
-    """One optimizer update on ``batch`` (skipped when its loss or gradient norm is not
-    finite); returns its metric sums."""
+def minibatch_update(
+    state: TrainState, batch: list[Episode], mine: list[int] | None = None
+) -> dict[str, float]:
+    """One optimizer update on ``batch``, this rank training ``batch[mine]`` (default: its
+    share by :func:`partition_by_tokens`), skipped when its loss or gradient norm is not
+    finite; returns its metric sums."""
     cfg = state.cfg
     # The loss divisors of the whole mini-batch (every rank holds all of it), fixed before the
     # first micro-batch; DAPO §3.3. Each rank then computes its share's gradient.
@@ -199,7 +98,8 @@ def minibatch_update(state: TrainState, batch: list[Episode]) -> dict[str, float
     num_seqs = sum(1 for e in batch if e.num_loss_tokens > 0)
     if num_tokens == 0:
         return {}  # every response of this mini-batch was overlong-filtered
-    mine = partition_by_tokens(batch, dist.world_size())[dist.rank()]
+    if mine is None:
+        mine = partition_by_tokens(batch, dist.world_size())[dist.rank()]
     sums = accumulate_gradients(state, batch, mine, num_tokens=num_tokens, num_seqs=num_seqs)
     scaler = state.scaler
     if scaler is not None:
@@ -303,37 +203,17 @@ def accumulate_gradients(
     # A sum over the mini-batch does not depend on the order: rows of similar length (and a
     # group's rows) go together, for less padding and more shared prompts.
     mine = list(range(len(episodes))) if mine is None else mine
-    for micro in rank_microbatches(episodes, mine, cfg.train.tokens_per_microbatch):
+    micros = rank_microbatches(episodes, mine, cfg.train.tokens_per_microbatch)
+    for n, micro in enumerate(micros, 1):
+        if cfg.dist.grad_sync == "minibatch":  # reduce-scatter once, after the last backward
+            fsdp.set_grad_sync(model, n == len(micros))
         if micro is None:  # another rank has more: a pass with zero gradient, to match it
-            _idle_pass(state, episodes[0], device)
+            _idle_pass(state, stand_in(state.tokenizer.pad_token_id), device)
             continue
         b = collate([episodes[i] for i in micro], pad_id=state.tokenizer.pad_token_id).to(device)
-        with autocast(model, DTYPES[cfg.model.compute_dtype], device):
-            logp_BT, entropy_BT = batch_logprobs(
-                model,
-                b,
-                temperature=cfg.rollout.temperature,
-                with_entropy=True,
-                share_prompts=cfg.train.share_prompts,
-            )
-        loss, stats = algo.policy_loss(
-            logp_BT,
-            b.old_logprobs_BT,
-            b.advantages_B,
-            b.loss_mask_BT,
-            eps_low=cfg.algo.eps_low,
-            eps_high=cfg.algo.eps_high,
-            clip_ratio_c=cfg.algo.clip_ratio_c,
-            weights=b.loss_weights_BT,
-            ratio_level=cfg.algo.ratio_level,
-            loss_fn=cfg.algo.loss_fn,
-            return_stats=True,
-            **divisors,
-        )
-        if state.ref_model is not None:
-            kl = algo.aggregate(algo.kl_k3(logp_BT, b.ref_logprobs_BT), b.loss_mask_BT, **divisors)
-            loss = loss + cfg.algo.kl_coef * kl
-            accumulate(sums, "kl_sum", float(kl.detach()) * denominator)
+        loss, entropy_BT, stats, kl = _micro_loss(state, b, divisors)
+        if kl is not None:
+            accumulate(sums, "kl_sum", kl * denominator)
         (state.scaler.scale(loss) if state.scaler is not None else loss).backward()
         for k, v in _micro_sums(b, loss, entropy_BT, stats, shared=cfg.train.share_prompts).items():
             accumulate(sums, k, v)
@@ -342,6 +222,37 @@ def accumulate_gradients(
     if state.ref_model is not None:
         accumulate(sums, "kl_den", float(denominator))
     return sums
+
+
+def _micro_loss(state: TrainState, b: Batch, divisors: dict):
+    """(loss, entropies, the loss's statistics, the KL term or None) of micro-batch ``b``."""
+    cfg, model = state.cfg, state.model
+    with autocast(model, DTYPES[cfg.model.compute_dtype], state.device):
+        logp_BT, entropy_BT = batch_logprobs(
+            model,
+            b,
+            temperature=cfg.rollout.temperature,
+            with_entropy=True,
+            share_prompts=cfg.train.share_prompts,
+        )
+    loss, stats = algo.policy_loss(
+        logp_BT,
+        b.old_logprobs_BT,
+        b.advantages_B,
+        b.loss_mask_BT,
+        eps_low=cfg.algo.eps_low,
+        eps_high=cfg.algo.eps_high,
+        clip_ratio_c=cfg.algo.clip_ratio_c,
+        weights=b.loss_weights_BT,
+        ratio_level=cfg.algo.ratio_level,
+        loss_fn=cfg.algo.loss_fn,
+        return_stats=True,
+        **divisors,
+    )
+    if state.ref_model is None:
+        return loss, entropy_BT, stats, None
+    kl = algo.aggregate(algo.kl_k3(logp_BT, b.ref_logprobs_BT), b.loss_mask_BT, **divisors)
+    return loss + cfg.algo.kl_coef * kl, entropy_BT, stats, float(kl.detach())
 
 
 def _idle_pass(state: TrainState, episode: Episode, device) -> None:

@@ -1,0 +1,68 @@
+"""The policy's other copies under ``torchrun``: the one the engine generates from and the
+GRPO reference, and the policy's own shards.
+
+In one process the engine samples from the policy itself (nothing to copy) and a reference is
+a frozen deep copy. Under FSDP2 the policy is sharded, and a sharded forward is a collective
+that ranks generating different lengths cannot share, so the engine gets its own frozen copy,
+refreshed from the shards after every update (``TrainState.sync_engine``).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from dapo import dist
+from dapo.config import Config
+from dapo.dist import fsdp, tensor_parallel
+from dapo.models import sharded_load
+
+
+def copies_and_shards(
+    cfg: Config, model: torch.nn.Module, compute: torch.dtype, device: torch.device
+) -> tuple[torch.nn.Module | None, torch.nn.Module | None, Any]:
+    """(the frozen reference (KL), the copy the engine samples from, the tensor-parallel
+    mesh), the policy sharded in place under FSDP2; activation checkpointing (FSDP's, or in
+    one process).
+
+    Under FSDP2 the generation copy is whole on every rank, or with ``rollout.tp_size`` = k
+    split over each group of k ranks (:mod:`dapo.dist.tensor_parallel`: the mesh says who is
+    in a group). A policy loaded straight into shards (:mod:`dapo.models.sharded_load`) has
+    its copies made from its shards, on ``device``. In one process: (reference, None, None).
+    """
+    # Frozen copies are held in bfloat16 when that is the compute dtype (float16 weights
+    # would overflow without autocast's float32 ops: they stay as the policy's).
+    held = compute if compute == torch.bfloat16 else next(model.parameters()).dtype
+    tp = cfg.rollout.tp_size if dist.active() else 1
+    mesh = tensor_parallel.tp_mesh(tp, device.type) if tp > 1 else None
+    if dist.active() and fsdp.is_sharded(model):
+        ref, gen = sharded_load.copies(model, cfg, held, device, whole_copy=mesh is None)
+    else:
+        ref, gen = _copies_then_shards(cfg, model, held, whole_copy=mesh is None)
+    if mesh is not None:  # split from the shards, one whole parameter at a time
+        gen = tensor_parallel.tp_generation_copy(model, mesh, dtype=held, device=device)
+        tensor_parallel.fill_tp_copy(model, gen)
+    return ref, gen, mesh
+
+
+def _copies_then_shards(
+    cfg: Config, model: torch.nn.Module, held: torch.dtype, *, whole_copy: bool
+) -> tuple[torch.nn.Module | None, torch.nn.Module | None]:
+    """A policy loaded whole: the reference and (``whole_copy``, under FSDP) the generation
+    copy deep-copied, then the policy and the reference sharded."""
+    ref_model = gen_model = None
+    if cfg.algo.kl_coef > 0:  # the naive-GRPO KL anchor: a frozen copy of the starting policy
+        ref_model = copy.deepcopy(model).to(held).eval().requires_grad_(False)
+    if not dist.active() and cfg.dist.activation_checkpointing:
+        fsdp.checkpoint_layers(model)
+    if dist.active():
+        options = sharded_load.shard_options(cfg)  # refuses float16
+        if whole_copy:
+            gen_model = copy.deepcopy(model).to(held).eval().requires_grad_(False)
+        fsdp.shard(model, **options)
+        if ref_model is not None:
+            frozen = {"activation_checkpointing": False, "reshard_after_forward": True}
+            fsdp.shard(ref_model, **{**options, **frozen})  # forward only
+    return ref_model, gen_model

@@ -1,0 +1,236 @@
+"""The memory plan shown: the dry run's text table, JSON rows, and docs/scale-out.md's table.
+
+The plan itself (what each part counts) is :mod:`dapo.training.memory_plan`; this module only
+lays it out, every part on its own line, row key or column.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from dapo.training.memory_plan import (
+    GIB,
+    KNOWN_SHAPES,
+    MemoryPlan,
+    ModelShape,
+    PlanSettings,
+    model_shape,
+    plan_memory,
+    round_prompts,
+    settings_from_config,
+)
+
+if TYPE_CHECKING:
+    from dapo.config import Config
+
+SPARE_GIB = 4.0
+"""What a plan must leave free on its card: allocator fragmentation, CUDA context, NCCL."""
+
+COMPONENTS = (
+    "weights",
+    "gradients",
+    "accumulated_gradients",
+    "optimizer",
+    "generation_copy",
+    "gathered_layers",
+    "activations",
+    "output_head",
+    "kv_cache",
+    "reference",
+)
+"""The parts of a plan on the GPU, each a ``<part>_gib`` key of a JSON row."""
+
+
+def _in(unit: int) -> Callable[[int], str]:
+    return lambda n: f"{n / unit:.2f}"
+
+
+def describe_settings(s: PlanSettings) -> str:
+    """The settings a plan depends on besides the model, in one line."""
+    ckpt = "on" if s.activation_checkpointing else "off"
+    if not s.sharded:
+        dist = "one process (no FSDP: dist.grad_sync and rollout.tp_size > 1 need torchrun)"
+    else:
+        dist = f"rollout.tp_size {s.tp_size}, dist.grad_sync {s.grad_sync}"
+    return (
+        f"settings: {dist}, activation checkpointing {ckpt}, micro-batches of up to "
+        f"{s.microbatch_tokens} tokens, {s.rows} rows per engine call"
+    )
+
+
+def _part_rows(plan: MemoryPlan) -> list[tuple[str, int, str]]:
+    s = plan.settings
+    master, compute, k = s.param_dtype, s.compute_dtype, s.tp_size
+    share = f"1/{s.world_size} shard" if s.sharded else "whole"
+    where = "host" if plan.offloaded else "GPU"
+    ckpt = ", checkpointed" if s.activation_checkpointing else ""
+    if not s.sharded:
+        copy = f"autocast's {compute} weight copy"
+    else:
+        copy = "generation copy (whole)" if k == 1 else f"generation copy (tp {k}: 1/{k} split)"
+    kv = f"KV cache ({s.rows} rows x {s.prompt_tokens + s.max_new_tokens} tokens"
+    kv += f", 1/{k} of the KV heads)" if k > 1 else ")"
+    head = "the weight's" if s.sharded else f"the {compute} weight, its"
+    return [
+        (f"weights ({master}, {share})", plan.weights, where + ", always"),
+        (f"gradients ({master}, {share})", plan.gradients, where + ", training"),
+        ("unsharded float32 gradients (grad_sync minibatch)", plan.accumulated_gradients,
+         "GPU, training"),
+        (f"AdamW state (2 x {master}, {share})", plan.optimizer, where + ", always"),
+        (copy, plan.generation_copy, "GPU, always"),
+        (f"FSDP gathered layers ({compute})", plan.gathered_layers, "GPU, training"),
+        (f"activations ({s.microbatch_tokens} tokens{ckpt})", plan.activations, "GPU, training"),
+        (f"output head (a logit chunk, {head} float32 gradient)", plan.output_head,
+         "GPU, training"),
+        (kv, plan.kv_cache, "GPU, generation"),
+        (f"GRPO reference ({share})", plan.reference, where + ", always"),
+    ]  # fmt: skip
+
+
+def format_plan(plan: MemoryPlan) -> str:
+    """The plan as a small text table, in GiB (MiB for a plan under 1 GiB)."""
+    s, count = plan.settings, plan.shape.num_parameters
+    big = max(plan.total, plan.host, plan.load_host) >= GIB
+    unit, size = ("GiB", _in(GIB)) if big else ("MiB", _in(2**20))
+    rows = _part_rows(plan) + [
+        ("peak in generation", plan.generation_peak, ""),
+        ("peak in training", plan.training_peak, ""),
+        ("peak per GPU", plan.total, ""),
+    ]
+    if plan.offloaded:
+        rows.append(("host memory per rank", plan.host, ""))
+    rows.append(("host memory per rank while loading", plan.load_host, ""))
+    rows = [row for row in rows if row[1] or not row[2]]  # parts this run does not have: out
+    width = max(len(name) for name, _, _ in rows) + 2
+    count_text = f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.2f}M"
+    head = f"memory per GPU on paper, world size {s.world_size}: {count_text} parameters, "
+    head += f"{s.compute_dtype} compute, {s.param_dtype} weights ({unit}; the model: "
+    head += "dapo/training/memory_plan.py)"
+    lines = (f"  {name:<{width}}{size(n):>9}  {when}".rstrip() for name, n, when in rows)
+    return "\n".join([head, "  " + describe_settings(s), *lines])
+
+
+def print_plan(cfg: Config, *, world_size: int, prompt_tokens: int) -> None:
+    """The dry run's memory table (or why there is none)."""
+    settings = settings_from_config(cfg, world_size=world_size, prompt_tokens=prompt_tokens)
+    try:
+        plan = plan_memory(model_shape(cfg), settings)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"memory plan: not available ({exc})")
+        return
+    print(format_plan(plan))
+    if not settings.sharded and cfg.dist.cpu_offload:
+        print("  note: dist.cpu_offload applies from 2 ranks")
+    if cfg.rollout.rows_per_generate == 0:
+        groups = world_size // settings.tp_size
+        print(
+            f"  note: KV cache of a whole round per generating group (up to {round_prompts(cfg)}"
+            f" prompts x {cfg.rollout.group_size} / {groups}), every row at the longest prompt "
+            "+ L_max: an upper bound; rollout.rows_per_generate bounds it"
+        )
+
+
+def plan_row(plan: MemoryPlan, *, gpu_gib: float) -> dict[str, Any]:
+    """The plan as one JSON row: its settings, every part and the peaks in GiB, and whether
+    it leaves ``SPARE_GIB`` of a ``gpu_gib`` card free."""
+    s = plan.settings
+    gib = lambda n: round(n / GIB, 2)  # noqa: E731
+    row: dict[str, Any] = {
+        "params": plan.shape.num_parameters,
+        "tp_size": s.tp_size,
+        "grad_sync": s.grad_sync,
+        "activation_checkpointing": s.activation_checkpointing,
+        "cpu_offload": s.cpu_offload,
+        "microbatch_tokens": s.microbatch_tokens,
+        "rows_per_generate": s.rows,
+        "prompt_tokens": s.prompt_tokens,
+        "max_new_tokens": s.max_new_tokens,
+    }
+    row |= {f"{part}_gib": gib(getattr(plan, part)) for part in COMPONENTS}
+    row |= {"offloaded_host_gib": gib(plan.host), "load_host_gib": gib(plan.load_host)}
+    row |= {
+        "peak_train_gib": gib(plan.training_peak),
+        "peak_generate_gib": gib(plan.generation_peak),
+        "spare_gib": round(gpu_gib - plan.total / GIB, 2),
+        "fits": gpu_gib - plan.total / GIB >= SPARE_GIB,
+    }
+    return row
+
+
+def table_settings(
+    world_size: int, recipe: Config | None, prompt_tokens: int = 512
+) -> PlanSettings:
+    """A row's settings: the defaults of ``PlanSettings`` (the paper's lengths, 16 rows, no
+    checkpointing), or a recipe's at ``world_size`` (one process: ``tp_size`` 1)."""
+    if recipe is None:
+        return replace(PlanSettings(), world_size=world_size)
+    tp = min(recipe.rollout.tp_size, world_size) if world_size > 1 else 1
+    return settings_from_config(
+        recipe, world_size=world_size, prompt_tokens=prompt_tokens, tp_size=tp
+    )
+
+
+def table_rows(
+    recipes: Mapping[str, Config],
+    names: Sequence[str] = tuple(KNOWN_SHAPES),
+    world_sizes: Sequence[int] = (1, 8, 64),
+    gpu_gib: float = 80.0,
+) -> list[dict[str, Any]]:
+    """A row per model of ``KNOWN_SHAPES`` and world size, with the settings of the model's
+    recipe in ``recipes`` (by name), else the defaults."""
+    rows = []
+    for name in names:
+        shape = ModelShape.from_hf_config(KNOWN_SHAPES[name])
+        for w in world_sizes:
+            plan = plan_memory(shape, table_settings(w, recipes.get(name)))
+            row = {"model": name, "gpus": w, "gpu_gib": gpu_gib}
+            rows.append(row | plan_row(plan, gpu_gib=gpu_gib))
+    return rows
+
+
+_COLUMNS = (
+    ("model", "model"),
+    ("params", "params"),
+    ("GPUs", "gpus"),
+    ("settings", ""),
+    ("weights + grads + AdamW", ""),
+    ("unsharded grads", "accumulated_gradients_gib"),
+    ("generation copy", "generation_copy_gib"),
+    ("gathered layers", "gathered_layers_gib"),
+    ("activations", "activations_gib"),
+    ("output head", "output_head_gib"),
+    ("KV cache", "kv_cache_gib"),
+    ("peak in training", "peak_train_gib"),
+    ("peak in generation", "peak_generate_gib"),
+    ("fits 80 GB", ""),
+    ("host while loading", "load_host_gib"),
+)
+
+
+def _settings_cell(row: Mapping[str, Any]) -> str:
+    parts = [] if row["gpus"] == 1 else [f"tp {row['tp_size']}", f"sync per {row['grad_sync']}"]
+    parts += ["ckpt"] if row["activation_checkpointing"] else []
+    return ", ".join([*parts, f"{row['rows_per_generate']} rows"])
+
+
+def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """GiB per GPU of ``table_rows`` (docs/scale-out.md's table)."""
+    lines = ["| " + " | ".join(title for title, _ in _COLUMNS) + " |"]
+    left = ("model", "settings", "fits 80 GB")
+    lines.append("|" + "".join("---|" if t in left else "---:|" for t, _ in _COLUMNS))
+    for row in rows:
+        states = row["weights_gib"] + row["gradients_gib"] + row["optimizer_gib"]
+        computed = {
+            "params": f"{row['params'] / 1e9:.2f}B",
+            "settings": _settings_cell(row),
+            "weights + grads + AdamW": f"{states:.2f}",
+            "fits 80 GB": f"yes ({row['spare_gib']:.2f} spare)" if row["fits"] else "no",
+        }
+        cells = [
+            computed.get(title) or (f"{row[key]:.2f}" if key.endswith("_gib") else str(row[key]))
+            for title, key in _COLUMNS
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
