@@ -80,3 +80,17 @@ def load_script(relative: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def spawn_ranks(fn, *args, nprocs: int = 2) -> None:
+    """``fn(rank, port, *args)`` in ``nprocs`` spawned processes, ``port`` a free local port
+    for their process group (``init_method=f"tcp://127.0.0.1:{port}"``); returns when all
+    have finished, raising what any of them raised."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(fn, args=(port, *args), nprocs=nprocs, start_method="spawn")

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import datetime
-import socket
 import time
 
 import torch.distributed
 import torch.multiprocessing as mp
+from helpers import spawn_ranks
 
 from dapo import dist
 
@@ -32,12 +32,8 @@ def _rank_main(rank: int, port: int, out) -> None:
 
 
 def test_two_ranks_agree_on_the_sum():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
-    mp.start_processes(_rank_main, args=(port, out), nprocs=2, start_method="spawn")
+    out = mp.get_context("spawn").SimpleQueue()
+    spawn_ranks(_rank_main, out)
     results = sorted(out.get() for _ in range(2))
     assert results == [(0, 2, 0, True, 7), (1, 2, 1, False, 7)]
 
@@ -68,11 +64,8 @@ def _waiting_rank(rank: int, port: int, out) -> None:
 
 
 def test_ranks_wait_for_rank_0_past_the_collective_timeout():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_waiting_rank, args=(port, out), nprocs=2, start_method="spawn")
+    spawn_ranks(_waiting_rank, out)
     results = dict((rank, (waited, status)) for rank, waited, status in (out.get(), out.get()))
     assert results[1][0] > 2.5  # rank 1 waited the 3 s, far past the group's 1 s timeout
     assert results[1][1] == "timed out"  # while a plain barrier alone gives up after 1 s

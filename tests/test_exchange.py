@@ -4,11 +4,10 @@ whole episode moves once, from the rank that generated it to the rank that train
 from __future__ import annotations
 
 import pickle
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from helpers import spawn_ranks
 
 from dapo import dist
 from dapo.config import load_config
@@ -100,10 +99,7 @@ def _rank(rank: int, port: int, out: str) -> None:
 
 
 def test_each_rank_receives_whole_exactly_the_episodes_it_trains(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_rank, args=(port, str(tmp_path)), nprocs=2, start_method="spawn")
+    spawn_ranks(_rank, str(tmp_path))
     out = [torch.load(tmp_path / f"rank_{r}.pt", weights_only=False) for r in range(2)]
     originals = [e for g in _groups(0, 6) for e in g.episodes]
     # What every rank decided from: summaries only, the same on both ranks.

@@ -6,11 +6,9 @@ reduce-scattered after every micro-batch or once per mini-batch."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
-import torch.multiprocessing as mp
+from helpers import spawn_ranks
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import dapo.models.logprobs as logprobs_module
@@ -130,10 +128,7 @@ def _one_process():
     ids=["plain", "plain-one-reduce", "checkpointed", "checkpointed-one-reduce", "kept-gathered"],
 )
 def test_two_ranks_give_the_one_process_log_probs_and_gradients(options, tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_rank, args=(port, options, str(tmp_path)), nprocs=2, start_method="spawn")
+    spawn_ranks(_rank, options, str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank_{r}.pt", weights_only=True) for r in range(2)]
     logp_1, grads_1 = _one_process()
     torch.testing.assert_close(torch.cat([r["logp"] for r in ranks]), logp_1, rtol=0, atol=1e-6)

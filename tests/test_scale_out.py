@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from helpers import spawn_ranks
 from safetensors.torch import load_file
 
 from dapo.config import load_config
@@ -94,10 +93,7 @@ def _rank(rank: int, port: int, cache: str, per_rank: list[list[str]], out: Path
 
 
 def _two_ranks(cache: str, per_rank: list[list[str]], out: Path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_rank, args=(port, cache, per_rank, out), nprocs=2, start_method="spawn")
+    spawn_ranks(_rank, cache, per_rank, out)
     return {r: torch.load(out / f"rank_{r}.pt", weights_only=True) for r in range(2)}
 
 

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import datetime
 import json
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from helpers import ARCHS, SMALL
+from helpers import ARCHS, SMALL, spawn_ranks
 from safetensors.torch import load_file, save_file
 
 from dapo.models.demo import build_tokenizer
@@ -295,10 +293,7 @@ def ranks(tmp_path_factory):
         if f.name != "model.safetensors":
             (dirs["bin"] / f.name).write_bytes(f.read_bytes())
     torch.save(load_file(dirs["tied"] / "model.safetensors"), dirs["bin"] / "pytorch_model.bin")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_rank, args=(port, dirs, root), nprocs=RANKS, start_method="spawn")
+    spawn_ranks(_rank, dirs, root, nprocs=RANKS)
     return {r: torch.load(root / f"rank_{r}.pt", weights_only=False) for r in range(RANKS)}
 
 
@@ -419,12 +414,7 @@ def _one_gpu_rank(rank: int, port: int, model_dir: Path, out: Path) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_with_and_without_cpu_offload(tmp_path):
     model_dir = _save(tmp_path / "m", "qwen2", tied=True, files=1)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(
-        _one_gpu_rank, args=(port, model_dir, tmp_path), nprocs=1, start_method="spawn"
-    )
+    spawn_ranks(_one_gpu_rank, model_dir, tmp_path, nprocs=1)
     results = torch.load(tmp_path / "gpu.pt", weights_only=False)
     for offload, r in results.items():
         assert r["shards"] == [] and r["buffers"] == [] and r["gen"] == [], offload

@@ -19,13 +19,12 @@ from the whole one, so its tokens need not match), the training step (not wired 
 from __future__ import annotations
 
 import copy
-import socket
 import weakref
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from helpers import spawn_ranks
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from dapo.dist import tensor_parallel as tp
@@ -212,10 +211,7 @@ def _rank(rank: int, port: int, out: Path) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> dict[int, dict]:
     out = tmp_path_factory.mktemp("tp")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_rank, args=(port, out), nprocs=2, start_method="spawn")
+    spawn_ranks(_rank, out)
     return {r: torch.load(out / f"rank_{r}.pt", weights_only=False) for r in range(2)}
 
 
