@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.steps):
         train_step(state)
     peak = peak_rss_mib()
+    # On a GPU the plan's per-device figure is what the allocator held at most there.
+    on_cuda = next(state.model.parameters()).device.type == "cuda"
+    cuda_peak = torch.cuda.max_memory_allocated() / MIB if on_cuda else None
     settings = settings_from_config(cfg, world_size=dist.world_size(), prompt_tokens=max(prompts))
     plan = plan_memory(model_shape(cfg), settings)
     row = {
@@ -80,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         "plan_train_mib": round(plan.training_peak / MIB, 1),
         "plan_generate_mib": round(plan.generation_peak / MIB, 1),
         "used_over_plan": round((peak - baseline) / (plan.total / MIB), 3),
+        "cuda_peak_mib": None if cuda_peak is None else round(cuda_peak, 1),
+        "cuda_over_plan": None if cuda_peak is None else round(cuda_peak / (plan.total / MIB), 3),
     }
     print(json.dumps(row) if args.json else " ".join(f"{k}={v}" for k, v in row.items()))
     sys.stdout.flush()

@@ -150,3 +150,20 @@ def test_two_ranks_give_the_one_process_log_probs_and_gradients(options, tmp_pat
         # responses' part, then the prompt pass's part (measured, torch 2.13): 3 x 2 + 1.
         reduces = rank["calls"]["reduce"]
         assert reduces == (4 * micro if options["sync_each"] else 7), reduces
+
+
+def test_within_forward_calls_the_root_with_one_argument_and_restores_forward():
+    """FSDP2's root pre-forward in torch 2.11 indexes the first positional argument of the
+    call on CUDA without checking there is one (an IndexError on an H200 before this call
+    passed one): the call carries ``fn`` as its one positional argument, no keywords."""
+    model = torch.nn.Linear(2, 3)
+    seen = []
+    model.register_forward_pre_hook(
+        lambda _m, args, kwargs: seen.append((args, kwargs)), with_kwargs=True
+    )
+    x = torch.ones(1, 2)
+    out = fsdp.within_forward(model, lambda forward: forward(x) * 2)
+    assert torch.equal(out, model(x) * 2)
+    (args, kwargs), _ = seen  # the wrapped call, then the check's own
+    assert len(args) == 1 and callable(args[0]) and kwargs == {}
+    assert "forward" not in vars(model)  # the class's forward is back

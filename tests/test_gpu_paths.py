@@ -246,3 +246,21 @@ def test_parallel_ablation_runs_spread_over_the_visible_gpus(monkeypatch, tmp_pa
     assert run_jobs(jobs, tmp_path, parallel=2, cores=2, launcher=launcher) == []
     # 8 runs, 2 at a time: each on one GPU, never two at once on the same.
     assert len(seen) == 8 and set(seen) == {"2", "5"} and clashes == []
+
+
+def test_run_deterministic_asks_torch_and_cublas_for_repeatable_kernels():
+    """``run.deterministic``: torch's deterministic mode on, and cuBLAS's documented workspace
+    setting unless the user set one (in a fresh process: the mode is process-wide)."""
+    import subprocess
+
+    code = (
+        "import os, torch; from dapo.run.determinism import make_deterministic; "
+        "make_deterministic(); "
+        "print(torch.are_deterministic_algorithms_enabled(), os.environ['CUBLAS_WORKSPACE_CONFIG'])"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.split() == ["True", ":4096:8"], out.stderr
+    env["CUBLAS_WORKSPACE_CONFIG"] = ":16:8"  # the user's own choice stays
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.split() == ["True", ":16:8"], out.stderr

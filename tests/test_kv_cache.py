@@ -176,7 +176,7 @@ def test_a_decoding_step_writes_nothing_the_size_of_the_cache(monkeypatch, token
     assert longest == (prompt if cache == "preallocated" else prompt + 39)
 
 
-def _plain_repeat(self, cache, *, group_size: int, max_length: int) -> None:
+def _plain_repeat(self, cache, *, group_size: int, max_length: int, dtype=None) -> None:
     cache.batch_repeat_interleave(group_size)
     self.cache = cache
 
@@ -185,3 +185,38 @@ def _plain_keep(self, keep_A):
     kept = keep_A.nonzero().squeeze(1)
     self.cache.batch_select_indices(kept)
     return kept
+
+
+def test_under_autocast_the_cache_holds_the_compute_dtype_and_decodes_the_same(
+    monkeypatch, eager_eos_model, tokenizer
+):
+    """bf16 autocast over float32 weights: the rotary embedding hands over float32 keys, and
+    the buffers hold bf16 (half the memory; the H200 measurement in RowCache's docstring).
+    Attention casts to bf16 either way, so the tokens and log-probs equal those decoded with
+    float32 buffers."""
+    ids, mask = encode_prompts(tokenizer, ["1 + 2 =", "33 + 4 + 5 ="], torch.device("cpu"))
+    options = dict(
+        group_size=3,
+        max_new_tokens=20,
+        stop_token_ids=[tokenizer.eos_token_id],
+        pad_token_id=tokenizer.pad_token_id,
+        seed=[1, 2],
+    )
+    made, held = [], [True]
+    init = RowCache.__init__
+
+    def recorded(self, cache, *, dtype=None, **kw):
+        init(self, cache, dtype=dtype if held[0] else None, **kw)
+        made.append(
+            {layer.key_buf.dtype for layer in cache.layers}
+            | {layer.value_buf.dtype for layer in cache.layers}
+        )
+
+    monkeypatch.setattr(RowCache, "__init__", recorded)
+    runs = []
+    for held[0] in (True, False):  # the compute dtype, then the keys' own (float32)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            runs.append(native.decode(eager_eos_model, ids, mask, **options))
+    assert made == [{torch.bfloat16}, {torch.float32}]
+    (tokens, logprobs, _), (tokens32, logprobs32, _) = runs
+    assert torch.equal(tokens, tokens32) and torch.equal(logprobs, logprobs32)

@@ -192,6 +192,7 @@ def _train(
     from dapo import dist
     from dapo.models import policy
     from dapo.run import rundir
+    from dapo.run.determinism import make_deterministic
     from dapo.training.loop import fit
 
     ranks = (world_size or int(os.environ.get("WORLD_SIZE", "1"))) if dry_run else dist.world_size()
@@ -207,6 +208,8 @@ def _train(
     try:
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
+        if cfg.run.deterministic:
+            make_deterministic()
         torch.manual_seed(cfg.train.seed)
         _print_plan(cfg, data)
         print(f"run directory: {run_dir}")

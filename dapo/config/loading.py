@@ -290,6 +290,7 @@ RESUME_SAFE_FIELDS = frozenset(
         "run.out_dir",
         "run.name",
         "run.threads",
+        "run.deterministic",
         "run.tensorboard",
         "run.progress",
         "run.wandb",

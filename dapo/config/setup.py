@@ -255,6 +255,12 @@ class RunConfig:
     while other processes (the reward workers too) keep cores busy, re-checked before each
     step and evaluation batch (``dapo/run/threads.py``). ``1`` repeats a CPU run bit for bit;
     under auto the count, and so the rounding, follows the machine's load."""
+    deterministic: bool = False
+    """Deterministic kernels (``torch.use_deterministic_algorithms``, a fixed cuBLAS
+    workspace; ``dapo/run/determinism.py``): what makes a GPU run repeat itself bit for bit,
+    and a run resumed after kill -9 equal the uninterrupted one on a GPU as it is on a CPU at
+    a fixed ``run.threads``. Off by default: CUDA's faster kernels differ by rounding from
+    run to run."""
     tensorboard: bool = True
     """Also write every metric as TensorBoard scalars in <run dir>/tensorboard."""
     progress: Literal["auto", "plain"] = "auto"

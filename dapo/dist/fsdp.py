@@ -107,9 +107,12 @@ def within_forward(model: torch.nn.Module, fn: Callable[[Callable[..., Any]], T]
     own = "forward" in vars(model)
     saved = vars(model).get("forward")
     forward = model.forward
-    model.forward = lambda: fn(forward)  # type: ignore[method-assign]
+    model.forward = lambda run: run(forward)  # type: ignore[method-assign]
     try:
-        return model()
+        # ``fn`` goes in as the call's one argument: FSDP2 before torch 2.13 takes the first
+        # positional argument of a root call on CUDA unchecked (IndexError with none; seen
+        # on an H200 with torch 2.11), and moves only tensors, so ``fn`` passes unchanged.
+        return model(fn)
     finally:
         if own:
             model.forward = saved  # type: ignore[method-assign]

@@ -41,12 +41,14 @@ class SlabLayer(DynamicLayer):
         *,
         group_size: int,
         max_length: int,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         n, heads, prompt, dim = keys_nHPD.shape
         self.max_length = max_length
         capacity = min(max_length, prompt + FIRST_CAPACITY)
-        self.key_buf = keys_nHPD.new_empty((n * group_size, heads, capacity, dim))
+        shape = (n * group_size, heads, capacity, dim)
+        self.key_buf = keys_nHPD.new_empty(shape, dtype=dtype or keys_nHPD.dtype)
         self.value_buf = torch.empty_like(self.key_buf)
         # Each prompt's prefill, repeated for its G rows (a broadcast, no intermediate copy).
         for buf, src in ((self.key_buf, keys_nHPD), (self.value_buf, values_nHPD)):
@@ -103,12 +105,27 @@ class SlabLayer(DynamicLayer):
 
 class RowCache:
     """A prefill's cache turned into :class:`SlabLayer` s, each prompt's repeated G times,
-    room for ``max_length`` positions in all (prompt included)."""
+    room for ``max_length`` positions in all (prompt included), held in ``dtype``.
 
-    def __init__(self, cache, *, group_size: int, max_length: int) -> None:
+    Under autocast the keys come out of the rotary embedding in float32 (bf16 projections
+    times float32 cos/sin), while attention casts keys and values to the compute dtype
+    anyway: holding both in that dtype gives the same attention at half the memory. Measured
+    on an H200 (Qwen2.5-0.5B shape, bf16 autocast over float32 weights, 64 rows of 1,280
+    positions), buffers in the keys' float32 made decoding rise 2.18 GiB where the plan's
+    bf16 cache is 0.94 GiB."""
+
+    def __init__(
+        self, cache, *, group_size: int, max_length: int, dtype: torch.dtype | None = None
+    ) -> None:
         self.cache = cache
         cache.layers[:] = [
-            SlabLayer(layer.keys, layer.values, group_size=group_size, max_length=max_length)
+            SlabLayer(
+                layer.keys,
+                layer.values,
+                group_size=group_size,
+                max_length=max_length,
+                dtype=dtype,
+            )
             for layer in cache.layers
         ]
 

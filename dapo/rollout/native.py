@@ -329,7 +329,9 @@ def _prefill(model, prompt_ids_nP, prompt_mask_nP, group_size: int, width: int):
             f"({type(cache).__name__}) cannot be repeated or sliced by row; "
             "set rollout.engine=hf (transformers generate)"
         )
-    rows = RowCache(cache, group_size=group_size, max_length=width)
+    device = prompt_ids_nP.device.type
+    held = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    rows = RowCache(cache, group_size=group_size, max_length=width, dtype=held)
     return rows, out.logits[:, -1].float().repeat_interleave(group_size, dim=0)
 
 
