@@ -120,6 +120,8 @@ FORBIDDEN_IMPORTS: dict[str, tuple[str, ...]] = {
     "dapo.training.exchange": _FILE_FORMATS,  # who trains what: objects between ranks, no files
     "dapo.training.loop": _FILE_FORMATS,  # the run's files are written by rundir and checkpoint
     "dapo.training.sampling": _FILE_FORMATS,  # dynamic sampling, inside the step
+    "dapo.training.ahead": _FILE_FORMATS,  # its rollouts are written by checkpoint
+    "dapo.training.perf": _FILE_FORMATS,
 }
 
 # Prefix -> attribute names its modules must not call (``torch.exp(x)``, ``F.softmax(x)``,
@@ -137,6 +139,8 @@ FORBIDDEN_CALLS: dict[str, frozenset[str]] = {
     "dapo.training.step": _MATHS,
     "dapo.training.update": _MATHS,
     "dapo.training.old_logprobs": _MATHS,
+    "dapo.training.ahead": _MATHS,
+    "dapo.training.perf": _MATHS,
 }
 
 # Dotted name -> the only module prefixes that may import it or refer to it in code.

@@ -9,6 +9,7 @@ Pure and torch-free: a plan expands, and is tested, without running anything.
 - ``eps-high``: DAPO with epsilon_high in {0.20, 0.24, 0.28, 0.32, 0.36}, against 0.28.
 - ``2x2``: clip-higher x dynamic sampling, everything else DAPO, against both on.
 - ``successors``: DAPO, Dr. GRPO, GSPO and CISPO (their presets), against DAPO.
+- ``async``: DAPO at ``train.async_staleness`` 0, 1 and 2, against 0.
 """
 
 from __future__ import annotations
@@ -82,7 +83,26 @@ def successors() -> list[Row]:
     ]
 
 
-PLANS = {"table1": table1, "eps-high": eps_high, "2x2": two_by_two, "successors": successors}
+def async_staleness() -> list[Row]:
+    """DAPO with generation and training in turn (0) and generation ahead by 1 and 2 updates,
+    against 0: what the overlap buys in time and costs in accuracy."""
+    return [
+        Row(
+            f"async_staleness={k}",
+            ("run.preset=dapo", f"train.async_staleness={k}"),
+            None if k == 0 else "async_staleness=0",
+        )
+        for k in (0, 1, 2)
+    ]
+
+
+PLANS = {
+    "table1": table1,
+    "eps-high": eps_high,
+    "2x2": two_by_two,
+    "successors": successors,
+    "async": async_staleness,
+}
 
 
 def interaction_2x2() -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""``dapo ablate --plan table1|eps-high|2x2|successors [--seeds 3]
+"""``dapo ablate --plan table1|eps-high|2x2|successors|async [--seeds 3]
 [--budget steps=N|tokens=N|seconds=S] [--parallel K] [--target ACC] [--config FILE] [--out DIR]
 [section.field=value ...]``: run every configuration of a plan at every seed as an ordinary
 run under one directory, then print the table as markdown.

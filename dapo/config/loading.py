@@ -250,6 +250,17 @@ def validate(cfg: Config) -> None:
             "sampler's log-probs differ from a forward pass's; set "
             "train.recompute_old_logprobs=true"
         )
+    k = cfg.train.async_staleness
+    if k > 0 and r.engine != "dapo":
+        why = {
+            "hf": "its sampling draws from torch's global generator, which evaluation shares",
+            "vllm": "its weights live in vLLM, not in a copy the generator thread owns",
+        }[r.engine]
+        errors.append(
+            f"train.async_staleness={k} generates in a thread beside training, and rollout."
+            f"engine={r.engine} cannot ({why}): use rollout.engine=dapo, or "
+            "train.async_staleness=0"
+        )
     if m.param_dtype != "float32" and m.compute_dtype != m.param_dtype:
         errors.append(
             f"model.compute_dtype={m.compute_dtype} with model.param_dtype={m.param_dtype}: "

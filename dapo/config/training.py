@@ -179,11 +179,18 @@ class TrainConfig:
     """mu, passes over each step's responses."""
     recompute_old_logprobs: bool = True
     """Recompute pi_old log-probs with a forward pass. False reuses the sampler's, after
-    checking on the first step that they match a forward pass (float32: they do)."""
+    checking on the first step that they match a forward pass (float32: they do), where the
+    sampler is the policy itself (not vllm, not ``train.async_staleness`` > 0)."""
     share_prompts: bool = True
     """Forward passes run each distinct prompt of a micro-batch once for all its responses."""
     seed: int = 0
     """Seed of prompt order, sampling and initialisation."""
+    async_staleness: int = 0
+    """k: generate the rollouts of later steps while this one trains, from weights at most k
+    updates old (step t samples from the policy after update max(0, t - k)); pi_old is
+    recomputed and ``algo.rollout_correction`` (auto: token_tis) weighs the older sampler.
+    0 = generation and training take turns (the paper's loop). One process, native engine
+    (``dapo/training/ahead.py``)."""
     save_every: int = 20
     """Checkpoint every this many steps, and always after the last; 0 = only after the last."""
     keep_checkpoints: int = 3
@@ -212,6 +219,11 @@ class TrainConfig:
             errors.append("train.max_gen_tokens must be >= 0 (0 = no limit)")
         if not self.max_seconds >= 0:
             errors.append("train.max_seconds must be >= 0 (0 = no limit)")
+        if self.async_staleness < 0:
+            errors.append(
+                f"train.async_staleness must be >= 0 (0 = generation and training take "
+                f"turns), got {self.async_staleness}"
+            )
         return errors
 
 

@@ -7,6 +7,8 @@ A checkpoint is a directory ``checkpoints/step_NNNNNN`` in the run directory:
 - ``optimizer.pt``: the optimiser state (tensors and numbers only, read with weights_only=True);
 - ``rng.pt``: python, numpy and torch (CPU and CUDA) generator states;
 - ``trainer.json``: step counters, the prompt-order cursor, the metrics offset, carry-over;
+- ``rollouts.safetensors``: with ``train.async_staleness``, the rollouts already generated for
+  the next steps (:mod:`dapo.training.ahead`; their JSON part is in ``trainer.json``);
 - ``manifest.json``: every file with its size, written last.
 
 It is written into a temporary directory, fsynced, renamed into place, and only then is the
@@ -28,7 +30,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 FORMAT_VERSION = 1
 CKPT_DIR = "checkpoints"
@@ -38,6 +40,10 @@ _STEP_RE = re.compile(r"^step_(\d{6,})$")
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read; the message names the path and the fix."""
+
+
+ROLLOUTS_FILE = "rollouts.safetensors"
+"""With ``train.async_staleness``: the rollouts generated for the steps after the checkpoint."""
 
 
 def step_dir_name(step: int) -> str:
@@ -152,10 +158,12 @@ def save(
     trainer_state: dict[str, Any],
     keep: int,
     device: torch.device | None = None,
+    rollouts: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write the checkpoint of ``step`` atomically, point ``latest`` at it, keep the newest
-    ``keep``; the generators of this process, and of its compute ``device``. On any failure
-    the previous checkpoint and pointer are left as they were."""
+    ``keep``; the generators of this process, and of its compute ``device``; ``rollouts``
+    (generated ahead of training) as ``rollouts.safetensors``. On any failure the previous
+    checkpoint and pointer are left as they were."""
     _check_finite(model, step)
     root = Path(run_dir) / CKPT_DIR
     root.mkdir(exist_ok=True)
@@ -169,6 +177,8 @@ def save(
         tokenizer.save_pretrained(tmp / "model")
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(capture_rng(device), tmp / "rng.pt")
+        if rollouts is not None:
+            save_file(rollouts, tmp / ROLLOUTS_FILE)
         trainer = {"format_version": FORMAT_VERSION, "step": step, **trainer_state}
         (tmp / "trainer.json").write_text(json.dumps(trainer, indent=1) + "\n")
         publish(tmp, final, step)
@@ -315,6 +325,13 @@ def load(
     )
     restore_rng(torch.load(ckpt / "rng.pt", map_location="cpu", weights_only=True), device)
     return trainer
+
+
+def load_rollouts(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The tensors of ``rollouts.safetensors`` (rollouts generated ahead of training); none
+    when the checkpoint has no such file."""
+    path = Path(ckpt) / ROLLOUTS_FILE
+    return load_file(path) if path.is_file() else {}
 
 
 # ----------------------------------------------------------------------------- outputs

@@ -209,6 +209,18 @@ def check_tensor_parallel(cfg: Config, world_size: int) -> None:
     require_tp_size(k, world_size, _model_config(cfg))
 
 
+def check_async(cfg: Config, world_size: int) -> None:
+    """``train.async_staleness`` generates in a thread of the one training process: under
+    torchrun it is refused before any model loads."""
+    k = cfg.train.async_staleness
+    if k and world_size > 1:
+        raise ValueError(
+            f"train.async_staleness={k} generates ahead of training in one process; under "
+            f"torchrun ({world_size} ranks) generation and training take turns: launch one "
+            "process (python -m dapo train ...), or set train.async_staleness=0"
+        )
+
+
 def _model_config(cfg: Config) -> Any:
     """The policy's transformers config, read from config.json (no weights, no code)."""
     if cfg.model.path == "embedded":

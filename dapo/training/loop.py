@@ -31,6 +31,7 @@ from dapo.run.metrics import MetricsLogger, NullLogger, open_wandb
 from dapo.run.progress import LiveProgress
 from dapo.run.seeding import derive_seed
 from dapo.run.threads import ThreadGovernor
+from dapo.training.ahead import Ahead, Drawn, rollouts_from_files
 from dapo.training.sampling import DynamicSamplingExhausted
 from dapo.training.step import TrainState, build_state, train_step
 from dapo.training.update import NonFiniteError
@@ -60,15 +61,19 @@ def fit(
     run_dir = Path(run_dir)
     state = build_state(cfg, model, tokenizer, train_problems)
     r = cfg.reward
-    state.pool = RewardPool(
-        workers=r.workers,
-        timeout_s=r.timeout_s,
-        memory_mb=r.memory_mb,
-        batch_timeout_s=r.batch_timeout_s,
-        resolve=make_resolver(r.function, reward_fn, cfg.code),
-    )
+
+    def make_pool() -> RewardPool:
+        return RewardPool(
+            workers=r.workers,
+            timeout_s=r.timeout_s,
+            memory_mb=r.memory_mb,
+            batch_timeout_s=r.batch_timeout_s,
+            resolve=make_resolver(r.function, reward_fn, cfg.code),
+        )
+
+    state.pool = make_pool()
     try:
-        run = _Run(state, val_problems, run_dir=run_dir, stream=stream)
+        run = _Run(state, val_problems, run_dir=run_dir, stream=stream, make_pool=make_pool)
         return run.train(resume=resume)
     except (NonFiniteError, DynamicSamplingExhausted) as exc:
         nan = isinstance(exc, NonFiniteError)
@@ -89,9 +94,16 @@ class _Run:
     held-out results of the start and the latest evaluation, and the time trained so far."""
 
     def __init__(
-        self, state: TrainState, val_problems: list[Problem], *, run_dir: Path, stream: TextIO
+        self,
+        state: TrainState,
+        val_problems: list[Problem],
+        *,
+        run_dir: Path,
+        stream: TextIO,
+        make_pool: Callable[[], RewardPool] | None = None,
     ) -> None:
         cfg = state.cfg
+        self.make_pool = make_pool
         self.state, self.val_problems = state, val_problems
         self.run_dir, self.stream = run_dir, stream
         self.live = (
@@ -123,13 +135,24 @@ class _Run:
         self.spent = {"gen_tokens": 0.0, "step_seconds": 0.0}  # against train.max_*
         self.t_start = time.perf_counter()
         self.saved_at: int | None = None
-        # run.threads=0: threads follow the cores other processes leave free.
-        self.threads = ThreadGovernor() if cfg.run.threads == 0 else None
+        # Generation ahead of training (train.async_staleness): a thread with its own share
+        # of the cores; run.threads=0: threads follow the cores other processes leave free.
+        self.ahead: Ahead | None = None
+        self.restored: tuple[list[Drawn], tuple[int, int]] | None = None
+        cores = cfg.run.threads or torch.get_num_threads()
+        self.gen_threads = max(1, cores // 2)
+        most = max(1, cores - self.gen_threads) if cfg.train.async_staleness else None
+        if most and cfg.run.threads:
+            torch.set_num_threads(most)
+        self.threads = ThreadGovernor(most) if cfg.run.threads == 0 else None
 
     def train(self, *, resume: bool) -> dict[str, Any]:
         state, cfg = self.state, self.state.cfg
         if resume:
             self.restore()
+        if cfg.train.async_staleness:
+            pool = self.make_pool() if self.make_pool else None
+            self.ahead = Ahead(state, pool=pool, threads=self.gen_threads, restored=self.restored)
         if self.live:
             self.progress = LiveProgress(total=cfg.train.steps, done=state.step, stream=self.stream)
             state.on_phase = self.progress.phase
@@ -153,6 +176,8 @@ class _Run:
                 stop.signum or 2,
             ) from None
         finally:
+            if self.ahead is not None:
+                self.ahead.close()
             self.logger.close()
             if self.progress is not None:
                 self.progress.close()
@@ -165,7 +190,7 @@ class _Run:
         done = state.step >= t.steps or self.budget_spent()
         while not done and not self.stopping(stop):
             self.adjust_threads()
-            metrics = train_step(state)
+            metrics = train_step(state, self.ahead)
             metrics["perf/threads"] = float(torch.get_num_threads())
             self.spent["gen_tokens"] += metrics.get("sampling/tokens_generated", 0.0)
             self.spent["step_seconds"] += metrics.get("perf/step_s", 0.0)
@@ -256,6 +281,11 @@ class _Run:
         )
         state.load_state_dict(info)
         state.sync_engine()
+        if "ahead" in info and state.cfg.train.async_staleness:
+            tensors = checkpoint.load_rollouts(ckpt)
+            path = ckpt / checkpoint.ROLLOUTS_FILE
+            drawn = rollouts_from_files(info["ahead"]["rollouts"], tensors, path)
+            self.restored = drawn, tuple(info["ahead"]["prior"])
         self.val_start, self.val_last = info["val_start"], info["val_last"]
         self.seconds_before = info["train_seconds"]
         self.spent = dict(info.get("spent", self.spent))
@@ -268,6 +298,9 @@ class _Run:
         state = self.state
         state.on_phase("save")
         save = sharded_checkpoint.save if fsdp.is_sharded(state.model) else checkpoint.save
+        ahead, rollouts = {}, {}
+        if self.ahead is not None:  # what it generated for the next steps is saved too
+            ahead["ahead"], rollouts["rollouts"] = self.ahead.settle(state)
         ckpt = save(
             self.run_dir,
             step=state.step,
@@ -282,8 +315,10 @@ class _Run:
                 "train_seconds": self.seconds(),
                 "spent": self.spent,
                 "metrics_bytes": self.logger.sync(),
+                **ahead,
             },
             keep=state.cfg.train.keep_checkpoints,
+            **rollouts,
         )
         self.saved_at = state.step
         return ckpt

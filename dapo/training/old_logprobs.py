@@ -66,7 +66,7 @@ def set_old_logprobs(
     An engine whose log-probs are not exact never stands in for pi_old.
     """
     mine = list(range(len(episodes))) if mine is None else mine
-    if state.cfg.train.recompute_old_logprobs or not state.engine.exact_logprobs:
+    if state.cfg.train.recompute_old_logprobs or not sampler_is_policy(state):
         fill_logprobs(state.model, episodes, "old_logprobs", state, mine)
         return {}
     out = {}
@@ -92,9 +92,18 @@ def set_old_logprobs(
     return out
 
 
+def sampler_is_policy(state: TrainState) -> bool:
+    """Whether the responses were drawn by the policy being trained, with its own log-probs:
+    an exact engine, generating in step (``train.async_staleness=0``). Ahead of training the
+    sampler is an older policy, whose log-probs the rollout correction weighs against
+    pi_old's."""
+    return state.engine.exact_logprobs and state.cfg.train.async_staleness == 0
+
+
 def correction_mode(cfg: Config, engine_exact: bool) -> str:
-    """``algo.rollout_correction`` with auto resolved: token_tis for an engine whose log-probs
-    are not the trainer's, none for one whose are."""
+    """``algo.rollout_correction`` with auto resolved: token_tis when the sampler's log-probs
+    are not the trainer's (an inexact engine, or generation ahead of training), none when
+    they are."""
     mode = cfg.algo.rollout_correction
     if mode == "auto":
         return "none" if engine_exact else "token_tis"
@@ -112,7 +121,7 @@ def set_loss_weights(
     and the mismatch between the engine's log-probs and pi_old over the episodes ``counted``
     (each episode on one rank), for an engine whose log-probs are not pi_old's or when a
     correction is asked for; nothing otherwise."""
-    cfg, exact = state.cfg, state.engine.exact_logprobs
+    cfg, exact = state.cfg, sampler_is_policy(state)
     mode = correction_mode(cfg, exact)
     if mode == "none" and exact:
         return {}

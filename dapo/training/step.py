@@ -20,7 +20,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -38,8 +38,12 @@ from dapo.run.metrics import accumulate
 from dapo.run.seeding import derive_seed
 from dapo.training import exchange, sampling
 from dapo.training.copies import copies_and_shards
+from dapo.training.perf import step_perf
 from dapo.training.sampling import Group, SamplingResult, collect_groups
 from dapo.training.update import update
+
+if TYPE_CHECKING:
+    from dapo.training.ahead import Ahead
 
 
 @dataclass
@@ -328,13 +332,10 @@ def draw_round(
     return dist.gather_lists(summaries, patient=True)
 
 
-def train_step(state: TrainState) -> dict[str, float]:
-    """One rollout step: rounds of rollouts until N groups are kept, advantages, the updates."""
+def collect_step(state: TrainState, held: exchange.Held) -> SamplingResult:
+    """Phases 1-2 of step ``state.step``: rounds of rollouts until N groups are kept; the
+    kept fraction is remembered for the next step's round sizes."""
     cfg, s = state.cfg, state.cfg.sampling
-    state.timers.clear()
-    t0 = time.perf_counter()
-    held = exchange.Held()
-
     n = cfg.train.prompts_per_step
     sizes = functools.partial(
         sampling.round_size,
@@ -353,6 +354,17 @@ def train_step(state: TrainState) -> dict[str, float]:
         round_size=sizes,
     )
     state.sampling_prior = (result.groups_mixed, result.prompts_drawn)
+    return result
+
+
+def train_step(state: TrainState, ahead: Ahead | None = None) -> dict[str, float]:
+    """One rollout step: rounds of rollouts until N groups are kept, advantages, the updates;
+    with ``ahead`` (``train.async_staleness``), the rollouts it generated for this step."""
+    cfg = state.cfg
+    state.timers.clear()
+    t0 = time.perf_counter()
+    held = exchange.Held()
+    result = collect_step(state, held) if ahead is None else ahead.take(state)
     t_gen = time.perf_counter() - t0
 
     assign_advantages(result.groups, eps=cfg.algo.adv_eps, norm=cfg.algo.adv_norm)
@@ -370,31 +382,10 @@ def train_step(state: TrainState) -> dict[str, float]:
     if dist.world_size() > 1:
         state.timers["gen_slots"] = dist.all_reduce_sum(state.timers.get("gen_slots", 0.0))
     metrics.update(sampling.rollout_metrics(result))
-    metrics.update(_perf_metrics(state, result, metrics, t0=t0, t_gen=t_gen, t_train=t_train))
+    metrics.update(step_perf(state, result, metrics, t0=t0, t_gen=t_gen, t_train=t_train))
     if "weight_sync" in state.timers:  # a gather and/or an engine's load (in train_s)
         metrics["perf/weight_sync_s"] = state.timers["weight_sync"]
+    if ahead is not None:
+        metrics.update(ahead.finish_step(state, result, metrics, waited=t_gen))
     state.step += 1
     return metrics
-
-
-def _perf_metrics(state: TrainState, result: SamplingResult, metrics, *, t0, t_gen, t_train):
-    """Phases of the step: generate and reward split the rollout, logprobs (pi_old, pi_ref
-    forward passes) and train split the update; other is the rest (advantages, bookkeeping)."""
-    step_s = time.perf_counter() - t0
-    timers = state.timers
-    generate_s = t_gen - timers.get("reward", 0.0)
-    train_s = t_train - timers.get("logprobs", 0.0)
-    return {
-        "perf/step_s": step_s,
-        "perf/generate_s": generate_s,
-        "perf/reward_s": timers.get("reward", 0.0),
-        "perf/logprobs_s": timers.get("logprobs", 0.0),
-        "perf/train_s": train_s,
-        "perf/other_s": step_s - t_gen - t_train,
-        "perf/gen_tokens_per_s": result.tokens_generated / max(generate_s, 1e-9),
-        "perf/gen_padding_frac": 1.0
-        - result.tokens_generated / max(timers.get("gen_slots", 0.0), 1.0),
-        "perf/train_tokens_per_s": metrics.get("train/tokens", 0.0)
-        * state.cfg.train.epochs
-        / max(train_s, 1e-9),
-    }

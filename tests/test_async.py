@@ -1,0 +1,209 @@
+"""Generation ahead of training (``train.async_staleness``, dapo/training/ahead.py): step t
+samples from the weights after update max(0, t - k), exactly; the sampler's log-probs are
+that policy's, weighed against pi_old by the rollout correction; a run repeats itself, and
+kill -9 then --resume continues it exactly (the rollouts generated ahead are checkpointed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dapo.config import load_config
+from dapo.data.problems import Problem
+from dapo.run.checkpoint import CheckpointError
+from dapo.training import inputs
+from dapo.training.ahead import Ahead, rollouts_from_files, rollouts_to_files
+from dapo.training.old_logprobs import fill_logprobs
+from dapo.training.step import build_state, train_step
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cfg(*overrides: str):
+    return load_config(
+        None,
+        [
+            "rollout.max_new_tokens=40",
+            "algo.l_cache=36",  # lengths past 4 shape the rewards: advantages without a verifier
+            "rollout.group_size=4",
+            "sampling.dynamic=false",
+            "train.prompts_per_step=2",
+            "train.responses_per_minibatch=8",
+            "optim.lr=0.01",
+            "optim.warmup_steps=0",
+            "run.threads=1",
+            *overrides,
+        ],
+    )
+
+
+def _weights(model) -> dict[str, torch.Tensor]:
+    return {n: t.detach().clone() for n, t in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_step_t_samples_from_the_weights_after_update_t_minus_k(eager_eos_model, tokenizer, k):
+    """Every step's rollouts come from version max(0, t - k): their sampler log-probs are that
+    version's forward pass, and not the next version's (the weights change every step)."""
+    steps = 5
+    cfg = _cfg(f"train.async_staleness={k}", f"train.steps={steps}")
+    problems = [Problem(f"p{i}", ({"role": "user", "content": f"{i} + 1"},), "1") for i in range(9)]
+    state = build_state(cfg, eager_eos_model, tokenizer, problems)
+    versions, drawn, metrics = [_weights(state.model)], [], []
+    ahead = Ahead(state, pool=None, threads=1)
+    try:
+        for _ in range(steps):
+            metrics.append(train_step(state, ahead))
+            drawn.append(ahead.current)
+            versions.append(_weights(state.model))
+    finally:
+        ahead.close()
+    probe = build_state(
+        _cfg(), eager_eos_model, tokenizer, problems
+    )  # a model to load versions into
+    for t, d in enumerate(drawn):
+        assert (d.step, d.version) == (t, max(0, t - k))
+        assert (
+            metrics[t]["async/staleness_max"] == metrics[t]["async/staleness_mean"] == t - d.version
+        )
+        episodes = [e for g in d.result.generated for e in g.episodes]
+        gaps = []
+        for v in (d.version, d.version + 1):
+            probe.model.load_state_dict(versions[v])
+            fill_logprobs(probe.model, episodes, "ref_logprobs", probe)
+            gaps.append(max((e.ref_logprobs - e.sampler_logprobs).abs().max() for e in episodes))
+        assert gaps[0] < 1e-5 < 1e-3 < gaps[1], (t, gaps)
+    # The correction sees the stale sampler: no mismatch while it is the policy (step 0).
+    assert metrics[0]["mismatch/kl"] < 1e-9 < 1e-4 < metrics[-1]["mismatch/kl"]
+
+
+def test_async_refusals_name_the_field_and_the_fix():
+    with pytest.raises(ValueError, match=r"train.async_staleness must be >= 0.*got -1"):
+        _cfg("train.async_staleness=-1")
+    for engine, why in (("hf", "global generator"), ("vllm", "weights live in vLLM")):
+        with pytest.raises(ValueError, match=rf"rollout.engine={engine} cannot \(.*{why}.*"):
+            _cfg("train.async_staleness=1", f"rollout.engine={engine}")
+    with pytest.raises(ValueError, match=r"under torchrun \(2 ranks\).*async_staleness=0"):
+        inputs.check_async(_cfg("train.async_staleness=1"), world_size=2)
+    inputs.check_async(_cfg("train.async_staleness=1"), world_size=1)
+    # The sampler is never the policy ahead of training: pi_old is recomputed, not refused.
+    assert _cfg("train.async_staleness=1", "train.recompute_old_logprobs=false")
+
+
+def test_rollouts_round_trip_through_a_checkpoint_file_and_a_damaged_one_is_named(
+    tiny_model, tokenizer, tmp_path
+):
+    cfg = _cfg("train.async_staleness=1", "train.steps=3")
+    problems = [Problem(f"p{i}", ({"role": "user", "content": f"{i} + 1"},), "1") for i in range(4)]
+    state = build_state(cfg, tiny_model, tokenizer, problems)
+    ahead = Ahead(state, pool=None, threads=1)
+    try:
+        meta, tensors = ahead.settle(state)
+    finally:
+        ahead.close()
+    assert [m["step"] for m in meta["rollouts"]] == [0, 1]  # through step + k
+    path = tmp_path / "rollouts.safetensors"
+    from safetensors.torch import save_file
+
+    save_file(tensors, path)
+    back = rollouts_from_files(json.loads(json.dumps(meta["rollouts"])), load_file(path), path)
+    again, _ = rollouts_to_files(back)
+    assert again == meta["rollouts"]
+    for a, b in zip(back, ahead.ready.values(), strict=True):
+        for ga, gb in zip(a.result.generated, b.result.generated, strict=True):
+            for ea, eb in zip(ga.episodes, gb.episodes, strict=True):
+                assert torch.equal(ea.response_ids, eb.response_ids)
+                assert torch.equal(ea.sampler_logprobs, eb.sampler_logprobs)
+    tensors["response_ids_lengths"][0] += 1  # a file that does not match its JSON
+    save_file(tensors, path)
+    with pytest.raises(CheckpointError, match=r"rollouts.safetensors does not match.*earlier one"):
+        rollouts_from_files(meta["rollouts"], load_file(path), path)
+    with pytest.raises(CheckpointError, match=r"rollouts.safetensors does not match"):
+        rollouts_from_files(meta["rollouts"], {}, path)  # the file is missing
+
+
+# ----------------------------------------------------------------------------- whole runs
+
+TINY = [
+    "embedded.sft_steps=100",
+    "embedded.hidden=64",
+    "arith.max_terms=2",
+    "arith.num_warmup=256",
+    "arith.num_train=200",
+    "arith.num_val=8",
+    "rollout.group_size=4",
+    "train.steps=6",
+    "train.prompts_per_step=4",
+    "sampling.prompts_per_round=8",
+    "sampling.on_max_rounds=train",
+    "train.responses_per_minibatch=8",
+    "train.tokens_per_microbatch=300",
+    "eval.num_samples=2",
+    "eval.every=2",
+    "train.save_every=1",
+    "train.keep_checkpoints=2",
+    "run.threads=1",
+    "train.async_staleness=2",
+]
+
+
+def _start(out: Path, name: str, cache: Path, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "dapo", "train", "--quiet", *extra]
+    if "--resume" not in extra:
+        cmd += [*TINY, f"embedded.cache_dir={cache}", f"run.out_dir={out}", f"run.name={name}"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def _finish(proc: subprocess.Popen) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=300)
+    return proc.returncode, out, err
+
+
+def _run(run_dir: Path) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """The metrics lines without timings, and the final weights."""
+    timed = ("perf/", "async/trainer_idle_s", "async/generator_idle_s")
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = [{k: v for k, v in m.items() if not k.startswith(timed)} for m in lines]
+    return metrics, load_file(run_dir / "model" / "model.safetensors")
+
+
+def test_a_run_killed_with_sigkill_resumes_into_the_uninterrupted_run(tmp_path):
+    """k = 2, a checkpoint every step: two uninterrupted runs are identical, and a run killed
+    with SIGKILL at a random moment after its second checkpoint, then resumed, ends with the
+    same metrics and weights."""
+    cache = tmp_path / "cache"
+    code, _, err = _finish(_start(tmp_path, "reference", cache))
+    assert code == 0, err
+    ref_metrics, ref_weights = _run(tmp_path / "reference")
+    assert [m.get("async/staleness_max") for m in ref_metrics[1:]] == [0, 1, 2, 2, 2, 2]
+    proc = _start(tmp_path, "killed", cache)
+    run_dir = tmp_path / "killed"
+    deadline = time.monotonic() + 300
+    while not (run_dir / "metrics.jsonl").exists() or (
+        (run_dir / "metrics.jsonl").read_text().count("\n") < 3
+    ):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended first"
+        time.sleep(0.01)
+    time.sleep(random.Random(0).uniform(0.0, 0.3))
+    proc.send_signal(signal.SIGKILL)
+    assert _finish(proc)[0] == -signal.SIGKILL
+    code, out, err = _finish(_start(tmp_path, "killed", cache, "--resume", str(run_dir)))
+    assert code == 0, err
+    assert "resumed from" in out
+    metrics, weights = _run(run_dir)
+    assert metrics == ref_metrics
+    assert weights.keys() == ref_weights.keys()
+    assert all(torch.equal(weights[k], ref_weights[k]) for k in weights)
