@@ -68,14 +68,13 @@ from dapo.models.policy import DTYPES, compute_device
 from dapo.rollout import make_engine
 from dapo.training.memory_plan import (
     DTYPE_BYTES,
-    KNOWN_SHAPES,
-    ModelShape,
     PlanSettings,
     kv_cache_bytes,
     output_head_bytes,
     plan_memory,
     settings_from_config,
 )
+from dapo.training.model_shape import KNOWN_SHAPES, ModelShape
 from dapo.training.old_logprobs import fill_logprobs
 from dapo.training.step import TrainState, build_state
 from dapo.training.update import minibatch_update

@@ -27,13 +27,12 @@ from typing import Any
 from dapo.config import load_config
 from dapo.config.loading import read_hardware
 from dapo.training.memory_plan import (
-    KNOWN_SHAPES,
-    ModelShape,
     model_shape,
     plan_memory,
     settings_from_config,
 )
 from dapo.training.memory_table import SPARE_GIB, markdown_table, plan_row, table_rows
+from dapo.training.model_shape import KNOWN_SHAPES, ModelShape
 
 _FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 _FIELDS += ("num_key_value_heads", "vocab_size", "tie_word_embeddings")

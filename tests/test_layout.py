@@ -108,6 +108,8 @@ NEVER_REACH: dict[str, tuple[str, ...]] = {
     "dapo.rollout": _NOT_THE_CONFIG,
     "dapo.data.batch": _NOT_THE_CONFIG,
     "dapo.training.sampling": _NOT_THE_CONFIG,
+    # A dry run sizes the model from its config.json before torch loads.
+    "dapo.training.model_shape": ("torch", "transformers"),
 }
 
 # Prefix -> what its modules must not import themselves.

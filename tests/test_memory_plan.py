@@ -21,14 +21,13 @@ from dapo.config import load_config
 from dapo.models import policy
 from dapo.training import memory_plan, memory_table
 from dapo.training.memory_plan import (
-    KNOWN_SHAPES,
-    ModelShape,
     PlanSettings,
     activation_bytes,
     plan_memory,
     settings_from_config,
 )
 from dapo.training.memory_table import format_plan
+from dapo.training.model_shape import KNOWN_SHAPES, ModelShape
 
 
 @pytest.mark.parametrize(
@@ -556,3 +555,21 @@ def test_layers_kept_gathered_after_forward_count_every_layer_in_the_compute_dty
     # bf16: (28 - 2) more layers of 2 bytes per parameter, nothing else changes.
     assert kept.gathered_layers - freed.gathered_layers == 26 * shape.layer_parameters * 2
     assert kept.training_peak - freed.training_peak == 26 * shape.layer_parameters * 2
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_generating_ahead_holds_its_copy_and_k_clones_and_overlaps_the_kv_cache(k):
+    """train.async_staleness=k: the generator's copy and up to k clones of new weights, in
+    bf16 when that computes, held through both phases; its KV cache is in use while training."""
+    shape = ModelShape.from_hf_config(KNOWN_SHAPES["qwen2.5-1.5b"])
+    turns = plan_memory(shape, PlanSettings())
+    ahead = plan_memory(shape, PlanSettings(staleness=k))
+    p = shape.num_parameters
+    assert ahead.ahead == (1 + k) * p * 2 and turns.ahead == 0
+    assert ahead.generation_peak == turns.generation_peak + (1 + k) * p * 2
+    assert ahead.training_peak == turns.training_peak + (1 + k) * p * 2 + turns.kv_cache
+    fp32 = plan_memory(shape, PlanSettings(staleness=k, compute_dtype="float32"))
+    assert fp32.ahead == (1 + k) * p * 4
+    assert f"generating ahead: its copy and up to {k} clones (bfloat16)" in format_plan(ahead)
+    with pytest.raises(ValueError, match="async_staleness runs in one process"):
+        plan_memory(shape, PlanSettings(staleness=k, world_size=8))

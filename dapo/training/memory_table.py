@@ -12,15 +12,14 @@ from typing import TYPE_CHECKING, Any
 
 from dapo.training.memory_plan import (
     GIB,
-    KNOWN_SHAPES,
     MemoryPlan,
-    ModelShape,
     PlanSettings,
     model_shape,
     plan_memory,
     round_prompts,
     settings_from_config,
 )
+from dapo.training.model_shape import KNOWN_SHAPES, ModelShape
 
 if TYPE_CHECKING:
     from dapo.config import Config
@@ -39,6 +38,7 @@ COMPONENTS = (
     "output_head",
     "kv_cache",
     "reference",
+    "ahead",
 )
 """The parts of a plan on the GPU, each a ``<part>_gib`` key of a JSON row."""
 
@@ -58,6 +58,11 @@ def describe_settings(s: PlanSettings) -> str:
         f"settings: {dist}, activation checkpointing {ckpt}, micro-batches of up to "
         f"{s.microbatch_tokens} tokens, {s.rows} rows per engine call"
     )
+
+
+def copy_dtype(s: PlanSettings) -> str:
+    """The dtype of frozen copies: bfloat16 when it computes, else the weights'."""
+    return "bfloat16" if s.compute_dtype == "bfloat16" else s.param_dtype
 
 
 def _part_rows(plan: MemoryPlan) -> list[tuple[str, int, str]]:
@@ -86,6 +91,8 @@ def _part_rows(plan: MemoryPlan) -> list[tuple[str, int, str]]:
          "GPU, training"),
         (kv, plan.kv_cache, "GPU, generation"),
         (f"GRPO reference ({share})", plan.reference, where + ", always"),
+        (f"generating ahead: its copy and up to {s.staleness} clones ({copy_dtype(s)})",
+         plan.ahead, "GPU, always"),
     ]  # fmt: skip
 
 
