@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -94,3 +97,55 @@ def spawn_ranks(fn, *args, nprocs: int = 2) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.start_processes(fn, args=(port, *args), nprocs=nprocs, start_method="spawn")
+
+
+# The demo at a tiny scale that still keeps and drops groups, trains several micro-batches per
+# update and checkpoints every step: the runs that kill -9 and --resume compare exactly.
+RESUMABLE_DEMO = [
+    # Big enough to be right sometimes: dynamic sampling keeps groups and every step trains.
+    "embedded.sft_steps=100",
+    "embedded.hidden=64",
+    "arith.max_terms=2",
+    "arith.num_warmup=256",
+    "arith.num_train=200",
+    "arith.num_val=8",
+    "rollout.group_size=4",
+    "train.steps=6",
+    "train.prompts_per_step=4",
+    "sampling.prompts_per_round=8",
+    "sampling.on_max_rounds=train",
+    "train.responses_per_minibatch=8",  # 2 updates per step
+    "train.tokens_per_microbatch=300",  # several micro-batches per update
+    "eval.num_samples=2",
+    "eval.every=2",
+    "train.save_every=1",
+    "train.keep_checkpoints=2",
+    "run.threads=1",
+    # What a GPU run needs to resume exactly (docs/guides/gpus.md); on a CPU it changes no
+    # value, and here it shows every op of training, evaluation and resume has such a kernel.
+    "run.deterministic=true",
+]
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def start_run(
+    out_dir: Path, name: str, cache: Path, overrides: list[str], *extra: str
+) -> subprocess.Popen:
+    """``dapo train *extra`` in a subprocess; a new run takes ``overrides``, its directory and
+    the embedded model's cache (``--resume DIR`` in ``extra`` takes nothing else)."""
+    cmd = [sys.executable, "-m", "dapo", "train", *extra]
+    if "--resume" not in extra:
+        cmd += [*overrides, f"embedded.cache_dir={cache}", f"run.out_dir={out_dir}"]
+        cmd += [f"run.name={name}"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def finish_run(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of a run :func:`start_run` started."""
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err

@@ -6,16 +6,15 @@ kill -9 then --resume continues it exactly (the rollouts generated ahead are che
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import RESUMABLE_DEMO, finish_run, start_run
 from safetensors.torch import load_file
 
 from dapo.config import load_config
@@ -25,8 +24,6 @@ from dapo.training import inputs
 from dapo.training.ahead import Ahead, rollouts_from_files, rollouts_to_files
 from dapo.training.old_logprobs import fill_logprobs
 from dapo.training.step import build_state, train_step
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cfg(*overrides: str):
@@ -134,42 +131,11 @@ def test_rollouts_round_trip_through_a_checkpoint_file_and_a_damaged_one_is_name
 
 # ----------------------------------------------------------------------------- whole runs
 
-TINY = [
-    "embedded.sft_steps=100",
-    "embedded.hidden=64",
-    "arith.max_terms=2",
-    "arith.num_warmup=256",
-    "arith.num_train=200",
-    "arith.num_val=8",
-    "rollout.group_size=4",
-    "train.steps=6",
-    "train.prompts_per_step=4",
-    "sampling.prompts_per_round=8",
-    "sampling.on_max_rounds=train",
-    "train.responses_per_minibatch=8",
-    "train.tokens_per_microbatch=300",
-    "eval.num_samples=2",
-    "eval.every=2",
-    "train.save_every=1",
-    "train.keep_checkpoints=2",
-    "run.threads=1",
-    "train.async_staleness=2",
-]
+TINY = [*RESUMABLE_DEMO, "train.async_staleness=2"]
 
 
 def _start(out: Path, name: str, cache: Path, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "dapo", "train", "--quiet", *extra]
-    if "--resume" not in extra:
-        cmd += [*TINY, f"embedded.cache_dir={cache}", f"run.out_dir={out}", f"run.name={name}"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-
-
-def _finish(proc: subprocess.Popen) -> tuple[int, str, str]:
-    out, err = proc.communicate(timeout=300)
-    return proc.returncode, out, err
+    return start_run(out, name, cache, TINY, "--quiet", *extra)
 
 
 def _run(run_dir: Path) -> tuple[list[dict], dict[str, torch.Tensor]]:
@@ -185,7 +151,7 @@ def test_a_run_killed_with_sigkill_resumes_into_the_uninterrupted_run(tmp_path):
     with SIGKILL at a random moment after its second checkpoint, then resumed, ends with the
     same metrics and weights."""
     cache = tmp_path / "cache"
-    code, _, err = _finish(_start(tmp_path, "reference", cache))
+    code, _, err = finish_run(_start(tmp_path, "reference", cache))
     assert code == 0, err
     ref_metrics, ref_weights = _run(tmp_path / "reference")
     assert [m.get("async/staleness_max") for m in ref_metrics[1:]] == [0, 1, 2, 2, 2, 2]
@@ -199,8 +165,8 @@ def test_a_run_killed_with_sigkill_resumes_into_the_uninterrupted_run(tmp_path):
         time.sleep(0.01)
     time.sleep(random.Random(0).uniform(0.0, 0.3))
     proc.send_signal(signal.SIGKILL)
-    assert _finish(proc)[0] == -signal.SIGKILL
-    code, out, err = _finish(_start(tmp_path, "killed", cache, "--resume", str(run_dir)))
+    assert finish_run(proc)[0] == -signal.SIGKILL
+    code, out, err = finish_run(_start(tmp_path, "killed", cache, "--resume", str(run_dir)))
     assert code == 0, err
     assert "resumed from" in out
     metrics, weights = _run(run_dir)

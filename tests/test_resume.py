@@ -5,58 +5,26 @@ only the perf/* timings may differ."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import RESUMABLE_DEMO, finish_run, start_run
 from safetensors.torch import load_file
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = [
-    # Big enough to be right sometimes: dynamic sampling keeps groups and every step trains.
-    "embedded.sft_steps=100",
-    "embedded.hidden=64",
-    "arith.max_terms=2",
-    "arith.num_warmup=256",
-    "arith.num_train=200",
-    "arith.num_val=8",
-    "rollout.group_size=4",
-    "train.steps=6",
-    "train.prompts_per_step=4",
-    "sampling.prompts_per_round=8",
-    "sampling.on_max_rounds=train",
-    "train.responses_per_minibatch=8",  # 2 updates per step
-    "train.tokens_per_microbatch=300",  # several micro-batches per update
-    "eval.num_samples=2",
-    "eval.every=2",
-    "train.save_every=1",
-    "train.keep_checkpoints=2",
-    "run.threads=1",
-    # What a GPU run needs to resume exactly (docs/guides/gpus.md); on a CPU it changes no
-    # value, and here it shows every op of training, evaluation and resume has such a kernel.
-    "run.deterministic=true",
-]
+TINY = RESUMABLE_DEMO
 
 
 def _start(out_dir: Path, name: str, cache: Path, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "dapo", "train", *extra]
-    if "--resume" not in extra:
-        cmd += [*TINY, f"embedded.cache_dir={cache}", f"run.out_dir={out_dir}", f"run.name={name}"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    return start_run(out_dir, name, cache, TINY, *extra)
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
-    out, err = proc.communicate(timeout=timeout)
-    return proc.returncode, out, err
+    return finish_run(proc, timeout)
 
 
 def _logged_steps(run_dir: Path) -> int:

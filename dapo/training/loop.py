@@ -190,7 +190,8 @@ class _Run:
         done = state.step >= t.steps or self.budget_spent()
         while not done and not self.stopping(stop):
             self.adjust_threads()
-            metrics = train_step(state, self.ahead)
+            # Taking turns, the step is called as it always was (wrappers of it take one argument).
+            metrics = train_step(state) if self.ahead is None else train_step(state, self.ahead)
             metrics["perf/threads"] = float(torch.get_num_threads())
             self.spent["gen_tokens"] += metrics.get("sampling/tokens_generated", 0.0)
             self.spent["step_seconds"] += metrics.get("perf/step_s", 0.0)
