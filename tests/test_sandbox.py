@@ -361,6 +361,11 @@ def test_the_next_run_ends_what_a_killed_caller_left():
     options = {"user": orphan_uid, "group": orphan_uid, "extra_groups": []}
     orphan = subprocess.Popen(["/bin/sh", "-c", f"sleep 30; : {marker}"], **options)
     try:
+        # sh forks sleep, and until the child execs its command line is still sh's, marker
+        # and all (a floors run caught it there once): wait for that moment to pass.
+        deadline = time.monotonic() + 2
+        while leftovers(marker) != [orphan.pid] and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert leftovers(marker) == [orphan.pid]
         assert run_python("pass").returncode == 0
         assert orphan.wait(timeout=2) == -signal.SIGKILL and leftovers(marker) == []
