@@ -41,6 +41,7 @@ from dapo.models.policy import DTYPES, stop_token_ids
 from dapo.rollout import make_engine
 from dapo.run.checkpoint import CheckpointError
 from dapo.training import exchange
+from dapo.training.copies import frozen_dtype
 from dapo.training.sampling import Group, SamplingResult
 
 if TYPE_CHECKING:
@@ -78,9 +79,7 @@ class Ahead:
         cfg = state.cfg
         self.k, self.limit, self.threads = cfg.train.async_staleness, cfg.train.steps, threads
         compute = DTYPES[cfg.model.compute_dtype]
-        # Held in bfloat16 when that is the compute dtype (as the copies under torchrun are);
-        # float16 weights would overflow without autocast's float32 ops.
-        self.held = compute if compute == torch.bfloat16 else next(state.model.parameters()).dtype
+        self.held = frozen_dtype(state.model, compute)  # as the copies under torchrun are
         model = copy.deepcopy(state.model).to(self.held).eval().requires_grad_(False)
         # Its own tokenizer too: a fast tokenizer used from two threads at once can raise
         # ("Already borrowed"), and evaluation uses the trainer's meanwhile.

@@ -20,6 +20,13 @@ from dapo.dist import fsdp, tensor_parallel
 from dapo.models import sharded_load
 
 
+def frozen_dtype(model: torch.nn.Module, compute: torch.dtype) -> torch.dtype:
+    """The dtype frozen copies (generation, reference) are held in: bfloat16 when that is the
+    compute dtype; else the policy's own (float16 weights would overflow without autocast's
+    float32 ops)."""
+    return compute if compute == torch.bfloat16 else next(model.parameters()).dtype
+
+
 def copies_and_shards(
     cfg: Config, model: torch.nn.Module, compute: torch.dtype, device: torch.device
 ) -> tuple[torch.nn.Module | None, torch.nn.Module | None, Any]:
@@ -32,9 +39,7 @@ def copies_and_shards(
     in a group). A policy loaded straight into shards (:mod:`dapo.models.sharded_load`) has
     its copies made from its shards, on ``device``. In one process: (reference, None, None).
     """
-    # Frozen copies are held in bfloat16 when that is the compute dtype (float16 weights
-    # would overflow without autocast's float32 ops: they stay as the policy's).
-    held = compute if compute == torch.bfloat16 else next(model.parameters()).dtype
+    held = frozen_dtype(model, compute)
     tp = cfg.rollout.tp_size if dist.active() else 1
     mesh = tensor_parallel.tp_mesh(tp, device.type) if tp > 1 else None
     if dist.active() and fsdp.is_sharded(model):
