@@ -17,6 +17,7 @@ from dapo.config import load_config
 from dapo.eval.intervals import (
     bootstrap_ci,
     crossed_bootstrap_ci,
+    holm_adjusted,
     paired_bootstrap_ci,
     paired_permutation_pvalue,
 )
@@ -178,6 +179,52 @@ def test_table_statistics_on_synthetic_results():
     assert dapo["to_target"] == {"reached": 2, "runs": 3, "steps": 10.0, "gen_tokens": 250.0,
                                  "seconds": 10.0}  # fmt: skip
     assert "To reach held-out accuracy 20.0" in text and "| DAPO | 2/3 | 10 | 250 | 10 |" in text
+
+
+def test_holm_adjusts_by_rank_keeps_the_order_and_caps_at_one():
+    # Sorted: 0.005 x 4 = 0.02, 0.01 x 3 = 0.03, 0.03 x 2 = 0.06, 0.04 x 1 = 0.04 -> 0.06 (the
+    # running maximum keeps the order of the raw p-values).
+    assert holm_adjusted([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert holm_adjusted([0.5, 0.6]) == [1.0, 1.0]
+    assert holm_adjusted([0.2]) == [0.2] and holm_adjusted([]) == []
+
+
+def test_verdicts_need_holm_corrected_evidence_over_seeds():
+    rows = PLANS["table1"]()
+    base = [0.20, 0.22, 0.18, 0.25, 0.21, 0.19, 0.23, 0.20]
+    gains = [0.05, 0.04, 0.06, 0.03, 0.05, 0.07, 0.02, 0.04]
+    better = [a + d for a, d in zip(base, gains, strict=True)]
+    worse = [a - 0.03 for a in better]
+    noise = [0.02, -0.01, 0.03, -0.02, 0.01, -0.03, 0.02, -0.01]
+    mixed = [a + d for a, d in zip(worse, noise, strict=True)]
+    res = results(**{rows[0].name: base, rows[1].name: better, rows[2].name: worse,
+                     rows[3].name: mixed})  # fmt: skip
+    table = ablation_table(rows, res, resamples=4000)
+    _, filtering, clip, soft = table
+    # 8 seeds of one sign: p = 2/256 by enumeration, about that by 4,000 random flips.
+    assert filtering["p"] == pytest.approx(2 / 256, abs=0.003)
+    assert clip["p"] == pytest.approx(2 / 256, abs=0.003)
+    assert [r["p_holm"] for r in table[1:]] == holm_adjusted([r["p"] for r in table[1:]])
+    assert filtering["p_holm"] < 0.05 and clip["p_holm"] < 0.05 and soft["p_holm"] >= 0.05
+    assert filtering["verdict"] == "reproduced"  # the paper's +6, here +4.5
+    assert clip["verdict"] == "opposite"  # the paper's +2, here -3.0
+    assert soft["verdict"] == "not detectable at this scale"
+    assert "verdict" not in table[0]
+    text = markdown(table)
+    assert "Verdicts (Holm-Bonferroni over the table's 3 p-values; family-wise alpha 0.05)" in text
+    assert "| + overlong filtering | naive GRPO | +6 (30 to 36) | +4.5 [" in text
+    assert text.rstrip().endswith("| not detectable at this scale |")
+    # Three seeds cannot reach p < 0.25: nothing is detectable, whatever the sizes.
+    table = ablation_table(rows, results(**{k: v[:3] for k, v in res_acc(res).items()}))
+    assert {r["verdict"] for r in table[1:]} == {"not detectable at this scale"}
+    # A pair the paper makes no claim about: "differs" on the same evidence.
+    eps = PLANS["eps-high"]()
+    table = ablation_table(eps, results(**{eps[2].name: base, eps[3].name: better}))
+    assert table[1]["verdict"] == "differs" and "| no claim |" in markdown(table)
+
+
+def res_acc(res: dict) -> dict[str, list[float]]:
+    return {row: [runs[s]["accuracy"] for s in sorted(runs)] for row, runs in res.items()}
 
 
 def test_time_to_target_takes_each_runs_first_evaluation_at_or_above_it():

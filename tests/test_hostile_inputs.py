@@ -392,7 +392,7 @@ def test_ablation_runs_do_not_inherit_a_launchers_rank(monkeypatch):
 def test_run_names_are_shown_literally_in_figures():
     from matplotlib.text import Text
 
-    from dapo.report.figures import legend_label
+    from dapo.report.style import legend_label
 
     for name in ("a$b$c", "cost_$5_run", "_hidden", "x^2_y"):
         label = legend_label(name)

@@ -12,10 +12,12 @@ import yaml
 from dapo.cli.report import add_parser
 from dapo.report import (
     FIGURES,
+    Run,
     config_differences,
     make_report,
     read_run,
 )
+from dapo.report.mechanisms import across_seeds, configurations, write_mechanisms
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -142,7 +144,7 @@ def test_make_report_writes_self_contained_html(two_runs: tuple[Path, Path], tmp
         assert len(data) > 10_000, name
     html = html_path.read_text(encoding="utf-8")
     assert "run-a" in html and "run-b" in html
-    assert html.count("data:image/png;base64,") == 4
+    assert html.count("data:image/png;base64,") == len(FIGURES)
     assert "algo.eps_high" in html
     assert "1 line skipped" in html
     assert "0 lines skipped" in html
@@ -160,7 +162,7 @@ def test_make_report_survives_missing_metrics(tmp_path: Path) -> None:
     (run / "metrics.jsonl").write_text('{"step": 0, "val/accuracy": 0.18}\n', encoding="utf-8")
     html = make_report([run], tmp_path / "out").read_text(encoding="utf-8")
     assert "single run" in html
-    assert html.count("data:image/png;base64,") == 4
+    assert html.count("data:image/png;base64,") == len(FIGURES)
 
 
 def test_cli_report_default_out(two_runs: tuple[Path, Path], capsys) -> None:
@@ -171,7 +173,7 @@ def test_cli_report_default_out(two_runs: tuple[Path, Path], capsys) -> None:
     printed = capsys.readouterr().out.split()
     assert printed[-1] == str(two_runs[0] / "report" / "report.html")
     assert all(Path(p).is_file() for p in printed)
-    assert len(printed) == 5
+    assert len(printed) == len(FIGURES) + 1
 
 
 def test_a_run_saved_before_keys_moved_differs_only_where_it_differs(tmp_path: Path) -> None:
@@ -183,3 +185,28 @@ def test_a_run_saved_before_keys_moved_differs_only_where_it_differs(tmp_path: P
     new["embedded"] = {"sft_steps": 100}
     runs = [read_run(_write_run(tmp_path, "old", old)), read_run(_write_run(tmp_path, "new", new))]
     assert config_differences(runs) == [("arith.max_terms", [5, 3])]
+
+
+def test_mechanisms_group_runs_by_configuration_and_band_over_seeds(tmp_path):
+    def run(name: str, entropy: dict[int, float]) -> Run:
+        rows = [{"step": s, "train/entropy": v} for s, v in entropy.items()]
+        return Run(name=name, path=tmp_path / name, rows=rows)
+
+    runs = [
+        run("clip-higher-seed0", {1: 0.9, 2: 0.8, 3: 0.7}),
+        run("naive-grpo-seed0", {1: 0.9, 2: 0.5}),
+        run("clip-higher-seed1", {1: 0.7, 2: 0.6}),  # stopped a step earlier
+        run("naive-grpo-seed1", {1: 0.8, 2: 0.4}),
+        run("single", {1: 0.3}),
+    ]
+    groups = configurations(runs)
+    assert list(groups) == ["clip-higher", "naive-grpo", "single"]
+    assert [r.name for r in groups["clip-higher"]] == ["clip-higher-seed0", "clip-higher-seed1"]
+    # Steps logged by two or more seeds only: step 3 has one seed of two.
+    steps, mean, low, high = across_seeds(groups["clip-higher"], "train/entropy")
+    assert steps == [1.0, 2.0]
+    assert mean == pytest.approx([0.8, 0.7]) and low == [0.7, 0.6] and high == [0.9, 0.8]
+    assert across_seeds(groups["single"], "train/entropy") == ([1.0], [0.3], [0.3], [0.3])
+    assert across_seeds(groups["single"], "sampling/all_correct_frac") == ([], [], [], [])
+    path = write_mechanisms(runs, tmp_path / "mechanisms.png")
+    assert path.read_bytes().startswith(PNG_SIGNATURE)

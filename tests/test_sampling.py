@@ -8,8 +8,10 @@ from dapo.training.sampling import (
     SamplingResult,
     collect_groups,
     oversampled_round,
+    rollout_metrics,
     round_size,
 )
+from dapo.training.step import assign_advantages
 
 
 def _group(uid: str, correct: list[bool]) -> Group:
@@ -149,3 +151,27 @@ def test_round_size_oversamples_by_the_kept_fraction_of_last_step_and_this_one()
     assert round_size(_so_far(6, 6, 10), prior=(24, 40), **sizes) == 49
     # Nothing kept so far: the cap, 4 x N.
     assert round_size(_so_far(0, 0, 40), prior=(0, 40), **sizes) == 128
+
+
+def test_metrics_count_all_right_all_wrong_and_the_groups_that_carry_a_gradient():
+    # Without dynamic sampling every group trains: of 5 groups, 2 all right and 1 all wrong
+    # carry no gradient under plain correctness rewards; with soft length shaping an all-right
+    # group whose rewards differ does (its advantages are not all zero).
+    draw, _ = _rounds([[ALL_RIGHT, MIXED, ALL_WRONG, ALL_RIGHT, MIXED]])
+    res = collect_groups(draw, num_groups=5, dynamic=False, max_rounds=5, on_max_rounds="error")
+    assign_advantages(res.groups, eps=1e-6)
+    metrics = rollout_metrics(res)
+    assert metrics["sampling/all_correct_frac"] == 2 / 5
+    assert metrics["sampling/all_wrong_frac"] == 1 / 5
+    assert metrics["sampling/groups_with_gradient"] == 2.0
+    res.groups[0].episodes[0].reward = 0.5  # one response of an all-right group shaped down
+    assign_advantages(res.groups, eps=1e-6)
+    assert rollout_metrics(res)["sampling/groups_with_gradient"] == 3.0
+    # With dynamic sampling only mixed groups train; the shares count every group drawn.
+    draw, _ = _rounds([[ALL_RIGHT, MIXED, ALL_WRONG, MIXED], [MIXED, ALL_RIGHT]])
+    res = collect_groups(draw, num_groups=3, dynamic=True, max_rounds=5, on_max_rounds="error")
+    assign_advantages(res.groups, eps=1e-6)
+    metrics = rollout_metrics(res)
+    assert metrics["sampling/all_correct_frac"] == 2 / 6
+    assert metrics["sampling/all_wrong_frac"] == 1 / 6
+    assert metrics["sampling/groups_with_gradient"] == 3.0

@@ -23,6 +23,7 @@ from dapo.eval.intervals import (
     Interval,
     bootstrap_ci,
     crossed_bootstrap_ci,
+    holm_adjusted,
     paired_bootstrap_ci,
     paired_permutation_pvalue,
 )
@@ -136,8 +137,40 @@ def ablation_table(
         paired = [s for s in seeds if s in base]
         if paired:
             _difference(record, [base[s] for s in paired], [runs[s] for s in paired], resamples)
+            record["expect"], record["paper"] = row.expect, row.paper
         table.append(record)
+    judge(table)
     return table
+
+
+ALPHA = 0.05
+"""The family-wise error rate of a table's verdicts (after Holm's correction)."""
+
+
+def judge(table: list[dict]) -> None:
+    """Add ``p_holm`` (Holm-Bonferroni over every row of the table with a p-value) and a
+    ``verdict`` to every row with a difference:
+
+    - ``reproduced`` / ``opposite``: the adjusted p is under ``ALPHA`` and the difference's
+      95% interval lies wholly on the paper's side of 0 / wholly on the other side;
+    - ``differs``: the same evidence, for a pair the paper makes no claim about;
+    - ``not detectable at this scale``: anything less (an interval that spans 0, an adjusted
+      p at or over ``ALPHA``, or a single seed, which has no p-value).
+    """
+    tested = [r for r in table if "p" in r]
+    for record, adjusted in zip(tested, holm_adjusted([r["p"] for r in tested]), strict=True):
+        record["p_holm"] = adjusted
+    for record in table:
+        if "diff" not in record:
+            continue
+        diff: Interval = record["diff"]
+        side = 1 if diff.low > 0 else -1 if diff.high < 0 else 0
+        if side == 0 or record.get("p_holm", 1.0) >= ALPHA:
+            record["verdict"] = "not detectable at this scale"
+        elif record.get("expect") is None:
+            record["verdict"] = "differs"
+        else:
+            record["verdict"] = "reproduced" if side == record["expect"] else "opposite"
 
 
 def _difference(record: dict, a: list[dict], b: list[dict], resamples: int) -> None:
@@ -245,4 +278,27 @@ def markdown(table: list[dict]) -> str:
             else "- | - | -"
         )
         lines.append(f"| {r['row']} | {t['reached']}/{t['runs']} | {cost} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _verdict_lines(table)) + "\n"
+
+
+def _verdict_lines(table: list[dict]) -> list[str]:
+    """The verdicts (:func:`judge`) as a third table: each difference beside the paper's."""
+    judged = [r for r in table if "verdict" in r]
+    if not judged:
+        return []
+    lines = [
+        "",
+        f"Verdicts (Holm-Bonferroni over the table's {sum('p' in r for r in table)} "
+        f"p-values; family-wise alpha {ALPHA}):",
+        "",
+        "| configuration | vs | paper | here [95%] | p (seeds) | p (Holm) | verdict |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in judged:
+        p = f"{r['p']:.3f} | {r['p_holm']:.3f}" if "p" in r else "- | -"
+        paper = r.get("paper") or ("no claim" if r.get("expect") is None else "")
+        lines.append(
+            f"| {r['row']} | {r['compare_to']} | {paper} | {_points(r['diff'], True)} | {p} "
+            f"| {r['verdict']} |"
+        )
+    return lines

@@ -1,7 +1,8 @@
 """``dapo ablate --plan table1|eps-high|2x2|successors|async [--seeds 3]
 [--budget steps=N|tokens=N|seconds=S] [--parallel K] [--target ACC] [--config FILE] [--out DIR]
 [section.field=value ...]``: run every configuration of a plan at every seed as an ordinary
-run under one directory, then print the table as markdown.
+run under one directory, then print the table as markdown, with a verdict per row on the
+paper's claim (Holm-Bonferroni over the table's p-values).
 
 Finished runs are skipped and stopped ones resumed, so the same command continues an
 interrupted ablation. Beside the runs it writes ``table.md``, ``table.json`` and the overlaid

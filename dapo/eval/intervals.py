@@ -170,3 +170,22 @@ def paired_permutation_pvalue(
         signs = rng.integers(0, 2, size=(stop - start, n)).astype(np.float64) * 2.0 - 1.0
         extreme += int(np.count_nonzero(np.abs(signs @ d) / n >= observed))
     return (1 + extreme) / (1 + resamples)
+
+
+def holm_adjusted(pvalues: Sequence[float]) -> list[float]:
+    """Holm-Bonferroni adjusted p-values, in the order given.
+
+    A table tests several rows at once; by chance alone one of m true-null rows falls under
+    0.05 with probability up to 1 - 0.95^m. Holm's step-down correction bounds that
+    family-wise error: sort the m p-values, multiply the i-th smallest by (m - i + 1), take
+    the running maximum (so the order is kept) and cap at 1. Rejecting where the adjusted
+    value is under alpha is Holm's procedure at level alpha, never weaker than Bonferroni.
+    """
+    m = len(pvalues)
+    order = sorted(range(m), key=lambda i: pvalues[i])
+    adjusted = [0.0] * m
+    running = 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * pvalues[i]))
+        adjusted[i] = running
+    return adjusted

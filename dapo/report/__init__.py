@@ -2,7 +2,8 @@
 
 Reads each run's ``config.yaml``, ``metrics.jsonl`` and ``summary.json`` (:mod:`.runs`), draws
 the paper's training-dynamics panels, clipping, dynamic-sampling cost and held-out accuracy
-(several runs overlaid, one colour per run; :mod:`.figures`), and writes the PNGs and
+(several runs overlaid, one colour per run; :mod:`.figures`), and the mechanisms the techniques
+act on per configuration, mean and band over seeds (:mod:`.mechanisms`), and writes the PNGs and
 ``report.html`` (images embedded, so the page opens offline and can be mailed as one file;
 :mod:`.page`).
 """
@@ -20,7 +21,7 @@ __all__ = ["FIGURES", "Run", "config_differences", "make_report", "read_run"]
 
 
 def make_report(run_dirs: Sequence[Path | str], out_dir: Path | str) -> Path:
-    """Write the four figures and ``report.html`` into ``out_dir``; return the HTML path."""
+    """Write the five figures and ``report.html`` into ``out_dir``; return the HTML path."""
     if not run_dirs:
         raise ValueError("no run directories given")
     runs = [read_run(d) for d in run_dirs]

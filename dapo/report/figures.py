@@ -1,5 +1,6 @@
 """The report's figures: the paper's training-dynamics panels, clipping, dynamic-sampling cost
-and held-out accuracy, several runs overlaid (one colour per run), as PNG files."""
+and held-out accuracy, several runs overlaid (one colour per run), and the mechanisms per
+configuration over its seeds (:mod:`dapo.report.mechanisms`), as PNG files."""
 
 from __future__ import annotations
 
@@ -8,32 +9,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dapo.report.mechanisms import MECHANISMS_FIGURE, write_mechanisms
 from dapo.report.runs import Run, is_number, kept_frac, series
+from dapo.report.style import legend_label, no_data, run_colours
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-FIGURES = ("dynamics.png", "clipping.png", "sampling.png", "accuracy.png")
-
-
-def run_colours(n: int) -> list[Any]:
-    import matplotlib
-
-    cmap = matplotlib.colormaps["tab10" if n <= 10 else "tab20"]
-    return [cmap(i % cmap.N) for i in range(n)]
-
-
-def _no_data(ax: Axes) -> None:
-    ax.text(
-        0.5,
-        0.5,
-        "no data",
-        transform=ax.transAxes,
-        ha="center",
-        va="center",
-        color="grey",
-        fontsize=12,
-    )
+FIGURES = ("dynamics.png", "clipping.png", "sampling.png", "accuracy.png", MECHANISMS_FIGURE)
 
 
 # A panel: title, y label, and the lines to draw per run as (metric, line style).
@@ -57,13 +40,7 @@ def _line_panel(ax: Axes, runs: Sequence[Run], colours: list[Any], spec: PanelSp
     ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3)
     if not drawn:
-        _no_data(ax)
-
-
-def legend_label(name: str) -> str:
-    """A run name as matplotlib shows it literally: "$" would open a formula otherwise (and a
-    name starting with "_", which automatic legends hide, shows: labels are given explicitly)."""
-    return name.replace("$", r"\$")
+        no_data(ax)
 
 
 def _figure_legend(
@@ -142,7 +119,7 @@ def _accuracy_figure(runs: Sequence[Run], path: Path) -> None:
     ax.set_ylabel("accuracy")
     ax.grid(True, alpha=0.3)
     if not drawn:
-        _no_data(ax)
+        no_data(ax)
     legend_rows = _figure_legend(
         fig,
         runs,
@@ -198,4 +175,5 @@ def write_figures(runs: Sequence[Run], out_dir: Path) -> list[Path]:
     _grid_figure(runs, clipping, (1, 3), paths[1])
     _grid_figure(runs, sampling, (1, 3), paths[2])
     _accuracy_figure(runs, paths[3])
+    write_mechanisms(runs, paths[4])
     return paths

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dapo.report.figures import run_colours
 from dapo.report.runs import Run, config_differences, is_number
+from dapo.report.style import run_colours
 
 
 def _fmt(value: Any) -> str:

@@ -44,6 +44,13 @@ METRICS: dict[str, str] = {
     "(with sampling.on_max_rounds=train), else 0.",
     "sampling/tokens_generated": "Tokens generated this step, every response counted.",
     "sampling/tokens_per_kept_group": "tokens_generated / groups_kept: what a kept group cost.",
+    "sampling/all_correct_frac": "Share of the step's groups (all rounds) whose responses are "
+    "all correct: zero advantage, no gradient.",
+    "sampling/all_wrong_frac": "Share of the step's groups (all rounds) whose responses are all "
+    "wrong: zero advantage unless shaping separates them.",
+    "sampling/groups_with_gradient": "Trained groups with a nonzero advantage somewhere: the "
+    "effective batch (groups_kept with dynamic sampling; fewer without it as groups become all "
+    "right).",
     # train
     "train/loss": "Mean policy loss over the step's updates (-J, plus the KL term for GRPO).",
     "train/entropy": "Mean entropy of the policy's token distribution per trained token.",

@@ -145,10 +145,18 @@ def collect_groups(
 
 
 def rollout_metrics(result: SamplingResult) -> dict[str, float]:
-    """Figures over every response generated this step, and what dynamic sampling cost."""
+    """Figures over every response generated this step, what dynamic sampling cost, and how
+    many trained groups carry a gradient (call it after the advantages are assigned)."""
     eps = [e for g in result.generated for e in g.episodes]
     lengths = torch.tensor([e.length for e in eps], dtype=torch.float64)
     kept = len(result.groups)
+    drawn = max(len(result.generated), 1)
+    # The mechanisms dynamic sampling answers: as groups become all right (or stay all wrong)
+    # their advantages vanish, and without the filter the batch that carries a gradient
+    # shrinks. Advantages are assigned before the metrics are taken.
+    all_correct = sum(all(g.correct) for g in result.generated)
+    all_wrong = sum(not any(g.correct) for g in result.generated)
+    with_gradient = sum(any(e.advantage != 0.0 for e in g.episodes) for g in result.groups)
     return {
         "rollout/accuracy": sum(e.correct for e in eps) / len(eps),
         "rollout/reward_mean": sum(e.reward for e in eps) / len(eps),
@@ -165,4 +173,7 @@ def rollout_metrics(result: SamplingResult) -> dict[str, float]:
         "sampling/tokens_per_kept_group": result.tokens_generated / max(kept, 1),
         "sampling/groups_surplus": float(result.groups_mixed - kept),
         "sampling/exhausted": float(result.exhausted),
+        "sampling/all_correct_frac": all_correct / drawn,
+        "sampling/all_wrong_frac": all_wrong / drawn,
+        "sampling/groups_with_gradient": float(with_gradient),
     }

@@ -1,0 +1,93 @@
+"""The mechanisms figure: what the paper's techniques act on, per configuration over its seeds.
+
+Runs named ``<configuration>-seed<N>`` (as ``dapo ablate`` names them) are one configuration;
+each panel draws, per configuration, the mean over its seeds at every step that two or more
+seeds logged (one seed: its own line) and a band from the lowest to the highest seed:
+
+- entropy: collapses under a symmetric clip, not under Clip-Higher (DAPO §3.1);
+- all-correct groups and the groups that carry a gradient: without dynamic sampling the
+  effective batch shrinks as groups become all right (§3.2);
+- response length and the truncated share: responses that reach L_max, what overlong
+  filtering, soft punishment and token-level weighting act on (§3.3, §3.4);
+- the upper clip's share of tokens: how often the upper bound binds.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+from dapo.report.runs import Run, series
+from dapo.report.style import legend_label, no_data, run_colours
+
+MECHANISMS_FIGURE = "mechanisms.png"
+
+PANELS = (
+    ("entropy", "nats / token", "train/entropy"),
+    ("all-correct groups", "share of groups drawn", "sampling/all_correct_frac"),
+    ("groups with a gradient", "groups", "sampling/groups_with_gradient"),
+    ("response length", "tokens (mean)", "rollout/response_len_mean"),
+    ("truncated responses", "share of responses", "rollout/truncated_frac"),
+    ("upper clip active", "share of tokens", "clip/high_frac"),
+)
+
+_SEED = re.compile(r"-seed\d+$")
+
+
+def configurations(runs: Sequence[Run]) -> dict[str, list[Run]]:
+    """Runs grouped by their name without a ``-seed<N>`` suffix, in first-seen order."""
+    groups: dict[str, list[Run]] = {}
+    for run in runs:
+        groups.setdefault(_SEED.sub("", run.name), []).append(run)
+    return groups
+
+
+def across_seeds(runs: Sequence[Run], key: str) -> tuple[list[float], ...]:
+    """(steps, mean, low, high) of ``key`` over the runs, at every step logged by two or more
+    of them (by the one run when there is one)."""
+    per_step: dict[float, list[float]] = {}
+    for run in runs:
+        for step, value in zip(*series(run, key), strict=True):
+            per_step.setdefault(step, []).append(value)
+    need = min(2, len(runs))
+    steps = sorted(s for s, v in per_step.items() if len(v) >= need)
+    mean = [sum(per_step[s]) / len(per_step[s]) for s in steps]
+    return steps, mean, [min(per_step[s]) for s in steps], [max(per_step[s]) for s in steps]
+
+
+def write_mechanisms(runs: Sequence[Run], path: Path) -> Path:
+    """Draw the six panels into ``path``, one colour per configuration."""
+    import matplotlib.pyplot as plt
+
+    groups = configurations(runs)
+    colours = run_colours(len(groups))
+    fig, axes = plt.subplots(2, 3, figsize=(15.6, 7.6), squeeze=False)
+    for ax, (title, ylabel, key) in zip((a for row in axes for a in row), PANELS, strict=True):
+        drawn = False
+        for (name, members), colour in zip(groups.items(), colours, strict=True):
+            steps, mean, low, high = across_seeds(members, key)
+            if not steps:
+                continue
+            label = f"{legend_label(name)} ({len(members)} seed{'s' * (len(members) > 1)})"
+            ax.plot(steps, mean, color=colour, linewidth=1.6, label=label)
+            if len(members) > 1:
+                ax.fill_between(steps, low, high, color=colour, alpha=0.18, linewidth=0)
+            drawn = True
+        ax.set_title(title, fontsize=11)
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        if not drawn:
+            no_data(ax)
+    handles, labels = next(
+        (a.get_legend_handles_labels() for row in axes for a in row if a.get_lines()), ([], [])
+    )
+    if handles:
+        fig.legend(handles, labels, loc="upper center", ncol=min(len(labels), 3), frameon=False)
+    rows = -(-len(labels) // 3) if labels else 0
+    fig.suptitle("mean over seeds; band: lowest to highest seed", y=0.005, va="bottom", fontsize=9)
+    fig.tight_layout(rect=(0, 0.02, 1, 1 - 0.045 * rows))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,34 @@
+"""What every figure of the report shares: run colours, literal legend labels, an empty panel."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+
+def run_colours(n: int) -> list[Any]:
+    import matplotlib
+
+    cmap = matplotlib.colormaps["tab10" if n <= 10 else "tab20"]
+    return [cmap(i % cmap.N) for i in range(n)]
+
+
+def no_data(ax: Axes) -> None:
+    ax.text(
+        0.5,
+        0.5,
+        "no data",
+        transform=ax.transAxes,
+        ha="center",
+        va="center",
+        color="grey",
+        fontsize=12,
+    )
+
+
+def legend_label(name: str) -> str:
+    """A run name as matplotlib shows it literally: "$" would open a formula otherwise (and a
+    name starting with "_", which automatic legends hide, shows: labels are given explicitly)."""
+    return name.replace("$", r"\$")
