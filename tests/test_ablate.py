@@ -201,9 +201,8 @@ def test_verdicts_need_holm_corrected_evidence_over_seeds():
                      rows[3].name: mixed})  # fmt: skip
     table = ablation_table(rows, res, resamples=4000)
     _, filtering, clip, soft = table
-    # 8 seeds of one sign: p = 2/256 by enumeration, about that by 4,000 random flips.
-    assert filtering["p"] == pytest.approx(2 / 256, abs=0.003)
-    assert clip["p"] == pytest.approx(2 / 256, abs=0.003)
+    # 8 seeds of one sign: p = 2/256 exactly (every sign pattern counted).
+    assert filtering["p"] == clip["p"] == 2 / 256
     assert [r["p_holm"] for r in table[1:]] == holm_adjusted([r["p"] for r in table[1:]])
     assert filtering["p_holm"] < 0.05 and clip["p_holm"] < 0.05 and soft["p_holm"] >= 0.05
     assert filtering["verdict"] == "reproduced"  # the paper's +6, here +4.5

@@ -358,3 +358,17 @@ def test_crossed_bootstrap_rejects_what_is_not_a_table():
     for bad in ([], [[]], [0.1, 0.2], [[0.1, float("nan")]]):
         with pytest.raises(ValueError):
             crossed_bootstrap_ci(bad)
+
+
+def test_permutation_pvalue_is_exact_over_few_seeds():
+    # 2^n sign patterns at most resamples: each counted once. All of one sign: only the
+    # observed pattern and its mirror are as extreme, 2 / 2^n.
+    assert paired_permutation_pvalue([0.0] * 3, [0.1, 0.2, 0.3]) == 0.25
+    assert paired_permutation_pvalue([0.0] * 8, [0.1 * i for i in range(1, 9)]) == 2 / 256
+    # Sum 34 = 1 - 2 + 3 + ... + 8: as large in size when -2 flips (38), when 1 and -2 flip
+    # (36), and the observed one (34): 3 patterns and their 3 mirrors.
+    d = [1.0, -2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]
+    assert paired_permutation_pvalue([0.0] * 8, d) == 6 / 256
+    # Beyond resamples patterns (14 pairs > 10,000 / 2^14): random flips, never exactly 0.
+    p = paired_permutation_pvalue([0.0] * 14, [1.0] * 14)
+    assert p == pytest.approx(1 / 10_001, abs=3 / 10_001)
