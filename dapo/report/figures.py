@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from dapo.report.mechanisms import MECHANISMS_FIGURE, write_mechanisms
 from dapo.report.runs import Run, is_number, kept_frac, series
-from dapo.report.style import legend_label, no_data, run_colours
+from dapo.report.style import finish_panel, legend_label, run_colours
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -35,12 +35,7 @@ def _line_panel(ax: Axes, runs: Sequence[Run], colours: list[Any], spec: PanelSp
             marker = "o" if len(steps) == 1 else None
             ax.plot(steps, values, linestyle=style, color=colour, linewidth=1.4, marker=marker)
             drawn = True
-    ax.set_title(title, fontsize=11)
-    ax.set_xlabel("step")
-    ax.set_ylabel(ylabel)
-    ax.grid(True, alpha=0.3)
-    if not drawn:
-        no_data(ax)
+    finish_panel(ax, title, ylabel, drawn)
 
 
 def _figure_legend(
@@ -114,12 +109,7 @@ def _accuracy_figure(runs: Sequence[Run], path: Path) -> None:
         if steps:
             ax.plot(steps, values, color=colour, linewidth=1.8, marker="o", markersize=5)
             drawn = True
-    ax.set_title("accuracy", fontsize=11)
-    ax.set_xlabel("step")
-    ax.set_ylabel("accuracy")
-    ax.grid(True, alpha=0.3)
-    if not drawn:
-        no_data(ax)
+    finish_panel(ax, "accuracy", "accuracy", drawn)
     legend_rows = _figure_legend(
         fig,
         runs,

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dapo.report.runs import Run, series
-from dapo.report.style import legend_label, no_data, run_colours
+from dapo.report.style import finish_panel, legend_label, run_colours
 
 MECHANISMS_FIGURE = "mechanisms.png"
 
@@ -74,12 +74,7 @@ def write_mechanisms(runs: Sequence[Run], path: Path) -> Path:
             if len(members) > 1:
                 ax.fill_between(steps, low, high, color=colour, alpha=0.18, linewidth=0)
             drawn = True
-        ax.set_title(title, fontsize=11)
-        ax.set_xlabel("step")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, alpha=0.3)
-        if not drawn:
-            no_data(ax)
+        finish_panel(ax, title, ylabel, drawn)
     handles, labels = next(
         (a.get_legend_handles_labels() for row in axes for a in row if a.get_lines()), ([], [])
     )

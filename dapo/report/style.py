@@ -1,4 +1,4 @@
-"""What every figure of the report shares: run colours, literal legend labels, an empty panel."""
+"""What every figure of the report shares: run colours, literal legend labels, a panel's frame."""
 
 from __future__ import annotations
 
@@ -32,3 +32,13 @@ def legend_label(name: str) -> str:
     """A run name as matplotlib shows it literally: "$" would open a formula otherwise (and a
     name starting with "_", which automatic legends hide, shows: labels are given explicitly)."""
     return name.replace("$", r"\$")
+
+
+def finish_panel(ax: Axes, title: str, ylabel: str, drawn: bool) -> None:
+    """Title, axis labels and grid of a panel over steps; "no data" where nothing was drawn."""
+    ax.set_title(title, fontsize=11)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    if not drawn:
+        no_data(ax)
