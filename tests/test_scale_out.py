@@ -46,6 +46,9 @@ COUNTERS = (
     "sampling/groups_mixed",
     "sampling/groups_kept",
     "sampling/tokens_generated",
+    "sampling/all_correct_frac",
+    "sampling/all_wrong_frac",
+    "sampling/groups_with_gradient",
     "train/updates",
     "train/tokens",
 )

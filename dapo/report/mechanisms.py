@@ -4,7 +4,8 @@ Runs named ``<configuration>-seed<N>`` (as ``dapo ablate`` names them) are one c
 each panel draws, per configuration, the mean over its seeds at every step that two or more
 seeds logged (one seed: its own line) and a band from the lowest to the highest seed:
 
-- entropy: collapses under a symmetric clip, not under Clip-Higher (DAPO §3.1);
+- entropy: the paper finds it collapses under a symmetric clip, not under Clip-Higher
+  (DAPO §3.1);
 - all-correct groups and the groups that carry a gradient: without dynamic sampling the
   effective batch shrinks as groups become all right (§3.2);
 - response length and the truncated share: responses that reach L_max, what overlong
