@@ -69,10 +69,12 @@ from dapo.rollout import make_engine
 from dapo.training.memory_plan import (
     DTYPE_BYTES,
     PlanSettings,
+    decode_workspace_bytes,
     kv_cache_bytes,
     output_head_bytes,
     plan_memory,
     settings_from_config,
+    transformers_copies_gqa,
 )
 from dapo.training.model_shape import KNOWN_SHAPES, ModelShape
 from dapo.training.old_logprobs import fill_logprobs
@@ -354,6 +356,14 @@ def decode_section(
     kv = kv_cache_bytes(
         shape, tokens=prompt_tokens + sizes.decode_new, rows=rows, compute=DTYPE_BYTES[compute]
     )
+    settings = PlanSettings(
+        compute_dtype=compute,
+        prompt_tokens=prompt_tokens,
+        max_new_tokens=sizes.decode_new,
+        rows=rows,
+        gqa_copy=transformers_copies_gqa(),
+    )
+    workspace = decode_workspace_bytes(shape, settings, compute=DTYPE_BYTES[compute])
     return {
         "rows": rows,
         "prompt_tokens": prompt_tokens,
@@ -364,6 +374,7 @@ def decode_section(
         "peak_mib": mib(peak),
         "rise_mib": mib(None if peak is None or start is None else peak - start),
         "plan_kv_cache_mib": mib(kv),
+        "plan_decode_mib": mib(kv + workspace),
     }
 
 
@@ -516,7 +527,8 @@ def describe(section: str, r: dict) -> str:
         return (
             f"  decode: {r['rows']} rows x {r['new_tokens']} new tokens after "
             f"{r['prompt_tokens']}: {r['seconds']:.2f} s, {r['tokens_per_s']:,.0f} tokens/s; "
-            f"rise {gib_or_mib(r['rise_mib'])}, KV cache plan {gib_or_mib(r['plan_kv_cache_mib'])}"
+            f"rise {gib_or_mib(r['rise_mib'])}, plan {gib_or_mib(r['plan_decode_mib'])} (KV "
+            f"cache {gib_or_mib(r['plan_kv_cache_mib'])} and the decoding workspace)"
         )
     if section == "head":
         return (

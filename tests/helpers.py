@@ -7,8 +7,12 @@ import importlib.util
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from dapo.config import load_config
@@ -149,3 +153,25 @@ def finish_run(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str, 
     """(exit code, stdout, stderr) of a run :func:`start_run` started."""
     out, err = proc.communicate(timeout=timeout)
     return proc.returncode, out, err
+
+
+class LiveBytes(TorchDispatchMode):
+    """The most bytes of tensor storage alive at once, of the tensors ops make under it (a
+    fused kernel's own temporaries are not seen); ``inputs`` made before it are left out."""
+
+    def __init__(self, *inputs: torch.Tensor):
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.inputs = {t.untyped_storage().data_ptr() for t in inputs}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            storage = t.untyped_storage() if isinstance(t, torch.Tensor) else None
+            ptr = storage.data_ptr() if storage is not None else None
+            if ptr is not None and ptr not in self.live and ptr not in self.inputs:
+                self.live[ptr] = storage.nbytes()
+                weakref.finalize(storage, self.live.pop, ptr)
+        self.peak = max(self.peak, sum(self.live.values()))
+        return out

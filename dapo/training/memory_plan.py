@@ -8,7 +8,8 @@ also accumulates an unsharded float32 gradient of the whole model over a mini-ba
 output head runs a chunk of logits at a time (``dapo.algo.logits``) in both. Generation
 runs from a frozen compute-dtype copy, split over each ``rollout.tp_size`` ranks (the decoder
 layers' Linear weights, the embedding, the head and the KV heads; the norms whole); the
-``dist`` options and ``tp_size`` apply only under torchrun. Generation (KV cache) and training
+``dist`` options and ``tp_size`` apply only under torchrun. Generation (KV cache and the
+decoding workspace: logits, sampling, and what attention copies) and training
 (gradients, activations, output head) take turns, the peak being the larger phase plus what
 both hold (weights, AdamW state, the generation copy, the GRPO reference), except ahead of
 training (``train.async_staleness`` = k), when they overlap and the generator holds its copy
@@ -35,10 +36,15 @@ if TYPE_CHECKING:
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# Copies of dapo.algo.logits.HEAD_CHUNK_ELEMENTS and dapo.training.sampling.MAX_OVERSAMPLE (a test
-# keeps them equal): those modules import torch, and a dry run plans before it loads.
+# Copies of dapo.algo.logits.HEAD_CHUNK_ELEMENTS, dapo.training.sampling.MAX_OVERSAMPLE and
+# dapo.rollout.native.CDF_CHUNK_ELEMENTS (a test keeps them equal): those modules import torch,
+# and a dry run plans before it loads.
 HEAD_CHUNK_ELEMENTS = 1 << 26
 MAX_OVERSAMPLE = 4
+CDF_CHUNK_ELEMENTS = 1 << 24
+PACKED_GQA_TRANSFORMERS = (5, 23)
+"""The first transformers release whose sdpa attention decodes a grouped-query model under a
+mask without copying each layer's keys and values to every query head (it packs the query)."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,12 @@ class PlanSettings:
     backward."""
     staleness: int = 0
     """``train.async_staleness`` (one process): generation overlaps training."""
+    top_p: bool = False
+    """Sampling restricted to a nucleus (``rollout.top_p`` or ``eval.top_p`` < 1): its sort
+    holds more [rows, V] float64 arrays while a token is drawn."""
+    gqa_copy: bool = True
+    """The installed transformers copies a layer's keys and values to every query head while
+    decoding (before 5.23; :func:`transformers_copies_gqa`): True, the upper bound, by default."""
 
     @property
     def sharded(self) -> bool:
@@ -113,6 +125,8 @@ class MemoryPlan:
     activations: int
     output_head: int
     kv_cache: int
+    decode_workspace: int
+    """What a decoding step holds beside the KV cache (:func:`decode_workspace_bytes`)."""
     reference: int
     load_host: int
     """Host memory per rank while the model loads (not on the GPU, not in the peaks)."""
@@ -136,12 +150,13 @@ class MemoryPlan:
 
     @property
     def generation_peak(self) -> int:
-        return self.held + self.kv_cache
+        return self.held + self.kv_cache + self.decode_workspace
 
     @property
     def training_peak(self) -> int:
         grads = (0 if self.offloaded else self.gradients) + self.accumulated_gradients
-        overlap = self.kv_cache if self.settings.staleness else 0  # generating meanwhile
+        decoding = self.kv_cache + self.decode_workspace
+        overlap = decoding if self.settings.staleness else 0  # generating meanwhile
         return (
             self.held + grads + self.gathered_layers + self.activations + self.output_head + overlap
         )
@@ -183,6 +198,42 @@ def kv_cache_bytes(shape: ModelShape, *, tokens: int, rows: int, compute: int, t
     """K and V of every layer for ``rows`` responses of ``tokens`` (prompt + L_max) each; a
     rank of a tensor-parallel group of ``tp`` holds 1/tp of the key-value heads."""
     return math.ceil(2 * shape.layers * shape.kv_dim * compute * tokens * rows / tp)
+
+
+def decode_workspace_bytes(shape: ModelShape, s: PlanSettings, *, compute: int) -> int:
+    """What the native engine holds beside the KV cache while it decodes ``s.rows`` rows (A)
+    of up to L_max new tokens at a vocabulary of V: the responses' tokens and log-probs
+    (12 A L_max bytes), and the larger of
+
+    - drawing a token (``dapo.rollout.native._draw``): the step's float32 logits and their
+      temperature-scaled copy (8 A V bytes), and, a block of B = min(A, ``CDF_CHUNK_ELEMENTS``
+      / V) rows at a time, float64 logits, probabilities and CDF (16 B V; 33 B V with top-p's
+      sort, its order and the mass above each token);
+    - a step's forward, while the last step's float32 logits (4 A V) wait: one layer's keys
+      and values at prompt + L_max positions, copied to every query head by transformers
+      before 5.23 (``repeat_kv``, 1/tp of the heads per rank), else the old buffer of a layer
+      whose cache grows (:mod:`dapo.rollout.kv_cache`), at most its key-value heads.
+    """
+    rows, vocab = s.rows, shape.vocab
+    block = min(rows, max(1, CDF_CHUNK_ELEMENTS // vocab))
+    draw = 8 * rows * vocab + (33 if s.top_p else 16) * block * vocab
+    heads = shape.heads if s.gqa_copy else shape.kv_heads
+    width = s.prompt_tokens + s.max_new_tokens
+    layer = math.ceil(2 * rows * heads * shape.head_dim * width * compute / s.tp_size)
+    return 12 * rows * s.max_new_tokens + max(draw, 4 * rows * vocab + layer)
+
+
+def transformers_copies_gqa() -> bool:
+    """Whether the installed transformers copies keys and values per query head when it
+    decodes under a mask (``PACKED_GQA_TRANSFORMERS``); True when it cannot tell. Reads the
+    version only: no torch import before a dry run's plan."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        release = tuple(int(part) for part in version("transformers").split(".")[:2])
+    except (PackageNotFoundError, ValueError):
+        return True
+    return release < PACKED_GQA_TRANSFORMERS
 
 
 def generation_copy_bytes(shape: ModelShape, s: PlanSettings, *, frozen: int) -> int:
@@ -238,6 +289,7 @@ def plan_memory(shape: ModelShape, settings: PlanSettings) -> MemoryPlan:
         kv_cache=kv_cache_bytes(
             shape, tokens=kv_tokens, rows=s.rows, compute=compute, tp=s.tp_size
         ),
+        decode_workspace=decode_workspace_bytes(shape, s, compute=compute),
         reference=math.ceil(p * frozen / w) if s.reference else 0,
         load_host=load_host_bytes(shape, s),
         ahead=(1 + s.staleness) * p * frozen if s.staleness else 0,
@@ -285,6 +337,8 @@ def settings_from_config(
         tp_size=tp,
         reshard_after_forward=cfg.dist.reshard_after_forward,
         staleness=cfg.train.async_staleness,
+        top_p=min(cfg.rollout.top_p, cfg.eval.top_p) < 1,
+        gqa_copy=transformers_copies_gqa(),
     )
 
 

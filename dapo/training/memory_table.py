@@ -37,6 +37,7 @@ COMPONENTS = (
     "activations",
     "output_head",
     "kv_cache",
+    "decode_workspace",
     "reference",
     "ahead",
 )
@@ -65,6 +66,14 @@ def copy_dtype(s: PlanSettings) -> str:
     return "bfloat16" if s.compute_dtype == "bfloat16" else s.param_dtype
 
 
+def _workspace(plan: MemoryPlan) -> str:
+    s = plan.settings
+    what = "logits and sampling"
+    if s.gqa_copy and plan.shape.heads > plan.shape.kv_heads:
+        what += ", or one layer's keys and values per query head"
+    return f"decoding workspace ({what})"
+
+
 def _part_rows(plan: MemoryPlan) -> list[tuple[str, int, str]]:
     s = plan.settings
     master, compute, k = s.param_dtype, s.compute_dtype, s.tp_size
@@ -90,6 +99,7 @@ def _part_rows(plan: MemoryPlan) -> list[tuple[str, int, str]]:
         (f"output head (a logit chunk, {head} float32 gradient)", plan.output_head,
          "GPU, training"),
         (kv, plan.kv_cache, "GPU, generation"),
+        (_workspace(plan), plan.decode_workspace, "GPU, generation"),
         (f"GRPO reference ({share})", plan.reference, where + ", always"),
         (f"generating ahead: its copy and up to {s.staleness} clones ({copy_dtype(s)})",
          plan.ahead, "GPU, always"),
@@ -170,13 +180,16 @@ def table_settings(
     world_size: int, recipe: Config | None, prompt_tokens: int = 512
 ) -> PlanSettings:
     """A row's settings: the defaults of ``PlanSettings`` (the paper's lengths, 16 rows, no
-    checkpointing), or a recipe's at ``world_size`` (one process: ``tp_size`` 1)."""
+    checkpointing), or a recipe's at ``world_size`` (one process: ``tp_size`` 1). Every row
+    counts the keys and values transformers before 5.23 copies per query head while decoding:
+    the table is the same whichever transformers prints it, and holds for all of them."""
     if recipe is None:
         return replace(PlanSettings(), world_size=world_size)
     tp = min(recipe.rollout.tp_size, world_size) if world_size > 1 else 1
-    return settings_from_config(
+    settings = settings_from_config(
         recipe, world_size=world_size, prompt_tokens=prompt_tokens, tp_size=tp
     )
+    return replace(settings, gqa_copy=True)
 
 
 def table_rows(
@@ -209,6 +222,7 @@ _COLUMNS = (
     ("activations", "activations_gib"),
     ("output head", "output_head_gib"),
     ("KV cache", "kv_cache_gib"),
+    ("decoding workspace", "decode_workspace_gib"),
     ("peak in training", "peak_train_gib"),
     ("peak in generation", "peak_generate_gib"),
     ("fits 80 GB", ""),
