@@ -207,12 +207,13 @@ def decode_workspace_bytes(shape: ModelShape, s: PlanSettings, *, compute: int) 
 
     - drawing a token (``dapo.rollout.native._draw``): the step's float32 logits and their
       temperature-scaled copy (8 A V bytes), and, a block of B = min(A, ``CDF_CHUNK_ELEMENTS``
-      / V) rows at a time, float64 logits, probabilities and CDF (16 B V; 33 B V with top-p's
-      sort, its order and the mass above each token);
+      / V) rows at a time, two float64 [B, V] arrays at once of the logits, probabilities and
+      CDF (16 B V; 33 B V with top-p's sort, its order and the mass above each token);
     - a step's forward, while the last step's float32 logits (4 A V) wait: one layer's keys
       and values at prompt + L_max positions, copied to every query head by transformers
-      before 5.23 (``repeat_kv``, 1/tp of the heads per rank), else the old buffer of a layer
-      whose cache grows (:mod:`dapo.rollout.kv_cache`), at most its key-value heads.
+      before 5.23 (``repeat_kv``), else the old buffer of a layer whose cache grows
+      (:mod:`dapo.rollout.kv_cache`), at most its key-value heads; 1/tp of the heads per rank
+      either way.
     """
     rows, vocab = s.rows, shape.vocab
     block = min(rows, max(1, CDF_CHUNK_ELEMENTS // vocab))
