@@ -75,6 +75,8 @@ def write_mechanisms(runs: Sequence[Run], path: Path) -> Path:
             if len(members) > 1:
                 ax.fill_between(steps, low, high, color=colour, alpha=0.18, linewidth=0)
             drawn = True
+        if drawn:  # every panel is a count, share or entropy: from 0, so a flat line stays flat
+            ax.set_ylim(bottom=0)
         finish_panel(ax, title, ylabel, drawn)
     handles, labels = next(
         (a.get_legend_handles_labels() for row in axes for a in row if a.get_lines()), ([], [])
