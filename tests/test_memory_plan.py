@@ -417,6 +417,29 @@ def test_dry_run_prints_the_plan_for_the_world_size(tmp_path, capsys, monkeypatc
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("copies", [True, False])
+def test_the_dry_run_says_what_a_newer_transformers_saves_while_decoding(
+    copies, monkeypatch, capsys
+):
+    # The demo's 4 query heads on 2 key-value heads: before 5.23 a layer's keys and values
+    # are copied to every query head, which the note prices; from 5.23 there is no note.
+    monkeypatch.setattr(memory_plan, "transformers_copies_gqa", lambda: copies)
+    cfg = load_config(None, ["arith.num_train=64", "arith.num_val=8"])
+    memory_table.print_plan(cfg, world_size=1, prompt_tokens=20)
+    out = capsys.readouterr().out
+    settings = settings_from_config(cfg, world_size=1, prompt_tokens=20)
+    shape = memory_plan.model_shape(cfg)
+    saved = (
+        plan_memory(shape, replace(settings, gqa_copy=True)).decode_workspace
+        - plan_memory(shape, replace(settings, gqa_copy=False)).decode_workspace
+    )
+    assert saved > 0
+    note = "5.23 or later does not, which would save"
+    assert (note in out) == copies
+    if copies:
+        assert f"{note} {saved / 2**20:.2f} MiB here" in out
+
+
 def test_the_documented_command_prints_the_table():
     import subprocess
     import sys

@@ -48,6 +48,11 @@ def _in(unit: int) -> Callable[[int], str]:
     return lambda n: f"{n / unit:.2f}"
 
 
+def _size(n: int) -> str:
+    """``n`` bytes in GiB, or MiB under 1 GiB."""
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.2f} MiB"
+
+
 def describe_settings(s: PlanSettings) -> str:
     """The settings a plan depends on besides the model, in one line."""
     ckpt = "on" if s.activation_checkpointing else "off"
@@ -138,6 +143,12 @@ def print_plan(cfg: Config, *, world_size: int, prompt_tokens: int) -> None:
         print(f"memory plan: not available ({exc})")
         return
     print(format_plan(plan))
+    packed = plan_memory(plan.shape, replace(settings, gqa_copy=False))
+    if (saved := plan.decode_workspace - packed.decode_workspace) > 0:
+        print(
+            f"  note: this transformers copies each layer's keys and values to every query head "
+            f"while decoding; 5.23 or later does not, which would save {_size(saved)} here"
+        )
     if not settings.sharded and cfg.dist.cpu_offload:
         print("  note: dist.cpu_offload applies from 2 ranks")
     if cfg.rollout.rows_per_generate == 0:
