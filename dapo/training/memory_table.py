@@ -72,11 +72,11 @@ def copy_dtype(s: PlanSettings) -> str:
 
 
 def _workspace(plan: MemoryPlan) -> str:
-    s = plan.settings
-    what = "logits and sampling"
-    if s.gqa_copy and plan.shape.heads > plan.shape.kv_heads:
-        what += ", or one layer's keys and values per query head"
-    return f"decoding workspace ({what})"
+    # The forward's part is a layer's keys and values either way: copied per query head
+    # (transformers before 5.23), else the old buffer of a layer whose cache grows.
+    copied = plan.settings.gqa_copy and plan.shape.heads > plan.shape.kv_heads
+    per_head = " per query head" if copied else ""
+    return f"decoding workspace (logits and sampling, or one layer's keys and values{per_head})"
 
 
 def _part_rows(plan: MemoryPlan) -> list[tuple[str, int, str]]:
