@@ -114,9 +114,12 @@ def run(
     from dapo import dist
 
     if dist.launched() and not dry_run:
+        from dapo.dist import roles
+
         try:
             return _run_rank(cfg, resume_dir, overwrite=overwrite, reward_fn=reward_fn)
         finally:
+            roles.forget()
             dist.shutdown()
     for warning in config_warnings(cfg):
         print(f"dapo: warning: {warning}", file=sys.stderr)
@@ -130,21 +133,46 @@ def _run_rank(
     prints; the other ranks follow it with their standard output silenced (their errors
     still reach standard error, naming the rank)."""
     from dapo import dist
+    from dapo.dist import roles
     from dapo.run.launcher import watch_launcher
 
-    dist.init_from_env(timeout_s=cfg.dist.timeout_s, wait_timeout_s=cfg.dist.wait_timeout_s)
+    d = cfg.dist
+    dist.init_from_env(timeout_s=d.timeout_s, wait_timeout_s=d.wait_timeout_s)
     watch_launcher(dist.rank())
+    roles.check(d.rollout_ranks, dist.job_size())
+    roles.split(d.rollout_ranks, wait_timeout_s=d.wait_timeout_s)
     if not dist.is_main():
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
     else:
         for warning in config_warnings(cfg):
             print(f"dapo: warning: {warning}", file=sys.stderr)
     try:
+        if roles.generating():
+            return _generate(cfg, reward_fn)
         return _train(cfg, resume_dir, overwrite, False, None, reward_fn)
     except Exception:
-        if dist.world_size() > 1:
-            print(f"dapo: rank {dist.rank()} of {dist.world_size()} failed:", file=sys.stderr)
+        if dist.job_size() > 1:
+            print(f"dapo: rank {dist.global_rank()} of {dist.job_size()} failed:", file=sys.stderr)
         raise
+
+
+def _generate(cfg: Config, reward_fn: Callable[..., Any] | None) -> None:
+    """A generator rank (``dist.rollout_ranks``): the trainers' checks, the policy loaded
+    whole once trainer rank 0 has built (or cached) it, then steps drawn until the trainers
+    stop it (:mod:`dapo.training.remote`). It writes nothing."""
+    import torch
+
+    from dapo import dist
+    from dapo.models import policy
+    from dapo.training.remote import run_generator
+
+    data, tokenizer, _ = _checked_inputs(cfg, reward_fn, dist.job_size())
+    if cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)
+    torch.manual_seed(cfg.train.seed)
+    dist.wait_for_all(everyone=True)
+    model, tokenizer = policy.load_policy(cfg, data.warmup_pairs, tokenizer, log=lambda _: None)
+    run_generator(cfg, model, tokenizer, data.train, reward_fn)
 
 
 def _checked_inputs(
@@ -196,7 +224,7 @@ def _train(
     from dapo.run.determinism import make_deterministic
     from dapo.training.loop import fit
 
-    ranks = (world_size or int(os.environ.get("WORLD_SIZE", "1"))) if dry_run else dist.world_size()
+    ranks = (world_size or int(os.environ.get("WORLD_SIZE", "1"))) if dry_run else dist.job_size()
     data, tokenizer, lengths = _checked_inputs(cfg, reward_fn, ranks)
     if dry_run:
         if dist.is_main():
@@ -221,10 +249,10 @@ def _train(
         # embedded one before the other ranks load it, and a pretrained one stored as
         # safetensors is loaded straight into shards (each rank reads only its own).
         if not dist.is_main():
-            dist.wait_for_all()
+            dist.wait_for_all(everyone=True)
         model, tokenizer = policy.load_policy(cfg, data.warmup_pairs, tokenizer, shard=True)
         if dist.is_main():
-            dist.wait_for_all()
+            dist.wait_for_all(everyone=True)
         started = True
         if opened is not None and resume_dir is None:
             rundir.finish_replacing(opened)

@@ -251,7 +251,7 @@ def validate(cfg: Config) -> None:
             "train.recompute_old_logprobs=true"
         )
     k = cfg.train.async_staleness
-    if k > 0 and r.engine != "dapo":
+    if k > 0 and r.engine != "dapo" and not cfg.dist.rollout_ranks:
         why = {
             "hf": "its sampling draws from torch's global generator, which evaluation shares",
             "vllm": "its weights live in vLLM, not in a copy the generator thread owns",
@@ -259,7 +259,7 @@ def validate(cfg: Config) -> None:
         errors.append(
             f"train.async_staleness={k} generates in a thread beside training, and rollout."
             f"engine={r.engine} cannot ({why}): use rollout.engine=dapo, or "
-            "train.async_staleness=0"
+            "train.async_staleness=0 (or generate on ranks of their own: dist.rollout_ranks)"
         )
     if m.param_dtype != "float32" and m.compute_dtype != m.param_dtype:
         errors.append(
@@ -323,6 +323,7 @@ RESUME_SAFE_FIELDS = frozenset(
         "dist.cpu_offload",
         "dist.grad_sync",
         "dist.reshard_after_forward",
+        "dist.rollout_ranks",  # the same schedule, on generator ranks or in a thread
         "dist.timeout_s",
         "dist.wait_timeout_s",
         "rollout.tp_size",

@@ -191,6 +191,12 @@ class DistConfig:
     timeout_s: float = 600.0
     """Seconds a collective may wait for the other ranks before the run stops with an error
     (a rank that died or hangs stops the job instead of leaving the others waiting)."""
+    rollout_ranks: int = 0
+    """R: under torchrun, the last R ranks only generate and the others only train (FSDP over
+    the trainer ranks): generation overlaps training, with ``train.async_staleness`` = k
+    bounding how old the generating weights are (0: the two roles take turns). Weights go from
+    the trainers to the generators after each update, in buckets. 0 = every rank generates and
+    trains (``dapo/training/remote.py``)."""
     wait_timeout_s: float = 7200.0
     """Seconds the other ranks wait while rank 0 alone builds, loads or saves the whole model
     (a 32B model takes longer than timeout_s to load or write), or while one rank still
@@ -200,6 +206,11 @@ class DistConfig:
         errors = []
         if not self.timeout_s > 0:
             errors.append(f"dist.timeout_s must be > 0, got {self.timeout_s}")
+        if self.rollout_ranks < 0:
+            errors.append(
+                f"dist.rollout_ranks must be >= 0 (0 = every rank generates and trains), got "
+                f"{self.rollout_ranks}"
+            )
         if not self.wait_timeout_s > 0:
             errors.append(f"dist.wait_timeout_s must be > 0, got {self.wait_timeout_s}")
         return errors

@@ -6,6 +6,10 @@ Under ``torchrun`` (:func:`init_from_env`) the same calls are collectives: what 
 must decide together (dynamic sampling, skipping an update, stopping), what it must share
 (the groups each rank generated, log-probs) and who writes the run's files (rank 0).
 :mod:`dapo.dist.fsdp` shards the model, :mod:`dapo.dist.dcp` checkpoints it.
+
+With ``dist.rollout_ranks`` (:mod:`dapo.dist.roles`) each rank has one role, and these
+collectives, the world size and the rank are the role's: the trainers shard, decide and save
+among themselves as if they were the whole job, the generators sample among themselves.
 """
 
 from __future__ import annotations
@@ -35,6 +39,14 @@ def launched() -> bool:
 _long_waits: Any = None
 """A gloo group whose barrier waits ``wait_timeout_s``: for ranks idle while rank 0 alone
 builds, loads or saves the model, which may take longer than any training collective should."""
+
+
+_group: Any = None
+"""This rank's role group (:mod:`dapo.dist.roles`), which every collective here uses; None:
+every rank (the default group)."""
+
+_role_waits: Any = None
+"""The role's group of :func:`wait_for_all`; None: :data:`_long_waits`."""
 
 
 _rank_device: torch.device | None = None
@@ -99,25 +111,62 @@ def join_long_waits(wait_timeout_s: float) -> None:
 
 def shutdown() -> None:
     """Leave the process group (after the last collective)."""
-    global _long_waits, _rank_device
+    global _long_waits, _rank_device, _group, _role_waits
     if active():
         torch_dist.destroy_process_group()
-    _long_waits = _rank_device = None
+    _long_waits = _rank_device = _group = _role_waits = None
 
 
-def world_size() -> int:
-    """Processes training together; 1 without a process group."""
+def use_groups(group: Any, waits: Any) -> None:
+    """Make ``group`` (and ``waits``, its group for long waits) the one every collective here
+    uses: this rank's role (:func:`dapo.dist.roles.split`)."""
+    global _group, _role_waits
+    _group, _role_waits = group, waits
+
+
+def group() -> Any:
+    """The process group of this rank's role (None: the default group, every rank)."""
+    return _group
+
+
+def job_size() -> int:
+    """Every process of the job, whatever its role; 1 without a process group."""
     return torch_dist.get_world_size() if active() else 1
 
 
-def rank() -> int:
-    """This process's rank, 0 without a process group."""
+def global_rank() -> int:
+    """This process's rank in the job, whatever its role; 0 without a process group."""
     return torch_dist.get_rank() if active() else 0
 
 
+def world_size() -> int:
+    """Processes of this rank's role (every process without roles); 1 without a group."""
+    return torch_dist.get_world_size(_group) if active() else 1
+
+
+def rank() -> int:
+    """This process's rank in its role (its global rank without roles), 0 without a group."""
+    return torch_dist.get_rank(_group) if active() else 0
+
+
 def is_main() -> bool:
-    """Whether this process writes the run's outputs (rank 0)."""
-    return rank() == 0
+    """Whether this process writes the run's outputs (global rank 0, the first trainer)."""
+    return torch_dist.get_rank() == 0 if active() else True
+
+
+def _global(role_rank: int) -> int:
+    """The global rank of ``role_rank`` of this rank's role."""
+    return role_rank if _group is None else torch_dist.get_global_rank(_group, role_rank)
+
+
+def device_mesh() -> Any:
+    """A one-dimensional DeviceMesh over this rank's role, on its device (FSDP shards over
+    it); None: the default group's, which ``fully_shard`` makes itself."""
+    if _group is None:
+        return None
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(_group, _device().type)
 
 
 def _device() -> torch.device:
@@ -135,7 +184,7 @@ def _reduce(values: list[float], op) -> list[float]:
         return values
     # float64 holds every integer below 2**53 exactly.
     t = torch.tensor(values, dtype=torch.float64, device=_device())
-    torch_dist.all_reduce(t, op=op)
+    torch_dist.all_reduce(t, op=op, group=_group)
     return t.tolist()
 
 
@@ -177,7 +226,8 @@ def gather_lists(items: list[Any], *, patient: bool = False) -> list[Any]:
     if not active():
         return items
     parts: list[Any] = [None] * world_size()
-    torch_dist.all_gather_object(parts, items, group=_long_waits if patient else None)
+    waits = _role_waits or _long_waits
+    torch_dist.all_gather_object(parts, items, group=waits if patient else _group)
     return [x for part in parts for x in part]
 
 
@@ -192,7 +242,7 @@ def exchange(outgoing: list[list[Any]]) -> list[Any]:
     for src in range(world_size()):
         box: list[Any] = [None]
         parts = outgoing if src == rank() else None
-        torch_dist.scatter_object_list(box, parts, src=src)
+        torch_dist.scatter_object_list(box, parts, src=_global(src), group=_group)
         received.extend(box[0])
     return received
 
@@ -202,22 +252,23 @@ def broadcast(value: Any) -> Any:
     if not active():
         return value
     box = [value]
-    torch_dist.broadcast_object_list(box, src=0)
+    torch_dist.broadcast_object_list(box, src=_global(0), group=_group)
     return box[0]
 
 
 def barrier() -> None:
     """Wait until every rank gets here."""
     if active():
-        torch_dist.barrier()
+        torch_dist.barrier(group=_group)
 
 
-def wait_for_all() -> None:
-    """Wait until every rank gets here, for as long as ``dist.wait_timeout_s``: the ranks that
-    idle while rank 0 alone builds, loads or saves the whole model (minutes for a large one)
-    are not cut off by the training collectives' ``timeout_s``."""
+def wait_for_all(*, everyone: bool = False) -> None:
+    """Wait until every rank of the role (``everyone``: of the job) gets here, for as long as
+    ``dist.wait_timeout_s``: the ranks that idle while rank 0 alone builds, loads or saves the
+    whole model (minutes for a large one) are not cut off by the training collectives'
+    ``timeout_s``."""
     if active():
-        torch_dist.barrier(group=_long_waits)
+        torch_dist.barrier(group=_long_waits if everyone else (_role_waits or _long_waits))
 
 
 def share(n: int) -> range:

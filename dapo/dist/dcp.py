@@ -30,6 +30,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from dapo import dist
+
 
 # (module, name) -> allowed: DCP's metadata records, torch's sizes, dtypes and layouts, a path.
 _METADATA_CLASSES = {
@@ -112,7 +114,8 @@ class SafeReader(FileSystemReader):
 def save(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Write the model's and the optimizer's state (each rank its shards) under ``path``."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.save(state, checkpoint_id=str(path), process_group=dist.group())
 
 
 def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -125,7 +128,7 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
     with warnings.catch_warnings():
         # One process reading shards is intended here, not a missing process group.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=SafeReader(str(path)))
+        dcp.load(state, storage_reader=SafeReader(str(path)), process_group=dist.group())
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )

@@ -15,6 +15,8 @@ import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from dapo import dist
+
 T = TypeVar("T")
 
 
@@ -48,7 +50,10 @@ def shard(
         param_dtype=compute_dtype if compute_dtype != weights else None,
         reduce_dtype=torch.float32,
     )
-    kwargs = {"mp_policy": policy}
+    kwargs: dict[str, Any] = {"mp_policy": policy}
+    mesh = dist.device_mesh()  # the trainers' alone, when some ranks only generate
+    if mesh is not None:
+        kwargs["mesh"] = mesh
     if cpu_offload:
         if next(model.parameters()).device.type == "cpu":
             raise ValueError(

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from dapo import dist
 from dapo.dist import dcp, fsdp
@@ -35,9 +35,11 @@ def save(
     trainer_state: dict[str, Any],
     keep: int,
     device: torch.device | None = None,
+    rollouts: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """Every rank writes its shards into one temporary directory; rank 0 then writes the rest,
-    renames it into place and moves ``latest``; every rank returns once it has."""
+    """Every rank writes its shards into one temporary directory; rank 0 then writes the rest
+    (``rollouts`` generated ahead of training as ``rollouts.safetensors``), renames it into
+    place and moves ``latest``; every rank returns once it has."""
     if dist.any_rank(not fsdp.all_finite(model)):
         raise CheckpointError(
             f"refusing to save the checkpoint of step {step}: the weights hold NaN or inf, and "
@@ -58,7 +60,7 @@ def save(
     problem = None
     if dist.is_main():
         try:
-            _finish(tmp, root / name, step, model, tokenizer, trainer_state)
+            _finish(tmp, root / name, step, model, tokenizer, trainer_state, rollouts)
         except OSError as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             problem = f"could not write the checkpoint of step {step} under {root}: {exc}"
@@ -70,7 +72,9 @@ def save(
     return root / name
 
 
-def _finish(tmp: Path, final: Path, step: int, model, tokenizer, trainer_state) -> None:
+def _finish(tmp: Path, final: Path, step: int, model, tokenizer, trainer_state, rollouts) -> None:
+    if rollouts is not None:
+        save_file(rollouts, tmp / checkpoint.ROLLOUTS_FILE)
     model.config.save_pretrained(tmp / "model")
     tokenizer.save_pretrained(tmp / "model")
     trainer = {

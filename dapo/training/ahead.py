@@ -216,17 +216,7 @@ class Ahead:
             with self.cond:
                 self.snapshots[version] = snapshot
                 self.cond.notify_all()
-        drawn = self.current
-        generate_s = drawn.seconds - drawn.timers.get("reward", 0.0)
-        staleness = float(state.step - drawn.version)
-        return {
-            "async/staleness_mean": staleness,
-            "async/staleness_max": staleness,
-            "async/trainer_idle_s": waited,
-            "async/generator_idle_s": drawn.idle,
-            "perf/generate_s": generate_s,
-            "perf/gen_tokens_per_s": result.tokens_generated / max(generate_s, 1e-9),
-        }
+        return drawn_metrics(state, self.current, result, waited)
 
     def settle(self, state: TrainState) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """Before a save at step ``state.step``: wait for every step the saved weights can
@@ -247,6 +237,23 @@ class Ahead:
         self.thread.join()
         if self.gen.pool is not None:
             self.gen.pool.close()
+
+
+def drawn_metrics(
+    state: TrainState, drawn: Drawn, result: SamplingResult, waited: float
+) -> dict[str, float]:
+    """The async/* metrics of a step trained on ``drawn``, and its generation figures as the
+    generator measured them; ``waited``: the trainer's seconds waiting for the rollouts."""
+    generate_s = drawn.seconds - drawn.timers.get("reward", 0.0)
+    staleness = float(state.step - drawn.version)
+    return {
+        "async/staleness_mean": staleness,
+        "async/staleness_max": staleness,
+        "async/trainer_idle_s": waited,
+        "async/generator_idle_s": drawn.idle,
+        "perf/generate_s": generate_s,
+        "perf/gen_tokens_per_s": result.tokens_generated / max(generate_s, 1e-9),
+    }
 
 
 class _Closed(Exception):

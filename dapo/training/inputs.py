@@ -210,13 +210,26 @@ def check_tensor_parallel(cfg: Config, world_size: int) -> None:
 
 
 def check_async(cfg: Config, world_size: int) -> None:
-    """``train.async_staleness`` generates in a thread of the one training process: under
-    torchrun it is refused before any model loads."""
-    k = cfg.train.async_staleness
+    """``train.async_staleness`` generates in a thread of the one training process, or under
+    torchrun on ranks of their own (``dist.rollout_ranks``); anything else is refused before
+    any model loads."""
+    from dapo.dist import roles
+
+    k, generators = cfg.train.async_staleness, cfg.dist.rollout_ranks
+    if generators:
+        roles.check(generators, world_size)
+        if cfg.rollout.tp_size > 1:
+            raise ValueError(
+                f"rollout.tp_size={cfg.rollout.tp_size} with dist.rollout_ranks={generators}: "
+                "generator ranks each hold a whole copy of the policy (tensor parallelism "
+                "among them is not built); set rollout.tp_size=1, or dist.rollout_ranks=0"
+            )
+        return
     if k and world_size > 1:
         raise ValueError(
             f"train.async_staleness={k} generates ahead of training in one process; under "
-            f"torchrun ({world_size} ranks) generation and training take turns: launch one "
+            f"torchrun ({world_size} ranks) generation and training take turns unless some "
+            "ranks only generate: set dist.rollout_ranks=R (R < the world size), launch one "
             "process (python -m dapo train ...), or set train.async_staleness=0"
         )
 

@@ -20,10 +20,10 @@ import torch
 from dapo import dist
 from dapo.config import Config
 from dapo.data.problems import Problem
-from dapo.dist import fsdp
+from dapo.dist import fsdp, roles
 from dapo.eval.evaluate import evaluate
 from dapo.eval.metrics import pick_samples
-from dapo.reward.custom import make_resolver
+from dapo.reward.custom import reward_pool
 from dapo.reward.pool import RewardPool
 from dapo.run import checkpoint, rundir, sharded_checkpoint
 from dapo.run.interrupt import GracefulStop, RunStopped, StepAborted
@@ -32,6 +32,7 @@ from dapo.run.progress import LiveProgress
 from dapo.run.seeding import derive_seed
 from dapo.run.threads import ThreadGovernor
 from dapo.training.ahead import Ahead, Drawn, rollouts_from_files
+from dapo.training.remote import Remote
 from dapo.training.sampling import DynamicSamplingExhausted
 from dapo.training.step import TrainState, build_state, train_step
 from dapo.training.update import NonFiniteError
@@ -60,16 +61,9 @@ def fit(
     stream = stream or sys.stdout
     run_dir = Path(run_dir)
     state = build_state(cfg, model, tokenizer, train_problems)
-    r = cfg.reward
 
     def make_pool() -> RewardPool:
-        return RewardPool(
-            workers=r.workers,
-            timeout_s=r.timeout_s,
-            memory_mb=r.memory_mb,
-            batch_timeout_s=r.batch_timeout_s,
-            resolve=make_resolver(r.function, reward_fn, cfg.code),
-        )
+        return reward_pool(cfg, reward_fn)
 
     state.pool = make_pool()
     try:
@@ -137,11 +131,12 @@ class _Run:
         self.saved_at: int | None = None
         # Generation ahead of training (train.async_staleness): a thread with its own share
         # of the cores; run.threads=0: threads follow the cores other processes leave free.
-        self.ahead: Ahead | None = None
+        self.ahead: Ahead | Remote | None = None
         self.restored: tuple[list[Drawn], tuple[int, int]] | None = None
         cores = cfg.run.threads or torch.get_num_threads()
         self.gen_threads = max(1, cores // 2)
-        most = max(1, cores - self.gen_threads) if cfg.train.async_staleness else None
+        beside = cfg.train.async_staleness and not roles.roles()  # a thread, not other ranks
+        most = max(1, cores - self.gen_threads) if beside else None
         if most and cfg.run.threads:
             torch.set_num_threads(most)
         self.threads = ThreadGovernor(most) if cfg.run.threads == 0 else None
@@ -150,7 +145,9 @@ class _Run:
         state, cfg = self.state, self.state.cfg
         if resume:
             self.restore()
-        if cfg.train.async_staleness:
+        if roles.roles() is not None:  # dist.rollout_ranks: the generators are other ranks
+            self.ahead = Remote(state, restored=self.restored)
+        elif cfg.train.async_staleness:
             pool = self.make_pool() if self.make_pool else None
             self.ahead = Ahead(state, pool=pool, threads=self.gen_threads, restored=self.restored)
         if self.live:
@@ -282,7 +279,7 @@ class _Run:
         )
         state.load_state_dict(info)
         state.sync_engine()
-        if "ahead" in info and state.cfg.train.async_staleness:
+        if "ahead" in info and (state.cfg.train.async_staleness or roles.roles()):
             tensors = checkpoint.load_rollouts(ckpt)
             path = ckpt / checkpoint.ROLLOUTS_FILE
             drawn = rollouts_from_files(info["ahead"]["rollouts"], tensors, path)

@@ -320,6 +320,8 @@ def settings_from_config(
     """The plan's settings for a run of ``world_size`` ranks whose longest prompt has
     ``prompt_tokens`` tokens (every response counted at L_max: an upper bound), generating
     ``tp_size`` ranks at a time (by default ``rollout.tp_size``)."""
+    if cfg.dist.rollout_ranks and world_size > cfg.dist.rollout_ranks:
+        world_size -= cfg.dist.rollout_ranks  # the trainer ranks' plan (generators: docs)
     context = prompt_tokens + cfg.rollout.max_new_tokens
     share = math.ceil(cfg.train.responses_per_minibatch / world_size) * context
     tp = cfg.rollout.tp_size if tp_size is None else tp_size
@@ -337,7 +339,7 @@ def settings_from_config(
         grad_sync=cfg.dist.grad_sync,
         tp_size=tp,
         reshard_after_forward=cfg.dist.reshard_after_forward,
-        staleness=cfg.train.async_staleness,
+        staleness=0 if cfg.dist.rollout_ranks else cfg.train.async_staleness,
         top_p=min(cfg.rollout.top_p, cfg.eval.top_p) < 1,
         gqa_copy=transformers_copies_gqa(),
     )

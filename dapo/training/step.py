@@ -44,6 +44,7 @@ from dapo.training.update import update
 
 if TYPE_CHECKING:
     from dapo.training.ahead import Ahead
+    from dapo.training.remote import Remote
 
 
 @dataclass
@@ -357,7 +358,7 @@ def collect_step(state: TrainState, held: exchange.Held) -> SamplingResult:
     return result
 
 
-def train_step(state: TrainState, ahead: Ahead | None = None) -> dict[str, float]:
+def train_step(state: TrainState, ahead: Ahead | Remote | None = None) -> dict[str, float]:
     """One rollout step: rounds of rollouts until N groups are kept, advantages, the updates;
     with ``ahead`` (``train.async_staleness``), the rollouts it generated for this step."""
     cfg = state.cfg
@@ -372,14 +373,14 @@ def train_step(state: TrainState, ahead: Ahead | None = None) -> dict[str, float
     t1 = time.perf_counter()
     state.on_phase("train")
     plan = exchange.training_plan(cfg, state.step, episodes)
-    if dist.world_size() > 1:
+    if dist.world_size() > 1 and ahead is None:  # generated ahead: whole on every rank
         episodes = exchange.deliver(result.groups, held, plan)
     metrics = update(state, episodes, lr=lr_at(cfg, state.step), plan=plan) if episodes else {}
     if metrics.get("train/updates"):
         state.sync_engine()
     t_train = time.perf_counter() - t1
 
-    if dist.world_size() > 1:
+    if dist.world_size() > 1 and ahead is None:  # each rank's slots (a generator's: summed)
         state.timers["gen_slots"] = dist.all_reduce_sum(state.timers.get("gen_slots", 0.0))
     metrics.update(sampling.rollout_metrics(result))
     metrics.update(step_perf(state, result, metrics, t0=t0, t_gen=t_gen, t_train=t_train))

@@ -1,0 +1,156 @@
+"""Ranks with one role each (``dist.rollout_ranks`` = R): trainers and generators.
+
+Of a ``torchrun`` job of W ranks, ranks [0, T) train and ranks [T, W) generate, T = W - R.
+Each role gets a process group of its own, which :mod:`dapo.dist`'s collectives then use, so
+that the code of either side runs as it does without roles: the trainers shard the policy
+(FSDP over their group), decide, save and evaluate among themselves, rank 0 writing the run's
+files; the generators split each round's prompts among themselves as ranks always have.
+
+The roles meet in two places only (:mod:`dapo.training.remote`), through this module:
+
+- the **weights** go from trainer rank 0 to every generator by broadcasts in the sync group
+  (trainer rank 0 and the generators), in buckets (:mod:`dapo.dist.weight_sync`);
+- the **rollouts** of each step go from the first generator to every trainer, point to point.
+
+Every rank makes every group (``new_group`` is a collective of the whole job), in one order.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as torch_dist
+
+from dapo import dist
+
+
+@dataclass(frozen=True)
+class Roles:
+    """Who does what in a job of ``world`` ranks with ``generators`` of them generating."""
+
+    world: int
+    generators: int
+
+    @property
+    def trainers(self) -> int:
+        return self.world - self.generators
+
+    @property
+    def first_generator(self) -> int:
+        """The global rank of the generator that sends the rollouts."""
+        return self.trainers
+
+    def generates(self, rank: int) -> bool:
+        return rank >= self.trainers
+
+
+def check(rollout_ranks: int, world_size: int) -> None:
+    """Refuse ``dist.rollout_ranks`` that leaves no trainer (before any model loads)."""
+    if rollout_ranks and world_size == 1:
+        raise ValueError(
+            f"dist.rollout_ranks={rollout_ranks} gives ranks of a torchrun job the role of "
+            "generating; in one process use train.async_staleness=k (a generator thread), "
+            "or launch with torchrun --nproc-per-node N and N > dist.rollout_ranks"
+        )
+    if rollout_ranks >= world_size:
+        raise ValueError(
+            f"dist.rollout_ranks={rollout_ranks} leaves no trainer among {world_size} ranks: "
+            f"set dist.rollout_ranks to at most {world_size - 1}, or launch more ranks"
+        )
+
+
+_roles: Roles | None = None
+_sync: Any = None
+
+
+def split(rollout_ranks: int, *, wait_timeout_s: float) -> Roles | None:
+    """Give this rank its role (every rank calls it, after :func:`dapo.dist.init_from_env`);
+    None, and nothing done, without rollout ranks or a process group."""
+    global _roles, _sync
+    if not rollout_ranks or not dist.active():
+        return None
+    roles = Roles(torch_dist.get_world_size(), rollout_ranks)
+    check(rollout_ranks, roles.world)
+    me = torch_dist.get_rank()
+    waits = datetime.timedelta(seconds=wait_timeout_s)
+    trainers = list(range(roles.trainers))
+    generators = list(range(roles.trainers, roles.world))
+    made = {}
+    for name, ranks in (("train", trainers), ("generate", generators)):
+        made[name] = (
+            torch_dist.new_group(ranks),
+            torch_dist.new_group(ranks, backend="gloo", timeout=waits),
+        )
+    # The sync group waits as long as the generators may: trainer rank 0 blocks in it only
+    # when it has more weights to send than the generators have taken (never at k >= 1).
+    _sync = torch_dist.new_group([0, *generators], timeout=waits)
+    dist.use_groups(*made["generate" if roles.generates(me) else "train"])
+    _roles = roles
+    return roles
+
+
+def roles() -> Roles | None:
+    """This job's roles; None without ``dist.rollout_ranks``."""
+    return _roles
+
+
+def generating() -> bool:
+    """Whether this rank is a generator."""
+    return _roles is not None and _roles.generates(torch_dist.get_rank())
+
+
+def sync_group() -> Any:
+    """Trainer rank 0 and the generators: the weights' broadcasts."""
+    return _sync
+
+
+def send_bytes(buffer: torch.Tensor, dst: int, pending: list) -> None:
+    """Start sending ``buffer`` (uint8, on the CPU) to global rank ``dst``; its size goes
+    first. ``pending`` keeps what is in flight (:func:`release_sent`, :func:`wait_sent`)."""
+    size = torch.tensor([buffer.numel()], dtype=torch.long)
+    for t in (size, buffer):  # kept alive until sent
+        pending.append((torch_dist.isend(t, dst), t))
+
+
+def recv_bytes(src: int) -> torch.Tensor:
+    """What :func:`send_bytes` sent from global rank ``src``."""
+    size = torch.empty(1, dtype=torch.long)
+    torch_dist.recv(size, src)
+    buffer = torch.empty(int(size.item()), dtype=torch.uint8)
+    torch_dist.recv(buffer, src)
+    return buffer
+
+
+def broadcast_json(value: Any) -> Any:
+    """Trainer rank 0's ``value`` on the generators (the sync group)."""
+    group = sync_group()
+    data = json.dumps(value).encode() if value is not None else b""
+    size = torch.tensor([len(data)], dtype=torch.long)
+    torch_dist.broadcast(size, src=0, group=group)
+    buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if value is not None else None
+    if buffer is None:
+        buffer = torch.empty(int(size.item()), dtype=torch.uint8)
+    torch_dist.broadcast(buffer, src=0, group=group)
+    return json.loads(buffer.numpy().tobytes())
+
+
+def release_sent(pending: list) -> None:
+    """Forget the sends of ``pending`` that are done."""
+    pending[:] = [(w, t) for w, t in pending if not w.is_completed()]
+
+
+def wait_sent(pending: list) -> None:
+    """Wait until every send of ``pending`` is done."""
+    for work, _ in pending:
+        work.wait()
+    pending.clear()
+
+
+def forget() -> None:
+    """Drop the roles (the job's process group is being destroyed)."""
+    global _roles, _sync
+    _roles = _sync = None

@@ -1,0 +1,246 @@
+"""Ranks that only generate (``dist.rollout_ranks``): 2 gloo ranks, one trainer and one
+generator, give the one-process run of the same schedule bit for bit (its metrics and
+weights), at k = 0 (the roles take turns) and k = 1 (the generator one step ahead); a
+checkpoint resumes exactly, under torchrun or in one process, and after kill -9; bad settings
+are refused before any model loads."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dapo.config import load_config
+from dapo.dist import roles, weight_sync
+from dapo.training import inputs, remote
+from dapo.training.ahead import Drawn
+from dapo.training.sampling import SamplingResult
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = [
+    "embedded.sft_steps=100",
+    "embedded.hidden=64",
+    "arith.max_terms=2",
+    "arith.num_warmup=256",
+    "arith.num_train=200",
+    "arith.num_val=8",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=24",
+    "algo.l_cache=4",
+    "train.prompts_per_step=4",
+    "sampling.prompts_per_round=6",
+    "sampling.on_max_rounds=train",
+    "train.responses_per_minibatch=8",
+    "train.tokens_per_microbatch=300",
+    "reward.workers=0",
+    "optim.lr=1e-3",
+    "train.steps=3",
+    "eval.num_samples=2",
+    "eval.every=2",
+    "train.save_every=1",
+    "run.threads=1",
+    "dist.timeout_s=60",
+]
+TIMED = ("perf/", "async/trainer_idle_s", "async/generator_idle_s")
+
+
+def _dapo(ranks: int, *args: str, out: Path, wait: bool = True):
+    """``dapo train ARGS`` in one process (ranks 0) or under torchrun."""
+    launch = [sys.executable, "-m", "dapo"]
+    if ranks:
+        launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}"]
+        launch += ["--standalone", "-m", "dapo"]
+    cmd = [*launch, "train", *args]
+    if "--resume" not in args:
+        cmd += [f"run.out_dir={out}", f"embedded.cache_dir={out / 'cache'}"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    if not wait:
+        return proc
+    printed, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, f"{cmd}\n{printed[-2000:]}\n{err[-4000:]}"
+    return printed
+
+
+def _rows(run: Path) -> list[dict]:
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in m.items() if not k.startswith(TIMED)} for m in rows]
+
+
+def _same_run(a: Path, b: Path, *, exact: bool = True) -> None:
+    """Every metric but the timings, and every weight, equal; not ``exact``: the same samples
+    and decisions (every count), the rest to float rounding."""
+    ra, rb = _rows(a), _rows(b)
+    wa, wb = (load_file(r / "model" / "model.safetensors") for r in (a, b))
+    assert wa.keys() == wb.keys()
+    if exact:
+        assert ra == rb
+        assert all(torch.equal(wa[k], wb[k]) for k in wa)
+        return
+    for x, y in zip(ra, rb, strict=True):
+        assert (
+            x.keys() - {"async/staleness_max", "async/staleness_mean"}
+            == y.keys()
+            - {
+                "async/staleness_max",
+                "async/staleness_mean",
+            }
+            or x.keys() <= y.keys()
+        )
+        for key in x.keys() & y.keys():
+            if key.startswith(("sampling/", "rollout/", "val/")) or key == "train/tokens":
+                assert x[key] == y[key], key
+            else:
+                assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-6), key
+    gap = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
+    assert gap <= 1e-6, gap
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory):
+    """The one-process runs each torchrun run must equal: k = 0 (no generator) and k = 1 (a
+    generator thread)."""
+    out = tmp_path_factory.mktemp("rollout-ranks")
+    _dapo(0, *RUN, "run.name=turns", out=out)
+    _dapo(0, *RUN, "train.async_staleness=1", "run.name=ahead", out=out)
+    return out
+
+
+def _ranks(out: Path, k: int) -> Path:
+    """The torchrun run of 1 trainer and 1 generator at staleness ``k`` (made once)."""
+    name = f"ranks-k{k}"
+    if not (out / name / "summary.json").exists():
+        args = [f"train.async_staleness={k}", "dist.rollout_ranks=1", f"run.name={name}"]
+        printed = _dapo(2, *RUN, *args, out=out)
+        assert printed.count("step    3") == 1  # the trainer prints; the generator is silent
+    return out / name
+
+
+@pytest.mark.parametrize("k,same_as", [(0, "turns"), (1, "ahead")])
+def test_a_generator_rank_trains_as_the_one_process_schedule(out, k, same_as):
+    """k = 1: bit for bit the generator thread's run (both sample from a copy). k = 0: the
+    samples and decisions of the run where the policy samples itself, and its losses and
+    weights to float rounding (the two forward passes' sums are not ordered alike)."""
+    run = _ranks(out, k)
+    _same_run(out / same_as, run, exact=k == 1)
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["perf/weight_sync_s"] > 0 for r in rows[1:3])  # steps 1-2 sent weights
+    ckpt = run / "checkpoints" / "step_000003"
+    assert json.loads((ckpt / "trainer.json").read_text())["world_size"] == 1  # one trainer
+
+
+@pytest.mark.parametrize("then", [2, 0], ids=["resumed-under-torchrun", "resumed-in-one-process"])
+def test_a_checkpoint_with_rollouts_drawn_ahead_resumes_exactly(out, then):
+    """The run's checkpoint of step 2 holds step 2's rollouts, drawn from update 1; resumed
+    from it, the run ends as the uninterrupted one."""
+    run = out / f"resume-{then}"
+    shutil.copytree(_ranks(out, 1), run)
+    shutil.rmtree(run / "checkpoints" / "step_000003")
+    (run / "checkpoints" / "latest").write_text("step_000002\n")
+    saved = json.loads((run / "checkpoints" / "step_000002" / "trainer.json").read_text())
+    assert [(r["step"], r["version"]) for r in saved["ahead"]["rollouts"]] == [(2, 1)]
+    extra = ["dist.rollout_ranks=1"] if then else ["dist.rollout_ranks=0"]
+    printed = _dapo(then, "--resume", str(run), *extra, out=out)
+    assert "resumed from" in printed
+    _same_run(out / "ahead", run)
+
+
+def test_kill_9_of_the_generator_stops_the_job_and_resume_continues_exactly(out):
+    ranks = ["dist.rollout_ranks=1", "train.async_staleness=1"]
+    proc = _dapo(2, *RUN, *ranks, "train.steps=40", "run.name=killed", out=out, wait=False)
+    latest = out / "killed" / "checkpoints" / "latest"
+    deadline = time.monotonic() + 120
+    while not latest.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert latest.exists(), "no checkpoint within 2 minutes"
+    children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True)
+    os.kill(int(children.stdout.split()[-1]), signal.SIGKILL)  # rank 1: the generator
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert "Signal 9" in err or "SIGKILL" in err or "exitcode  : -9" in err
+    name = latest.read_text().strip()
+    step = int(name.removeprefix("step_"))
+    assert 1 <= step <= 3, step
+    saved = json.loads((latest.parent / name / "trainer.json").read_text())
+    assert [r["step"] for r in saved["ahead"]["rollouts"]] == [step, step + 1]  # drawn ahead
+    _dapo(2, "--resume", str(out / "killed"), "train.steps=3", *ranks, out=out)
+    _same_run(out / "ahead", out / "killed")
+
+
+# ----------------------------------------------------------------------------- in one process
+
+
+def _cfg(*overrides: str):
+    return load_config(None, ["arith.num_train=16", *overrides])
+
+
+def test_bad_rollout_ranks_are_refused_naming_the_field_and_the_fix():
+    with pytest.raises(ValueError, match=r"dist.rollout_ranks must be >= 0.*got -1"):
+        _cfg("dist.rollout_ranks=-1")
+    with pytest.raises(ValueError, match=r"rollout_ranks=2 leaves no trainer among 2 ranks.*1"):
+        inputs.check_async(_cfg("dist.rollout_ranks=2"), world_size=2)
+    with pytest.raises(ValueError, match=r"rollout_ranks=1 gives ranks of a torchrun job"):
+        inputs.check_async(_cfg("dist.rollout_ranks=1"), world_size=1)
+    with pytest.raises(ValueError, match=r"rollout.tp_size=2 with dist.rollout_ranks=1.*tp_size=1"):
+        inputs.check_async(_cfg("dist.rollout_ranks=1", "rollout.tp_size=2"), world_size=4)
+    with pytest.raises(ValueError, match=r"set dist.rollout_ranks=R"):
+        inputs.check_async(_cfg("train.async_staleness=1"), world_size=2)
+    inputs.check_async(_cfg("dist.rollout_ranks=1", "train.async_staleness=2"), world_size=2)
+    # In a process of its own a generator may use any engine (no thread shares it).
+    _cfg("dist.rollout_ranks=1", "train.async_staleness=1", "rollout.engine=hf")
+    assert roles.Roles(world=5, generators=2).trainers == 3
+    assert [roles.Roles(5, 2).generates(r) for r in range(5)] == [False] * 3 + [True] * 2
+
+
+def test_buckets_cut_the_parameters_in_order_and_a_large_one_goes_alone():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 100))
+    cut = weight_sync.buckets(model, torch.float32, limit=100 * 4)
+    names = [[n for n, _ in b] for b in cut]
+    # 16 + 4 floats fit in 100; the 400-float weight goes alone; the bias after it.
+    assert names == [["0.weight", "0.bias"], ["1.weight"], ["1.bias"]]
+    # In bfloat16 at 1000 bytes: 32 + 8 + 800 fit, the 200-byte bias does not.
+    halves = weight_sync.buckets(model, torch.bfloat16, limit=1000)
+    assert [[n for n, _ in b] for b in halves] == [["0.weight", "0.bias", "1.weight"], ["1.bias"]]
+
+
+def test_a_step_message_round_trips_its_rollouts_and_position():
+    from dapo.data.batch import Episode
+    from dapo.training.sampling import Group
+
+    def episode(tokens: list[int], reward: float) -> Episode:
+        ids = torch.tensor(tokens)
+        return Episode(
+            torch.tensor([1, 2]), ids, -torch.rand(len(tokens)), False, reward > 0, reward
+        )
+
+    kept = Group("p1", [episode([3, 4], 1.0), episode([5], -1.0)])
+    dropped = Group("p2", [episode([6, 7, 8], -1.0), episode([9], -1.0)])
+    result = SamplingResult([kept], 2, 2, 1, False, generated=[kept, dropped])
+    drawn = Drawn(7, 6, result, {"gen_slots": 12.0}, 1.5, 0.25)
+    back, extra = remote.decode(remote.encode(drawn, {"sampler": {"epoch": 0, "pos": 8}}))
+    assert extra == {"sampler": {"epoch": 0, "pos": 8}}
+    assert (back.step, back.version, back.timers, back.seconds, back.idle) == (
+        7,
+        6,
+        {"gen_slots": 12.0},
+        1.5,
+        0.25,
+    )
+    assert [g.uid for g in back.result.groups] == ["p1"]
+    assert [g.uid for g in back.result.generated] == ["p1", "p2"]
+    for a, b in zip(result.generated, back.result.generated, strict=True):
+        for x, y in zip(a.episodes, b.episodes, strict=True):
+            assert torch.equal(x.response_ids, y.response_ids)
+            assert torch.equal(x.sampler_logprobs, y.sampler_logprobs)
+            assert (x.reward, x.correct) == (y.reward, y.correct)
