@@ -175,3 +175,57 @@ class LiveBytes(TorchDispatchMode):
                 weakref.finalize(storage, self.live.pop, ptr)
         self.peak = max(self.peak, sum(self.live.values()))
         return out
+
+
+TINY_DEMO = [
+    # Right sometimes, so dynamic sampling keeps some groups and drops others.
+    "embedded.sft_steps=100",
+    "embedded.hidden=64",
+    "arith.max_terms=2",
+    "arith.num_warmup=256",
+    "arith.num_train=200",
+    "arith.num_val=8",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=24",
+    "algo.l_cache=4",
+    "train.prompts_per_step=4",
+    "sampling.prompts_per_round=6",
+    "sampling.on_max_rounds=train",
+    "train.responses_per_minibatch=8",  # 2 updates per step
+    "train.tokens_per_microbatch=300",  # several micro-batches per update
+    "reward.workers=0",
+    "optim.lr=1e-3",  # large enough that two steps move every weight visibly
+]
+"""The demo at a tiny scale that keeps and drops groups and trains several micro-batches per
+update, in seconds."""
+
+TORCHRUN_DEMO = [
+    *TINY_DEMO,
+    "train.steps=3",
+    "eval.num_samples=2",
+    "eval.every=2",
+    "train.save_every=1",
+    "run.threads=1",
+    "dist.timeout_s=60",
+]
+"""3 steps of :data:`TINY_DEMO` under torchrun as in one process: a checkpoint every step."""
+
+
+def dapo_train(ranks: int, *args: str, out_dir: Path, wait: bool = True):
+    """``python -m dapo train ARGS`` in one process (ranks 0) or under torchrun."""
+    launch = [sys.executable, "-m", "dapo"]
+    if ranks:
+        launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}"]
+        launch += ["--standalone", "-m", "dapo"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [*launch, "train", *args]
+    if "--resume" not in args:
+        cmd += [f"run.out_dir={out_dir}"]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    if not wait:
+        return proc
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, f"{cmd}\n{out[-2000:]}\n{err[-4000:]}"
+    return out

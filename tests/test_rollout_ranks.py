@@ -1,6 +1,6 @@
 """Ranks that only generate (``dist.rollout_ranks``): 2 gloo ranks, one trainer and one
-generator, give the one-process run of the same schedule bit for bit (its metrics and
-weights), at k = 0 (the roles take turns) and k = 1 (the generator one step ahead); a
+generator, give the one-process run of the same schedule (bit for bit at k = 1, the samples
+and decisions at k = 0, where the roles take turns), and 2 generators its samples; a
 checkpoint resumes exactly, under torchrun or in one process, and after kill -9; bad settings
 are refused before any model loads."""
 
@@ -11,12 +11,12 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import TORCHRUN_DEMO, dapo_train
 from safetensors.torch import load_file
 
 from dapo.config import load_config
@@ -25,52 +25,14 @@ from dapo.training import inputs, remote
 from dapo.training.ahead import Drawn
 from dapo.training.sampling import SamplingResult
 
-ROOT = Path(__file__).resolve().parents[1]
-RUN = [
-    "embedded.sft_steps=100",
-    "embedded.hidden=64",
-    "arith.max_terms=2",
-    "arith.num_warmup=256",
-    "arith.num_train=200",
-    "arith.num_val=8",
-    "rollout.group_size=4",
-    "rollout.max_new_tokens=24",
-    "algo.l_cache=4",
-    "train.prompts_per_step=4",
-    "sampling.prompts_per_round=6",
-    "sampling.on_max_rounds=train",
-    "train.responses_per_minibatch=8",
-    "train.tokens_per_microbatch=300",
-    "reward.workers=0",
-    "optim.lr=1e-3",
-    "train.steps=3",
-    "eval.num_samples=2",
-    "eval.every=2",
-    "train.save_every=1",
-    "run.threads=1",
-    "dist.timeout_s=60",
-]
 TIMED = ("perf/", "async/trainer_idle_s", "async/generator_idle_s")
 
 
 def _dapo(ranks: int, *args: str, out: Path, wait: bool = True):
-    """``dapo train ARGS`` in one process (ranks 0) or under torchrun."""
-    launch = [sys.executable, "-m", "dapo"]
-    if ranks:
-        launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}"]
-        launch += ["--standalone", "-m", "dapo"]
-    cmd = [*launch, "train", *args]
+    """:func:`dapo_train` with this module's cache of the embedded model."""
     if "--resume" not in args:
-        cmd += [f"run.out_dir={out}", f"embedded.cache_dir={out / 'cache'}"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    if not wait:
-        return proc
-    printed, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, f"{cmd}\n{printed[-2000:]}\n{err[-4000:]}"
-    return printed
+        args = (*args, f"embedded.cache_dir={out / 'cache'}")
+    return dapo_train(ranks, *args, out_dir=out, wait=wait)
 
 
 def _rows(run: Path) -> list[dict]:
@@ -112,8 +74,8 @@ def out(tmp_path_factory):
     """The one-process runs each torchrun run must equal: k = 0 (no generator) and k = 1 (a
     generator thread)."""
     out = tmp_path_factory.mktemp("rollout-ranks")
-    _dapo(0, *RUN, "run.name=turns", out=out)
-    _dapo(0, *RUN, "train.async_staleness=1", "run.name=ahead", out=out)
+    _dapo(0, *TORCHRUN_DEMO, "run.name=turns", out=out)
+    _dapo(0, *TORCHRUN_DEMO, "train.async_staleness=1", "run.name=ahead", out=out)
     return out
 
 
@@ -122,7 +84,7 @@ def _ranks(out: Path, k: int) -> Path:
     name = f"ranks-k{k}"
     if not (out / name / "summary.json").exists():
         args = [f"train.async_staleness={k}", "dist.rollout_ranks=1", f"run.name={name}"]
-        printed = _dapo(2, *RUN, *args, out=out)
+        printed = _dapo(2, *TORCHRUN_DEMO, *args, out=out)
         assert printed.count("step    3") == 1  # the trainer prints; the generator is silent
     return out / name
 
@@ -138,6 +100,16 @@ def test_a_generator_rank_trains_as_the_one_process_schedule(out, k, same_as):
     assert all(r["perf/weight_sync_s"] > 0 for r in rows[1:3])  # steps 1-2 sent weights
     ckpt = run / "checkpoints" / "step_000003"
     assert json.loads((ckpt / "trainer.json").read_text())["world_size"] == 1  # one trainer
+
+
+def test_two_generator_ranks_split_each_round_and_draw_the_same_samples(out):
+    """1 trainer and 2 generators: each generator draws half of a round's prompts (a prompt's
+    samples come from its own seed), and the first sends the whole groups. The samples and
+    decisions are the one-process run's; the sampler's log-probs and what follows agree to
+    float rounding (a generator decodes fewer rows at once)."""
+    args = ["train.async_staleness=1", "dist.rollout_ranks=2", "run.name=two-generators"]
+    _dapo(3, *TORCHRUN_DEMO, *args, out=out)
+    _same_run(out / "ahead", out / "two-generators", exact=False)
 
 
 @pytest.mark.parametrize("then", [2, 0], ids=["resumed-under-torchrun", "resumed-in-one-process"])
@@ -158,7 +130,9 @@ def test_a_checkpoint_with_rollouts_drawn_ahead_resumes_exactly(out, then):
 
 def test_kill_9_of_the_generator_stops_the_job_and_resume_continues_exactly(out):
     ranks = ["dist.rollout_ranks=1", "train.async_staleness=1"]
-    proc = _dapo(2, *RUN, *ranks, "train.steps=40", "run.name=killed", out=out, wait=False)
+    proc = _dapo(
+        2, *TORCHRUN_DEMO, *ranks, "train.steps=40", "run.name=killed", out=out, wait=False
+    )
     latest = out / "killed" / "checkpoints" / "latest"
     deadline = time.monotonic() + 120
     while not latest.exists() and time.monotonic() < deadline:

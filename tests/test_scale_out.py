@@ -7,13 +7,14 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import spawn_ranks
+from helpers import TINY_DEMO as TINY
+from helpers import TORCHRUN_DEMO as RUN
+from helpers import dapo_train, spawn_ranks
 from safetensors.torch import load_file
 
 from dapo.config import load_config
@@ -21,25 +22,6 @@ from dapo.models import policy
 from dapo.training import inputs
 from dapo.training.step import build_state, train_step
 
-TINY = [
-    # Right sometimes, so dynamic sampling keeps some groups and drops others.
-    "embedded.sft_steps=100",
-    "embedded.hidden=64",
-    "arith.max_terms=2",
-    "arith.num_warmup=256",
-    "arith.num_train=200",
-    "arith.num_val=8",
-    "rollout.group_size=4",
-    "rollout.max_new_tokens=24",
-    "algo.l_cache=4",
-    "train.prompts_per_step=4",
-    "sampling.prompts_per_round=6",
-    "sampling.on_max_rounds=train",
-    "train.responses_per_minibatch=8",  # 2 updates per step
-    "train.tokens_per_microbatch=300",  # several micro-batches per update
-    "reward.workers=0",
-    "optim.lr=1e-3",  # large enough that two steps move every weight visibly
-]
 COUNTERS = (
     "sampling/rounds",
     "sampling/prompts_drawn",
@@ -164,37 +146,6 @@ def test_two_ranks_train_as_one_process(one_process, per_rank, tmp_path):
 
 # ----------------------------------------------------------------------------- torchrun
 
-ROOT = Path(__file__).resolve().parents[1]
-RUN = [
-    *TINY,
-    "train.steps=3",
-    "eval.num_samples=2",
-    "eval.every=2",
-    "train.save_every=1",
-    "run.threads=1",
-    "dist.timeout_s=60",
-]
-
-
-def _dapo(ranks: int, *args: str, out_dir: Path, wait: bool = True):
-    """``python -m dapo train ARGS`` in one process (ranks 0) or under torchrun."""
-    launch = [sys.executable, "-m", "dapo"]
-    if ranks:
-        launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}"]
-        launch += ["--standalone", "-m", "dapo"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [*launch, "train", *args]
-    if "--resume" not in args:
-        cmd += [f"run.out_dir={out_dir}"]
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    if not wait:
-        return proc
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, f"{cmd}\n{out[-2000:]}\n{err[-4000:]}"
-    return out
-
 
 def _result(run_dir: Path):
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -215,13 +166,13 @@ def runs(tmp_path_factory):
     """The cache, the run directory root and an uninterrupted one-process run of 3 steps."""
     out = tmp_path_factory.mktemp("runs")
     cache = f"embedded.cache_dir={out / 'cache'}"
-    _dapo(0, *RUN, cache, "run.name=one", out_dir=out)
+    dapo_train(0, *RUN, cache, "run.name=one", out_dir=out)
     return out, cache
 
 
 def test_torchrun_two_ranks_is_the_one_process_run(runs):
     out, cache = runs
-    printed = _dapo(2, *RUN, cache, "run.name=two", out_dir=out)
+    printed = dapo_train(2, *RUN, cache, "run.name=two", out_dir=out)
     assert printed.count("step    3") == 1  # rank 0 prints; rank 1's output is silenced
     _same_run(out / "one", out / "two")
     ckpt = out / "two" / "checkpoints" / "step_000003"
@@ -233,14 +184,14 @@ def test_torchrun_two_ranks_is_the_one_process_run(runs):
 def test_a_checkpoint_resumes_at_another_world_size(runs, first, then):
     out, cache = runs
     name = f"from{first}to{then}"
-    _dapo(first, *RUN, cache, "train.steps=2", f"run.name={name}", out_dir=out)
-    _dapo(then, "--resume", str(out / name), "train.steps=3", out_dir=out)
+    dapo_train(first, *RUN, cache, "train.steps=2", f"run.name={name}", out_dir=out)
+    dapo_train(then, "--resume", str(out / name), "train.steps=3", out_dir=out)
     _same_run(out / "one", out / name)
 
 
 def test_kill_9_of_one_rank_stops_the_job_and_resume_continues_exactly(runs):
     out, cache = runs
-    proc = _dapo(2, *RUN, cache, "train.steps=40", "run.name=killed", out_dir=out, wait=False)
+    proc = dapo_train(2, *RUN, cache, "train.steps=40", "run.name=killed", out_dir=out, wait=False)
     latest = out / "killed" / "checkpoints" / "latest"
     deadline = time.monotonic() + 120
     while not latest.exists() and time.monotonic() < deadline:
@@ -257,7 +208,7 @@ def test_kill_9_of_one_rank_stops_the_job_and_resume_continues_exactly(runs):
     # The job died mid-run: resume it (in one process) to step 3 and it is the run of 'one'.
     step = int(latest.read_text().strip().removeprefix("step_"))
     assert 1 <= step <= 3, step
-    _dapo(0, "--resume", str(out / "killed"), "train.steps=3", out_dir=out)
+    dapo_train(0, "--resume", str(out / "killed"), "train.steps=3", out_dir=out)
     _same_run(out / "one", out / "killed")
 
 
