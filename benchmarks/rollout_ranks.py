@@ -3,6 +3,8 @@ against one process: the same run (one seed) four ways, its wall time and the se
 waited, summed over the steps.
 
     python benchmarks/rollout_ranks.py --steps 40 --out /tmp/rr-bench [overrides ...]
+    python benchmarks/rollout_ranks.py --steps 3 --out DIR --ways 0,3 \
+        --config recipes/smollm2-135m-arith.yaml model.path=/path/to/smollm2-135m
 
 The four: one process taking turns (``train.async_staleness=0``, ``run.threads=2``); one
 process with a generator thread (k = 1, one thread each); and under ``torchrun`` with one
@@ -57,6 +59,8 @@ def sums(run_dir: Path) -> dict[str, float]:
     keys = ("perf/step_s", "perf/train_s", "perf/logprobs_s", "perf/weight_sync_s")
     keys += ("async/trainer_idle_s", "async/generator_idle_s")
     out = {k: sum(r.get(k, 0.0) for r in rows) for k in keys}
+    ratios = [r["mismatch/abs_log_ratio"] for r in rows if "mismatch/abs_log_ratio" in r]
+    out["mismatch"] = sum(ratios) / len(ratios) if ratios else 0.0
     out["val/accuracy"] = rows[-1]["val/accuracy"]
     return out
 
@@ -65,22 +69,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--config", help="a recipe (YAML) for every run")
+    parser.add_argument("--ways", default="0,1,2,3", help="which of the four, by index")
     parser.add_argument("overrides", nargs="*", help="dotted config overrides for every run")
     opts = parser.parse_args()
     common = [f"train.steps={opts.steps}", "train.save_every=0", *opts.overrides]
+    common = ["--config", opts.config, *common] if opts.config else common
+    chosen = [list(WAYS)[int(i)] for i in opts.ways.split(",")]
     print(
         "| way | wall s | steps s | training s | weights s | trainer waiting s "
-        "| generator waiting s | held-out accuracy |"
+        "| generator waiting s | held-out accuracy | mismatch (mean abs log ratio) |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for name, (ranks, args) in WAYS.items():
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name in chosen:
+        ranks, args = WAYS[name]
         wall = run(name, ranks, [*common, *args], opts.out)
         s = sums(opts.out / dir_name(name))
         train = s["perf/train_s"] + s["perf/logprobs_s"]
         print(
-            f"| {name} | {wall:.1f} | {s['perf/step_s']:.1f} | {train:.1f} | "
+            f"| {name} | {f'{wall:.1f}' if wall else 'earlier'} | "
+            f"{s['perf/step_s']:.1f} | {train:.1f} | "
             f"{s['perf/weight_sync_s']:.1f} | {s['async/trainer_idle_s']:.1f} | "
-            f"{s['async/generator_idle_s']:.1f} | {100 * s['val/accuracy']:.1f} |",
+            f"{s['async/generator_idle_s']:.1f} | {100 * s['val/accuracy']:.1f} | "
+            f"{s['mismatch']:.4f} |",
             flush=True,
         )
 

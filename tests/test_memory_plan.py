@@ -21,6 +21,7 @@ from dapo.training import memory_plan, memory_table
 from dapo.training.memory_plan import (
     PlanSettings,
     activation_bytes,
+    generator_bytes,
     plan_memory,
     settings_from_config,
 )
@@ -578,5 +579,31 @@ def test_generating_ahead_holds_its_copy_and_k_clones_and_overlaps_the_kv_cache(
     fp32 = plan_memory(shape, PlanSettings(staleness=k, compute_dtype="float32"))
     assert fp32.ahead == (1 + k) * p * 4
     assert f"generating ahead: its copy and up to {k} clones (bfloat16)" in format_plan(ahead)
-    with pytest.raises(ValueError, match="async_staleness runs in one process"):
+    with pytest.raises(ValueError, match="async_staleness under torchrun needs dist.rollout_r"):
         plan_memory(shape, PlanSettings(staleness=k, world_size=8))
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_with_generator_ranks_the_plan_is_a_trainers_and_a_generator_holds_a_whole_copy(k):
+    """dist.rollout_ranks=2 of 8: the table plans a trainer of 6, whose rank 0 keeps up to k
+    versions of the weights it sent (one at k = 0) and decodes nothing while it trains; a
+    generator holds the policy whole in bf16, the KV cache of its rows and one bucket."""
+    overrides = [f"train.async_staleness={k}", "dist.rollout_ranks=2"]
+    cfg = load_config(None, [*overrides, "rollout.rows_per_generate=64"])
+    s = memory_plan.settings_from_config(cfg, world_size=8, prompt_tokens=100)
+    assert (s.world_size, s.generators, s.staleness) == (6, 2, k)
+    s = replace(s, compute_dtype="bfloat16", param_dtype="float32")
+    shape = ModelShape.from_hf_config(KNOWN_SHAPES["qwen2.5-1.5b"])
+    plan = plan_memory(shape, s)
+    alone = plan_memory(shape, replace(s, staleness=0, generators=0))
+    p = shape.num_parameters
+    assert plan.ahead == max(1, k) * p * 2
+    assert plan.training_peak == alone.training_peak + plan.ahead  # no KV cache beside it
+    gen = generator_bytes(shape, replace(s, world_size=1, rows=64, generators=0))
+    tokens = 100 + cfg.rollout.max_new_tokens
+    assert gen["policy"] == p * 2
+    assert gen["kv_cache"] == 2 * 28 * 2 * 128 * 64 * tokens * 2  # K, V x layers x heads x dim
+    assert gen["bucket"] == 151936 * 1536 * 2  # the embedding, larger than 256 MiB, alone
+    line = memory_table.generator_line(cfg, plan, s)
+    assert "a generator rank (dist.rollout_ranks=2" in line and "KV cache (64 rows)" in line
+    assert "not yet taken: up to" in format_plan(plan)

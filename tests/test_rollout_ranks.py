@@ -97,7 +97,9 @@ def test_a_generator_rank_trains_as_the_one_process_schedule(out, k, same_as):
     run = _ranks(out, k)
     _same_run(out / same_as, run, exact=k == 1)
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert all(r["perf/weight_sync_s"] > 0 for r in rows[1:3])  # steps 1-2 sent weights
+    # Weights go to the generator after step t when step t + 1 + k < 3 samples from them;
+    # the trainer's own copy is refreshed before an evaluation, not counted in the step.
+    assert [r["perf/weight_sync_s"] > 0 for r in rows[1:]] == [True, k == 0, False]
     ckpt = run / "checkpoints" / "step_000003"
     assert json.loads((ckpt / "trainer.json").read_text())["world_size"] == 1  # one trainer
 
@@ -218,3 +220,47 @@ def test_a_step_message_round_trips_its_rollouts_and_position():
             assert torch.equal(x.response_ids, y.response_ids)
             assert torch.equal(x.sampler_logprobs, y.sampler_logprobs)
             assert (x.reward, x.correct) == (y.reward, y.correct)
+
+
+class _Done:
+    """A broadcast that has finished (what ``async_op=True`` returns)."""
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return None
+
+
+def test_weights_are_sent_on_the_ranks_device_and_load_into_a_generator_copy(monkeypatch):
+    """Every tensor trainer rank 0 broadcasts is made on the run's device (meta stands in for
+    a GPU, which a CPU build cannot make); on the CPU, the buckets a generator receives fill
+    its copy with the trainer's weights in its dtype, and -1 then says stop."""
+    sent: list[torch.Tensor] = []
+
+    def send(tensor, src, group=None, async_op=False):
+        sent.append(tensor if tensor.is_meta else tensor.clone())
+        return _Done()
+
+    monkeypatch.setattr(weight_sync.torch_dist, "broadcast", send)
+    trainer = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 100))
+    weight_sync.Sender(torch.bfloat16, torch.device("meta")).send(trainer, 3)
+    assert [t.device.type for t in sent] == ["meta", "meta"]  # the version, one bucket
+    assert [t.dtype for t in sent] == [torch.long, torch.bfloat16]
+    sent.clear()
+    sender = weight_sync.Sender(torch.bfloat16, torch.device("cpu"))
+    sender.send(trainer, 3)
+    sender.stop()
+    sender.finish()
+    generator = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 100))
+    generator = generator.to(torch.bfloat16).requires_grad_(False)
+    for p in generator.parameters():
+        p.zero_()
+    queue = iter(sent)
+    monkeypatch.setattr(
+        weight_sync.torch_dist, "broadcast", lambda t, src, group=None: t.copy_(next(queue))
+    )
+    assert weight_sync.receive(generator, torch.device("cpu")) == 3
+    for mine, theirs in zip(generator.parameters(), trainer.parameters(), strict=True):
+        assert torch.equal(mine, theirs.detach().to(torch.bfloat16))
+    assert weight_sync.receive(generator, torch.device("cpu")) == weight_sync.STOP

@@ -244,6 +244,9 @@ class _Run:
         figures)."""
         state, cfg = self.state, self.state.cfg
         state.on_phase("eval")
+        if state.engine_behind:
+            state.sync_engine()
+            state.engine_behind = False
         state.model.eval()
         self.records_step = state.step
         return evaluate(

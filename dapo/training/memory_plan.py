@@ -74,7 +74,11 @@ class PlanSettings:
     """``dist.reshard_after_forward``: False keeps every layer gathered from its forward to its
     backward."""
     staleness: int = 0
-    """``train.async_staleness`` (one process): generation overlaps training."""
+    """``train.async_staleness``: generation overlaps training (in one process, or on
+    ``generators`` ranks of their own)."""
+    generators: int = 0
+    """``dist.rollout_ranks``: this is a trainer rank's plan, the generators being other ranks
+    (:func:`generator_bytes`); ``world_size`` counts the trainers."""
     top_p: bool = False
     """Sampling restricted to a nucleus (``rollout.top_p`` or ``eval.top_p`` < 1): its sort
     holds more [rows, V] float64 arrays while a token is drawn."""
@@ -93,8 +97,11 @@ class PlanSettings:
             raise ValueError(f"world size must be >= 1, got {w}")
         if self.grad_sync not in ("minibatch", "microbatch"):
             raise ValueError(f"dist.grad_sync must be minibatch or microbatch: {self.grad_sync}")
-        if self.staleness and w > 1:
-            raise ValueError("train.async_staleness runs in one process: plan world size 1")
+        if self.staleness and w > 1 and not self.generators:
+            raise ValueError(
+                "train.async_staleness under torchrun needs dist.rollout_ranks: plan world size "
+                "1, or set dist.rollout_ranks"
+            )
         if k > 1 and w == 1:
             raise ValueError(
                 f"rollout.tp_size {k} needs torchrun (one process generates alone): plan the "
@@ -156,7 +163,8 @@ class MemoryPlan:
     def training_peak(self) -> int:
         grads = (0 if self.offloaded else self.gradients) + self.accumulated_gradients
         decoding = self.kv_cache + self.decode_workspace
-        overlap = decoding if self.settings.staleness else 0  # generating meanwhile
+        # Generating meanwhile, in this process (not on generator ranks).
+        overlap = decoding if self.settings.staleness and not self.settings.generators else 0
         return (
             self.held + grads + self.gathered_layers + self.activations + self.output_head + overlap
         )
@@ -274,7 +282,7 @@ def plan_memory(shape: ModelShape, settings: PlanSettings) -> MemoryPlan:
         layer = shape.layer_parameters
         layers = 2 if s.reshard_after_forward else shape.layers
         gathered = (layers * layer + shape.outer_parameters) * compute + layer * 4
-    kv_tokens = s.prompt_tokens + s.max_new_tokens
+    kv_tokens, k = s.prompt_tokens + s.max_new_tokens, s.staleness
     return MemoryPlan(
         shape=shape,
         settings=s,
@@ -293,8 +301,29 @@ def plan_memory(shape: ModelShape, settings: PlanSettings) -> MemoryPlan:
         decode_workspace=decode_workspace_bytes(shape, s, compute=compute),
         reference=math.ceil(p * frozen / w) if s.reference else 0,
         load_host=load_host_bytes(shape, s),
-        ahead=(1 + s.staleness) * p * frozen if s.staleness else 0,
+        # Whole copies kept to generate ahead: in one process the generator's and up to k
+        # clones; with generator ranks, on trainer rank 0, the versions sent and not yet
+        # taken (up to k; one while the roles take turns).
+        ahead=p * frozen * (max(1, k) if s.generators else (k + 1 if k else 0)),
     )
+
+
+def generator_bytes(shape: ModelShape, s: PlanSettings) -> dict[str, int]:
+    """A generator rank's memory (``dist.rollout_ranks``), ``s`` being its settings (world
+    size 1, its rows): the policy whole in the frozen dtype, the KV cache and the decoding
+    workspace of its rows, and one bucket of weights being received."""
+    from dapo.dist.weight_sync import BUCKET_BYTES
+
+    frozen = 2 if s.compute_dtype == "bfloat16" else DTYPE_BYTES[s.param_dtype]
+    compute = DTYPE_BYTES[s.compute_dtype]
+    tokens = s.prompt_tokens + s.max_new_tokens
+    bucket = min(shape.num_parameters * frozen, max(BUCKET_BYTES, shape.largest_tensor * frozen))
+    return {
+        "policy": shape.num_parameters * frozen,
+        "kv_cache": kv_cache_bytes(shape, tokens=tokens, rows=s.rows, compute=compute),
+        "decode_workspace": decode_workspace_bytes(shape, s, compute=compute),
+        "bucket": bucket,
+    }
 
 
 def round_prompts(cfg: Config) -> int:
@@ -320,8 +349,8 @@ def settings_from_config(
     """The plan's settings for a run of ``world_size`` ranks whose longest prompt has
     ``prompt_tokens`` tokens (every response counted at L_max: an upper bound), generating
     ``tp_size`` ranks at a time (by default ``rollout.tp_size``)."""
-    if cfg.dist.rollout_ranks and world_size > cfg.dist.rollout_ranks:
-        world_size -= cfg.dist.rollout_ranks  # the trainer ranks' plan (generators: docs)
+    generators = cfg.dist.rollout_ranks if world_size > cfg.dist.rollout_ranks else 0
+    world_size -= generators  # a trainer rank's plan (a generator's: generator_bytes)
     context = prompt_tokens + cfg.rollout.max_new_tokens
     share = math.ceil(cfg.train.responses_per_minibatch / world_size) * context
     tp = cfg.rollout.tp_size if tp_size is None else tp_size
@@ -339,7 +368,8 @@ def settings_from_config(
         grad_sync=cfg.dist.grad_sync,
         tp_size=tp,
         reshard_after_forward=cfg.dist.reshard_after_forward,
-        staleness=0 if cfg.dist.rollout_ranks else cfg.train.async_staleness,
+        staleness=cfg.train.async_staleness,
+        generators=generators,
         top_p=min(cfg.rollout.top_p, cfg.eval.top_p) < 1,
         gqa_copy=transformers_copies_gqa(),
     )

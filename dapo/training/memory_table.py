@@ -14,9 +14,11 @@ from dapo.training.memory_plan import (
     GIB,
     MemoryPlan,
     PlanSettings,
+    generator_bytes,
     model_shape,
     plan_memory,
     round_prompts,
+    rows_per_rank,
     settings_from_config,
 )
 from dapo.training.model_shape import KNOWN_SHAPES, ModelShape
@@ -106,9 +108,15 @@ def _part_rows(plan: MemoryPlan) -> list[tuple[str, int, str]]:
         (kv, plan.kv_cache, "GPU, generation"),
         (_workspace(plan), plan.decode_workspace, "GPU, generation"),
         (f"GRPO reference ({share})", plan.reference, where + ", always"),
-        (f"generating ahead: its copy and up to {s.staleness} clones ({copy_dtype(s)})",
-         plan.ahead, "GPU, always"),
+        (_ahead(s), plan.ahead, "GPU, always"),
     ]  # fmt: skip
+
+
+def _ahead(s: PlanSettings) -> str:
+    if s.generators:  # trainer rank 0 keeps what it sends until the generators take it
+        n = max(1, s.staleness)
+        return f"weights sent to the generator ranks, not yet taken: up to {n} ({copy_dtype(s)})"
+    return f"generating ahead: its copy and up to {s.staleness} clones ({copy_dtype(s)})"
 
 
 def format_plan(plan: MemoryPlan) -> str:
@@ -149,15 +157,32 @@ def print_plan(cfg: Config, *, world_size: int, prompt_tokens: int) -> None:
             f"  note: this transformers copies each layer's keys and values to every query head "
             f"while decoding; 5.23 or later does not, which would save {_size(saved)} here"
         )
+    if settings.generators:
+        print(generator_line(cfg, plan, settings))
     if not settings.sharded and cfg.dist.cpu_offload:
         print("  note: dist.cpu_offload applies from 2 ranks")
     if cfg.rollout.rows_per_generate == 0:
-        groups = world_size // settings.tp_size
+        groups = settings.generators or world_size // settings.tp_size
         print(
             f"  note: KV cache of a whole round per generating group (up to {round_prompts(cfg)}"
             f" prompts x {cfg.rollout.group_size} / {groups}), every row at the longest prompt "
             "+ L_max: an upper bound; rollout.rows_per_generate bounds it"
         )
+
+
+def generator_line(cfg: Config, plan: MemoryPlan, trainer: PlanSettings) -> str:
+    """The dry run's line for a generator rank (``dist.rollout_ranks``); the table above is a
+    trainer rank's."""
+    r = trainer.generators
+    gen = replace(trainer, world_size=1, rows=rows_per_rank(cfg, r), tp_size=1, generators=0)
+    parts = generator_bytes(plan.shape, gen)
+    names = {"policy": "the policy, whole", "kv_cache": f"KV cache ({gen.rows} rows)"}
+    names |= {"decode_workspace": "decoding workspace", "bucket": "a bucket of weights"}
+    text = " + ".join(f"{names[k]} {_size(v).strip()}" for k, v in parts.items())
+    return (
+        f"  a generator rank (dist.rollout_ranks={r}; the table is a trainer rank's): {text} "
+        f"= {_size(sum(parts.values())).strip()}"
+    )
 
 
 def plan_row(plan: MemoryPlan, *, gpu_gib: float) -> dict[str, Any]:

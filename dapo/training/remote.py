@@ -75,6 +75,9 @@ class Remote:
     """The trainers' side: the :class:`~dapo.training.ahead.Ahead` interface (take,
     finish_step, settle, close) over the generator ranks."""
 
+    generators_elsewhere = True
+    """The trainers' own engine only evaluates (``TrainState.engine_behind``)."""
+
     def __init__(
         self, state: TrainState, *, restored: tuple[list[Drawn], tuple[int, int]] | None
     ) -> None:

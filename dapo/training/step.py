@@ -80,6 +80,9 @@ class TrainState:
     sharded model's forward is a collective, and ranks generate different lengths), whole or
     split over ``tp_mesh``'s groups, refreshed from the shards by :meth:`sync_engine`; None in
     one process."""
+    engine_behind: bool = False
+    """The engine's weights are older than the policy's: with generator ranks the trainers'
+    engine only evaluates, so it is refreshed before an evaluation, not after every update."""
     tp_mesh: Any = None
     """With ``rollout.tp_size`` > 1: the ("dp", "tp") mesh of the ranks that generate together
     (:mod:`dapo.dist.tensor_parallel`); None otherwise."""
@@ -376,7 +379,9 @@ def train_step(state: TrainState, ahead: Ahead | Remote | None = None) -> dict[s
     if dist.world_size() > 1 and ahead is None:  # generated ahead: whole on every rank
         episodes = exchange.deliver(result.groups, held, plan)
     metrics = update(state, episodes, lr=lr_at(cfg, state.step), plan=plan) if episodes else {}
-    if metrics.get("train/updates"):
+    if metrics.get("train/updates") and getattr(ahead, "generators_elsewhere", False):
+        state.engine_behind = True  # the generators get the weights; evaluation refreshes it
+    elif metrics.get("train/updates"):
         state.sync_engine()
     t_train = time.perf_counter() - t1
 
