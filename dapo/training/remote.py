@@ -96,28 +96,33 @@ class Remote:
         self.sync_s = 0.0
         held = frozen_dtype(state.model, DTYPES[cfg.model.compute_dtype])
         self.sender = weight_sync.Sender(held, state.device)
-        start = {"next": self.received + 1, "sampler": state.sampler.state_dict()}
+        nxt = self.received + 1  # the generators' first step
         if dist.is_main():
+            start = {"next": nxt, "sampler": state.sampler.state_dict()}
             roles.broadcast_json({**start, "prior": list(self.prior)})
-        nxt = self.received + 1
         if nxt < self.limit and max(0, nxt - self.k) <= state.step:
-            self._send(state, state.step)
+            self._send(state.step)
 
-    def _send(self, state: TrainState, version: int) -> None:
-        self.sync_s += self.sender.send(state.model, version)
+    def _send(self, version: int) -> None:
+        self.sync_s += self.sender.send(self.state.model, version)
         self.sent = version
 
-    def _receive(self, state: TrainState) -> None:
+    def _receive(self) -> None:
         drawn, extra = decode(roles.recv_bytes(self.source))
         self.ready[drawn.step] = drawn
         self.received = drawn.step
-        state.sampler.load_state_dict(extra["sampler"])
+        self.state.sampler.load_state_dict(extra["sampler"])
         self.prior = tuple(extra["prior"])
+
+    def _catch_up(self) -> None:
+        """Receive every step the generators draw with the weights sent so far."""
+        while self.received < self._drawn_through():
+            self._receive()
 
     def take(self, state: TrainState) -> SamplingResult:
         """The rollouts of step ``state.step``, once received."""
         while state.step not in self.ready:
-            self._receive(state)
+            self._receive()
         drawn = self.current = self.ready.pop(state.step)
         state.timers.update(drawn.timers)
         return drawn.result
@@ -131,7 +136,7 @@ class Remote:
         self.sync_s = 0.0
         version = state.step + 1
         if version + self.k < self.limit:
-            self._send(state, version)
+            self._send(version)
         out = drawn_metrics(state, self.current, result, waited)
         out["perf/weight_sync_s"] = metrics.get("perf/weight_sync_s", 0.0) + self.sync_s
         return out
@@ -145,16 +150,14 @@ class Remote:
     def settle(self, state: TrainState) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """Before a save at step ``state.step``: every step the generators can draw (through
         step + k), as (JSON, tensors) for the checkpoint."""
-        while self.received < self._drawn_through():
-            self._receive(state)
+        self._catch_up()
         meta, tensors = rollouts_to_files([self.ready[t] for t in sorted(self.ready)])
         return {"prior": list(self.prior), "rollouts": meta}, tensors
 
     def close(self) -> None:
         """Stop the generators: take what they still draw, then the stop signal."""
         self.sender.stop()
-        while self.received < self._drawn_through():
-            self._receive(self.state)
+        self._catch_up()
         self.sender.finish()
 
 
