@@ -220,6 +220,37 @@ def test_the_engine_sleeps_without_copying_weights_and_wakes_on_freed_memory(
     ]
 
 
+def test_a_tensor_parallel_engine_on_shards_sleeps_in_host_memory(
+    monkeypatch, tiny_model, tokenizer
+):
+    """rollout.tp_size=2 under torchrun: one engine across a group (vLLM's external launcher,
+    tensor_parallel_size 2). Its weights come from the FSDP2 shards, whose gathers every rank
+    joins in step; a rank's wake-ups (one per generate call, as many as its share needs) must
+    not gather, so its weights sleep in host memory (level 1) and are not reloaded on waking."""
+    from dapo.dist import fsdp
+
+    _launched(monkeypatch, local_rank=1)
+    monkeypatch.setattr(fsdp, "is_sharded", lambda model: model is tiny_model)
+    engine, _ = _engine(
+        monkeypatch, tiny_model, tokenizer, torch.device("cuda", 1), tensor_parallel_size=2
+    )
+    built = _StandInLLM.built[0]
+    assert built["tensor_parallel_size"] == 2
+    assert built["distributed_executor_backend"] == "external_launcher"
+    kwargs = dict(group_size=2, max_new_tokens=4, seed=[7])
+    engine.generate(["1 + 1 ="], **kwargs)
+    engine.generate(["2 + 2 ="], **kwargs)
+    engine.sync_weights(tiny_model)
+    assert engine.llm.calls[2:] == [
+        "sleep(1)",
+        "wake_up(kv_cache,weights) after 1 empty_cache",  # no reload: no gather
+        "sleep(1)",
+        "wake_up(weights) after 2 empty_cache",
+        "reload_weights",
+        "reset_prefix_cache",
+    ]
+
+
 def test_parallel_ablation_runs_spread_over_the_visible_gpus(monkeypatch, tmp_path):
     import threading
     import time

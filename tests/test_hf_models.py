@@ -189,7 +189,7 @@ def test_a_tensor_parallel_size_the_run_cannot_split_is_refused_before_loading(t
     assert main([*base, "--world-size", "4"]) == 2
     err = capsys.readouterr().err
     assert "rollout.tp_size=2 does not divide the model's key-value heads" in err
-    assert "rollout.tp_size=2 splits the native engine's copy" in (
+    assert "rollout.tp_size=2 splits the native engine's copy or vLLM's" in (
         main([*base, "--world-size", "4", "rollout.engine=hf"]) == 2 and capsys.readouterr().err
     )
 

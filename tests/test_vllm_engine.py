@@ -11,13 +11,16 @@ import math
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import spawn_ranks
 from safetensors.torch import load_file
 
-from dapo.models.demo import TinyModelSpec, tiny_qwen2
+from dapo.models.demo import TinyModelSpec, build_tokenizer, tiny_qwen2
 from dapo.models.logprobs import response_logprobs
 from dapo.rollout import make_engine
 
@@ -151,9 +154,10 @@ RUN = [
 ]  # fmt: skip
 
 
-def train(tmp_path: Path, name: str, *launcher: str) -> Path:
-    """The run directory of ``dapo train`` with RUN, under ``launcher`` (e.g. torchrun)."""
-    cmd = [*launcher, "-m", "dapo", "train", "--quiet", *RUN, f"run.out_dir={tmp_path}"]
+def train(tmp_path: Path, name: str, *launcher: str, more: Sequence[str] = ()) -> Path:
+    """The run directory of ``dapo train`` with RUN and ``more`` overrides, under ``launcher``
+    (e.g. torchrun)."""
+    cmd = [*launcher, "-m", "dapo", "train", "--quiet", *RUN, *more, f"run.out_dir={tmp_path}"]
     cmd += [f"run.name={name}", f"embedded.cache_dir={tmp_path / 'cache'}"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
@@ -167,8 +171,8 @@ def metrics(run: Path) -> list[dict]:
 
 def test_a_short_run_with_seq_mis_trains_and_reports_the_mismatch(tmp_path):
     """Five steps train (every metric finite, the weights move); two ranks under torchrun,
-    each with its own engine synced from the gathered weights, draw the same samples and end
-    at the same weights."""
+    each with its own engine loaded from the shards, draw the same samples and end at the
+    same weights; so do two ranks that share one engine of tensor parallel size 2."""
     one = train(tmp_path, "one", sys.executable)
     trained = [m for m in metrics(one) if "train/loss" in m]
     assert len(trained) == 5
@@ -181,9 +185,73 @@ def test_a_short_run_with_seq_mis_trains_and_reports_the_mismatch(tmp_path):
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    two = train(tmp_path, "two", *torchrun, "--nproc-per-node", "2")
-    for a, b in zip(metrics(one), metrics(two), strict=True):
-        drawn = [k for k in a if k.startswith(("rollout/", "sampling/", "val/"))]
-        assert {k: a[k] for k in drawn} == {k: b[k] for k in drawn}
-    ranks = load_file(two / "model" / "model.safetensors")
-    assert max(float((after[k] - ranks[k]).abs().max()) for k in after) < 1e-4
+    for name, extra in (("two", []), ("tp2", ["rollout.tp_size=2"])):
+        two = train(tmp_path, name, *torchrun, "--nproc-per-node", "2", more=extra)
+        for a, b in zip(metrics(one), metrics(two), strict=True):
+            drawn = [k for k in a if k.startswith(("rollout/", "sampling/", "val/"))]
+            assert {k: a[k] for k in drawn} == {k: b[k] for k in drawn}, name
+        ranks = load_file(two / "model" / "model.safetensors")
+        assert max(float((after[k] - ranks[k]).abs().max()) for k in after) < 1e-4, name
+
+
+# Two key-value heads, so that tensor parallelism at 2 splits them (head size 32 for vLLM).
+TP_SPEC = TinyModelSpec(
+    hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2
+)
+
+
+def _tensor_parallel_rank(rank: int, port: int, out: Path) -> None:
+    """Rank ``rank`` of two: the policy sharded by FSDP2, one vLLM engine of tensor parallel
+    size 2 across both ranks loaded from the shards; saves what it generated and held."""
+    from dapo import dist
+    from dapo.dist import fsdp
+    from dapo.rollout.vllm_engine import VLLMEngine
+
+    env = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": 2, "MASTER_PORT": port}
+    os.environ.update({k: str(v) for k, v in env.items()}, MASTER_ADDR="127.0.0.1")
+    torch.set_num_threads(1)
+    dist.init_from_env(timeout_s=300)
+    tokenizer = build_tokenizer()
+    model = fsdp.shard(tiny_qwen2(tokenizer, TP_SPEC, seed=0).eval(), compute_dtype=torch.float32)
+    engine = VLLMEngine(model, tokenizer, tensor_parallel_size=2)
+    ro = engine.generate(PROMPTS, group_size=1, max_new_tokens=12, greedy=True)
+    sampled = engine.generate(PROMPTS, group_size=3, max_new_tokens=12, seed=[5, 6, 7])
+
+    def held(worker) -> dict[str, tuple[int, ...]]:
+        return {n: tuple(p.shape) for n, p in worker.model_runner.model.named_parameters()}
+
+    (shapes,) = engine.llm.collective_rpc(held)
+    torch.save(
+        {"greedy": vars(ro), "sampled": vars(sampled), "shapes": shapes},
+        out / f"rank{rank}.pt",
+    )
+    engine.close()
+
+
+def test_tensor_parallel_engine_splits_the_weights_and_samples_as_one(tmp_path, tokenizer):
+    """rollout.tp_size=2 with vLLM: two gloo ranks run one engine through vLLM's external
+    launcher, loaded from FSDP2 shards one gathered tensor at a time. Each rank holds half the
+    embedding rows and of the fused q/k/v bias; both return the same rollouts; greedy tokens
+    are the native engine's and log-probs a float32 forward pass's (within 1e-4)."""
+    spawn_ranks(_tensor_parallel_rank, tmp_path)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    model = tiny_qwen2(tokenizer, TP_SPEC, seed=0).eval()
+    for name in ("greedy", "sampled"):
+        a, b = ranks[0][name], ranks[1][name]
+        assert all(
+            torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a
+        ), name
+    whole = dict(model.named_parameters())
+    shapes = ranks[0]["shapes"]
+    vocab = whole["model.embed_tokens.weight"].shape[0]
+    padded = -(-vocab // 64) * 64  # vLLM pads the vocabulary to a multiple of 64, then splits it
+    assert shapes["model.embed_tokens.weight"] == (padded // 2, 128)
+    qkv = 128 + 2 * 2 * 32  # 4 query heads and 2 key-value heads of 32
+    assert shapes["model.layers.0.self_attn.qkv_proj.bias"] == (qkv // 2,)
+    native = make_engine("dapo", model, tokenizer)
+    greedy = native.generate(PROMPTS, group_size=1, max_new_tokens=12, greedy=True)
+    got = ranks[0]["greedy"]
+    assert torch.equal(got["response_ids_BT"], greedy.response_ids_BT)
+    assert got["texts"] == greedy.texts
+    # The sampled log-probs, from split sums, are a float32 forward pass's.
+    assert forward_gap(model, SimpleNamespace(**ranks[0]["sampled"])) < 1e-4

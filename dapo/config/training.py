@@ -40,7 +40,9 @@ class RolloutConfig:
     """Under torchrun: ranks that generate together, tensor parallel, k at a time (one engine
     per group of k consecutive ranks, each holding 1/k of every split weight and of the KV
     cache) instead of a whole copy of the model on every rank. Must divide the world size and
-    the model's attention and key-value heads. 1 = every rank its own whole copy."""
+    the model's attention and key-value heads. The native engine (PyTorch tensor parallelism)
+    or vllm (its ``tensor_parallel_size``, one engine per group through vLLM's external
+    launcher). 1 = every rank its own whole copy."""
 
     def check(self) -> list[str]:
         errors = []

@@ -36,6 +36,14 @@ released, nothing copied to host memory): the weights are reloaded anyway, after
 update, or from the trainer's module when it wakes without one. ``torch.cuda.empty_cache()``
 hands the trainer's cached blocks back before it wakes.
 
+Under ``torchrun`` the weights come straight from the FSDP2 shards, one whole tensor at a time
+(:func:`dapo.dist.fsdp.whole_state`): the engine's copy is the only generation copy a rank
+holds. With ``rollout.tp_size`` = k (``tensor_parallel_size``), each group of k consecutive
+ranks (the groups of :func:`dapo.dist.tensor_parallel.tp_mesh`) runs one engine through the
+external launcher, on CPUs too: each rank is one of its tensor-parallel workers, keeps its
+slice of each tensor as it is loaded, and every rank of a group is given the same prompts
+and seeds, so the group decodes in lockstep and returns the same rollout on each rank.
+
 Shapes: see :mod:`dapo.rollout.base`.
 """
 
@@ -55,6 +63,7 @@ import numpy as np
 import torch
 
 from dapo import dist
+from dapo.dist import fsdp
 from dapo.rollout.base import Rollout, encode_prompts, finish_rollout
 from dapo.run.seeding import derive_seed
 
@@ -152,6 +161,7 @@ class VLLMEngine:
         enforce_eager: bool = False,
         sleep: bool = True,
         device: torch.device | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         vllm = _vllm()
         self.tokenizer = tokenizer
@@ -169,6 +179,11 @@ class VLLMEngine:
                 "and model.device=auto"
             )
         self.sleeps = self.on_gpu and sleep
+        self.tp_size = tensor_parallel_size
+        # A sharded source is reloaded by gathers that every rank joins in step, which the
+        # wake-up before each generate call (as many as a rank's share of prompts needs)
+        # cannot promise: its weights sleep in host memory instead of being dropped.
+        self.sleep_level = 1 if fsdp.is_sharded(model) else 2
         self._asleep: set[str] = set()
         self._source: torch.nn.Module = model
         """The module whose weights the engine holds (reloaded after a level-2 sleep)."""
@@ -225,6 +240,9 @@ class VLLMEngine:
             kwargs["kv_cache_memory_bytes"] = int(kv_gib * 2**30)
         if self.on_gpu and dist.launched():
             kwargs["distributed_executor_backend"] = "external_launcher"
+        if self.tp_size > 1:  # one engine per group of consecutive ranks, as tp_mesh groups them
+            kwargs["tensor_parallel_size"] = self.tp_size
+            kwargs["distributed_executor_backend"] = "external_launcher"
         return kwargs
 
     def close(self) -> None:
@@ -245,7 +263,9 @@ class VLLMEngine:
         self.last_sync_s = time.perf_counter() - t0
 
     def _load(self, model: torch.nn.Module) -> None:
-        weights = ((name, t.detach().to(self.dtype)) for name, t in model.state_dict().items())
+        # One whole tensor at a time (gathered from the shards under FSDP2); with tensor
+        # parallelism vLLM's layers keep their slice of each and drop the rest.
+        weights = fsdp.whole_state(model, self.dtype)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()
 
@@ -261,7 +281,7 @@ class VLLMEngine:
             torch.cuda.empty_cache()
         self.llm.wake_up(tags=sorted(wanted))
         self._asleep -= wanted
-        if reload and "weights" in wanted:
+        if reload and "weights" in wanted and self.sleep_level == 2:
             self._load(self._source)
 
     @torch.inference_mode()
@@ -306,8 +326,8 @@ class VLLMEngine:
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         if self.sleeps:  # give the memory back to the trainer until the next rollout
             # Level 2: the weights are dropped, not copied to host memory (level 1): they are
-            # reloaded after the update anyway.
-            self.llm.sleep(level=2)
+            # reloaded after the update anyway (level 1 for a sharded source: see __init__).
+            self.llm.sleep(level=self.sleep_level)
             self._asleep = {"weights", "kv_cache"}
         rows = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
         if len(rows) != len(prompts) * group_size:

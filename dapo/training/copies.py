@@ -36,17 +36,21 @@ def copies_and_shards(
 
     Under FSDP2 the generation copy is whole on every rank, or with ``rollout.tp_size`` = k
     split over each group of k ranks (:mod:`dapo.dist.tensor_parallel`: the mesh says who is
-    in a group). A policy loaded straight into shards (:mod:`dapo.models.sharded_load`) has
-    its copies made from its shards, on ``device``. In one process: (reference, None, None).
+    in a group); none for the vllm engine, which loads its own from the shards. A policy
+    loaded straight into shards (:mod:`dapo.models.sharded_load`) has its copies made from its
+    shards, on ``device``. In one process: (reference, None, None).
     """
     held = frozen_dtype(model, compute)
     tp = cfg.rollout.tp_size if dist.active() else 1
     mesh = tensor_parallel.tp_mesh(tp, device.type) if tp > 1 else None
+    # vLLM holds its own weights (its slice of them at tp_size > 1), loaded from the shards.
+    native = cfg.rollout.engine != "vllm"
+    whole = mesh is None and native
     if dist.active() and fsdp.is_sharded(model):
-        ref, gen = sharded_load.copies(model, cfg, held, device, whole_copy=mesh is None)
+        ref, gen = sharded_load.copies(model, cfg, held, device, whole_copy=whole)
     else:
-        ref, gen = _copies_then_shards(cfg, model, held, whole_copy=mesh is None)
-    if mesh is not None:  # split from the shards, one whole parameter at a time
+        ref, gen = _copies_then_shards(cfg, model, held, whole_copy=whole)
+    if mesh is not None and native:  # split from the shards, one whole parameter at a time
         gen = tensor_parallel.tp_generation_copy(model, mesh, dtype=held, device=device)
         tensor_parallel.fill_tp_copy(model, gen)
     return ref, gen, mesh

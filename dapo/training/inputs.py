@@ -187,16 +187,16 @@ def describe_budget(cfg: Config, stats: dict[str, float]) -> str:
 
 def check_tensor_parallel(cfg: Config, world_size: int) -> None:
     """``rollout.tp_size`` against the launch and the model, before any model loads: the
-    native engine only, under torchrun, a size that divides the world size and the model's
-    heads (:func:`dapo.dist.tensor_parallel.check_tp_size`, from config.json alone)."""
+    native and vllm engines only, under torchrun, a size that divides the world size and the
+    model's heads (:func:`dapo.dist.tensor_parallel.check_tp_size`, from config.json alone)."""
     k = cfg.rollout.tp_size
     if k == 1:
         return
-    if cfg.rollout.engine != "dapo":
+    if cfg.rollout.engine not in ("dapo", "vllm"):
         raise ValueError(
-            f"rollout.tp_size={k} splits the native engine's copy; rollout.engine="
+            f"rollout.tp_size={k} splits the native engine's copy or vLLM's; rollout.engine="
             f"{cfg.rollout.engine} generates from a whole copy per rank: use rollout.engine=dapo "
-            "or rollout.tp_size=1"
+            "or vllm, or rollout.tp_size=1"
         )
     if world_size == 1:
         raise ValueError(

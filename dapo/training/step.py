@@ -79,7 +79,7 @@ class TrainState:
     """Under FSDP: a copy of the policy in the compute dtype that the engine samples from (a
     sharded model's forward is a collective, and ranks generate different lengths), whole or
     split over ``tp_mesh``'s groups, refreshed from the shards by :meth:`sync_engine`; None in
-    one process."""
+    one process, and for the vllm engine (it loads its own weights from the shards)."""
     engine_behind: bool = False
     """The engine's weights are older than the policy's: with generator ranks the trainers'
     engine only evaluates, so it is refreshed before an evaluation, not after every update."""
@@ -92,7 +92,7 @@ class TrainState:
         gather the shards into the whole copy first. Timed (``perf/weight_sync_s``) where
         there is something to copy: a gather, or an engine with its own weights (vllm)."""
         t0 = time.perf_counter()
-        if self.tp_mesh is not None:
+        if self.tp_mesh is not None and self.gen_model is not None:
             tensor_parallel.fill_tp_copy(self.model, self.gen_model)
         elif self.gen_model is not None:
             fsdp.gather_into(self.model, self.gen_model)
@@ -148,7 +148,7 @@ def build_state(
         tokenizer,
         stops,
         compute,
-        vllm=vars(cfg.vllm),
+        vllm=vars(cfg.vllm) | ({"tensor_parallel_size": cfg.rollout.tp_size} if tp_mesh else {}),
         device=device,
     )
     scaler = None
