@@ -172,7 +172,8 @@ def metrics(run: Path) -> list[dict]:
 def test_a_short_run_with_seq_mis_trains_and_reports_the_mismatch(tmp_path):
     """Five steps train (every metric finite, the weights move); two ranks under torchrun,
     each with its own engine loaded from the shards, draw the same samples and end at the
-    same weights; so do two ranks that share one engine of tensor parallel size 2."""
+    same weights; so do two ranks that share one engine of tensor parallel size 2, and a
+    trainer rank with a generator rank whose engine loads each version it is sent."""
     one = train(tmp_path, "one", sys.executable)
     trained = [m for m in metrics(one) if "train/loss" in m]
     assert len(trained) == 5
@@ -185,7 +186,12 @@ def test_a_short_run_with_seq_mis_trains_and_reports_the_mismatch(tmp_path):
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    for name, extra in (("two", []), ("tp2", ["rollout.tp_size=2"])):
+    ways = {  # at async_staleness 0 a generator rank samples the weights of the step it draws
+        "two": [],
+        "tp2": ["rollout.tp_size=2"],
+        "generator": ["dist.rollout_ranks=1", "train.async_staleness=0"],
+    }
+    for name, extra in ways.items():
         two = train(tmp_path, name, *torchrun, "--nproc-per-node", "2", more=extra)
         for a, b in zip(metrics(one), metrics(two), strict=True):
             drawn = [k for k in a if k.startswith(("rollout/", "sampling/", "val/"))]

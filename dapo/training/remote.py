@@ -214,10 +214,13 @@ def serve(state: TrainState) -> None:
     step = int(start["next"])
     while step < limit:
         t0 = time.perf_counter()
+        had = version
         while version < max(0, step - k):
             version = weight_sync.receive(state.model, state.device)
             if version == weight_sync.STOP:
                 return roles.wait_sent(pending)
+        if version != had:  # an engine with weights of its own (vllm) loads the new ones
+            state.engine.sync_weights(state.model)
         idle = time.perf_counter() - t0
         state.step, state.timers = step, {}
         t1 = time.perf_counter()
