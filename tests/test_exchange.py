@@ -130,15 +130,23 @@ def test_each_rank_receives_whole_exactly_the_episodes_it_trains(tmp_path):
         assert not {groups[j] for j in share} & {groups[j] for j in other}
 
 
-def test_a_groups_rows_go_to_one_share_and_its_prompt_counts_once():
+def test_shares_balance_padded_work_a_groups_rows_on_one_share_its_prompt_once():
     def episode(prompt: int, response: int) -> Episode:
         return Episode(torch.zeros(prompt), torch.zeros(response), torch.zeros(response), 0, 0, 0.0)
 
-    # Group 0: prompt 10, responses 3 + 4 (cost 17); group 1: prompt 2, 5 + 5 + 1 (13);
-    # group 2: prompt 6, response 6 (12). Longest first: 0 -> share 0, 1 -> share 1, 2 -> 1.
+    # A share's work: its prompts + its rows x its longest response. Group 0: prompt 10,
+    # responses 3 + 4; group 1: prompt 2, responses 5 + 5 + 1; group 2: prompt 6, response 6.
+    # Longest response first: 2 -> share 0 (6 + 1 x 6 = 12, a tie), 1 -> share 1 (2 + 3 x 5
+    # = 17 < 8 + 4 x 6 = 32), 0 -> share 0 (16 + 3 x 6 = 34 < 12 + 5 x 5 = 37).
     rows = [episode(10, 3), episode(2, 5), episode(10, 4), episode(2, 5), episode(6, 6)]
     rows.append(episode(2, 1))
-    assert partition_by_tokens(rows, 2, [0, 1, 0, 1, 2, 1]) == [[0, 2], [1, 3, 4, 5]]
-    # Row by row (costs 13, 7, 14, 7, 12, 3), longest first to the lighter share: 2 -> 0,
-    # 0 -> 1, 4 -> 1 (13 < 14), 1 -> 0, 3 -> 0 (21 < 25), 5 -> 1 (25 < 28).
-    assert partition_by_tokens(rows, 2) == [[1, 2, 3], [0, 4, 5]]
+    assert partition_by_tokens(rows, 2, [0, 1, 0, 1, 2, 1]) == [[0, 2, 4], [1, 3, 5]]
+    # Row by row, longest first (ties: more tokens, then the first): 4 -> 0 (12, a tie),
+    # 1 -> 1 (7 < 20), 3 -> 1 (14 < 20), 2 -> 0 (28 < 29), 0 -> 1 (29 < 44), 5 -> 0 (36, a tie).
+    assert partition_by_tokens(rows, 2) == [[2, 4, 5], [0, 1, 3]]
+    # One long response among short ones: its share takes fewer rows, as padding costs them
+    # the long response's width (4 short groups of 2 rows each and one long).
+    short = [episode(4, 2) for _ in range(8)]
+    mixed = [*short, episode(4, 20), episode(4, 2)]
+    shares = partition_by_tokens(mixed, 2, [0, 0, 1, 1, 2, 2, 3, 3, 4, 4])
+    assert shares == [[8, 9], [0, 1, 2, 3, 4, 5, 6, 7]]

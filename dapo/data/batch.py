@@ -180,10 +180,17 @@ def split_microbatches(
 def partition_by_tokens(
     episodes: Sequence[Episode], parts: int, units: Sequence[int] | None = None
 ) -> list[list[int]]:
-    """Indices of ``episodes`` in ``parts`` shares of about equal tokens (prompt + response),
-    one per data-parallel rank: longest first, each to the share with the fewest tokens so far
-    (the lowest share on a tie); each share in increasing order. The same on every rank, which
-    holds the same episodes; one share is every index, in order.
+    """Indices of ``episodes`` in ``parts`` shares of about equal work, one per data-parallel
+    rank; each share in increasing order. The same on every rank, which holds the same
+    episodes; one share is every index, in order.
+
+    A share's work is the tokens its rank computes once they are collated: its prompts' tokens
+    plus its rows times its longest response, because every response is padded to the longest
+    (one response truncated at L_max among short ones makes its rank compute L_max for every
+    row). Episodes go longest response first (then most tokens, then first index), each to the
+    share it leaves cheapest (the lowest share on a tie). Counting real tokens alone sent a
+    truncated response and as many rows to one rank as to the other: on SmolLM2 that rank's
+    forward and backward took twice the other's.
 
     With ``units`` (a key per episode: its group), the episodes of a unit go to one share
     together and their prompt counts once: a group's prompt then runs once on one rank
@@ -192,14 +199,20 @@ def partition_by_tokens(
     members: dict[int, list[int]] = {}
     for i, key in enumerate(keys):
         members.setdefault(key, []).append(i)
-    cost = {
-        key: max(episodes[i].prompt_length for i in rows) + sum(episodes[i].length for i in rows)
-        for key, rows in members.items()
-    }
+    prompt = {k: max(episodes[i].prompt_length for i in rows) for k, rows in members.items()}
+    longest = {k: max(episodes[i].length for i in rows) for k, rows in members.items()}
+    tokens = {k: prompt[k] + sum(episodes[i].length for i in rows) for k, rows in members.items()}
     shares: list[list[int]] = [[] for _ in range(parts)]
-    loads = [0] * parts
-    for key in sorted(members, key=lambda k: (-cost[k], members[k][0])):
-        least = min(range(parts), key=lambda r: (loads[r], r))
+    prompts, rows, widths = [0] * parts, [0] * parts, [0] * parts
+
+    def work_with(r: int, key: int) -> int:
+        width = max(widths[r], longest[key])
+        return prompts[r] + prompt[key] + (rows[r] + len(members[key])) * width
+
+    for key in sorted(members, key=lambda k: (-longest[k], -tokens[k], members[k][0])):
+        least = min(range(parts), key=lambda r: (work_with(r, key), r))
         shares[least].extend(members[key])
-        loads[least] += cost[key]
+        prompts[least] += prompt[key]
+        rows[least] += len(members[key])
+        widths[least] = max(widths[least], longest[key])
     return [sorted(share) for share in shares]
