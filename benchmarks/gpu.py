@@ -4,7 +4,7 @@
     python benchmarks/gpu.py --shapes qwen2.5-0.5b --steps 10 --json
     python benchmarks/gpu.py --tiny --json         # any machine: the same code, tiny sizes
 
-Random weights of the shapes in ``dapo.training.memory_plan.KNOWN_SHAPES`` (a transformers
+Random weights of the shapes in ``dapo.training.gpu_memory.KNOWN_SHAPES`` (a transformers
 ``Qwen2Config`` with their fields; nothing is downloaded). Without CUDA, or with ``--tiny``,
 the same code runs a tiny Qwen2 (hidden 64, 2 layers, vocabulary 512) in seconds, so CI keeps
 it working (``tests/test_gpu_bench.py``). Per shape:
@@ -66,7 +66,7 @@ from dapo.dist import fsdp
 from dapo.models.demo import build_tokenizer
 from dapo.models.policy import DTYPES, compute_device
 from dapo.rollout import make_engine
-from dapo.training.memory_plan import (
+from dapo.training.gpu_memory import (
     DTYPE_BYTES,
     PlanSettings,
     decode_workspace_bytes,
@@ -78,7 +78,7 @@ from dapo.training.memory_plan import (
 )
 from dapo.training.model_shape import KNOWN_SHAPES, ModelShape
 from dapo.training.old_logprobs import fill_logprobs
-from dapo.training.step import TrainState, build_state
+from dapo.training.state import TrainState, build_state
 from dapo.training.update import minibatch_update
 
 MIB = 2**20

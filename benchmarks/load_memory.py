@@ -99,7 +99,7 @@ def measure(args: argparse.Namespace) -> dict:
     from dapo.config import load_config
     from dapo.models import policy
     from dapo.reward.tasks import arith
-    from dapo.training.step import build_state
+    from dapo.training.state import build_state
 
     overrides = [f"model.path={args.model}", f"model.compute_dtype={args.compute_dtype}"]
     if args.compute_dtype != "float32":

@@ -1,5 +1,5 @@
 """The memory plan against measurement: the peak resident memory of each rank over a few
-training steps, next to what ``dapo.training.memory_plan`` says for the same config and world
+training steps, next to what ``dapo.training.gpu_memory`` says for the same config and world
 size. On a CPU everything the plan counts per "GPU" is host memory, so the comparison is
 peak RSS minus the process's own baseline (Python, torch, transformers, the data and the
 tokenizer, measured just before the model loads) against the plan's peak.
@@ -26,8 +26,9 @@ from dapo import dist
 from dapo.config import load_config
 from dapo.models import policy
 from dapo.training import inputs
-from dapo.training.memory_plan import model_shape, plan_memory, settings_from_config
-from dapo.training.step import build_state, train_step
+from dapo.training.gpu_memory import model_shape, plan_memory, settings_from_config
+from dapo.training.state import build_state
+from dapo.training.step import train_step
 
 MIB = 2**20
 

@@ -57,7 +57,7 @@ def run(name: str, ranks: int, args: list[str], out: Path) -> float:
 def sums(run_dir: Path) -> dict[str, float]:
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     keys = ("perf/step_s", "perf/train_s", "perf/logprobs_s", "perf/weight_sync_s")
-    keys += ("async/trainer_idle_s", "async/generator_idle_s")
+    keys += ("perf/trainer_idle_s", "perf/generator_idle_s")
     out = {k: sum(r.get(k, 0.0) for r in rows) for k in keys}
     ratios = [r["mismatch/abs_log_ratio"] for r in rows if "mismatch/abs_log_ratio" in r]
     out["mismatch"] = sum(ratios) / len(ratios) if ratios else 0.0
@@ -89,8 +89,8 @@ def main() -> None:
         print(
             f"| {name} | {f'{wall:.1f}' if wall else 'earlier'} | "
             f"{s['perf/step_s']:.1f} | {train:.1f} | "
-            f"{s['perf/weight_sync_s']:.1f} | {s['async/trainer_idle_s']:.1f} | "
-            f"{s['async/generator_idle_s']:.1f} | {100 * s['val/accuracy']:.1f} | "
+            f"{s['perf/weight_sync_s']:.1f} | {s['perf/trainer_idle_s']:.1f} | "
+            f"{s['perf/generator_idle_s']:.1f} | {100 * s['val/accuracy']:.1f} | "
             f"{s['mismatch']:.4f} |",
             flush=True,
         )

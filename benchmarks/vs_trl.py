@@ -88,7 +88,8 @@ def our_config(prompts: int, new_tokens: int, extra: list[str]):
 
 def time_ours(model, tokenizer, problems, cfg, steps: int, warmup: int) -> list[tuple]:
     from dapo.reward.pool import RewardPool
-    from dapo.training.step import build_state, train_step
+    from dapo.training.state import build_state
+    from dapo.training.step import train_step
 
     state = build_state(cfg, model.to(DEVICE), tokenizer, problems)
     times = []

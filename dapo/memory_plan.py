@@ -13,7 +13,7 @@ and ``fits`` (4 GiB to spare, which CI asks of every recipe), the settings the p
 (``tp_size``, ``grad_sync``, ``activation_checkpointing``, ``microbatch_tokens``, ...) and
 every part in GiB (``weights_gib``, ``gradients_gib``, ... ``load_host_gib``). The table's
 7B and 32B rows take the settings of their recipes (``TABLE_RECIPES``), the others the
-defaults. The plan itself is :mod:`dapo.training.memory_plan`, its layout
+defaults. The plan itself is :mod:`dapo.training.gpu_memory`, its layout
 :mod:`dapo.training.memory_table`.
 """
 
@@ -26,7 +26,7 @@ from typing import Any
 
 from dapo.config import load_config
 from dapo.config.loading import read_hardware
-from dapo.training.memory_plan import (
+from dapo.training.gpu_memory import (
     model_shape,
     plan_memory,
     settings_from_config,

@@ -1,6 +1,6 @@
-"""Generation ahead of training (``train.async_staleness``, dapo/training/ahead.py): step t
-samples from the weights after update max(0, t - k), exactly; the sampler's log-probs are
-that policy's, weighed against pi_old by the rollout correction; a run repeats itself, and
+"""Generation ahead of training (``train.async_staleness``, dapo/training/generator_thread.py):
+step t samples from the weights after update max(0, t - k), exactly; the sampler's log-probs
+are that policy's, weighed against pi_old by the rollout correction; a run repeats itself, and
 kill -9 then --resume continues it exactly (the rollouts generated ahead are checkpointed)."""
 
 from __future__ import annotations
@@ -21,9 +21,11 @@ from dapo.config import load_config
 from dapo.data.problems import Problem
 from dapo.run.checkpoint import CheckpointError
 from dapo.training import inputs
-from dapo.training.ahead import Ahead, rollouts_from_files, rollouts_to_files
+from dapo.training.generator_thread import GeneratorThread
 from dapo.training.old_logprobs import fill_logprobs
-from dapo.training.step import build_state, train_step
+from dapo.training.rollout_files import rollouts_from_files, rollouts_to_files
+from dapo.training.state import build_state
+from dapo.training.step import train_step
 
 
 def _cfg(*overrides: str):
@@ -57,7 +59,7 @@ def test_step_t_samples_from_the_weights_after_update_t_minus_k(eager_eos_model,
     problems = [Problem(f"p{i}", ({"role": "user", "content": f"{i} + 1"},), "1") for i in range(9)]
     state = build_state(cfg, eager_eos_model, tokenizer, problems)
     versions, drawn, metrics = [_weights(state.model)], [], []
-    ahead = Ahead(state, pool=None, threads=1)
+    ahead = GeneratorThread(state, pool=None, threads=1)
     try:
         for _ in range(steps):
             metrics.append(train_step(state, ahead))
@@ -103,7 +105,7 @@ def test_rollouts_round_trip_through_a_checkpoint_file_and_a_damaged_one_is_name
     cfg = _cfg("train.async_staleness=1", "train.steps=3")
     problems = [Problem(f"p{i}", ({"role": "user", "content": f"{i} + 1"},), "1") for i in range(4)]
     state = build_state(cfg, tiny_model, tokenizer, problems)
-    ahead = Ahead(state, pool=None, threads=1)
+    ahead = GeneratorThread(state, pool=None, threads=1)
     try:
         meta, tensors = ahead.settle(state)
     finally:
@@ -140,7 +142,7 @@ def _start(out: Path, name: str, cache: Path, *extra: str) -> subprocess.Popen:
 
 def _run(run_dir: Path) -> tuple[list[dict], dict[str, torch.Tensor]]:
     """The metrics lines without timings, and the final weights."""
-    timed = ("perf/", "async/trainer_idle_s", "async/generator_idle_s")
+    timed = ("perf/",)
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     metrics = [{k: v for k, v in m.items() if not k.startswith(timed)} for m in lines]
     return metrics, load_file(run_dir / "model" / "model.safetensors")

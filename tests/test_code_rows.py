@@ -159,7 +159,7 @@ def test_a_run_whose_responses_are_hostile_programs_keeps_training(
     from helpers import setup_run
 
     from dapo.training import loop
-    from dapo.training import step as trainer
+    from dapo.training import state as trainer
 
     overrides = ["train.steps=2", "reward.workers=1", "eval.num_samples=1"]
     cfg, train, val, run_dir, _ = setup_run(tmp_path, tiny_model, *overrides)

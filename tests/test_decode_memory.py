@@ -10,8 +10,8 @@ from helpers import LiveBytes
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from dapo.rollout import native
-from dapo.training import memory_plan
-from dapo.training.memory_plan import (
+from dapo.training import gpu_memory
+from dapo.training.gpu_memory import (
     GIB,
     PlanSettings,
     decode_workspace_bytes,
@@ -39,7 +39,7 @@ def test_drawing_a_token_holds_float32_and_float64_copies_of_the_logits():
 
 
 def test_the_float64_arrays_are_built_a_block_of_rows_at_a_time(monkeypatch):
-    monkeypatch.setattr(memory_plan, "CDF_CHUNK_ELEMENTS", 2000)  # blocks of 2 rows of 1,000
+    monkeypatch.setattr(gpu_memory, "CDF_CHUNK_ELEMENTS", 2000)  # blocks of 2 rows of 1,000
     assert decode_workspace_bytes(SHAPE, ROWS, compute=2) == 8 * 3 * 1000 + 16 * 2 * 1000 + OUTPUTS
 
 
@@ -69,7 +69,7 @@ def test_the_plan_gives_what_the_h200_measured_while_decoding():
 
 
 def test_the_copied_constant_is_the_engines():
-    assert memory_plan.CDF_CHUNK_ELEMENTS == native.CDF_CHUNK_ELEMENTS
+    assert gpu_memory.CDF_CHUNK_ELEMENTS == native.CDF_CHUNK_ELEMENTS
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.7])

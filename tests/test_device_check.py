@@ -48,17 +48,18 @@ import dapo
 from dapo import algo
 from dapo.algo import logits as head_maths
 from dapo.config import load_config
-from dapo.data.batch import Batch, Episode, collate
+from dapo.data.batch import Batch, Episode, collate, length_sorted, split_microbatches
 from dapo.data.problems import Problem
 from dapo.models import logprobs
 from dapo.rollout import native
 from dapo.rollout.base import encode_prompts
 from dapo.rollout.hf import HFEngine
 from dapo.training.old_logprobs import fill_logprobs
-from dapo.training.step import TrainState, build_state
+from dapo.training.state import TrainState, build_state
 from dapo.training.update import minibatch_update
 
 DEVICE = torch.device("meta")
+CPU = torch.device("cpu")
 PACKAGE = os.path.dirname(os.path.abspath(dapo.__file__)) + os.sep
 TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 G, P, T = 2, 5, 6  # responses per prompt, prompt and response tokens
@@ -68,9 +69,9 @@ SCALAR_READS = (aten._local_scalar_dense.default, aten.item.default, aten.is_non
 # transformers 4.x asks whether the attention mask pads; 5.x sees fake tensors and builds the
 # mask without asking. It pads here too, so the mask is built.
 READS_FORWARD = {"_ignore_causal_mask_sdpa": False}
-READS_UPDATE = {"forward_slots": 1.0, "_micro_sums": 1.0, "accumulate_gradients": 1.0}
-READS_UPDATE |= {"_micro_loss": 1.0}  # grpo: the KL term's value, for its metric
-READS_UPDATE |= {"clip_grad_norm": 1.0, "minibatch_update": 1}  # minibatch_update: AdamW's step
+# The mini-batch's metrics and gradient norm, read back in one transfer; the host's prompt
+# ranks of the micro-batch order (all equal here); AdamW's step counters (host tensors).
+READS_UPDATE = {"read": 1.0, "length_sorted": 0, "_step_or_skip": 1}
 # Half the rows finish at the first step: RowCache.keep (dapo/rollout/kv_cache.py) keeps 2 of 4.
 READS_DECODE = {"sample_from_logits": True, "retire": True, "keep": 2}
 
@@ -83,12 +84,18 @@ def mixed_devices():
 class DeviceCheck(FakeTensorMode):
     """Fake tensors whose ops check devices. What data would decide is answered: a value read
     from a tensor as ``reads`` says (:meth:`read`), ``nonzero`` as every element set, ``unique``
-    of rows as groups of G rows. ``answered`` lists what it answered, in order."""
+    of rows as groups of G rows. ``answered`` lists what it answered, in order.
+
+    ``syncs`` lists, by the dapo function that caused it, every point where a GPU would wait
+    for its queue of kernels: a value read from a tensor on the device, a copy from the device
+    to the host, an op on the device whose output size depends on the data (nonzero,
+    unique). Reads of host tensors are answered but not listed: they wait for nothing."""
 
     def __init__(self, reads: dict[str, object] | None = None) -> None:
         super().__init__(allow_non_fake_inputs=True)
         self.reads = READS_FORWARD | (reads or {})
         self.answered: list[str] = []
+        self.syncs: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         x = args[0] if args else None
@@ -98,6 +105,10 @@ class DeviceCheck(FakeTensorMode):
             return func(*args, **(kwargs or {}))
         if not isinstance(x, FakeTensor):
             return super().__torch_dispatch__(func, types, args, kwargs)
+        to_host = func is aten._to_copy.default and (kwargs or {}).get("device") == CPU
+        data_sized = func in (aten.nonzero.default, aten.unique_dim.default)
+        if x.device == DEVICE and (func in SCALAR_READS or to_host or data_sized):
+            self.syncs.append(dapo_site())
         if func in SCALAR_READS:
             return self.read()
         if func is aten.nonzero.default:
@@ -114,20 +125,33 @@ class DeviceCheck(FakeTensorMode):
     def read(self):
         """``reads``' answer for the first function it names among those the read runs in,
         torch's aside, from the one that reads out to the first of dapo's; none fails."""
-        frame, sites = inspect.currentframe(), []
-        while frame.f_code.co_filename == __file__:  # this mode's own frames
-            frame = frame.f_back
-        while frame is not None and frame.f_code.co_filename != __file__:  # the test's: none
-            if not frame.f_code.co_filename.startswith(TORCH):
-                sites.append(frame.f_code.co_name)
-            if frame.f_code.co_filename.startswith(PACKAGE):
-                break
-            frame = frame.f_back
+        sites = call_sites()
         site = next((s for s in sites if s in self.reads), None)
         self.answered.append(site or sites[0] if sites else "(this test)")
         if site is None:
             raise AssertionError(f"{sites or 'this test'} reads a value: the check has no answer")
         return self.reads[site]
+
+
+def call_sites() -> list[str]:
+    """The functions a dispatched op runs in, torch's and this file's aside, from the one
+    that called torch out to the first of dapo's."""
+    frame, sites = inspect.currentframe(), []
+    while frame.f_code.co_filename == __file__:  # this file's own frames (the mode's)
+        frame = frame.f_back
+    while frame is not None and frame.f_code.co_filename != __file__:  # the test's: none
+        if not frame.f_code.co_filename.startswith(TORCH):
+            sites.append(frame.f_code.co_name)
+        if frame.f_code.co_filename.startswith(PACKAGE):
+            break
+        frame = frame.f_back
+    return sites
+
+
+def dapo_site() -> str:
+    """The dapo function (or the library function dapo called) an op runs in."""
+    sites = call_sites()
+    return sites[-1] if sites else "(this test)"
 
 
 @pytest.fixture(autouse=True)
@@ -342,6 +366,47 @@ def test_training_update_on_the_device(tiny_model, tokenizer, preset):
     assert check.answered.count("unique") >= 2  # each micro-batch shared its group's prompt
 
 
+@pytest.mark.parametrize("preset", ["dapo", "grpo"])
+def test_a_minibatch_update_waits_for_the_device_once_however_many_micro_batches(
+    tiny_model, tokenizer, preset
+):
+    """The mini-batch's metrics (and grpo's KL) and its gradient norm stay on the device
+    until the update is done, then come back in one transfer: on a GPU each read waits for
+    every kernel queued before it, so a read per micro-batch would stall each one. One
+    micro-batch and four (a row each) wait the same once; a micro-batch used to read ~10
+    values (forward_slots, _micro_sums, the KL) and ``torch.unique`` of its prompts."""
+    syncs = {}
+    for budget in (1000, P + T):  # every row in one micro-batch, or one row per micro-batch
+        model, reference = copy.deepcopy(tiny_model), copy.deepcopy(tiny_model)
+        episodes = host_episodes(len(tokenizer))
+        with DeviceCheck(READS_UPDATE) as check:
+            state = train_state(preset, model, tokenizer, reference)
+            state.cfg.train.tokens_per_microbatch = budget
+            fill_logprobs(state.model, episodes, "old_logprobs", state)
+            if state.ref_model is not None:
+                fill_logprobs(state.ref_model, episodes, "ref_logprobs", state)
+            check.syncs.clear()
+            assert minibatch_update(state, episodes)["updates"] == 1.0
+        syncs[budget] = check.syncs
+    assert len(micro_batches_of(episodes, P + T)) == 4
+    assert syncs[1000] == syncs[P + T] == ["read"]
+
+
+def micro_batches_of(episodes: list[Episode], budget: int) -> list[list[int]]:
+    order = length_sorted(episodes, range(len(episodes)))
+    return split_microbatches(episodes, order, max_tokens=budget)
+
+
+def test_the_pi_old_pass_brings_its_log_probs_back_in_one_transfer(tiny_model, tokenizer):
+    episodes = host_episodes(len(tokenizer))
+    with DeviceCheck(READS_UPDATE) as check:
+        state = train_state("dapo", tiny_model, tokenizer)
+        state.cfg.train.tokens_per_microbatch = P + T  # four micro-batches
+        fill_logprobs(state.model, episodes, "old_logprobs", state)
+    assert check.syncs == ["fill_logprobs"]
+    assert [e.old_logprobs.shape for e in episodes] == [(e.length,) for e in episodes]
+
+
 def test_training_update_catches_a_batch_left_on_the_host(tiny_model, tokenizer, monkeypatch):
     episodes = host_episodes(len(tokenizer))
     with DeviceCheck(READS_UPDATE):
@@ -394,4 +459,4 @@ def test_prompts_and_batches_go_to_the_device(tokenizer):
         batch = collate(episodes, pad_id=tokenizer.pad_token_id).to(DEVICE)
     assert ids.device == mask.device == DEVICE and ids.shape == mask.shape and len(ids) == 2
     fields = vars(batch)
-    assert len(fields) == 9 and all(v.device == DEVICE for v in fields.values())
+    assert len(fields) == 13 and all(v.device == DEVICE for v in fields.values())

@@ -56,7 +56,7 @@ def test_a_summary_keeps_the_numbers_and_no_tokens():
 def test_the_plan_is_the_updates_own_order():
     cfg = load_config(None, ["train.responses_per_minibatch=3", "train.epochs=2"], base="demo")
     episodes = [e for g in _groups(0, 2) for e in g.episodes]
-    plan = exchange.training_plan(cfg, 5, episodes)
+    plan = exchange.training_plan(cfg.train, G, 5, episodes)
     gen = torch.Generator().manual_seed(derive_seed(cfg.train.seed, 5, "minibatch"))
     minis = [m for _ in range(2) for m in split_minibatches(8, 3, generator=gen)]
     assert [m.indices for m in plan] == minis
@@ -72,14 +72,15 @@ def _rank(rank: int, port: int, out: str) -> None:
         cfg = load_config(
             None, ["train.responses_per_minibatch=6", f"rollout.group_size={G}"], base="demo"
         )
-        mine = _groups(3 * rank, 3)  # rank 0 generated groups 0-2, rank 1 groups 3-5
-        held = exchange.Held()
-        summaries = held.summarise(mine, round_index=0, start=3 * rank)
+        generated = _groups(3 * rank, 3)  # rank 0 generated groups 0-2, rank 1 groups 3-5
+        local = exchange.LocalGroups()
+        summaries = local.summarise(generated, round_index=0, start=3 * rank)
         gathered = dist.gather_lists(summaries)
         for g in gathered:
             for e in g.episodes:
                 e.advantage = e.reward - 0.5
-        plan = exchange.training_plan(cfg, 0, [e for g in gathered for e in g.episodes])
+        summaries = [e for g in gathered for e in g.episodes]
+        plan = exchange.training_plan(cfg.train, G, 0, summaries)
         received = []
         real = dist.exchange
 
@@ -89,7 +90,7 @@ def _rank(rank: int, port: int, out: str) -> None:
             return got
 
         exchange.dist.exchange = counted
-        episodes = exchange.deliver(gathered, held, plan)
+        episodes = exchange.deliver(gathered, local, plan)
         torch.save(
             {"episodes": episodes, "received": received, "plan": plan, "gathered": gathered},
             f"{out}/rank_{rank}.pt",

@@ -18,7 +18,7 @@ from dapo.reward.tasks.base import Task
 from dapo.run import checkpoint
 from dapo.run.interrupt import GracefulStop, RunStopped, StepAborted
 from dapo.training import loop, update
-from dapo.training import step as trainer
+from dapo.training import state as trainer
 
 
 def _fit(cfg, model, tokenizer, train, val, run_dir, *, resume=False):
@@ -123,8 +123,8 @@ def test_consecutive_non_finite_updates_stop_the_run_cleanly(
     real_step = loop.train_step
     done = {"steps": 0}
 
-    def counting_step(state):
-        out = real_step(state)
+    def counting_step(state, *source):
+        out = real_step(state, *source)
         done["steps"] = state.step
         return out
 
@@ -157,11 +157,11 @@ def test_graceful_stop_first_signal_requests_second_aborts():
 def _signal_during_step(monkeypatch, at_step: int, times: int):
     real_step = loop.train_step
 
-    def step(state):
+    def step(state, *source):
         if state.step + 1 == at_step:
             for _ in range(times):
                 os.kill(os.getpid(), signal.SIGTERM)
-        return real_step(state)
+        return real_step(state, *source)
 
     monkeypatch.setattr(loop, "train_step", step)
 

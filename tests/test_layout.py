@@ -122,7 +122,10 @@ FORBIDDEN_IMPORTS: dict[str, tuple[str, ...]] = {
     "dapo.training.exchange": _FILE_FORMATS,  # who trains what: objects between ranks, no files
     "dapo.training.loop": _FILE_FORMATS,  # the run's files are written by rundir and checkpoint
     "dapo.training.sampling": _FILE_FORMATS,  # dynamic sampling, inside the step
-    "dapo.training.ahead": _FILE_FORMATS,  # its rollouts are written by checkpoint
+    "dapo.training.rounds": _FILE_FORMATS,  # the step's rounds
+    "dapo.training.microbatches": _FILE_FORMATS,
+    "dapo.training.sources": _FILE_FORMATS,
+    "dapo.training.generator_thread": _FILE_FORMATS,  # its rollouts become files elsewhere
     "dapo.training.perf": _FILE_FORMATS,
 }
 
@@ -141,9 +144,26 @@ FORBIDDEN_CALLS: dict[str, frozenset[str]] = {
     "dapo.training.step": _MATHS,
     "dapo.training.update": _MATHS,
     "dapo.training.old_logprobs": _MATHS,
-    "dapo.training.ahead": _MATHS,
+    "dapo.training.microbatches": _MATHS,
+    "dapo.training.sources": _MATHS,
+    "dapo.training.rounds": _MATHS,
+    "dapo.training.generator_thread": _MATHS,
     "dapo.training.perf": _MATHS,
 }
+
+# Modules below the loop take the config sections they use, never the whole Config (whose
+# 100-odd fields would otherwise travel through every call): they may not import the name.
+TAKE_SECTIONS = (
+    "dapo.training.step",
+    "dapo.training.update",
+    "dapo.training.old_logprobs",
+    "dapo.training.microbatches",
+    "dapo.training.rounds",
+    "dapo.training.exchange",
+    "dapo.training.sources",
+    "dapo.training.sampling",
+    "dapo.training.perf",
+)
 
 # Dotted name -> the only module prefixes that may import it or refer to it in code.
 RESERVED: dict[str, tuple[str, ...]] = {
@@ -185,6 +205,9 @@ class Module:
     n_lines: int
     is_package: bool
     imports: list[Import] = field(default_factory=list)
+    type_imports: list[Import] = field(default_factory=list)
+    """Those of ``if TYPE_CHECKING:`` blocks: never run, but a cycle through them still ties
+    two modules' designs together (each names the other's types)."""
 
 
 def covers(prefix: str, name: str) -> bool:
@@ -237,16 +260,25 @@ def runtime_nodes(tree: ast.AST) -> Iterator[tuple[ast.AST, bool]]:
 
     The body of ``if TYPE_CHECKING:`` never runs, so it is skipped (its ``else`` is kept).
     """
-    stack: list[tuple[ast.AST, bool]] = [(tree, False)]
+    for node, in_function, type_only in all_nodes(tree):
+        if not type_only:
+            yield node, in_function
+
+
+def all_nodes(tree: ast.AST) -> Iterator[tuple[ast.AST, bool, bool]]:
+    """Every node, with whether it sits inside a function and inside the body of an
+    ``if TYPE_CHECKING:`` (which never runs)."""
+    stack: list[tuple[ast.AST, bool, bool]] = [(tree, False, False)]
     while stack:
-        node, in_function = stack.pop()
-        yield node, in_function
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
-            children: Iterable[ast.AST] = node.orelse
-        else:
-            children = ast.iter_child_nodes(node)
+        node, in_function, type_only = stack.pop()
+        yield node, in_function, type_only
         inside = in_function or isinstance(node, _FUNCTION_NODES)
-        stack.extend((child, inside) for child in children)
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            stack.extend((child, inside, True) for child in node.body)
+            stack.extend((child, inside, type_only) for child in node.orelse)
+            stack.append((node.test, inside, type_only))
+        else:
+            stack.extend((child, inside, type_only) for child in ast.iter_child_nodes(node))
 
 
 def from_base(node: ast.ImportFrom, module: str, is_package: bool) -> str | None:
@@ -273,10 +305,18 @@ def _from_target(base: str, name: str, package: str, modules: Collection[str]) -
 
 
 def _collect_imports(
-    tree: ast.Module, name: str, is_package: bool, package: str, modules: Collection[str]
+    tree: ast.Module,
+    name: str,
+    is_package: bool,
+    package: str,
+    modules: Collection[str],
+    *,
+    type_only: bool = False,
 ) -> list[Import]:
+    """The imports that run (or, ``type_only``, those of ``if TYPE_CHECKING:`` blocks)."""
     found: list[Import] = []
-    for node, in_function in runtime_nodes(tree):
+    nodes = ((n, f) for n, f, t in all_nodes(tree) if t == type_only)
+    for node, in_function in nodes:
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -306,6 +346,7 @@ def module_graph(root: Path, package: str) -> dict[str, Module]:
         tree = ast.parse(source, filename=str(path))
         is_package = path.name == "__init__.py"
         imports = _collect_imports(tree, name, is_package, package, files)
+        type_imports = _collect_imports(tree, name, is_package, package, files, type_only=True)
         if name == package:
             # The package's own __init__ re-exports the Python API from a module __getattr__:
             # importing any module of the package runs the __init__ but not that function, so
@@ -318,15 +359,20 @@ def module_graph(root: Path, package: str) -> dict[str, Module]:
             n_lines=len(source.splitlines()),
             is_package=is_package,
             imports=imports,
+            type_imports=type_imports,
         )
     return modules
 
 
-def import_edges(modules: Mapping[str, Module]) -> dict[str, dict[str, int]]:
-    """module -> {imported module: first line}, between modules that exist on disk."""
+def import_edges(
+    modules: Mapping[str, Module], *, with_types: bool = False
+) -> dict[str, dict[str, int]]:
+    """module -> {imported module: first line}, between modules that exist on disk; with
+    ``with_types``, the imports of ``if TYPE_CHECKING:`` blocks too."""
     graph: dict[str, dict[str, int]] = {name: {} for name in modules}
     for name, module in modules.items():
-        for imp in module.imports:
+        imports = [*module.imports, *module.type_imports] if with_types else module.imports
+        for imp in sorted(imports, key=lambda i: i.line):
             # A module reading a name from itself (``from . import x`` in an __init__) is no
             # dependency on anything else.
             if imp.internal and imp.target in modules and imp.target != name:
@@ -419,9 +465,10 @@ def _shortest_cycle(
     return None
 
 
-def find_cycles(modules: Mapping[str, Module]) -> list[str]:
-    """For every module caught in a cycle, the shortest cycle through it (each once)."""
-    graph = import_edges(modules)
+def find_cycles(modules: Mapping[str, Module], *, with_types: bool = False) -> list[str]:
+    """For every module caught in a cycle, the shortest cycle through it (each once); with
+    ``with_types``, through type-only imports too."""
+    graph = import_edges(modules, with_types=with_types)
     seen: set[tuple[str, ...]] = set()
     found: list[str] = []
     for component in strongly_connected(graph):
@@ -883,6 +930,12 @@ def test_no_import_cycles() -> None:
     _fail_on(find_cycles(_package()), "import cycles")
 
 
+def test_no_import_cycles_through_type_only_imports() -> None:
+    # A module that names another's types under TYPE_CHECKING while that one imports it is
+    # still a cycle of design: neither can be read, or replaced, without the other.
+    _fail_on(find_cycles(_package(), with_types=True), "import cycles (type-only imports too)")
+
+
 def test_every_module_is_in_a_layer() -> None:
     _fail_on(unplaced_modules(_package(), LAYERS, PACKAGE), "modules outside the layers")
 
@@ -930,6 +983,32 @@ def test_trainer_reads_and_writes_no_files() -> None:
 
 def test_trainer_does_no_maths() -> None:
     _fail_on(call_violations(_package(), FORBIDDEN_CALLS), "maths calls outside dapo.algo")
+
+
+def whole_config_imports(
+    modules: Mapping[str, Module], prefixes: Sequence[str], package: str
+) -> list[str]:
+    """Modules of ``prefixes`` that import the name ``Config`` from ``package.config``
+    (type-only imports included)."""
+    found = []
+    for name in sorted(modules):
+        if first_cover(prefixes, name) is None:
+            continue
+        module = modules[name]
+        for node in ast.walk(module.tree):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = from_base(node, name, module.is_package) or ""
+            if covers(f"{package}.config", base) and any(a.name == "Config" for a in node.names):
+                found.append(
+                    f"{module.path}:{node.lineno}: {name} imports {base}.Config (take the "
+                    "config sections it uses instead)"
+                )
+    return found
+
+
+def test_the_step_and_below_take_config_sections() -> None:
+    _fail_on(whole_config_imports(_package(), TAKE_SECTIONS, PACKAGE), "whole-config imports")
 
 
 def test_cli_module_level_is_cheap() -> None:
@@ -1000,6 +1079,10 @@ def test_checker_ignores_type_checking_imports(tmp_path: Path) -> None:
     targets = {imp.target for imp in modules["fakepkg.a"].imports}
     assert targets == {"typing", "typing.TYPE_CHECKING", "json"}
     assert find_cycles(modules) == []
+    assert {i.target for i in modules["fakepkg.a"].type_imports} == {"fakepkg.b", "torch"}
+    assert find_cycles(modules, with_types=True) == [
+        "fakepkg/a.py:4: fakepkg.a -> fakepkg.b -> fakepkg.a"
+    ]
     assert reach_violations(modules, {"fakepkg.a": ("torch",)}) == []
 
 
@@ -1221,3 +1304,26 @@ def test_checker_places_modules_in_layers_and_finds_upward_imports(tmp_path: Pat
     ]
     assert "fakepkg/low/tool.py:1" in layer_violations(modules, layers, "fakepkg")[1]
     assert top_level_modules(tmp_path, "fakepkg") == ["loose.py", "side.py"]
+
+
+def test_checker_finds_the_whole_config_imported_below_the_loop(tmp_path: Path) -> None:
+    _write(
+        tmp_path,
+        {
+            "fakepkg/__init__.py": "",
+            "fakepkg/config.py": "class Config: ...\nclass AlgoConfig: ...\n",
+            "fakepkg/low.py": """\
+                from typing import TYPE_CHECKING
+                from fakepkg.config import AlgoConfig
+                if TYPE_CHECKING:
+                    from fakepkg.config import Config
+                """,
+            "fakepkg/ok.py": "from fakepkg.config import AlgoConfig\n",
+            "fakepkg/top.py": "from fakepkg.config import Config\n",
+        },
+    )
+    modules = module_graph(tmp_path, "fakepkg")
+    assert whole_config_imports(modules, ("fakepkg.low", "fakepkg.ok"), "fakepkg") == [
+        "fakepkg/low.py:4: fakepkg.low imports fakepkg.config.Config (take the config "
+        "sections it uses instead)"
+    ]

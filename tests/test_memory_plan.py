@@ -17,8 +17,8 @@ from dapo import cli
 from dapo.algo.logits import token_logprobs_from_hidden
 from dapo.config import load_config
 from dapo.models import policy
-from dapo.training import memory_plan, memory_table
-from dapo.training.memory_plan import (
+from dapo.training import gpu_memory, memory_table
+from dapo.training.gpu_memory import (
     PlanSettings,
     activation_bytes,
     generator_bytes,
@@ -71,7 +71,7 @@ def test_the_embedded_model_is_counted_as_policy_builds_it():
     spec = TinyModelSpec(hidden_size=64, intermediate_size=128, num_layers=3)
     model = tiny_qwen2(build_tokenizer(), spec, seed=0)
     built = sum(p.numel() for p in model.parameters())
-    assert memory_plan.model_shape(cfg).num_parameters == built
+    assert gpu_memory.model_shape(cfg).num_parameters == built
 
 
 def test_an_unknown_model_type_is_refused():
@@ -330,7 +330,7 @@ def test_the_head_model_is_what_the_chunked_head_holds(monkeypatch, weights, aut
     positions, vocab, hidden_size, chunk = 50, 20_000, 64, 10
     from dapo.algo import logits
 
-    for module in (logits, memory_plan):
+    for module in (logits, gpu_memory):
         monkeypatch.setattr(module, "HEAD_CHUNK_ELEMENTS", chunk * vocab)
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(positions, hidden_size, generator=g, dtype=weights, requires_grad=True)
@@ -353,8 +353,8 @@ def test_constants_copied_from_torch_modules_agree():
     from dapo.algo import logits
     from dapo.training import sampling
 
-    assert memory_plan.HEAD_CHUNK_ELEMENTS == logits.HEAD_CHUNK_ELEMENTS
-    assert memory_plan.MAX_OVERSAMPLE == sampling.MAX_OVERSAMPLE
+    assert gpu_memory.HEAD_CHUNK_ELEMENTS == logits.HEAD_CHUNK_ELEMENTS
+    assert gpu_memory.MAX_OVERSAMPLE == sampling.MAX_OVERSAMPLE
 
 
 def test_settings_from_a_config():
@@ -383,7 +383,7 @@ def test_settings_from_a_config():
 def test_a_model_directory_is_read_from_its_config_json(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(KNOWN_SHAPES["qwen2.5-1.5b"]))
     cfg = load_config(None, [f"model.path={tmp_path}"])
-    assert memory_plan.model_shape(cfg).num_parameters == 1_543_714_304
+    assert gpu_memory.model_shape(cfg).num_parameters == 1_543_714_304
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba"}))
     memory_table.print_plan(cfg, world_size=1, prompt_tokens=10)
     assert "memory plan: not available (model_type 'mamba'" in capsys.readouterr().out
@@ -409,7 +409,7 @@ def test_dry_run_prints_the_plan_for_the_world_size(tmp_path, capsys, monkeypatc
     assert "generation copy (tp 2: 1/2 split)" in out and "1/2 of the KV heads" in out
     assert "unsharded float32 gradients" not in out
     cfg = load_config(None, [*small, *tp])
-    shape = memory_plan.model_shape(cfg)
+    shape = gpu_memory.model_shape(cfg)
     plan = plan_memory(shape, settings_from_config(cfg, world_size=4, prompt_tokens=77))
     assert format_plan(plan) in out  # the plan of the run's config (its longest prompt: 77)
     # One process cannot generate tensor-parallel: the dry run refuses, as the run would.
@@ -424,12 +424,12 @@ def test_the_dry_run_says_what_a_newer_transformers_saves_while_decoding(
 ):
     # The demo's 4 query heads on 2 key-value heads: before 5.23 a layer's keys and values
     # are copied to every query head, which the note prices; from 5.23 there is no note.
-    monkeypatch.setattr(memory_plan, "transformers_copies_gqa", lambda: copies)
+    monkeypatch.setattr(gpu_memory, "transformers_copies_gqa", lambda: copies)
     cfg = load_config(None, ["arith.num_train=64", "arith.num_val=8"])
     memory_table.print_plan(cfg, world_size=1, prompt_tokens=20)
     out = capsys.readouterr().out
     settings = settings_from_config(cfg, world_size=1, prompt_tokens=20)
-    shape = memory_plan.model_shape(cfg)
+    shape = gpu_memory.model_shape(cfg)
     saved = (
         plan_memory(shape, replace(settings, gqa_copy=True)).decode_workspace
         - plan_memory(shape, replace(settings, gqa_copy=False)).decode_workspace
@@ -542,7 +542,7 @@ def test_a_recipes_plan_as_json_and_its_hardware_checked(tmp_path):
     # The plan of its settings on 1 GPU: 53.6 GiB training; generating, 58.4 GiB, or 65.0
     # where transformers (before 5.23) copies a layer's keys and values for 384 rows to
     # every query head (8.1 GiB beside the KV cache instead of 1.5).
-    generating = 64.98 if memory_plan.transformers_copies_gqa() else 58.42
+    generating = 64.98 if gpu_memory.transformers_copies_gqa() else 58.42
     assert (row["peak_train_gib"], row["peak_generate_gib"]) == (53.58, generating)
     bad = tmp_path / "r.yaml"
     bad.write_text("base: demo\nhardware: {gpus: 2}\n")
@@ -590,7 +590,7 @@ def test_with_generator_ranks_the_plan_is_a_trainers_and_a_generator_holds_a_who
     generator holds the policy whole in bf16, the KV cache of its rows and one bucket."""
     overrides = [f"train.async_staleness={k}", "dist.rollout_ranks=2"]
     cfg = load_config(None, [*overrides, "rollout.rows_per_generate=64"])
-    s = memory_plan.settings_from_config(cfg, world_size=8, prompt_tokens=100)
+    s = gpu_memory.settings_from_config(cfg, world_size=8, prompt_tokens=100)
     assert (s.world_size, s.generators, s.staleness) == (6, 2, k)
     s = replace(s, compute_dtype="bfloat16", param_dtype="float32")
     shape = ModelShape.from_hf_config(KNOWN_SHAPES["qwen2.5-1.5b"])

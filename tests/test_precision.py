@@ -12,7 +12,8 @@ from dapo.config import config_warnings, load_config
 from dapo.data.batch import Episode
 from dapo.data.problems import Problem
 from dapo.models.demo import TinyModelSpec, tiny_qwen2
-from dapo.training.step import build_state, train_step
+from dapo.training.state import build_state
+from dapo.training.step import train_step
 from dapo.training.update import update
 
 SPEC = TinyModelSpec(

@@ -21,11 +21,11 @@ from safetensors.torch import load_file
 
 from dapo.config import load_config
 from dapo.dist import roles, weight_sync
-from dapo.training import inputs, remote
-from dapo.training.ahead import Drawn
+from dapo.training import inputs, rollout_files
 from dapo.training.sampling import SamplingResult
+from dapo.training.sources import StepRollouts
 
-TIMED = ("perf/", "async/trainer_idle_s", "async/generator_idle_s")
+TIMED = ("perf/",)
 
 
 def _dapo(ranks: int, *args: str, out: Path, wait: bool = True):
@@ -203,8 +203,9 @@ def test_a_step_message_round_trips_its_rollouts_and_position():
     kept = Group("p1", [episode([3, 4], 1.0), episode([5], -1.0)])
     dropped = Group("p2", [episode([6, 7, 8], -1.0), episode([9], -1.0)])
     result = SamplingResult([kept], 2, 2, 1, False, generated=[kept, dropped])
-    drawn = Drawn(7, 6, result, {"gen_slots": 12.0}, 1.5, 0.25)
-    back, extra = remote.decode(remote.encode(drawn, {"sampler": {"epoch": 0, "pos": 8}}))
+    drawn = StepRollouts(7, 6, result, {"gen_slots": 12.0}, 1.5, 0.25)
+    message = rollout_files.encode(drawn, {"sampler": {"epoch": 0, "pos": 8}})
+    back, extra = rollout_files.decode(message)
     assert extra == {"sampler": {"epoch": 0, "pos": 8}}
     assert (back.step, back.version, back.timers, back.seconds, back.idle) == (
         7,

@@ -20,7 +20,8 @@ from safetensors.torch import load_file
 from dapo.config import load_config
 from dapo.models import policy
 from dapo.training import inputs
-from dapo.training.step import build_state, train_step
+from dapo.training.state import build_state
+from dapo.training.step import train_step
 
 COUNTERS = (
     "sampling/rounds",

@@ -138,7 +138,8 @@ def _case(rank: int, model_dir: Path, extra: list[str], problems) -> dict:
     """Both loads of one model on this rank, compared; the new one's reads recorded."""
     from dapo.dist import fsdp
     from dapo.models import policy, sharded_load
-    from dapo.training.step import build_state, train_step
+    from dapo.training.state import build_state
+    from dapo.training.step import train_step
 
     cfg = _config(model_dir, *extra)
     torch.manual_seed(0)
@@ -376,7 +377,7 @@ def _one_gpu_rank(rank: int, port: int, model_dir: Path, out: Path) -> None:
     from dapo import dist
     from dapo.models import policy
     from dapo.reward.tasks import arith
-    from dapo.training.step import build_state
+    from dapo.training.state import build_state
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)

@@ -9,8 +9,11 @@ from dapo.data.problems import Problem
 from dapo.run.seeding import derive_seed
 from dapo.training import step as trainer
 from dapo.training.old_logprobs import fill_logprobs, set_old_logprobs
+from dapo.training.rounds import sample_round, shape_group
 from dapo.training.sampling import Group
-from dapo.training.step import assign_advantages, build_state, lr_at, shape_group
+from dapo.training.sources import InTurn
+from dapo.training.state import build_state
+from dapo.training.step import assign_advantages, lr_at
 from dapo.training.update import accumulate_gradients, update
 
 
@@ -30,17 +33,21 @@ def _cfg(*overrides: str):
     return load_config(None, ["rollout.max_new_tokens=20", "algo.l_cache=4", *overrides])
 
 
+def _shape(episodes, cfg) -> None:
+    shape_group(episodes, cfg.algo, l_max=cfg.rollout.max_new_tokens)
+
+
 def test_soft_overlong_punishment_adds_to_the_correctness_reward():
     # l_max 20, l_cache 4: free up to 16, then -1/4 per token, -1 at 20.
     eps = [_episode(16), _episode(17), _episode(18, correct=False), _episode(20, truncated=True)]
-    shape_group(eps, _cfg())
+    _shape(eps, _cfg())
     assert [e.reward for e in eps] == [1.0, 0.75, -1.5, 0.0]
     assert all(e.trainable for e in eps)
 
 
 def test_overlong_filter_masks_truncated_responses_only():
     eps = [_episode(20, truncated=True), _episode(19, correct=False)]
-    shape_group(eps, _cfg("algo.overlong_shaping=false", "algo.overlong_filter=true"))
+    _shape(eps, _cfg("algo.overlong_shaping=false", "algo.overlong_filter=true"))
     assert [e.trainable for e in eps] == [False, True]
     assert [e.reward for e in eps] == [1.0, -1.0]  # filtered, not punished
     assert [e.num_loss_tokens for e in eps] == [0, 19]
@@ -51,7 +58,7 @@ def test_overlong_filter_masks_truncated_responses_only():
 
 def test_naive_baseline_scores_truncation_minus_one():
     eps = [_episode(20, truncated=True, correct=True), _episode(18)]
-    shape_group(eps, _cfg("run.preset=grpo"))
+    _shape(eps, _cfg("run.preset=grpo"))
     assert [e.reward for e in eps] == [-1.0, 1.0]
     # A truncated response is wrong too: a group is kept or dropped on the reward it gets.
     assert [e.correct for e in eps] == [False, True]
@@ -86,7 +93,7 @@ def _grads_after_accumulation(tiny_model, tokenizer, episodes, *overrides):
         episodes,
         num_tokens=sum(e.num_loss_tokens for e in episodes),
         num_seqs=len(episodes),
-    )
+    ).read()
     return [p.grad.clone() for p in tiny_model.parameters()], sums
 
 
@@ -115,7 +122,7 @@ def test_gradient_is_independent_of_the_microbatch_split(tiny_model, tokenizer, 
 
 def test_lr_warms_up_linearly_over_rollout_steps():
     cfg = load_config(None, ["optim.lr=1e-3", "optim.warmup_steps=4"])
-    assert [lr_at(cfg, s) for s in range(6)] == pytest.approx(
+    assert [lr_at(cfg.optim, s) for s in range(6)] == pytest.approx(
         [2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3]
     )
 
@@ -218,7 +225,7 @@ def test_a_problems_samples_do_not_depend_on_the_calls_or_the_other_problems(tin
         cfg = _cfg("rollout.group_size=2", *overrides)
         state = build_state(cfg, tiny_model, tokenizer, problems)
         chosen = [problems[i] for i in which]
-        samples = trainer.sample_round(state, chosen, seeds=[seeds[i] for i in which])
+        samples = sample_round(InTurn.drawer(state), chosen, seeds=[seeds[i] for i in which])
         return [x.text for x in samples], state.timers
 
     whole, _ = texts()
@@ -301,7 +308,7 @@ def test_the_run_settings_reach_rollout(tiny_model, tokenizer):
         return real_generate(batch, **kwargs)
 
     state.engine.generate = recording
-    trainer.sample_round(state, problems, seeds=[1, 2])
+    sample_round(InTurn.drawer(state), problems, seeds=[1, 2])
     assert prompts and all(p.startswith("System: Be brief.\nUser: ") for p in prompts)
 
 

@@ -129,6 +129,30 @@ def test_cispo_has_the_clipped_losss_gradient_where_no_clip_is_active():
         torch.testing.assert_close(grads[0], grads[1])
 
 
+def test_a_loss_variant_is_one_registered_function(monkeypatch):
+    """policy_loss composes the registered ratio, objective and aggregation by name: a new
+    objective (here the plain policy gradient, J = Â logp) is one function and one line."""
+    from dapo.algo import variants
+
+    def vanilla_pg(ratio_BT, adv_BT, logprobs, mask, *, eps_low, eps_high, clip_ratio_c):
+        return adv_BT * torch.where(mask, logprobs, torch.zeros_like(logprobs)), None
+
+    monkeypatch.setitem(variants.OBJECTIVES, "vanilla_pg", vanilla_pg)
+    logp = torch.tensor([[-1.0, -2.0], [-0.5, 0.0]], requires_grad=True)
+    mask = torch.tensor([[True, True], [True, False]])
+    adv = torch.tensor([1.0, -2.0])
+    loss = algo.policy_loss(
+        logp, logp.detach() - 1.0, adv, mask, eps_low=0.2, eps_high=0.28, loss_fn="vanilla_pg"
+    )
+    loss.backward()
+    # -(1 * -1 + 1 * -2 + -2 * -0.5) / 3 masked tokens; d/dlogp = -Â / 3 where masked.
+    assert loss.item() == pytest.approx(2 / 3)
+    torch.testing.assert_close(logp.grad, torch.tensor([[-1 / 3, -1 / 3], [2 / 3, 0.0]]))
+    assert set(variants.RATIOS) == set(algo.RATIO_LEVELS)
+    assert set(variants.AGGREGATIONS) == set(algo.AGG_MODES)
+    assert tuple(variants.OBJECTIVES)[: len(algo.LOSS_FNS)] == algo.LOSS_FNS
+
+
 def test_variant_names_are_checked():
     with pytest.raises(ValueError, match="ratio_level must be one of"):
         loss_and_grad(ratio_level="group")

@@ -8,8 +8,8 @@ Every technique lives here once (Yu et al., 2025, arXiv 2503.14476; see the spec
 - Clip-Higher, decoupled eps_low / eps_high (§3.1)    -> ``losses.policy_loss``
 - token-level policy-gradient loss (§3.3)             -> ``losses.aggregate`` / ``policy_loss``
   (and Dr. GRPO's constant normaliser, ``seq-mean-token-sum-norm``)
-- GSPO's sequence-level ratio, CISPO's clipped weight -> ``losses.policy_loss``
-  (``ratio_level``, ``loss_fn``)
+- the loss variants by name: ratios (per token, GSPO's per response), objectives (the
+  clipped surrogate with dual-clip, CISPO's clipped weight), aggregations -> ``variants``
 - soft overlong punishment (§3.4)                     -> ``shaping.overlong_penalty``
 - overlong filtering, hard -1 baseline (ablation)     -> ``shaping.shape_rewards``
 - rollout correction (TIS / MIS) of an engine's log-probs -> ``correction.rollout_correction``
@@ -45,12 +45,16 @@ from dapo.algo.logits import (
 )
 from dapo.algo.losses import AGG_MODES, LOSS_FNS, RATIO_LEVELS, aggregate, kl_k3, policy_loss
 from dapo.algo.shaping import overlong_penalty, shape_rewards
+from dapo.algo.variants import AGGREGATIONS, OBJECTIVES, RATIOS
 
 __all__ = [
     "ADV_NORMS",
+    "AGGREGATIONS",
     "AGG_MODES",
     "CORRECTION_MODES",
     "LOSS_FNS",
+    "OBJECTIVES",
+    "RATIOS",
     "RATIO_LEVELS",
     "aggregate",
     "entropy_from_logits",

@@ -91,18 +91,31 @@ def token_logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> to
 
 
 def token_sums(
-    entropy_BT: torch.Tensor, old_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor
+    entropy_BT: torch.Tensor,
+    old_logprobs_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    index_N: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Sums over the tokens of ``mask_BT``: the policy's entropy, and the probability the
     sampling policy gave each token (divided by the token count, the paper's entropy and
     mean-probability curves).
 
+    ``index_N``: the flat (row-major) positions of ``mask_BT``'s tokens, when the caller knows
+    them. Selecting by a bool mask sizes its output by the data (a ``nonzero``, which on a GPU
+    waits for every queued kernel); selecting by known positions does not, and sums the same
+    values in the same order.
+
     Returns:
         ``{"entropy_sum": 0-d, "prob_sum": 0-d}``.
     """
+    if index_N is None:
+        return {
+            "entropy_sum": entropy_BT[mask_BT].sum(),
+            "prob_sum": old_logprobs_BT.exp()[mask_BT].sum(),
+        }
     return {
-        "entropy_sum": entropy_BT[mask_BT].sum(),
-        "prob_sum": old_logprobs_BT.exp()[mask_BT].sum(),
+        "entropy_sum": entropy_BT.flatten()[index_N].sum(),
+        "prob_sum": old_logprobs_BT.exp().flatten()[index_N].sum(),
     }
 
 

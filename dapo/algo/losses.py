@@ -7,13 +7,14 @@ the token count of the whole mini-batch, passed in). Shape suffixes: see :mod:`d
 import torch
 
 from dapo.algo.logits import stats_dtype
+from dapo.algo.variants import AGGREGATIONS, OBJECTIVES, RATIOS, lookup
 
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGG_MODES = tuple(AGGREGATIONS)
 """Loss aggregations: DAPO's token-level mean (§3.3), GRPO's sample-level mean, and Dr. GRPO's
 sum over each response divided by a constant (the generation budget L_max)."""
-RATIO_LEVELS = ("token", "sequence")
+RATIO_LEVELS = tuple(RATIOS)
 """The importance ratio per token (PPO, GRPO, DAPO) or per response (GSPO)."""
-LOSS_FNS = ("clip", "cispo")
+LOSS_FNS = tuple(OBJECTIVES)
 """The clipped surrogate (PPO, DAPO) or CISPO's clipped, stop-gradient weight on log pi."""
 
 # exp() of a log-ratio beyond +-20 (a ratio of ~5e8 or ~2e-9) only happens on a
@@ -79,8 +80,7 @@ def aggregate(
     Returns:
         0-d tensor.
     """
-    if agg not in AGG_MODES:
-        raise ValueError(f"agg must be one of {AGG_MODES}, got {agg!r}")
+    reduce = lookup(AGGREGATIONS, agg, "agg")
     if mask.dtype != torch.bool:
         raise ValueError(f"mask must be a bool tensor, got {mask.dtype}")
     if values.ndim != 2 or values.shape != mask.shape:
@@ -92,23 +92,8 @@ def aggregate(
         # A tensor count is not checked: reading it would force a device sync.
         if isinstance(count, int | float) and count <= 0:
             raise ValueError(f"{name} must be > 0, got {count}")
-
     masked_BT = torch.where(mask, values, torch.zeros_like(values))
-    if agg == "token-mean":
-        if num_tokens is None:
-            num_tokens = mask.sum().clamp(min=1)
-        # DAPO §3.3: divide by Σ|o_i| of the whole mini-batch, not of this micro-batch.
-        return masked_BT.sum() / num_tokens
-
-    if num_seqs is None:
-        num_seqs = max(values.shape[0], 1)
-    if agg == "seq-mean-token-sum-norm":
-        if norm_len is None or not norm_len > 0:
-            raise ValueError(f"agg={agg!r} needs norm_len > 0 (L_max), got {norm_len}")
-        return (masked_BT.sum(dim=-1) / norm_len).sum() / num_seqs
-    num_tokens_B = mask.sum(dim=-1)
-    seq_mean_B = masked_BT.sum(dim=-1) / num_tokens_B.clamp(min=1)
-    return seq_mean_B.sum() / num_seqs
+    return reduce(masked_BT, mask, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
 
 
 def policy_loss(
@@ -135,7 +120,9 @@ def policy_loss(
         J_{i,t}   = min(r_{i,t} Â_{i,t}, clip(r_{i,t}, 1 - eps_low, 1 + eps_high) Â_{i,t})
         loss_{i,t} = -J_{i,t}
 
-    reduced by ``aggregate`` (token-level mean for DAPO, §3.3; pass ``num_tokens``
+    The ratio, the objective and the aggregation are looked up by name
+    (``ratio_level``, ``loss_fn``, ``agg``) in :mod:`dapo.algo.variants`, reduced by
+    ``aggregate`` (token-level mean for DAPO, §3.3; pass ``num_tokens``
     = the whole mini-batch's token count when accumulating micro-batches or
     ranks). Clip-Higher (§3.1) is ``eps_high > eps_low`` (paper 0.2 / 0.28); plain
     PPO/GRPO is ``eps_high == eps_low``. Where a clip is active the token's
@@ -203,23 +190,22 @@ def policy_loss(
         ``clip_high_prob_mean`` by ``num_clip_high``.
     """
     adv_BT = _checked(logprobs, old_logprobs, advantages, mask, eps_low, eps_high, clip_ratio_c)
-    if ratio_level not in RATIO_LEVELS or loss_fn not in LOSS_FNS:
+    if ratio_level not in RATIOS or loss_fn not in OBJECTIVES:
         raise ValueError(
             f"ratio_level must be one of {RATIO_LEVELS} and loss_fn one of {LOSS_FNS}, got "
             f"{ratio_level!r} and {loss_fn!r}"
         )
-    zero_BT = torch.zeros_like(logprobs)
-    ratio_BT = torch.exp(_log_ratio(logprobs, old_logprobs, mask, ratio_level))
-    clipped_ratio_BT = ratio_BT.clamp(1.0 - eps_low, 1.0 + eps_high)
-    if loss_fn == "cispo":
-        logp_BT = torch.where(mask, logprobs, zero_BT)
-        objective_BT = clipped_ratio_BT.detach() * adv_BT * logp_BT
-    else:
-        objective_BT = torch.minimum(ratio_BT * adv_BT, clipped_ratio_BT * adv_BT)
-    dual_BT = None
-    if clip_ratio_c > 0 and loss_fn == "clip":
-        dual_BT = (adv_BT < 0) & (objective_BT < clip_ratio_c * adv_BT)
-        objective_BT = torch.where(dual_BT, clip_ratio_c * adv_BT, objective_BT)
+    log_ratio_BT = RATIOS[ratio_level](logprobs, old_logprobs, mask)
+    ratio_BT = torch.exp(log_ratio_BT.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    objective_BT, dual_BT = OBJECTIVES[loss_fn](
+        ratio_BT,
+        adv_BT,
+        logprobs,
+        mask,
+        eps_low=eps_low,
+        eps_high=eps_high,
+        clip_ratio_c=clip_ratio_c,
+    )
     if weights is not None:
         if weights.shape != mask.shape:
             raise ValueError(
@@ -237,20 +223,6 @@ def policy_loss(
     num_dual = (mask & dual_BT).sum() if dual_BT is not None else mask.new_zeros(())
     stats["dual_clip_frac"] = num_dual.to(dtype) / stats["num_tokens"].clamp(min=1)
     return loss, stats
-
-
-def _log_ratio(logprobs, old_logprobs, mask, ratio_level: str) -> torch.Tensor:
-    """log r per token, or GSPO's sg(log s_i) + logp - sg(logp); 0 at padding, clamped."""
-    # where() first, so exp() never sees -inf - -inf = NaN at padding and no NaN can
-    # flow back through the unselected branch.
-    zero_BT = torch.zeros_like(logprobs)
-    log_ratio_BT = torch.where(mask, logprobs - old_logprobs, zero_BT)
-    if ratio_level == "sequence":
-        lengths_B1 = mask.sum(dim=-1, keepdim=True).clamp(min=1)
-        seq_B1 = log_ratio_BT.sum(dim=-1, keepdim=True) / lengths_B1
-        logp_BT = torch.where(mask, logprobs, zero_BT)
-        log_ratio_BT = torch.where(mask, seq_B1.detach() + logp_BT - logp_BT.detach(), zero_BT)
-    return log_ratio_BT.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
 def _checked(logprobs, old_logprobs, advantages, mask, eps_low, eps_high, clip_ratio_c):

@@ -8,6 +8,7 @@ reward function, the tokenizer and the context length. Then the run directory is
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -159,28 +160,30 @@ def _run_rank(
 def _generate(cfg: Config, reward_fn: Callable[..., Any] | None) -> None:
     """A generator rank (``dist.rollout_ranks``): the trainers' checks, the policy loaded
     whole once trainer rank 0 has built (or cached) it, then steps drawn until the trainers
-    stop it (:mod:`dapo.training.remote`). It writes nothing."""
+    stop it (:mod:`dapo.training.generator_ranks`). It writes nothing."""
     import torch
 
     from dapo import dist
     from dapo.models import policy
-    from dapo.training.remote import run_generator
+    from dapo.training.generator_ranks import generate_on_this_rank
 
-    data, tokenizer, _ = _checked_inputs(cfg, reward_fn, dist.job_size())
+    cfg, data, tokenizer, _ = _checked_inputs(cfg, reward_fn, dist.job_size())
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     torch.manual_seed(cfg.train.seed)
     dist.wait_for_all(everyone=True)
     model, tokenizer = policy.load_policy(cfg, data.warmup_pairs, tokenizer, log=lambda _: None)
-    run_generator(cfg, model, tokenizer, data.train, reward_fn)
+    generate_on_this_rank(cfg, model, tokenizer, data.train, reward_fn)
 
 
 def _checked_inputs(
     cfg: Config, reward_fn: Callable[..., Any] | None, world_size: int
-) -> tuple[RunData, Any, dict[str, float]]:
+) -> tuple[Config, RunData, Any, dict[str, float]]:
     """The device, model path, tensor-parallel size, optional packages, data, verifiers,
     tokenizer and context, checked: everything but the run directory, before anything on
-    disk changes."""
+    disk changes. The config comes back settled (the reward function's spec and digest,
+    ``eval.num_samples`` from the data when 0) as a new object: nothing writes into a config
+    after its checks, ``cfg`` included."""
     from dapo.models import policy
     from dapo.training import inputs
 
@@ -195,14 +198,17 @@ def _checked_inputs(
         from dapo.rollout.vllm_engine import INSTALL_HINT
 
         raise ValueError(INSTALL_HINT)
-    for warning in inputs.check_reward_function(cfg, reward_fn):
+    reward, warnings = inputs.check_reward_function(cfg, reward_fn)
+    for warning in warnings:
         print(f"dapo: warning: {warning}", file=sys.stderr)
     data = inputs.load_run_data(cfg)
-    if cfg.eval.num_samples == 0:
-        cfg.eval.num_samples = data.val_copies
+    samples = cfg.eval.num_samples or data.val_copies
+    cfg = dataclasses.replace(
+        cfg, reward=reward, eval=dataclasses.replace(cfg.eval, num_samples=samples)
+    )
     inputs.check_verifiers(cfg, data)
     tokenizer = policy.load_tokenizer(cfg)
-    return data, tokenizer, inputs.check_context(cfg, data, tokenizer)
+    return cfg, data, tokenizer, inputs.check_context(cfg, data, tokenizer)
 
 
 def _train(
@@ -225,7 +231,7 @@ def _train(
     from dapo.training.loop import fit
 
     ranks = (world_size or int(os.environ.get("WORLD_SIZE", "1"))) if dry_run else dist.job_size()
-    data, tokenizer, lengths = _checked_inputs(cfg, reward_fn, ranks)
+    cfg, data, tokenizer, lengths = _checked_inputs(cfg, reward_fn, ranks)
     if dry_run:
         if dist.is_main():
             _checked_run_dir(cfg, resume_dir, overwrite)

@@ -31,7 +31,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from dapo.config import load_config
-    from dapo.training.bench import run_bench
+    from dapo.training.bench import bench_steps
 
     if args.steps < 1 or args.warmup < 0:
         raise ValueError("--steps must be >= 1 and --warmup >= 0")
@@ -39,7 +39,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     fixed = ["rollout.ignore_eos=true", "sampling.dynamic=false"] if args.fixed_length else []
     cfg = load_config(args.config, list(args.overrides) + fixed)
     log = lambda m: print(m, file=sys.stderr)  # noqa: E731 - stdout is the JSON only
-    items = list(run_bench(cfg, steps=args.steps, warmup=args.warmup, log=log).items())
+    items = list(bench_steps(cfg, steps=args.steps, warmup=args.warmup, log=log).items())
     # The setting first, then what was measured under it: fixed_length before the machine.
     at = [key for key, _ in items].index("threads")
     items.insert(at, ("fixed_length", args.fixed_length))

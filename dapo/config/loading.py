@@ -230,6 +230,15 @@ def _choice_errors(name: str, section: Any) -> list[str]:
     return errors
 
 
+def _preset_errors(run: Any) -> list[str]:
+    errors = []
+    if run.preset not in presets.ALGORITHMS:
+        errors.append(f"run.preset must be one of {tuple(presets.ALGORITHMS)}")
+    if run.base not in presets.BASES:
+        errors.append(f"run.base must be one of {tuple(presets.BASES)}")
+    return errors
+
+
 def validate(cfg: Config) -> None:
     """Reject values that cannot work, all at once, naming each field and what is allowed:
     each section's own checks, then the rules that span sections."""
@@ -237,6 +246,8 @@ def validate(cfg: Config) -> None:
     for f in dataclasses.fields(cfg):
         section = getattr(cfg, f.name)
         errors += _choice_errors(f.name, section) + section.check()
+        if f.name == "run":  # names of the presets (which set fields of every section)
+            errors += _preset_errors(section)
     a, r, m = cfg.algo, cfg.rollout, cfg.model
     if a.overlong_shaping and not 0 < a.l_cache <= r.max_new_tokens:
         errors.append(

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from dapo.config import Config
+    from dapo.config.sections import Config
 
 
 def paper(cfg: Config) -> Config:

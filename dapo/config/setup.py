@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from dapo.config import presets
 from dapo.reward import custom, tasks
 
 
@@ -196,7 +195,7 @@ class DistConfig:
     the trainer ranks): generation overlaps training, with ``train.async_staleness`` = k
     bounding how old the generating weights are (0: the two roles take turns). Weights go from
     the trainers to the generators after each update, in buckets. 0 = every rank generates and
-    trains (``dapo/training/remote.py``)."""
+    trains (``dapo/training/generator_ranks.py``)."""
     wait_timeout_s: float = 7200.0
     """Seconds the other ranks wait while rank 0 alone builds, loads or saves the whole model
     (a 32B model takes longer than timeout_s to load or write), or while one rank still
@@ -283,10 +282,7 @@ class RunConfig:
 
     def check(self) -> list[str]:
         errors = []
-        if self.preset not in presets.ALGORITHMS:
-            errors.append(f"run.preset must be one of {tuple(presets.ALGORITHMS)}")
-        if self.base not in presets.BASES:
-            errors.append(f"run.base must be one of {tuple(presets.BASES)}")
+        # run.preset and run.base name presets: dapo.config.loading.validate checks them.
         if self.threads < 0:
             errors.append("run.threads must be >= 0 (0 = torch's default)")
         if self.name in (".", "..") or "/" in self.name or "\\" in self.name:

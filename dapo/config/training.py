@@ -192,7 +192,7 @@ class TrainConfig:
     updates old (step t samples from the policy after update max(0, t - k)); pi_old is
     recomputed and ``algo.rollout_correction`` (auto: token_tis) weighs the older sampler.
     0 = generation and training take turns (the paper's loop). One process, native engine
-    (``dapo/training/ahead.py``)."""
+    (``dapo/training/generator_thread.py``)."""
     save_every: int = 20
     """Checkpoint every this many steps, and always after the last; 0 = only after the last."""
     keep_checkpoints: int = 3

@@ -81,9 +81,26 @@ class Batch:
     old_logprobs_BT: torch.Tensor | None = None
     ref_logprobs_BT: torch.Tensor | None = None
     loss_weights_BT: torch.Tensor | None = None
+    prompt_ids_NP: torch.Tensor | None = None
+    """The N distinct padded prompts (rows of ``prompt_ids_BP``), in sorted order; with
+    ``prompt_mask_NP`` and ``prompt_index_B`` (row b's prompt), found on the host by
+    :func:`collate`, so that a shared-prompt pass on the device never waits for a
+    ``torch.unique`` there (its output size is a device-to-host read)."""
+    prompt_mask_NP: torch.Tensor | None = None
+    prompt_index_B: torch.Tensor | None = None
+    loss_index_N: torch.Tensor | None = None
+    """The flat (row-major) positions of ``loss_mask_BT``'s tokens, found on the host: on the
+    device, selecting by them never waits for a ``nonzero`` there."""
 
     def to(self, device: torch.device | str) -> Batch:
         return Batch(**{k: None if v is None else v.to(device) for k, v in vars(self).items()})
+
+    @property
+    def distinct_prompts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(ids [N, P], mask [N, P], row -> index [B]) when :func:`collate` found them."""
+        if self.prompt_index_B is None:
+            return None
+        return self.prompt_ids_NP, self.prompt_mask_NP, self.prompt_index_B
 
 
 def collate(episodes: Sequence[Episode], *, pad_id: int) -> Batch:
@@ -102,16 +119,24 @@ def collate(episodes: Sequence[Episode], *, pad_id: int) -> Batch:
         response_ids[i, :t] = e.response_ids
         response_mask[i, :t] = True
     trainable = torch.tensor([e.trainable for e in episodes], dtype=torch.bool)
+    loss_mask = response_mask & trainable[:, None]
+    rows_NP, index_B = torch.unique(
+        torch.cat([prompt_ids, prompt_mask], dim=1), dim=0, return_inverse=True
+    )
     return Batch(
         prompt_ids_BP=prompt_ids,
         prompt_mask_BP=prompt_mask,
         response_ids_BT=response_ids,
         response_mask_BT=response_mask,
-        loss_mask_BT=response_mask & trainable[:, None],
+        loss_mask_BT=loss_mask,
         advantages_B=torch.tensor([e.advantage for e in episodes], dtype=torch.float32),
         old_logprobs_BT=_pad_rows([e.old_logprobs for e in episodes], width_t),
         ref_logprobs_BT=_pad_rows([e.ref_logprobs for e in episodes], width_t),
         loss_weights_BT=_pad_rows([e.loss_weights for e in episodes], width_t),
+        prompt_ids_NP=rows_NP[:, :width_p],
+        prompt_mask_NP=rows_NP[:, width_p:],
+        prompt_index_B=index_B,
+        loss_index_N=loss_mask.flatten().nonzero().squeeze(1),
     )
 
 
@@ -137,16 +162,27 @@ def length_sorted(episodes: Sequence[Episode], indices: Iterable[int]) -> list[i
 
     A prompt's rows stay together, so that a micro-batch holds whole groups where it can
     (their prompt then runs once, see ``response_logprobs``), and greedy micro-batching of
-    this order pads little. Python's sort is stable: the order is a function of the input.
+    this order pads little. Prompts of equal longest rows go in the order of their token
+    sequences (compared as tuples); Python's sort is stable: the order is a function of the
+    input. The prompts are ranked by one ``torch.unique`` over their rows, right-padded with
+    -1 (below every token id, so a prefix sorts first, as a shorter tuple does): one read of
+    host memory for all of them, not one per episode.
     """
     indices = list(indices)
-    prompt_of = {i: tuple(episodes[i].prompt_ids.tolist()) for i in indices}
-    longest: dict[tuple[int, ...], int] = {}
+    if not indices:
+        return []
+    width = max(episodes[i].prompt_ids.numel() for i in indices)
+    rows = torch.full((len(indices), width), -1, dtype=torch.long)
+    for row, i in enumerate(indices):
+        rows[row, : episodes[i].prompt_ids.numel()] = episodes[i].prompt_ids
+    _, rank_of_row = torch.unique(rows, dim=0, return_inverse=True)
+    prompt_of = dict(zip(indices, rank_of_row.tolist(), strict=True))
+    longest: dict[int, int] = {}
     for i in indices:
         total = episodes[i].prompt_ids.numel() + episodes[i].length
         longest[prompt_of[i]] = max(longest.get(prompt_of[i], 0), total)
 
-    def key(i: int) -> tuple[int, tuple[int, ...], int]:
+    def key(i: int) -> tuple[int, int, int]:
         return (-longest[prompt_of[i]], prompt_of[i], -episodes[i].length)
 
     return sorted(indices, key=key)

@@ -213,6 +213,17 @@ def sum_dict(values: dict[str, float]) -> dict[str, float]:
     return dict(zip(values, _reduce(list(values.values()), torch_dist.ReduceOp.SUM), strict=True))
 
 
+def sum_tensor(values: torch.Tensor) -> torch.Tensor:
+    """``values`` summed over every rank, elementwise, where it is (``values`` itself in one
+    process): metric sums kept on the compute device are reduced there, with no read back to
+    the host. Float64 sums of counts are exact below 2**53, as :func:`all_reduce_sum`'s."""
+    if not active():
+        return values
+    t = values.to(_device(), copy=True)
+    torch_dist.all_reduce(t, op=torch_dist.ReduceOp.SUM, group=_group)
+    return t.to(values.device)
+
+
 def any_rank(flag: bool) -> bool:
     """Whether ``flag`` is true on any rank: a stop signal seen by one rank stops all."""
     return bool(all_reduce_max(int(flag)))

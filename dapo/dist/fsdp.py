@@ -160,13 +160,14 @@ def whole_state(
         yield name, whole.detach().to(dtype)
 
 
-def clip_grad_norm(parameters, max_norm: float) -> float:
+def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
     """``clip_grad_norm_`` over parameters that may be shards: the norm of the whole gradient,
-    the same on every rank."""
+    the same on every rank, as a 0-d tensor on the gradients' device (not read back: the
+    caller reads it with the mini-batch's metrics)."""
     norm = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm)
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
-    return float(norm)
+    return norm
 
 
 def all_finite(model: torch.nn.Module) -> bool:

@@ -6,7 +6,7 @@ that the code of either side runs as it does without roles: the trainers shard t
 (FSDP over their group), decide, save and evaluate among themselves, rank 0 writing the run's
 files; the generators split each round's prompts among themselves as ranks always have.
 
-The roles meet in two places only (:mod:`dapo.training.remote`), through this module:
+The roles meet in two places only (:mod:`dapo.training.generator_ranks`), through this module:
 
 - the **weights** go from trainer rank 0 to every generator by broadcasts in the sync group
   (trainer rank 0 and the generators), in buckets (:mod:`dapo.dist.weight_sync`);

@@ -55,12 +55,12 @@ def evaluate(
     process would draw.
     """
     k = num_samples
-    mine = _share(len(problems), tp_mesh)
+    share = _share(len(problems), tp_mesh)
     records = sample_records(
         engine,
         tokenizer,
-        problems[mine.start : mine.stop],
-        first_index=mine.start,
+        problems[share.start : share.stop],
+        first_index=share.start,
         k=k,
         temperature=temperature,
         top_p=top_p,
@@ -77,7 +77,7 @@ def evaluate(
     )
     per_problem, everyone = _exchange(records, k, tp_mesh)
     if records_out is not None:
-        records_out[:] = everyone[: mine.start] + records + everyone[mine.stop :]
+        records_out[:] = everyone[: share.start] + records + everyone[share.stop :]
     summary = summarize(per_problem, resamples=resamples, seed=seed % 2**32)
     acc = summary["avg@k"]
     return {
@@ -110,12 +110,12 @@ def _exchange(records: list[dict], k: int, tp_mesh: Any = None) -> tuple[list[di
     k = 32 and 20k-token responses those are tens of MB a rank)."""
     metrics = [record_metrics(r, ks=[k]) for r in records]
     light = [{key: v for key, v in r.items() if key != "responses"} for r in records]
-    mine = list(zip(metrics, light, strict=True))
+    contribution = list(zip(metrics, light, strict=True))
     if tp_mesh is not None:
         from dapo.dist import tensor_parallel
 
-        mine = tensor_parallel.group_contribution(mine, tp_mesh)
-    gathered = dist.gather_lists(mine, patient=True)
+        contribution = tensor_parallel.group_contribution(contribution, tp_mesh)
+    gathered = dist.gather_lists(contribution, patient=True)
     return [m for m, _ in gathered], [r for _, r in gathered]
 
 

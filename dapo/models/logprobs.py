@@ -97,6 +97,7 @@ def response_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     share_prompts: bool = True,
+    prompts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(o_t | q, o_<t) for every response token, and optionally the entropy there.
 
@@ -108,7 +109,10 @@ def response_logprobs(
     pass of it: the distinct prompts run once, their KV cache is indexed out to every row, and
     the responses run on top. Gradients flow back through the cache (its indexing sums them
     over a group's rows), so values and gradients are those of the full forward, up to float
-    rounding (tested); a group's prompt is computed once instead of G times.
+    rounding (tested); a group's prompt is computed once instead of G times. ``prompts``: the
+    distinct prompts as :func:`distinct_prompts` gives them, found on the host beforehand
+    (:func:`dapo.data.batch.collate`); without them they are found here, on the device,
+    where the size of ``torch.unique``'s output is a read back to the host.
 
     A model sharded by FSDP runs all of this inside its own forward (:func:`fsdp.within_forward`),
     where its hooks have gathered the head: the chunked head and the shared prompt work there
@@ -116,6 +120,7 @@ def response_logprobs(
     """
     args = (prompt_ids_BP, prompt_mask_BP, response_ids_BT, response_mask_BT)
     options = dict(temperature=temperature, with_entropy=with_entropy, share_prompts=share_prompts)
+    options["prompts"] = prompts
     if fsdp.is_sharded(model):
         return fsdp.within_forward(model, lambda fwd: _owned(_logprobs(fwd, *args, **options)))
     return _logprobs(model, *args, **options)
@@ -137,13 +142,16 @@ def _logprobs(
     temperature: float,
     with_entropy: bool,
     share_prompts: bool,
+    prompts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`response_logprobs` of ``model``: the module, or its forward inside FSDP's hooks."""
     module = getattr(model, "__self__", model)
     head = output_head(module)
     args = (model, head, prompt_ids_BP, prompt_mask_BP, response_ids_BT, response_mask_BT)
     sharded = fsdp.is_sharded(module)
-    shared = _shared_prompt_pass(*args[:4], sharded=sharded) if share_prompts else None
+    shared = None
+    if share_prompts:
+        shared = _shared_prompt_pass(*args[:4], sharded=sharded, prompts=prompts)
     if shared is None:  # no prompt repeats, or a cache that cannot be sliced by row
         return _full_forward(*args, temperature=temperature, with_entropy=with_entropy)
     prompt_states_N1X, cache, inverse_B = shared
@@ -172,7 +180,9 @@ def _logprobs(
     return torch.cat([first[0], rest[0]], dim=1), entropy_BT
 
 
-def _shared_prompt_pass(model, head, prompt_ids_BP, prompt_mask_BP, *, sharded: bool = False):
+def _shared_prompt_pass(
+    model, head, prompt_ids_BP, prompt_mask_BP, *, sharded: bool = False, prompts=None
+):
     """The distinct prompts' last states [N, 1, X], their KV cache and each row's prompt
     index, or None when no prompt repeats or the cache cannot be indexed by row. The cache's
     layers are then :func:`prompt_cache.recorded`: a layer recomputed in backward (activation
@@ -182,7 +192,7 @@ def _shared_prompt_pass(model, head, prompt_ids_BP, prompt_mask_BP, *, sharded: 
     ranks share prompts where any of them has one that repeats (one scalar all-reduce). Not
     everywhere: FSDP2 reduce-scatters a layer's gradient after the backward of each call, so
     the two passes cost two reduce-scatters where gradients are synchronised."""
-    ids_NP, mask_NP, inverse_B = distinct_prompts(prompt_ids_BP, prompt_mask_BP)
+    ids_NP, mask_NP, inverse_B = prompts or distinct_prompts(prompt_ids_BP, prompt_mask_BP)
     repeats = ids_NP.shape[0] < prompt_ids_BP.shape[0]
     if not (dist.any_rank(repeats) if sharded else repeats):
         return None
@@ -298,17 +308,20 @@ def batch_logprobs(
         temperature=temperature,
         with_entropy=with_entropy,
         share_prompts=share_prompts,
+        prompts=batch.distinct_prompts,
     )
 
 
-def forward_slots(b: Batch, *, shared: bool) -> tuple[float, float]:
-    """(padded, real) token positions a micro-batch's forward pass computes; a shared prompt
-    counts once."""
+def forward_slots(b: Batch, *, shared: bool) -> tuple[float, torch.Tensor]:
+    """(padded, real) token positions a micro-batch's forward pass computes, a shared prompt
+    counted once: the padded count a number, the real one a 0-d tensor where ``b`` is (not
+    read back: the caller sums it on the device)."""
     prompts = b.prompt_mask_BP  # [B, P], or [N, P] over the N distinct prompts when shared
     if shared:
-        _, prompts, _ = distinct_prompts(b.prompt_ids_BP, b.prompt_mask_BP)
+        found = b.distinct_prompts or distinct_prompts(b.prompt_ids_BP, b.prompt_mask_BP)
+        prompts = found[1]
     resp = b.response_mask_BT
-    return float(prompts.numel() + resp.numel()), float(prompts.sum() + resp.sum())
+    return float(prompts.numel() + resp.numel()), prompts.sum() + resp.sum()
 
 
 def autocast(

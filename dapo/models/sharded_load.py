@@ -138,10 +138,10 @@ def copies(
         fsdp.shard(ref, **options)
         offload = options["cpu_offload"]
         materialise(ref, params_on=torch.device("cpu") if offload else device, buffers_on=device)
-        mine = dict(policy.named_parameters())
+        policy_params = dict(policy.named_parameters())
         with torch.no_grad():
             for name, p in ref.named_parameters():
-                fsdp.local_part(p)[0].copy_(fsdp.local_part(mine[name])[0])
+                fsdp.local_part(p)[0].copy_(fsdp.local_part(policy_params[name])[0])
     if not whole_copy:
         return ref, None
     gen = _empty_copy(policy, held)

@@ -26,14 +26,10 @@ import numbers
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dapo.reward.tasks import RewardFn, Score, get_verifier
 from dapo.reward.tasks.code import CodeConfig, CodeSettings
-
-if TYPE_CHECKING:
-    from dapo.config import Config
-    from dapo.reward.pool import RewardPool
 
 FIX = (
     "give reward.function as PATH.py:NAME (a Python file and a function in it) or "
@@ -253,18 +249,3 @@ def make_resolver(
     if code is not None and not code.is_default():
         return CodeSettings(code)
     return get_verifier
-
-
-def reward_pool(cfg: Config, reward_fn: Callable[..., Any] | None) -> RewardPool:
-    """The pool that grades the run's responses (``reward.*``; ``reward_fn``: the function
-    ``reward.function`` names, given in Python)."""
-    from dapo.reward.pool import RewardPool
-
-    r = cfg.reward
-    return RewardPool(
-        workers=r.workers,
-        timeout_s=r.timeout_s,
-        memory_mb=r.memory_mb,
-        batch_timeout_s=r.batch_timeout_s,
-        resolve=make_resolver(r.function, reward_fn, cfg.code),
-    )

@@ -7,8 +7,9 @@ A checkpoint is a directory ``checkpoints/step_NNNNNN`` in the run directory:
 - ``optimizer.pt``: the optimiser state (tensors and numbers only, read with weights_only=True);
 - ``rng.pt``: python, numpy and torch (CPU and CUDA) generator states;
 - ``trainer.json``: step counters, the prompt-order cursor, the metrics offset, carry-over;
-- ``rollouts.safetensors``: with ``train.async_staleness``, the rollouts already generated for
-  the next steps (:mod:`dapo.training.ahead`; their JSON part is in ``trainer.json``);
+- ``rollouts.safetensors``: with ``train.async_staleness`` or ``dist.rollout_ranks``, the
+  rollouts already drawn for the next steps (:mod:`dapo.training.rollout_files`; their JSON
+  part is in ``trainer.json``);
 - ``manifest.json``: every file with its size, written last.
 
 It is written into a temporary directory, fsynced, renamed into place, and only then is the

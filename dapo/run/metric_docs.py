@@ -16,8 +16,8 @@ AREAS: dict[str, str] = {
     "clip": "The clipped objective (Clip-Higher, DAPO §3.1; dual-clip).",
     "mismatch": "Rollout correction, for engines whose log-probs are not the trainer's (vllm).",
     "val": "Held-out evaluation, on evaluation steps only (step 0, every eval.every, the end).",
-    "async": "Generation ahead of training (train.async_staleness > 0 only): how old the "
-    "sampling weights were and who waited.",
+    "async": "Generation ahead of training (train.async_staleness > 0 or dist.rollout_ranks "
+    "only): how old the sampling weights were (who waited: perf/*_idle_s).",
     "perf": "Where the step's time went. The only metrics that differ between identical runs.",
 }
 
@@ -76,13 +76,10 @@ METRICS: dict[str, str] = {
     "clip/dual_frac": "Share of trained tokens capped by dual-clip (algo.clip_ratio_c).",
     # mismatch
     # async
-    "async/staleness_mean": "Mean over the step's responses of the updates between the "
+    "async/staleness_mean": "Mean over the step's kept groups of the updates between the "
     "weights that drew them and the weights trained: min(step - 1, k) under the fixed "
     "schedule, where step t samples from the policy after update max(0, t - k).",
     "async/staleness_max": "The largest of those.",
-    "async/trainer_idle_s": "Seconds the trainer waited for this step's rollouts (timing).",
-    "async/generator_idle_s": "Seconds the generator waited for the weights of this step's "
-    "rollouts before drawing them (timing).",
     "mismatch/abs_log_ratio": "Mean |log pi_old - log pi_rollout| per trained token.",
     "mismatch/kl": "k3 estimate of KL(pi_rollout || pi_old) from the sampled tokens.",
     "mismatch/corrected_frac": "Share of trained tokens whose correction weight was truncated "
@@ -113,6 +110,9 @@ METRICS: dict[str, str] = {
     "perf/train_padding_frac": "Share of micro-batch positions that are padding.",
     "perf/weight_sync_s": "Seconds giving the engine the new weights (vllm; the gathered "
     "copy under FSDP).",
+    "perf/trainer_idle_s": "Drawn ahead only: seconds the trainer waited for this step's rollouts.",
+    "perf/generator_idle_s": "Drawn ahead only: seconds the generator waited for the weights "
+    "of this step's rollouts before drawing them.",
     "perf/threads": "torch threads used this step (run.threads=0 follows the free cores).",
 }
 

@@ -15,7 +15,8 @@ from dapo.config import Config
 from dapo.models import policy
 from dapo.reward.pool import RewardPool
 from dapo.training import inputs
-from dapo.training.step import build_state, train_step
+from dapo.training.state import build_state
+from dapo.training.step import train_step
 
 PHASES = ("generate", "reward", "logprobs", "train", "other")
 
@@ -52,7 +53,7 @@ def peak_memory() -> dict[str, float]:
     return out
 
 
-def run_bench(cfg: Config, *, steps: int, warmup: int, log: Callable[[str], None]) -> dict:
+def bench_steps(cfg: Config, *, steps: int, warmup: int, log: Callable[[str], None]) -> dict:
     """``warmup`` untimed steps, then ``steps`` timed ones; their medians, memory, setting."""
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)

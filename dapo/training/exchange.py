@@ -19,36 +19,31 @@ from typing import TYPE_CHECKING
 import torch
 
 from dapo import dist
-from dapo.data.batch import (
-    Episode,
-    length_sorted,
-    partition_by_tokens,
-    split_microbatches,
-    split_minibatches,
-)
+from dapo.data.batch import Episode, partition_by_tokens, split_minibatches
 from dapo.run.seeding import derive_seed
+from dapo.training.sampling import Group
 
 if TYPE_CHECKING:
-    from dapo.config import Config
-    from dapo.training.sampling import Group
+    from dapo.config import TrainConfig
 
 
 @dataclass
-class Held:
-    """This rank's whole groups of the step, by (round, index in the round)."""
+class LocalGroups:
+    """The whole groups this rank generated in a step, by (round, index in the round): the
+    rounds gather only their summaries, and :func:`deliver` sends each episode from here to
+    the rank that trains it."""
 
     groups: dict[tuple[int, int], Group] = field(default_factory=dict)
 
     def summarise(self, groups: list[Group], *, round_index: int, start: int) -> list[Group]:
         """Keep ``groups`` (the round's prompts ``start``, ``start + 1`` ...) and return their
         summaries, each naming where its whole episodes are."""
-        from dapo.training.sampling import Group
-
         out = []
         for i, g in enumerate(groups):
             self.groups[(round_index, start + i)] = g
             episodes = [e.summary() for e in g.episodes]
-            out.append(Group(g.uid, episodes, origin=(round_index, start + i, dist.rank())))
+            origin = (round_index, start + i, dist.rank())
+            out.append(Group(g.uid, episodes, origin=origin, version=g.version))
         return out
 
 
@@ -61,19 +56,20 @@ class MiniBatch:
     shares: list[list[int]]
 
 
-def training_plan(cfg: Config, step: int, episodes: list[Episode]) -> list[MiniBatch]:
+def training_plan(
+    train: TrainConfig, group_size: int, step: int, episodes: list[Episode]
+) -> list[MiniBatch]:
     """The step's updates in order: ``train.epochs`` passes over a seeded permutation cut into
-    mini-batches, each split over the ranks in shares of about equal tokens, a group's rows
-    (episodes ``k G .. k G + G - 1``) on one rank, where its prompt runs once. The same on
-    every rank, from the episodes' summaries alone."""
-    gen = torch.Generator().manual_seed(derive_seed(cfg.train.seed, step, "minibatch"))
-    size, plan = cfg.rollout.group_size, []
-    for _epoch in range(cfg.train.epochs):
-        for mini in split_minibatches(
-            len(episodes), cfg.train.responses_per_minibatch, generator=gen
-        ):
+    mini-batches of ``train.responses_per_minibatch``, each split over the ranks in shares of
+    about equal work, a group's rows (episodes ``k G .. k G + G - 1``, G = ``group_size``) on
+    one rank, where its prompt runs once. The same on every rank, from the episodes'
+    summaries alone."""
+    gen = torch.Generator().manual_seed(derive_seed(train.seed, step, "minibatch"))
+    plan = []
+    for _epoch in range(train.epochs):
+        for mini in split_minibatches(len(episodes), train.responses_per_minibatch, generator=gen):
             batch = [episodes[i] for i in mini]
-            shares = partition_by_tokens(batch, dist.world_size(), [i // size for i in mini])
+            shares = partition_by_tokens(batch, dist.world_size(), [i // group_size for i in mini])
             plan.append(MiniBatch(mini, shares))
     return plan
 
@@ -83,25 +79,7 @@ def trained_by(plan: list[MiniBatch], rank: int) -> list[int]:
     return sorted({m.indices[j] for m in plan for j in m.shares[rank]})
 
 
-def rank_microbatches(episodes: list[Episode], indices: list[int], max_tokens: int):
-    """This rank's micro-batches of ``episodes[indices]``, then None (a pass that computes
-    nothing) up to the most any rank has: a sharded model's forward and backward are
-    collectives, so every rank runs as many."""
-    order = length_sorted(episodes, indices)
-    micros: list[list[int] | None] = list(
-        split_microbatches(episodes, order, max_tokens=max_tokens)
-    )
-    return micros + [None] * (dist.all_reduce_max(len(micros)) - len(micros))
-
-
-def stand_in(pad_id: int) -> Episode:
-    """A one-token episode for a pass that computes nothing (:func:`rank_microbatches`' None):
-    a rank may hold none of the step's whole episodes."""
-    one = torch.tensor([pad_id])
-    return Episode(one, one, torch.zeros(1), False, False, 0.0)
-
-
-def deliver(groups: list[Group], held: Held, plan: list[MiniBatch]) -> list[Episode]:
+def deliver(groups: list[Group], local: LocalGroups, plan: list[MiniBatch]) -> list[Episode]:
     """The step's episodes (``groups``' summaries, in order), with those this rank trains made
     whole: each sent by the rank that generated it to every rank that trains it. The
     summaries' advantages go with them."""
@@ -112,7 +90,7 @@ def deliver(groups: list[Group], held: Held, plan: list[MiniBatch]) -> list[Epis
         for k in trained_by(plan, r):
             round_index, index, holder = groups[k // size].origin
             if holder == dist.rank():
-                whole = held.groups[(round_index, index)].episodes[k % size]
+                whole = local.groups[(round_index, index)].episodes[k % size]
                 outgoing[r].append((k, replace(whole, advantage=episodes[k].advantage)))
     kept_here, outgoing[dist.rank()] = outgoing[dist.rank()], []
     for k, whole in kept_here + dist.exchange(outgoing):

@@ -6,12 +6,13 @@ Everything here is cheap next to loading weights (a 32B model takes minutes), so
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dapo.config import Config
+from dapo.config import Config, RewardConfig
 from dapo.data.problems import Problem
 from dapo.data.prompts import render_prompt
 from dapo.models.policy import context_length
@@ -111,22 +112,25 @@ def check_code_sandbox(cfg: Config) -> str:
     return mode
 
 
-def check_reward_function(cfg: Config, fn: Callable[..., Any] | None = None) -> list[str]:
+def check_reward_function(
+    cfg: Config, fn: Callable[..., Any] | None = None
+) -> tuple[RewardConfig, list[str]]:
     """Load and check ``reward.function`` (or ``fn``, the function it names, given in Python)
-    before any model loads, and record its file's SHA-256 in the config; returns a warning
+    before any model loads: the ``reward`` section the run goes on with (the function's spec
+    as resolved, its file's SHA-256 recorded; ``cfg`` itself is left as it is), and a warning
     when a resumed run's file changed since it started."""
-    if not cfg.reward.function:
-        return []
-    spec, sha = custom.check(cfg.reward.function, fn)
-    cfg.reward.function = spec
-    before, cfg.reward.function_sha256 = cfg.reward.function_sha256, sha
-    if before and before != sha:
-        return [
+    r = cfg.reward
+    if not r.function:
+        return r, []
+    spec, sha = custom.check(r.function, fn)
+    checked = dataclasses.replace(r, function=spec, function_sha256=sha)
+    if r.function_sha256 and r.function_sha256 != sha:
+        return checked, [
             f"reward.function={spec}: the file changed since the run started (SHA-256 "
-            f"{before[:12]}... then, {sha[:12]}... now): the resumed run is graded by the new "
-            "code; the run's earlier config is kept as config.before-resume-*.yaml"
+            f"{r.function_sha256[:12]}... then, {sha[:12]}... now): the resumed run is graded "
+            "by the new code; the run's earlier config is kept as config.before-resume-*.yaml"
         ]
-    return []
+    return checked, []
 
 
 def prompt_lengths(cfg: Config, tokenizer: Any, problems: list[Problem]) -> list[int]:

@@ -23,7 +23,6 @@ from dapo.data.problems import Problem
 from dapo.dist import fsdp, roles
 from dapo.eval.evaluate import evaluate
 from dapo.eval.metrics import pick_samples
-from dapo.reward.custom import reward_pool
 from dapo.reward.pool import RewardPool
 from dapo.run import checkpoint, rundir, sharded_checkpoint
 from dapo.run.interrupt import GracefulStop, RunStopped, StepAborted
@@ -31,10 +30,13 @@ from dapo.run.metrics import MetricsLogger, NullLogger, open_wandb
 from dapo.run.progress import LiveProgress
 from dapo.run.seeding import derive_seed
 from dapo.run.threads import ThreadGovernor
-from dapo.training.ahead import Ahead, Drawn, rollouts_from_files
-from dapo.training.remote import Remote
+from dapo.training.generator_ranks import GeneratorRanks
+from dapo.training.generator_thread import GeneratorThread
+from dapo.training.rollout_files import rollouts_from_files
 from dapo.training.sampling import DynamicSamplingExhausted
-from dapo.training.step import TrainState, build_state, train_step
+from dapo.training.sources import InTurn, RolloutSource, StepRollouts
+from dapo.training.state import TrainState, build_state, reward_pool
+from dapo.training.step import train_step
 from dapo.training.update import NonFiniteError
 
 
@@ -67,8 +69,8 @@ def fit(
 
     state.pool = make_pool()
     try:
-        run = _Run(state, val_problems, run_dir=run_dir, stream=stream, make_pool=make_pool)
-        return run.train(resume=resume)
+        loop = _Loop(state, val_problems, run_dir=run_dir, stream=stream, make_pool=make_pool)
+        return loop.train(resume=resume)
     except (NonFiniteError, DynamicSamplingExhausted) as exc:
         nan = isinstance(exc, NonFiniteError)
         fix = "optim.lr=<lower>" if nan else "sampling.max_rounds=<more>"
@@ -83,7 +85,26 @@ def fit(
             close()
 
 
-class _Run:
+def rollout_source(
+    state: TrainState,
+    *,
+    make_pool: Callable[[], RewardPool] | None,
+    threads: int,
+    restored: tuple[list[StepRollouts], tuple[int, int]] | None,
+) -> RolloutSource:
+    """The rollout source the config asks for, built once for the run: generator ranks
+    (``dist.rollout_ranks``), a generator thread of ``threads`` threads and a reward pool of
+    its own (``train.async_staleness``), or drawn in turn; ``restored``: the steps a resumed
+    checkpoint holds drawn ahead, and the kept fraction their drawer had."""
+    if roles.roles() is not None:  # dist.rollout_ranks: the generators are other ranks
+        return GeneratorRanks(state, restored=restored)
+    if state.cfg.train.async_staleness:
+        pool = make_pool() if make_pool else None
+        return GeneratorThread(state, pool=pool, threads=threads, restored=restored)
+    return InTurn()
+
+
+class _Loop:
     """One run's outputs and what the loop keeps between steps besides the TrainState: the
     held-out results of the start and the latest evaluation, and the time trained so far."""
 
@@ -131,8 +152,8 @@ class _Run:
         self.saved_at: int | None = None
         # Generation ahead of training (train.async_staleness): a thread with its own share
         # of the cores; run.threads=0: threads follow the cores other processes leave free.
-        self.ahead: Ahead | Remote | None = None
-        self.restored: tuple[list[Drawn], tuple[int, int]] | None = None
+        self.source: RolloutSource = InTurn()
+        self.restored: tuple[list[StepRollouts], tuple[int, int]] | None = None
         cores = cfg.run.threads or torch.get_num_threads()
         self.gen_threads = max(1, cores // 2)
         beside = cfg.train.async_staleness and not roles.roles()  # a thread, not other ranks
@@ -145,11 +166,9 @@ class _Run:
         state, cfg = self.state, self.state.cfg
         if resume:
             self.restore()
-        if roles.roles() is not None:  # dist.rollout_ranks: the generators are other ranks
-            self.ahead = Remote(state, restored=self.restored)
-        elif cfg.train.async_staleness:
-            pool = self.make_pool() if self.make_pool else None
-            self.ahead = Ahead(state, pool=pool, threads=self.gen_threads, restored=self.restored)
+        self.source = rollout_source(
+            state, make_pool=self.make_pool, threads=self.gen_threads, restored=self.restored
+        )
         if self.live:
             self.progress = LiveProgress(total=cfg.train.steps, done=state.step, stream=self.stream)
             state.on_phase = self.progress.phase
@@ -173,8 +192,7 @@ class _Run:
                 stop.signum or 2,
             ) from None
         finally:
-            if self.ahead is not None:
-                self.ahead.close()
+            self.source.close()
             self.logger.close()
             if self.progress is not None:
                 self.progress.close()
@@ -187,8 +205,7 @@ class _Run:
         done = state.step >= t.steps or self.budget_spent()
         while not done and not self.stopping(stop):
             self.adjust_threads()
-            # Taking turns, the step is called as it always was (wrappers of it take one argument).
-            metrics = train_step(state) if self.ahead is None else train_step(state, self.ahead)
+            metrics = train_step(state, self.source)
             metrics["perf/threads"] = float(torch.get_num_threads())
             self.spent["gen_tokens"] += metrics.get("sampling/tokens_generated", 0.0)
             self.spent["step_seconds"] += metrics.get("perf/step_s", 0.0)
@@ -246,7 +263,6 @@ class _Run:
         state.on_phase("eval")
         if state.engine_behind:
             state.sync_engine()
-            state.engine_behind = False
         state.model.eval()
         self.records_step = state.step
         return evaluate(
@@ -300,8 +316,9 @@ class _Run:
         state.on_phase("save")
         save = sharded_checkpoint.save if fsdp.is_sharded(state.model) else checkpoint.save
         ahead, rollouts = {}, {}
-        if self.ahead is not None:  # what it generated for the next steps is saved too
-            ahead["ahead"], rollouts["rollouts"] = self.ahead.settle(state)
+        drawn_ahead = self.source.settle(state)
+        if drawn_ahead is not None:  # the rollouts drawn for the next steps are saved too
+            ahead["ahead"], rollouts["rollouts"] = drawn_ahead
         ckpt = save(
             self.run_dir,
             step=state.step,

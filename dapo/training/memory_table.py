@@ -1,6 +1,6 @@
 """The memory plan shown: the dry run's text table, JSON rows, and docs/scale-out.md's table.
 
-The plan itself (what each part counts) is :mod:`dapo.training.memory_plan`; this module only
+The plan itself (what each part counts) is :mod:`dapo.training.gpu_memory`; this module only
 lays it out, every part on its own line, row key or column.
 """
 
@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from dapo.training.memory_plan import (
+from dapo.training.gpu_memory import (
     GIB,
     MemoryPlan,
     PlanSettings,
@@ -137,7 +137,7 @@ def format_plan(plan: MemoryPlan) -> str:
     count_text = f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.2f}M"
     head = f"memory per GPU on paper, world size {s.world_size}: {count_text} parameters, "
     head += f"{s.compute_dtype} compute, {s.param_dtype} weights ({unit}; the model: "
-    head += "dapo/training/memory_plan.py)"
+    head += "dapo/training/gpu_memory.py)"
     lines = (f"  {name:<{width}}{size(n):>9}  {when}".rstrip() for name, n, when in rows)
     return "\n".join([head, "  " + describe_settings(s), *lines])
 

@@ -15,15 +15,15 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from dapo import algo, dist
-from dapo.config import Config
-from dapo.data.batch import Episode, collate
+from dapo.config import AlgoConfig
+from dapo.data.batch import Episode
 from dapo.models.logprobs import autocast, batch_logprobs
 from dapo.models.policy import DTYPES
 from dapo.run.metrics import accumulate
-from dapo.training.exchange import rank_microbatches, stand_in
+from dapo.training.microbatches import micro_batches
 
 if TYPE_CHECKING:
-    from dapo.training.step import TrainState
+    from dapo.training.state import TrainState
 
 
 SAMPLER_LOGPROB_TOLERANCE = 1e-3
@@ -36,44 +36,66 @@ def fill_logprobs(
     episodes: list[Episode],
     attr: str,
     state: TrainState,
-    mine: list[int] | None = None,
+    share: list[int] | None = None,
 ) -> None:
     """Forward passes without gradient to store pi_old or pi_ref log-probs on the episodes
-    ``mine`` (default: all; under ranks those this rank trains, and no rank needs another's)."""
-    cfg, pad_id, device = state.cfg, state.tokenizer.pad_token_id, state.device
+    ``share`` (default: all; under ranks those this rank trains, and no rank needs another's).
+    The micro-batches' log-probs stay on the device and come back to the host in one transfer,
+    after the last."""
+    cfg, device = state.cfg, state.device
     model.eval()
-    mine = list(range(len(episodes))) if mine is None else mine
-    for micro in rank_microbatches(episodes, mine, cfg.train.tokens_per_microbatch):
-        # None: another rank has more passes; this one forwards a stand-in and keeps nothing.
-        rows = [episodes[i] for i in micro] if micro else [stand_in(pad_id)]
-        b = collate(rows, pad_id=pad_id).to(device)
-        with autocast(model, DTYPES[cfg.model.compute_dtype], device):
+    share = list(range(len(episodes))) if share is None else share
+    compute = DTYPES[cfg.model.compute_dtype]
+    pad_id = state.tokenizer.pad_token_id
+    rows: list[int] = []
+    parts: list[torch.Tensor] = []
+    for micro in micro_batches(
+        episodes, share, max_tokens=cfg.train.tokens_per_microbatch, pad_id=pad_id, device=device
+    ):
+        with autocast(model, compute, device):
             logp_BT, _ = batch_logprobs(
-                model, b, temperature=cfg.rollout.temperature, share_prompts=cfg.train.share_prompts
+                model,
+                micro.batch,
+                temperature=cfg.rollout.temperature,
+                share_prompts=cfg.train.share_prompts,
             )
-        for row, i in enumerate(micro or []):
-            setattr(episodes[i], attr, logp_BT[row, : episodes[i].length].float().cpu())
+        for row, i in enumerate(micro.rows):  # an idle pass has none: nothing kept
+            rows.append(i)
+            parts.append(logp_BT[row, : episodes[i].length].float())
+    if not rows:
+        return
+    flat = torch.cat(parts).cpu()
+    for i, logp in zip(rows, flat.split([episodes[i].length for i in rows]), strict=True):
+        setattr(episodes[i], attr, logp)
 
 
 def set_old_logprobs(
-    state: TrainState, episodes: list[Episode], mine: list[int] | None = None
+    state: TrainState,
+    episodes: list[Episode],
+    share: list[int] | None = None,
+    *,
+    sampler_is_policy: bool | None = None,
 ) -> dict[str, float]:
     """pi_old: recomputed by a forward pass, or the sampler's once they are shown to match it.
 
     The check runs on the first step of each process (one forward pass) and stops the run on a
     gap above the tolerance; otherwise the sampler's values are used, the ones an uninterrupted
     run used, and only the run's first step logs the gap, so a resumed run stays bit-identical.
-    An engine whose log-probs are not exact never stands in for pi_old.
+    Rollouts whose sampler is not the policy (``sampler_is_policy`` False: an inexact engine,
+    or drawn ahead from older weights; the rollout source says, default: the engine's
+    exactness, as drawn in turn) never stand in for pi_old.
     """
-    mine = list(range(len(episodes))) if mine is None else mine
-    if state.cfg.train.recompute_old_logprobs or not sampler_is_policy(state):
-        fill_logprobs(state.model, episodes, "old_logprobs", state, mine)
+    share = list(range(len(episodes))) if share is None else share
+    if sampler_is_policy is None:
+        sampler_is_policy = state.engine.exact_logprobs
+    if state.cfg.train.recompute_old_logprobs or not sampler_is_policy:
+        fill_logprobs(state.model, episodes, "old_logprobs", state, share)
         return {}
     out = {}
     if not state.sampler_logprobs_checked:
-        fill_logprobs(state.model, episodes, "old_logprobs", state, mine)
+        fill_logprobs(state.model, episodes, "old_logprobs", state, share)
         gaps = [
-            algo.max_abs_gap(episodes[i].old_logprobs, episodes[i].sampler_logprobs) for i in mine
+            algo.max_abs_gap(episodes[i].old_logprobs, episodes[i].sampler_logprobs) for i in share
         ]
         gap = dist.all_reduce_max(max((float(g) for g in gaps), default=0.0))
         if not gap <= SAMPLER_LOGPROB_TOLERANCE:
@@ -87,26 +109,18 @@ def set_old_logprobs(
         state.sampler_logprobs_checked = True
         if state.step == 0:
             out["train/sampler_logprob_gap"] = gap
-    for i in mine:
+    for i in share:
         episodes[i].old_logprobs = episodes[i].sampler_logprobs
     return out
 
 
-def sampler_is_policy(state: TrainState) -> bool:
-    """Whether the responses were drawn by the policy being trained, with its own log-probs:
-    an exact engine, generating in step (``train.async_staleness=0``). Ahead of training the
-    sampler is an older policy, whose log-probs the rollout correction weighs against
-    pi_old's."""
-    return state.engine.exact_logprobs and state.cfg.train.async_staleness == 0
-
-
-def correction_mode(cfg: Config, engine_exact: bool) -> str:
+def correction_mode(algo_cfg: AlgoConfig, sampler_is_policy: bool) -> str:
     """``algo.rollout_correction`` with auto resolved: token_tis when the sampler's log-probs
     are not the trainer's (an inexact engine, or generation ahead of training), none when
     they are."""
-    mode = cfg.algo.rollout_correction
+    mode = algo_cfg.rollout_correction
     if mode == "auto":
-        return "none" if engine_exact else "token_tis"
+        return "none" if sampler_is_policy else "token_tis"
     return mode
 
 
@@ -115,18 +129,23 @@ CORRECTION_CHUNK = 256
 
 
 def set_loss_weights(
-    state: TrainState, episodes: list[Episode], mine: list[int], counted: list[int]
+    state: TrainState,
+    episodes: list[Episode],
+    share: list[int],
+    counted: list[int],
+    *,
+    sampler_is_policy: bool | None = None,
 ) -> dict[str, float]:
-    """The rollout correction's weights on the episodes ``mine`` (``algo.rollout_correction``)
-    and the mismatch between the engine's log-probs and pi_old over the episodes ``counted``
-    (each episode on one rank), for an engine whose log-probs are not pi_old's or when a
+    """The rollout correction's weights on the episodes ``share`` (``algo.rollout_correction``)
+    and the mismatch between the sampler's log-probs and pi_old over the episodes ``counted``
+    (each episode on one rank), for rollouts whose sampler is not the policy or when a
     correction is asked for; nothing otherwise."""
-    cfg, exact = state.cfg, sampler_is_policy(state)
-    mode = correction_mode(cfg, exact)
+    exact = state.engine.exact_logprobs if sampler_is_policy is None else sampler_is_policy
+    mode = correction_mode(state.cfg.algo, exact)
     if mode == "none" and exact:
         return {}
     sums = dict.fromkeys(("mismatch_abs", "mismatch_kl", "corrected_frac", "tokens"), 0.0)
-    rest = sorted(set(mine) - set(counted))  # trained here again in a later epoch
+    rest = sorted(set(share) - set(counted))  # trained here again in a later epoch
     for indices, stats_too in ((counted, True), (rest, False)):
         _correct(state, [episodes[i] for i in indices], mode, sums if stats_too else {})
     sums = dist.sum_dict(sums)

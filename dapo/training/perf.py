@@ -3,27 +3,24 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 from dapo.training.sampling import SamplingResult
 
-if TYPE_CHECKING:
-    from dapo.training.step import TrainState
-
 
 def step_perf(
-    state: TrainState,
+    timers: dict[str, float],
     result: SamplingResult,
     metrics: dict[str, float],
     *,
+    epochs: int,
     t0: float,
     t_gen: float,
     t_train: float,
 ) -> dict[str, float]:
     """Phases of the step: generate and reward split the rollout, logprobs (pi_old, pi_ref
-    forward passes) and train split the update; other is the rest (advantages, bookkeeping)."""
+    forward passes) and train split the update; other is the rest (advantages, bookkeeping).
+    ``timers``: the step's (``TrainState.timers``); ``epochs``: ``train.epochs``."""
     step_s = time.perf_counter() - t0
-    timers = state.timers
     generate_s = t_gen - timers.get("reward", 0.0)
     train_s = t_train - timers.get("logprobs", 0.0)
     return {
@@ -36,7 +33,5 @@ def step_perf(
         "perf/gen_tokens_per_s": result.tokens_generated / max(generate_s, 1e-9),
         "perf/gen_padding_frac": 1.0
         - result.tokens_generated / max(timers.get("gen_slots", 0.0), 1.0),
-        "perf/train_tokens_per_s": metrics.get("train/tokens", 0.0)
-        * state.cfg.train.epochs
-        / max(train_s, 1e-9),
+        "perf/train_tokens_per_s": metrics.get("train/tokens", 0.0) * epochs / max(train_s, 1e-9),
     }

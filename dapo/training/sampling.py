@@ -24,6 +24,9 @@ class Group:
     origin: tuple[int, int, int] | None = None
     """Under ranks, for a group of summaries: (round, index in the round, the rank that holds
     its whole episodes); see :mod:`dapo.training.exchange`."""
+    version: int = 0
+    """The policy that drew it: the weights after this many updates (a step trained from
+    weights ``step - version`` updates old is that stale)."""
 
     @property
     def correct(self) -> list[bool]:
@@ -108,9 +111,11 @@ def collect_groups(
     max_rounds: int,
     on_max_rounds: str,
     round_size: Callable[[SamplingResult], int] | None = None,
-) -> SamplingResult:
+    stopping: Callable[[], bool] = lambda: False,
+) -> SamplingResult | None:
     """Call ``draw_round(round_index, num_prompts)`` until ``num_groups`` groups are kept, then
     cut to exactly N. ``round_size(result so far)`` gives each round's prompts (default N).
+    ``stopping()`` is asked before each round: True ends the step unfinished (None).
 
     Without ``dynamic``, one round is drawn and every group is kept (the caller draws N prompts).
     ``max_rounds`` = 0 means unbounded. When the bound is hit, ``on_max_rounds="error"`` raises
@@ -129,6 +134,8 @@ def collect_groups(
                     "kept, or use data closer to the policy's level."
                 )
             break
+        if stopping():
+            return None
         groups = draw_round(result.rounds, round_size(result) if round_size else num_groups)
         result.rounds += 1
         result.prompts_drawn += len(groups)

@@ -3,41 +3,33 @@
 Each micro-batch loss is divided by the token count (token-mean) or sequence count
 (seq-mean-token-mean) of its whole mini-batch, summed over data-parallel ranks, so the
 accumulated gradient is exactly the mini-batch gradient whatever the micro-batch split
-(DAPO §3.3; tested through a real transformer). No maths here either: the loss, the KL and
-the token statistics are :mod:`dapo.algo` functions.
+(DAPO §3.3; tested through a real transformer). The micro-batches are the one loop of
+:mod:`dapo.training.microbatches`; a mini-batch's metrics stay on the device and are read
+back once, with its gradient norm. No maths here either: the loss, the KL and the token
+statistics are :mod:`dapo.algo` functions.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dapo import algo, dist
-from dapo.config import Config
-from dapo.data.batch import (
-    Batch,
-    Episode,
-    collate,
-    partition_by_tokens,
-)
+from dapo.config import AlgoConfig
+from dapo.data.batch import Batch, Episode, partition_by_tokens
 from dapo.dist import fsdp
 from dapo.models.logprobs import autocast, batch_logprobs, forward_slots
 from dapo.models.policy import DTYPES
 from dapo.run.metrics import accumulate
-from dapo.training.exchange import (
-    MiniBatch,
-    rank_microbatches,
-    stand_in,
-    trained_by,
-    training_plan,
-)
+from dapo.training.exchange import MiniBatch, trained_by, training_plan
+from dapo.training.microbatches import DeviceSums, micro_batches
 from dapo.training.old_logprobs import fill_logprobs, set_loss_weights, set_old_logprobs
 
 if TYPE_CHECKING:
-    from dapo.training.step import TrainState
+    from dapo.training.state import TrainState
 
 
 class NonFiniteError(RuntimeError):
@@ -50,24 +42,28 @@ def update(
     *,
     lr: float,
     plan: list[MiniBatch] | None = None,
+    sampler_is_policy: bool | None = None,
 ) -> dict[str, float]:
     """mu epochs over the step's responses, one optimizer update per mini-batch of ``plan``
     (default: :func:`~dapo.training.exchange.training_plan`; under ranks, only the episodes
-    this rank trains need be whole).
+    this rank trains need be whole). ``sampler_is_policy``: whether the sampler's log-probs
+    are the policy's own (the rollout source says; default: the engine's, drawn in turn).
 
     Each micro-batch loss is divided by the token count (token-mean) or sequence count
     (seq-mean-token-mean) of its whole mini-batch, so the accumulated gradient is exactly the
     mini-batch gradient, whatever the micro-batch split (DAPO §3.3).
     """
     cfg = state.cfg
-    plan = plan or training_plan(cfg, state.step, episodes)
-    mine = trained_by(plan, dist.rank())
+    plan = plan or training_plan(cfg.train, cfg.rollout.group_size, state.step, episodes)
+    share = trained_by(plan, dist.rank())
     first_epoch = plan[: len(plan) // cfg.train.epochs]
+    exact = state.engine.exact_logprobs if sampler_is_policy is None else sampler_is_policy
     t_logprobs = time.perf_counter()
-    check = set_old_logprobs(state, episodes, mine)
-    check |= set_loss_weights(state, episodes, mine, trained_by(first_epoch, dist.rank()))
+    check = set_old_logprobs(state, episodes, share, sampler_is_policy=exact)
+    counted = trained_by(first_epoch, dist.rank())
+    check |= set_loss_weights(state, episodes, share, counted, sampler_is_policy=exact)
     if state.ref_model is not None:
-        fill_logprobs(state.ref_model, episodes, "ref_logprobs", state, mine)
+        fill_logprobs(state.ref_model, episodes, "ref_logprobs", state, share)
     accumulate(state.timers, "logprobs", time.perf_counter() - t_logprobs)
     for group in state.optimizer.param_groups:
         group["lr"] = lr
@@ -78,7 +74,7 @@ def update(
         batch = [episodes[i] for i in mb.indices]
         for k, v in minibatch_update(state, batch, mb.shares[dist.rank()]).items():
             accumulate(sums, k, v)
-    out = _update_metrics(sums, cfg, lr=lr, with_kl=state.ref_model is not None)
+    out = _update_metrics(sums, cfg.train.epochs, lr=lr, with_kl=state.ref_model is not None)
     if state.scaler is not None:
         out["train/scaler_overflows"] = sums.get("scaler_overflows", 0.0)
         out["train/loss_scale"] = state.scaler.get_scale()
@@ -86,27 +82,32 @@ def update(
 
 
 def minibatch_update(
-    state: TrainState, batch: list[Episode], mine: list[int] | None = None
+    state: TrainState, batch: list[Episode], share: list[int] | None = None
 ) -> dict[str, float]:
-    """One optimizer update on ``batch``, this rank training ``batch[mine]`` (default: its
+    """One optimizer update on ``batch``, this rank training ``batch[share]`` (default: its
     share by :func:`partition_by_tokens`), skipped when its loss or gradient norm is not
-    finite; returns its metric sums."""
-    cfg = state.cfg
+    finite; returns its metric sums, read back from the device once, with the norm."""
     # The loss divisors of the whole mini-batch (every rank holds all of it), fixed before the
     # first micro-batch; DAPO §3.3. Each rank then computes its share's gradient.
     num_tokens = sum(e.num_loss_tokens for e in batch)
     num_seqs = sum(1 for e in batch if e.num_loss_tokens > 0)
     if num_tokens == 0:
         return {}  # every response of this mini-batch was overlong-filtered
-    if mine is None:
-        mine = partition_by_tokens(batch, dist.world_size())[dist.rank()]
-    sums = accumulate_gradients(state, batch, mine, num_tokens=num_tokens, num_seqs=num_seqs)
-    scaler = state.scaler
-    if scaler is not None:
-        scaler.unscale_(state.optimizer)  # clip and measure the true gradient
+    if share is None:
+        share = partition_by_tokens(batch, dist.world_size())[dist.rank()]
+    sums = accumulate_gradients(state, batch, share, num_tokens=num_tokens, num_seqs=num_seqs)
+    if state.scaler is not None:
+        state.scaler.unscale_(state.optimizer)  # clip and measure the true gradient
     # An infinite max_norm measures the norm without clipping (grad_clip = 0: off).
-    max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-    norm = fsdp.clip_grad_norm(state.model.parameters(), max_norm)
+    clip = state.cfg.optim.grad_clip
+    norm = fsdp.clip_grad_norm(state.model.parameters(), clip if clip > 0 else float("inf"))
+    values = sums.read(grad_norm=norm)  # the mini-batch's one read back to the host
+    return _step_or_skip(state, values, values.pop("grad_norm"))
+
+
+def _step_or_skip(state: TrainState, sums: dict[str, float], norm: float) -> dict[str, float]:
+    """The optimizer's step, or none when the loss or the gradient norm is not finite."""
+    scaler = state.scaler
     if not (math.isfinite(sums["loss"]) and math.isfinite(norm)):
         # One NaN step poisons Adam's moments for good: drop this update, keep going.
         state.optimizer.zero_grad(set_to_none=True)
@@ -116,7 +117,7 @@ def minibatch_update(
                 # Only the scaled gradient overflowed float16: a smaller scale will do.
                 return {"skipped": 1.0, "scaler_overflows": 1.0}
         state.consecutive_skips += 1
-        if state.consecutive_skips >= cfg.train.max_consecutive_skips:
+        if state.consecutive_skips >= state.cfg.train.max_consecutive_skips:
             raise NonFiniteError(
                 f"step {state.step + 1}: {state.consecutive_skips} updates in a row had "
                 f"a non-finite loss or gradient norm (loss {sums['loss']}, grad "
@@ -135,7 +136,7 @@ def minibatch_update(
     return sums | {"grad_norm": norm, "updates": 1.0}
 
 
-def _update_metrics(sums: dict[str, float], cfg: Config, *, lr: float, with_kl: bool):
+def _update_metrics(sums: dict[str, float], epochs: int, *, lr: float, with_kl: bool):
     updates = max(sums.get("updates", 0.0), 1.0)
     tokens = max(sums.get("tokens", 0.0), 1.0)
     out = {
@@ -146,7 +147,7 @@ def _update_metrics(sums: dict[str, float], cfg: Config, *, lr: float, with_kl: 
         "train/updates": sums.get("updates", 0.0),
         "train/skipped_updates": sums.get("skipped", 0.0),
         "train/lr": lr,
-        "train/tokens": sums.get("tokens", 0.0) / cfg.train.epochs,
+        "train/tokens": sums.get("tokens", 0.0) / epochs,
         "perf/train_padding_frac": 1.0 - sums.get("real", 0.0) / max(sums.get("slots", 0.0), 1.0),
         "clip/low_frac": sums.get("clip_low", 0.0) / tokens,
         "clip/high_frac": sums.get("clip_high", 0.0) / tokens,
@@ -179,111 +180,116 @@ RANK_SUMS = (
 def accumulate_gradients(
     state: TrainState,
     episodes: list[Episode],
-    mine: list[int] | None = None,
+    share: list[int] | None = None,
     *,
     num_tokens: int,
     num_seqs: int,
-) -> dict[str, float]:
-    """Backward over the micro-batches of ``episodes[mine]`` (default: all), this rank's share
-    of the mini-batch ``episodes``; returns the mini-batch's metric sums over every rank.
+) -> DeviceSums:
+    """Backward over the micro-batches of ``episodes[share]`` (default: all), this rank's
+    share of the mini-batch ``episodes``; returns the mini-batch's metric sums over every
+    rank, on the device (:meth:`DeviceSums.read` brings them back).
 
     Every micro-batch loss is divided by ``num_tokens`` (token-mean) or ``num_seqs``
     (seq-mean-token-mean) of the whole mini-batch, never by its own count, so the accumulated
     gradient, summed over ranks, is the mini-batch gradient whatever the split.
     """
-    cfg, model, device = state.cfg, state.model, state.device
-    denominator = num_tokens if cfg.algo.loss_agg == "token-mean" else num_seqs
-    divisors = dict(
-        agg=cfg.algo.loss_agg,
-        num_tokens=num_tokens,
-        num_seqs=num_seqs,
-        norm_len=cfg.rollout.max_new_tokens,
-    )
-    sums: dict[str, float] = {}
+    cfg, model = state.cfg, state.model
+    a, t = cfg.algo, cfg.train
+    denominator = num_tokens if a.loss_agg == "token-mean" else num_seqs
+    divisors = dict(num_tokens=num_tokens, num_seqs=num_seqs, norm_len=cfg.rollout.max_new_tokens)
+    options = _forward_options(state)
+    sums = DeviceSums(state.device)
     # A sum over the mini-batch does not depend on the order: rows of similar length (and a
     # group's rows) go together, for less padding and more shared prompts.
-    mine = list(range(len(episodes))) if mine is None else mine
-    micros = rank_microbatches(episodes, mine, cfg.train.tokens_per_microbatch)
-    for n, micro in enumerate(micros, 1):
+    share = list(range(len(episodes))) if share is None else share
+    pad_id = state.tokenizer.pad_token_id
+    for micro in micro_batches(
+        episodes, share, max_tokens=t.tokens_per_microbatch, pad_id=pad_id, device=state.device
+    ):
         if cfg.dist.grad_sync == "minibatch":  # reduce-scatter once, after the last backward
-            fsdp.set_grad_sync(model, n == len(micros))
-        if micro is None:  # another rank has more: a pass with zero gradient, to match it
-            _idle_pass(state, stand_in(state.tokenizer.pad_token_id), device)
+            fsdp.set_grad_sync(model, micro.last)
+        if micro.idle:  # another rank has more: a pass with zero gradient, to match it
+            with autocast(model, **options["autocast"]):
+                logp_BT, _ = batch_logprobs(model, micro.batch, **options["forward"])
+            logp_BT.backward(torch.zeros_like(logp_BT))
             continue
-        b = collate([episodes[i] for i in micro], pad_id=state.tokenizer.pad_token_id).to(device)
-        loss, entropy_BT, stats, kl = _micro_loss(state, b, divisors)
+        with autocast(model, **options["autocast"]):
+            logp_BT, entropy_BT = batch_logprobs(
+                model, micro.batch, with_entropy=True, **options["forward"]
+            )
+        ref_BT = micro.batch.ref_logprobs_BT if state.ref_model is not None else None
+        loss, stats, kl = micro_loss(logp_BT, micro.batch, algo_cfg=a, ref_BT=ref_BT, **divisors)
         if kl is not None:
-            accumulate(sums, "kl_sum", kl * denominator)
+            sums.add("kl_sum", kl.detach().double() * denominator)
         (state.scaler.scale(loss) if state.scaler is not None else loss).backward()
-        for k, v in _micro_sums(b, loss, entropy_BT, stats, shared=cfg.train.share_prompts).items():
-            accumulate(sums, k, v)
-    if dist.world_size() > 1:
-        sums = dist.sum_dict({k: sums.get(k, 0.0) for k in RANK_SUMS})
+        _add_micro_sums(sums, micro.batch, loss, entropy_BT, stats, shared=t.share_prompts)
+    sums = sums.summed_over_ranks(RANK_SUMS)
     if state.ref_model is not None:
-        accumulate(sums, "kl_den", float(denominator))
+        sums.add("kl_den", float(denominator))
     return sums
 
 
-def _micro_loss(state: TrainState, b: Batch, divisors: dict):
-    """(loss, entropies, the loss's statistics, the KL term or None) of micro-batch ``b``."""
-    cfg, model = state.cfg, state.model
-    with autocast(model, DTYPES[cfg.model.compute_dtype], state.device):
-        logp_BT, entropy_BT = batch_logprobs(
-            model,
-            b,
-            temperature=cfg.rollout.temperature,
-            with_entropy=True,
-            share_prompts=cfg.train.share_prompts,
-        )
+def _forward_options(state: TrainState) -> dict[str, dict[str, Any]]:
+    cfg = state.cfg
+    return {
+        "autocast": {"compute_dtype": DTYPES[cfg.model.compute_dtype], "device": state.device},
+        "forward": {
+            "temperature": cfg.rollout.temperature,
+            "share_prompts": cfg.train.share_prompts,
+        },
+    }
+
+
+def micro_loss(
+    logp_BT: torch.Tensor,
+    b: Batch,
+    *,
+    algo_cfg: AlgoConfig,
+    ref_BT: torch.Tensor | None = None,
+    num_tokens: int,
+    num_seqs: int,
+    norm_len: int,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None]:
+    """(loss, the loss's statistics, the KL term or None) of micro-batch ``b`` whose current
+    log-probs are ``logp_BT``: ``algo.policy_loss`` as the ``algo`` config section sets it,
+    plus ``algo.kl_coef`` times the k3 KL to the reference's ``ref_BT`` where there is one.
+    ``num_tokens``, ``num_seqs``: the whole mini-batch's (DAPO §3.3)."""
+    a = algo_cfg
+    divisors = dict(agg=a.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
     loss, stats = algo.policy_loss(
         logp_BT,
         b.old_logprobs_BT,
         b.advantages_B,
         b.loss_mask_BT,
-        eps_low=cfg.algo.eps_low,
-        eps_high=cfg.algo.eps_high,
-        clip_ratio_c=cfg.algo.clip_ratio_c,
+        eps_low=a.eps_low,
+        eps_high=a.eps_high,
+        clip_ratio_c=a.clip_ratio_c,
         weights=b.loss_weights_BT,
-        ratio_level=cfg.algo.ratio_level,
-        loss_fn=cfg.algo.loss_fn,
+        ratio_level=a.ratio_level,
+        loss_fn=a.loss_fn,
         return_stats=True,
         **divisors,
     )
-    if state.ref_model is None:
-        return loss, entropy_BT, stats, None
-    kl = algo.aggregate(algo.kl_k3(logp_BT, b.ref_logprobs_BT), b.loss_mask_BT, **divisors)
-    return loss + cfg.algo.kl_coef * kl, entropy_BT, stats, float(kl.detach())
+    if ref_BT is None:
+        return loss, stats, None
+    kl = algo.aggregate(algo.kl_k3(logp_BT, ref_BT), b.loss_mask_BT, **divisors)
+    return loss + a.kl_coef * kl, stats, kl
 
 
-def _idle_pass(state: TrainState, episode: Episode, device) -> None:
-    """A forward and a backward that add nothing to the gradient (a zero upstream gradient)."""
-    cfg = state.cfg
-    b = collate([episode], pad_id=state.tokenizer.pad_token_id).to(device)
-    with autocast(state.model, DTYPES[cfg.model.compute_dtype], state.device):
-        logp_BT, _ = batch_logprobs(
-            state.model,
-            b,
-            temperature=cfg.rollout.temperature,
-            share_prompts=cfg.train.share_prompts,
-        )
-    logp_BT.backward(torch.zeros_like(logp_BT))
-
-
-def _micro_sums(b: Batch, loss, entropy_BT, stats, *, shared: bool) -> dict[str, float]:
-    """A micro-batch's share of the step's metrics, as sums to divide once at the end."""
+def _add_micro_sums(sums: DeviceSums, b: Batch, loss, entropy_BT, stats, *, shared: bool) -> None:
+    """A micro-batch's share of the step's metrics, as sums kept on the device (float64, as a
+    host-side sum of the values would be)."""
     slots, real = forward_slots(b, shared=shared)
-    n = float(stats["num_tokens"])
-    tokens = algo.token_sums(entropy_BT, b.old_logprobs_BT, b.loss_mask_BT)
-    return {
-        "slots": slots,
-        "real": real,
-        "tokens": n,
-        "loss": float(loss.detach()),
-        "entropy_sum": float(tokens["entropy_sum"]),
-        "prob_sum": float(tokens["prob_sum"]),
-        "clip_low": float(stats["clip_low_frac"]) * n,
-        "clip_high": float(stats["clip_high_frac"]) * n,
-        "clip_dual": float(stats["dual_clip_frac"]) * n,
-        "clip_high_prob_sum": float(stats["clip_high_prob_mean"] * stats["num_clip_high"]),
-        "num_clip_high": float(stats["num_clip_high"]),
-    }
+    n = stats["num_tokens"].double()
+    tokens = algo.token_sums(entropy_BT, b.old_logprobs_BT, b.loss_mask_BT, b.loss_index_N)
+    sums.add("slots", slots)
+    sums.add("real", real)
+    sums.add("tokens", n)
+    sums.add("loss", loss)
+    sums.add("entropy_sum", tokens["entropy_sum"])
+    sums.add("prob_sum", tokens["prob_sum"])
+    sums.add("clip_low", stats["clip_low_frac"].double() * n)
+    sums.add("clip_high", stats["clip_high_frac"].double() * n)
+    sums.add("clip_dual", stats["dual_clip_frac"].double() * n)
+    sums.add("clip_high_prob_sum", stats["clip_high_prob_mean"] * stats["num_clip_high"])
+    sums.add("num_clip_high", stats["num_clip_high"])

@@ -1,101 +1,74 @@
 """Generation on ranks of their own (``dist.rollout_ranks`` = R) under ``torchrun``.
 
 The job's last R ranks generate and the others train (:mod:`dapo.dist.roles`). The schedule
-is the one-process generator's (:mod:`dapo.training.ahead`) with k = ``train.async_staleness``:
-step t samples from the weights after update max(0, t - k), so a run repeats itself and a
-resumed run continues exactly; at k = 0 the two roles take turns.
+is the generator thread's (:mod:`dapo.training.generator_thread`) with k =
+``train.async_staleness``: step t samples from the weights after update max(0, t - k), so a
+run repeats itself and a resumed run continues exactly; at k = 0 the two roles take turns.
 
-- **The generators** (:func:`serve`) draw each step's rounds as a synchronous step does
-  (:func:`dapo.training.step.collect_step`, split over the generators as over ranks), and the
-  first of them sends the step's rollouts to every trainer: JSON and safetensors bytes, the
-  format of the checkpoint's ``rollouts.safetensors`` (nothing pickled), with the prompt
+- **The generators** (:func:`serve`) draw each step's rounds as a step drawn in turn does
+  (:func:`dapo.training.rounds.draw_step`, split over the generators as over ranks), and the
+  first of them sends the step's rollouts to every trainer in the format of the checkpoint's
+  rollouts (:func:`dapo.training.rollout_files.encode`, nothing pickled), with the prompt
   sampler's position after the step. Before a step whose weights they lack, they wait for
   the trainers' next broadcast (:mod:`dapo.dist.weight_sync`).
-- **The trainers** (:class:`Remote`, in the place of the one-process :class:`Ahead`) receive
-  each step's rollouts, train on them, and after each update start sending the new weights if
-  a later step samples from them. Evaluation runs on the trainers, on their own copy.
+- **The trainers** (:class:`GeneratorRanks`, their rollout source) receive each step's
+  rollouts, train on them, and after each update start sending the new weights if a later
+  step samples from them. Evaluation runs on the trainers, on their own copy, refreshed
+  before an evaluation (``TrainState.engine_behind``).
 - **Checkpoints.** Before a save at step s the trainers take every step the generators can
   draw (through s + k) and save them with the generators' sampler position, as the
-  one-process generator does; a resumed run tells the generators where to go on.
+  generator thread does; a resumed run tells the generators where to go on.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from dapo import dist
 from dapo.config import Config
+from dapo.data.batch import Episode
 from dapo.data.problems import Problem, PromptSampler
 from dapo.dist import roles, weight_sync
 from dapo.models.policy import DTYPES, compute_device, stop_token_ids
 from dapo.rollout import make_engine
-from dapo.training.ahead import Drawn, drawn_metrics, rollouts_from_files, rollouts_to_files
 from dapo.training.copies import frozen_dtype
-from dapo.training.exchange import Held
+from dapo.training.exchange import LocalGroups, MiniBatch
+from dapo.training.rollout_files import decode, encode, rollouts_to_files
+from dapo.training.rounds import Drawer, draw_step
 from dapo.training.sampling import SamplingResult
-
-if TYPE_CHECKING:
-    from dapo.training.step import TrainState
-
-
-# ----------------------------------------------------------------------------- messages
-
-
-def encode(drawn: Drawn, extra: dict[str, Any]) -> torch.Tensor:
-    """A step's rollouts and ``extra`` (JSON) as bytes: 8 bytes of JSON length, the JSON,
-    then the tensors in safetensors."""
-    meta, tensors = rollouts_to_files([drawn])
-    text = json.dumps({"rollouts": meta, **extra}).encode()
-    blob = st_save({k: v.detach().cpu().contiguous() for k, v in tensors.items()})
-    head = len(text).to_bytes(8, "little")
-    return torch.frombuffer(bytearray(head + text + blob), dtype=torch.uint8)
-
-
-def decode(buffer: torch.Tensor) -> tuple[Drawn, dict[str, Any]]:
-    """What :func:`encode` made."""
-    data = buffer.numpy().tobytes()
-    n = int.from_bytes(data[:8], "little")
-    message = json.loads(data[8 : 8 + n])
-    (drawn,) = rollouts_from_files(message.pop("rollouts"), st_load(data[8 + n :]), "a message")
-    return drawn, message
-
+from dapo.training.sources import StepRollouts, drawn_ahead_metrics
+from dapo.training.state import TrainState, drawer_for, reward_pool
 
 # ----------------------------------------------------------------------------- the trainers
 
 
-class Remote:
-    """The trainers' side: the :class:`~dapo.training.ahead.Ahead` interface (take,
-    finish_step, settle, close) over the generator ranks."""
-
-    generators_elsewhere = True
-    """The trainers' own engine only evaluates (``TrainState.engine_behind``)."""
+class GeneratorRanks:
+    """The trainers' rollout source: steps received from the generator ranks."""
 
     def __init__(
-        self, state: TrainState, *, restored: tuple[list[Drawn], tuple[int, int]] | None
+        self, state: TrainState, *, restored: tuple[list[StepRollouts], tuple[int, int]] | None
     ) -> None:
         cfg = state.cfg
         self.state = state
         self.k, self.limit = cfg.train.async_staleness, cfg.train.steps
+        # Taking turns (k = 0), an exact engine samples the weights being trained.
+        self.on_policy = self.k == 0 and state.engine.exact_logprobs
         self.source = roles.roles().first_generator
-        self.ready: dict[int, Drawn] = {}
+        self.ready: dict[int, StepRollouts] = {}
         self.prior = tuple(state.sampling_prior)
         if restored is not None:
-            drawn, self.prior = restored
-            self.ready = {d.step: d for d in drawn}
+            steps, self.prior = restored
+            self.ready = {s.step: s for s in steps}
         self.received = state.step + len(self.ready) - 1  # the newest step the trainers have
         self.sent: int | None = None  # the newest weights sent
-        self.current: Drawn | None = None
         self.sync_s = 0.0
-        held = frozen_dtype(state.model, DTYPES[cfg.model.compute_dtype])
-        self.sender = weight_sync.Sender(held, state.device)
+        dtype = frozen_dtype(state.model, DTYPES[cfg.model.compute_dtype])
+        self.sender = weight_sync.Sender(dtype, state.device)
         nxt = self.received + 1  # the generators' first step
         if dist.is_main():
             start = {"next": nxt, "sampler": state.sampler.state_dict()}
@@ -119,25 +92,32 @@ class Remote:
         while self.received < self._drawn_through():
             self._receive()
 
-    def take(self, state: TrainState) -> SamplingResult:
+    def take(self, state: TrainState) -> StepRollouts:
         """The rollouts of step ``state.step``, once received."""
         while state.step not in self.ready:
             self._receive()
-        drawn = self.current = self.ready.pop(state.step)
+        drawn = self.ready.pop(state.step)
+        drawn.sampler_is_policy = self.on_policy
         state.timers.update(drawn.timers)
-        return drawn.result
+        return drawn
+
+    def episodes(self, rollouts: StepRollouts, plan: list[MiniBatch]) -> list[Episode]:
+        return [e for g in rollouts.result.groups for e in g.episodes]  # whole on every rank
+
+    def weights_changed(self, state: TrainState) -> None:
+        state.engine_behind = True  # the generators get the weights; evaluation refreshes it
 
     def finish_step(
-        self, state: TrainState, result: SamplingResult, metrics: dict[str, float], waited: float
+        self, state: TrainState, rollouts: StepRollouts, metrics: dict[str, float], waited: float
     ) -> dict[str, float]:
-        """Start sending the new weights (if a later step samples from them); the async
+        """Start sending the new weights (if a later step samples from them); the step's
         metrics, with the seconds the trainers spent on the weights (their engine's copy for
         evaluation and the generators')."""
         self.sync_s = 0.0
         version = state.step + 1
         if version + self.k < self.limit:
             self._send(version)
-        out = drawn_metrics(state, self.current, result, waited)
+        out = drawn_ahead_metrics(state, rollouts, waited)
         out["perf/weight_sync_s"] = metrics.get("perf/weight_sync_s", 0.0) + self.sync_s
         return out
 
@@ -164,7 +144,7 @@ class Remote:
 # ----------------------------------------------------------------------------- the generators
 
 
-def run_generator(
+def generate_on_this_rank(
     cfg: Config,
     model: torch.nn.Module,
     tokenizer: Any,
@@ -175,9 +155,7 @@ def run_generator(
     starting weights, replaced by the trainers' before its first step). A first stop signal
     is left to the trainers (they stop the generators once they have saved); a second one
     stops this rank."""
-    from dapo.reward.custom import reward_pool
     from dapo.run.interrupt import GracefulStop
-    from dapo.training.step import TrainState
 
     device = compute_device(cfg.model.device)
     compute = DTYPES[cfg.model.compute_dtype]
@@ -188,26 +166,25 @@ def run_generator(
     )
     sampler = PromptSampler(problems, seed=cfg.train.seed)
     pool = reward_pool(cfg, reward_fn)
-    state = TrainState(cfg, model, tokenizer, None, sampler, engine, pool=pool, device=device)
+    drawer = drawer_for(
+        cfg, tokenizer=tokenizer, engine=engine, sampler=sampler, model=model, pool=pool
+    )
     try:
         with open(os.devnull, "w") as quiet, GracefulStop(stream=quiet):
-            serve(state)
+            serve(drawer, staleness=cfg.train.async_staleness, steps=cfg.train.steps, device=device)
     finally:
         pool.close()
         engine.close()
 
 
-def serve(state: TrainState) -> None:
-    """A generator rank's whole run: ``state`` holds its frozen model (in the dtype the
+def serve(drawer: Drawer, *, staleness: int, steps: int, device: torch.device) -> None:
+    """A generator rank's whole run: ``drawer`` holds its frozen model (in the dtype the
     trainers send), engine, reward pool and prompt sampler; it draws steps until the
-    trainers stop it."""
-    from dapo.training.step import collect_step  # the step module imports this one's peers
-
-    cfg = state.cfg
-    k, limit = cfg.train.async_staleness, cfg.train.steps
+    trainers stop it. ``staleness``, ``steps``: ``train.async_staleness``, ``train.steps``."""
+    k, limit = staleness, steps
     start = roles.broadcast_json(None)
-    state.sampler.load_state_dict(start["sampler"])
-    state.sampling_prior = tuple(start["prior"])
+    drawer.sampler.load_state_dict(start["sampler"])
+    prior = tuple(start["prior"])
     trainers = roles.roles().trainers
     sends = dist.global_rank() == roles.roles().first_generator
     version, pending = -1, []
@@ -216,37 +193,41 @@ def serve(state: TrainState) -> None:
         t0 = time.perf_counter()
         had = version
         while version < max(0, step - k):
-            version = weight_sync.receive(state.model, state.device)
+            version = weight_sync.receive(drawer.model, device)
             if version == weight_sync.STOP:
                 return roles.wait_sent(pending)
         if version != had:  # an engine with weights of its own (vllm) loads the new ones
-            state.engine.sync_weights(state.model)
+            drawer.engine.sync_weights(drawer.model)
         idle = time.perf_counter() - t0
-        state.step, state.timers = step, {}
+        drawer.timers = {}
         t1 = time.perf_counter()
-        held = Held()
-        result = _whole(collect_step(state, held), held)
+        local = LocalGroups()
+        result = draw_step(drawer, step=step, version=version, prior=prior, local=local)
+        prior = (result.groups_mixed, result.prompts_drawn)
+        result = _whole(result, local)
         if dist.world_size() > 1:
-            state.timers["gen_slots"] = dist.all_reduce_sum(state.timers.get("gen_slots", 0.0))
-        drawn = Drawn(step, version, result, dict(state.timers), time.perf_counter() - t1, idle)
+            drawer.timers["gen_slots"] = dist.all_reduce_sum(drawer.timers.get("gen_slots", 0.0))
+        drawn = StepRollouts(
+            step, version, result, dict(drawer.timers), time.perf_counter() - t1, idle
+        )
         if sends:
-            extra = {"sampler": state.sampler.state_dict(), "prior": list(state.sampling_prior)}
+            extra = {"sampler": drawer.sampler.state_dict(), "prior": list(prior)}
             message = encode(drawn, extra)
             roles.release_sent(pending)
             for dst in range(trainers):
                 roles.send_bytes(message, dst, pending)
         step += 1
-    while weight_sync.receive(state.model, state.device) != weight_sync.STOP:
+    while weight_sync.receive(drawer.model, device) != weight_sync.STOP:
         pass  # weights no step needs (a trainer past the limit): taken, unused
     roles.wait_sent(pending)
 
 
-def _whole(result: SamplingResult, held: Held) -> SamplingResult:
+def _whole(result: SamplingResult, local: LocalGroups) -> SamplingResult:
     """``result`` with whole groups in the place of the summaries of several generators."""
     if dist.world_size() == 1:
         return result
-    mine = [(key, g) for key, g in held.groups.items()]
-    whole = {key: g for key, g in dist.gather_lists(mine, patient=True)}
+    here = list(local.groups.items())
+    whole = {key: g for key, g in dist.gather_lists(here, patient=True)}
     swap = {id(g): whole[g.origin[:2]] for g in result.generated}
     result.groups = [swap[id(g)] for g in result.groups]
     result.generated = [swap[id(g)] for g in result.generated]

@@ -1,0 +1,128 @@
+"""Rollouts drawn ahead of training, as files and as messages: nothing pickled.
+
+A checkpoint holds the steps drawn ahead of it (a generator thread's or the generator ranks',
+through step + k) in ``rollouts.safetensors`` beside ``trainer.json``: each episode's tokens
+and log-probs as flat tensors, everything else as JSON. The generator ranks send each step
+to the trainers in the same format (:func:`encode`, :func:`decode`). A file or a message that
+does not match its JSON is an error naming it, never a wrong rollout.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from dapo.data.batch import Episode
+from dapo.run.checkpoint import CheckpointError
+from dapo.training.sampling import Group, SamplingResult
+from dapo.training.sources import StepRollouts
+
+_TENSORS = ("prompt_ids", "response_ids", "sampler_logprobs")
+_FIELDS = ("truncated", "correct", "reward", "text", "trainable", "reward_fault")
+
+
+def rollouts_to_files(drawn: list[StepRollouts]) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """Steps' rollouts as JSON (per step, group and episode) and flat tensors (each episode's
+    tokens and log-probs concatenated, with their lengths)."""
+    meta, parts = [], {name: [] for name in _TENSORS}
+    for d in drawn:
+        r = d.result
+        kept = {id(g) for g in r.groups}
+        meta.append(
+            {
+                "step": d.step,
+                "version": d.version,
+                "timers": d.timers,
+                "seconds": d.seconds,
+                "idle": d.idle,
+                "rounds": r.rounds,
+                "prompts_drawn": r.prompts_drawn,
+                "groups_mixed": r.groups_mixed,
+                "exhausted": r.exhausted,
+                "kept": [i for i, g in enumerate(r.generated) if id(g) in kept],
+                "groups": [
+                    {
+                        "uid": g.uid,
+                        "episodes": [{f: getattr(e, f) for f in _FIELDS} for e in g.episodes],
+                    }
+                    for g in r.generated
+                ],
+            }
+        )
+        for g in r.generated:
+            for e in g.episodes:
+                for name in _TENSORS:
+                    parts[name].append(getattr(e, name))
+    tensors = {}
+    for name, values in parts.items():
+        tensors[name] = torch.cat(values) if values else torch.zeros(0)
+        tensors[f"{name}_lengths"] = torch.tensor([v.numel() for v in values], dtype=torch.long)
+    return meta, tensors
+
+
+def rollouts_from_files(
+    meta: list[dict], tensors: dict[str, torch.Tensor], path: Any
+) -> list[StepRollouts]:
+    """The steps :func:`rollouts_to_files` wrote, from the JSON ``meta`` and the ``tensors``
+    read from ``path``; a file that does not match its JSON is an error naming it (a damaged
+    checkpoint), never a wrong rollout."""
+    if not meta:
+        return []
+    split = {}
+    try:
+        for name in _TENSORS:
+            lengths = tensors[f"{name}_lengths"].tolist()
+            split[name] = list(torch.split(tensors[name], lengths))
+        episodes = sum(len(g["episodes"]) for m in meta for g in m["groups"])
+        if any(len(v) != episodes for v in split.values()):
+            raise ValueError(f"{episodes} episodes in trainer.json, other counts in the file")
+        drawn, n = [], 0
+        for m in meta:
+            groups = []
+            for g in m["groups"]:
+                episodes_g = []
+                for fields in g["episodes"]:
+                    tensors_e = {name: split[name][n].clone() for name in _TENSORS}
+                    episodes_g.append(Episode(**tensors_e, **{f: fields[f] for f in _FIELDS}))
+                    n += 1
+                groups.append(Group(str(g["uid"]), episodes_g, version=int(m["version"])))
+            result = SamplingResult(
+                groups=[groups[i] for i in m["kept"]],
+                rounds=int(m["rounds"]),
+                prompts_drawn=int(m["prompts_drawn"]),
+                groups_mixed=int(m["groups_mixed"]),
+                exhausted=bool(m["exhausted"]),
+                generated=groups,
+            )
+            timers = {str(k): float(v) for k, v in m["timers"].items()}
+            step, version = int(m["step"]), int(m["version"])
+            drawn.append(StepRollouts(step, version, result, timers, m["seconds"], m["idle"]))
+    except (KeyError, ValueError, TypeError, IndexError, RuntimeError) as exc:
+        raise CheckpointError(
+            f"{path} does not match the rollouts its trainer.json lists ({exc!r}): the "
+            "checkpoint is damaged; resume from an earlier one (delete this step's directory)"
+        ) from None
+    return drawn
+
+
+def encode(drawn: StepRollouts, extra: dict[str, Any]) -> torch.Tensor:
+    """A step's rollouts and ``extra`` (JSON) as bytes: 8 bytes of JSON length, the JSON,
+    then the tensors in safetensors."""
+    meta, tensors = rollouts_to_files([drawn])
+    text = json.dumps({"rollouts": meta, **extra}).encode()
+    blob = st_save({k: v.detach().cpu().contiguous() for k, v in tensors.items()})
+    head = len(text).to_bytes(8, "little")
+    return torch.frombuffer(bytearray(head + text + blob), dtype=torch.uint8)
+
+
+def decode(buffer: torch.Tensor) -> tuple[StepRollouts, dict[str, Any]]:
+    """What :func:`encode` made."""
+    data = buffer.numpy().tobytes()
+    n = int.from_bytes(data[:8], "little")
+    message = json.loads(data[8 : 8 + n])
+    (drawn,) = rollouts_from_files(message.pop("rollouts"), st_load(data[8 + n :]), "a message")
+    return drawn, message

@@ -1,0 +1,176 @@
+"""The training state: the objects a run trains with, and the counters a resumed run restores.
+
+:class:`TrainState` holds the policy, its optimizer, the prompt sampler, the engine that
+evaluates (and, taking turns, generates), the frozen copies under ``torchrun`` and the step's
+counters; :func:`build_state` makes it from the config. The step (:mod:`dapo.training.step`)
+and its update (:mod:`dapo.training.update`) read the config sections they need from
+``state.cfg`` and hand each function below them the sections it uses; the loop
+(:mod:`dapo.training.loop`) saves and restores :meth:`TrainState.state_dict`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dapo.config import Config
+from dapo.data.problems import Problem, PromptSampler
+from dapo.dist import fsdp, tensor_parallel
+from dapo.models.policy import DTYPES, compute_device, stop_token_ids
+from dapo.reward.custom import make_resolver
+from dapo.reward.pool import RewardPool
+from dapo.rollout import Engine, make_engine
+from dapo.rollout.base import LiveModelEngine
+from dapo.run.metrics import accumulate
+from dapo.training.copies import copies_and_shards
+from dapo.training.rounds import Drawer
+
+
+@dataclass
+class TrainState:
+    cfg: Config
+    """The run's config, as checked before the run started; never written to."""
+    model: torch.nn.Module
+    tokenizer: Any
+    optimizer: torch.optim.Optimizer
+    sampler: PromptSampler
+    engine: Engine
+    """Evaluates, and draws the rollouts when they are drawn in turn; told after each step's
+    updates to sample from the new weights."""
+    ref_model: torch.nn.Module | None = None
+    pool: RewardPool | None = None
+    """Grades responses; None grades in-process (exceptions caught, hangs not stoppable)."""
+    step: int = 0
+    consecutive_skips: int = 0
+    """Updates skipped in a row for a non-finite loss or gradient norm."""
+    on_phase: Callable[[str], None] = lambda _phase: None
+    """Told each phase of a step as it starts (generate, reward, train, eval, save)."""
+    timers: dict[str, float] = field(default_factory=dict)
+    """Seconds (and counts) of the running step's phases, for the perf/* metrics."""
+    sampling_prior: tuple[int, int] = (0, 0)
+    """(mixed groups, prompts drawn) of the last step drawn in turn: its kept fraction sizes
+    the next step's rounds."""
+    sampler_logprobs_checked: bool = False  # against a forward pass, in this process
+    scaler: torch.amp.GradScaler | None = None
+    """Scales the loss of float16 computation on float32 weights (its gradients underflow
+    otherwise); None in float32 and bfloat16."""
+
+    device: torch.device = torch.device("cpu")
+    """The run's compute device (:func:`~dapo.models.policy.compute_device`): every tensor of
+    the step goes there, not where a parameter is (CPU offload keeps shards on the host)."""
+    gen_model: torch.nn.Module | None = None
+    """Under FSDP: a copy of the policy in the compute dtype that the engine samples from (a
+    sharded model's forward is a collective, and ranks generate different lengths), whole or
+    split over ``tp_mesh``'s groups, refreshed from the shards by :meth:`sync_engine`; None in
+    one process, and for the vllm engine (it loads its own weights from the shards)."""
+    engine_behind: bool = False
+    """The engine's weights are older than the policy's: with generator ranks the trainers'
+    engine only evaluates, so it is refreshed before an evaluation, not after every update."""
+    tp_mesh: Any = None
+    """With ``rollout.tp_size`` > 1: the ("dp", "tp") mesh of the ranks that generate together
+    (:mod:`dapo.dist.tensor_parallel`); None otherwise."""
+
+    def sync_engine(self) -> None:
+        """Tell the engine the weights changed (after updates, after a resume); under FSDP,
+        gather the shards into the whole copy first. Timed (``perf/weight_sync_s``) where
+        there is something to copy: a gather, or an engine with its own weights (vllm)."""
+        t0 = time.perf_counter()
+        if self.tp_mesh is not None and self.gen_model is not None:
+            tensor_parallel.fill_tp_copy(self.model, self.gen_model)
+        elif self.gen_model is not None:
+            fsdp.gather_into(self.model, self.gen_model)
+        self.engine.sync_weights(self.model if self.gen_model is None else self.gen_model)
+        if self.gen_model is not None or not isinstance(self.engine, LiveModelEngine):
+            accumulate(self.timers, "weight_sync", time.perf_counter() - t0)
+        self.engine_behind = False
+
+    def state_dict(self) -> dict[str, Any]:
+        """The counters and cursors a resumed run needs (JSON); the weights and the optimizer
+        state are saved beside them by :func:`dapo.run.checkpoint.save`."""
+        state = {
+            "step": self.step,
+            "sampler": self.sampler.state_dict(),
+            "consecutive_skips": self.consecutive_skips,
+            "sampling_prior": list(self.sampling_prior),
+        }
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = state["step"]
+        self.sampler.load_state_dict(state["sampler"])
+        self.consecutive_skips = state["consecutive_skips"]
+        self.sampling_prior = tuple(state.get("sampling_prior", (0, 0)))
+        if self.scaler is not None and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
+
+
+def drawer_for(cfg: Config, **objects: Any) -> Drawer:
+    """A drawer of rounds following ``cfg``'s sections, around ``objects`` (tokenizer, engine,
+    sampler, model; optionally pool, tp_mesh, timers, on_phase, stopping)."""
+    t = cfg.train
+    sections = (cfg.rollout, cfg.sampling, cfg.algo, cfg.data, cfg.reward.grader)
+    return Drawer(*sections, t.seed, t.prompts_per_step, **objects)
+
+
+def reward_pool(cfg: Config, reward_fn: Callable[..., Any] | None = None) -> RewardPool:
+    """The pool that grades the run's responses (``reward.*``; ``reward_fn``: the function
+    ``reward.function`` names, given in Python; code rows under ``code.*``)."""
+    r = cfg.reward
+    return RewardPool(
+        workers=r.workers,
+        timeout_s=r.timeout_s,
+        memory_mb=r.memory_mb,
+        batch_timeout_s=r.batch_timeout_s,
+        resolve=make_resolver(r.function, reward_fn, cfg.code),
+    )
+
+
+def build_state(
+    cfg: Config,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    train_problems: list[Problem],
+    device: torch.device | None = None,
+) -> TrainState:
+    """The run's state around ``model``, computing on ``device`` (default: ``model.device``'s,
+    :func:`compute_device`); under ``torchrun``, see :mod:`dapo.training.copies`."""
+    device = device or compute_device(cfg.model.device)
+    compute = DTYPES[cfg.model.compute_dtype]
+    ref_model, gen_model, tp_mesh = copies_and_shards(cfg, model, compute, device)
+    o = cfg.optim
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay
+    )
+    sampler = PromptSampler(train_problems, seed=cfg.train.seed)
+    stops = stop_token_ids(model, tokenizer, cfg.rollout.stop_token_ids)
+    engine = make_engine(
+        cfg.rollout.engine,
+        gen_model or model,
+        tokenizer,
+        stops,
+        compute,
+        vllm=vars(cfg.vllm) | ({"tensor_parallel_size": cfg.rollout.tp_size} if tp_mesh else {}),
+        device=device,
+    )
+    scaler = None
+    if compute == torch.float16 and next(model.parameters()).dtype == torch.float32:
+        scaler = torch.amp.GradScaler(device.type)
+    return TrainState(
+        cfg,
+        model,
+        tokenizer,
+        optimizer,
+        sampler,
+        engine,
+        ref_model=ref_model,
+        scaler=scaler,
+        device=device,
+        gen_model=gen_model,
+        tp_mesh=tp_mesh,
+    )
