@@ -133,15 +133,17 @@ class DeviceCheck(FakeTensorMode):
         return self.reads[site]
 
 
-def call_sites() -> list[str]:
+def call_sites(files: list[str] | None = None) -> list[str]:
     """The functions a dispatched op runs in, torch's and this file's aside, from the one
-    that called torch out to the first of dapo's."""
+    that called torch out to the first of dapo's (their files appended to ``files``)."""
     frame, sites = inspect.currentframe(), []
     while frame.f_code.co_filename == __file__:  # this file's own frames (the mode's)
         frame = frame.f_back
     while frame is not None and frame.f_code.co_filename != __file__:  # the test's: none
         if not frame.f_code.co_filename.startswith(TORCH):
             sites.append(frame.f_code.co_name)
+            if files is not None:
+                files.append(frame.f_code.co_filename)
         if frame.f_code.co_filename.startswith(PACKAGE):
             break
         frame = frame.f_back
@@ -149,9 +151,15 @@ def call_sites() -> list[str]:
 
 
 def dapo_site() -> str:
-    """The dapo function (or the library function dapo called) an op runs in."""
-    sites = call_sites()
-    return sites[-1] if sites else "(this test)"
+    """The dapo function an op runs in; a library's own (transformers' inside a forward pass)
+    is named with its library's function: ``"library: NAME (in DAPO_FUNCTION)"``."""
+    files: list[str] = []
+    sites = call_sites(files)
+    if not sites:
+        return "(this test)"
+    if not files[0].startswith(PACKAGE):
+        return f"library: {sites[0]} (in {sites[-1]})"
+    return sites[-1]
 
 
 @pytest.fixture(autouse=True)
@@ -389,7 +397,13 @@ def test_a_minibatch_update_waits_for_the_device_once_however_many_micro_batches
             assert minibatch_update(state, episodes)["updates"] == 1.0
         syncs[budget] = check.syncs
     assert len(micro_batches_of(episodes, P + T)) == 4
-    assert syncs[1000] == syncs[P + T] == ["read"]
+    # transformers before 5.0 reads its attention mask once per forward pass (a read of its
+    # own: 5.x on a GPU too, to pick SDPA's causal path); dapo's own waits are counted.
+    own = {
+        budget: [site for site in found if not site.startswith("library:")]
+        for budget, found in syncs.items()
+    }
+    assert own[1000] == own[P + T] == ["read"]
 
 
 def micro_batches_of(episodes: list[Episode], budget: int) -> list[list[int]]:
@@ -403,7 +417,7 @@ def test_the_pi_old_pass_brings_its_log_probs_back_in_one_transfer(tiny_model, t
         state = train_state("dapo", tiny_model, tokenizer)
         state.cfg.train.tokens_per_microbatch = P + T  # four micro-batches
         fill_logprobs(state.model, episodes, "old_logprobs", state)
-    assert check.syncs == ["fill_logprobs"]
+    assert [site for site in check.syncs if not site.startswith("library:")] == ["fill_logprobs"]
     assert [e.old_logprobs.shape for e in episodes] == [(e.length,) for e in episodes]
 
 
