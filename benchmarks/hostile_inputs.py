@@ -84,36 +84,78 @@ def run_directories(root: Path) -> tuple[int, int, int]:
     return len(cases), refused, sum(after.get(k) != v for k, v in before.items())
 
 
-def checkpoints(root: Path) -> tuple[int, int, bool]:
-    marker = root / "ran"
-    state = root / "state"
+def _pickled_dcp(state: Path, payload: bytes) -> None:
+    """DCP's own format, its .metadata listing a non-tensor item whose bytes are ``payload``,
+    appended to a shard: what torch's default planner unpickles."""
+    import torch.distributed.checkpoint as torch_dcp
+
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.AdamW(model.parameters())
-    dcp.save(state, model, optimizer)
-    real = (state / ".metadata").read_bytes()
-    metadata = dcp.read_metadata(real, "real")
-    for info in metadata.storage_data.values():
-        info.relative_path = "../../etc/passwd"
-    crafted = [
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    torch_dcp.save(
+        {"model": model.state_dict(), "optim": optimizer.state_dict()}, checkpoint_id=state
+    )
+    metadata = torch_dcp.FileSystemReader(str(state)).read_metadata()
+    shard = next(state.glob("*.distcp"))
+    offset = shard.stat().st_size
+    with shard.open("ab") as f:
+        f.write(payload)
+    for index, info in metadata.storage_data.items():
+        if index.fqn.startswith("optim.param_groups"):
+            info.offset, info.length = offset, len(payload)
+    (state / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+def checkpoints(root: Path) -> tuple[int, int, bool]:
+    """Crafted DCP directories: pickles where dapo's format has none (a .metadata, a bytes
+    item of a shard, a shard that is a pickle), shards outside the directory, garbled ones."""
+    marker = root / "ran"
+    payloads = [
         pickle.dumps(_RunsCode(open, str(marker), "w")),
         pickle.dumps(_RunsCode(os.system, f"touch {marker}")),
         pickle.dumps(_RunsCode(eval, f"open({str(marker)!r}, 'w')")),
         pickle.dumps(_RunsCode(exec, f"open({str(marker)!r}, 'w')")),
         pickle.dumps(_RunsCode(Path.touch, marker)),
-        pickle.dumps(torch.nn.Linear(1, 1)),
-        pickle.dumps(metadata),  # shards outside the checkpoint
-        real[: len(real) // 2],  # truncated
-        b"\x80\x04garbage",
     ]
+    cases: list[Callable[[Path], None]] = []
+    for payload in payloads:
+        cases.append(lambda d, p=payload: _pickled_dcp(d, p))  # the bytes-item attack
+        cases.append(lambda d, p=payload: (_dapo_dcp(d), (d / ".metadata").write_bytes(p)))
+        cases.append(lambda d, p=payload: _replace_shard(d, p))  # a "shard" that is a pickle
+
+    def outside(d: Path) -> None:
+        _dapo_dcp(d)
+        shard = next(d.glob("*.safetensors"))
+        shard.rename(root / f"moved-{d.name}.safetensors")
+        shard.symlink_to(root / f"moved-{d.name}.safetensors")
+
+    def truncated(d: Path) -> None:
+        _dapo_dcp(d)
+        shard = next(d.glob("*.safetensors"))
+        shard.write_bytes(shard.read_bytes()[:40])
+
+    cases += [outside, truncated, lambda d: _replace_shard(d, b"\x80\x04garbage")]
     refused = 0
-    for data in crafted:
-        (state / ".metadata").write_bytes(data)
+    for i, make in enumerate(cases):
+        state = root / f"state-{i}"
+        make(state)
         fresh = torch.nn.Linear(3, 2)
         try:
             dcp.load(state, fresh, torch.optim.AdamW(fresh.parameters()))
         except dcp.UnsafeCheckpointError:
             refused += 1
-    return len(crafted), refused, marker.exists()
+    return len(cases), refused, marker.exists()
+
+
+def _dapo_dcp(state: Path) -> None:
+    model = torch.nn.Linear(3, 2)
+    dcp.save(state, model, torch.optim.AdamW(model.parameters()))
+
+
+def _replace_shard(state: Path, data: bytes) -> None:
+    _dapo_dcp(state)
+    next(state.glob("*.safetensors")).write_bytes(data)
 
 
 def data_files(root: Path) -> tuple[int, int]:
@@ -180,7 +222,7 @@ def main() -> None:
     print("|---|---|---|---|---|")
     print(f"| run directories (--overwrite, run.name) | {runs[0]} | {runs[1]} | {runs[2]} | - |")
     ran = "yes" if ckpt[2] else "no"
-    print(f"| checkpoint metadata (DCP .metadata) | {ckpt[0]} | {ckpt[1]} | - | {ran} |")
+    print(f"| checkpoint shards (DCP) | {ckpt[0]} | {ckpt[1]} | - | {ran} |")
     print(f"| data files (JSON Lines) | {data[0]} | {data[1]} | - | - |")
     print(
         f"| model outputs x 4 verifiers | {outputs[0]} | {outputs[1]} graded wrong in < 2 s "

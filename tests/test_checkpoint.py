@@ -1,15 +1,17 @@
 """Checkpoints: exact round trip of weights, optimiser and RNG; atomic writes; pruning."""
 
 import errno
+import hashlib
 import json
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from dapo.models.demo import TinyModelSpec, tiny_qwen2
-from dapo.run import checkpoint
+from dapo.run import checkpoint, state_files
 from dapo.run.metrics import MetricsLogger
 
 SPEC = TinyModelSpec(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2)
@@ -76,10 +78,23 @@ def test_layout_pointer_and_weights_only_files(tmp_path, tokenizer):
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000003\n"
     assert (ckpt / "model" / "model.safetensors").is_file()
     manifest = json.loads((ckpt / "manifest.json").read_text())
-    assert "optimizer.pt" in manifest["files"] and "trainer.json" in manifest["files"]
-    # Both torch files load under weights_only=True: nothing in them needs unpickling code.
-    for name in ("optimizer.pt", "rng.pt"):
-        torch.load(ckpt / name, weights_only=True)
+    names = set(manifest["files"])
+    assert {"optimizer.safetensors", "optimizer.json", "rng.safetensors", "rng.json"} <= names
+    assert "trainer.json" in names
+    for rel, entry in manifest["files"].items():  # every file with its size and digest
+        data = (ckpt / rel).read_bytes()
+        assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert_nothing_pickled(ckpt)
+
+
+def assert_nothing_pickled(root: Path) -> None:
+    """No file under ``root`` is a pickle or a torch.save archive (a zip holding one): every
+    one is safetensors, JSON or text."""
+    for path in root.rglob("*"):
+        if path.is_file():
+            head = path.read_bytes()[:4]
+            assert head[:1] != b"\x80" and head != b"PK\x03\x04", path
+            assert path.suffix in {".safetensors", ".json", ".jinja", ".txt", ""}, path
 
 
 def test_keeps_only_the_newest(tmp_path, tokenizer):
@@ -93,14 +108,14 @@ def test_keeps_only_the_newest(tmp_path, tokenizer):
 def test_failed_write_leaves_previous_checkpoint_whole(tmp_path, tokenizer, monkeypatch):
     model, opt = _trained(tokenizer, seed=0)
     _save(tmp_path, model, tokenizer, opt, step=1)
-    real_save = torch.save
+    real_save = state_files.save_file
 
-    def full_disk(obj, path, *a, **k):
-        if str(path).endswith("rng.pt"):
+    def full_disk(tensors, path, *a, **k):
+        if str(path).endswith("rng.safetensors"):
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real_save(obj, path, *a, **k)
+        return real_save(tensors, path, *a, **k)
 
-    monkeypatch.setattr(torch, "save", full_disk)
+    monkeypatch.setattr(state_files, "save_file", full_disk)
     with pytest.raises(checkpoint.CheckpointError) as err:
         _save(tmp_path, model, tokenizer, opt, step=2)
     msg = str(err.value)
@@ -115,15 +130,45 @@ def test_find_latest_skips_a_damaged_checkpoint(tmp_path, tokenizer):
     model, opt = _trained(tokenizer, seed=0)
     _save(tmp_path, model, tokenizer, opt, step=1)
     newest = _save(tmp_path, model, tokenizer, opt, step=2)
-    with (newest / "optimizer.pt").open("r+b") as f:
+    with (newest / "optimizer.safetensors").open("r+b") as f:
         f.truncate(10)
+    files = json.loads((newest / "manifest.json").read_text())["files"]
     assert checkpoint.verify(newest).endswith(
-        "the manifest says "
-        + str(json.loads((newest / "manifest.json").read_text())["files"]["optimizer.pt"])
+        f"the manifest says {files['optimizer.safetensors']['bytes']}"
     )
     assert checkpoint.find_latest(tmp_path).name == "step_000001"
     with pytest.raises(checkpoint.CheckpointError, match="incomplete"):
         checkpoint.load(newest, model=model, optimizer=opt)
+
+
+def test_a_file_altered_at_its_size_is_named_before_anything_is_read(tmp_path, tokenizer):
+    """Sizes are what finding the latest checkpoint checks (fast); resuming checks every
+    file's SHA-256, so one byte changed is caught before the file is read."""
+    model, opt = _trained(tokenizer, seed=0)
+    ckpt = _save(tmp_path, model, tokenizer, opt, step=1)
+    path = ckpt / "rng.json"
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 1  # a digit of the numpy state's cached float: still valid JSON
+    path.write_bytes(bytes(data))
+    assert checkpoint.verify(ckpt) is None  # the size is the same
+    assert checkpoint.find_latest(tmp_path) == ckpt
+    assert "rng.json is not the file that was written" in checkpoint.verify(ckpt, digests=True)
+    with pytest.raises(checkpoint.CheckpointError, match=r"altered: .*rng.json is not the file"):
+        checkpoint.load(ckpt, model=model, optimizer=opt)
+
+
+def test_a_checkpoint_of_the_pickled_format_is_refused_naming_the_fix(tmp_path, tokenizer):
+    model, opt = _trained(tokenizer, seed=0)
+    ckpt = _save(tmp_path, model, tokenizer, opt, step=1)
+    trainer = json.loads((ckpt / "trainer.json").read_text())
+    (ckpt / "trainer.json").write_text(json.dumps({**trainer, "format_version": 1}))
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    entry = manifest["files"]["trainer.json"]
+    data = (ckpt / "trainer.json").read_bytes()
+    entry.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(checkpoint.CheckpointError, match=r"before 0\.3 .*format 1.*pickled.*"):
+        checkpoint.load(ckpt, model=model, optimizer=opt)
 
 
 def test_refuses_to_save_non_finite_weights(tmp_path, tokenizer):

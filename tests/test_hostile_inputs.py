@@ -209,36 +209,107 @@ def _sharded_checkpoint(path: Path) -> tuple[torch.nn.Module, torch.optim.Optimi
     return model, optimizer
 
 
-def test_crafted_checkpoint_metadata_is_refused_and_runs_nothing(tmp_path):
-    state = tmp_path / "state"
-    model, _ = _sharded_checkpoint(state)
-    fresh = torch.nn.Linear(3, 2)
-    dcp.load(state, fresh, torch.optim.AdamW(fresh.parameters()))  # the real one loads
-    assert torch.equal(fresh.weight, model.weight)
+def _fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = torch.nn.Linear(3, 2)
+    return model, torch.optim.AdamW(model.parameters())
 
-    marker = tmp_path / "pwned"
+
+def test_a_sharded_checkpoint_is_safetensors_and_json_and_loads(tmp_path):
+    state = tmp_path / "state"
+    model, optimizer = _sharded_checkpoint(state)
+    assert sorted(p.suffix for p in state.iterdir()) == [".json", ".safetensors"]
+    for shard in state.glob("*.safetensors"):  # a JSON header, then raw tensor bytes
+        assert shard.read_bytes()[8:9] == b"{"
+    fresh, fresh_opt = _fresh()
+    dcp.load(state, fresh, fresh_opt)
+    assert torch.equal(fresh.weight, model.weight)
+    assert fresh_opt.state_dict()["param_groups"] == optimizer.state_dict()["param_groups"]
+
+
+def _pickled_checkpoint(state: Path, marker: Path) -> None:
+    """The attack on DCP's own format: its .metadata lists a non-tensor item whose bytes, in a
+    shard, are a pickle that creates ``marker`` when torch's planner unpickles it."""
+    import torch.distributed.checkpoint as torch_dcp
+
+    model, optimizer = _fresh()
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    torch_dcp.save(
+        {"model": model.state_dict(), "optim": optimizer.state_dict()}, checkpoint_id=state
+    )
+    metadata = torch_dcp.FileSystemReader(str(state)).read_metadata()
+    shard = next(state.glob("*.distcp"))
     evil = pickle.dumps(_CreatesAFile(marker))
-    (state / ".metadata").write_bytes(evil)
-    with pytest.raises(
-        dcp.UnsafeCheckpointError,
-        match="asks for io.open, which no torch.distributed checkpoint holds",
-    ):
-        dcp.load(state, fresh, torch.optim.AdamW(fresh.parameters()))
+    offset = shard.stat().st_size
+    with shard.open("ab") as f:
+        f.write(evil)
+    for index, info in metadata.storage_data.items():
+        if index.fqn == "optim.param_groups.0.lr":  # a bytes item: torch.load(weights_only=False)
+            info.offset, info.length = offset, len(evil)
+    (state / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+def test_a_pickled_dcp_checkpoint_is_refused_and_runs_nothing(tmp_path):
+    import torch.distributed.checkpoint as torch_dcp
+
+    state, marker = tmp_path / "state", tmp_path / "pwned"
+    _pickled_checkpoint(state, marker)
+    fresh, fresh_opt = _fresh()
+    with pytest.raises(dcp.UnsafeCheckpointError, match=r"holds a pickled checkpoint \(\.metadata"):
+        dcp.load(state, fresh, fresh_opt)
     assert not marker.exists()
-    pickle.loads(evil)  # what torch's own reader (pickle.load) would have done
+    # What torch's own reader and planner would have done with it: run the payload (then fail
+    # on what it returned).
+    target = {"model": fresh.state_dict(), "optim": fresh_opt.state_dict()}
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with pytest.raises(CheckpointException):
+        torch_dcp.load(target, checkpoint_id=state)
     assert marker.exists()
 
 
-def test_checkpoint_metadata_pointing_outside_its_directory_is_refused(tmp_path):
+def test_the_load_planner_refuses_an_item_that_is_not_a_tensor():
+    item = type("Item", (), {"dest_index": type("Index", (), {"fqn": "optim.param_groups"})()})()
+    with pytest.raises(dcp.UnsafeCheckpointError, match="non-tensor item 'optim.param_groups'"):
+        dcp.TensorsOnlyPlanner().load_bytes(item, b"\x80\x04")
+
+
+def test_shards_outside_the_directory_and_garbled_shards_are_refused(tmp_path):
     state = tmp_path / "state"
     _sharded_checkpoint(state)
-    metadata = dcp.read_metadata((state / ".metadata").read_bytes(), "test")
-    for info in metadata.storage_data.values():
-        info.relative_path = "../../secret"
-    (state / ".metadata").write_bytes(pickle.dumps(metadata))
-    fresh = torch.nn.Linear(3, 2)
+    shard = next(state.glob("*.safetensors"))
+    elsewhere = tmp_path / "elsewhere.safetensors"
+    shard.rename(elsewhere)
+    (state / shard.name).symlink_to(elsewhere)
     with pytest.raises(dcp.UnsafeCheckpointError, match="outside its directory"):
-        dcp.load(state, fresh, torch.optim.AdamW(fresh.parameters()))
+        dcp.load(state, *_fresh())
+    (state / shard.name).unlink()
+    (state / shard.name).write_bytes(b"\xff" * 64)  # not safetensors
+    with pytest.raises(dcp.UnsafeCheckpointError, match="unreadable checkpoint shards"):
+        dcp.load(state, *_fresh())
+
+
+def _load_on_rank(rank: int, port: int, state: str, out: str) -> None:
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
+    )
+    try:
+        dcp.load(Path(state), *_fresh())
+    except dcp.UnsafeCheckpointError as exc:
+        Path(out, f"refused_{rank}").write_text(str(exc))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_two_ranks_refuse_the_pickled_checkpoint_and_run_nothing(tmp_path):
+    from helpers import spawn_ranks
+
+    state, marker = tmp_path / "state", tmp_path / "pwned"
+    _pickled_checkpoint(state, marker)
+    spawn_ranks(_load_on_rank, str(state), str(tmp_path))
+    for rank in range(2):
+        assert "holds a pickled checkpoint" in (tmp_path / f"refused_{rank}").read_text()
+    assert not marker.exists()
 
 
 # --- ranks end with their launcher ---------------------------------------------------------------

@@ -177,7 +177,8 @@ def test_torchrun_two_ranks_is_the_one_process_run(runs):
     assert printed.count("step    3") == 1  # rank 0 prints; rank 1's output is silenced
     _same_run(out / "one", out / "two")
     ckpt = out / "two" / "checkpoints" / "step_000003"
-    assert {p.name for p in (ckpt / "rng").iterdir()} == {"rank_0.pt", "rank_1.pt"}
+    names = {p.name for p in (ckpt / "rng").iterdir()}
+    assert names == {f"rank_{r}.{x}" for r in (0, 1) for x in ("json", "safetensors")}
     assert json.loads((ckpt / "trainer.json").read_text())["world_size"] == 2
 
 

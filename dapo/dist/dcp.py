@@ -1,27 +1,29 @@
 """Sharded checkpoints with ``torch.distributed.checkpoint`` (DCP): every rank writes its own
 shards in parallel, and a checkpoint loads at any world size, one process included, because
-DCP stores each tensor's global shape and reshards on load.
+each shard records where it lies in the whole tensor and DCP reshards on load.
 
-The state is keyed by parameter name (``get_state_dict``), for the model and the optimizer
-alike, so that no rank or parameter index is written into the checkpoint.
-
-A checkpoint from elsewhere is data, not code: DCP writes its ``.metadata`` with pickle and
-torch's reader loads it with ``pickle.load``, which runs whatever a crafted file asks for.
-:class:`SafeReader` reads it through an unpickler that admits only the classes DCP's metadata
-is made of; the shards' non-tensor items are read by torch with ``weights_only=True``.
+A checkpoint from elsewhere is data, not code, so nothing in one is pickled. DCP's default
+files are: its ``.metadata`` is a pickle, and its default load planner reads every non-tensor
+item (the optimizer's learning rate, betas ...) with ``torch.load(weights_only=False)``, which
+runs whatever a crafted shard asks for. Here the shards are safetensors files (DCP's Hugging
+Face storage: tensors and a JSON header, each shard's offsets in it), there is no
+``.metadata`` (the reader rebuilds it from the shards' headers), every value that is not a
+tensor is JSON (``optimizer.json``), and the load planner refuses any item that is not a
+tensor. A directory in the pickled format of dapo before 0.3 is refused before anything in it
+is read.
 """
 
 from __future__ import annotations
 
-import io
-import pickle
+import json
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -32,106 +34,190 @@ from torch.distributed.checkpoint.state_dict import (
 
 from dapo import dist
 
-
-# (module, name) -> allowed: DCP's metadata records, torch's sizes, dtypes and layouts, a path.
-_METADATA_CLASSES = {
-    ("torch.distributed.checkpoint.metadata", name)
-    for name in (
-        "Metadata",
-        "StorageMeta",
-        "MetadataIndex",
-        "TensorProperties",
-        "TensorStorageMetadata",
-        "ChunkStorageMetadata",
-        "BytesStorageMetadata",
-        "_MEM_FORMAT_ENCODING",
-    )
-} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-    ("collections", "OrderedDict"),
-}
+OPTIMIZER_JSON = "optimizer.json"
+"""The optimizer's values that are not tensors (each group's settings), beside the shards."""
+_PICKLED = ".metadata"  # DCP's default metadata file: a pickle
 
 
 class UnsafeCheckpointError(ValueError):
-    """A checkpoint's metadata asks for something that is not checkpoint metadata."""
+    """A checkpoint holds something that is not tensors and JSON, or points outside itself."""
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _METADATA_CLASSES:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise UnsafeCheckpointError(f"{module}.{name}")
+# ----------------------------------------------------------------------------- JSON
 
 
-def read_metadata(data: bytes, where: str) -> Any:
-    """DCP's metadata from the bytes of a ``.metadata`` file, refusing anything else."""
-    try:
-        return _MetadataUnpickler(io.BytesIO(data)).load()
-    except UnsafeCheckpointError as exc:
+def to_json(value: Any) -> Any:
+    """``value`` (numbers, strings, None, lists, tuples, dicts with string or integer keys) as
+    JSON that :func:`from_json` turns back into it exactly: a tuple is ``{"__tuple__": [...]}``
+    and a dict with integer keys ``{"__int_keys__": [[k, v], ...]}``. Anything else (a tensor
+    among an optimizer's settings, say) is a TypeError naming it."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, tuple):
+        return {"__tuple__": [to_json(v) for v in value]}
+    if isinstance(value, list):
+        return [to_json(v) for v in value]
+    if isinstance(value, dict):
+        if all(isinstance(k, str) for k in value):
+            return {k: to_json(v) for k, v in value.items()}
+        if all(isinstance(k, int) for k in value):
+            return {"__int_keys__": [[k, to_json(v)] for k, v in value.items()]}
+    raise TypeError(f"{type(value).__name__} {value!r} cannot be saved as JSON")
+
+
+def from_json(value: Any) -> Any:
+    """What :func:`to_json` was given."""
+    if isinstance(value, list):
+        return [from_json(v) for v in value]
+    if isinstance(value, dict):
+        if set(value) == {"__tuple__"}:
+            return tuple(from_json(v) for v in value["__tuple__"])
+        if set(value) == {"__int_keys__"}:
+            return {int(k): from_json(v) for k, v in value["__int_keys__"]}
+        return {k: from_json(v) for k, v in value.items()}
+    return value
+
+
+def split_optimizer_state(
+    optim_sd: dict[str, Any],
+) -> tuple[dict[str, dict[Any, dict[str, torch.Tensor]]], dict[str, Any]]:
+    """An optimizer's state dict as its tensors (``{"state": {param: {name: tensor}}}``) and
+    the rest, as JSON (``param_groups``, and any per-parameter value that is not a tensor)."""
+    tensors: dict[Any, dict[str, torch.Tensor]] = {}
+    others: dict[Any, dict[str, Any]] = {}
+    for param, entries in optim_sd["state"].items():
+        tensors[param] = {k: v for k, v in entries.items() if isinstance(v, torch.Tensor)}
+        rest = {k: v for k, v in entries.items() if not isinstance(v, torch.Tensor)}
+        if rest:
+            others[param] = rest
+    rest_json = {"param_groups": to_json(optim_sd["param_groups"]), "state": to_json(others)}
+    return {"state": tensors}, rest_json
+
+
+def join_optimizer_state(
+    tensors: dict[str, dict[Any, dict[str, torch.Tensor]]], rest_json: dict[str, Any]
+) -> dict[str, Any]:
+    """The state dict :func:`split_optimizer_state` split."""
+    state = {param: dict(entries) for param, entries in tensors["state"].items()}
+    for param, entries in from_json(rest_json["state"]).items():
+        state.setdefault(param, {}).update(entries)
+    return {"state": state, "param_groups": from_json(rest_json["param_groups"])}
+
+
+# ----------------------------------------------------------------------------- reading safely
+
+
+class TensorsOnlyPlanner(DefaultLoadPlanner):
+    """DCP's load planner, except that an item that is not a tensor is refused: DCP's own
+    reads one with ``torch.load(weights_only=False)``."""
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
         raise UnsafeCheckpointError(
-            f"{where}: the checkpoint's metadata asks for {exc}, which no torch.distributed "
-            "checkpoint holds; it was not read and nothing in it ran. Resume only from a run "
+            f"the checkpoint holds a non-tensor item {read_item.dest_index.fqn!r}, which dapo "
+            "never writes and does not read (it would be unpickled). Resume only from a run "
             "directory dapo wrote (or restore the checkpoint from a copy you trust)"
-        ) from None
-    except Exception as exc:  # a truncated or garbled file: any unpickling error
-        raise UnsafeCheckpointError(
-            f"{where}: unreadable checkpoint metadata ({type(exc).__name__}: {exc})"
-        ) from None
+        )
 
 
-class SafeReader(FileSystemReader):
-    """torch's file-system reader, with ``.metadata`` read by :func:`read_metadata`."""
+class SafeReader(HuggingFaceStorageReader):
+    """DCP's safetensors reader, over the shards of one directory only."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        path = Path(self._get_metadata_path(kwargs.get("rank")))
-        metadata = read_metadata(path.read_bytes(), str(path))
-        # Shards are files of this directory: a crafted path must not read one elsewhere.
-        for info in (getattr(metadata, "storage_data", None) or {}).values():
-            name = getattr(info, "relative_path", "")
-            if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+        where = Path(self.path)
+        try:
+            metadata = super().read_metadata(*args, **kwargs)
+        except Exception as exc:  # a truncated or garbled shard: safetensors' own error
+            raise UnsafeCheckpointError(
+                f"{where}: unreadable checkpoint shards ({type(exc).__name__}: {exc})"
+            ) from None
+        for info in metadata.storage_data.values():
+            path = Path(info.relative_path)
+            if path.parent.resolve() != where.resolve() or path.is_symlink():
                 raise UnsafeCheckpointError(
-                    f"{path}: the checkpoint's metadata points at {name!r}, outside its "
-                    "directory; it was not read. Resume only from a run directory dapo wrote"
+                    f"{where}: the checkpoint reads {path}, outside its directory; it was not "
+                    "read. Resume only from a run directory dapo wrote"
                 )
-        # What torch's own read_metadata adds after loading.
-        if getattr(metadata, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        if not metadata.state_dict_metadata:
+            raise UnsafeCheckpointError(f"{where}: no checkpoint shards (*.safetensors)")
         return metadata
 
 
+def check_format(path: Path) -> None:
+    """Refuse a directory of DCP's pickled format before anything in it is read."""
+    if (Path(path) / _PICKLED).exists():
+        raise UnsafeCheckpointError(
+            f"{path} holds a pickled checkpoint ({_PICKLED}: written by dapo before 0.3, or "
+            "not by dapo), which dapo does not read: a pickle can run code. Resume it with the "
+            "dapo that wrote it, or start the run again"
+        )
+
+
+# ----------------------------------------------------------------------------- save and load
+
+
+def tied_aliases(model_sd: dict[str, Any]) -> dict[str, str]:
+    """``{key: the earlier key whose tensor it is}`` for weights tied to another (a head that
+    is the input embedding): safetensors stores a tensor once, under its first key."""
+    seen: dict[tuple, str] = {}
+    aliases = {}
+    for key, value in model_sd.items():
+        local = value.to_local() if hasattr(value, "to_local") else value
+        if not isinstance(local, torch.Tensor):
+            continue
+        where = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape))
+        if where in seen and local.numel():
+            aliases[key] = seen[where]
+        else:
+            seen.setdefault(where, key)
+    return aliases
+
+
 def save(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Write the model's and the optimizer's state (each rank its shards) under ``path``."""
+    """Write the model's and the optimizer's tensors (each rank its shards, safetensors; a
+    tied weight once) under ``path``, and the optimizer's other values as JSON (rank 0)."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.save(state, checkpoint_id=str(path), process_group=dist.group())
+    for alias in tied_aliases(model_sd):
+        del model_sd[alias]
+    optim_tensors, optim_json = split_optimizer_state(optim_sd)
+    state = {"model": model_sd, "optim": optim_tensors}
+    writer = HuggingFaceStorageWriter(str(path), save_distributed=True)
+    dcp.save(state, storage_writer=writer, process_group=dist.group())
+    if dist.is_main():
+        (Path(path) / OPTIMIZER_JSON).write_text(json.dumps(optim_json) + "\n")
+    dist.barrier()
 
 
 def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Read a checkpoint :func:`save` wrote, at this world size (sharded or one process)."""
-    # Checked here first, so that a crafted file is refused with its own message rather than
+    check_format(path)
+    # Read here first, so that a bad directory is refused with its own message rather than
     # inside DCP's collective error report (the reader checks again as DCP reads).
     SafeReader(str(path)).read_metadata()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    aliases = tied_aliases(model_sd)
+    optim_tensors, _ = split_optimizer_state(optim_sd)
+    state = {"model": {k: v for k, v in model_sd.items() if k not in aliases}}
+    state["optim"] = optim_tensors
     with warnings.catch_warnings():
         # One process reading shards is intended here, not a missing process group.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=SafeReader(str(path)), process_group=dist.group())
-    set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
-    )
+        dcp.load(
+            state,
+            storage_reader=SafeReader(str(path)),
+            planner=TensorsOnlyPlanner(),
+            process_group=dist.group(),
+        )
+    try:
+        optim_json = json.loads((Path(path) / OPTIMIZER_JSON).read_text())
+        optim = join_optimizer_state(state["optim"], optim_json)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UnsafeCheckpointError(
+            f"{Path(path) / OPTIMIZER_JSON} is missing or unreadable ({exc!r}): the checkpoint "
+            "is damaged; resume from an earlier one (delete this step's directory)"
+        ) from None
+    for alias, source in aliases.items():
+        state["model"][alias] = state["model"][source]
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=optim)
 
 
 def load_full(

@@ -4,17 +4,20 @@ A checkpoint is a directory ``checkpoints/step_NNNNNN`` in the run directory:
 
 - ``model/``: the policy as ``save_pretrained`` writes it (safetensors, loadable by Hugging Face)
   and its tokenizer;
-- ``optimizer.pt``: the optimiser state (tensors and numbers only, read with weights_only=True);
-- ``rng.pt``: python, numpy and torch (CPU and CUDA) generator states;
+- ``optimizer.safetensors`` and ``optimizer.json``: the optimiser's tensors, and its settings;
+- ``rng.safetensors`` and ``rng.json``: python, numpy and torch (CPU and CUDA) generator states;
 - ``trainer.json``: step counters, the prompt-order cursor, the metrics offset, carry-over;
 - ``rollouts.safetensors``: with ``train.async_staleness`` or ``dist.rollout_ranks``, the
   rollouts already drawn for the next steps (:mod:`dapo.training.rollout_files`; their JSON
   part is in ``trainer.json``);
-- ``manifest.json``: every file with its size, written last.
+- ``manifest.json``: every file with its size and SHA-256, written last.
 
 It is written into a temporary directory, fsynced, renamed into place, and only then is the
 ``latest`` pointer replaced, so kill -9 at any instant leaves the previous checkpoint whole.
-Nothing is unpickled: ``torch.load`` runs with ``weights_only=True``.
+Nothing in a checkpoint is pickled: tensors are safetensors, everything else JSON
+(:mod:`dapo.run.state_files`). Resuming checks every file against the manifest's SHA-256, so a
+file altered after it was written is named, not read; finding the latest checkpoint checks
+sizes only.
 """
 
 from __future__ import annotations
@@ -33,7 +36,12 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-FORMAT_VERSION = 1
+from dapo.run import manifest, state_files
+from dapo.run.manifest import verify  # also checkpoint.verify, as callers have named it
+
+FORMAT_VERSION = 2
+"""2: nothing pickled (the optimizer's state and the generators' as safetensors and JSON, DCP
+shards as safetensors) and a SHA-256 per file in the manifest; 1: dapo before 0.3."""
 CKPT_DIR = "checkpoints"
 LATEST = "latest"
 _STEP_RE = re.compile(r"^step_(\d{6,})$")
@@ -176,8 +184,8 @@ def save(
         tmp.mkdir()
         model.save_pretrained(tmp / "model", safe_serialization=True)
         tokenizer.save_pretrained(tmp / "model")
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(capture_rng(device), tmp / "rng.pt")
+        state_files.save_optimizer(optimizer.state_dict(), tmp / "optimizer")
+        state_files.save_rng(capture_rng(device), tmp / "rng")
         if rollouts is not None:
             save_file(rollouts, tmp / ROLLOUTS_FILE)
         trainer = {"format_version": FORMAT_VERSION, "step": step, **trainer_state}
@@ -197,15 +205,11 @@ def save(
     return final
 
 
-def publish(tmp: Path, final: Path, step: int) -> None:
-    """The last moves of a save: the manifest of every file in ``tmp``, written last, an
-    fsync, the rename to ``final`` (replacing a step re-run after a resume whole), and the
-    ``latest`` pointer."""
-    files = {
-        str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()
-    }
-    manifest = {"format_version": FORMAT_VERSION, "step": step, "files": files}
-    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+def publish(tmp: Path, final: Path, step: int, digests: dict[str, str] | None = None) -> None:
+    """The last moves of a save: the manifest of every file in ``tmp`` (its size and SHA-256;
+    ``digests``: those already taken, by file), written last, an fsync, the rename to
+    ``final`` (replacing a step re-run after a resume whole), and the ``latest`` pointer."""
+    manifest.write(tmp, FORMAT_VERSION, step, digests)
     fsync_tree(tmp)
     if final.exists():
         shutil.rmtree(final)
@@ -234,24 +238,6 @@ def read_pointer(run_dir: Path) -> Path | None:
     name = pointer.read_text().strip()
     # Only a checkpoint of this run: a pointer edited to lead elsewhere is ignored.
     return pointer.parent / name if _STEP_RE.match(name) else None
-
-
-def verify(ckpt: Path) -> str | None:
-    """None if ``ckpt`` is complete (every manifest file present at its size), else why not."""
-    manifest = ckpt / "manifest.json"
-    if not manifest.is_file():
-        return f"{ckpt} has no manifest.json"
-    try:
-        files = json.loads(manifest.read_text())["files"]
-    except (ValueError, KeyError) as exc:
-        return f"{manifest} is unreadable: {exc}"
-    for rel, size in files.items():
-        path = ckpt / rel
-        if not path.is_file():
-            return f"{path} is missing"
-        if path.stat().st_size != size:
-            return f"{path} is {path.stat().st_size} bytes, the manifest says {size}"
-    return None
 
 
 def find_latest(run_dir: Path) -> Path | None:
@@ -306,25 +292,44 @@ def load(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     device: torch.device | None = None,
+    verified: bool = False,
 ) -> dict:
     """Restore weights, optimiser and RNG (``device``'s generator too) from ``ckpt``; return
-    its trainer state."""
-    problem = verify(ckpt)
-    if problem is not None:
-        raise CheckpointError(f"checkpoint {ckpt} is incomplete: {problem}")
-    trainer = json.loads((ckpt / "trainer.json").read_text())
-    if trainer.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"{ckpt} has checkpoint format {trainer.get('format_version')}, this dapo reads "
-            f"format {FORMAT_VERSION}"
-        )
+    its trainer state. Every file is checked against the manifest's digest first, unless the
+    caller has (``verified``)."""
+    trainer = read_trainer_state(ckpt, digests=not verified)
     load_weights(model, ckpt / "model")
-    # load_state_dict moves each state tensor to its parameter's device (step counters stay
-    # on the CPU where torch keeps them).
-    optimizer.load_state_dict(
-        torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True)
-    )
-    restore_rng(torch.load(ckpt / "rng.pt", map_location="cpu", weights_only=True), device)
+    try:
+        # load_state_dict moves each state tensor to its parameter's device (step counters
+        # stay on the CPU where torch keeps them).
+        optimizer.load_state_dict(state_files.load_optimizer(ckpt / "optimizer"))
+        restore_rng(state_files.load_rng(ckpt / "rng"), device)
+    except state_files.StateFileError as exc:
+        raise CheckpointError(str(exc)) from None
+    return trainer
+
+
+def read_trainer_state(ckpt: Path, *, digests: bool | tuple[int, int] = True) -> dict:
+    """``trainer.json`` of a checkpoint whose every file is the one written (``digests``: as
+    :func:`verify` takes it), in this format."""
+    problem = verify(ckpt, digests=digests)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {ckpt} is incomplete or altered: {problem}")
+    try:
+        trainer = json.loads((ckpt / "trainer.json").read_text())
+        version = trainer.get("format_version")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise CheckpointError(f"{ckpt / 'trainer.json'} is unreadable: {exc!r}") from None
+    if version == 1:
+        raise CheckpointError(
+            f"{ckpt} was written by dapo before 0.3 (checkpoint format 1), whose optimizer "
+            "and generator states are pickled; this dapo reads no pickle from a checkpoint. "
+            "Resume it with the dapo that wrote it, or start the run again"
+        )
+    if version != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{ckpt} has checkpoint format {version}, this dapo reads format {FORMAT_VERSION}"
+        )
     return trainer
 
 

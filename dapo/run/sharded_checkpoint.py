@@ -3,8 +3,10 @@ as :mod:`dapo.run.checkpoint`, with the weights and the optimizer state in ``sta
 ``torch.distributed.checkpoint`` shards that every rank writes in parallel.
 
 A checkpoint directory then holds ``state/`` (DCP: loadable at any world size, one process
-included), ``rng/rank_N.pt`` (each rank's generators), ``model/`` (config and tokenizer, no
-weights), ``trainer.json`` (one global data cursor and the counters) and ``manifest.json``.
+included; safetensors shards and the optimizer's settings as JSON), ``rng/rank_N.*`` (each
+rank's generators, safetensors and JSON), ``model/`` (config and tokenizer, no weights),
+``trainer.json`` (one global data cursor and the counters) and ``manifest.json`` (each file's
+size and SHA-256: every rank hashes a share of the files, on saving and on resuming).
 Either kind of checkpoint resumes at any world size: :func:`load` reads both.
 """
 
@@ -21,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from dapo import dist
 from dapo.dist import dcp, fsdp
-from dapo.run import checkpoint
+from dapo.run import checkpoint, manifest, state_files
 from dapo.run.checkpoint import CheckpointError
 
 
@@ -55,12 +57,13 @@ def save(
         (tmp / "rng").mkdir(parents=True)
     dist.barrier()
     dcp.save(tmp / "state", model, optimizer)
-    torch.save(checkpoint.capture_rng(device), tmp / "rng" / f"rank_{dist.rank()}.pt")
+    state_files.save_rng(checkpoint.capture_rng(device), tmp / "rng" / f"rank_{dist.rank()}")
     dist.barrier()
+    digests = _shared_digests(tmp)
     problem = None
     if dist.is_main():
         try:
-            _finish(tmp, root / name, step, model, tokenizer, trainer_state, rollouts)
+            _finish(tmp, root / name, step, model, tokenizer, trainer_state, rollouts, digests)
         except OSError as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             problem = f"could not write the checkpoint of step {step} under {root}: {exc}"
@@ -72,7 +75,17 @@ def save(
     return root / name
 
 
-def _finish(tmp: Path, final: Path, step: int, model, tokenizer, trainer_state, rollouts) -> None:
+def _shared_digests(tmp: Path) -> dict[str, str]:
+    """The SHA-256 of every file under ``tmp`` so far, each rank hashing a share of them."""
+    names = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+    names = dist.broadcast(names)  # rank 0's listing: the one the manifest is made from
+    mine = names[dist.rank() :: dist.world_size()]
+    return dict(dist.gather_lists([(n, manifest.sha256(tmp / n)) for n in mine], patient=True))
+
+
+def _finish(
+    tmp: Path, final: Path, step: int, model, tokenizer, trainer_state, rollouts, digests
+) -> None:
     if rollouts is not None:
         save_file(rollouts, tmp / checkpoint.ROLLOUTS_FILE)
     model.config.save_pretrained(tmp / "model")
@@ -84,7 +97,7 @@ def _finish(tmp: Path, final: Path, step: int, model, tokenizer, trainer_state, 
         **trainer_state,
     }
     (tmp / "trainer.json").write_text(json.dumps(trainer, indent=1) + "\n")
-    checkpoint.publish(tmp, final, step)
+    checkpoint.publish(tmp, final, step, digests)
 
 
 def load(
@@ -96,31 +109,33 @@ def load(
 ) -> dict:
     """Restore weights, optimizer and generators from a checkpoint of either kind, written at
     any world size, into ``model`` (sharded or not); return its trainer state."""
-    problem = checkpoint.verify(ckpt)
-    if problem is not None:
-        raise CheckpointError(f"checkpoint {ckpt} is incomplete: {problem}")
-    trainer = json.loads((ckpt / "trainer.json").read_text())
-    if trainer.get("format_version") != checkpoint.FORMAT_VERSION:
-        raise CheckpointError(
-            f"{ckpt} has checkpoint format {trainer.get('format_version')}, this dapo reads "
-            f"format {checkpoint.FORMAT_VERSION}"
-        )
-    if (ckpt / "state").is_dir():
-        dcp.load(ckpt / "state", model, optimizer)
-        # Each rank its own generators; a rank the checkpoint did not have takes rank 0's.
-        rng = ckpt / "rng" / f"rank_{dist.rank()}.pt"
-        rng = rng if rng.is_file() else ckpt / "rng" / "rank_0.pt"
-    elif fsdp.is_sharded(model):  # written by one process: whole tensors, sharded on load
-        weights = {}
-        for shard in sorted((ckpt / "model").glob("*.safetensors")):
-            weights.update(load_file(shard))
-        _add_tied(model, weights)
-        optim = torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True)
-        dcp.load_full(model, optimizer, weights, optim)
-        rng = ckpt / "rng.pt"
-    else:
-        return checkpoint.load(ckpt, model=model, optimizer=optimizer, device=device)
-    checkpoint.restore_rng(torch.load(rng, map_location="cpu", weights_only=True), device)
+    # Every file is checked against the manifest's digest, each rank hashing a share.
+    problem = checkpoint.verify(ckpt, digests=(dist.rank(), dist.world_size()))
+    problems = [p for p in dist.gather_lists([problem], patient=True) if p is not None]
+    if problems:
+        raise CheckpointError(f"checkpoint {ckpt} is incomplete or altered: {problems[0]}")
+    trainer = checkpoint.read_trainer_state(ckpt, digests=False)  # hashed just above
+    try:
+        if (ckpt / "state").is_dir():
+            dcp.load(ckpt / "state", model, optimizer)
+            # Each rank its own generators; a rank the checkpoint did not have takes rank 0's.
+            rng = ckpt / "rng" / f"rank_{dist.rank()}"
+            rng = rng if rng.with_suffix(".json").is_file() else ckpt / "rng" / "rank_0"
+        elif fsdp.is_sharded(model):  # written by one process: whole tensors, sharded on load
+            weights = {}
+            for shard in sorted((ckpt / "model").glob("*.safetensors")):
+                weights.update(load_file(shard))
+            _add_tied(model, weights)
+            optim = state_files.load_optimizer(ckpt / "optimizer")
+            dcp.load_full(model, optimizer, weights, optim)
+            rng = ckpt / "rng"
+        else:
+            return checkpoint.load(
+                ckpt, model=model, optimizer=optimizer, device=device, verified=True
+            )
+        checkpoint.restore_rng(state_files.load_rng(rng), device)
+    except (state_files.StateFileError, dcp.UnsafeCheckpointError) as exc:
+        raise CheckpointError(str(exc)) from None
     return trainer
 
 
