@@ -189,6 +189,109 @@ def test_the_lock_is_released_when_its_process_dies(tmp_path):
     RunLock(tmp_path).acquire().release()
 
 
+# --- links in a run directory -------------------------------------------------------------------
+
+
+@pytest.fixture
+def victim(tmp_path) -> Path:
+    """A file outside the run directory that a link in it points at."""
+    path = tmp_path / "victim.txt"
+    path.write_text("precious\n")
+    return path
+
+
+def _linked(run: Path, name: str, target: Path) -> Path:
+    link = run / name
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(target)
+    return link
+
+
+def test_a_lock_file_that_is_a_link_is_refused_and_its_target_kept(tmp_path, victim):
+    run = tmp_path / "run"
+    _linked(run, ".dapo-lock", victim)
+    with pytest.raises(ValueError, match=r"\.dapo-lock is a symbolic link"):
+        RunLock(run).acquire()
+    assert victim.read_text() == "precious\n"
+
+
+def test_the_write_probe_and_atomic_writes_never_follow_a_link(tmp_path, victim):
+    from dapo.run import nofollow, rundir
+
+    run = tmp_path / "run"
+    _linked(run, ".write-test", victim)
+    with pytest.raises(ValueError, match=r"\.write-test is a symbolic link"):
+        rundir.check_writable(run)
+    _linked(run, ".summary.json.tmp", victim)  # the temporary of an atomic write
+    with pytest.raises(ValueError, match=r"\.summary\.json\.tmp is a symbolic link"):
+        rundir.write_summary(run, {"steps": 1})
+    _linked(run, "samples.jsonl", victim)  # the file itself
+    with pytest.raises(ValueError, match=r"samples\.jsonl is a symbolic link"):
+        nofollow.write_atomic(run / "samples.jsonl", "{}\n")
+    assert victim.read_text() == "precious\n"
+
+
+def test_a_config_copy_never_lands_behind_a_dangling_link(tmp_path):
+    from dapo.config import load_config
+    from dapo.run import rundir
+
+    run, target = tmp_path / "run", tmp_path / "created-elsewhere.yaml"
+    run.mkdir()
+    (run / "config.yaml").write_text("old: config\n")
+    _linked(run, "config.before-resume-1.yaml", target)  # dangling: exists() says False
+    rundir.write_config(run, load_config(None, []))
+    assert not target.exists()
+    assert (run / "config.before-resume-2.yaml").read_text() == "old: config\n"
+
+
+def test_metrics_and_tensorboard_that_are_links_are_refused(tmp_path, victim):
+    from dapo.run.metrics import MetricsLogger
+
+    run = tmp_path / "run"
+    _linked(run, "metrics.jsonl", victim)
+    with pytest.raises(ValueError, match=r"metrics\.jsonl is a symbolic link"):
+        MetricsLogger(run / "metrics.jsonl")
+    (run / "metrics.jsonl").unlink()
+    _linked(run, "tensorboard", tmp_path)
+    with pytest.raises(ValueError, match=r"tensorboard is a symbolic link"):
+        MetricsLogger(run / "metrics.jsonl", tensorboard_dir=run / "tensorboard")
+    assert victim.read_text() == "precious\n"
+
+
+def test_checkpoint_and_model_directories_that_are_links_are_refused(tmp_path, victim):
+    from dapo.run import checkpoint
+
+    model = torch.nn.Linear(2, 2)
+    run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    _linked(run, "checkpoints", elsewhere)
+    save = dict(step=1, model=model, tokenizer=None, optimizer=None, trainer_state={}, keep=2)
+    with pytest.raises(ValueError, match=r"checkpoints is a symbolic link"):
+        checkpoint.save(run, **save)
+    (run / "checkpoints").unlink()
+    _linked(run, ".model.tmp", elsewhere)
+    with pytest.raises(ValueError, match=r"\.model\.tmp is a symbolic link"):
+        checkpoint.export_model(model, None, run / "model")
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_a_resume_never_cuts_a_file_that_metrics_jsonl_links_to(tmp_path, victim, capsys):
+    from helpers import TINY_DEMO
+
+    cache = tmp_path / "cache"
+    argv = ["train", *TINY_DEMO, "train.steps=1", "eval.every=0", f"run.out_dir={tmp_path}"]
+    argv += ["run.name=r", f"embedded.cache_dir={cache}", "--quiet"]
+    assert cli.main(argv) == 0
+    run = tmp_path / "r"
+    victim.write_text("x" * 10_000)  # longer than the checkpoint's offset: it would be cut
+    (run / "metrics.jsonl").unlink()
+    _linked(run, "metrics.jsonl", victim)
+    capsys.readouterr()
+    assert cli.main(["train", "--resume", str(run), "train.steps=2", "--force"]) == 2
+    assert "metrics.jsonl is a symbolic link" in _error(capsys)
+    assert victim.read_text() == "x" * 10_000
+
+
 # --- checkpoints from elsewhere ------------------------------------------------------------------
 
 

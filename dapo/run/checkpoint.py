@@ -38,6 +38,7 @@ from safetensors.torch import load_file, save_file
 
 from dapo.run import manifest, state_files
 from dapo.run.manifest import verify  # also checkpoint.verify, as callers have named it
+from dapo.run.nofollow import fsync_dir, no_link, write_atomic
 
 FORMAT_VERSION = 2
 """2: nothing pickled (the optimizer's state and the generators' as safetensors and JSON, DCP
@@ -129,22 +130,8 @@ def fsync_tree(root: Path) -> None:
         fsync_dir(d)
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_pointer(ckpt_root: Path, name: str) -> None:
-    tmp = ckpt_root / f".{LATEST}.tmp"
-    with tmp.open("w") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, ckpt_root / LATEST)
-    fsync_dir(ckpt_root)
+    write_atomic(ckpt_root / LATEST, name + "\n")
 
 
 def _check_finite(model: torch.nn.Module, step: int) -> None:
@@ -174,11 +161,11 @@ def save(
     (generated ahead of training) as ``rollouts.safetensors``. On any failure the previous
     checkpoint and pointer are left as they were."""
     _check_finite(model, step)
-    root = Path(run_dir) / CKPT_DIR
+    root = no_link(Path(run_dir) / CKPT_DIR)
     root.mkdir(exist_ok=True)
     name = step_dir_name(step)
-    final = root / name
-    tmp = root / f".tmp-{name}-{os.getpid()}"
+    final = no_link(root / name)
+    tmp = no_link(root / f".tmp-{name}-{os.getpid()}")
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
@@ -343,20 +330,10 @@ def load_rollouts(ckpt: Path) -> dict[str, torch.Tensor]:
 # ----------------------------------------------------------------------------- outputs
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` so that a reader sees the old file or the new, never half."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
 def export_model(model: torch.nn.Module, tokenizer: Any, dest: Path) -> None:
     """``save_pretrained`` into ``dest`` atomically (an existing ``dest`` is replaced whole)."""
-    tmp = dest.with_name(f".{dest.name}.tmp")
+    no_link(dest)
+    tmp = no_link(dest.with_name(f".{dest.name}.tmp"))
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)

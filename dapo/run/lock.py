@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dapo.run import nofollow
+
 LOCK_NAME = ".dapo-lock"
 
 
@@ -32,7 +34,7 @@ class RunLock:
     def acquire(self) -> RunLock:
         """Take the lock, or raise ValueError naming the process that holds it."""
         path = self.run_dir / LOCK_NAME
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = nofollow.open_fd(path, os.O_RDWR | os.O_CREAT)  # a link there is refused
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

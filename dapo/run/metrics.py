@@ -9,6 +9,8 @@ import os
 from pathlib import Path
 from typing import Any, TextIO
 
+from dapo.run import nofollow
+
 
 def accumulate(sums: dict[str, float], key: str, value: float) -> None:
     """``sums[key] += value``, from 0: a step's metrics are sums divided once at the end."""
@@ -42,7 +44,11 @@ class MetricsLogger:
     ) -> None:
         self.path = path
         self.stream = stream
-        self._file = path.open("ab")  # binary: tell() is a byte offset
+        # Appended to in binary (tell() is a byte offset), never through a link: a resume
+        # cuts this file back to a checkpoint's offset.
+        self._file = nofollow.open_binary(path, append=True, readable=True)
+        if tensorboard_dir is not None:
+            nofollow.no_link(tensorboard_dir)
         self.tensorboard_dir = tensorboard_dir
         self.purge_step: int | None = None
         """Set on a resume: TensorBoard then hides what earlier files logged from this step on,
@@ -89,20 +95,17 @@ class MetricsLogger:
     def truncate(self, size: int) -> None:
         """Cut the log back to ``size`` bytes (a checkpoint's offset): steps logged after that
         checkpoint, and a line half-written by a crash, are dropped before the run re-does them."""
-        actual = self.path.stat().st_size
+        actual = os.fstat(self._file.fileno()).st_size  # the file opened, not what the path is now
         if actual < size:
             raise ValueError(
                 f"{self.path} is {actual} bytes but the checkpoint logged {size}: it was cut or "
                 "edited since; restore it, or start the run again with --overwrite"
             )
-        if size:
-            with self.path.open("rb") as f:
-                f.seek(size - 1)
-                if f.read(1) != b"\n":
-                    raise ValueError(
-                        f"{self.path}: byte {size} is not the end of a line; the file was edited "
-                        "since the checkpoint, restore it or start again with --overwrite"
-                    )
+        if size and os.pread(self._file.fileno(), 1, size - 1) != b"\n":
+            raise ValueError(
+                f"{self.path}: byte {size} is not the end of a line; the file was edited since "
+                "the checkpoint, restore it or start again with --overwrite"
+            )
         self._file.truncate(size)
         self._file.seek(size)
 

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dapo.config import Config, dump_yaml
-from dapo.run.checkpoint import CKPT_DIR, write_atomic
+from dapo.run.checkpoint import CKPT_DIR
 from dapo.run.lock import LOCK_NAME, RunLock
+from dapo.run.nofollow import LinkRefused, no_link, open_binary, write_atomic
 
 MARK = ".dapo-run"
 """Written when dapo creates a run directory: --overwrite deletes nothing without it."""
@@ -184,11 +185,13 @@ def existing_run_dir(path: str | Path) -> Path:
 def check_writable(run_dir: Path) -> None:
     probe = run_dir / ".write-test"
     try:
-        with probe.open("w") as f:
-            f.write("ok")
+        with open_binary(probe) as f:  # never through a link
+            f.write(b"ok")
             f.flush()
             os.fsync(f.fileno())
         probe.unlink()
+    except LinkRefused:
+        raise
     except OSError as exc:
         raise ValueError(
             f"run directory {run_dir} is not writable ({exc.strerror}); fix its permissions or "
@@ -240,14 +243,15 @@ def check_space(run_dir: Path, cfg: Config) -> None:
 
 def write_config(run_dir: Path, cfg: Config) -> None:
     """Write ``config.yaml``; a different one already there (a forced resume) is kept aside."""
-    path = run_dir / "config.yaml"
+    path = no_link(run_dir / "config.yaml")
     text = dump_yaml(cfg)
     if path.is_file() and path.read_text() != text:
         k = 1
-        while (run_dir / f"config.before-resume-{k}.yaml").exists():
+        while os.path.lexists(run_dir / f"config.before-resume-{k}.yaml"):  # links count
             k += 1
         # A copy, not a move: killed right here, the run must still have a config.yaml.
-        shutil.copy2(path, run_dir / f"config.before-resume-{k}.yaml")
+        with open_binary(run_dir / f"config.before-resume-{k}.yaml", exclusive=True) as f:
+            f.write(path.read_bytes())
     write_atomic(path, text)
 
 

@@ -25,6 +25,7 @@ from dapo import dist
 from dapo.dist import dcp, fsdp
 from dapo.run import checkpoint, manifest, state_files
 from dapo.run.checkpoint import CheckpointError
+from dapo.run.nofollow import LinkRefused, no_link
 
 
 def save(
@@ -51,11 +52,20 @@ def save(
     root = Path(run_dir) / checkpoint.CKPT_DIR
     name = checkpoint.step_dir_name(step)
     tmp = root / f".tmp-{name}-{dist.broadcast(os.getpid())}"
+    refused = None
     if dist.is_main():
-        root.mkdir(exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / "rng").mkdir(parents=True)
-    dist.barrier()
+        try:
+            for entry in (root, tmp, root / name):
+                no_link(entry)
+        except LinkRefused as exc:
+            refused = str(exc)
+        else:
+            root.mkdir(exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            (tmp / "rng").mkdir(parents=True)
+    refused = dist.broadcast(refused)  # every rank stops, not rank 0 alone
+    if refused is not None:
+        raise LinkRefused(refused)
     dcp.save(tmp / "state", model, optimizer)
     state_files.save_rng(checkpoint.capture_rng(device), tmp / "rng" / f"rank_{dist.rank()}")
     dist.barrier()
@@ -158,12 +168,21 @@ def _add_tied(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
 
 def export_model(model: torch.nn.Module, tokenizer: Any, dest: Path) -> None:
     """The whole weights gathered on rank 0 and saved there in the Hugging Face format."""
+    tmp = dest.with_name(f".{dest.name}.tmp")
+    refused = None
+    if dist.is_main():
+        try:
+            no_link(dest), no_link(tmp)
+        except LinkRefused as exc:
+            refused = str(exc)
+    refused = dist.broadcast(refused)  # every rank stops, not rank 0 alone
+    if refused is not None:
+        raise LinkRefused(refused)
     weights = dcp.full_weights(model)
     tied = _tied_keys(model)
     if tied is not None:
         weights.pop(tied[0], None)  # stored once, as save_pretrained stores it
     if dist.is_main():
-        tmp = dest.with_name(f".{dest.name}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
