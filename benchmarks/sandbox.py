@@ -37,9 +37,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from test_sandbox import FAST, MARGIN_S, Trap  # noqa: E402  (the tests' programs, not a copy)
+from test_sandbox import (  # noqa: E402  (the tests' programs and runner, not a copy)
+    FAST,
+    MARGIN_S,
+    SYSTEM_PYTHON,
+    Trap,
+    as_ordinary_user,
+)
 
-from dapo.reward.sandbox import available_modes, run_python  # noqa: E402
+from dapo.reward.sandbox import available_modes, kernel_layers, run_python  # noqa: E402
 from dapo.reward.tasks.code import grade_code  # noqa: E402
 
 CORRECT = "```python\ndef add(a, b):\n    return a + b\n```"
@@ -119,6 +125,24 @@ def hostile(trap: Trap, modes: tuple[str, ...]) -> dict[str, dict[str, str]]:
     return table
 
 
+def as_user(trap: Trap) -> dict[str, dict[str, str]]:
+    """Each hostile program in each mode an ordinary user (uid 65534) has, the hook off, then
+    on where something got out: the columns ``MODE, user``."""
+    table: dict[str, dict[str, str]] = {}
+    for name, source in trap.programs().items():
+        print(f"ordinary user: {name}", file=sys.stderr)
+        for mode, result in as_ordinary_user(source, audit=False).items():
+            got_out = trap.escaped(result["output"].encode("latin-1"))
+            if got_out:
+                hooked = as_ordinary_user(source, audit=True).get(mode, {})
+                again = trap.escaped(hooked.get("output", "").encode("latin-1"))
+                cell = "blocked by the hook" if not again else ", ".join(again)
+            else:
+                cell = "blocked"
+            table.setdefault(name, {})[f"{mode}, user"] = cell
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=30, help="responses timed per mode")
@@ -133,12 +157,18 @@ def main() -> None:
         trap = Trap(Path(tmp), patch)
         try:
             table = hostile(trap, modes)
+            if os.geteuid() == 0 and os.path.exists(SYSTEM_PYTHON):
+                for name, cells in as_user(trap).items():
+                    table.setdefault(name, {}).update(cells)
         finally:
             trap.close()
     inside = run_python("import sys; print(sys.executable, sys.version.split()[0])").stdout
+    landlock, seccomp = kernel_layers()
     machine = (
         f"python {platform.python_version()}, {platform.machine()}, Linux {platform.release()}, "
-        f"{os.cpu_count()} CPUs; the sandbox runs {inside.decode().strip()}"
+        f"{os.cpu_count()} CPUs; the sandbox runs {inside.decode().strip()}; Landlock ABI "
+        f"{landlock}, seccomp filter {'on' if seccomp else 'off'}; "
+        f"{'root' if os.geteuid() == 0 else 'not root'}"
     )
     if args.json:
         print(json.dumps({"machine": machine, "overhead": costs, "hostile": table}, indent=2))
@@ -149,10 +179,11 @@ def main() -> None:
         cells = [f"{row[k]:.1f} ms" for k in ("grade_ms", "sandboxed_pass_ms", "plain_pass_ms")]
         print(f"| {mode} | {' | '.join(cells)} | {row['overhead_ms']:.1f} ms |")
     print()
-    print(f"| hostile program | {' | '.join(modes)} |")
-    print(f"|---|{'---|' * len(modes)}")
+    columns = list(dict.fromkeys(c for row in table.values() for c in row))
+    print(f"| hostile program | {' | '.join(columns)} |")
+    print(f"|---|{'---|' * len(columns)}")
     for name, row in table.items():
-        print(f"| {name} | {' | '.join(row[m] for m in modes)} |")
+        print(f"| {name} | {' | '.join(row.get(c, '-') for c in columns)} |")
     print()
     print(machine)
 

@@ -270,3 +270,40 @@ def test_the_reward_pool_grades_hostile_responses_and_keeps_going(trap, resolve)
             ]
             assert [s.score for s in result.scores] == [1.0, -1.0, -1.0, -1.0, -1.0]
     assert trap.escaped() == []
+
+
+def test_without_an_isolating_mode_a_code_run_stops_unless_process_is_asked_for(
+    monkeypatch, tmp_path
+):
+    """auto never falls back to process mode: on a machine with neither bubblewrap nor user
+    namespaces the run stops before any model loads, naming the fixes and the opt-in; asked
+    for by name, process mode runs, and the run says what it leaves a program."""
+    from dapo.config import load_config
+    from dapo.data.problems import Problem
+    from dapo.reward import sandbox
+    from dapo.training import inputs
+
+    rows = [Problem("c", (), json.dumps({"entry_point": "f", "tests": "f()"}), "code")]
+    data = inputs.RunData(rows, rows)
+    monkeypatch.setenv("PATH", str(tmp_path))  # neither bwrap nor unshare can be found
+    sandbox.forget_probes()
+    try:
+        with pytest.raises(sandbox.SandboxUnavailable, match=r"bubblewrap.*code\.sandbox=process"):
+            inputs.check_verifiers(load_config(None, []), data)
+        assert data.warnings == []
+        inputs.check_verifiers(load_config(None, ["code.sandbox=process"]), data)
+        assert data.warnings == [sandbox.process_mode_warning()]
+        assert "without namespaces of its own, on the host's network" in data.warnings[0]
+    finally:
+        monkeypatch.undo()
+        sandbox.forget_probes()
+
+
+def test_the_runs_warnings_are_kept_in_its_summary(tmp_path, tiny_model, tokenizer):
+    from helpers import setup_run
+
+    from dapo.training import loop
+
+    cfg, train, val, run_dir, _ = setup_run(tmp_path, tiny_model, "train.steps=1")
+    loop.fit(cfg, tiny_model, tokenizer, train, val, run_dir=run_dir, warnings=["a warning"])
+    assert json.loads((run_dir / "summary.json").read_text())["warnings"] == ["a warning"]

@@ -118,7 +118,7 @@ def run(req: EvalRequest, *, reward_fn: Callable[..., Any] | None = None) -> Eva
     extra = _ids(req.stop_token_ids, "--stop-token-ids")
     t0 = time.perf_counter()
     before_batch = _progress(req, t0)
-    resolve = make_resolver(req.reward_function, reward_fn)
+    resolve = make_resolver(req.reward_function, reward_fn, _code_section(req))
     with RewardPool(workers=1, resolve=resolve) as pool:
         records = done + sample_records(
             make_engine(req.engine, model, tokenizer, stop_token_ids(model, tokenizer, extra)),
@@ -201,14 +201,26 @@ def _phrases(text: str) -> tuple[str, ...]:
 
 def _problems(req: EvalRequest) -> list:
     problems = _read_problems(req)
-    if not (req.reward_function or req.reward_mode) and any(
-        p.data_source == "code" for p in problems
-    ):
+    from dapo.reward import tasks
+
+    task_of = lambda p: tasks.REGISTRY.get(req.reward_mode or p.data_source)  # noqa: E731
+    if not req.reward_function and any(getattr(task_of(p), "name", "") == "code" for p in problems):
         from dapo.reward import sandbox
 
         # Before the model loads: a machine without a sandbox fails here, naming the fix.
-        print(f"code rows: graded in the {sandbox.pick_mode()} sandbox", file=sys.stderr)
+        mode = sandbox.pick_mode(_code_section(req).sandbox)
+        print(f"code rows: graded in the {mode} sandbox", file=sys.stderr)
+        if mode == "process":
+            print(f"dapo: warning: {sandbox.process_mode_warning()}", file=sys.stderr)
     return problems
+
+
+def _code_section(req: EvalRequest) -> Any:
+    """The ``code`` section of ``--config`` (the sandbox a run's config asks for), else the
+    defaults."""
+    from dapo.config import load_config
+
+    return load_config(req.config).code if req.config else load_config(None, []).code
 
 
 def _read_problems(req: EvalRequest) -> list:

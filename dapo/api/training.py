@@ -263,7 +263,8 @@ def _train(
         if opened is not None and resume_dir is None:
             rundir.finish_replacing(opened)
         inputs = (cfg, model, tokenizer, data.train, data.val)
-        fit(*inputs, run_dir=run_dir, resume=bool(resume_dir), reward_fn=reward_fn)
+        options = dict(resume=bool(resume_dir), reward_fn=reward_fn, warnings=data.warnings)
+        fit(*inputs, run_dir=run_dir, **options)
     finally:
         if opened is not None:
             if not started and resume_dir is None:
@@ -320,6 +321,10 @@ def _print_plan(cfg: Config, data: RunData) -> None:
         )
     for line in data.notes:
         print(line)
+    from dapo import dist
+
+    for warning in data.warnings if dist.is_main() else ():
+        print(f"dapo: warning: {warning}", file=sys.stderr)
 
 
 def _print_dry_run(cfg: Config, data: RunData, lengths: dict[str, float], world_size: int) -> None:

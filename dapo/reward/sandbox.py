@@ -4,9 +4,12 @@
 namespaces and a read-only file system; ``unshare``: network and PID namespaces; ``process``:
 none), each with an empty environment, a fresh working directory, ``python -I -S -B`` (the
 standard library only), resource limits, ``no_new_privs``, death with the caller and, when
-the caller is root, a uid of its own, every process of which is killed at the end. An audit
-hook refuses processes, signals, sockets, ctypes and writes outside the working directory:
-defence in depth, not a boundary. docs/guides/code-sandbox.md says what each mode isolates.
+the caller is root, a uid of its own (:mod:`dapo.reward.sandbox_runs`). In every mode, where
+the kernel offers them, Landlock and a seccomp filter confine the program: the boundary the
+kernel enforces (:mod:`dapo.reward.confine`). An audit hook refuses processes, signals,
+sockets, ctypes and writes outside the working directory: defence in depth, not a boundary.
+``auto`` picks only a mode that isolates; ``process`` runs only when asked for by name.
+docs/guides/code-sandbox.md says what each mode isolates.
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from dapo.reward import confine
+from dapo.reward.sandbox_boot import BOOT
+from dapo.reward.sandbox_runs import UID_BASE, WORLD_WRITABLE, clean_up, mark, reap_orphans
+
 try:
     import ctypes
     import resource
@@ -36,16 +43,22 @@ except (ImportError, OSError, AttributeError):  # not Linux: no mode is availabl
     resource, _PRCTL = None, None  # type: ignore[assignment]
 
 MODES = ("bwrap", "unshare", "process")
-"""The isolation modes, strongest first; ``auto`` picks the first that works here."""
-UID_BASE = 1 << 29
-"""Runs take uids from here up (no passwd entry): UID_BASE + pid * 64 + a slot."""
+"""The isolation modes, strongest first."""
+ISOLATING = ("bwrap", "unshare")
+"""The modes ``auto`` picks from: the program has namespaces of its own. ``process`` has
+none; it runs only when asked for by name (``code.sandbox=process``)."""
 _PROBE_UID = UID_BASE - 1
 _ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
-_WORLD_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm")
+_CONFINE = Path(confine.__file__).read_text(encoding="utf-8")  # sent to the sandbox's Python
 _MAX_SOURCE_BYTES = 100_000  # the source travels as one argv string (Linux caps it at 128 KiB)
 _NS = " and allow unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1)"
 _FIX = {"bwrap": "apt-get install bubblewrap" + _NS, "unshare": "apt-get install util-linux" + _NS}
 _FIX["process"] = "run on Linux with a python3 every user may execute (apt-get install python3)"
+_OPT_IN = (
+    "or, knowing that a program then shares the host's network, processes and file system "
+    "(Landlock and seccomp, where the kernel has them, are its only confinement), ask for "
+    "code.sandbox=process"
+)
 
 
 class SandboxUnavailable(ValueError):
@@ -99,48 +112,6 @@ class RunResult:
     mode: str
 
 
-# Runs in the sandbox's interpreter (any Python >= 3.8) before the program; argv is
-# [-c, SOURCE, AUDIT]. The hook keeps to string work and calls that audit nothing themselves.
-# Refusing to open directories outside the working directory keeps dir_fd tricks out too.
-BOOT = r"""
-import sys
-def _guard(os, root):
-    deny = frozenset(("os.fork", "os.forkpty", "os.exec", "os.posix_spawn", "os.spawn",
-        "os.system", "subprocess.Popen", "os.kill", "os.killpg", "signal.pthread_kill",
-        "socket.__new__", "ctypes.dlopen", "os.symlink", "os.link", "resource.prlimit"))
-    modules = frozenset(("ctypes", "_ctypes", "_posixsubprocess", "socket", "_socket"))
-    paths = {"os.rename": 2, "os.remove": 1, "os.rmdir": 1, "os.mkdir": 1, "os.chmod": 1,
-        "os.chown": 1, "os.truncate": 1, "os.utime": 1, "os.setxattr": 1,
-        "os.removexattr": 1, "os.chflags": 1}
-    writing = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
-    me = str(os.getpid())
-    def where(path):
-        return os.path.normpath(os.path.join(os.getcwd(), os.fsdecode(path)))
-    def inside(path):
-        return not isinstance(path, (str, bytes)) or (where(path) + "/").startswith(root + "/")
-    def hook(event, args):
-        if event in deny:
-            raise PermissionError("sandbox: %s is not allowed" % event)
-        if event == "import" and args[0].partition(".")[0] in modules:
-            raise PermissionError("sandbox: import %s is not allowed" % args[0])
-        if event == "open" and isinstance(args[0], (str, bytes)):
-            parts = where(args[0]).split("/")
-            if len(parts) > 2 and parts[1] == "proc" and parts[2].isdigit() and parts[2] != me:
-                raise PermissionError("sandbox: other processes are not readable")
-            if not inside(args[0]) and ((args[2] or 0) & writing or os.path.isdir(args[0])):
-                raise PermissionError("sandbox: writes outside the working directory")
-        elif event in paths and not all(inside(p) for p in args[: paths[event]]):
-            raise PermissionError("sandbox: %s outside the working directory" % event)
-    sys.addaudithook(hook)
-import os
-_source, _audit = sys.argv[1:3]
-del sys.argv[1:]
-if _audit == "1":
-    _guard(os, os.getcwd())
-exec(compile(_source, "<sandbox>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
-"""
-
-
 _SLOTS = itertools.count()
 _ROOT = hasattr(os, "geteuid") and os.geteuid() == 0  # only root can give a run its own uid
 
@@ -179,7 +150,7 @@ def _wrapper(mode: str, limits: SandboxLimits) -> list[str]:
         return []
     args = [shutil.which("bwrap") or "bwrap", "--unshare-all", "--die-with-parent", "--new-session"]
     args += ["--clearenv", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
-    for path in _WORLD_WRITABLE:  # --size: bwrap 0.7 and later; older ones fail the probe
+    for path in WORLD_WRITABLE:  # --size: bwrap 0.7 and later; older ones fail the probe
         if os.path.isdir(path):
             args += ["--perms", "1777", "--size", str(limits.tmp_bytes), "--tmpfs", path]
     args += ["--dir", "/tmp/work", "--chdir", "/tmp/work"]
@@ -221,19 +192,33 @@ def _interpreter() -> str:
 
 
 @functools.cache
+def kernel_layers() -> tuple[int, bool]:
+    """:func:`dapo.reward.confine.offered`, probed once: what confinement every mode adds."""
+    return confine.offered() if _PRCTL is not None else (0, False)
+
+
+def _command(mode: str, limits: SandboxLimits, source: str, audit: bool) -> list[str]:
+    """The command line of a run: the wrapper, the interpreter, the boot script, its args."""
+    landlock, seccomp = kernel_layers()
+    layers = [str(landlock), "1" if seccomp else "0", _CONFINE]
+    interpreter = [_interpreter(), "-I", "-S", "-B", "-c", BOOT]
+    return [*_wrapper(mode, limits), *interpreter, source, "1" if audit else "0", *layers]
+
+
+@functools.cache
 def _mode_works(mode: str) -> bool:
+    """Whether ``mode`` runs a program here, confined by the kernel's layers where it has
+    them (a mode that cannot be confined where they exist does not work)."""
     if resource is None or not sys.platform.startswith("linux") or not _interpreter():
         return False
-    if mode == "process":
-        return True
-    if shutil.which(mode) is None:
+    if mode != "process" and shutil.which(mode) is None:
         return False
-    return _probe([*_wrapper(mode, SandboxLimits()), _interpreter(), "-I", "-S", "-c", "pass"])
+    return _probe(_command(mode, SandboxLimits(), "pass", True))
 
 
 def forget_probes() -> None:
     """Probe the machine again on the next call (after installing bubblewrap, say)."""
-    for probe in (_mode_works, _interpreter, _unshare_flags):
+    for probe in (_mode_works, _interpreter, _unshare_flags, kernel_layers):
         probe.cache_clear()
 
 
@@ -242,68 +227,39 @@ def available_modes() -> tuple[str, ...]:
     return tuple(mode for mode in MODES if _mode_works(mode))
 
 
+def process_mode_warning() -> str:
+    """What ``code.sandbox=process`` leaves a program, said in the log and the run's summary."""
+    landlock, seccomp = kernel_layers()
+    if landlock and seccomp:
+        layers = f"confined only by the kernel's Landlock (ABI {landlock}) and seccomp filter"
+    else:
+        layers = "bounded only by its limits and an audit hook, which is no boundary"
+    return (
+        "code.sandbox=process: each program runs without namespaces of its own, on the host's "
+        f"network, processes and file system, {layers} (docs/guides/code-sandbox.md)"
+    )
+
+
 def pick_mode(requested: str = "auto") -> str:
-    """``requested`` if it works here; for ``auto``, the strongest mode that does.
+    """``requested`` if it works here; for ``auto``, the strongest mode that isolates
+    (``ISOLATING``): never ``process``, which runs only when asked for by name.
 
     Raises:
         ValueError: an unknown mode. SandboxUnavailable (a ValueError) naming the fix: the
-            requested mode, or for ``auto`` every mode, does not work here.
+            requested mode, or for ``auto`` every isolating mode, does not work here.
     """
     if requested == "auto":
-        for mode in filter(_mode_works, MODES):
+        for mode in filter(_mode_works, ISOLATING):
             return mode
-        raise SandboxUnavailable(f"no sandbox mode works here: {_FIX['process']}")
+        raise SandboxUnavailable(
+            f"no sandbox mode that isolates a program works here: {_FIX['bwrap']}, or "
+            f"{_FIX['unshare']}; {_OPT_IN}"
+        )
     if requested not in MODES:
         raise ValueError(f"sandbox mode must be auto or one of {', '.join(MODES)}: {requested!r}")
     if not _mode_works(requested):
         raise SandboxUnavailable(f"sandbox mode {requested} does not work here: {_FIX[requested]}")
     return requested
-
-
-def _kill_uid(uid: int) -> bool:
-    """SIGKILL each live process of ``uid`` or of an orphaned run; whether there was one."""
-    found = False
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError, IndexError):  # gone meanwhile
-            if not _left(os.stat(f"/proc/{pid}").st_uid, uid):
-                continue
-            # A zombie is dead already, waiting for its parent to reap it.
-            if Path(f"/proc/{pid}/stat").read_bytes().rsplit(b") ", 1)[1][:1] != b"Z":
-                os.kill(int(pid), signal.SIGKILL)
-                found = True
-    return found
-
-
-def _left(owner: int, uid: int) -> bool:
-    # This run's, or an orphan's: a caller killed mid-run leaves files, and in bwrap mode maybe
-    # a process (bwrap arms its init's parent-death signal a moment after starting it).
-    caller = f"/proc/{owner - UID_BASE >> 6}"
-    return owner == uid or owner >= UID_BASE and not os.path.exists(caller)
-
-
-def _clean_up(proc: subprocess.Popen, uid: int | None, workdir: str | None) -> None:
-    """Kill the process group, then every process of the run's uid (a daemon that left the
-    group is still that uid); then remove the working directory and whatever the uid left
-    in the world-writable directories (process and unshare modes share the host's), or any
-    run whose caller died did."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    for _ in range(1000 if uid is not None else 0):
-        if not _kill_uid(uid):
-            break
-        time.sleep(0.001)
-    if workdir is not None:
-        if uid is None:  # not root: the program may have taken its own permissions away
-            subprocess.run(["chmod", "-R", "u+rwx", workdir], capture_output=True)  # no links
-        shutil.rmtree(workdir, ignore_errors=True)
-    for top in {*_WORLD_WRITABLE, tempfile.gettempdir()} if uid is not None else ():
-        with contextlib.suppress(OSError), os.scandir(top) as entries:
-            for entry in [e for e in entries if _left(e.stat(follow_symlinks=False).st_uid, uid)]:
-                if entry.is_dir(follow_symlinks=False):
-                    shutil.rmtree(entry.path, ignore_errors=True)
-                else:
-                    os.unlink(entry.path)
 
 
 def run_python(
@@ -333,10 +289,11 @@ def run_python(
     uid = UID_BASE + (os.getpid() << 6) + next(_SLOTS) % 64 if _ROOT else None
     options = {"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}
     if uid is not None:
-        _kill_uid(uid)  # a process left by an earlier owner of this uid (a killed caller)
-    command = [*_wrapper(mode, limits), _interpreter(), "-I", "-S", "-B", "-c", BOOT, source]
-    command.append("1" if audit else "0")
+        reap_orphans()  # what runs of killed callers left (this uid's earlier owner too)
+    command = _command(mode, limits, source, audit)
     workdir = None if mode == "bwrap" else tempfile.mkdtemp(prefix="dapo-sandbox-")
+    if uid is not None:
+        mark(uid, workdir)  # swept by the next run on the machine should this caller die
     start = time.monotonic()
     # stdin from an unnamed file, not a pipe: nothing to feed while reading the output.
     with tempfile.TemporaryFile() as feed:
@@ -378,7 +335,7 @@ def _watch(
                 if not cleaned and (proc.poll() is not None or now >= deadline):
                     # Ended, or out of time: whatever still holds the pipes dies now.
                     timed_out, cleaned = proc.returncode is None, True
-                    _clean_up(proc, uid, workdir)
+                    clean_up(proc, uid, workdir)
                     deadline = now + 1.0
                 elif cleaned and now >= deadline:
                     break
@@ -396,5 +353,5 @@ def _watch(
                     del err[:-4096]  # stderr: only its tail
         finally:
             if not cleaned:
-                _clean_up(proc, uid, workdir)
+                clean_up(proc, uid, workdir)
     return bytes(out[: limits.output_bytes]), bytes(err), timed_out, total > limits.output_bytes

@@ -29,6 +29,8 @@ class RunData:
     """How many rows of the val file repeat each problem (AIME 2024: 32)."""
     notes: list[str] = field(default_factory=list)
     """One line per file: rows, problems, repeats, skipped rows."""
+    warnings: list[str] = field(default_factory=list)
+    """What the checks found the run should know (printed, and kept in summary.json)."""
 
 
 def load_run_data(cfg: Config) -> RunData:
@@ -93,8 +95,10 @@ def check_verifiers(cfg: Config, data: RunData) -> None:
     sources = {cfg.reward.mode} if cfg.reward.mode else {p.data_source for p in data.train}
     names = {tasks.get_task(cfg.reward.mode or source).name for source in sources}
     names |= {tasks.get_task(p.data_source).name for p in data.val if p.data_source}
-    if "code" in names:
-        check_code_sandbox(cfg)
+    if "code" in names and check_code_sandbox(cfg) == "process":
+        from dapo.reward.sandbox import process_mode_warning
+
+        data.warnings.append(process_mode_warning())
 
 
 def check_code_sandbox(cfg: Config) -> str:

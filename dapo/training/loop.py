@@ -51,6 +51,7 @@ def fit(
     stream: TextIO | None = None,
     resume: bool = False,
     reward_fn: Callable[..., Any] | None = None,
+    warnings: list[str] | None = None,
 ) -> dict[str, Any]:
     """Train for ``cfg.train.steps`` steps (or until ``train.max_gen_tokens`` or
     ``train.max_seconds`` is spent), evaluating at start, every ``eval.every`` and end.
@@ -70,6 +71,7 @@ def fit(
     state.pool = make_pool()
     try:
         loop = _Loop(state, val_problems, run_dir=run_dir, stream=stream, make_pool=make_pool)
+        loop.warnings = list(warnings or [])
         return loop.train(resume=resume)
     except (NonFiniteError, DynamicSamplingExhausted) as exc:
         nan = isinstance(exc, NonFiniteError)
@@ -119,6 +121,7 @@ class _Loop:
     ) -> None:
         cfg = state.cfg
         self.make_pool = make_pool
+        self.warnings: list[str] = []  # the checks' warnings, kept in summary.json
         self.state, self.val_problems = state, val_problems
         self.run_dir, self.stream = run_dir, stream
         self.live = (
@@ -362,6 +365,8 @@ class _Loop:
                 "max_seconds": self.state.cfg.train.max_seconds,
             },
         }
+        if self.warnings:
+            summary["warnings"] = self.warnings
         if not dist.is_main():
             return summary
         rundir.write_summary(run_dir, summary)

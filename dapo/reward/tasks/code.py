@@ -238,8 +238,10 @@ class CodeConfig:
 
     sandbox: Literal["auto", "bwrap", "unshare", "process"] = "auto"
     """Isolation: bwrap (namespaces, read-only file system), unshare (network and PID
-    namespaces), process (limits and an audit hook only); auto = the strongest that works
-    here. A mode this machine lacks stops the run before any model loads, naming the fix."""
+    namespaces), process (no namespaces: only when asked for by name, with a warning); auto =
+    the strongest of bwrap and unshare that works here. Every mode adds Landlock and a
+    seccomp filter where the kernel has them. A mode this machine lacks stops the run before
+    any model loads, naming the fix."""
     wall_s: float = 5.0
     """Seconds one program and its tests may run; below reward.timeout_s."""
     memory_mb: int = 512
