@@ -78,6 +78,16 @@ def _long_pred(response: str, answer: str) -> Score:
     return Score(score=-1.0, correct=False, pred="7" * 100_000)
 
 
+def _huge_score(response: str, answer: str) -> Score:
+    return Score(score=1e200, correct=True, pred="1")  # finite: it would pass a NaN check
+
+
+def _chatty(response: str, answer: str) -> Score:
+    print("x" * 10_000)  # Python's stdout: captured, capped
+    os.write(1, b"y" * 10_000)  # the descriptor itself: a worker's goes to /dev/null
+    return Score(score=1.0, correct=True, pred="1")
+
+
 def _probe(response: str, answer: str) -> Score:
     # Reports where and with what it ran: "<pid> <torch imported?>".
     return Score(score=1.0, correct=True, pred=f"{os.getpid()} {'torch' in sys.modules}")
@@ -98,6 +108,8 @@ VERIFIERS: dict[str, RewardFn] = {
     "memory_error": _memory_error,
     "recurse": _recurse,
     "long_pred": _long_pred,
+    "huge": _huge_score,
+    "chatty": _chatty,
     "probe": _probe,
 }
 

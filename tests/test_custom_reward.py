@@ -267,3 +267,16 @@ def test_overrides_may_be_a_mapping_and_results_read_as_mappings(tmp_path) -> No
     metrics = {"avg@k": {"mean": 0.5, "low": 0.25, "high": 0.75}}
     ev = dapo.EvalResult(tmp_path, metrics, {"k": 4})
     assert ev["avg@k"]["mean"] == 0.5 and ev["protocol"] == {"k": 4}
+
+
+def test_scores_beyond_max_abs_are_counted_faults_and_training_stays_finite(tmp_path, capsys):
+    """1e308 twice in a group made its advantages NaN, and a later error blamed optim.lr: such
+    a score is a fault (graded incorrect, reward/faults), named with its row."""
+    base = [*TINY, f"run.out_dir={tmp_path}", "run.name=huge", "reward.workers=1"]
+    assert main(["train", *base, "reward.function=user_rewards:huge_for_the_right"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "huge" / "metrics.jsonl").open()][1:]
+    assert sum(r["reward/faults"] for r in rows) > 0
+    assert all(math.isfinite(r["train/loss"]) for r in rows)
+    err = capsys.readouterr().err
+    assert "out_of_bounds: verifier" in err and "beyond reward.max_abs=1e+06" in err
+    assert "first (row " in err

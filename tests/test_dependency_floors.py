@@ -31,6 +31,9 @@ def test_ci_runs_the_tests_on_the_floors():
     floors = (ROOT / ".ci/run-floors").read_text()
     assert "bash .ci/run-floors" in run
     assert "scripts/dependency_floors.py" in floors and "python -m pytest" in floors
+    # The safety tests run on the floors too: crafted checkpoints, links, bad data, rewards.
+    for safety in ("test_hostile_inputs.py", "test_custom_reward.py"):
+        assert f"--ignore=tests/{safety}" not in floors
 
 
 def test_a_library_without_a_floor_is_named(tmp_path):

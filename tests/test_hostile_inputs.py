@@ -5,6 +5,7 @@ elsewhere are data, not code. Every case here was a real failure before it was f
 import json
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -496,6 +497,23 @@ def test_a_bad_line_is_named_with_its_row_and_never_a_traceback(tmp_path, capsys
     assert str(err.value).startswith(f"{path}: row 1, field ") and reason in str(err.value)
     assert "data.on_bad_row=skip" in str(err.value)
     assert len(load_problems(path, on_bad_row="skip").problems) == 1  # skipped, and counted
+
+
+@pytest.mark.parametrize("case", ["deep", "long-integer"])
+def test_a_file_whose_only_row_is_bad_names_it_not_a_missing_column(tmp_path, capsys, case):
+    """Such a file has no JSON object, so no columns: it used to be read as the flat format
+    and refused for a missing 'question' column, sending the user the wrong way."""
+    line, reason = BAD_LINES[case]
+    path = tmp_path / f"{case}.jsonl"
+    path.write_bytes(line + b"\n")
+    assert cli.main(["data", "check", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "row 0, field '(row)'" not in out and "row 0, field (row): line 1 " in out
+    assert reason in out and "no column" not in out
+    from dapo.data.files import DataError, load_problems
+
+    with pytest.raises(DataError, match=rf"row 0, field '\(row\)': line 1 .*{re.escape(reason)}"):
+        load_problems(path)
 
 
 def test_a_byte_order_mark_is_read_as_nothing(tmp_path):

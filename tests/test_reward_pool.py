@@ -345,3 +345,35 @@ def test_worker_that_cannot_start_is_an_error_not_a_fault(monkeypatch):
 def test_invalid_settings(kwargs):
     with pytest.raises(ValueError):
         RewardPool(**kwargs)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_score_beyond_max_abs_is_a_fault_not_a_reward(workers):
+    with pool(workers=workers) as reward_pool:
+        result = reward_pool.grade([Job("huge", "r", "1"), *ok_jobs(1)])
+    assert result.scores == [FAULT_SCORE, *expected(ok_jobs(1))]
+    (fault,) = result.faults
+    assert (fault.index, fault.kind) == (0, "out_of_bounds")
+    assert "score 1e+200, beyond reward.max_abs=1e+06" in fault.detail
+    with pool(workers=workers, max_abs=0.5) as reward_pool:  # the right answer's +1 too
+        assert reward_pool.grade(ok_jobs(2)).faults[1].kind == "out_of_bounds"
+    with pytest.raises(ValueError, match="max_abs must be > 0"):
+        RewardPool(max_abs=0)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_what_verifiers_print_is_capped_and_counted_never_written_out(workers, capfd):
+    from dapo.reward.jobs import MAX_SHOWN_OUTPUT
+    from dapo.reward.worker import MAX_OUTPUT_CHARS
+
+    with pool(workers=workers) as reward_pool:
+        result = reward_pool.grade([Job("chatty", "r", "1")] * 3)
+    assert [s.correct for s in result.scores] == [True] * 3 and result.faults == []
+    printed = 3 * 10_001  # print adds a newline
+    assert len(result.output) == MAX_SHOWN_OUTPUT and set(result.output) == {"x"}
+    assert result.output_dropped == printed - MAX_SHOWN_OUTPUT
+    assert MAX_OUTPUT_CHARS <= MAX_SHOWN_OUTPUT  # each response's cap, then the batch's
+    out, err = capfd.readouterr()
+    assert "x" * 100 not in out + err
+    if workers:  # in-process, a descriptor write is the caller's own stdout
+        assert "y" * 100 not in out + err

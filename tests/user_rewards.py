@@ -42,3 +42,8 @@ def one_argument(response: str) -> float:
 
 
 NOT_A_FUNCTION = 3
+
+
+def huge_for_the_right(response: str, ground_truth: str) -> float:
+    """1e308 where the response ends with the answer: two in a group overflow its std."""
+    return 1e308 if response.strip().endswith(ground_truth) else -1.0

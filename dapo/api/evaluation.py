@@ -119,7 +119,7 @@ def run(req: EvalRequest, *, reward_fn: Callable[..., Any] | None = None) -> Eva
     t0 = time.perf_counter()
     before_batch = _progress(req, t0)
     resolve = make_resolver(req.reward_function, reward_fn, _code_section(req))
-    with RewardPool(workers=1, resolve=resolve) as pool:
+    with RewardPool(workers=1, resolve=resolve, max_abs=_run_config(req).reward.max_abs) as pool:
         records = done + sample_records(
             make_engine(req.engine, model, tokenizer, stop_token_ids(model, tokenizer, extra)),
             tokenizer,
@@ -218,9 +218,14 @@ def _problems(req: EvalRequest) -> list:
 def _code_section(req: EvalRequest) -> Any:
     """The ``code`` section of ``--config`` (the sandbox a run's config asks for), else the
     defaults."""
+    return _run_config(req).code
+
+
+def _run_config(req: EvalRequest) -> Any:
+    """``--config`` (a run's settings: its sandbox, its reward bound), else the defaults."""
     from dapo.config import load_config
 
-    return load_config(req.config).code if req.config else load_config(None, []).code
+    return load_config(req.config) if req.config else load_config(None, [])
 
 
 def _read_problems(req: EvalRequest) -> list:

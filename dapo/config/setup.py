@@ -125,6 +125,10 @@ class RewardConfig:
     function_sha256: str = ""
     """Set by dapo when the run starts: the SHA-256 of reward.function's file, so that a resume
     can warn when the file changed since. Leave it empty."""
+    max_abs: float = 1e6
+    """The largest |score| a verifier or reward.function may return: beyond it the response is
+    graded incorrect and counted as a fault (reward/faults), naming the row. One score of 1e200
+    would zero its group's advantages, two of 1e308 make them NaN."""
 
     @property
     def grader(self) -> str:
@@ -142,6 +146,8 @@ class RewardConfig:
             errors.append("reward.memory_mb must be >= 0 (0 = no limit)")
         if self.batch_timeout_s < 0:
             errors.append("reward.batch_timeout_s must be >= 0 (0 = no limit)")
+        if not 0 < self.max_abs < float("inf"):
+            errors.append("reward.max_abs must be a positive number (the largest |score|)")
         if self.mode not in ("", *tasks.names()):
             errors.append(
                 f"reward.mode must be empty (by data_source) or one of {tasks.names()}, "

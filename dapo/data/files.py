@@ -181,7 +181,9 @@ def resolve_format(
         fmt = "dapo" if {"prompt", "reward_model"} <= columns or dapo_like else "flat"
     need = ["prompt", "reward_model"] if fmt == "dapo" else [question_key, answer_key]
     missing = [c for c in need if c not in columns]
-    if missing and table.records:
+    # A file none of whose lines is a JSON object has no columns at all: its rows then say
+    # what is wrong with each line (too deep, a huge integer), not a missing column.
+    if missing and any(isinstance(r, dict) for r in table.records):
         fix = (
             "name the columns with --question-key/--answer-key (data.question_key/answer_key)"
             if fmt == "flat"

@@ -11,7 +11,12 @@ from dapo.reward.tasks import Score
 if TYPE_CHECKING:
     from dapo.data.problems import Problem
 
-FAULT_KINDS = ("error", "timeout", "memory", "crash")
+FAULT_KINDS = ("error", "timeout", "memory", "crash", "out_of_bounds")
+
+MAX_ABS_SCORE = 1e6
+"""The largest |score| a verifier may return (``reward.max_abs``): beyond it the score is a
+fault, not a reward. One score of 1e200 makes its group's standard deviation overflow and
+zeroes its advantages; two of 1e308 make them NaN."""
 
 # Same verdict as a response with no answer, so a fault never earns reward; pred is
 # None (not "") so that a faulted response can be told from one without an answer.
@@ -37,7 +42,8 @@ class Fault:
             returned something that is not a ``Score``), "timeout" (ran past
             ``timeout_s``; the worker was killed), "memory" (MemoryError, normally
             from the worker's address-space limit), "crash" (the worker died:
-            segfault, ``os._exit``, the kernel's OOM killer).
+            segfault, ``os._exit``, the kernel's OOM killer), "out_of_bounds" (a finite
+            score whose magnitude is above the pool's ``max_abs``).
         detail: one line for logs, at most about ``MAX_DETAIL_CHARS`` characters.
     """
 
@@ -52,6 +58,32 @@ class GradeResult:
 
     scores: list[Score]
     faults: list[Fault]
+    output: str = ""
+    """What the verifiers printed while grading the batch, cut to ``MAX_SHOWN_OUTPUT``
+    characters (their output is never written to the trainer's streams)."""
+    output_dropped: int = 0
+    """Characters of that output dropped past the caps (per response, then per batch)."""
+
+
+MAX_SHOWN_OUTPUT = 4096
+"""Characters of a batch's verifier output a ``GradeResult`` keeps."""
+
+
+class Printed:
+    """A batch's verifier output: its first ``MAX_SHOWN_OUTPUT`` characters, and a count of
+    the characters dropped (past each response's cap, then past the batch's)."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.dropped = 0
+
+    def note(self, text: str, dropped: int) -> None:
+        room = MAX_SHOWN_OUTPUT - sum(len(t) for t in self.parts)
+        self.parts.append(text[: max(0, room)])
+        self.dropped += dropped + len(text) - len(self.parts[-1])
+
+    def text(self) -> str:
+        return "".join(self.parts)
 
 
 def grading_job(problem: Problem, response: str, reward_mode: str = "") -> Job:

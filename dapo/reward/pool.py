@@ -30,9 +30,20 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from dapo.reward.jobs import FAULT_KINDS, FAULT_SCORE, Fault, GradeResult, Job, grading_job
+from dapo.reward.jobs import (
+    FAULT_KINDS,
+    FAULT_SCORE,
+    MAX_ABS_SCORE,
+    Fault,
+    GradeResult,
+    Job,
+    Printed,
+    grading_job,
+)
 from dapo.reward.tasks import RewardFn, Score, get_verifier
 from dapo.reward.worker import (
+    CappedText,
+    captured,
     describe_exit,
     exception_text,
     grade_one,
@@ -41,15 +52,7 @@ from dapo.reward.worker import (
     worker_main,
 )
 
-__all__ = [
-    "FAULT_KINDS",
-    "FAULT_SCORE",
-    "Fault",
-    "GradeResult",
-    "Job",
-    "RewardPool",
-    "grading_job",
-]
+__all__ = ["FAULT_KINDS", "FAULT_SCORE", "Fault", "GradeResult", "Job", "RewardPool", "grading_job"]
 
 # Starting a worker is not the verifier's time. It takes milliseconds, or seconds
 # where the __main__ script imports torch (see above); allow far more than that
@@ -108,6 +111,12 @@ class RewardPool:
     MemoryError included, still become faults, but nothing bounds time or memory:
     a verifier that hangs hangs the caller. Only for tests and trusted verifiers.
 
+    A finite score whose magnitude is above ``max_abs`` faults as "out_of_bounds". What a
+    verifier prints is captured, never written to this process's streams: each response
+    keeps its first ``MAX_OUTPUT_CHARS`` characters, a batch its first ``MAX_SHOWN_OUTPUT``
+    (``GradeResult.output``), and the rest is counted (``output_dropped``); a worker's C code
+    writing to its file descriptors directly writes to /dev/null.
+
     ``resolve(data_source)`` returns the verifier; it must be picklable (a
     module-level function) because workers receive it. ``start_method`` is
     multiprocessing's ("forkserver" where it exists, else "spawn"). Use the pool as a
@@ -128,6 +137,7 @@ class RewardPool:
         resolve: Callable[[str], RewardFn] = get_verifier,
         start_method: str | None = None,
         batch_timeout_s: float = 0.0,
+        max_abs: float = MAX_ABS_SCORE,
     ) -> None:
         if workers < 0:
             raise ValueError(f"workers must be >= 0, got {workers}")
@@ -137,6 +147,8 @@ class RewardPool:
             raise ValueError(f"memory_mb must be >= 0 (0: no limit), got {memory_mb}")
         if batch_timeout_s < 0:
             raise ValueError(f"batch_timeout_s must be >= 0 (0: no limit), got {batch_timeout_s}")
+        if not max_abs > 0:
+            raise ValueError(f"max_abs must be > 0, got {max_abs}")
         if workers > 0:
             # Fail here, not in a worker mid-training, if resolve cannot travel.
             try:
@@ -149,6 +161,8 @@ class RewardPool:
         self._timeout_s = float(timeout_s)
         self._batch_timeout_s = float(batch_timeout_s)
         self._memory_mb = int(memory_mb)
+        self._max_abs = float(max_abs)
+        self._printed = Printed()  # what this grade call's verifiers printed
         self._resolve = resolve
         self._slots = [_Worker(f"dapo-reward-{i}") for i in range(workers)]
         self._start_method = start_method or default_start_method()
@@ -173,8 +187,9 @@ class RewardPool:
         if self._closed:
             raise RuntimeError("RewardPool is closed")
         jobs = list(jobs)
+        self._printed = Printed()
         if not self._slots:
-            return self._grade_in_process(jobs)
+            return self._with_output(self._grade_in_process(jobs))
         scores: list[Score | None] = [None] * len(jobs)
         faults: list[Fault] = []
         try:
@@ -188,16 +203,23 @@ class RewardPool:
                     slot.pending.clear()
             raise
         faults.sort(key=lambda fault: fault.index)
-        return GradeResult(scores=scores, faults=faults)  # type: ignore[arg-type]
+        return self._with_output(GradeResult(scores=scores, faults=faults))  # type: ignore[arg-type]
+
+    def _with_output(self, result: GradeResult) -> GradeResult:
+        result.output, result.output_dropped = self._printed.text(), self._printed.dropped
+        return result
 
     # --- in-process -------------------------------------------------------------------
 
     def _grade_in_process(self, jobs: list[Job]) -> GradeResult:
         scores: list[Score] = []
         faults: list[Fault] = []
+        sink = CappedText()
         for index, job in enumerate(jobs):
             # Exception, not BaseException: Ctrl-C must still stop the caller.
-            outcome = grade_one(self._resolve, job.data_source, job.response, job.answer, Exception)
+            args = (self._resolve, job.data_source, job.response, job.answer, Exception)
+            outcome = captured(sink, lambda args=args: grade_one(*args, self._max_abs))
+            self._printed.note(*sink.take())
             if outcome[0] == "ok":
                 scores.append(to_score(outcome))
             else:
@@ -258,7 +280,7 @@ class RewardPool:
         parent_conn, child_conn = self._context.Pipe(duplex=True)
         process = self._context.Process(
             target=worker_main,
-            args=(child_conn, self._resolve, self._memory_mb),
+            args=(child_conn, self._resolve, self._memory_mb, self._max_abs),
             name=slot.name,
             daemon=True,  # killed at interpreter exit if close() was never called
         )
@@ -303,6 +325,8 @@ class RewardPool:
             if message[0] == "ready":
                 slot.ready = True
                 self._send_pending(slot)
+            elif message[0] == "output":  # what grading the next result printed
+                self._printed.note(str(message[2]), int(message[3]))
             else:
                 index, status, *rest = message
                 expected, job = slot.pending[0]

@@ -6,6 +6,8 @@ Only the standard library and :mod:`dapo.reward.tasks` are imported, so a worker
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 import os
 import signal
@@ -13,6 +15,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from dapo.reward.jobs import MAX_ABS_SCORE
 from dapo.reward.tasks import RewardFn, Score
 
 try:
@@ -23,6 +26,37 @@ except ImportError:  # Windows: workers there run without a memory limit
 # Results cross a pipe once per response: keep them small whatever a verifier returns.
 MAX_PRED_CHARS = 1000
 MAX_DETAIL_CHARS = 300
+MAX_OUTPUT_CHARS = 4096  # what grading one response may print and have kept
+
+
+class CappedText(io.TextIOBase):
+    """A text stream that keeps the first ``limit`` characters written since the last
+    :meth:`take` and counts the rest: a verifier's ``print`` never floods the log."""
+
+    def __init__(self, limit: int = MAX_OUTPUT_CHARS) -> None:
+        self.limit, self.parts, self.size, self.dropped = limit, [], 0, 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        keep = text[: max(0, self.limit - self.size)]
+        self.parts.append(keep)
+        self.size += len(keep)
+        self.dropped += len(text) - len(keep)
+        return len(text)
+
+    def take(self) -> tuple[str, int]:
+        """(what was kept, how many characters were dropped) since the last take."""
+        text, dropped = "".join(self.parts), self.dropped
+        self.parts, self.size, self.dropped = [], 0, 0
+        return text, dropped
+
+
+def captured(sink: CappedText, grade: Callable[[], Outcome]) -> Outcome:
+    """``grade()`` with Python's standard output and error going to ``sink``."""
+    with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+        return grade()
 
 
 def one_line(text: str, limit: int = MAX_DETAIL_CHARS) -> str:
@@ -54,8 +88,10 @@ def grade_one(
     response: str,
     answer: str,
     catch: type[BaseException],
+    max_abs: float = MAX_ABS_SCORE,
 ) -> Outcome:
-    """Run one verifier and reduce its verdict, or its failure, to primitives."""
+    """Run one verifier and reduce its verdict, or its failure, to primitives; a finite
+    score beyond ``max_abs`` is an "out_of_bounds" fault, not a reward."""
     try:
         result = resolve(data_source)(response, answer)
     except MemoryError:
@@ -82,6 +118,13 @@ def grade_one(
     except catch as exc:
         detail = f"verifier {data_source!r} returned a malformed Score: {exception_text(exc)}"
         return ("fault", "error", one_line(detail))
+    if abs(score) > max_abs:
+        detail = (
+            f"verifier {data_source!r} returned score {score:g}, beyond reward.max_abs="
+            f"{max_abs:g}: graded incorrect (a reward that large would zero or NaN its group's "
+            "advantages); scale the reward, or raise reward.max_abs"
+        )
+        return ("fault", "out_of_bounds", one_line(detail))
     return ("ok", score, correct, None if pred is None else pred[:MAX_PRED_CHARS])
 
 
@@ -112,12 +155,29 @@ def _limit_address_space(memory_mb: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
 
 
-def worker_main(conn: Connection, resolve: Callable[[str], RewardFn], memory_mb: int) -> None:
-    """Worker loop: receive a chunk of jobs, send one result message per job."""
+def _silence_descriptors() -> None:
+    """Point file descriptors 1 and 2 at /dev/null: output a verifier's C code writes there
+    directly is discarded (Python's is captured, capped and sent to the parent)."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):
+        os.dup2(null, fd)
+    os.close(null)
+
+
+def worker_main(
+    conn: Connection,
+    resolve: Callable[[str], RewardFn],
+    memory_mb: int,
+    max_abs: float = MAX_ABS_SCORE,
+) -> None:
+    """Worker loop: receive a chunk of jobs, send one result message per job (preceded by
+    ``("output", index, text, dropped)`` when grading it printed)."""
     # Ctrl-C reaches the whole process group; only the parent should act on it
     # (and it kills the workers), or workers would report it as a verifier fault.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _limit_address_space(memory_mb)
+    _silence_descriptors()
+    sink = CappedText()
     conn.send(("ready", os.getpid()))
     while True:
         try:
@@ -128,7 +188,11 @@ def worker_main(conn: Connection, resolve: Callable[[str], RewardFn], memory_mb:
             return
         for index, data_source, response, answer in chunk:
             # BaseException: a verifier calling sys.exit() is a fault in that verifier.
-            outcome = grade_one(resolve, data_source, response, answer, BaseException)
+            job = (resolve, data_source, response, answer, BaseException, max_abs)
+            outcome = captured(sink, lambda job=job: grade_one(*job))
+            text, dropped = sink.take()
+            if text or dropped:
+                conn.send(("output", index, text, dropped))
             conn.send((index, *outcome))
 
 

@@ -13,9 +13,8 @@ import torch
 
 from dapo.config import Config
 from dapo.models import policy
-from dapo.reward.pool import RewardPool
 from dapo.training import inputs
-from dapo.training.state import build_state
+from dapo.training.state import build_state, reward_pool
 from dapo.training.step import train_step
 
 PHASES = ("generate", "reward", "logprobs", "train", "other")
@@ -61,14 +60,8 @@ def bench_steps(cfg: Config, *, steps: int, warmup: int, log: Callable[[str], No
     tokenizer = policy.load_tokenizer(cfg)
     model, tokenizer = policy.load_policy(cfg, data.warmup_pairs, tokenizer, log=log)
     state = build_state(cfg, model, tokenizer, data.train)
-    r = cfg.reward
     timed = []
-    with RewardPool(
-        workers=r.workers,
-        timeout_s=r.timeout_s,
-        memory_mb=r.memory_mb,
-        batch_timeout_s=r.batch_timeout_s,
-    ) as pool:
+    with reward_pool(cfg) as pool:
         state.pool = pool
         for i in range(warmup + steps):
             metrics = train_step(state)

@@ -128,6 +128,7 @@ def reward_pool(cfg: Config, reward_fn: Callable[..., Any] | None = None) -> Rew
         memory_mb=r.memory_mb,
         batch_timeout_s=r.batch_timeout_s,
         resolve=make_resolver(r.function, reward_fn, cfg.code),
+        max_abs=r.max_abs,
     )
 
 
