@@ -30,8 +30,9 @@ METRICS: dict[str, str] = {
     "rollout/truncated_frac": "Share of responses with no stop token within L_max "
     "(rollout.max_new_tokens).",
     # reward
-    "reward/faults": "Responses whose verifier raised, hung past reward.timeout_s or ran out "
-    "of reward.memory_mb: graded incorrect, and training goes on.",
+    "reward/faults": "Responses whose verifier raised, hung past reward.timeout_s, ran out "
+    "of reward.memory_mb or scored beyond reward.max_abs: graded incorrect, and training goes "
+    "on.",
     # sampling
     "sampling/rounds": "Generation rounds this step (1 without dynamic sampling).",
     "sampling/prompts_drawn": "Prompts drawn over the rounds.",
