@@ -62,16 +62,27 @@ def the_table_rows() -> list[dict[str, Any]]:
 
 
 def recipe_shape(cfg: Any) -> ModelShape:
-    """The recipe's model: its config.json, or the built-in shape of a known model's name."""
-    path = Path(cfg.model.path)
-    if cfg.model.path == "embedded" or (path / "config.json").is_file():
+    """The recipe's model: its config.json (a Hub id's only when in the cache: the plan
+    downloads nothing), or the built-in shape of a known model's name."""
+    from dapo.models import hub
+
+    if cfg.model.path != "embedded":
+        try:
+            path = hub.resolve(cfg.model.path, cfg.model.revision, download=False)
+        except hub.HubModelError:
+            path = Path(cfg.model.path)
+        if (path / "config.json").is_file():
+            return ModelShape.from_hf_config(json.loads((path / "config.json").read_text()))
+    else:
         return model_shape(cfg)
     shapes = {**KNOWN_SHAPES, **RECIPE_SHAPES}
-    known = shapes.get(path.name.lower())
+    name = Path(cfg.model.path).name
+    known = shapes.get(name.lower())
     if known is None:
         raise ValueError(
-            f"{path}/config.json is absent and {path.name!r} is none of the built-in shapes "
-            f"({', '.join(shapes)}); point model.path at the model's directory"
+            f"model.path={cfg.model.path}: no config.json there (nor in the Hugging Face cache) "
+            f"and {name!r} is none of the built-in shapes ({', '.join(shapes)}); point "
+            "model.path at the model's directory"
         )
     return ModelShape.from_hf_config(known)
 

@@ -43,7 +43,7 @@ def files(tmp_path_factory):
     return root / "train.jsonl", root / "val.parquet"
 
 
-def _args(tmp_path, model_dir, files, *extra):
+def train_args(tmp_path, model_dir, files, *extra):
     train, val = files
     return [
         "train",
@@ -72,7 +72,7 @@ def _args(tmp_path, model_dir, files, *extra):
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_two_steps_from_a_saved_model_directory(tmp_path, files, arch):
     model_dir = save_model(tmp_path / arch, arch)
-    assert main(_args(tmp_path, model_dir, files)) == 0
+    assert main(train_args(tmp_path, model_dir, files)) == 0
     lines = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [0, 1, 2]
     # The val file's 4 repeats of each of 3 problems became k = 4 samples of 3 problems.
@@ -97,7 +97,7 @@ def test_a_saved_demo_tokenizer_loads_as_itself(tmp_path):
 
 def test_prompts_beyond_the_context_are_refused(tmp_path, files, capsys):
     model_dir = save_model(tmp_path / "m", "llama", context=64)
-    assert main(_args(tmp_path, model_dir, files)) == 2
+    assert main(train_args(tmp_path, model_dir, files)) == 2
     err = capsys.readouterr().err
     assert "exceed the model's context of 64 tokens" in err
     assert "Lower rollout.max_new_tokens" in err
@@ -105,10 +105,10 @@ def test_prompts_beyond_the_context_are_refused(tmp_path, files, capsys):
 
 def test_model_directory_errors(tmp_path, files, capsys):
     no_tok = save_model(tmp_path / "no-tokenizer", "qwen2", tokenizer=False)
-    assert main(_args(tmp_path, no_tok, files)) == 2
+    assert main(train_args(tmp_path, no_tok, files)) == 2
     assert "no usable tokenizer there" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
-    assert main(_args(tmp_path, tmp_path / "empty", files)) == 2
+    assert main(train_args(tmp_path, tmp_path / "empty", files)) == 2
     assert "is not a Hugging Face model directory (no config.json)" in capsys.readouterr().err
 
 
@@ -123,7 +123,7 @@ def test_a_bad_row_is_named_before_any_model_loads(tmp_path, files, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"q": "1 + 1", "a": "2"}\n{"q": "2 + 2", "a": ""}\n')
     model_dir = save_model(tmp_path / "m", "qwen2")
-    args = _args(tmp_path, model_dir, (bad, files[1]))
+    args = train_args(tmp_path, model_dir, (bad, files[1]))
     assert main(args) == 2
     err = capsys.readouterr().err
     assert str(bad) in err and "row 1" in err and "a" in err

@@ -161,8 +161,14 @@ def _check(req: EvalRequest, reward_fn: Callable[..., Any] | None) -> None:
         raise ValueError(f"--k must be >= 1, got {req.k}")
     if req.threads < 0:
         raise ValueError(f"--threads must be >= 0 (0 = auto), got {req.threads}")
-    if req.model != "embedded" and not (Path(req.model) / "config.json").is_file():
-        raise ValueError(f"{req.model} is not a saved model directory (no config.json)")
+    if req.model != "embedded":
+        from dapo.models import hub
+
+        if not (hub.resolve(req.model, setting="MODEL") / "config.json").is_file():
+            raise ValueError(
+                f"{req.model} is not a saved model directory (no config.json), nor a Hub model "
+                "id in the cache"
+            )
     if reward_fn is not None:
         req.reward_function = custom.spec_for(reward_fn, req.reward_function)
     if req.reward_function:

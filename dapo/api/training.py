@@ -288,7 +288,14 @@ def _checked_run_dir(cfg: Config, resume_dir: Path | None, overwrite: bool) -> N
             "one); start it again with --overwrite"
         )
     rundir.check_writable(resume_dir)
-    rundir.check_space(resume_dir, cfg)
+    rundir.check_space(resume_dir, cfg, _weights_dir(cfg))
+
+
+def _weights_dir(cfg: Config) -> Path | None:
+    """The model's directory (a Hub id's snapshot), or None for the embedded model."""
+    from dapo.models import policy
+
+    return None if cfg.model.path == "embedded" else policy.model_dir(cfg)
 
 
 def _open_run_dir(cfg: Config, resume_dir: Path | None, overwrite: bool) -> NewRun:
@@ -305,7 +312,7 @@ def _open_run_dir(cfg: Config, resume_dir: Path | None, overwrite: bool) -> NewR
     opened = rundir.plan_new_run(cfg, overwrite=overwrite)
     run_dir = rundir.start_new_run(opened)
     try:
-        rundir.check_space(run_dir, cfg)
+        rundir.check_space(run_dir, cfg, _weights_dir(cfg))
     except Exception:
         rundir.undo_new_run(opened)
         raise

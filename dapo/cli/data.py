@@ -39,7 +39,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--tokenizer",
         type=Path,
         metavar="DIR",
-        help="a local Hugging Face tokenizer directory: also report prompt lengths in tokens",
+        help="a local Hugging Face tokenizer directory or a Hub model id: also report prompt "
+        "lengths in tokens",
     )
     check.set_defaults(func=cmd_check)
 

@@ -28,7 +28,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ev.add_argument("model", nargs="?", help="a saved model directory, or 'embedded'")
+    ev.add_argument("model", nargs="?", help="a model directory, a Hub id, or 'embedded'")
     ev.add_argument("--data", help="Parquet/JSONL problem file (DAPO or flat), or 'arith'")
     ev.add_argument("--k", type=int, default=32, help="samples per problem (default 32)")
     ev.add_argument("--pass-k", default="", help="comma-separated k' <= k (default: 1,k)")

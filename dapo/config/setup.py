@@ -12,7 +12,13 @@ from dapo.reward import custom, tasks
 @dataclass
 class ModelConfig:
     path: str = "embedded"
-    """A local Hugging Face model directory, or ``embedded`` for the built-in tiny Qwen2."""
+    """A local Hugging Face model directory, a Hugging Face Hub model id
+    (``Qwen/Qwen2.5-Math-1.5B``: read from the Hub cache, ``HF_HOME``, and downloaded there
+    first unless ``HF_HUB_OFFLINE=1``; safetensors weights only), or ``embedded`` for the
+    built-in tiny Qwen2."""
+    revision: str | None = None
+    """With a Hub model id in ``model.path``: the branch, tag or commit to use (None: main).
+    A commit pins the weights a run starts from."""
     param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """The trained weights and the optimizer state. float32 (the default, as the reference
     keeps them): at lr 1e-6 an AdamW step of a bf16 weight rounds away (one update on a tiny

@@ -86,8 +86,9 @@ def check_file(
 ) -> CheckStats:
     """Load ``path`` skipping bad rows, and count what a user should know before training on it.
 
-    ``tokenizer`` is a local Hugging Face tokenizer directory; prompts are rendered as the
-    trainer renders them (the chat template when the tokenizer has one) and measured.
+    ``tokenizer`` is a local Hugging Face tokenizer directory or a Hub model id; prompts are
+    rendered as the trainer renders them (the chat template when the tokenizer has one) and
+    measured.
     """
     table = read_table(path)
     data = load_table(
@@ -131,14 +132,19 @@ def check_file(
         bad_rows=data.skipped,
     )
     if tokenizer is not None and problems:
-        stats.prompt_tokens = _prompt_token_stats(problems, Path(tokenizer))
+        stats.prompt_tokens = _prompt_token_stats(problems, str(tokenizer))
     return stats
 
 
-def _prompt_token_stats(problems: list[Problem], tokenizer_dir: Path) -> dict[str, float]:
-    if not tokenizer_dir.is_dir():
-        raise ValueError(f"tokenizer {tokenizer_dir}: not a directory; give a local tokenizer")
+def _prompt_token_stats(problems: list[Problem], tokenizer: str) -> dict[str, float]:
+    from dapo.models import hub
     from dapo.models.policy import tokenizer_from_dir
+
+    tokenizer_dir = hub.resolve(tokenizer, setting="--tokenizer")
+    if not tokenizer_dir.is_dir():
+        raise ValueError(
+            f"--tokenizer {tokenizer}: not a directory; give a local tokenizer or a Hub model id"
+        )
 
     # The trainer's own tokenizer loading and rendering: the lengths rollout will see.
     tok = tokenizer_from_dir(tokenizer_dir, setting="--tokenizer")

@@ -1,7 +1,8 @@
 """The one place a policy is loaded: model and tokenizer, device and dtype.
 
-``model.path=embedded`` builds the demo's tiny Qwen2 (:mod:`dapo.models.demo`, warm-started on the
-arith task and cached); any other path is a local Hugging Face directory, loaded with
+``model.path=embedded`` builds the demo's tiny Qwen2 (:mod:`dapo.models.demo`, warm-started on
+the arith task and cached); any other path is a local Hugging Face directory or a Hub model id
+(resolved to its snapshot in the Hugging Face cache: :mod:`dapo.models.hub`), loaded with
 transformers. Cheap checks (the directory, the tokenizer, the context length) come apart from
 the weights, so a run can make them before a load that takes minutes.
 """
@@ -67,13 +68,26 @@ def compute_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def model_dir(cfg: Config, *, download: bool = True) -> Path:
+    """The directory ``model.path`` names: itself, or the snapshot of a Hub model id in the
+    Hugging Face cache (fetched there unless offline or not ``download``;
+    :mod:`dapo.models.hub`)."""
+    from dapo.models import hub
+
+    return hub.resolve(cfg.model.path, cfg.model.revision, download=download)
+
+
 def check_model_path(cfg: Config) -> Path:
-    """``model.path`` as a Hugging Face model directory, or a ValueError that says what it is."""
-    path = Path(cfg.model.path)
+    """``model.path`` as a Hugging Face model directory (a Hub id resolved), or a ValueError
+    that says what it is."""
+    path = model_dir(cfg)
     if not (path / "config.json").is_file():
+        from_hub = str(path) != cfg.model.path
+        hint = f" (the Hub model {cfg.model.path}'s snapshot)" if from_hub else ""
         raise ValueError(
-            f"model.path={path} is not a Hugging Face model directory (no config.json); "
-            "give a directory written by save_pretrained, or model.path=embedded"
+            f"model.path={path}{hint} is not a Hugging Face model directory (no config.json); "
+            "give a directory written by save_pretrained, a Hub model id (Qwen/Qwen2.5-0.5B), "
+            "or model.path=embedded"
         )
     return path
 
@@ -84,7 +98,7 @@ def load_tokenizer(cfg: Config) -> Any:
         from dapo.models.demo import build_tokenizer
 
         return build_tokenizer()
-    return tokenizer_from_dir(Path(cfg.model.path))
+    return tokenizer_from_dir(model_dir(cfg))
 
 
 def tokenizer_from_dir(path: Path, *, setting: str = "model.path") -> Any:
@@ -135,7 +149,8 @@ def context_length(cfg: Config) -> int | None:
         return TinyModelSpec().max_positions
     from transformers import AutoConfig
 
-    return getattr(AutoConfig.from_pretrained(cfg.model.path), "max_position_embeddings", None)
+    config = AutoConfig.from_pretrained(model_dir(cfg))
+    return getattr(config, "max_position_embeddings", None)
 
 
 def stop_token_ids(

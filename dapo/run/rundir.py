@@ -199,19 +199,20 @@ def check_writable(run_dir: Path) -> None:
         ) from exc
 
 
-def estimate_checkpoint_bytes(cfg: Config) -> int:
+def estimate_checkpoint_bytes(cfg: Config, weights_dir: Path | None) -> int:
     """About what one checkpoint takes: weights plus AdamW's two moments, in model.param_dtype.
 
-    Estimated from the weight files on disk (or the embedded model's shape), so it needs no
-    model in memory.
+    Estimated from the weight files on disk in ``weights_dir`` (the model's directory, a Hub
+    id's snapshot; None for the embedded model, from its shape), so it needs no model in
+    memory.
     """
     per_param = DTYPE_BYTES[cfg.model.param_dtype]
-    if cfg.model.path == "embedded":
+    if weights_dir is None:
         h, layers = cfg.embedded.hidden, cfg.embedded.layers
         vocab = 4096  # an upper bound of the word-level demo vocabulary
         params = vocab * h + layers * (4 * h * h + 3 * h * 2 * h)
     else:
-        path = Path(cfg.model.path)
+        path = weights_dir
         weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
         weights += sum(f.stat().st_size for f in path.glob("*.bin"))
         stored = 2
@@ -224,10 +225,10 @@ def estimate_checkpoint_bytes(cfg: Config) -> int:
     return 3 * params * per_param
 
 
-def check_space(run_dir: Path, cfg: Config) -> None:
+def check_space(run_dir: Path, cfg: Config, weights_dir: Path | None) -> None:
     """Refuse to start when the disk cannot hold two checkpoints (the newest being written
-    while the previous one is still the safe copy)."""
-    need = 2 * estimate_checkpoint_bytes(cfg)
+    while the previous one is still the safe copy) of the model in ``weights_dir``."""
+    need = 2 * estimate_checkpoint_bytes(cfg, weights_dir)
     # A new run's directory does not exist yet: its nearest ancestor is on the same disk.
     where = next(p for p in (run_dir.absolute(), *run_dir.absolute().parents) if p.exists())
     free = shutil.disk_usage(where).free

@@ -26,9 +26,9 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dapo.models import hub
 from dapo.training.model_shape import ModelShape
 
 if TYPE_CHECKING:
@@ -393,8 +393,8 @@ def embedded_hf_config(cfg: Config) -> dict[str, Any]:
 
 
 def model_shape(cfg: Config) -> ModelShape:
-    """The run's model: the embedded one, or ``<model.path>/config.json``."""
+    """The run's model: the embedded one, or ``<model.path>/config.json`` (a Hub id's)."""
     if cfg.model.path == "embedded":
         return ModelShape.from_hf_config(embedded_hf_config(cfg))
-    path = Path(cfg.model.path) / "config.json"
-    return ModelShape.from_hf_config(json.loads(path.read_text(encoding="utf-8")))
+    snapshot = hub.resolve(cfg.model.path, cfg.model.revision)
+    return ModelShape.from_hf_config(json.loads((snapshot / "config.json").read_bytes()))

@@ -15,7 +15,7 @@ from typing import Any
 from dapo.config import Config, RewardConfig
 from dapo.data.problems import Problem
 from dapo.data.prompts import render_prompt
-from dapo.models.policy import context_length
+from dapo.models.policy import context_length, model_dir
 from dapo.reward import custom, tasks
 
 
@@ -256,4 +256,4 @@ def _model_config(cfg: Config) -> Any:
         }
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(cfg.model.path)
+    return AutoConfig.from_pretrained(model_dir(cfg))

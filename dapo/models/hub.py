@@ -1,0 +1,126 @@
+"""``model.path`` as a directory: a local one, or a Hugging Face Hub model id resolved to its
+snapshot in the Hub cache, the one ``from_pretrained`` would read.
+
+A path that is an existing directory is a local model. Anything else shaped like a Hub id
+(``Qwen/Qwen2.5-Math-1.5B``) is looked up with ``huggingface_hub``: in its cache
+(``HF_HOME``, ``HF_HUB_CACHE``) and, unless ``HF_HUB_OFFLINE=1``, downloaded there first. Only
+what dapo reads is fetched: safetensors weights, JSON configs and the tokenizer's files, never
+pickled ``*.bin`` weights or code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+ALLOW_PATTERNS = ("*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken")
+"""The files of a Hub model dapo reads: configs, weights, tokenizer (sentencepiece,
+merges/vocab, tiktoken). Pickled weights (``*.bin``, ``*.pt``) and code stay on the Hub."""
+
+
+class HubModelError(ValueError):
+    """A Hub model id that cannot be resolved; the message names it and the fix."""
+
+
+def looks_like_hub_id(path: str) -> bool:
+    """Whether ``path`` is shaped like a Hub model id (``name`` or ``org/name``)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if path.startswith((".", "/", "~")) or path.count("/") > 1:
+        return False
+    try:
+        validate_repo_id(path)
+    except HFValidationError:
+        return False
+    return True
+
+
+def offline() -> bool:
+    """``HF_HUB_OFFLINE`` as huggingface_hub reads it."""
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def cache_root() -> str:
+    """The Hub cache a model id resolves into (``HF_HUB_CACHE``, by default ``$HF_HOME/hub``)."""
+    from huggingface_hub import constants
+
+    return str(constants.HF_HUB_CACHE)
+
+
+def resolve(
+    path: str,
+    revision: str | None = None,
+    *,
+    setting: str = "model.path",
+    download: bool = True,
+    log: Callable[[str], None] = print,
+) -> Path:
+    """The local directory of the model ``path`` names: ``path`` itself when it is a
+    directory, else the snapshot of the Hub id ``path`` at ``revision`` (default ``main``) in
+    the cache, downloaded first unless offline or not ``download``."""
+    local = Path(path).expanduser()
+    if local.is_dir() or not looks_like_hub_id(path):
+        if revision:
+            raise HubModelError(
+                f"model.revision={revision} is set, but {setting}={path} is a local path, not a "
+                "Hub model id; unset model.revision"
+            )
+        return local
+    key = (path, revision, cache_root(), offline(), download)
+    if key not in _RESOLVED:
+        _RESOLVED[key] = _snapshot(path, revision, setting, download=download, log=log)
+    return _RESOLVED[key]
+
+
+_RESOLVED: dict[tuple, Path] = {}
+
+
+def _snapshot(
+    repo: str, revision: str | None, setting: str, *, download: bool, log: Callable[[str], None]
+) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    at = f" at revision {revision}" if revision else ""
+    local_only = offline() or not download
+    where = f"{setting}={repo}{at}"
+    if not local_only:
+        log(f"model: {repo}{at} from the Hugging Face Hub into {cache_root()} (if not there yet)")
+    try:
+        folder = snapshot_download(
+            repo,
+            revision=revision,
+            allow_patterns=list(ALLOW_PATTERNS),
+            local_files_only=local_only,
+        )
+    except GatedRepoError:
+        raise HubModelError(
+            f"{where}: a gated model; accept its terms on huggingface.co/{repo} and log in "
+            "(hf auth login, or set HF_TOKEN), then run again"
+        ) from None
+    except RepositoryNotFoundError:
+        raise HubModelError(
+            f"{where}: no such local directory, and no Hub model of that id (or a private "
+            "one: log in with hf auth login); check the spelling"
+        ) from None
+    except RevisionNotFoundError:
+        raise HubModelError(
+            f"{where}: the Hub model has no revision {revision!r}; give a branch, tag or "
+            "commit it has in model.revision"
+        ) from None
+    except LocalEntryNotFoundError:
+        why = "HF_HUB_OFFLINE=1 is set" if offline() else "the Hub could not be reached"
+        raise HubModelError(
+            f"{where}: no such local directory, and the Hub model is not in the Hugging Face "
+            f"cache ({cache_root()}) while {why}. Fetch it where there is network: "
+            f"hf download {repo}{f' --revision {revision}' if revision else ''} (same HF_HOME), "
+            "or download it to a directory and give that path"
+        ) from None
+    return Path(folder)
