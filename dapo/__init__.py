@@ -16,7 +16,7 @@ of the package and draws the data flow.
 
 The Python API (:mod:`dapo.api`, what the commands run) is here, loaded on first use so that
 importing ``dapo`` (as every reward worker does) stays light: ``dapo.train``, ``dapo.evaluate``,
-``dapo.load_config``.
+``dapo.export``, ``dapo.load_config``.
 """
 
 from __future__ import annotations
@@ -25,9 +25,20 @@ from typing import Any
 
 __version__ = "0.2.0"
 
-__all__ = ["EvalResult", "TrainResult", "__version__", "evaluate", "load_config", "train"]
+__all__ = [
+    "EvalResult",
+    "ExportResult",
+    "TrainResult",
+    "__version__",
+    "evaluate",
+    "export",
+    "load_config",
+    "train",
+]
 
-_API = frozenset({"EvalResult", "TrainResult", "evaluate", "load_config", "train"})
+_API = frozenset(
+    {"EvalResult", "ExportResult", "TrainResult", "evaluate", "export", "load_config", "train"}
+)
 
 
 def __getattr__(name: str) -> Any:

@@ -9,6 +9,7 @@
     result = dapo.train(cfg, reward_fn=reward)
     print(result.run_dir, result.start_accuracy, result.end_accuracy)
     scores = dapo.evaluate(result.run_dir / "model", "val.jsonl", k=8, reward_fn=reward)
+    dapo.export(result.run_dir, "exports/step-10", step=10)   # a checkpoint as a HF model
 
 The command line parses its flags into exactly these calls, so a script and a command with
 the same settings make the same run. ``reward_fn`` must be a function at the top level of a
@@ -22,13 +23,40 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dapo.api.evaluation import EvalResult, evaluate
 from dapo.config import Config, apply_overrides, validate
 from dapo.config import load_config as _load
 
-__all__ = ["EvalResult", "TrainResult", "evaluate", "load_config", "train"]
+if TYPE_CHECKING:
+    from dapo.api.exporting import ExportResult
+
+__all__ = [
+    "EvalResult",
+    "ExportResult",
+    "TrainResult",
+    "evaluate",
+    "export",
+    "load_config",
+    "train",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ExportResult":  # loaded on first use: the export's module imports torch
+        from dapo.api.exporting import ExportResult
+
+        return ExportResult
+    raise AttributeError(f"module 'dapo.api' has no attribute {name!r}")
+
+
+def export(run_dir: str | Path, out: str | Path, **options: Any) -> ExportResult:
+    """Write a checkpoint of the run in ``run_dir`` as a Hugging Face model directory
+    ``out``, as ``dapo export`` does (``step``, ``overwrite``, ``dtype``: its flags)."""
+    from dapo.api.exporting import export as export_
+
+    return export_(run_dir, out, **options)
 
 
 def load_config(

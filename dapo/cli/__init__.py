@@ -1,5 +1,5 @@
-"""Command line: ``dapo train | eval | data | model | bench | report | ablate``, one module per
-command.
+"""Command line: ``dapo train | eval | export | data | model | bench | report | ablate``, one
+module per command.
 
 With no arguments, ``dapo train`` runs the embedded CPU demo end to end.
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dapo.cli import ablate, bench, data, model, report, train
+from dapo.cli import ablate, bench, data, export, model, report, train
 from dapo.cli import eval as eval_
 
 __all__ = ["build_parser", "main", "parse_args"]
@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     intro = __doc__.split("\n\nOnly the standard library")[0]
     parser = argparse.ArgumentParser(prog="dapo", description=intro)
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in (train, bench, data, model, eval_, report, ablate):
+    for command in (train, bench, data, model, eval_, export, report, ablate):
         command.add_parser(sub)
     return parser
 

@@ -247,3 +247,37 @@ def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return get_model_state_dict(model, options=options)
+
+
+# ----------------------------------------------------------------------------- one process
+
+
+def stored_tensors(path: Path, prefix: str = "model.") -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """The tensors of a checkpoint :func:`save` wrote whose names start with ``prefix`` (the
+    model's: ``model.`` and its parameter names), each whole tensor's shape and dtype, read
+    from the shards' headers alone."""
+    check_format(path)
+    metadata = SafeReader(str(path)).read_metadata()
+    return {
+        name: (info.size, info.properties.dtype)
+        for name, info in metadata.state_dict_metadata.items()
+        if name.startswith(prefix) and hasattr(info, "size")
+    }
+
+
+def read_tensors(
+    path: Path, wanted: dict[str, tuple[torch.Size, torch.dtype]]
+) -> dict[str, torch.Tensor]:
+    """The whole tensors ``wanted`` (name: shape and dtype, as :func:`stored_tensors` gives
+    them) of a checkpoint written at any world size, gathered from every rank's shards in this
+    one process, into the CPU memory: a part of the checkpoint at a time."""
+    state = {name: torch.empty(size, dtype=dtype) for name, (size, dtype) in wanted.items()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(
+            state,
+            storage_reader=SafeReader(str(path)),
+            planner=TensorsOnlyPlanner(),
+            no_dist=True,
+        )
+    return state

@@ -160,8 +160,14 @@ def stop_token_ids(
     ``generation_config.eos_token_id`` (an id or a list: instruct models stop on several, and
     one that runs past its turn invents text whose last ``Answer:`` is graded), and ``extra``
     (``rollout.stop_token_ids``). Sorted, each once."""
+    return generation_stop_ids(getattr(model, "generation_config", None), tokenizer, extra)
+
+
+def generation_stop_ids(
+    generation: Any, tokenizer: Any, extra: Sequence[int] = ()
+) -> tuple[int, ...]:
+    """:func:`stop_token_ids` from a generation config (None: none) rather than a model."""
     ids = {tokenizer.eos_token_id, *extra}
-    generation = getattr(model, "generation_config", None)
     listed = getattr(generation, "eos_token_id", None)
     ids.update(listed if isinstance(listed, (list, tuple)) else [listed])
     return tuple(sorted(i for i in ids if i is not None))

@@ -4,9 +4,10 @@ as :mod:`dapo.run.checkpoint`, with the weights and the optimizer state in ``sta
 
 A checkpoint directory then holds ``state/`` (DCP: loadable at any world size, one process
 included; safetensors shards and the optimizer's settings as JSON), ``rng/rank_N.*`` (each
-rank's generators, safetensors and JSON), ``model/`` (config and tokenizer, no weights),
-``trainer.json`` (one global data cursor and the counters) and ``manifest.json`` (each file's
-size and SHA-256: every rank hashes a share of the files, on saving and on resuming).
+rank's generators, safetensors and JSON), ``model/`` (config, generation config and
+tokenizer, no weights), ``trainer.json`` (one global data cursor and the counters) and
+``manifest.json`` (each file's size and SHA-256: every rank hashes a share of the files, on
+saving and on resuming).
 Either kind of checkpoint resumes at any world size: :func:`load` reads both.
 """
 
@@ -99,6 +100,8 @@ def _finish(
     if rollouts is not None:
         save_file(rollouts, tmp / checkpoint.ROLLOUTS_FILE)
     model.config.save_pretrained(tmp / "model")
+    if getattr(model, "generation_config", None) is not None:  # its stop tokens, for an export
+        model.generation_config.save_pretrained(tmp / "model")
     tokenizer.save_pretrained(tmp / "model")
     trainer = {
         "format_version": checkpoint.FORMAT_VERSION,

@@ -1,0 +1,275 @@
+"""``dapo export RUN [--step N] --out DIR``: a checkpoint of a run as a Hugging Face model
+directory, what ``from_pretrained``, ``dapo eval`` and ``model.path`` read.
+
+Either kind of checkpoint: one process's (its ``model/`` is ``save_pretrained``'s already:
+its weight files are copied) or ``torchrun``'s DCP shards written at any world size (each
+whole tensor gathered from every rank's shards here, in one process, a few GB at a time,
+and written as safetensors shards with their index). Every file of the checkpoint is checked
+against its manifest's SHA-256 before anything is read; nothing in it is unpickled or run.
+
+The directory gets the weights (in their stored dtype, or ``--dtype``), ``config.json``, the
+tokenizer, a ``generation_config.json`` whose ``eos_token_id`` lists every token the run
+stopped a response on (the tokenizer's EOS, the model's, ``rollout.stop_token_ids``), and
+``dapo-export.json`` (the run, the step, the checkpoint manifest's SHA-256). It is written
+beside ``--out`` and renamed into place; an existing ``--out`` is refused unless
+``--overwrite``, which replaces only a directory that ``dapo export`` wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from dapo import __version__
+from dapo.dist import dcp
+from dapo.models.policy import DTYPES, generation_stop_ids, tokenizer_from_dir
+from dapo.run import checkpoint, manifest
+from dapo.run.checkpoint import CheckpointError
+from dapo.run.nofollow import fsync_dir, no_link
+
+MARKER = "dapo-export.json"
+"""What an export holds besides the model: where it came from; ``--overwrite`` replaces only
+a directory that has one."""
+SHARD_BYTES = 5 * 2**30
+"""Weights per safetensors file of an export of DCP shards (``save_pretrained``'s 5 GB)."""
+WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json")
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """What :func:`export` wrote."""
+
+    out_dir: Path
+    step: int
+    sharded: bool
+    """Whether the checkpoint was DCP shards (``torchrun``) rather than one process's."""
+    parameters: int
+    weight_bytes: int
+    stop_token_ids: tuple[int, ...]
+    seconds: float
+
+
+def export(
+    run_dir: str | Path,
+    out: str | Path,
+    *,
+    step: int | None = None,
+    overwrite: bool = False,
+    dtype: str | None = None,
+    log: Callable[[str], None] = lambda m: print(m, file=sys.stderr),
+) -> ExportResult:
+    """Write the checkpoint of ``step`` (default: the latest complete one) of the run in
+    ``run_dir`` as a Hugging Face model directory ``out``, its weights in ``dtype``
+    (``float32``, ``bfloat16``, ``float16``; default: as stored)."""
+    started = time.perf_counter()
+    run_dir, out = Path(run_dir), Path(out)
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+    ckpt = find_checkpoint(run_dir, step)
+    tmp = _prepare(out, overwrite)
+    log(f"export: checking {ckpt} against its manifest (SHA-256 of every file)")
+    trainer = checkpoint.read_trainer_state(ckpt, digests=True)
+    sharded = (ckpt / "state").is_dir()
+    try:
+        tmp.mkdir()
+        if sharded:
+            parameters, size = _write_gathered(ckpt / "state", tmp, dtype, log)
+        else:
+            parameters, size = _copy_weights(ckpt / "model", tmp, dtype, log)
+        stops = _write_configs(ckpt / "model", tmp, dtype, _extra_stops(run_dir))
+        provenance = {
+            "run": str(run_dir.resolve()),
+            "step": trainer["step"],
+            "checkpoint_sha256": manifest.sha256(ckpt / manifest.MANIFEST),
+            "sharded": sharded,
+            "dtype": dtype or "as stored",
+            "stop_token_ids": list(stops),
+            "dapo_version": __version__,
+        }
+        (tmp / MARKER).write_text(json.dumps(provenance, indent=1) + "\n")
+        checkpoint.fsync_tree(tmp)
+        _publish(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    seconds = time.perf_counter() - started
+    log(f"export: wrote {out} (step {trainer['step']}, {_size(size)}) in {seconds:.1f} s")
+    return ExportResult(out, trainer["step"], sharded, parameters, size, stops, seconds)
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.2f} MB"
+
+
+def find_checkpoint(run_dir: Path, step: int | None) -> Path:
+    """The checkpoint of ``step`` in ``run_dir``, or the latest complete one."""
+    root = run_dir / checkpoint.CKPT_DIR
+    if not root.is_dir():
+        raise ValueError(
+            f"{run_dir}: no {checkpoint.CKPT_DIR}/ there; give the directory of a dapo run "
+            "(runs/NAME) that saved a checkpoint (train.save_every)"
+        )
+    if step is None:
+        found = checkpoint.find_latest(run_dir)
+        if found is None:
+            raise ValueError(f"{run_dir}: no complete checkpoint in {root}")
+        return found
+    ckpt = root / checkpoint.step_dir_name(step)
+    if not ckpt.is_dir():
+        steps = [int(p.name.split("_")[1]) for p in checkpoint.step_dirs(root)]
+        raise ValueError(
+            f"{run_dir}: no checkpoint of step {step}; it has {steps or 'none'} "
+            f"(train.keep_checkpoints keeps the newest)"
+        )
+    return ckpt
+
+
+def _prepare(out: Path, overwrite: bool) -> Path:
+    """The temporary directory the export is written into, beside ``out``; ``out`` checked
+    to be absent, or (``overwrite``) a directory ``dapo export`` wrote."""
+    no_link(out)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"--out {out} exists; choose another or pass --overwrite")
+    if out.exists() and not (out / MARKER).is_file():
+        raise FileExistsError(
+            f"--out {out} exists and was not written by dapo export (no {MARKER}); it is "
+            "left as it is: remove it yourself or choose another --out"
+        )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = no_link(out.with_name(f".{out.name}.tmp-{os.getpid()}"))
+    shutil.rmtree(tmp, ignore_errors=True)
+    return tmp
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """``tmp`` renamed to ``out``; an earlier export there replaced whole."""
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    if out.exists():
+        os.rename(out, no_link(old))
+    os.rename(tmp, out)
+    fsync_dir(out.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _copy_weights(src: Path, tmp: Path, dtype: str | None, log) -> tuple[int, int]:
+    """One process's checkpoint: ``save_pretrained``'s weight files, converted when asked."""
+    files = sorted(f for f in src.iterdir() if f.name.endswith(".safetensors"))
+    if not files:
+        raise CheckpointError(f"{src} holds no .safetensors weights")
+    parameters = size = 0
+    for i, f in enumerate(files, 1):
+        if dtype is None:
+            shutil.copyfile(f, tmp / f.name)
+        else:
+            tensors = {k: v.to(DTYPES[dtype]) for k, v in load_file(f).items()}
+            save_file(tensors, tmp / f.name, metadata={"format": "pt"})
+        with safe_open(tmp / f.name, framework="pt") as written:
+            for key in written.keys():  # noqa: SIM118 - safe_open is no mapping
+                parameters += math.prod(written.get_slice(key).get_shape())
+        size += (tmp / f.name).stat().st_size
+        log(f"export: weights {i}/{len(files)} ({_size(size)})")
+    index = src / "model.safetensors.index.json"
+    if index.is_file():
+        _write_index(tmp, json.loads(index.read_text())["weight_map"])
+    return parameters, size
+
+
+def _write_gathered(state: Path, tmp: Path, dtype: str | None, log) -> tuple[int, int]:
+    """DCP shards: each whole tensor gathered, in files of at most :data:`SHARD_BYTES`."""
+    stored = dcp.stored_tensors(state)
+    if not stored:
+        raise CheckpointError(f"{state}: no model tensors in the checkpoint shards")
+    target = {
+        name: (size, DTYPES[dtype] if dtype else kind) for name, (size, kind) in stored.items()
+    }
+    groups = _groups(target)
+    weight_map: dict[str, str] = {}
+    parameters = size = 0
+    for i, names in enumerate(groups, 1):
+        tensors = dcp.read_tensors(state, {n: stored[n] for n in names})
+        ours = {n.removeprefix("model."): t.to(target[n][1]) for n, t in tensors.items()}
+        file = (
+            "model.safetensors"
+            if len(groups) == 1
+            else f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+        )
+        save_file(ours, tmp / file, metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(ours, file)
+        parameters += sum(t.numel() for t in ours.values())
+        size += (tmp / file).stat().st_size
+        log(f"export: weights {i}/{len(groups)} gathered from the shards ({_size(size)})")
+    if len(groups) > 1:
+        _write_index(tmp, weight_map)
+    return parameters, size
+
+
+def _groups(target: dict[str, tuple[torch.Size, torch.dtype]]) -> list[list[str]]:
+    """The tensors' names in order, cut into files of at most :data:`SHARD_BYTES`."""
+    groups: list[list[str]] = [[]]
+    filled = 0
+    for name, (size, kind) in target.items():
+        nbytes = size.numel() * kind.itemsize
+        if groups[-1] and filled + nbytes > SHARD_BYTES:
+            groups.append([])
+            filled = 0
+        groups[-1].append(name)
+        filled += nbytes
+    return groups
+
+
+def _write_index(tmp: Path, weight_map: dict[str, str]) -> None:
+    total = sum((tmp / f).stat().st_size for f in set(weight_map.values()))
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _extra_stops(run_dir: Path) -> list[int]:
+    """``rollout.stop_token_ids`` of the run (its ``config.yaml``)."""
+    try:
+        saved = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+        extra = (saved.get("rollout") or {}).get("stop_token_ids") or []
+    except (OSError, yaml.YAMLError, AttributeError) as exc:
+        raise ValueError(
+            f"{run_dir / 'config.yaml'}: unreadable ({exc}); the export needs the run's "
+            "settings: give the run directory dapo wrote"
+        ) from None
+    if not all(isinstance(i, int) and i >= 0 for i in extra):
+        raise ValueError(f"{run_dir / 'config.yaml'}: rollout.stop_token_ids={extra!r}")
+    return extra
+
+
+def _write_configs(src: Path, tmp: Path, dtype: str | None, extra: list[int]) -> tuple[int, ...]:
+    """``config.json`` (its dtype the weights'), the tokenizer's files, and the generation
+    config listing every stop token of the run; returns those tokens."""
+    from transformers import AutoConfig, GenerationConfig
+
+    for f in sorted(src.iterdir()):
+        if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES):
+            shutil.copyfile(f, tmp / f.name)
+    config = json.loads((tmp / "config.json").read_text())
+    if dtype is not None:
+        for key in ("dtype", "torch_dtype"):
+            if key in config or key == "dtype":
+                config[key] = dtype
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if (src / "generation_config.json").is_file():
+        generation = GenerationConfig.from_pretrained(src)
+    else:
+        generation = GenerationConfig.from_model_config(AutoConfig.from_pretrained(tmp))
+    tokenizer = tokenizer_from_dir(tmp, setting="the checkpoint's model/")
+    stops = generation_stop_ids(generation, tokenizer, extra)
+    generation.eos_token_id = list(stops)
+    generation.pad_token_id = tokenizer.pad_token_id
+    generation.save_pretrained(tmp)
+    return stops

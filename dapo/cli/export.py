@@ -1,0 +1,42 @@
+"""``dapo export RUN [--step N] --out DIR``: a checkpoint of a run as a Hugging Face model
+directory (safetensors, config, tokenizer, and a generation config listing the run's stop
+tokens), whichever way it was written: by one process, or as DCP shards by ``torchrun`` at
+any world size (gathered here, in one process). Evaluate it with ``dapo eval DIR``, load it
+with ``from_pretrained(DIR)``, train from it with ``model.path=DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    from dapo.config import ModelConfig, choices  # the standard library only
+
+    export = subparsers.add_parser(
+        "export",
+        help="write a checkpoint of a run as a Hugging Face model directory",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    export.add_argument("run", type=Path, metavar="RUN", help="a run directory (runs/NAME)")
+    export.add_argument(
+        "--step", type=int, metavar="N", help="the checkpoint of step N (default: the latest)"
+    )
+    export.add_argument("--out", type=Path, required=True, metavar="DIR", help="new directory")
+    export.add_argument(
+        "--dtype",
+        choices=choices(ModelConfig, "param_dtype"),
+        help="the weights' dtype (default: as the checkpoint stores them, model.param_dtype)",
+    )
+    export.add_argument("--overwrite", action="store_true", help="replace an earlier export in DIR")
+    export.set_defaults(func=cmd_export)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from dapo.api.exporting import export
+
+    result = export(args.run, args.out, step=args.step, overwrite=args.overwrite, dtype=args.dtype)
+    print(result.out_dir)
+    return 0
