@@ -186,7 +186,7 @@ def test_weights_of_another_model_are_refused(tmp_path, tokenizer):
     ckpt = _save(tmp_path, model, tokenizer, opt, step=1)
     bigger = tiny_qwen2(tokenizer, TinyModelSpec(hidden_size=32, num_layers=3), seed=0)
     with pytest.raises(checkpoint.CheckpointError, match="do not fit this model"):
-        checkpoint.load_weights(bigger, ckpt / "model")
+        checkpoint.model_files.load(bigger, ckpt / "model")
 
 
 def test_metrics_log_truncates_to_a_checkpoint_offset(tmp_path):

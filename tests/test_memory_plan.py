@@ -607,3 +607,24 @@ def test_with_generator_ranks_the_plan_is_a_trainers_and_a_generator_holds_a_who
     line = memory_table.generator_line(cfg, plan, s)
     assert "a generator rank (dist.rollout_ranks=2" in line and "KV cache (64 rows)" in line
     assert "not yet taken: up to" in format_plan(plan)
+
+
+def test_lora_counts_gradients_and_adamw_of_the_adapters_alone():
+    """Qwen2.5-1.5B with rank-16 adapters on every attention and MLP Linear: per layer
+    16 x (q 1536+1536, k 1536+256, v 1536+256, o 1536+1536, gate and up 1536+8960 each,
+    down 8960+1536) = 16 x 41,216 = 659,456; 28 layers: 18,464,768 adapter parameters."""
+    shape = ModelShape.from_hf_config(KNOWN_SHAPES["qwen2.5-1.5b"])
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    a = 28 * 16 * 41_216
+    assert shape.lora_parameters(16, targets) == a == 18_464_768
+    assert shape.lora_parameters(16, ("q_proj", "c_attn")) == 28 * 16 * 3072
+    p = shape.num_parameters
+    full = plan_memory(shape, PlanSettings(reference=True))
+    lora = plan_memory(shape, PlanSettings(reference=True, lora_rank=16, lora_targets=targets))
+    assert (lora.weights, lora.gradients, lora.optimizer) == (4 * p + 4 * a, 4 * a, 8 * a)
+    assert lora.reference == 0 and full.reference == 2 * p  # the policy with adapters off
+    assert full.optimizer / lora.optimizer == pytest.approx(p / a)  # 83.6x less AdamW state
+    assert lora.total < full.total
+    cfg = load_config(None, ["model.lora.rank=16", "model.lora.target_modules=[q_proj]"])
+    s = settings_from_config(cfg, world_size=1, prompt_tokens=10)
+    assert (s.lora_rank, s.lora_targets) == (16, ("q_proj",))

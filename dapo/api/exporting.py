@@ -33,6 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from dapo import __version__
+from dapo.api import adapters
 from dapo.dist import dcp
 from dapo.models.policy import DTYPES, generation_stop_ids, tokenizer_from_dir
 from dapo.run import checkpoint, manifest
@@ -68,11 +69,14 @@ def export(
     step: int | None = None,
     overwrite: bool = False,
     dtype: str | None = None,
+    merge: bool = False,
     log: Callable[[str], None] = lambda m: print(m, file=sys.stderr),
 ) -> ExportResult:
     """Write the checkpoint of ``step`` (default: the latest complete one) of the run in
     ``run_dir`` as a Hugging Face model directory ``out``, its weights in ``dtype``
-    (``float32``, ``bfloat16``, ``float16``; default: as stored)."""
+    (``float32``, ``bfloat16``, ``float16``; default: as stored). A LoRA run's checkpoint
+    becomes a peft adapter directory, or with ``merge`` a model of the base's shape with the
+    adapters merged in."""
     started = time.perf_counter()
     run_dir, out = Path(run_dir), Path(out)
     if dtype is not None and dtype not in DTYPES:
@@ -82,18 +86,33 @@ def export(
     log(f"export: checking {ckpt} against its manifest (SHA-256 of every file)")
     trainer = checkpoint.read_trainer_state(ckpt, digests=True)
     sharded = (ckpt / "state").is_dir()
+    adapted = "base_model" in trainer  # LoRA: the checkpoint holds the adapters alone
+    if merge and not adapted:
+        raise ValueError(
+            f"--merge: {ckpt} trained every weight (no LoRA adapters to merge); export it "
+            "without --merge"
+        )
     try:
         tmp.mkdir()
-        if sharded:
+        if adapted:
+            cfg, trained = adapters.run_config(run_dir), adapters.trained_tensors(ckpt)
+            if merge:
+                weights = adapters.merged(cfg, trained, trainer["base_model"], ckpt, log)
+                parameters, size = _write_merged(weights, tmp, dtype, log)
+            else:
+                parameters, size = _write_adapter(cfg, trained, tmp, dtype, log)
+        elif sharded:
             parameters, size = _write_gathered(ckpt / "state", tmp, dtype, log)
         else:
             parameters, size = _copy_weights(ckpt / "model", tmp, dtype, log)
-        stops = _write_configs(ckpt / "model", tmp, dtype, _extra_stops(run_dir))
+        as_adapter = adapted and not merge
+        stops = _write_configs(ckpt / "model", tmp, dtype, _extra_stops(run_dir), as_adapter)
         provenance = {
             "run": str(run_dir.resolve()),
             "step": trainer["step"],
             "checkpoint_sha256": manifest.sha256(ckpt / manifest.MANIFEST),
             "sharded": sharded,
+            "lora": "adapter" if as_adapter else "merged" if merge else None,
             "dtype": dtype or "as stored",
             "stop_token_ids": list(stops),
             "dapo_version": __version__,
@@ -190,6 +209,31 @@ def _write_gathered(state: Path, tmp: Path, dtype: str | None, log) -> tuple[int
     stored = dcp.stored_tensors(state)
     if not stored:
         raise CheckpointError(f"{state}: no model tensors in the checkpoint shards")
+
+    def read(names: list[str]) -> dict[str, torch.Tensor]:
+        tensors = dcp.read_tensors(state, {f"model.{n}": stored[f"model.{n}"] for n in names})
+        return {n.removeprefix("model."): t for n, t in tensors.items()}
+
+    ours = {n.removeprefix("model."): shape for n, shape in stored.items()}
+    return _write_files(ours, read, tmp, dtype, log, "gathered from the shards")
+
+
+def _write_merged(weights: dict[str, torch.Tensor], tmp: Path, dtype: str | None, log):
+    """LoRA merged into its base: the weights in memory, in files as :func:`_write_gathered`."""
+    shapes = {name: (t.shape, t.dtype) for name, t in weights.items()}
+    return _write_files(shapes, lambda names: {n: weights[n] for n in names}, tmp, dtype, log)
+
+
+def _write_files(
+    stored: dict[str, tuple[torch.Size, torch.dtype]],
+    read: Callable[[list[str]], dict[str, torch.Tensor]],
+    tmp: Path,
+    dtype: str | None,
+    log: Callable[[str], None],
+    how: str = "written",
+) -> tuple[int, int]:
+    """The tensors ``stored`` names (shape, dtype), ``read`` a file's worth at a time, as
+    ``save_pretrained``'s weight files (their index when more than one); in ``dtype``."""
     target = {
         name: (size, DTYPES[dtype] if dtype else kind) for name, (size, kind) in stored.items()
     }
@@ -197,8 +241,7 @@ def _write_gathered(state: Path, tmp: Path, dtype: str | None, log) -> tuple[int
     weight_map: dict[str, str] = {}
     parameters = size = 0
     for i, names in enumerate(groups, 1):
-        tensors = dcp.read_tensors(state, {n: stored[n] for n in names})
-        ours = {n.removeprefix("model."): t.to(target[n][1]) for n, t in tensors.items()}
+        ours = {n: t.to(target[n][1]) for n, t in read(names).items()}
         file = (
             "model.safetensors"
             if len(groups) == 1
@@ -208,10 +251,21 @@ def _write_gathered(state: Path, tmp: Path, dtype: str | None, log) -> tuple[int
         weight_map |= dict.fromkeys(ours, file)
         parameters += sum(t.numel() for t in ours.values())
         size += (tmp / file).stat().st_size
-        log(f"export: weights {i}/{len(groups)} gathered from the shards ({_size(size)})")
+        log(f"export: weights {i}/{len(groups)} {how} ({_size(size)})")
     if len(groups) > 1:
         _write_index(tmp, weight_map)
     return parameters, size
+
+
+def _write_adapter(cfg, trained, tmp: Path, dtype: str | None, log) -> tuple[int, int]:
+    """A peft adapter directory's weights and ``adapter_config.json``."""
+    tensors, config = adapters.adapter_files(cfg, trained)
+    tensors = {k: v.to(DTYPES[dtype]) if dtype else v for k, v in tensors.items()}
+    save_file(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
+    (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    size = (tmp / "adapter_model.safetensors").stat().st_size
+    log(f"export: the adapters as a peft adapter directory ({_size(size)})")
+    return sum(t.numel() for t in tensors.values()), size
 
 
 def _groups(target: dict[str, tuple[torch.Size, torch.dtype]]) -> list[list[str]]:
@@ -249,9 +303,12 @@ def _extra_stops(run_dir: Path) -> list[int]:
     return extra
 
 
-def _write_configs(src: Path, tmp: Path, dtype: str | None, extra: list[int]) -> tuple[int, ...]:
+def _write_configs(
+    src: Path, tmp: Path, dtype: str | None, extra: list[int], as_adapter: bool = False
+) -> tuple[int, ...]:
     """``config.json`` (its dtype the weights'), the tokenizer's files, and the generation
-    config listing every stop token of the run; returns those tokens."""
+    config listing every stop token of the run; returns those tokens. A peft adapter
+    directory gets no ``config.json`` (transformers would take it for a whole model)."""
     from transformers import AutoConfig, GenerationConfig
 
     for f in sorted(src.iterdir()):
@@ -272,4 +329,6 @@ def _write_configs(src: Path, tmp: Path, dtype: str | None, extra: list[int]) ->
     generation.eos_token_id = list(stops)
     generation.pad_token_id = tokenizer.pad_token_id
     generation.save_pretrained(tmp)
+    if as_adapter:
+        (tmp / "config.json").unlink()
     return stops

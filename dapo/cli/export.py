@@ -1,8 +1,10 @@
-"""``dapo export RUN [--step N] --out DIR``: a checkpoint of a run as a Hugging Face model
-directory (safetensors, config, tokenizer, and a generation config listing the run's stop
-tokens), whichever way it was written: by one process, or as DCP shards by ``torchrun`` at
-any world size (gathered here, in one process). Evaluate it with ``dapo eval DIR``, load it
-with ``from_pretrained(DIR)``, train from it with ``model.path=DIR``.
+"""``dapo export RUN [--step N] --out DIR [--merge]``: a checkpoint of a run as a Hugging Face
+model directory (safetensors, config, tokenizer, and a generation config listing the run's
+stop tokens), whichever way it was written: by one process, or as DCP shards by ``torchrun``
+at any world size (gathered here, in one process). Evaluate it with ``dapo eval DIR``, load
+it with ``from_pretrained(DIR)``, train from it with ``model.path=DIR``. A LoRA run's
+checkpoint becomes a peft adapter directory (``PeftModel.from_pretrained(base, DIR)``), or
+with ``--merge`` a whole model, the adapters merged into its base.
 """
 
 from __future__ import annotations
@@ -30,6 +32,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         choices=choices(ModelConfig, "param_dtype"),
         help="the weights' dtype (default: as the checkpoint stores them, model.param_dtype)",
     )
+    export.add_argument(
+        "--merge",
+        action="store_true",
+        help="a LoRA run's checkpoint: the adapters merged into the base model's weights "
+        "(default: a peft adapter directory)",
+    )
     export.add_argument("--overwrite", action="store_true", help="replace an earlier export in DIR")
     export.set_defaults(func=cmd_export)
 
@@ -37,6 +45,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def cmd_export(args: argparse.Namespace) -> int:
     from dapo.api.exporting import export
 
-    result = export(args.run, args.out, step=args.step, overwrite=args.overwrite, dtype=args.dtype)
+    result = export(
+        args.run,
+        args.out,
+        step=args.step,
+        overwrite=args.overwrite,
+        dtype=args.dtype,
+        merge=args.merge,
+    )
     print(result.out_dir)
     return 0

@@ -41,6 +41,7 @@ from dapo.config.sections import (
     TrainConfig,
     choices,
 )
+from dapo.config.setup import LoraConfig
 
 __all__ = [
     "MOVED_KEYS",
@@ -52,6 +53,7 @@ __all__ = [
     "DistConfig",
     "EmbeddedConfig",
     "EvalConfig",
+    "LoraConfig",
     "ModelConfig",
     "OptimConfig",
     "RewardConfig",

@@ -18,7 +18,7 @@ from functools import cache
 from typing import Any
 
 from dapo.config import presets
-from dapo.config.sections import Config
+from dapo.config.sections import Config, is_subsection, leaves
 
 
 @dataclass(frozen=True)
@@ -69,11 +69,7 @@ def type_name(typ: Any) -> str:
 
 
 def _flatten(cfg: Config) -> dict[str, Any]:
-    return {
-        f"{section}.{name}": value
-        for section, values in cfg.to_dict().items()
-        for name, value in values.items()
-    }
+    return leaves(cfg)
 
 
 def preset_values() -> dict[str, dict[str, Any]]:
@@ -91,25 +87,35 @@ def preset_values() -> dict[str, dict[str, Any]]:
 
 
 def describe() -> list[FieldInfo]:
-    """Every field of every section, in declaration order."""
+    """Every field of every section, in declaration order; a subsection's fields in its
+    place, named ``lora.rank`` in the ``model`` section."""
     by_preset = preset_values()
     infos: list[FieldInfo] = []
     for section, cls in section_classes().items():
-        hints = typing.get_type_hints(cls)
-        docs = field_docs(cls)
-        for f in dataclasses.fields(cls):
-            default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
-            key = f"{section}.{f.name}"
-            infos.append(
-                FieldInfo(
-                    section=section,
-                    name=f.name,
-                    type=type_name(hints[f.name]),
-                    default=default,
-                    doc=docs.get(f.name, ""),
-                    presets={p: v[key] for p, v in by_preset.items() if key in v},
-                )
+        infos += _fields(section, "", cls, by_preset)
+    return infos
+
+
+def _fields(section: str, prefix: str, cls: type, by_preset: dict) -> list[FieldInfo]:
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    infos = []
+    for f in dataclasses.fields(cls):
+        if is_subsection(hints[f.name]):
+            infos += _fields(section, f"{prefix}{f.name}.", hints[f.name], by_preset)
+            continue
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+        key = f"{section}.{prefix}{f.name}"
+        infos.append(
+            FieldInfo(
+                section=section,
+                name=f"{prefix}{f.name}",
+                type=type_name(hints[f.name]),
+                default=default,
+                doc=docs.get(f.name, ""),
+                presets={p: v[key] for p, v in by_preset.items() if key in v},
             )
+        )
     return infos
 
 

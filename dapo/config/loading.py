@@ -19,7 +19,7 @@ from typing import Any, Literal
 import yaml
 
 from dapo.config import presets
-from dapo.config.sections import Config, field_types
+from dapo.config.sections import Config, field_types, is_subsection, leaves
 
 MOVED_KEYS = {
     "data.num_train": "arith.num_train",
@@ -79,18 +79,37 @@ def _coerce(value: Any, typ: Any, where: str) -> Any:
 
 
 def set_value(cfg: Config, dotted: str, value: Any) -> None:
-    """Set ``section.field`` on ``cfg``; unknown names list what exists."""
-    section_name, _, name = dotted.partition(".")
+    """Set ``section.field`` (or ``section.subsection.field``) on ``cfg``; unknown names list
+    what exists. A subsection takes a mapping of its fields (YAML's ``lora: {rank: 8}``)."""
+    section_name, _, rest = dotted.partition(".")
     sections = [f.name for f in dataclasses.fields(cfg)]
-    if section_name not in sections or not name:
+    if section_name not in sections or not rest:
         raise ValueError(f"unknown config key {dotted!r}; sections are {', '.join(sections)}")
-    section = getattr(cfg, section_name)
-    types_ = field_types(section)
-    if name not in types_:
-        raise ValueError(
-            f"unknown config key {dotted!r}; {section_name} has {', '.join(sorted(types_))}"
-        )
-    setattr(section, name, _coerce(value, types_[name], dotted))
+    owner, where = getattr(cfg, section_name), section_name
+    names = rest.split(".")
+    for i, name in enumerate(names):
+        types_ = field_types(owner)
+        if name not in types_:
+            raise ValueError(
+                f"unknown config key {dotted!r}; {where} has {', '.join(sorted(types_))}"
+            )
+        typ, last = types_[name], i == len(names) - 1
+        if not is_subsection(typ):
+            if not last:
+                raise ValueError(f"unknown config key {dotted!r}: {where}.{name} has no fields")
+            setattr(owner, name, _coerce(value, typ, dotted))
+            return
+        if last:
+            if not isinstance(value, dict):
+                fields = ", ".join(field_types(getattr(owner, name)))
+                raise ValueError(
+                    f"{dotted}: a section of fields ({fields}); set one, e.g. "
+                    f"{dotted}.{next(iter(field_types(getattr(owner, name))))}=..."
+                )
+            for key, item in value.items():
+                set_value(cfg, f"{dotted}.{key}", item)
+            return
+        owner, where = getattr(owner, name), f"{where}.{name}"
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -221,11 +240,13 @@ def _pick(parsed: list[tuple[str, Any]], key: str) -> Any:
 
 
 def _choice_errors(name: str, section: Any) -> list[str]:
-    """A field typed ``Literal[...]`` must hold one of its values."""
+    """A field typed ``Literal[...]`` must hold one of its values (in subsections too)."""
     errors = []
     for key, typ in field_types(section).items():
         value = getattr(section, key)
-        if typing.get_origin(typ) is Literal and value not in typing.get_args(typ):
+        if is_subsection(typ):
+            errors += _choice_errors(f"{name}.{key}", value)
+        elif typing.get_origin(typ) is Literal and value not in typing.get_args(typ):
             errors.append(f"{name}.{key} must be one of {typing.get_args(typ)}, got {value!r}")
     return errors
 
@@ -290,7 +311,7 @@ def validate(cfg: Config) -> None:
 def config_warnings(cfg: Config) -> list[str]:
     """Settings that work but cost what a user may not expect, one line each."""
     m = cfg.model
-    if m.param_dtype == "float32":
+    if m.param_dtype == "float32" or m.lora.rank:  # LoRA's adapters stay float32
         return []
     return [
         f"model.param_dtype={m.param_dtype}: AdamW steps {m.param_dtype} weights, whose "
@@ -347,11 +368,9 @@ RESUME_SAFE_FIELDS = frozenset(
 
 def run_changing_differences(saved: Config, new: Config) -> list[str]:
     """``section.field: saved -> new`` for every difference that would change the run."""
-    out = []
-    a, b = saved.to_dict(), new.to_dict()
-    for section, fields in a.items():
-        for name, old in fields.items():
-            key = f"{section}.{name}"
-            if key not in RESUME_SAFE_FIELDS and b[section][name] != old:
-                out.append(f"{key}: {old!r} -> {b[section][name]!r}")
-    return out
+    a, b = leaves(saved), leaves(new)
+    return [
+        f"{key}: {old!r} -> {b[key]!r}"
+        for key, old in a.items()
+        if key not in RESUME_SAFE_FIELDS and b[key] != old
+    ]

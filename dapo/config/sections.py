@@ -76,6 +76,24 @@ def field_types(section: Any) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(section)}
 
 
+def is_subsection(typ: Any) -> bool:
+    """Whether a field's type is itself a section of fields (``model.lora``)."""
+    return isinstance(typ, type) and dataclasses.is_dataclass(typ)
+
+
+def leaves(section: Any, prefix: str = "") -> dict[str, Any]:
+    """Every field of ``section`` (a :class:`Config` too) by its dotted key, fields of
+    subsections included: ``{"model.path": ..., "model.lora.rank": ...}``."""
+    out: dict[str, Any] = {}
+    for name, typ in field_types(section).items():
+        value = getattr(section, name)
+        if is_subsection(typ):
+            out |= leaves(value, f"{prefix}{name}.")
+        else:
+            out[f"{prefix}{name}"] = value
+    return out
+
+
 def choices(section: type, name: str) -> tuple[str, ...]:
     """The values a ``Literal``-typed field allows: ``choices(RolloutConfig, "engine")``."""
     return typing.get_args(typing.get_type_hints(section)[name])

@@ -3,10 +3,47 @@ and the run's own settings (directory, threads, logging)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from dapo.reward import custom, tasks
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+"""Every Linear layer of a Qwen2/Qwen3/Llama/Mistral decoder layer: attention and MLP."""
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters (LoRA, through peft) trained in place of every weight: the base
+    model is frozen (no gradient, no optimizer state), checkpoints hold the adapters only."""
+
+    rank: int = 0
+    """The adapters' rank r; 0 (the default) trains every weight (full fine-tuning). Small
+    ranks suffice for policy-gradient RL, which learns few bits per episode (Thinking
+    Machines, "LoRA Without Regret", 2025: rank 1 to 32 matched full fine-tuning on math
+    RL)."""
+    alpha: float = 32.0
+    """Scale: the adapter's product is multiplied by alpha / rank. With alpha fixed, the
+    best learning rate hardly depends on the rank: set ``optim.lr`` to about 10x what full
+    fine-tuning uses (the same report's finding for LoRA on every layer, RL included)."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input. 0: with dropout the policy's own forward is random,
+    so the importance ratio of an unchanged policy is not 1 (the first mini-batch's)."""
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """Names of the Linear layers that get adapters (the last part of a module's name):
+    by default every one of the attention and the MLP, as the report recommends."""
+
+    def check(self) -> list[str]:
+        errors = []
+        if self.rank < 0:
+            errors.append(f"model.lora.rank must be >= 0 (0 = off), got {self.rank}")
+        if not self.alpha > 0:
+            errors.append(f"model.lora.alpha must be > 0, got {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            errors.append(f"model.lora.dropout must be in [0, 1), got {self.dropout}")
+        if self.rank and not self.target_modules:
+            errors.append("model.lora.target_modules is empty: name the layers to adapt")
+        return errors
 
 
 @dataclass
@@ -29,11 +66,14 @@ class ModelConfig:
     scaler."""
     device: str = "auto"
     """``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters in place of full fine-tuning (``model.lora.rank`` > 0)."""
 
     def check(self) -> list[str]:
-        if self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"):
-            return []
-        return [f"model.device must be auto, cpu, cuda or cuda:N, got {self.device!r}"]
+        errors = self.lora.check()
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            errors.append(f"model.device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        return errors
 
 
 @dataclass

@@ -172,10 +172,31 @@ def tied_aliases(model_sd: dict[str, Any]) -> dict[str, str]:
     return aliases
 
 
+def _options(model: torch.nn.Module) -> StateDictOptions:
+    """Frozen parameters (LoRA's base) are neither saved nor loaded: they never change, and
+    the base model's own files hold them."""
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+
+
+def _without_frozen(model: torch.nn.Module, model_sd: dict[str, Any]) -> dict[str, Any]:
+    """``model_sd`` without the frozen parameters under any of their names: DCP's
+    ``ignore_frozen_params`` drops each under one name, and a tied one (a head that is the
+    frozen embedding) stays under the other."""
+    frozen = {
+        name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+        for name, p in model.named_parameters(remove_duplicate=False)
+        if not p.requires_grad
+    }
+    return {k: v for k, v in model_sd.items() if k not in frozen}
+
+
 def save(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Write the model's and the optimizer's tensors (each rank its shards, safetensors; a
-    tied weight once) under ``path``, and the optimizer's other values as JSON (rank 0)."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    tied weight once; no frozen parameter) under ``path``, and the optimizer's other values
+    as JSON (rank 0)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
+    model_sd = _without_frozen(model, model_sd)
     for alias in tied_aliases(model_sd):
         del model_sd[alias]
     optim_tensors, optim_json = split_optimizer_state(optim_sd)
@@ -193,7 +214,9 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
     # Read here first, so that a bad directory is refused with its own message rather than
     # inside DCP's collective error report (the reader checks again as DCP reads).
     SafeReader(str(path)).read_metadata()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    options = _options(model)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    model_sd = _without_frozen(model, model_sd)
     aliases = tied_aliases(model_sd)
     optim_tensors, _ = split_optimizer_state(optim_sd)
     state = {"model": {k: v for k, v in model_sd.items() if k not in aliases}}
@@ -217,7 +240,9 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
         ) from None
     for alias, source in aliases.items():
         state["model"][alias] = state["model"][source]
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=optim)
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=optim, options=options
+    )
 
 
 def load_full(
@@ -228,9 +253,10 @@ def load_full(
 ) -> None:
     """Load a one-process checkpoint (whole tensors; the optimizer's state keyed by parameter
     index, as ``optimizer.state_dict()`` gives it) into a sharded model and its optimizer."""
-    options = StateDictOptions(full_state_dict=True)
+    frozen = any(not p.requires_grad for p in model.parameters())  # LoRA: adapters alone
+    options = StateDictOptions(full_state_dict=True, ignore_frozen_params=frozen, strict=not frozen)
     set_model_state_dict(model, weights, options=options)
-    names = [name for name, _ in model.named_parameters()]
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
     by_name = {
         "state": {names[i]: s for i, s in optim_state["state"].items()},
         "param_groups": [

@@ -30,13 +30,20 @@ buffer is the extra memory of each side while weights move."""
 STOP = -1
 
 
-def buckets(model: torch.nn.Module, dtype: torch.dtype, limit: int = BUCKET_BYTES) -> list[list]:
-    """``model``'s (name, parameter) pairs cut into consecutive buckets of at most ``limit``
-    bytes in ``dtype`` (a larger parameter alone)."""
+def buckets(
+    model: torch.nn.Module,
+    dtype: torch.dtype,
+    limit: int = BUCKET_BYTES,
+    names: set[str] | None = None,
+) -> list[list]:
+    """``model``'s (name, parameter) pairs (those in ``names``, by default all) cut into
+    consecutive buckets of at most ``limit`` bytes in ``dtype`` (a larger parameter alone)."""
     size = torch.empty(0, dtype=dtype).element_size()
     out: list[list] = [[]]
     used = 0
     for name, p in model.named_parameters():
+        if names is not None and name not in names:
+            continue
         nbytes = p.numel() * size
         if out[-1] and used + nbytes > limit:
             out.append([])
@@ -50,8 +57,11 @@ class Sender:
     """The trainers' side: every trainer rank calls :meth:`send` (the gather is theirs);
     trainer rank 0 broadcasts, keeping each bucket until its broadcast is done."""
 
-    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, dtype: torch.dtype, device: torch.device, names: set[str] | None = None
+    ) -> None:
         self.dtype, self.device = dtype, device
+        self.names = names  # the parameters that move (LoRA's adapters); None: all
         self.pending: deque = deque()  # (work, buffer): alive until the broadcast is done
         self.sends = dist.is_main()
 
@@ -70,7 +80,7 @@ class Sender:
         self._release()
         if self.sends:
             self._broadcast(torch.tensor([version], dtype=torch.long, device=self.device))
-        for bucket in buckets(model, self.dtype):
+        for bucket in buckets(model, self.dtype, names=self.names):
             parts = [p.full_tensor() if isinstance(p, DTensor) else p for _, p in bucket]
             if self.sends:
                 flat = torch.cat([t.detach().reshape(-1).to(self.device, self.dtype) for t in parts])
@@ -89,16 +99,17 @@ class Sender:
 
 
 @torch.no_grad()
-def receive(model: torch.nn.Module, device: torch.device) -> int:
+def receive(model: torch.nn.Module, device: torch.device, names: set[str] | None = None) -> int:
     """A generator's side: the next version the trainers send, loaded into ``model`` (its
-    parameters in the dtype the trainers send); :data:`STOP` when they have stopped."""
+    parameters in the dtype the trainers send; those in ``names``, as the trainers' Sender
+    has them); :data:`STOP` when they have stopped."""
     header = torch.empty(1, dtype=torch.long, device=device)
     torch_dist.broadcast(header, src=0, group=roles.sync_group())
     version = int(header.item())
     if version == STOP:
         return STOP
     dtype = next(model.parameters()).dtype
-    for bucket in buckets(model, dtype):
+    for bucket in buckets(model, dtype, names=names):
         flat = torch.empty(sum(p.numel() for _, p in bucket), dtype=dtype, device=device)
         torch_dist.broadcast(flat, src=0, group=roles.sync_group())
         offset = 0

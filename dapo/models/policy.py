@@ -189,7 +189,8 @@ def load_policy(
     when it is not cached yet; any other ``model.path`` is loaded with transformers. With
     ``shard`` under ``torchrun``, a model stored as safetensors is loaded straight into FSDP
     shards (:mod:`dapo.models.sharded_load`: each rank reads only its rows), and the model
-    returned is sharded; otherwise it is whole.
+    returned is sharded; otherwise it is whole. With ``model.lora.rank`` > 0 it carries
+    adapters, and only they are trainable (:mod:`dapo.models.lora`).
     """
     device = device or compute_device(cfg.model.device)
     if shard and dist.active() and cfg.model.path != "embedded":
@@ -202,7 +203,13 @@ def load_policy(
         model, tokenizer = _embedded(cfg, warmup_pairs, log)
     else:
         model, tokenizer = _pretrained(cfg, tokenizer)
-    return model.to(device, dtype=DTYPES[cfg.model.param_dtype]), tokenizer
+    model = model.to(device, dtype=DTYPES[cfg.model.param_dtype])
+    if cfg.model.lora.rank:
+        from dapo.models import lora
+
+        lora.apply(model, cfg.model.lora, seed=cfg.train.seed)
+        log(lora.describe(model))
+    return model, tokenizer
 
 
 def _embedded(cfg: Config, warmup_pairs: Sequence[tuple[Problem, str]], log):

@@ -35,6 +35,7 @@ from safetensors import safe_open
 
 from dapo.config import Config
 from dapo.dist import fsdp
+from dapo.models import lora
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -111,10 +112,15 @@ def load(
         log(f"note: transformers renames the tensors of model.path={path} as it loads: {note}")
         return None
     _load_generation_config(model, path)
+    if cfg.model.lora.rank:  # adapters before the shards are cut, filled once they exist
+        lora.apply(model, cfg.model.lora)
     fsdp.shard(model, **options)
     offload = options["cpu_offload"]
     materialise(model, params_on=torch.device("cpu") if offload else device, buffers_on=device)
     fill_from_files(model, files, path)
+    if cfg.model.lora.rank:
+        lora.set_initial(model, cfg.train.seed)
+        log(lora.describe(model))
     return model
 
 
@@ -131,7 +137,8 @@ def copies(
     in ``held``, made from a sharded ``policy`` with the values a deep copy of the whole
     policy would have, without one ever existing."""
     ref = None
-    if cfg.algo.kl_coef > 0:
+    adapted = lora.enabled(policy)  # its reference is itself with the adapters off
+    if cfg.algo.kl_coef > 0 and not adapted:
         options = {**shard_options(cfg), "activation_checkpointing": False}
         options["reshard_after_forward"] = True  # forward only: nothing to keep for a backward
         ref = _empty_copy(policy, held)
@@ -145,6 +152,8 @@ def copies(
     if not whole_copy:
         return ref, None
     gen = _empty_copy(policy, held)
+    if adapted:  # the same adapters, so that every parameter has its twin by name
+        lora.apply(gen, cfg.model.lora).requires_grad_(False)
     materialise(gen, params_on=device, buffers_on=device)
     fsdp.gather_into(policy, gen)  # one whole parameter at a time
     return ref, gen
@@ -233,7 +242,9 @@ def _targets(model: torch.nn.Module) -> Iterator[tuple[list[str], torch.Tensor, 
     names: dict[int, list[str]] = {}
     tensors: dict[int, torch.Tensor] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
+        if lora.ADAPTER in name:
+            continue  # LoRA's adapters: not the base model's, set apart
+        names.setdefault(id(p), []).append(name.replace(lora.BASE, "."))
         tensors[id(p)] = p
     for key, tensor in tensors.items():
         yield names[key], tensor, True

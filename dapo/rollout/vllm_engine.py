@@ -64,6 +64,7 @@ import torch
 
 from dapo import dist
 from dapo.dist import fsdp
+from dapo.models import lora
 from dapo.rollout.base import Rollout, encode_prompts, finish_rollout
 from dapo.run.seeding import derive_seed
 
@@ -265,7 +266,11 @@ class VLLMEngine:
     def _load(self, model: torch.nn.Module) -> None:
         # One whole tensor at a time (gathered from the shards under FSDP2); with tensor
         # parallelism vLLM's layers keep their slice of each and drop the rest.
-        weights = fsdp.whole_state(model, self.dtype)
+        if lora.enabled(model):  # vLLM's model has no adapters: W + scale B A, merged here
+            whole = fsdp.whole_state(model, torch.float32)
+            weights = lora.merge_stream(whole, lora.scales(model), self.dtype)
+        else:
+            weights = fsdp.whole_state(model, self.dtype)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()
 

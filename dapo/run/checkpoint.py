@@ -3,7 +3,9 @@
 A checkpoint is a directory ``checkpoints/step_NNNNNN`` in the run directory:
 
 - ``model/``: the policy as ``save_pretrained`` writes it (safetensors, loadable by Hugging Face)
-  and its tokenizer;
+  and its tokenizer; when part of the policy is frozen (LoRA's base), only what trains, as
+  ``trained.safetensors`` beside the config: the frozen weights are the base model's, which
+  ``trainer.json`` names (``base_model``: path and digest);
 - ``optimizer.safetensors`` and ``optimizer.json``: the optimiser's tensors, and its settings;
 - ``rng.safetensors`` and ``rng.json``: python, numpy and torch (CPU and CUDA) generator states;
 - ``trainer.json``: step counters, the prompt-order cursor, the metrics offset, carry-over;
@@ -36,8 +38,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from dapo.run import manifest, state_files
+from dapo.run import manifest, model_files, state_files
 from dapo.run.manifest import verify  # also checkpoint.verify, as callers have named it
+from dapo.run.model_files import CheckpointError
 from dapo.run.nofollow import fsync_dir, no_link, write_atomic
 
 FORMAT_VERSION = 2
@@ -46,10 +49,6 @@ shards as safetensors) and a SHA-256 per file in the manifest; 1: dapo before 0.
 CKPT_DIR = "checkpoints"
 LATEST = "latest"
 _STEP_RE = re.compile(r"^step_(\d{6,})$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written or read; the message names the path and the fix."""
 
 
 ROLLOUTS_FILE = "rollouts.safetensors"
@@ -169,8 +168,7 @@ def save(
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        model.save_pretrained(tmp / "model", safe_serialization=True)
-        tokenizer.save_pretrained(tmp / "model")
+        model_files.save(model, tokenizer, tmp / "model")
         state_files.save_optimizer(optimizer.state_dict(), tmp / "optimizer")
         state_files.save_rng(capture_rng(device), tmp / "rng")
         if rollouts is not None:
@@ -242,37 +240,6 @@ def find_latest(run_dir: Path) -> Path | None:
     return None
 
 
-def load_weights(model: torch.nn.Module, model_dir: Path) -> None:
-    """Copy the safetensors weights in ``model_dir`` (one file or shards) into ``model``.
-
-    Loading into the live module keeps its construction (attention kernel, dtype, device), so
-    a resumed run computes exactly what the uninterrupted one would.
-    """
-    shards = sorted(model_dir.glob("*.safetensors"))
-    if not shards:
-        raise CheckpointError(f"{model_dir} holds no .safetensors weights")
-    state: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        state.update(load_file(shard))
-    try:
-        result = model.load_state_dict(state, strict=False)
-    except RuntimeError as exc:  # shape mismatches
-        raise CheckpointError(
-            f"the weights in {model_dir} do not fit this model: {str(exc).splitlines()[1:3]}; "
-            "was model.* changed since the run began?"
-        ) from None
-    # save_pretrained stores a tied weight (lm_head = embeddings) once; anything else missing
-    # means the checkpoint does not belong to this model.
-    own = model.state_dict()
-    loaded_ptrs = {own[k].data_ptr() for k in state if k in own}
-    missing = [k for k in result.missing_keys if own[k].data_ptr() not in loaded_ptrs]
-    if missing or result.unexpected_keys:
-        raise CheckpointError(
-            f"the weights in {model_dir} do not fit this model (missing {missing[:5]}, "
-            f"unexpected {result.unexpected_keys[:5]}); was model.* changed since the run began?"
-        )
-
-
 def load(
     ckpt: Path,
     *,
@@ -285,7 +252,7 @@ def load(
     its trainer state. Every file is checked against the manifest's digest first, unless the
     caller has (``verified``)."""
     trainer = read_trainer_state(ckpt, digests=not verified)
-    load_weights(model, ckpt / "model")
+    model_files.load(model, ckpt / "model")
     try:
         # load_state_dict moves each state tensor to its parameter's device (step counters
         # stay on the CPU where torch keeps them).
@@ -330,12 +297,18 @@ def load_rollouts(ckpt: Path) -> dict[str, torch.Tensor]:
 # ----------------------------------------------------------------------------- outputs
 
 
-def export_model(model: torch.nn.Module, tokenizer: Any, dest: Path) -> None:
-    """``save_pretrained`` into ``dest`` atomically (an existing ``dest`` is replaced whole)."""
+def export_model(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    dest: Path,
+    weights: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """``save_pretrained`` into ``dest`` atomically (an existing ``dest`` is replaced whole);
+    ``weights``: the state dict to save in place of the model's own (LoRA's merged one)."""
     no_link(dest)
     tmp = no_link(dest.with_name(f".{dest.name}.tmp"))
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
+    model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     fsync_tree(tmp)
     if dest.exists():

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -169,8 +170,14 @@ def _add_tied(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
         weights[tied[0]] = weights[tied[1]]
 
 
-def export_model(model: torch.nn.Module, tokenizer: Any, dest: Path) -> None:
-    """The whole weights gathered on rank 0 and saved there in the Hugging Face format."""
+def export_model(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    dest: Path,
+    transform: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+) -> None:
+    """The whole weights gathered on rank 0 and saved there in the Hugging Face format;
+    ``transform`` (LoRA's merge) turns them into what is saved."""
     tmp = dest.with_name(f".{dest.name}.tmp")
     refused = None
     if dist.is_main():
@@ -182,6 +189,8 @@ def export_model(model: torch.nn.Module, tokenizer: Any, dest: Path) -> None:
     if refused is not None:
         raise LinkRefused(refused)
     weights = dcp.full_weights(model)
+    if transform is not None and dist.is_main():
+        weights = transform(weights)
     tied = _tied_keys(model)
     if tied is not None:
         weights.pop(tied[0], None)  # stored once, as save_pretrained stores it

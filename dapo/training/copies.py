@@ -17,7 +17,7 @@ import torch
 from dapo import dist
 from dapo.config import Config
 from dapo.dist import fsdp, tensor_parallel
-from dapo.models import sharded_load
+from dapo.models import lora, sharded_load
 
 
 def frozen_dtype(model: torch.nn.Module, compute: torch.dtype) -> torch.dtype:
@@ -62,7 +62,9 @@ def _copies_then_shards(
     """A policy loaded whole: the reference and (``whole_copy``, under FSDP) the generation
     copy deep-copied, then the policy and the reference sharded."""
     ref_model = gen_model = None
-    if cfg.algo.kl_coef > 0:  # the naive-GRPO KL anchor: a frozen copy of the starting policy
+    # The naive-GRPO KL anchor: a frozen copy of the starting policy (with LoRA, the policy
+    # with its adapters off: TrainState.reference).
+    if cfg.algo.kl_coef > 0 and not lora.enabled(model):
         ref_model = copy.deepcopy(model).to(held).eval().requires_grad_(False)
     if not dist.active() and cfg.dist.activation_checkpointing:
         fsdp.checkpoint_layers(model)

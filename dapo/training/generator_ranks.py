@@ -34,6 +34,7 @@ from dapo.config import Config
 from dapo.data.batch import Episode
 from dapo.data.problems import Problem, PromptSampler
 from dapo.dist import roles, weight_sync
+from dapo.models import lora
 from dapo.models.policy import DTYPES, compute_device, stop_token_ids
 from dapo.rollout import make_engine
 from dapo.training.copies import frozen_dtype
@@ -68,7 +69,7 @@ class GeneratorRanks:
         self.sent: int | None = None  # the newest weights sent
         self.sync_s = 0.0
         dtype = frozen_dtype(state.model, DTYPES[cfg.model.compute_dtype])
-        self.sender = weight_sync.Sender(dtype, state.device)
+        self.sender = weight_sync.Sender(dtype, state.device, lora.moving_names(state.model))
         nxt = self.received + 1  # the generators' first step
         if dist.is_main():
             start = {"next": nxt, "sampler": state.sampler.state_dict()}
@@ -187,13 +188,14 @@ def serve(drawer: Drawer, *, staleness: int, steps: int, device: torch.device) -
     prior = tuple(start["prior"])
     trainers = roles.roles().trainers
     sends = dist.global_rank() == roles.roles().first_generator
+    moving = lora.moving_names(drawer.model)  # with LoRA only the adapters move
     version, pending = -1, []
     step = int(start["next"])
     while step < limit:
         t0 = time.perf_counter()
         had = version
         while version < max(0, step - k):
-            version = weight_sync.receive(drawer.model, device)
+            version = weight_sync.receive(drawer.model, device, moving)
             if version == weight_sync.STOP:
                 return roles.wait_sent(pending)
         if version != had:  # an engine with weights of its own (vllm) loads the new ones
@@ -217,7 +219,7 @@ def serve(drawer: Drawer, *, staleness: int, steps: int, device: torch.device) -
             for dst in range(trainers):
                 roles.send_bytes(message, dst, pending)
         step += 1
-    while weight_sync.receive(drawer.model, device) != weight_sync.STOP:
+    while weight_sync.receive(drawer.model, device, moving) != weight_sync.STOP:
         pass  # weights no step needs (a trainer past the limit): taken, unused
     roles.wait_sent(pending)
 

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dapo.data.batch import Episode
+from dapo.models import lora
 from dapo.models.policy import DTYPES, stop_token_ids
 from dapo.rollout import make_engine
 from dapo.training.copies import frozen_dtype
@@ -190,9 +191,11 @@ class GeneratorThread:
         step's metrics, and its generation figures as the generator measured them."""
         version = state.step + 1
         if version + self.k < self.limit:
+            moving = lora.moving_names(state.model)  # with LoRA only the adapters move
             snapshot = {
                 n: t.detach().to(self.dtype if t.is_floating_point() else t.dtype, copy=True)
                 for n, t in state.model.state_dict().items()
+                if moving is None or n in moving
             }
             if self.device.type == "cuda":  # made on the trainer's stream, read on another
                 torch.cuda.current_stream(self.device).synchronize()
@@ -223,8 +226,10 @@ class GeneratorThread:
 
 
 def _load(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    own = model.state_dict()
     with torch.no_grad():
-        for name, tensor in model.state_dict().items():
-            tensor.copy_(weights[name])
+        for name, source in weights.items():
+            tensor = own[name]
+            tensor.copy_(source)
     if tensor.is_cuda:  # the snapshot is freed after this; its copies must be done
         torch.cuda.current_stream(tensor.device).synchronize()

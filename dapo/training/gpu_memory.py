@@ -1,22 +1,18 @@
 """Memory per GPU, on paper: what a run holds on each rank, before anything is loaded.
 
-One process holds float32 (``model.param_dtype``) weights, gradients and AdamW state, run
-under autocast, whose cache keeps a compute-dtype copy of every weight while it generates or
-trains. Under torchrun (here: from 2 ranks) FSDP2 shards those three per decoder layer and
-gathers two layers at a time in the compute dtype; with ``dist.grad_sync=minibatch`` each rank
-also accumulates an unsharded float32 gradient of the whole model over a mini-batch. The
-output head runs a chunk of logits at a time (``dapo.algo.logits``) in both. Generation
-runs from a frozen compute-dtype copy, split over each ``rollout.tp_size`` ranks (the decoder
-layers' Linear weights, the embedding, the head and the KV heads; the norms whole); the
-``dist`` options and ``tp_size`` apply only under torchrun. Generation (KV cache and the
-decoding workspace: logits, sampling, and what attention copies) and training
-(gradients, activations, output head) take turns, the peak being the larger phase plus what
-both hold (weights, AdamW state, the generation copy, the GRPO reference), except ahead of
-training (``train.async_staleness`` = k), when they overlap and the generator holds its copy
-and up to k clones of new weights. Loading is planned in host memory. Parameters are exact
-for Qwen2/Qwen3/Llama/Mistral (:mod:`dapo.training.model_shape`); activations and logits are
-a rough model (the tests compare ``activation_bytes`` and the chunked head with what
-autograd keeps).
+One process holds float32 (``model.param_dtype``) weights, gradients and AdamW state (with
+LoRA, of the adapters alone), run under autocast, whose cache keeps a compute-dtype copy of
+every weight. Under torchrun (from 2 ranks) FSDP2 shards those three per decoder layer and
+gathers two layers at a time in the compute dtype; ``dist.grad_sync=minibatch`` adds an
+unsharded float32 gradient. The output head runs a chunk of logits at a time
+(``dapo.algo.logits``). Generation runs from a frozen compute-dtype copy, split over each
+``rollout.tp_size`` ranks (Linear weights, embedding, head, KV heads; norms whole). Generation
+(KV cache, decoding workspace) and training (gradients, activations, output head) take turns,
+the peak being the larger phase plus what both hold (weights, AdamW state, the generation
+copy, the GRPO reference), except ahead of training (``train.async_staleness`` = k), when they
+overlap. Loading is planned in host memory. Parameters are exact for Qwen2/Qwen3/Llama/Mistral
+(:mod:`dapo.training.model_shape`); activations and logits are a rough model (the tests
+compare ``activation_bytes`` and the chunked head with what autograd keeps).
 
     python -m dapo.memory_plan          # the table of docs/scale-out.md (memory_table.py)
 """
@@ -30,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from dapo.models import hub
 from dapo.training.model_shape import ModelShape
+from dapo.training.plan_settings import PlanSettings
 
 if TYPE_CHECKING:
     from dapo.config import Config
@@ -45,75 +42,6 @@ CDF_CHUNK_ELEMENTS = 1 << 24
 PACKED_GQA_TRANSFORMERS = (5, 23)
 """The first transformers release whose sdpa attention decodes a grouped-query model under a
 mask without copying each layer's keys and values to every query head (it packs the query)."""
-
-
-@dataclass(frozen=True)
-class PlanSettings:
-    """What the plan depends on besides the model; the defaults are the table's assumptions."""
-
-    world_size: int = 1
-    param_dtype: str = "float32"
-    compute_dtype: str = "bfloat16"
-    microbatch_tokens: int = 512 + 20480
-    """Padded tokens of the largest micro-batch: ``train.tokens_per_microbatch``, or fewer when
-    a rank's share of a mini-batch is smaller, or one whole response when that is longer."""
-    prompt_tokens: int = 512
-    max_new_tokens: int = 20480
-    rows: int = 16
-    """Responses one rank generates at once (each holds prompt + L_max tokens of KV cache)."""
-    reference: bool = False
-    """A frozen GRPO reference model (``algo.kl_coef > 0``)."""
-    activation_checkpointing: bool = False
-    cpu_offload: bool = False
-    grad_sync: str = "minibatch"
-    """``dist.grad_sync``: ``minibatch`` accumulates an unsharded float32 gradient of the
-    whole model on every rank until a mini-batch's last micro-batch; ``microbatch`` does not."""
-    tp_size: int = 1
-    """``rollout.tp_size``: ranks that generate together, tensor parallel (1 in one process)."""
-    reshard_after_forward: bool = True
-    """``dist.reshard_after_forward``: False keeps every layer gathered from its forward to its
-    backward."""
-    staleness: int = 0
-    """``train.async_staleness``: generation overlaps training (in one process, or on
-    ``generators`` ranks of their own)."""
-    generators: int = 0
-    """``dist.rollout_ranks``: this is a trainer rank's plan, the generators being other ranks
-    (:func:`generator_bytes`); ``world_size`` counts the trainers."""
-    top_p: bool = False
-    """Sampling restricted to a nucleus (``rollout.top_p`` or ``eval.top_p`` < 1): its sort
-    holds more [rows, V] float64 arrays while a token is drawn."""
-    gqa_copy: bool = True
-    """The installed transformers copies a layer's keys and values to every query head while
-    decoding (before 5.23; :func:`transformers_copies_gqa`): True, the upper bound, by default."""
-
-    @property
-    def sharded(self) -> bool:
-        return self.world_size > 1
-
-    def check(self, shape: ModelShape) -> None:
-        """ValueError for settings no run has."""
-        w, k = self.world_size, self.tp_size
-        if w < 1:
-            raise ValueError(f"world size must be >= 1, got {w}")
-        if self.grad_sync not in ("minibatch", "microbatch"):
-            raise ValueError(f"dist.grad_sync must be minibatch or microbatch: {self.grad_sync}")
-        if self.staleness and w > 1 and not self.generators:
-            raise ValueError(
-                "train.async_staleness under torchrun needs dist.rollout_ranks: plan world size "
-                "1, or set dist.rollout_ranks"
-            )
-        if k > 1 and w == 1:
-            raise ValueError(
-                f"rollout.tp_size {k} needs torchrun (one process generates alone): plan the "
-                "run's ranks with --world-size N"
-            )
-        if k < 1 or w % k:
-            raise ValueError(f"rollout.tp_size {k} must divide the world size {w}")
-        if shape.heads % k or shape.kv_heads % k:
-            raise ValueError(
-                f"rollout.tp_size {k} must divide the model's {shape.heads} attention and "
-                f"{shape.kv_heads} key-value heads"
-            )
 
 
 @dataclass(frozen=True)
@@ -283,15 +211,22 @@ def plan_memory(shape: ModelShape, settings: PlanSettings) -> MemoryPlan:
         layers = 2 if s.reshard_after_forward else shape.layers
         gathered = (layers * layer + shape.outer_parameters) * compute + layer * 4
     kv_tokens, k = s.prompt_tokens + s.max_new_tokens, s.staleness
+    # LoRA: the adapters (float32) alone have gradients and AdamW state; the reference is
+    # the policy with them off; copies of the policy take the adapters alone after an update.
+    a = shape.lora_parameters(s.lora_rank, s.lora_targets) if s.lora_rank else 0
+    trained = (4 * a) if a else p * master
+    if a and s.sharded:
+        gathered += (a // shape.layers - shape.layer_parameters) * 4  # one layer's gradient
+    moving = a * frozen if a else p * frozen
     return MemoryPlan(
         shape=shape,
         settings=s,
-        weights=math.ceil(p * master / w),
-        gradients=math.ceil(p * master / w),
-        optimizer=math.ceil(2 * p * master / w),
+        weights=math.ceil((p * master + 4 * a) / w),
+        gradients=math.ceil(trained / w),
+        optimizer=math.ceil(2 * trained / w),
         # FSDP2 accumulates in its reduce dtype, float32, whatever param_dtype is.
-        accumulated_gradients=4 * p if s.sharded and s.grad_sync == "minibatch" else 0,
-        generation_copy=generation_copy_bytes(shape, s, frozen=frozen),
+        accumulated_gradients=(4 * a or 4 * p) if s.sharded and s.grad_sync == "minibatch" else 0,
+        generation_copy=generation_copy_bytes(shape, s, frozen=frozen) + 4 * a,
         gathered_layers=gathered,
         activations=activation_bytes(shape, tokens=tokens, compute=compute, checkpointing=ckpt),
         output_head=output_head_bytes(shape, s, compute=compute),
@@ -299,12 +234,12 @@ def plan_memory(shape: ModelShape, settings: PlanSettings) -> MemoryPlan:
             shape, tokens=kv_tokens, rows=s.rows, compute=compute, tp=s.tp_size
         ),
         decode_workspace=decode_workspace_bytes(shape, s, compute=compute),
-        reference=math.ceil(p * frozen / w) if s.reference else 0,
+        reference=math.ceil(p * frozen / w) if s.reference and not a else 0,
         load_host=load_host_bytes(shape, s),
         # Whole copies kept to generate ahead: in one process the generator's and up to k
-        # clones; with generator ranks, on trainer rank 0, the versions sent and not yet
-        # taken (up to k; one while the roles take turns).
-        ahead=p * frozen * (max(1, k) if s.generators else (k + 1 if k else 0)),
+        # clones of what moves; with generator ranks, on trainer rank 0, the versions sent
+        # and not yet taken (up to k; one while the roles take turns).
+        ahead=moving * max(1, k) if s.generators else (p * frozen + k * moving if k else 0),
     )
 
 
@@ -371,6 +306,8 @@ def settings_from_config(
         staleness=cfg.train.async_staleness,
         generators=generators,
         top_p=min(cfg.rollout.top_p, cfg.eval.top_p) < 1,
+        lora_rank=cfg.model.lora.rank,
+        lora_targets=tuple(cfg.model.lora.target_modules),
         gqa_copy=transformers_copies_gqa(),
     )
 

@@ -217,6 +217,25 @@ def check_tensor_parallel(cfg: Config, world_size: int) -> None:
     require_tp_size(k, world_size, _model_config(cfg))
 
 
+def check_lora(cfg: Config) -> None:
+    """``model.lora``: peft installed, and not the native engine's tensor-parallel copy
+    (split from plain Linear layers; vLLM loads merged weights and splits them itself)."""
+    if not cfg.model.lora.rank:
+        return
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        raise ValueError(
+            "model.lora.rank > 0 needs peft: pip install 'dapo-rl[lora]' (or pip install peft)"
+        ) from None
+    if cfg.rollout.tp_size > 1 and cfg.rollout.engine != "vllm":
+        raise ValueError(
+            f"model.lora with rollout.tp_size={cfg.rollout.tp_size}: the native engine's "
+            "tensor-parallel copy is cut from plain Linear layers, not adapted ones; use "
+            "rollout.engine=vllm (it loads the merged weights), or rollout.tp_size=1"
+        )
+
+
 def check_async(cfg: Config, world_size: int) -> None:
     """``train.async_staleness`` generates in a thread of the one training process, or under
     torchrun on ranks of their own (``dist.rollout_ranks``); anything else is refused before

@@ -23,6 +23,7 @@ from dapo.data.problems import Problem
 from dapo.dist import fsdp, roles
 from dapo.eval.evaluate import evaluate
 from dapo.eval.metrics import pick_samples
+from dapo.models import lora
 from dapo.reward.pool import RewardPool
 from dapo.run import checkpoint, rundir, sharded_checkpoint
 from dapo.run.interrupt import GracefulStop, RunStopped, StepAborted
@@ -164,6 +165,7 @@ class _Loop:
         if most and cfg.run.threads:
             torch.set_num_threads(most)
         self.threads = ThreadGovernor(most) if cfg.run.threads == 0 else None
+        self.base = state.base_model  # LoRA's frozen base, named in every checkpoint
 
     def train(self, *, resume: bool) -> dict[str, Any]:
         state, cfg = self.state, self.state.cfg
@@ -230,9 +232,13 @@ class _Loop:
                 stop.signum,
             )
         if fsdp.is_sharded(state.model):
-            sharded_checkpoint.export_model(state.model, state.tokenizer, self.run_dir / "model")
-        else:
-            checkpoint.export_model(state.model, state.tokenizer, self.run_dir / "model")
+            merge = lora.merger(state.model)
+            sharded_checkpoint.export_model(
+                state.model, state.tokenizer, self.run_dir / "model", merge
+            )
+        else:  # with LoRA, the merged weights: a model like the base that anything can load
+            merged = lora.merged_weights(state.model) if self.base is not None else None
+            checkpoint.export_model(state.model, state.tokenizer, self.run_dir / "model", merged)
 
     def budget_spent(self) -> bool:
         """Whether ``train.max_gen_tokens`` or ``train.max_seconds`` is reached (on any rank:
@@ -299,6 +305,9 @@ class _Loop:
         info = sharded_checkpoint.load(
             ckpt, model=state.model, optimizer=state.optimizer, device=state.device
         )
+        wrong = self.base and lora.check_base(info.get("base_model"), self.base, ckpt)
+        if wrong:
+            raise checkpoint.CheckpointError(wrong)
         state.load_state_dict(info)
         state.sync_engine()
         if "ahead" in info and (state.cfg.train.async_staleness or roles.roles()):
@@ -336,6 +345,7 @@ class _Loop:
                 "train_seconds": self.seconds(),
                 "spent": self.spent,
                 "metrics_bytes": self.logger.sync(),
+                **({"base_model": self.base} if self.base is not None else {}),
                 **ahead,
             },
             keep=state.cfg.train.keep_checkpoints,

@@ -4,7 +4,7 @@ tests check Qwen2.5's published counts), and the shapes of four Qwen2.5 models."
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,3 +108,19 @@ class ModelShape:
     @property
     def num_parameters(self) -> int:
         return self.layers * self.layer_parameters + self.outer_parameters
+
+    def lora_parameters(self, rank: int, targets: Sequence[str]) -> int:
+        """LoRA's adapter parameters (``model.lora``): r (in + out) for each targeted Linear
+        of every decoder layer (q, k, v, o, gate, up, down; other names count nothing)."""
+        h, i, q, kv = self.hidden, self.intermediate, self.heads * self.head_dim, self.kv_dim
+        sizes = {
+            "q_proj": (h, q),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (q, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
+        per_layer = sum(rank * sum(sizes[t]) for t in set(targets) if t in sizes)
+        return self.layers * per_layer

@@ -10,8 +10,9 @@ and its update (:mod:`dapo.training.update`) read the config sections they need 
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +21,8 @@ import torch
 from dapo.config import Config
 from dapo.data.problems import Problem, PromptSampler
 from dapo.dist import fsdp, tensor_parallel
-from dapo.models.policy import DTYPES, compute_device, stop_token_ids
+from dapo.models import lora
+from dapo.models.policy import DTYPES, compute_device, model_dir, stop_token_ids
 from dapo.reward.custom import make_resolver
 from dapo.reward.pool import RewardPool
 from dapo.rollout import Engine, make_engine
@@ -42,6 +44,13 @@ class TrainState:
     """Evaluates, and draws the rollouts when they are drawn in turn; told after each step's
     updates to sample from the new weights."""
     ref_model: torch.nn.Module | None = None
+    """The frozen KL reference (a copy of the starting policy); None without a KL term, and
+    with LoRA, whose reference is the policy with its adapters off (:meth:`reference`)."""
+    ref_adapters_off: bool = False
+    """The KL reference is the policy with its LoRA adapters switched off: the base model."""
+    base_model: dict[str, Any] | None = None
+    """With LoRA: the frozen base the adapters belong to (path, revision, digest), which
+    every checkpoint names and a resume checks; None otherwise."""
     pool: RewardPool | None = None
     """Grades responses; None grades in-process (exceptions caught, hangs not stoppable)."""
     step: int = 0
@@ -88,6 +97,21 @@ class TrainState:
             accumulate(self.timers, "weight_sync", time.perf_counter() - t0)
         self.engine_behind = False
 
+    @property
+    def has_reference(self) -> bool:
+        """Whether the loss has a KL term against a frozen reference."""
+        return self.ref_model is not None or self.ref_adapters_off
+
+    @contextlib.contextmanager
+    def reference(self) -> Iterator[torch.nn.Module]:
+        """The KL reference for the block: its frozen copy, or the policy with its adapters
+        off."""
+        if self.ref_model is not None:
+            yield self.ref_model
+            return
+        with lora.adapters_off(self.model):
+            yield self.model
+
     def state_dict(self) -> dict[str, Any]:
         """The counters and cursors a resumed run needs (JSON); the weights and the optimizer
         state are saved beside them by :func:`dapo.run.checkpoint.save`."""
@@ -108,6 +132,13 @@ class TrainState:
         self.sampling_prior = tuple(state.get("sampling_prior", (0, 0)))
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
+
+
+def _base_model(cfg: Config, model: torch.nn.Module) -> dict[str, Any] | None:
+    if not lora.enabled(model):
+        return None
+    where = None if cfg.model.path == "embedded" else model_dir(cfg)
+    return lora.base_reference(cfg.model.path, cfg.model.revision, where, model)
 
 
 def drawer_for(cfg: Config, **objects: Any) -> Drawer:
@@ -145,8 +176,10 @@ def build_state(
     compute = DTYPES[cfg.model.compute_dtype]
     ref_model, gen_model, tp_mesh = copies_and_shards(cfg, model, compute, device)
     o = cfg.optim
+    # Only what trains: with LoRA the adapters, whose state is all the optimizer holds.
+    trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay
+        trained, lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay
     )
     sampler = PromptSampler(train_problems, seed=cfg.train.seed)
     stops = stop_token_ids(model, tokenizer, cfg.rollout.stop_token_ids)
@@ -170,6 +203,8 @@ def build_state(
         sampler,
         engine,
         ref_model=ref_model,
+        ref_adapters_off=cfg.algo.kl_coef > 0 and lora.enabled(model),
+        base_model=_base_model(cfg, model),
         scaler=scaler,
         device=device,
         gen_model=gen_model,

@@ -62,8 +62,9 @@ def update(
     check = set_old_logprobs(state, episodes, share, sampler_is_policy=exact)
     counted = trained_by(first_epoch, dist.rank())
     check |= set_loss_weights(state, episodes, share, counted, sampler_is_policy=exact)
-    if state.ref_model is not None:
-        fill_logprobs(state.ref_model, episodes, "ref_logprobs", state, share)
+    if state.has_reference:
+        with state.reference() as reference:
+            fill_logprobs(reference, episodes, "ref_logprobs", state, share)
     accumulate(state.timers, "logprobs", time.perf_counter() - t_logprobs)
     for group in state.optimizer.param_groups:
         group["lr"] = lr
@@ -74,7 +75,7 @@ def update(
         batch = [episodes[i] for i in mb.indices]
         for k, v in minibatch_update(state, batch, mb.shares[dist.rank()]).items():
             accumulate(sums, k, v)
-    out = _update_metrics(sums, cfg.train.epochs, lr=lr, with_kl=state.ref_model is not None)
+    out = _update_metrics(sums, cfg.train.epochs, lr=lr, with_kl=state.has_reference)
     if state.scaler is not None:
         out["train/scaler_overflows"] = sums.get("scaler_overflows", 0.0)
         out["train/loss_scale"] = state.scaler.get_scale()
@@ -217,14 +218,14 @@ def accumulate_gradients(
             logp_BT, entropy_BT = batch_logprobs(
                 model, micro.batch, with_entropy=True, **options["forward"]
             )
-        ref_BT = micro.batch.ref_logprobs_BT if state.ref_model is not None else None
+        ref_BT = micro.batch.ref_logprobs_BT if state.has_reference else None
         loss, stats, kl = micro_loss(logp_BT, micro.batch, algo_cfg=a, ref_BT=ref_BT, **divisors)
         if kl is not None:
             sums.add("kl_sum", kl.detach().double() * denominator)
         (state.scaler.scale(loss) if state.scaler is not None else loss).backward()
         _add_micro_sums(sums, micro.batch, loss, entropy_BT, stats, shared=t.share_prompts)
     sums = sums.summed_over_ranks(RANK_SUMS)
-    if state.ref_model is not None:
+    if state.has_reference:
         sums.add("kl_den", float(denominator))
     return sums
 

@@ -1,0 +1,190 @@
+"""LoRA against full fine-tuning on a real model, and adapters against merged weights in decoding.
+
+    python benchmarks/lora.py runs --model models/smollm2-135m           # the recipe, both ways
+    python benchmarks/lora.py runs --model M --only full r16-lr1e-4     # some of the runs
+    python benchmarks/lora.py decode --model models/smollm2-135m --rank 16
+
+``runs`` trains ``recipes/smollm2-135m-arith.yaml`` (20 steps) once with every weight and once
+per LoRA setting of the sweep (``SWEEP``: rank and learning rate), one run after another in
+subprocesses of their own, and prints per run: the held-out avg@4 at start and end and its
+gain (95% intervals from the run's own bootstrap), the median step time and its generation
+and training parts, the trainer process's peak resident memory (with its reward workers),
+the trained parameters and the optimizer state's bytes (the last checkpoint's
+``optimizer.safetensors``). A run already in ``--out`` with a ``summary.json`` is read, not
+run again. ``decode`` times the native engine on a model with adapters (``B`` drawn, not
+zero) against the same model with the adapters merged into its weights, at equal work:
+prompts of the arith task, every row exactly ``--new-tokens`` long.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "smollm2-135m-arith.yaml"
+SWEEP = {
+    "full": ["optim.lr=1e-5"],  # the recipe as it is
+    "r16-lr5e-5": ["model.lora.rank=16", "optim.lr=5e-5"],
+    "r16-lr1e-4": ["model.lora.rank=16", "optim.lr=1e-4"],
+    "r16-lr2e-4": ["model.lora.rank=16", "optim.lr=2e-4"],
+    "r4-lr1e-4": ["model.lora.rank=4", "optim.lr=1e-4"],
+}
+"""Name -> overrides. LoRA's learning rates bracket 10x the recipe's 1e-5 (the rule of thumb
+of "LoRA Without Regret"), at alpha 32; then a smaller rank at the rate that did best."""
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def train(name: str, overrides: list[str], model: str, out: Path, steps: int) -> dict:
+    """One run of the recipe in a subprocess (skipped when ``out/name`` finished before);
+    its figures."""
+    run = out / name
+    if not (run / "summary.json").is_file():
+        cmd = [sys.executable, "-m", "dapo", "train", "--config", str(RECIPE), "--quiet"]
+        cmd += [f"model.path={model}", f"run.out_dir={out}", f"run.name={name}", "--overwrite"]
+        cmd += [f"train.steps={steps}", *overrides]
+        log(f"{name}: {' '.join(cmd[3:])}")
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=ROOT)
+        _, status, usage = os.wait4(proc.pid, 0)
+        if status:
+            raise SystemExit(f"{name}: the run failed (status {status})")
+        (run / "peak_rss.json").write_text(
+            json.dumps({"peak_rss_mb": usage.ru_maxrss / 1024, "wall_s": time.perf_counter() - t0})
+        )
+    return figures(run)
+
+
+def figures(run: Path) -> dict:
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["step"] > 0 and "perf/step_s" in r]
+    vals = [r for r in rows if "val/accuracy" in r]
+    start, end = vals[0], vals[-1]
+    ckpt = max((run / "checkpoints").glob("step_*"))
+    optim = ckpt / "optimizer.safetensors"
+    trained = ckpt / "model" / "trained.safetensors"
+    from safetensors import safe_open
+
+    weights = trained if trained.is_file() else next((ckpt / "model").glob("model*.safetensors"))
+    with safe_open(str(weights), framework="pt") as f:
+        params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118
+    peak = json.loads((run / "peak_rss.json").read_text())
+    median = lambda key: statistics.median(r[key] for r in steps)  # noqa: E731
+    return {
+        "run": run.name,
+        "start": start["val/accuracy"],
+        "end": end["val/accuracy"],
+        "end_interval": [end["val/accuracy_low"], end["val/accuracy_high"]],
+        "gain": end["val/accuracy"] - start["val/accuracy"],
+        "step_s": median("perf/step_s"),
+        "generate_s": median("perf/generate_s"),
+        "train_s": median("perf/train_s"),
+        "peak_rss_mb": peak["peak_rss_mb"],
+        "wall_s": peak["wall_s"],
+        "trained_parameters": params,
+        "optimizer_bytes": optim.stat().st_size,
+    }
+
+
+def runs(args: argparse.Namespace) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    names = args.only or list(SWEEP)
+    results = [train(n, SWEEP[n], args.model, out, args.steps) for n in names]
+    full = next((r for r in results if r["run"] == "full"), None)
+    print(f"model {args.model}, recipe {RECIPE.name}, {args.steps} steps, one run each")
+    head = f"{'run':>12} {'start':>6} {'end':>6} {'gain':>6} {'step s':>7} {'gen s':>6} "
+    print(head + f"{'train s':>7} {'peak MB':>8} {'trained':>10} {'optim MB':>9} {'vs full':>8}")
+    for r in results:
+        ratio = f"{full['optimizer_bytes'] / r['optimizer_bytes']:.0f}x" if full else "-"
+        print(
+            f"{r['run']:>12} {r['start']:>6.3f} {r['end']:>6.3f} {r['gain']:>+6.3f} "
+            f"{r['step_s']:>7.1f} {r['generate_s']:>6.1f} {r['train_s']:>7.1f} "
+            f"{r['peak_rss_mb']:>8.0f} {r['trained_parameters']:>10,} "
+            f"{r['optimizer_bytes'] / 2**20:>9.2f} {ratio:>8}"
+        )
+    if args.json:
+        print(json.dumps(results))
+
+
+def decode(args: argparse.Namespace) -> None:
+    import copy
+
+    import torch
+    from engines import load, prompts_for, time_one
+
+    from dapo.config import LoraConfig
+    from dapo.models import lora
+    from dapo.rollout import make_engine
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    base, tokenizer = load(args.model)
+    adapted = lora.apply(copy.deepcopy(base), LoraConfig(rank=args.rank), seed=0)
+    with torch.no_grad():  # a trained B: the merged weights differ from the base's
+        for name, p in adapted.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0, 1e-3, generator=torch.Generator().manual_seed(0))
+    merged = copy.deepcopy(base)
+    merged.load_state_dict(lora.merged_weights(adapted))
+    prompts = prompts_for(tokenizer, args.rows // args.group, chat=bool(args.model))
+    models = {"adapters": adapted.eval(), "merged": merged.eval()}
+    engines = {
+        k: make_engine("dapo", m, tokenizer, (tokenizer.eos_token_id,)) for k, m in models.items()
+    }
+    for engine in engines.values():
+        engine.generate(prompts, group_size=args.group, max_new_tokens=4, ignore_eos=True)
+    figures: dict[str, list[float]] = {k: [] for k in engines}
+    for rep in range(args.reps):
+        for name in list(engines) if rep % 2 == 0 else list(engines)[::-1]:
+            tps = time_one(engines[name], prompts, args.group, args.new_tokens, seed=rep)
+            figures[name].append(tps)
+            log(f"rep {rep + 1}/{args.reps} {name}: {tps:,.1f} tokens/s")
+    params = sum(p.numel() for p in base.parameters())
+    print(
+        f"model {args.model} ({params / 1e6:.1f}M), LoRA rank {args.rank} on "
+        f"{', '.join(LoraConfig().target_modules)}; native engine, {args.rows} rows x "
+        f"{args.new_tokens} tokens, {args.reps} reps, threads {torch.get_num_threads()}"
+    )
+    for name, values in figures.items():
+        print(f"{name:>9}: {statistics.median(values):>8,.1f} tokens/s (median)")
+    ratio = statistics.median(figures["adapters"]) / statistics.median(figures["merged"])
+    print(f"adapters / merged: {ratio:.2f}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    sub = ap.add_subparsers(dest="what", required=True)
+    r = sub.add_parser("runs", help="the recipe with every weight and with LoRA")
+    r.add_argument("--model", required=True, help="the imported SmolLM2 directory")
+    r.add_argument(
+        "--out", default="runs/lora-bench", help="run directories (default runs/lora-bench)"
+    )
+    r.add_argument("--steps", type=int, default=20)
+    r.add_argument("--only", nargs="+", choices=list(SWEEP), help="some runs of the sweep")
+    r.add_argument("--json", action="store_true")
+    d = sub.add_parser("decode", help="adapters against merged weights, native engine")
+    d.add_argument("--model", default="", help="a model directory (default: the demo)")
+    d.add_argument("--rank", type=int, default=16)
+    d.add_argument("--rows", type=int, default=32)
+    d.add_argument("--group", type=int, default=8)
+    d.add_argument("--new-tokens", type=int, default=64)
+    d.add_argument("--reps", type=int, default=3)
+    d.add_argument("--threads", type=int, default=0)
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).parent))  # benchmarks/engines.py's helpers
+    runs(args) if args.what == "runs" else decode(args)
+
+
+if __name__ == "__main__":
+    main()

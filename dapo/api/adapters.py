@@ -1,0 +1,95 @@
+"""The tensors of a LoRA checkpoint for ``dapo export``: the adapters as a peft adapter
+directory names them, or merged into the base model's weights (``--merge``).
+
+A LoRA checkpoint holds the adapters alone (one process's ``model/trained.safetensors``, or
+``torchrun``'s DCP shards) and names its base in ``trainer.json`` (``base_model``: path,
+revision, digest). Merging loads that base as the run did (its ``config.yaml``), checks its
+digest against the checkpoint's, puts the adapters in, and computes ``W + (alpha / r) B A``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from dapo.config import Config, load_config
+from dapo.dist import dcp
+from dapo.models import lora
+from dapo.run.model_files import TRAINED_FILE, CheckpointError
+
+PEFT_PREFIX = "base_model.model."
+"""What peft's saved adapter names start with (its wrapper around the model)."""
+
+
+def run_config(run_dir: Path) -> Config:
+    """The run's settings, from the ``config.yaml`` it wrote."""
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        raise ValueError(f"{run_dir}: no config.yaml; give the directory of a dapo run")
+    return load_config(path)
+
+
+def trained_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The adapters of the checkpoint ``ckpt`` by their names in the model, whichever way it
+    was written."""
+    if (ckpt / "model" / TRAINED_FILE).is_file():
+        return load_file(ckpt / "model" / TRAINED_FILE)
+    stored = dcp.stored_tensors(ckpt / "state")
+    return {
+        n.removeprefix("model."): t for n, t in dcp.read_tensors(ckpt / "state", stored).items()
+    }
+
+
+def peft_name(name: str) -> str:
+    """A parameter's name in the model (``...q_proj.lora_A.default.weight``) as peft saves it
+    in an adapter directory (``base_model.model....q_proj.lora_A.weight``)."""
+    for part in ("lora_A", "lora_B"):
+        name = name.replace(f".{part}.default.", f".{part}.")
+    return PEFT_PREFIX + name
+
+
+def adapter_files(cfg: Config, trained: dict[str, torch.Tensor]) -> tuple[dict, dict[str, Any]]:
+    """(the tensors of ``adapter_model.safetensors``, ``adapter_config.json``) of a peft
+    adapter directory holding ``trained``, on the run's base model."""
+    if any(lora.ADAPTER not in name for name in trained):
+        raise CheckpointError("the checkpoint holds trained weights that are not LoRA adapters")
+    tensors = {peft_name(name): t for name, t in trained.items()}
+    return tensors, lora.peft_config(cfg.model.lora, base=cfg.model.path)
+
+
+def merged(
+    cfg: Config, trained: dict[str, torch.Tensor], saved_base: dict[str, Any], ckpt: Path, log
+) -> dict[str, torch.Tensor]:
+    """The base model's weights with the adapters ``trained`` merged in, by the base's names
+    (a tied weight once): loaded on the CPU as the run loaded it, its digest checked against
+    the checkpoint's ``saved_base``."""
+    from dapo.models import policy
+
+    cfg.model.device = "cpu"
+    warmup = []
+    if cfg.model.path == "embedded":  # rebuilt from its cache, or warm-started as the run did
+        from dapo.training.inputs import load_run_data
+
+        warmup = load_run_data(cfg).warmup_pairs
+    log(f"export: loading the base model {cfg.model.path} to merge the adapters into")
+    model, _ = policy.load_policy(cfg, warmup, log=log)
+    where = None if cfg.model.path == "embedded" else policy.model_dir(cfg)
+    now = lora.base_reference(cfg.model.path, cfg.model.revision, where, model)
+    wrong = lora.check_base(saved_base, now, ckpt)
+    if wrong:
+        raise CheckpointError(wrong)
+    params = dict(model.named_parameters())
+    if set(trained) != set(lora.moving_names(model) or ()):
+        raise CheckpointError(
+            f"{ckpt}: its adapters do not fit the run's model.lora settings (config.yaml)"
+        )
+    with torch.no_grad():
+        for name, tensor in trained.items():
+            params[name].copy_(tensor)
+    weights = lora.merged_weights(model)
+    for alias in dcp.tied_aliases(weights):
+        del weights[alias]  # stored once, as save_pretrained stores it
+    return weights

@@ -1,0 +1,272 @@
+"""Low-rank adapters (``model.lora``): peft's LoRA layers injected into the policy in place.
+
+The policy stays the transformers model it was (its class, its modules' names, its forward);
+each targeted Linear becomes peft's ``lora.Linear``, holding the frozen layer as
+``base_layer`` and the adapters ``lora_A`` and ``lora_B``. Only the adapters require a
+gradient, so the optimizer holds their state alone, a checkpoint saves them alone (the frozen
+weights are the base model's, named by its path and digest), and every copy of the policy
+(the generator's, another rank's) needs only them refreshed after an update. The adapters are
+float32 whatever the base's dtype: AdamW's small steps would round away in bfloat16.
+
+The starting policy is the base model exactly (``lora_B`` starts at zero). The KL reference
+is the same module with its adapters switched off (:func:`adapters_off`), not a second copy.
+An engine with weights of its own (vLLM, a tensor-parallel copy) gets the merged weights
+``W + (alpha / r) B A`` computed into its copy (:func:`merged_weights`); the policy's own
+weights are never merged in place, so nothing drifts however many updates there are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from dapo.config import LoraConfig
+
+ADAPTER = ".lora_"
+"""What every adapter parameter's name holds (``...q_proj.lora_A.default.weight``)."""
+BASE = ".base_layer."
+"""Where a targeted layer's frozen weight moved (``...q_proj.base_layer.weight``)."""
+
+
+def enabled(model: torch.nn.Module) -> bool:
+    """Whether ``model`` carries LoRA adapters."""
+    return any(ADAPTER in name for name, _ in model.named_parameters())
+
+
+def apply(model: torch.nn.Module, lora: LoraConfig, seed: int = 0) -> torch.nn.Module:
+    """Inject adapters of ``lora``'s rank into ``model``'s target layers (in place): every
+    other weight frozen, the adapters float32 and trainable; ``A`` drawn as peft draws it
+    (Kaiming-uniform) from a generator of its own seeded with ``seed``, on the CPU, so a run
+    starts from the same adapters whatever ran before it and on whatever device; ``B`` zero.
+    Returns ``model``."""
+    LoraSettings, inject_adapter_in_model = _peft()
+    linear = {
+        name.rsplit(".", 1)[-1]
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and name
+    }
+    missing = [t for t in lora.target_modules if t not in linear]
+    if missing:
+        raise ValueError(
+            f"model.lora.target_modules: {missing} name no Linear layer of this model; it has "
+            f"{sorted(linear)} (set model.lora.target_modules to some of those)"
+        )
+    inject_adapter_in_model(_settings(LoraSettings, lora), model)
+    for name, p in model.named_parameters():
+        p.requires_grad_(ADAPTER in name)
+        if ADAPTER in name and p.is_meta:  # to be sharded first: float32 placeholders
+            p.data = torch.empty(p.shape, dtype=torch.float32, device="meta")
+    if not any(p.is_meta for p in model.parameters()):
+        set_initial(model, seed)
+    return model
+
+
+@torch.no_grad()
+def set_initial(model: torch.nn.Module, seed: int) -> None:
+    """The adapters' starting values, into each one whole or into its shard (a model loaded
+    straight into FSDP shards gets them once its shards exist): ``A`` Kaiming-uniform as
+    peft draws it, from a CPU generator seeded with ``seed``; ``B`` zero; float32."""
+    from dapo.dist import fsdp
+
+    generator = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if ADAPTER not in name:
+            continue
+        whole = torch.zeros(p.shape, dtype=torch.float32)
+        if ".lora_A." in name:
+            torch.nn.init.kaiming_uniform_(whole, a=math.sqrt(5), generator=generator)
+        local, index = fsdp.local_part(p)
+        if local is p:
+            p.data = whole.to(p.device)
+        elif local.numel():
+            local.copy_(whole[index] if index else whole)
+
+
+def _peft() -> tuple[Any, Any]:
+    try:
+        from peft import LoraConfig as LoraSettings
+        from peft import inject_adapter_in_model
+    except ImportError:
+        raise ValueError(
+            "model.lora.rank > 0 needs peft: pip install 'dapo-rl[lora]' (or pip install peft)"
+        ) from None
+    return LoraSettings, inject_adapter_in_model
+
+
+def _settings(cls: Any, lora: LoraConfig, **more: Any) -> Any:
+    return cls(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        bias="none",
+        **more,
+    )
+
+
+def moving_names(model: torch.nn.Module) -> set[str] | None:
+    """The parameters an update changes, by name, when some never do (the adapters: a copy
+    of the policy needs only them refreshed); None when every parameter trains."""
+    if not enabled(model):
+        return None
+    return {name for name, _ in model.named_parameters() if ADAPTER in name}
+
+
+@contextlib.contextmanager
+def adapters_off(model: torch.nn.Module) -> Iterator[None]:
+    """``model`` as its base model (the adapters bypassed) inside the block: the frozen
+    reference of a KL term, without a copy."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)  # also makes the adapters trainable again
+
+
+def scales(model: torch.nn.Module) -> dict[str, float]:
+    """Each adapted layer's scale (``alpha / r``), by the layer's name."""
+    from peft.tuners.lora import LoraLayer
+
+    return {
+        name: float(module.scaling["default"])
+        for name, module in model.named_modules()
+        if isinstance(module, LoraLayer)
+    }
+
+
+def merge_stream(
+    weights: Iterable[tuple[str, torch.Tensor]],
+    scale: dict[str, float],
+    dtype: torch.dtype | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The (name, whole tensor) pairs of an adapted model's state dict, as its base model
+    names them, each adapted weight merged: ``W + scale B A``, computed in float32 and given
+    in ``dtype`` (default: ``W``'s). ``scale``: :func:`scales`. A layer's ``W`` is held until
+    its ``B`` passes (the state dict's order: base weight, bias, A, B), so a stream gathered
+    one tensor at a time (under FSDP) holds one layer's extra tensors at most."""
+    held: dict[str, torch.Tensor] = {}  # layer -> W, then W and A
+    for name, tensor in weights:
+        layer, _, rest = name.rpartition(".base_layer.")
+        if layer in scale and rest == "weight":
+            held[layer] = tensor
+            continue
+        for part in ("lora_A", "lora_B"):
+            if f".{part}." in name:
+                layer = name.split(f".{part}.")[0]
+                break
+        else:
+            plain = name.replace(BASE, ".")
+            yield plain, tensor if dtype is None else tensor.to(dtype)
+            continue
+        if part == "lora_A":
+            held[f"{layer}.A"] = tensor
+            continue
+        w, a = held.pop(layer), held.pop(f"{layer}.A")
+        merged = w.float() + scale[layer] * (tensor.float() @ a.float()).to(w.device)
+        yield f"{layer}.weight", merged.to(dtype or w.dtype)
+
+
+def merger(model: torch.nn.Module) -> Callable[[dict], dict] | None:
+    """A function from ``model``'s whole state dict (gathered from shards) to the merged
+    one; None without adapters."""
+    if not enabled(model):
+        return None
+    scale = scales(model)
+    return lambda weights: dict(merge_stream(weights.items(), scale))
+
+
+@torch.no_grad()
+def merged_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s state dict as the base model names it, each adapted weight merged
+    (:func:`merge_stream`): what a model without adapters loads to compute what ``model``
+    computes. The policy itself is left as it is."""
+    return dict(merge_stream(model.state_dict().items(), scales(model)))
+
+
+def weights_digest(model_dir: Path) -> str:
+    """A SHA-256 of the base model's weights and config (``model.lora``'s checkpoints name
+    the base by it): of each ``*.safetensors`` file's SHA-256 and ``config.json``. A file in
+    the Hugging Face cache is a link to a blob named by its SHA-256, read from the name."""
+    digest = hashlib.sha256()
+    for path in sorted([*model_dir.glob("*.safetensors"), model_dir / "config.json"]):
+        target = path.resolve()
+        own = target.name if _is_sha256(target.name) and path.is_symlink() else _sha256(target)
+        digest.update(f"{path.name} {own}\n".encode())
+    return digest.hexdigest()
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _is_sha256(name: str) -> bool:
+    return len(name) == 64 and all(c in "0123456789abcdef" for c in name)
+
+
+def base_reference(
+    path: str, revision: str | None, model_dir: Path | None, model: torch.nn.Module
+) -> dict[str, Any]:
+    """What a LoRA checkpoint records of its base: ``model.path``, ``model.revision`` and a
+    digest of the frozen weights, of the files in ``model_dir`` (:func:`weights_digest`), or
+    without a directory (the embedded model, rebuilt from its settings) of the frozen
+    tensors themselves."""
+    if model_dir is not None:
+        digest = weights_digest(model_dir)
+    else:
+        h = hashlib.sha256()
+        for name, p in model.named_parameters():
+            if not p.requires_grad:
+                whole = p.full_tensor() if hasattr(p, "full_tensor") else p  # a shard: gathered
+                h.update(name.encode())
+                h.update(whole.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        digest = h.hexdigest()
+    return {"path": path, "revision": revision, "sha256": digest}
+
+
+def check_base(saved: dict[str, Any] | None, now: dict[str, Any], where: Path) -> str | None:
+    """Why the adapters in the checkpoint ``where`` do not belong on this base (None: they
+    do)."""
+    if saved is None:
+        return f"{where} holds no adapters' base model (it was not written with model.lora)"
+    if saved.get("sha256") != now["sha256"]:
+        return (
+            f"{where} trained adapters on model.path={saved.get('path')} (weights sha256 "
+            f"{str(saved.get('sha256'))[:12]}...), but this run's base is "
+            f"model.path={now['path']} (sha256 {now['sha256'][:12]}...): resume with the same "
+            "base model (model.path, model.revision)"
+        )
+    return None
+
+
+def describe(model: torch.nn.Module) -> str:
+    """One line for the log: trained and frozen parameter counts."""
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return (
+        f"LoRA: {trained / 1e6:.2f}M trained parameters of {total / 1e6:.1f}M "
+        f"({100 * trained / max(total, 1):.2f}%); the rest frozen"
+    )
+
+
+def peft_config(lora: LoraConfig, base: str) -> dict[str, Any]:
+    """The ``adapter_config.json`` of a peft adapter directory for these adapters."""
+    LoraSettings, _ = _peft()
+    config = _settings(LoraSettings, lora, base_model_name_or_path=base, task_type="CAUSAL_LM")
+    return json.loads(json.dumps(config.to_dict(), default=list))

@@ -1,0 +1,109 @@
+"""The policy's files in a checkpoint's ``model/``: ``save_pretrained``'s, or, when part of
+the policy is frozen (LoRA's base model), the trained parameters alone.
+
+Frozen parameters never change in a run, so a checkpoint need not hold them: with adapters
+``model/`` holds the config, the generation config, the tokenizer and
+:data:`TRAINED_FILE`; the base's weights are the base model's own files, which
+``trainer.json`` names (``base_model``: path, revision and digest) and a resume checks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+TRAINED_FILE = "trained.safetensors"
+"""With frozen parameters (LoRA): the trained ones alone, by their names in the model."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message names the path and the fix."""
+
+
+def trained_only(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """The parameters that train, by name, when some are frozen (LoRA: the adapters); None
+    when every parameter trains."""
+    params = list(model.named_parameters())
+    if all(p.requires_grad for _, p in params):
+        return None
+    return {name: p.detach() for name, p in params if p.requires_grad}
+
+
+def save(model: torch.nn.Module, tokenizer: Any, dest: Path) -> None:
+    """The policy into ``dest``: ``save_pretrained``'s files, or with frozen parameters the
+    config, the generation config and the trained parameters alone (:data:`TRAINED_FILE`);
+    the tokenizer in both."""
+    trained = trained_only(model)
+    if trained is None:
+        model.save_pretrained(dest, safe_serialization=True)
+    else:
+        model.config.save_pretrained(dest)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(dest)
+        save_file({k: v.contiguous() for k, v in trained.items()}, dest / TRAINED_FILE)
+    tokenizer.save_pretrained(dest)
+
+
+def load(model: torch.nn.Module, model_dir: Path) -> None:
+    """Copy the safetensors weights in ``model_dir`` (one file or shards, or the trained
+    parameters alone: :data:`TRAINED_FILE`) into ``model``.
+
+    Loading into the live module keeps its construction (attention kernel, dtype, device), so
+    a resumed run computes exactly what the uninterrupted one would.
+    """
+    if (model_dir / TRAINED_FILE).is_file():
+        _load_trained(model, model_dir / TRAINED_FILE)
+        return
+    shards = sorted(model_dir.glob("*.safetensors"))
+    if not shards:
+        raise CheckpointError(f"{model_dir} holds no .safetensors weights")
+    if trained_only(model) is not None:
+        raise CheckpointError(
+            f"{model_dir} holds a whole model, but this run trains adapters (model.lora.rank "
+            "> 0): was model.lora changed since the run began?"
+        )
+    state: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        state.update(load_file(shard))
+    try:
+        result = model.load_state_dict(state, strict=False)
+    except RuntimeError as exc:  # shape mismatches
+        raise CheckpointError(
+            f"the weights in {model_dir} do not fit this model: {str(exc).splitlines()[1:3]}; "
+            "was model.* changed since the run began?"
+        ) from None
+    # save_pretrained stores a tied weight (lm_head = embeddings) once; anything else missing
+    # means the checkpoint does not belong to this model.
+    own = model.state_dict()
+    loaded_ptrs = {own[k].data_ptr() for k in state if k in own}
+    missing = [k for k in result.missing_keys if own[k].data_ptr() not in loaded_ptrs]
+    if missing or result.unexpected_keys:
+        raise CheckpointError(
+            f"the weights in {model_dir} do not fit this model (missing {missing[:5]}, "
+            f"unexpected {result.unexpected_keys[:5]}); was model.* changed since the run began?"
+        )
+
+
+@torch.no_grad()
+def _load_trained(model: torch.nn.Module, path: Path) -> None:
+    """The trained parameters alone, into a model whose frozen ones are already the base's:
+    exactly the same names, shapes and dtypes, or refused."""
+    saved = load_file(path)
+    params = dict(model.named_parameters())
+    own = {name for name, p in params.items() if p.requires_grad}
+    wrong = sorted(
+        n
+        for n in saved.keys() & own
+        if saved[n].shape != params[n].shape or saved[n].dtype != params[n].dtype
+    )
+    if saved.keys() != own or wrong:
+        raise CheckpointError(
+            f"the trained parameters in {path} do not fit this model (missing "
+            f"{sorted(own - saved.keys())[:3]}, unexpected {sorted(saved.keys() - own)[:3]}, "
+            f"other shapes {wrong[:3]}); was model.lora or model.* changed since the run began?"
+        )
+    for name, tensor in saved.items():
+        params[name].copy_(tensor)

@@ -1,0 +1,82 @@
+"""What a memory plan (:mod:`dapo.training.gpu_memory`) depends on besides the model: the run's
+settings that size what each rank holds, with the defaults of the scale-out table."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dapo.training.model_shape import ModelShape
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """What the plan depends on besides the model; the defaults are the table's assumptions."""
+
+    world_size: int = 1
+    param_dtype: str = "float32"
+    compute_dtype: str = "bfloat16"
+    microbatch_tokens: int = 512 + 20480
+    """Padded tokens of the largest micro-batch: ``train.tokens_per_microbatch``, or fewer when
+    a rank's share of a mini-batch is smaller, or one whole response when that is longer."""
+    prompt_tokens: int = 512
+    max_new_tokens: int = 20480
+    rows: int = 16
+    """Responses one rank generates at once (each holds prompt + L_max tokens of KV cache)."""
+    reference: bool = False
+    """A frozen GRPO reference model (``algo.kl_coef > 0``)."""
+    activation_checkpointing: bool = False
+    cpu_offload: bool = False
+    grad_sync: str = "minibatch"
+    """``dist.grad_sync``: ``minibatch`` accumulates an unsharded float32 gradient of the
+    whole model on every rank until a mini-batch's last micro-batch; ``microbatch`` does not."""
+    tp_size: int = 1
+    """``rollout.tp_size``: ranks that generate together, tensor parallel (1 in one process)."""
+    reshard_after_forward: bool = True
+    """``dist.reshard_after_forward``: False keeps every layer gathered from its forward to its
+    backward."""
+    staleness: int = 0
+    """``train.async_staleness``: generation overlaps training (in one process, or on
+    ``generators`` ranks of their own)."""
+    generators: int = 0
+    """``dist.rollout_ranks``: this is a trainer rank's plan, the generators being other ranks
+    (:func:`generator_bytes`); ``world_size`` counts the trainers."""
+    top_p: bool = False
+    """Sampling restricted to a nucleus (``rollout.top_p`` or ``eval.top_p`` < 1): its sort
+    holds more [rows, V] float64 arrays while a token is drawn."""
+    lora_rank: int = 0
+    """``model.lora.rank``: adapters train (float32, with their gradients and AdamW state)
+    and the rest is frozen; 0: every weight trains."""
+    lora_targets: tuple[str, ...] = ()
+    """``model.lora.target_modules``."""
+    gqa_copy: bool = True
+    """The installed transformers copies a layer's keys and values to every query head while
+    decoding (before 5.23; :func:`transformers_copies_gqa`): True, the upper bound, by default."""
+
+    @property
+    def sharded(self) -> bool:
+        return self.world_size > 1
+
+    def check(self, shape: ModelShape) -> None:
+        """ValueError for settings no run has."""
+        w, k = self.world_size, self.tp_size
+        if w < 1:
+            raise ValueError(f"world size must be >= 1, got {w}")
+        if self.grad_sync not in ("minibatch", "microbatch"):
+            raise ValueError(f"dist.grad_sync must be minibatch or microbatch: {self.grad_sync}")
+        if self.staleness and w > 1 and not self.generators:
+            raise ValueError(
+                "train.async_staleness under torchrun needs dist.rollout_ranks: plan world size "
+                "1, or set dist.rollout_ranks"
+            )
+        if k > 1 and w == 1:
+            raise ValueError(
+                f"rollout.tp_size {k} needs torchrun (one process generates alone): plan the "
+                "run's ranks with --world-size N"
+            )
+        if k < 1 or w % k:
+            raise ValueError(f"rollout.tp_size {k} must divide the world size {w}")
+        if shape.heads % k or shape.kv_heads % k:
+            raise ValueError(
+                f"rollout.tp_size {k} must divide the model's {shape.heads} attention and "
+                f"{shape.kv_heads} key-value heads"
+            )
