@@ -49,9 +49,14 @@ def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float =
 
 
 def _same_lines(a: list[dict], b: list[dict]) -> None:
-    """The same steps and figures, up to the order ranks sum them in (float32)."""
+    """The same steps and figures, up to the order ranks sum them in (float32). The sampler's
+    log-prob gap is itself float rounding (~1e-6, the engine's and the trainer's forward of the
+    same weights), so the summation order moves it by its own size: it gets an absolute bound."""
     assert [r.keys() for r in a] == [r.keys() for r in b]
     for x, y in zip(a, b, strict=True):
+        gap = "train/sampler_logprob_gap"
+        if gap in x or gap in y:
+            assert abs(x.pop(gap) - y.pop(gap)) <= 1e-5, x["step"]
         assert x == pytest.approx(y, rel=1e-5, abs=1e-7), x["step"]
 
 
