@@ -261,3 +261,71 @@ def test_tensor_parallel_engine_splits_the_weights_and_samples_as_one(tmp_path, 
     assert got["texts"] == greedy.texts
     # The sampled log-probs, from split sums, are a float32 forward pass's.
     assert forward_gap(model, SimpleNamespace(**ranks[0]["sampled"])) < 1e-4
+
+
+def test_lora_adapters_are_served_and_alone_move_at_a_sync(tokenizer):
+    """A policy with LoRA adapters: vLLM samples the adapted policy (its log-probs a float32
+    forward pass's, not the base's), and after an update a sync hands over the adapters alone
+    (no base weight reloaded), under a new adapter id, the old one dropped."""
+    pytest.importorskip("peft")
+    from dapo.config import LoraConfig
+    from dapo.models import lora
+
+    adapted = lora.apply(tiny_qwen2(tokenizer, SPEC, seed=0), LoraConfig(rank=4), seed=0).eval()
+    gen = torch.Generator().manual_seed(0)
+    moving = lora.moving_names(adapted)
+
+    def nudge(std: float) -> None:
+        with torch.no_grad():
+            for name, p in adapted.named_parameters():
+                if ".lora_B." in name:
+                    p.add_(torch.randn(p.shape, generator=gen) * std)
+
+    nudge(0.3)
+    engine = make_engine("vllm", adapted, tokenizer)
+    every = sum(t.numel() * 4 for t in adapted.state_dict().values())
+    adapters = sum(p.numel() * 4 for n, p in adapted.named_parameters() if n in moving)
+    assert engine.last_sync_bytes == every and adapters < every / 4
+    ro = engine.generate(PROMPTS, group_size=4, max_new_tokens=12, seed=[1, 2, 3])
+    assert forward_gap(adapted, ro) < 1e-4
+    with lora.adapters_off(adapted):
+        assert forward_gap(adapted, ro) > 0.05  # the base alone is another policy
+
+    nudge(0.3)
+    stale = engine.generate(PROMPTS, group_size=4, max_new_tokens=12, seed=[1, 2, 3])
+    assert forward_gap(adapted, stale) > 0.05
+    calls, rpc = [], engine.llm.collective_rpc
+    engine.llm.collective_rpc = lambda method, **kw: calls.append(method) or rpc(method, **kw)
+    try:
+        engine.sync_weights(adapted)
+    finally:
+        engine.llm.collective_rpc = rpc
+    assert calls == [] and engine.last_sync_bytes == adapters
+    assert engine.llm.llm_engine.list_loras() == {2}
+    assert sorted(p.name for p in Path(engine._dir).glob("adapter-*")) == ["adapter-2"]
+    fresh = engine.generate(PROMPTS, group_size=4, max_new_tokens=12, seed=[1, 2, 3])
+    assert forward_gap(adapted, fresh) < 1e-4
+    engine.close()
+
+
+def test_a_lora_run_on_vllm_in_one_process_and_on_two_ranks(tmp_path):
+    """``model.lora`` with the vllm engine: the adapters train and the engine samples the
+    policy of each step (float32 mismatch as without LoRA); two FSDP2 ranks, each engine
+    given the adapters gathered from the shards, draw what one process draws."""
+    pytest.importorskip("peft")
+    more = ["model.lora.rank=4", "optim.lr=1e-3"]
+    one = train(tmp_path, "one", sys.executable, more=more)
+    trained = [m for m in metrics(one) if "train/loss" in m]
+    assert len(trained) == 5
+    for m in trained:
+        assert 0 <= m["mismatch/abs_log_ratio"] < 1e-3, m
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    two = train(tmp_path, "two", *torchrun, "--nproc-per-node", "2", more=more)
+    for a, b in zip(metrics(one), metrics(two), strict=True):
+        drawn = [k for k in a if k.startswith(("rollout/", "sampling/", "val/"))]
+        assert {k: a[k] for k in drawn} == {k: b[k] for k in drawn}
+    (start,) = (tmp_path / "cache").glob("embedded-*/model.safetensors")
+    before = load_file(start)
+    after, ranks = (load_file(r / "model" / "model.safetensors") for r in (one, two))
+    assert any(not torch.equal(before[k], after[k]) for k in before)  # merged: it moved
+    assert max(float((after[k] - ranks[k]).abs().max()) for k in after) < 1e-4

@@ -20,9 +20,6 @@ from dapo.dist import dcp
 from dapo.models import lora
 from dapo.run.model_files import TRAINED_FILE, CheckpointError
 
-PEFT_PREFIX = "base_model.model."
-"""What peft's saved adapter names start with (its wrapper around the model)."""
-
 
 def run_config(run_dir: Path) -> Config:
     """The run's settings, from the ``config.yaml`` it wrote."""
@@ -43,20 +40,12 @@ def trained_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
     }
 
 
-def peft_name(name: str) -> str:
-    """A parameter's name in the model (``...q_proj.lora_A.default.weight``) as peft saves it
-    in an adapter directory (``base_model.model....q_proj.lora_A.weight``)."""
-    for part in ("lora_A", "lora_B"):
-        name = name.replace(f".{part}.default.", f".{part}.")
-    return PEFT_PREFIX + name
-
-
 def adapter_files(cfg: Config, trained: dict[str, torch.Tensor]) -> tuple[dict, dict[str, Any]]:
     """(the tensors of ``adapter_model.safetensors``, ``adapter_config.json``) of a peft
     adapter directory holding ``trained``, on the run's base model."""
     if any(lora.ADAPTER not in name for name in trained):
         raise CheckpointError("the checkpoint holds trained weights that are not LoRA adapters")
-    tensors = {peft_name(name): t for name, t in trained.items()}
+    tensors = {lora.peft_name(name): t for name, t in trained.items()}
     return tensors, lora.peft_config(cfg.model.lora, base=cfg.model.path)
 
 

@@ -8,7 +8,7 @@ gradients are summed, and FSDP's division by the world size is turned off.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -148,14 +148,17 @@ def gather_into(sharded: torch.nn.Module, whole: torch.nn.Module) -> None:
 
 
 def whole_state(
-    model: torch.nn.Module, dtype: torch.dtype
+    model: torch.nn.Module, dtype: torch.dtype, names: Container[str] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``model``'s state dict one whole tensor at a time, in ``dtype``: a shard is all-gathered
-    as it is reached and dropped by the consumer before the next, so no rank holds more than
-    one whole tensor beyond its shards (an engine that slices what it loads, as vLLM's
-    tensor-parallel layers do). Under FSDP2 every rank of the policy's mesh must consume it
-    to the end, in step: each shard's gather is a collective."""
+    """``model``'s state dict (the entries in ``names``, default all) one whole tensor at a
+    time, in ``dtype``: a shard is all-gathered as it is reached and dropped by the consumer
+    before the next, so no rank holds more than one whole tensor beyond its shards (an engine
+    that slices what it loads, as vLLM's tensor-parallel layers do). Under FSDP2 every rank of
+    the policy's mesh must consume it to the end, in step: each shard's gather is a
+    collective."""
     for name, t in model.state_dict().items():
+        if names is not None and name not in names:
+            continue
         whole = t.full_tensor() if isinstance(t, DTensor) else t
         yield name, whole.detach().to(dtype)
 

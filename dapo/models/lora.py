@@ -10,9 +10,10 @@ float32 whatever the base's dtype: AdamW's small steps would round away in bfloa
 
 The starting policy is the base model exactly (``lora_B`` starts at zero). The KL reference
 is the same module with its adapters switched off (:func:`adapters_off`), not a second copy.
-An engine with weights of its own (vLLM, a tensor-parallel copy) gets the merged weights
-``W + (alpha / r) B A`` computed into its copy (:func:`merged_weights`); the policy's own
-weights are never merged in place, so nothing drifts however many updates there are.
+An engine with weights of its own gets the base once and the adapters after each update
+(vLLM, through its LoRA support) or the merged weights ``W + (alpha / r) B A`` computed into
+its copy (a tensor-parallel copy, :func:`merged_weights`); the policy's own weights are never
+merged in place, so nothing drifts however many updates there are.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ ADAPTER = ".lora_"
 """What every adapter parameter's name holds (``...q_proj.lora_A.default.weight``)."""
 BASE = ".base_layer."
 """Where a targeted layer's frozen weight moved (``...q_proj.base_layer.weight``)."""
+PEFT_PREFIX = "base_model.model."
+"""What peft's saved adapter names start with (its wrapper around the model)."""
 
 
 def enabled(model: torch.nn.Module) -> bool:
@@ -145,6 +148,30 @@ def scales(model: torch.nn.Module) -> dict[str, float]:
         for name, module in model.named_modules()
         if isinstance(module, LoraLayer)
     }
+
+
+def settings_of(model: torch.nn.Module) -> LoraConfig:
+    """The ``model.lora`` settings ``model``'s adapters were made with, read off its layers
+    (rank, alpha, targets; dropout 0: an engine's forward draws none)."""
+    from peft.tuners.lora import LoraLayer
+
+    from dapo.config import LoraConfig
+
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, LoraLayer)}
+    ranks = {m.r["default"] for m in layers.values()}
+    alphas = {m.lora_alpha["default"] for m in layers.values()}
+    if len(ranks) != 1 or len(alphas) != 1:
+        raise ValueError(f"adapters of several ranks {sorted(ranks)} or alphas {sorted(alphas)}")
+    targets = sorted({n.rsplit(".", 1)[-1] for n in layers})
+    return LoraConfig(rank=ranks.pop(), alpha=float(alphas.pop()), target_modules=targets)
+
+
+def base_names(names: Iterable[str]) -> Iterator[tuple[str, str]]:
+    """(name in the adapted model, name in the base model) of each frozen base tensor among
+    ``names``: the adapters left out, ``...q_proj.base_layer.weight`` as ``...q_proj.weight``."""
+    for name in names:
+        if ADAPTER not in name:
+            yield name, name.replace(BASE, ".")
 
 
 def merge_stream(
@@ -263,6 +290,14 @@ def describe(model: torch.nn.Module) -> str:
         f"LoRA: {trained / 1e6:.2f}M trained parameters of {total / 1e6:.1f}M "
         f"({100 * trained / max(total, 1):.2f}%); the rest frozen"
     )
+
+
+def peft_name(name: str) -> str:
+    """A parameter's name in the model (``...q_proj.lora_A.default.weight``) as peft saves it
+    in an adapter directory (``base_model.model....q_proj.lora_A.weight``)."""
+    for part in ("lora_A", "lora_B"):
+        name = name.replace(f".{part}.default.", f".{part}.")
+    return PEFT_PREFIX + name
 
 
 def peft_config(lora: LoraConfig, base: str) -> dict[str, Any]:

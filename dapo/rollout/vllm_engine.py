@@ -5,9 +5,10 @@ vLLM brings what a hand-written decoding loop lacks at the paper's scale (paged 
 continuous batching, CUDA graphs), and two obligations with it:
 
 - it holds its own copy of the weights, so :meth:`VLLMEngine.sync_weights` loads the new ones
-  after every optimizer update (in place, through the worker's ``reload_weights``, in the
-  compute dtype; tied embeddings included, as ``state_dict`` lists ``lm_head.weight``) and
-  resets the prefix cache, whose KV entries the old weights computed;
+  (or the new LoRA adapters alone) after every optimizer update (in place, through the
+  worker's ``reload_weights``, in the compute dtype; tied embeddings included, as
+  ``state_dict`` lists ``lm_head.weight``) and resets the prefix cache, whose KV entries the
+  old weights computed;
 - its log-probs come from other kernels and batch shapes than the trainer's forward pass, so
   they never stand in for pi_old (``exact_logprobs = False``): the trainer recomputes pi_old
   and corrects for the gap (:mod:`dapo.algo.correction`).
@@ -44,12 +45,20 @@ external launcher, on CPUs too: each rank is one of its tensor-parallel workers,
 slice of each tensor as it is loaded, and every rank of a group is given the same prompts
 and seeds, so the group decodes in lockstep and returns the same rollout on each rank.
 
+A policy with LoRA adapters (``model.lora``) runs on vLLM's LoRA support: the frozen base
+weights are loaded once (and again only after a level-2 sleep dropped them), and each sync
+moves the adapters alone: written as a peft adapter directory (a few MB) and added under a
+new adapter id, the old one removed; every request names the current adapter. vLLM computes
+``x W^T + (alpha / r) (x A^T) B^T`` as peft does, and in bfloat16 the adapters' small updates
+are not rounded away into ``W`` as a merged copy's would be.
+
 Shapes: see :mod:`dapo.rollout.base`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import shutil
@@ -61,6 +70,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import save_file
 
 from dapo import dist
 from dapo.dist import fsdp
@@ -77,6 +87,8 @@ CPU_KV_CACHE_GIB = 1.0
 fraction of all host memory, which the trainer needs)."""
 SEED_LIMIT = 2**63
 """vLLM seeds sample j of a request with seed + j; seeds stay below this."""
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM takes for ``max_lora_rank``: the engine asks for the least >= the rank."""
 
 
 def _check_cpu_head_size(config: Any) -> None:
@@ -190,6 +202,13 @@ class VLLMEngine:
         """The module whose weights the engine holds (reloaded after a level-2 sleep)."""
         self.last_sync_s = 0.0
         """Seconds the last :meth:`sync_weights` took."""
+        self.last_sync_bytes = 0
+        """Bytes of the tensors the last :meth:`sync_weights` handed to vLLM."""
+        self.lora = lora.settings_of(model) if lora.enabled(model) else None
+        """The adapters' settings when the policy has LoRA adapters (vLLM serves them)."""
+        self._adapter: Any = None  # the current vllm LoRARequest
+        self._adapters_made = 0
+        self._base_loaded = False
         # config.json is all vLLM reads: it starts with dummy weights and takes ours below.
         self._dir = tempfile.mkdtemp(prefix="dapo-vllm-")
         weakref.finalize(self, shutil.rmtree, self._dir, ignore_errors=True)
@@ -241,6 +260,14 @@ class VLLMEngine:
             kwargs["kv_cache_memory_bytes"] = int(kv_gib * 2**30)
         if self.on_gpu and dist.launched():
             kwargs["distributed_executor_backend"] = "external_launcher"
+        if self.lora is not None:
+            rank = next((r for r in LORA_RANKS if r >= self.lora.rank), None)
+            if rank is None:
+                raise ValueError(
+                    f"rollout.engine=vllm serves LoRA adapters of rank <= {LORA_RANKS[-1]}; "
+                    f"model.lora.rank is {self.lora.rank}"
+                )
+            kwargs.update(enable_lora=True, max_lora_rank=rank, max_loras=1)
         if self.tp_size > 1:  # one engine per group of consecutive ranks, as tp_mesh groups them
             kwargs["tensor_parallel_size"] = self.tp_size
             kwargs["distributed_executor_backend"] = "external_launcher"
@@ -256,7 +283,8 @@ class VLLMEngine:
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Load ``model``'s current weights into the engine (in the compute dtype, one tensor at
-        a time) and drop the prefix cache, which holds KV entries of the old weights."""
+        a time; with LoRA, the adapters alone once the base is there) and drop the prefix
+        cache, which holds KV entries of the old weights."""
         t0 = time.perf_counter()
         self._source = model
         self._wake(["weights"], reload=False)
@@ -266,13 +294,45 @@ class VLLMEngine:
     def _load(self, model: torch.nn.Module) -> None:
         # One whole tensor at a time (gathered from the shards under FSDP2); with tensor
         # parallelism vLLM's layers keep their slice of each and drop the rest.
-        if lora.enabled(model):  # vLLM's model has no adapters: W + scale B A, merged here
-            whole = fsdp.whole_state(model, torch.float32)
-            weights = lora.merge_stream(whole, lora.scales(model), self.dtype)
-        else:
-            weights = fsdp.whole_state(model, self.dtype)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.last_sync_bytes = 0
+        if self.lora is None or not self._base_loaded:
+            names = None if self.lora is None else dict(lora.base_names(model.state_dict()))
+            whole = fsdp.whole_state(model, self.dtype, names)
+            weights = self._counted(whole if names is None else ((names[n], t) for n, t in whole))
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            self._base_loaded = True
+        if self.lora is not None:
+            self._load_adapters(model)
         self.llm.reset_prefix_cache()
+
+    def _counted(self, weights: Iterator[tuple[str, torch.Tensor]]):
+        for name, tensor in weights:
+            self.last_sync_bytes += tensor.numel() * tensor.element_size()
+            yield name, tensor
+
+    def _load_adapters(self, model: torch.nn.Module) -> None:
+        """Hand vLLM ``model``'s adapters as a new peft adapter directory under a new id, and
+        drop the previous one (its files too)."""
+        from vllm.lora.request import LoRARequest
+
+        assert self.lora is not None
+        moving = lora.moving_names(model) or set()
+        tensors = {
+            lora.peft_name(name): t.contiguous()
+            for name, t in self._counted(fsdp.whole_state(model, self.dtype, moving))
+        }
+        self._adapters_made += 1
+        n = self._adapters_made
+        where = os.path.join(self._dir, f"adapter-{n}")
+        os.makedirs(where)
+        save_file(tensors, os.path.join(where, "adapter_model.safetensors"))
+        with open(os.path.join(where, "adapter_config.json"), "w") as f:
+            json.dump(lora.peft_config(self.lora, base=self._dir), f)
+        old, self._adapter = self._adapter, LoRARequest(f"policy-{n}", n, where)
+        self.llm.llm_engine.add_lora(self._adapter)
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
 
     def _wake(self, tags: list[str] | None = None, *, reload: bool = True) -> None:
         """Wake what sleeps of ``tags`` (all by default). The trainer's cached GPU blocks go
@@ -286,6 +346,8 @@ class VLLMEngine:
             torch.cuda.empty_cache()
         self.llm.wake_up(tags=sorted(wanted))
         self._asleep -= wanted
+        if "weights" in wanted and self.sleep_level == 2:
+            self._base_loaded = False  # dropped by the sleep
         if reload and "weights" in wanted and self.sleep_level == 2:
             self._load(self._source)
 
@@ -328,7 +390,7 @@ class VLLMEngine:
             for s in seeds
         ]
         self._wake()
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self._adapter)
         if self.sleeps:  # give the memory back to the trainer until the next rollout
             # Level 2: the weights are dropped, not copied to host memory (level 1): they are
             # reloaded after the update anyway (level 1 for a sharded source: see __init__).

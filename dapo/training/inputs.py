@@ -219,7 +219,7 @@ def check_tensor_parallel(cfg: Config, world_size: int) -> None:
 
 def check_lora(cfg: Config) -> None:
     """``model.lora``: peft installed, and not the native engine's tensor-parallel copy
-    (split from plain Linear layers; vLLM loads merged weights and splits them itself)."""
+    (split from plain Linear layers; vLLM serves the adapters and splits them itself)."""
     if not cfg.model.lora.rank:
         return
     try:
@@ -232,7 +232,7 @@ def check_lora(cfg: Config) -> None:
         raise ValueError(
             f"model.lora with rollout.tp_size={cfg.rollout.tp_size}: the native engine's "
             "tensor-parallel copy is cut from plain Linear layers, not adapted ones; use "
-            "rollout.engine=vllm (it loads the merged weights), or rollout.tp_size=1"
+            "rollout.engine=vllm (it serves the adapters), or rollout.tp_size=1"
         )
 
 
