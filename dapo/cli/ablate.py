@@ -41,7 +41,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "(default: the first row's mean accuracy at the end)",
     )
     p.add_argument(
-        "--parallel", type=int, default=1, metavar="K", help="runs at a time (cores split)"
+        "--parallel",
+        type=int,
+        default=1,
+        metavar="K",
+        help="runs at a time, the cores split between them (default 1)",
     )
     p.add_argument("--config", type=Path, help="YAML file every run starts from (a recipe)")
     p.add_argument("--out", type=Path, help="the ablation's directory (default runs/ablate-PLAN)")

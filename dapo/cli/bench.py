@@ -25,7 +25,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument(
         "--fixed-length", action="store_true", help="ignore EOS: every response max_new_tokens"
     )
-    bench.add_argument("overrides", nargs="*", metavar="section.field=value")
+    bench.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="section.field=value",
+        help="config overrides applied last, e.g. rollout.engine=hf",
+    )
     bench.set_defaults(func=cmd_bench)
 
 

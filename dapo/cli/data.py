@@ -29,8 +29,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "check",
         help="report rows, problems, repeats, answers and bad rows of a problem file",
         description=(
-            "Read FILE as training or validation data and report what a run would get from it. "
-            "Exit status 0 when every row is usable, 1 when some are not."
+            "Read FILE as training or validation data and report what a run would get from it; "
+            "rows of a task with rules for its ground truth (code: a JSON entry point and "
+            "tests that parse) are checked by them. Exit status 0 when every row is usable, 1 "
+            "when some are not (they are listed), 2 when FILE cannot be read as problems "
+            "(missing, unknown format or columns: the message says which)."
         ),
     )
     check.add_argument("file", type=Path, metavar="FILE", help=".parquet, .jsonl or .json lines")
@@ -68,7 +71,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--on-bad-row",
         choices=("error", "skip"),
         default="error",
-        help="stop at the first unusable row (default) or leave such rows out",
+        help="error: stop at the first unusable row; skip: leave such rows out (default error)",
     )
     convert.set_defaults(func=cmd_convert)
 
@@ -104,14 +107,20 @@ def _add_format_args(parser: argparse.ArgumentParser) -> None:
         "--format",
         choices=("auto", "dapo", "flat", "humaneval"),
         default="auto",
-        help="input format; auto: dapo when there are prompt and reward_model columns, "
-        "humaneval for task_id, prompt, entry_point and test (or a .jsonl.gz)",
+        help="input format (default auto: dapo when there are prompt and reward_model "
+        "columns, humaneval for task_id, prompt, entry_point and test or a .jsonl.gz, else flat)",
     )
     parser.add_argument(
-        "--question-key", default="question", metavar="K", help="flat format's question column"
+        "--question-key",
+        default="question",
+        metavar="K",
+        help="flat format's question column (default question)",
     )
     parser.add_argument(
-        "--answer-key", default="answer", metavar="K", help="flat format's answer column"
+        "--answer-key",
+        default="answer",
+        metavar="K",
+        help="flat format's answer column (default answer)",
     )
 
 
@@ -155,6 +164,8 @@ def format_check(s: CheckStats) -> str:
     examples = ", ".join(f"row {row}: {_clip(answer)!r}" for row, answer in s.non_integer_examples)
     non_integer = f"non-integer answers: {s.non_integer_answers:,}"
     lines.append(non_integer + (f" (e.g. {examples})" if examples else ""))
+    for name, n in (s.checked_truths or {}).items():
+        lines.append(f"{name} ground truths checked by the task's own rules: {n:,}")
     sources = ", ".join(f"{name} {n:,}" for name, n in s.data_sources.items())
     lines.append(f"data sources (problems): {sources or 'none'}")
     if s.unknown_sources:

@@ -4,10 +4,12 @@
               [--top-p 0.7] [--max-new-tokens N] [--seed S] [--greedy] [--out DIR]
     dapo eval --compare A.jsonl B.jsonl          (or eval directories, or two models + --data)
 
-MODEL_DIR is any saved causal LM (a run's ``model/`` or a checkpoint's ``model/``), or
-``embedded`` for the demo's starting policy; ``--data arith`` is the demo's held-out split.
-Imports only the standard library at module level (see :mod:`dapo.cli`).
+MODEL_DIR is any saved causal LM (a run's ``model/``, a checkpoint exported with ``dapo
+export``), a Hugging Face Hub model id, or ``embedded`` for the demo's starting policy;
+``--data arith`` is the demo's held-out split.
 """
+
+# Only the standard library at module level (see dapo.cli).
 
 from __future__ import annotations
 
@@ -26,16 +28,29 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "eval",
         help="avg@k, pass@k, maj@k with 95%% bootstrap intervals; --compare two evaluations",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ev.add_argument("model", nargs="?", help="a model directory, a Hub id, or 'embedded'")
     ev.add_argument("--data", help="Parquet/JSONL problem file (DAPO or flat), or 'arith'")
     ev.add_argument("--k", type=int, default=32, help="samples per problem (default 32)")
     ev.add_argument("--pass-k", default="", help="comma-separated k' <= k (default: 1,k)")
-    ev.add_argument("--temperature", type=float, default=1.0)
-    ev.add_argument("--top-p", type=float, default=0.7)
-    ev.add_argument("--max-new-tokens", type=int, default=20480)
-    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument(
+        "--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)"
+    )
+    ev.add_argument(
+        "--top-p", type=float, default=0.7, help="nucleus sampling, the paper's (default 0.7)"
+    )
+    ev.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=20480,
+        help="longest response in tokens, the paper's L_max (default 20480)",
+    )
+    ev.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="sampling seed: the same seed, the same samples (default 0)",
+    )
     ev.add_argument("--greedy", action="store_true", help="also report greedy accuracy")
     ev.add_argument("--num-problems", type=int, default=0, help="only the first N (0 = all)")
     ev.add_argument("--reward-mode", default="", help="dapo, lenient or math_verify for every row")
@@ -55,21 +70,33 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="a system message before every problem (as data.system_prompt; '' for an empty one)",
     )
-    ev.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples")
+    ev.add_argument(
+        "--resamples", type=int, default=10_000, help="bootstrap resamples (default 10000)"
+    )
     ev.add_argument(
         "--phrases",
         default="",
         help="comma-separated reflective phrases to count (default: wait, let me check, ...)",
     )
     ev.add_argument("--out", type=Path, help=f"output directory (default {DEFAULT_OUT}/<name>)")
-    ev.add_argument("--device", default="auto")
+    ev.add_argument(
+        "--device",
+        default="auto",
+        help="cpu, cuda or cuda:N (default auto: the first GPU if there is one, else cpu)",
+    )
     ev.add_argument(
         "--engine",
         default="dapo",
         choices=choices(RolloutConfig, "engine"),
-        help="rollout engine: dapo (default) or hf (transformers generate)",
+        help="rollout engine: dapo (the native one), hf (transformers' generate) or vllm "
+        "(needs vLLM installed) (default dapo)",
     )
-    ev.add_argument("--dtype", default="float32", choices=choices(ModelConfig, "compute_dtype"))
+    ev.add_argument(
+        "--dtype",
+        default="float32",
+        choices=choices(ModelConfig, "compute_dtype"),
+        help="the dtype the model computes in (default float32)",
+    )
     ev.add_argument(
         "--compare",
         nargs=2,

@@ -20,7 +20,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "export",
         help="write a checkpoint of a run as a Hugging Face model directory",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     export.add_argument("run", type=Path, metavar="RUN", help="a run directory (runs/NAME)")
     export.add_argument(

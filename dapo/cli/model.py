@@ -24,7 +24,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "import",
         help="write a GGUF file (llama.cpp's format) as a Hugging Face model directory",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     imp.add_argument("src", metavar="GGUF_FILE", help="a .gguf file, or 'smollm2'")
     imp.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="new or empty directory")

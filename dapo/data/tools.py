@@ -70,6 +70,10 @@ class CheckStats:
     bad_rows: list[BadRow]
     prompt_tokens: dict[str, float] | None = None
     """min/median/p90/p99/max prompt length in tokens, with a tokenizer."""
+    checked_truths: dict[str, int] | None = None
+    """data_source -> problems whose ground truth its task checked by its own rules
+    (``Task.check_truth``: a code row's JSON entry point and tests); the unusable ones are
+    among ``bad_rows``."""
 
     @property
     def clean(self) -> bool:
@@ -102,10 +106,11 @@ def check_file(
         on_bad_row="skip",
     )
     problems = data.problems
-    non_integer = [
+    checked, bad_truths = _check_truths(problems, data.first_row)
+    non_integer = [  # a math answer that is not an integer is worth a look, not an error
         (data.first_row[p.uid], p.answer)
         for p in problems
-        if not INTEGER_RE.fullmatch(p.answer.strip())
+        if p.data_source not in checked and not INTEGER_RE.fullmatch(p.answer.strip())
     ]
     sources = Counter(p.data_source for p in problems)
     stripped = {tuple((m["role"], m["content"].strip()) for m in p.messages) for p in problems}
@@ -129,11 +134,30 @@ def check_file(
         unknown_sources=sorted(s for s in sources if s not in tasks.names()),
         templated=templated,
         whitespace_twins=len(problems) - len(stripped),
-        bad_rows=data.skipped,
+        bad_rows=sorted([*data.skipped, *bad_truths], key=lambda b: b.row),
+        checked_truths={k: v for k, v in checked.items() if v},
     )
     if tokenizer is not None and problems:
         stats.prompt_tokens = _prompt_token_stats(problems, str(tokenizer))
     return stats
+
+
+def _check_truths(
+    problems: list[Problem], first_row: dict[str, int]
+) -> tuple[dict[str, int], list[BadRow]]:
+    """({data_source: problems checked}, the bad rows) of the problems whose task checks its
+    ground truths by rules of its own (a registered task with ``check_truth``)."""
+    checked: Counter[str] = Counter()
+    bad = []
+    for p in problems:
+        task = tasks.REGISTRY.get(p.data_source)
+        if task is None or task.check_truth is None:
+            continue
+        checked[p.data_source] += 1
+        reason = task.check_truth(p.answer)
+        if reason is not None:
+            bad.append(BadRow(first_row[p.uid], "reward_model.ground_truth", reason))
+    return dict(checked), bad
 
 
 def _prompt_token_stats(problems: list[Problem], tokenizer: str) -> dict[str, float]:

@@ -62,3 +62,6 @@ class Task:
     summary: str
     """One line for listings and error messages."""
     aliases: tuple[str, ...] = ()
+    check_truth: Callable[[str], str | None] | None = None
+    """Why a row's ground truth cannot be graded by this task, or None when it can (``dapo
+    data check`` lists such rows as bad); None for a task that grades any text."""

@@ -172,6 +172,31 @@ def _parse_ground_truth(response: object, ground_truth: object) -> dict[str, str
     return {"entry_point": entry, "tests": tests, "prelude": prelude}
 
 
+def check_truth(ground_truth: str) -> str | None:
+    """Why ``ground_truth`` is not a gradable code row (see the module docstring), or None."""
+    try:
+        row = json.loads(ground_truth)
+    except (ValueError, RecursionError):
+        return 'not JSON: expected {"entry_point": NAME, "tests": CODE}'
+    if not isinstance(row, dict):
+        return f'a JSON {type(row).__name__}, not an object {{"entry_point": ..., "tests": ...}}'
+    entry, tests, prelude = row.get("entry_point"), row.get("tests"), row.get("prelude", "")
+    if not (isinstance(entry, str) and entry.isidentifier()):
+        return f"entry_point must be a Python identifier, got {entry!r}"
+    if not isinstance(tests, str) or not tests.strip():
+        return "tests must be non-empty Python code (a string)"
+    if not isinstance(prelude, str):
+        return "prelude, when given, must be Python code (a string)"
+    for part, code in (("tests", tests), ("prelude", prelude)):
+        try:
+            ast.parse(code)
+        except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
+            where = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
+            verb = "do" if part == "tests" else "does"
+            return f"{part} {verb} not parse as Python{where}: {getattr(e, 'msg', e)}"
+    return None
+
+
 @functools.lru_cache(maxsize=256)
 def _calls_check(tests: str) -> bool:
     """Whether ``tests`` call ``check(...)`` at their top level (dapo's HumanEval rows do)."""
@@ -288,5 +313,6 @@ TASKS = (
         verify_code,
         "Python programs: the response's last ```python block, then the row's tests, run in "
         "a sandbox; correct only if every test ran and passed",
+        check_truth=check_truth,
     ),
 )
