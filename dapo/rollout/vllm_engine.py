@@ -74,14 +74,11 @@ from safetensors.torch import save_file
 
 from dapo import dist
 from dapo.dist import fsdp
+from dapo.install_hint import pip_install
 from dapo.models import lora
 from dapo.rollout.base import Rollout, encode_prompts, finish_rollout
 from dapo.run.seeding import derive_seed
 
-INSTALL_HINT = (
-    "rollout.engine=vllm needs vLLM (Python >= 3.11): pip install 'dapo-rl[vllm]'; on a "
-    "machine without a GPU, the CPU install lines are in docs/guides/rollout-engines.md"
-)
 CPU_KV_CACHE_GIB = 1.0
 """KV-cache size on a CPU when ``vllm.kv_cache_gib`` is 0 (vLLM's own default reserves a
 fraction of all host memory, which the trainer needs)."""
@@ -107,8 +104,16 @@ def _vllm():
     try:
         import vllm
     except ImportError as e:
-        raise ImportError(INSTALL_HINT) from e
+        raise ImportError(install_hint()) from e
     return vllm
+
+
+def install_hint() -> str:
+    """What to run when vLLM is missing (the command fits how dapo was installed)."""
+    return (
+        f"rollout.engine=vllm needs vLLM (Python >= 3.11): {pip_install('vllm')}; on a "
+        "machine without a GPU, the CPU install lines are in docs/guides/rollout-engines.md"
+    )
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ from typing import Any
 from dapo.config import Config, RewardConfig
 from dapo.data.problems import Problem
 from dapo.data.prompts import render_prompt
+from dapo.install_hint import pip_install
 from dapo.models.policy import context_length, model_dir
 from dapo.reward import custom, tasks
 
@@ -226,7 +227,7 @@ def check_lora(cfg: Config) -> None:
         import peft  # noqa: F401
     except ImportError:
         raise ValueError(
-            "model.lora.rank > 0 needs peft: pip install 'dapo-rl[lora]' (or pip install peft)"
+            f"model.lora.rank > 0 needs peft: {pip_install('lora')} (or pip install peft)"
         ) from None
     if cfg.rollout.tp_size > 1 and cfg.rollout.engine != "vllm":
         raise ValueError(
