@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import html
 import os
 import re
 import sys
@@ -37,8 +38,15 @@ def _header(title: str, source: str) -> list[str]:
 
 
 def _cell(text: str) -> str:
-    """Text fit for one markdown table cell: one line, pipes escaped."""
-    return " ".join(text.split()).replace("|", "\\|")
+    """Text fit for one markdown table cell: one line, pipes escaped. A code span with a pipe
+    (a type union) becomes HTML with the pipe as an entity: escaped inside backticks, the
+    site would show the backslash."""
+
+    def code(m: re.Match) -> str:
+        return "<code>" + html.escape(m.group(1)).replace("|", "&#124;") + "</code>"
+
+    text = re.sub(r"`([^`]*\|[^`]*)`", code, " ".join(text.split()))
+    return text.replace("|", "\\|")
 
 
 def _rst_to_md(text: str) -> str:
@@ -90,7 +98,7 @@ def render_config() -> str:
             if f.key in RESUME_SAFE_FIELDS:
                 doc += " *Resume-safe.*"
             lines.append(
-                f"| `{f.key}` | `{_cell(f.type)}` | {_cell(_value(f.default))} | "
+                f"| `{f.key}` | {_cell(f'`{f.type}`')} | {_cell(_value(f.default))} | "
                 f"{_cell(presets)} | {_cell(doc)} |"
             )
         lines.append("")
@@ -136,7 +144,7 @@ def _argument_rows(parser: argparse.ArgumentParser) -> list[str]:
         what = action.help or ""
         if action.choices:
             what += f" (one of {', '.join(f'`{c}`' for c in action.choices)})"
-        rows.append(f"| `{_cell(name)}` | {_cell(default)} | {_cell(_rst_to_md(what))} |")
+        rows.append(f"| {_cell(f'`{name}`')} | {_cell(default)} | {_cell(_rst_to_md(what))} |")
     return rows
 
 

@@ -9,7 +9,7 @@ from collections import namedtuple
 import pytest
 
 from dapo import cli
-from dapo.install_hint import pip_install
+from dapo.extras import pip_install
 from dapo.models import policy
 from dapo.run import rundir
 from dapo.training import loop

@@ -55,7 +55,8 @@ PACKAGE = "dapo"
 # tokenizer) sits with the commands while the rest of dapo.data is at the bottom. Every
 # module of the package must be placed. docs/architecture.md shows the same table.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("dapo.algo", "dapo.data", "dapo.dist"),  # maths, problems and batches, collectives
+    # maths, problems and batches, collectives; install hints for the optional extras
+    ("dapo.algo", "dapo.data", "dapo.dist", "dapo.extras"),
     ("dapo.reward",),  # tasks (verifiers), the worker pool; no torch
     ("dapo.config",),  # typed sections, presets, YAML and overrides; no torch
     ("dapo.models", "dapo.run"),  # loading and passes; checkpoints, run dir, logging

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from dapo.cli import main
-from dapo.install_hint import pip_install
+from dapo.extras import pip_install
 from dapo.models.gguf import import_gguf, resolve_source
 
 REPO = Path(__file__).resolve().parents[1]

@@ -22,7 +22,6 @@ DEFAULT_OUT = "evals"  # dapo.api.evaluation.DEFAULT_OUT (not imported here: see
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    from dapo.config import ModelConfig, RolloutConfig, choices
 
     ev = subparsers.add_parser(
         "eval",
@@ -33,24 +32,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     ev.add_argument("--data", help="Parquet/JSONL problem file (DAPO or flat), or 'arith'")
     ev.add_argument("--k", type=int, default=32, help="samples per problem (default 32)")
     ev.add_argument("--pass-k", default="", help="comma-separated k' <= k (default: 1,k)")
-    ev.add_argument(
-        "--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)"
-    )
-    ev.add_argument(
-        "--top-p", type=float, default=0.7, help="nucleus sampling, the paper's (default 0.7)"
-    )
-    ev.add_argument(
-        "--max-new-tokens",
-        type=int,
-        default=20480,
-        help="longest response in tokens, the paper's L_max (default 20480)",
-    )
-    ev.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="sampling seed: the same seed, the same samples (default 0)",
-    )
+    _add_sampling_args(ev)
     ev.add_argument("--greedy", action="store_true", help="also report greedy accuracy")
     ev.add_argument("--num-problems", type=int, default=0, help="only the first N (0 = all)")
     ev.add_argument("--reward-mode", default="", help="dapo, lenient or math_verify for every row")
@@ -80,6 +62,44 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     ev.add_argument("--out", type=Path, help=f"output directory (default {DEFAULT_OUT}/<name>)")
     ev.add_argument(
+        "--compare",
+        nargs=2,
+        type=Path,
+        metavar=("A", "B"),
+        help="compare two evaluations (problems.jsonl or its directory), or two models (--data)",
+    )
+    _add_engine_args(ev)
+    _add_setting_args(ev)
+    ev.set_defaults(func=cmd_eval)
+
+
+def _add_sampling_args(ev: argparse.ArgumentParser) -> None:
+    """How responses are drawn."""
+    ev.add_argument(
+        "--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)"
+    )
+    ev.add_argument(
+        "--top-p", type=float, default=0.7, help="nucleus sampling, the paper's (default 0.7)"
+    )
+    ev.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=20480,
+        help="longest response in tokens, the paper's L_max (default 20480)",
+    )
+    ev.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="sampling seed: the same seed, the same samples (default 0)",
+    )
+
+
+def _add_engine_args(ev: argparse.ArgumentParser) -> None:
+    """Where and how the model runs."""
+    from dapo.config import ModelConfig, RolloutConfig, choices
+
+    ev.add_argument(
         "--device",
         default="auto",
         help="cpu, cuda or cuda:N (default auto: the first GPU if there is one, else cpu)",
@@ -97,15 +117,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         choices=choices(ModelConfig, "compute_dtype"),
         help="the dtype the model computes in (default float32)",
     )
-    ev.add_argument(
-        "--compare",
-        nargs=2,
-        type=Path,
-        metavar=("A", "B"),
-        help="compare two evaluations (problems.jsonl or its directory), or two models (--data)",
-    )
-    _add_setting_args(ev)
-    ev.set_defaults(func=cmd_eval)
 
 
 def _add_setting_args(ev: argparse.ArgumentParser) -> None:

@@ -19,6 +19,7 @@ merged in place, so nothing drifts however many updates there are.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import math
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dapo.install_hint import pip_install
+from dapo.extras import pip_install
 
 if TYPE_CHECKING:
     from dapo.config import LoraConfig
@@ -152,20 +153,17 @@ def scales(model: torch.nn.Module) -> dict[str, float]:
     }
 
 
-def settings_of(model: torch.nn.Module) -> LoraConfig:
-    """The ``model.lora`` settings ``model``'s adapters were made with, read off its layers
-    (rank, alpha, targets; dropout 0: an engine's forward draws none)."""
-    from peft.tuners.lora import LoraLayer
+def rank(model: torch.nn.Module) -> int:
+    """The rank r of ``model``'s adapters."""
+    return int(model.peft_config["default"].r)
 
-    from dapo.config import LoraConfig
 
-    layers = {n: m for n, m in model.named_modules() if isinstance(m, LoraLayer)}
-    ranks = {m.r["default"] for m in layers.values()}
-    alphas = {m.lora_alpha["default"] for m in layers.values()}
-    if len(ranks) != 1 or len(alphas) != 1:
-        raise ValueError(f"adapters of several ranks {sorted(ranks)} or alphas {sorted(alphas)}")
-    targets = sorted({n.rsplit(".", 1)[-1] for n in layers})
-    return LoraConfig(rank=ranks.pop(), alpha=float(alphas.pop()), target_modules=targets)
+def adapter_config(model: torch.nn.Module, base: str) -> dict[str, Any]:
+    """The ``adapter_config.json`` of a peft adapter directory holding ``model``'s adapters,
+    naming ``base`` as their base model (read off the settings peft keeps on ``model``)."""
+    config = copy.copy(model.peft_config["default"])
+    config.base_model_name_or_path, config.task_type = base, "CAUSAL_LM"
+    return json.loads(json.dumps(config.to_dict(), default=list))
 
 
 def base_names(names: Iterable[str]) -> Iterator[tuple[str, str]]:

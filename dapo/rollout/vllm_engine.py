@@ -45,37 +45,29 @@ external launcher, on CPUs too: each rank is one of its tensor-parallel workers,
 slice of each tensor as it is loaded, and every rank of a group is given the same prompts
 and seeds, so the group decodes in lockstep and returns the same rollout on each rank.
 
-A policy with LoRA adapters (``model.lora``) runs on vLLM's LoRA support: the frozen base
-weights are loaded once (and again only after a level-2 sleep dropped them), and each sync
-moves the adapters alone: written as a peft adapter directory (a few MB) and added under a
-new adapter id, the old one removed; every request names the current adapter. vLLM computes
-``x W^T + (alpha / r) (x A^T) B^T`` as peft does, and in bfloat16 the adapters' small updates
-are not rounded away into ``W`` as a merged copy's would be.
+A policy with LoRA adapters (``model.lora``): the base is loaded once and each sync moves
+the adapters alone (:mod:`dapo.rollout.vllm_lora`).
 
 Shapes: see :mod:`dapo.rollout.base`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import random
 import shutil
 import tempfile
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
-from safetensors.torch import save_file
 
 from dapo import dist
 from dapo.dist import fsdp
-from dapo.install_hint import pip_install
+from dapo.extras import pip_install
 from dapo.models import lora
+from dapo.rollout import vllm_lora, vllm_process
 from dapo.rollout.base import Rollout, encode_prompts, finish_rollout
 from dapo.run.seeding import derive_seed
 
@@ -84,8 +76,6 @@ CPU_KV_CACHE_GIB = 1.0
 fraction of all host memory, which the trainer needs)."""
 SEED_LIMIT = 2**63
 """vLLM seeds sample j of a request with seed + j; seeds stay below this."""
-LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-"""The values vLLM takes for ``max_lora_rank``: the engine asks for the least >= the rank."""
 
 
 def _check_cpu_head_size(config: Any) -> None:
@@ -97,6 +87,17 @@ def _check_cpu_head_size(config: Any) -> None:
             "rollout.engine=vllm on a CPU needs an attention head size that is a multiple of 32 "
             f"(vLLM's CPU kernels); this model's is {head_dim}. Use rollout.engine=dapo, or for "
             "the embedded model an embedded.hidden that is a multiple of 128 (4 heads)"
+        )
+
+
+def _check_device(config: Any, device: torch.device) -> None:
+    if device.type != "cuda":
+        _check_cpu_head_size(config)
+    elif not dist.launched() and (device.index or 0) != 0:
+        raise ValueError(
+            f"rollout.engine=vllm in one process runs on the first visible GPU, not "
+            f"{device}: pick the GPU with CUDA_VISIBLE_DEVICES={device.index} "
+            "and model.device=auto"
         )
 
 
@@ -114,49 +115,6 @@ def install_hint() -> str:
         f"rollout.engine=vllm needs vLLM (Python >= 3.11): {pip_install('vllm')}; on a "
         "machine without a GPU, the CPU install lines are in docs/guides/rollout-engines.md"
     )
-
-
-@contextlib.contextmanager
-def _process_state_kept() -> Iterator[None]:
-    """Undo what starting an in-process vLLM does to the process: it seeds torch's, numpy's
-    and Python's global generators, and a CPU worker swaps ``torch.set_num_threads`` for a
-    function that only warns."""
-    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
-    py_state, np_state = random.getstate(), np.random.get_state()
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=devices):
-        try:
-            yield
-        finally:
-            torch.set_num_threads = set_num_threads
-            torch.set_num_threads(threads)
-            random.setstate(py_state)
-            np.random.set_state(np_state)
-
-
-@contextlib.contextmanager
-def _on_device(device: torch.device) -> Iterator[None]:
-    """Start vLLM on ``device``: its external-launcher worker takes the GPU from LOCAL_RANK,
-    which a launcher giving each task one GPU (srun) sets to something else than that GPU's
-    index here. The CUDA device vLLM's worker makes current is put back, and checked."""
-    if device.type != "cuda":
-        yield
-        return
-    local_rank = os.environ.get("LOCAL_RANK")
-    os.environ["LOCAL_RANK"] = str(device.index or 0)
-    try:
-        yield
-    finally:
-        if local_rank is None:
-            os.environ.pop("LOCAL_RANK", None)
-        else:
-            os.environ["LOCAL_RANK"] = local_rank
-        torch.cuda.set_device(device)
-    if torch.cuda.current_device() != (device.index or 0):
-        raise RuntimeError(
-            f"after vLLM started, the current CUDA device is cuda:{torch.cuda.current_device()}, "
-            f"not this rank's {device}"
-        )
 
 
 class VLLMEngine:
@@ -188,14 +146,7 @@ class VLLMEngine:
         self.dtype = compute_dtype or param.dtype
         self.device = device or param.device
         self.on_gpu = self.device.type == "cuda"
-        if not self.on_gpu:
-            _check_cpu_head_size(model.config)
-        elif not dist.launched() and (self.device.index or 0) != 0:
-            raise ValueError(
-                f"rollout.engine=vllm in one process runs on the first visible GPU, not "
-                f"{self.device}: pick the GPU with CUDA_VISIBLE_DEVICES={self.device.index} "
-                "and model.device=auto"
-            )
+        _check_device(model.config, self.device)
         self.sleeps = self.on_gpu and sleep
         self.tp_size = tensor_parallel_size
         # A sharded source is reloaded by gathers that every rank joins in step, which the
@@ -209,15 +160,13 @@ class VLLMEngine:
         """Seconds the last :meth:`sync_weights` took."""
         self.last_sync_bytes = 0
         """Bytes of the tensors the last :meth:`sync_weights` handed to vLLM."""
-        self.lora = lora.settings_of(model) if lora.enabled(model) else None
-        """The adapters' settings when the policy has LoRA adapters (vLLM serves them)."""
-        self._adapter: Any = None  # the current vllm LoRARequest
-        self._adapters_made = 0
-        self._base_loaded = False
         # config.json is all vLLM reads: it starts with dummy weights and takes ours below.
         self._dir = tempfile.mkdtemp(prefix="dapo-vllm-")
         weakref.finalize(self, shutil.rmtree, self._dir, ignore_errors=True)
         model.config.save_pretrained(self._dir)
+        self.adapters = vllm_lora.AdapterSlot(model, self._dir) if lora.enabled(model) else None
+        """The LoRA adapter vLLM serves, when the policy has adapters."""
+        self._base_loaded = False
         kwargs = self._llm_options(
             gpu_memory_utilization=gpu_memory_utilization,
             kv_cache_gib=kv_cache_gib,
@@ -225,8 +174,9 @@ class VLLMEngine:
             enforce_eager=enforce_eager,
             sleep=sleep,
         )
+        kwargs.update(vllm_lora.llm_options(model))
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        with _process_state_kept(), _on_device(self.device):
+        with vllm_process.state_kept(), vllm_process.on_device(self.device):
             self.llm = vllm.LLM(**kwargs)
         self.sync_weights(model)
 
@@ -265,14 +215,6 @@ class VLLMEngine:
             kwargs["kv_cache_memory_bytes"] = int(kv_gib * 2**30)
         if self.on_gpu and dist.launched():
             kwargs["distributed_executor_backend"] = "external_launcher"
-        if self.lora is not None:
-            rank = next((r for r in LORA_RANKS if r >= self.lora.rank), None)
-            if rank is None:
-                raise ValueError(
-                    f"rollout.engine=vllm serves LoRA adapters of rank <= {LORA_RANKS[-1]}; "
-                    f"model.lora.rank is {self.lora.rank}"
-                )
-            kwargs.update(enable_lora=True, max_lora_rank=rank, max_loras=1)
         if self.tp_size > 1:  # one engine per group of consecutive ranks, as tp_mesh groups them
             kwargs["tensor_parallel_size"] = self.tp_size
             kwargs["distributed_executor_backend"] = "external_launcher"
@@ -300,44 +242,23 @@ class VLLMEngine:
         # One whole tensor at a time (gathered from the shards under FSDP2); with tensor
         # parallelism vLLM's layers keep their slice of each and drop the rest.
         self.last_sync_bytes = 0
-        if self.lora is None or not self._base_loaded:
-            names = None if self.lora is None else dict(lora.base_names(model.state_dict()))
-            whole = fsdp.whole_state(model, self.dtype, names)
-            weights = self._counted(whole if names is None else ((names[n], t) for n, t in whole))
+        weights = None
+        if self.adapters is None:
+            weights = fsdp.whole_state(model, self.dtype)
+        elif not self._base_loaded:  # once, and after a sleep that dropped it
+            weights = vllm_lora.base_weights(model, self.dtype)
+        if weights is not None:
+            weights = self._counted(weights)
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
             self._base_loaded = True
-        if self.lora is not None:
-            self._load_adapters(model)
+        if self.adapters is not None:
+            self.adapters.load(self.llm, model, self.dtype, self._counted)
         self.llm.reset_prefix_cache()
 
-    def _counted(self, weights: Iterator[tuple[str, torch.Tensor]]):
+    def _counted(self, weights: vllm_lora.Weights) -> vllm_lora.Weights:
         for name, tensor in weights:
             self.last_sync_bytes += tensor.numel() * tensor.element_size()
             yield name, tensor
-
-    def _load_adapters(self, model: torch.nn.Module) -> None:
-        """Hand vLLM ``model``'s adapters as a new peft adapter directory under a new id, and
-        drop the previous one (its files too)."""
-        from vllm.lora.request import LoRARequest
-
-        assert self.lora is not None
-        moving = lora.moving_names(model) or set()
-        tensors = {
-            lora.peft_name(name): t.contiguous()
-            for name, t in self._counted(fsdp.whole_state(model, self.dtype, moving))
-        }
-        self._adapters_made += 1
-        n = self._adapters_made
-        where = os.path.join(self._dir, f"adapter-{n}")
-        os.makedirs(where)
-        save_file(tensors, os.path.join(where, "adapter_model.safetensors"))
-        with open(os.path.join(where, "adapter_config.json"), "w") as f:
-            json.dump(lora.peft_config(self.lora, base=self._dir), f)
-        old, self._adapter = self._adapter, LoRARequest(f"policy-{n}", n, where)
-        self.llm.llm_engine.add_lora(self._adapter)
-        if old is not None:
-            self.llm.llm_engine.remove_lora(old.lora_int_id)
-            shutil.rmtree(old.lora_path, ignore_errors=True)
 
     def _wake(self, tags: list[str] | None = None, *, reload: bool = True) -> None:
         """Wake what sleeps of ``tags`` (all by default). The trainer's cached GPU blocks go
@@ -395,7 +316,9 @@ class VLLMEngine:
             for s in seeds
         ]
         self._wake()
-        outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self._adapter)
+        outputs = self.llm.generate(
+            requests, params, use_tqdm=False, lora_request=self.adapters and self.adapters.request
+        )
         if self.sleeps:  # give the memory back to the trainer until the next rollout
             # Level 2: the weights are dropped, not copied to host memory (level 1): they are
             # reloaded after the update anyway (level 1 for a sharded source: see __init__).

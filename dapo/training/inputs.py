@@ -15,7 +15,7 @@ from typing import Any
 from dapo.config import Config, RewardConfig
 from dapo.data.problems import Problem
 from dapo.data.prompts import render_prompt
-from dapo.install_hint import pip_install
+from dapo.extras import pip_install
 from dapo.models.policy import context_length, model_dir
 from dapo.reward import custom, tasks
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 from importlib import metadata
 
-from dapo import install_hint
-from dapo.install_hint import pip_install
+from dapo import extras
+from dapo.extras import pip_install
 
 
 def test_from_a_checkout_the_hint_installs_the_checkout_editable(tmp_path):
     (tmp_path / "pyproject.toml").write_text("[project]\nname = 'dapo-rl'\n")
-    module = tmp_path / "dapo" / "install_hint.py"
+    module = tmp_path / "dapo" / "extras.py"
     assert pip_install("vllm", str(module)) == f"pip install -e '{tmp_path}[vllm]'"
 
 
@@ -24,7 +24,7 @@ class _Dist:
 
 
 def test_from_site_packages_the_hint_names_pypi_or_the_local_source(tmp_path, monkeypatch):
-    installed = tmp_path / "site-packages" / "dapo" / "install_hint.py"  # no pyproject above
+    installed = tmp_path / "site-packages" / "dapo" / "extras.py"  # no pyproject above
     source = tmp_path / "src"
     source.mkdir()
     for direct_url, want in [
@@ -33,11 +33,11 @@ def test_from_site_packages_the_hint_names_pypi_or_the_local_source(tmp_path, mo
         ({"url": f"file://{source}", "dir_info": {}}, f"pip install '{source}[lora]'"),
         ({"url": f"file://{tmp_path / 'gone'}", "dir_info": {}}, "pip install 'dapo-rl[lora]'"),
     ]:
-        monkeypatch.setattr(install_hint.metadata, "distribution", lambda n, d=direct_url: _Dist(d))
+        monkeypatch.setattr(extras.metadata, "distribution", lambda n, d=direct_url: _Dist(d))
         assert pip_install("lora", str(installed)) == want, direct_url
 
     def missing(name):
         raise metadata.PackageNotFoundError(name)
 
-    monkeypatch.setattr(install_hint.metadata, "distribution", missing)
+    monkeypatch.setattr(extras.metadata, "distribution", missing)
     assert pip_install("gguf", str(installed)) == "pip install 'dapo-rl[gguf]'"
