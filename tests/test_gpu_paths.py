@@ -295,3 +295,40 @@ def test_run_deterministic_asks_torch_and_cublas_for_repeatable_kernels():
     env["CUBLAS_WORKSPACE_CONFIG"] = ":16:8"  # the user's own choice stays
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.stdout.split() == ["True", ":16:8"], out.stderr
+
+
+def test_a_generator_rank_reads_its_copy_in_bfloat16_on_the_host(monkeypatch, tmp_path):
+    """A generator rank (dist.rollout_ranks) never holds the float32 policy on its GPU: the
+    model directory is read in the dtype the engine samples in (bf16 under bf16 compute), on
+    the host, then moved; a 32B model's float32 weights (131 GB) would not fit a GPU."""
+    from helpers import TINY_DEMO, save_model
+    from transformers import AutoModelForCausalLM
+
+    from dapo.api import training
+    from dapo.config import load_config
+    from dapo.training import generator_ranks
+
+    model_dir = save_model(tmp_path / "m", "qwen2")
+    settings = [*TINY_DEMO, f"model.path={model_dir}", "model.compute_dtype=bfloat16"]
+    settings.append("train.recompute_old_logprobs=true")
+    cfg = load_config(None, [*settings, f"run.out_dir={tmp_path}"])
+    reads, seen = [], {}
+    real = AutoModelForCausalLM.from_pretrained
+
+    def read(path, **kw):
+        reads.append(kw.get("dtype"))
+        return real(path, **kw)
+
+    def generate(cfg, model, tokenizer, problems, reward_fn=None):
+        seen["p"] = model
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", read)
+    monkeypatch.setattr(generator_ranks, "generate_on_this_rank", generate)
+    training._generate(cfg, None)
+    assert reads == [torch.bfloat16]
+    params = list(seen["p"].parameters())
+    assert {p.dtype for p in params} == {torch.bfloat16}
+    assert {p.device.type for p in params} == {"cpu"}  # generate_on_this_rank moves it
+    assert policy.generation_dtype(cfg) == torch.bfloat16
+    fp32 = load_config(None, TINY_DEMO)
+    assert policy.generation_dtype(fp32) == torch.float32

@@ -265,3 +265,34 @@ def test_weights_are_sent_on_the_ranks_device_and_load_into_a_generator_copy(mon
     for mine, theirs in zip(generator.parameters(), trainer.parameters(), strict=True):
         assert torch.equal(mine, theirs.detach().to(torch.bfloat16))
     assert weight_sync.receive(generator, torch.device("cpu")) == weight_sync.STOP
+
+
+def _late_rollouts_rank(rank: int, port: int, delay_s: float) -> None:
+    """Rank 1 generates and sends its rollouts ``delay_s`` late; rank 0 trains and waits."""
+    from dapo import dist
+
+    env = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": 2, "MASTER_PORT": port}
+    os.environ.update({k: str(v) for k, v in env.items()}, MASTER_ADDR="127.0.0.1")
+    dist.init_from_env(timeout_s=1.0, wait_timeout_s=60.0)
+    try:
+        got = roles.split(1, wait_timeout_s=60.0)
+        assert got is not None and got.generates(1)
+        if rank == 1:
+            time.sleep(delay_s)  # a round of generation, longer than dist.timeout_s
+            pending: list = []
+            roles.send_bytes(torch.arange(5, dtype=torch.uint8), 0, pending)
+            roles.wait_sent(pending)
+        else:
+            assert roles.recv_bytes(1).tolist() == [0, 1, 2, 3, 4]
+    finally:
+        roles.forget()
+        dist.shutdown()
+
+
+def test_a_trainer_waits_for_rollouts_longer_than_the_collective_timeout():
+    """The rollouts of a step reach the trainers after a whole round of generation: the
+    trainer's receive waits up to dist.wait_timeout_s, not dist.timeout_s (1 s here, while
+    the generator takes 3 s)."""
+    from helpers import spawn_ranks
+
+    spawn_ranks(_late_rollouts_rank, 3.0)

@@ -172,7 +172,16 @@ def _generate(cfg: Config, reward_fn: Callable[..., Any] | None) -> None:
         torch.set_num_threads(cfg.run.threads)
     torch.manual_seed(cfg.train.seed)
     dist.wait_for_all(everyone=True)
-    model, tokenizer = policy.load_policy(cfg, data.warmup_pairs, tokenizer, log=lambda _: None)
+    # Read in the dtype the engine samples in, on the host: the float32 weights of a 32B model
+    # (131 GB) would fill the rank's GPU before a cast.
+    model, tokenizer = policy.load_policy(
+        cfg,
+        data.warmup_pairs,
+        tokenizer,
+        log=lambda _: None,
+        device=torch.device("cpu"),
+        dtype=policy.generation_dtype(cfg),
+    )
     generate_on_this_rank(cfg, model, tokenizer, data.train, reward_fn)
 
 

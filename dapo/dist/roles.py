@@ -65,12 +65,15 @@ def check(rollout_ranks: int, world_size: int) -> None:
 
 _roles: Roles | None = None
 _sync: Any = None
+_rollouts: Any = None
+"""Every rank, gloo, waiting ``wait_timeout_s``: the rollouts' transfers, which a trainer waits
+on while the generators draw a whole round (minutes at the paper's lengths)."""
 
 
 def split(rollout_ranks: int, *, wait_timeout_s: float) -> Roles | None:
     """Give this rank its role (every rank calls it, after :func:`dapo.dist.init_from_env`);
     None, and nothing done, without rollout ranks or a process group."""
-    global _roles, _sync
+    global _roles, _sync, _rollouts
     if not rollout_ranks or not dist.active():
         return None
     roles = Roles(torch_dist.get_world_size(), rollout_ranks)
@@ -88,6 +91,7 @@ def split(rollout_ranks: int, *, wait_timeout_s: float) -> Roles | None:
     # The sync group waits as long as the generators may: trainer rank 0 blocks in it only
     # when it has more weights to send than the generators have taken (never at k >= 1).
     _sync = torch_dist.new_group([0, *generators], timeout=waits)
+    _rollouts = torch_dist.new_group(list(range(roles.world)), backend="gloo", timeout=waits)
     dist.use_groups(*made["generate" if roles.generates(me) else "train"])
     _roles = roles
     return roles
@@ -113,15 +117,16 @@ def send_bytes(buffer: torch.Tensor, dst: int, pending: list) -> None:
     first. ``pending`` keeps what is in flight (:func:`release_sent`, :func:`wait_sent`)."""
     size = torch.tensor([buffer.numel()], dtype=torch.long)
     for t in (size, buffer):  # kept alive until sent
-        pending.append((torch_dist.isend(t, dst), t))
+        pending.append((torch_dist.isend(t, dst, group=_rollouts), t))
 
 
 def recv_bytes(src: int) -> torch.Tensor:
-    """What :func:`send_bytes` sent from global rank ``src``."""
+    """What :func:`send_bytes` sent from global rank ``src``: waits up to ``wait_timeout_s``
+    (a round of generation), not the collectives' ``timeout_s``."""
     size = torch.empty(1, dtype=torch.long)
-    torch_dist.recv(size, src)
+    torch_dist.recv(size, src, group=_rollouts)
     buffer = torch.empty(int(size.item()), dtype=torch.uint8)
-    torch_dist.recv(buffer, src)
+    torch_dist.recv(buffer, src, group=_rollouts)
     return buffer
 
 
@@ -152,5 +157,5 @@ def wait_sent(pending: list) -> None:
 
 def forget() -> None:
     """Drop the roles (the job's process group is being destroyed)."""
-    global _roles, _sync
-    _roles = _sync = None
+    global _roles, _sync, _rollouts
+    _roles = _sync = _rollouts = None

@@ -173,6 +173,14 @@ def generation_stop_ids(
     return tuple(sorted(i for i in ids if i is not None))
 
 
+def generation_dtype(cfg: Config) -> torch.dtype:
+    """The dtype a frozen copy of the policy samples in: bfloat16 when that is the compute
+    dtype, else the trained weights' (the rule of :func:`dapo.training.copies.frozen_dtype`)."""
+    if cfg.model.compute_dtype == "bfloat16":
+        return torch.bfloat16
+    return DTYPES[cfg.model.param_dtype]
+
+
 def load_policy(
     cfg: Config,
     warmup_pairs: Sequence[tuple[Problem, str]] = (),
@@ -181,9 +189,11 @@ def load_policy(
     device: torch.device | None = None,
     *,
     shard: bool = False,
+    dtype: torch.dtype | None = None,
 ) -> tuple[torch.nn.Module, Any]:
     """The policy on ``device`` (default: :func:`compute_device` of ``model.device``) with its
-    weights in ``model.param_dtype``, and its tokenizer.
+    weights in ``dtype`` (default ``model.param_dtype``; a model directory is read in it, so
+    a bfloat16 copy never passes through float32), and its tokenizer.
 
     The embedded tiny Qwen2 is warm-started on ``warmup_pairs`` (problem, worked solution)
     when it is not cached yet; any other ``model.path`` is loaded with transformers. With
@@ -193,6 +203,7 @@ def load_policy(
     adapters, and only they are trainable (:mod:`dapo.models.lora`).
     """
     device = device or compute_device(cfg.model.device)
+    dtype = dtype or DTYPES[cfg.model.param_dtype]
     if shard and dist.active() and cfg.model.path != "embedded":
         from dapo.models import sharded_load
 
@@ -202,8 +213,8 @@ def load_policy(
     if cfg.model.path == "embedded":
         model, tokenizer = _embedded(cfg, warmup_pairs, log)
     else:
-        model, tokenizer = _pretrained(cfg, tokenizer)
-    model = model.to(device, dtype=DTYPES[cfg.model.param_dtype])
+        model, tokenizer = _pretrained(cfg, tokenizer, dtype)
+    model = model.to(device, dtype=dtype)
     if cfg.model.lora.rank:
         from dapo.models import lora
 
@@ -240,13 +251,13 @@ def _embedded(cfg: Config, warmup_pairs: Sequence[tuple[Problem, str]], log):
     )
 
 
-def _pretrained(cfg: Config, tokenizer: Any):
+def _pretrained(cfg: Config, tokenizer: Any, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
     path = check_model_path(cfg)
     tokenizer = tokenizer or load_tokenizer(cfg)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[cfg.model.param_dtype])
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except (OSError, ValueError) as exc:
         raise ValueError(
             f"model.path={path}: not a causal language model transformers can load "

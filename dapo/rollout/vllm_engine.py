@@ -316,9 +316,8 @@ class VLLMEngine:
             for s in seeds
         ]
         self._wake()
-        outputs = self.llm.generate(
-            requests, params, use_tqdm=False, lora_request=self.adapters and self.adapters.request
-        )
+        adapter = {"lora_request": self.adapters.request} if self.adapters else {}
+        outputs = self.llm.generate(requests, params, use_tqdm=False, **adapter)
         if self.sleeps:  # give the memory back to the trainer until the next rollout
             # Level 2: the weights are dropped, not copied to host memory (level 1): they are
             # reloaded after the update anyway (level 1 for a sharded source: see __init__).
