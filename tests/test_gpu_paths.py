@@ -324,7 +324,7 @@ def test_a_generator_rank_reads_its_copy_in_bfloat16_on_the_host(monkeypatch, tm
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", read)
     monkeypatch.setattr(generator_ranks, "generate_on_this_rank", generate)
-    training._generate(cfg, None)
+    training.generator_rank(cfg, None)
     assert reads == [torch.bfloat16]
     params = list(seen["p"].parameters())
     assert {p.dtype for p in params} == {torch.bfloat16}

@@ -149,7 +149,7 @@ def _run_rank(
             print(f"dapo: warning: {warning}", file=sys.stderr)
     try:
         if roles.generating():
-            return _generate(cfg, reward_fn)
+            return generator_rank(cfg, reward_fn)
         return _train(cfg, resume_dir, overwrite, False, None, reward_fn)
     except Exception:
         if dist.job_size() > 1:
@@ -157,7 +157,7 @@ def _run_rank(
         raise
 
 
-def _generate(cfg: Config, reward_fn: Callable[..., Any] | None) -> None:
+def generator_rank(cfg: Config, reward_fn: Callable[..., Any] | None) -> None:
     """A generator rank (``dist.rollout_ranks``): the trainers' checks, the policy loaded
     whole once trainer rank 0 has built (or cached) it, then steps drawn until the trainers
     stop it (:mod:`dapo.training.generator_ranks`). It writes nothing."""
