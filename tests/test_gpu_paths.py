@@ -5,6 +5,7 @@ fewer GPUs could not restore, NCCL asked to carry CPU tensors."""
 
 from __future__ import annotations
 
+import io
 import os
 import sys
 import warnings
@@ -277,6 +278,13 @@ def test_parallel_ablation_runs_spread_over_the_visible_gpus(monkeypatch, tmp_pa
     assert run_jobs(jobs, tmp_path, parallel=2, cores=2, launcher=launcher) == []
     # 8 runs, 2 at a time: each on one GPU, never two at once on the same.
     assert len(seen) == 8 and set(seen) == {"2", "5"} and clashes == []
+    # More at a time than GPUs: still one run per GPU, said once.
+    seen.clear()
+    out = io.StringIO()
+    more = tmp_path / "more"
+    assert run_jobs(jobs, more, parallel=4, cores=2, launcher=launcher, stream=out) == []
+    assert len(seen) == 8 and set(seen) == {"2", "5"} and clashes == []
+    assert "--parallel 4 with 2 visible GPU(s): 2 at a time, one run per GPU" in out.getvalue()
 
 
 def test_run_deterministic_asks_torch_and_cublas_for_repeatable_kernels():
@@ -297,7 +305,7 @@ def test_run_deterministic_asks_torch_and_cublas_for_repeatable_kernels():
     assert out.stdout.split() == ["True", ":16:8"], out.stderr
 
 
-def test_a_generator_rank_reads_its_copy_in_bfloat16_on_the_host(monkeypatch, tmp_path):
+def test_a_generator_rank_loads_in_bf16_on_the_host_and_is_deterministic(monkeypatch, tmp_path):
     """A generator rank (dist.rollout_ranks) never holds the float32 policy on its GPU: the
     model directory is read in the dtype the engine samples in (bf16 under bf16 compute), on
     the host, then moved; a 32B model's float32 weights (131 GB) would not fit a GPU."""
@@ -322,13 +330,55 @@ def test_a_generator_rank_reads_its_copy_in_bfloat16_on_the_host(monkeypatch, tm
     def generate(cfg, model, tokenizer, problems, reward_fn=None):
         seen["p"] = model
 
+    from dapo.run import determinism
+
+    made = []
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", read)
     monkeypatch.setattr(generator_ranks, "generate_on_this_rank", generate)
+    monkeypatch.setattr(determinism, "make_deterministic", lambda: made.append(True))
     training.generator_rank(cfg, None)
-    assert reads == [torch.bfloat16]
+    assert reads == [torch.bfloat16] and made == []
+    cfg.run.deterministic = True  # the generator's kernels as repeatable as the trainers'
+    training.generator_rank(cfg, None)
+    assert made == [True]
     params = list(seen["p"].parameters())
     assert {p.dtype for p in params} == {torch.bfloat16}
     assert {p.device.type for p in params} == {"cpu"}  # generate_on_this_rank moves it
     assert policy.generation_dtype(cfg) == torch.bfloat16
     fp32 = load_config(None, TINY_DEMO)
     assert policy.generation_dtype(fp32) == torch.float32
+
+
+def test_a_failing_rank_leaves_the_process_group_and_vllm_to_its_exit(monkeypatch):
+    """Under torchrun a rank that fails neither destroys the process group nor shuts vLLM down
+    (whose teardown destroys it): its peers may be waiting in a collective on that group, and
+    with NCCL the destroy itself can hang. Its exit makes torchrun stop them. A rank that
+    finishes, or a process alone, closes both as before."""
+    from dapo.api import training
+    from dapo.config import load_config
+    from dapo.rollout.base import close_engine
+
+    closed = []
+    engine = SimpleNamespace(close=lambda: closed.append("engine"))
+    monkeypatch.setattr(dist, "launched", lambda: True)
+    close_engine(engine, failed=True)
+    assert closed == []
+    close_engine(engine, failed=False)
+    assert closed == ["engine"]
+    monkeypatch.setattr(dist, "launched", lambda: False)
+    close_engine(engine, failed=True)  # one process: nothing waits on it
+    assert closed == ["engine", "engine"]
+
+    monkeypatch.setattr(dist, "launched", lambda: True)
+    monkeypatch.setattr(dist, "shutdown", lambda: closed.append("group"))
+
+    def fails(*a, **kw):
+        raise RuntimeError("rank 1 failed")
+
+    monkeypatch.setattr(training, "_run_rank", fails)
+    cfg = load_config(None, [])
+    with pytest.raises(RuntimeError, match="rank 1 failed"):
+        training.run(cfg)
+    assert closed == ["engine", "engine"]
+    monkeypatch.setattr(training, "_run_rank", lambda *a, **kw: "runs/x")
+    assert training.run(cfg) == "runs/x" and closed[-1] == "group"

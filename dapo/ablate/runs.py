@@ -110,10 +110,19 @@ def run_jobs(
 ) -> list[str]:
     """Run every job not done yet (on the YAML ``config`` when given), ``parallel`` at a time
     with ``cores // parallel`` threads each, and, on a machine with GPUs, each run on one of
-    them in turn (``CUDA_VISIBLE_DEVICES``), so that K runs do not all land on the first;
+    them in turn (``CUDA_VISIBLE_DEVICES``), so that K runs do not all land on the first (at
+    most one run per GPU: ``parallel`` above the GPUs runs as many as there are GPUs);
     returns the names of the jobs that failed."""
     stream = stream or sys.stdout
     out_dir.mkdir(parents=True, exist_ok=True)
+    gpus = visible_gpus()
+    if gpus and parallel > len(gpus):
+        print(
+            f"ablate: --parallel {parallel} with {len(gpus)} visible GPU(s): {len(gpus)} at a "
+            "time, one run per GPU",
+            file=stream,
+        )
+        parallel = len(gpus)
     threads = max(1, (cores or os.cpu_count() or 1) // max(parallel, 1))
     todo = [(j, state(out_dir / j.name, job_limits(j))) for j in jobs]
     todo = [(j, how) for j, how in todo if how != "done"]
@@ -124,7 +133,6 @@ def run_jobs(
     )
     failed: list[str] = []
     t0 = time.perf_counter()
-    gpus = visible_gpus()
     slots: queue.Queue[int] = queue.Queue()
     for slot in range(max(parallel, 1)):
         slots.put(slot)

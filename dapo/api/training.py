@@ -118,10 +118,15 @@ def run(
         from dapo.dist import roles
 
         try:
-            return _run_rank(cfg, resume_dir, overwrite=overwrite, reward_fn=reward_fn)
-        finally:
+            run_dir = _run_rank(cfg, resume_dir, overwrite=overwrite, reward_fn=reward_fn)
+        except BaseException:
+            # Not destroyed here: the other ranks may be waiting in a collective on it (with
+            # NCCL the destroy itself can hang). This rank's exit makes torchrun stop them.
             roles.forget()
-            dist.shutdown()
+            raise
+        roles.forget()
+        dist.shutdown()
+        return run_dir
     for warning in config_warnings(cfg):
         print(f"dapo: warning: {warning}", file=sys.stderr)
     return _train(cfg, resume_dir, overwrite, dry_run, world_size, reward_fn)
@@ -170,6 +175,10 @@ def generator_rank(cfg: Config, reward_fn: Callable[..., Any] | None) -> None:
     cfg, data, tokenizer, _ = _checked_inputs(cfg, reward_fn, dist.job_size())
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
+    if cfg.run.deterministic:  # the generators' kernels too, as the trainers'
+        from dapo.run.determinism import make_deterministic
+
+        make_deterministic()
     torch.manual_seed(cfg.train.seed)
     dist.wait_for_all(everyone=True)
     # Read in the dtype the engine samples in, on the host: the float32 weights of a 32B model

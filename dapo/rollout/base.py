@@ -193,3 +193,16 @@ def concat_rollouts(parts: Sequence[Rollout], pad_token_id: int) -> Rollout:
         texts=[t for r in parts for t in r.texts],
         slots=sum(r.slots for r in parts),
     )
+
+
+def close_engine(engine: Any, *, failed: bool) -> None:
+    """Close ``engine`` (when it has ``close``), except on a failing rank of a ``torchrun``
+    job: a vllm engine's teardown destroys the process group while the rank's peers may wait
+    in a collective on it; the process's exit, which makes torchrun stop the job, ends it."""
+    from dapo import dist
+
+    if failed and dist.launched():
+        return
+    close = getattr(engine, "close", None)  # engines written before the protocol had it
+    if close is not None:
+        close()

@@ -37,6 +37,7 @@ from dapo.dist import roles, weight_sync
 from dapo.models import lora
 from dapo.models.policy import DTYPES, compute_device, stop_token_ids
 from dapo.rollout import make_engine
+from dapo.rollout.base import close_engine
 from dapo.training.copies import frozen_dtype
 from dapo.training.exchange import LocalGroups, MiniBatch
 from dapo.training.rollout_files import decode, encode, rollouts_to_files
@@ -170,12 +171,14 @@ def generate_on_this_rank(
     drawer = drawer_for(
         cfg, tokenizer=tokenizer, engine=engine, sampler=sampler, model=model, pool=pool
     )
+    failed = True
     try:
         with open(os.devnull, "w") as quiet, GracefulStop(stream=quiet):
             serve(drawer, staleness=cfg.train.async_staleness, steps=cfg.train.steps, device=device)
+        failed = False
     finally:
         pool.close()
-        engine.close()
+        close_engine(engine, failed=failed)
 
 
 def serve(drawer: Drawer, *, staleness: int, steps: int, device: torch.device) -> None:

@@ -25,6 +25,7 @@ from dapo.eval.evaluate import evaluate
 from dapo.eval.metrics import pick_samples
 from dapo.models import lora
 from dapo.reward.pool import RewardPool
+from dapo.rollout.base import close_engine
 from dapo.run import checkpoint, rundir, sharded_checkpoint
 from dapo.run.interrupt import GracefulStop, RunStopped, StepAborted
 from dapo.run.metrics import MetricsLogger, NullLogger, open_wandb
@@ -70,10 +71,13 @@ def fit(
         return reward_pool(cfg, reward_fn)
 
     state.pool = make_pool()
+    failed = True
     try:
         loop = _Loop(state, val_problems, run_dir=run_dir, stream=stream, make_pool=make_pool)
         loop.warnings = list(warnings or [])
-        return loop.train(resume=resume)
+        summary = loop.train(resume=resume)
+        failed = False
+        return summary
     except (NonFiniteError, DynamicSamplingExhausted) as exc:
         nan = isinstance(exc, NonFiniteError)
         fix = "optim.lr=<lower>" if nan else "sampling.max_rounds=<more>"
@@ -83,9 +87,7 @@ def fit(
         ) from None
     finally:
         state.pool.close()
-        close = getattr(state.engine, "close", None)  # engines written before the protocol had it
-        if close is not None:
-            close()
+        close_engine(state.engine, failed=failed)
 
 
 def rollout_source(
