@@ -69,3 +69,28 @@ def test_ranks_wait_for_rank_0_past_the_collective_timeout():
     results = dict((rank, (waited, status)) for rank, waited, status in (out.get(), out.get()))
     assert results[1][0] > 2.5  # rank 1 waited the 3 s, far past the group's 1 s timeout
     assert results[1][1] == "timed out"  # while a plain barrier alone gives up after 1 s
+
+
+def _patient_rank(rank: int, port: int, out) -> None:
+    torch.distributed.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=1),
+    )
+    dist.join_long_waits(60.0)
+    try:
+        if rank == 0:
+            time.sleep(3)  # rank 0 alone writes, fsyncs and prunes a checkpoint
+        out.put((rank, dist.broadcast("saved" if rank == 0 else None, patient=True)))
+    finally:
+        dist.shutdown()
+
+
+def test_a_patient_broadcast_waits_for_rank_0s_solo_work():
+    """After work rank 0 does alone (a checkpoint's files, its deletes), the others learn how
+    it went through a broadcast that waits dist.wait_timeout_s, not the 1 s collective one."""
+    out = mp.get_context("spawn").SimpleQueue()
+    spawn_ranks(_patient_rank, out)
+    assert dict((out.get(), out.get())) == {0: "saved", 1: "saved"}

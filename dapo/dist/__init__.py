@@ -258,12 +258,15 @@ def exchange(outgoing: list[list[Any]]) -> list[Any]:
     return received
 
 
-def broadcast(value: Any) -> Any:
-    """Rank 0's ``value`` on every rank (a picklable object)."""
+def broadcast(value: Any, *, patient: bool = False) -> Any:
+    """Rank 0's ``value`` on every rank (a picklable object). ``patient``: after work rank 0
+    does alone (writing, fsyncing or deleting a checkpoint: minutes for a large model), the
+    ranks wait up to ``dist.wait_timeout_s``, not the training collectives' timeout."""
     if not active():
         return value
     box = [value]
-    torch_dist.broadcast_object_list(box, src=_global(0), group=_group)
+    waits = _role_waits or _long_waits
+    torch_dist.broadcast_object_list(box, src=_global(0), group=waits if patient else _group)
     return box[0]
 
 

@@ -65,12 +65,12 @@ def save(
             root.mkdir(exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
             (tmp / "rng").mkdir(parents=True)
-    refused = dist.broadcast(refused)  # every rank stops, not rank 0 alone
+    refused = dist.broadcast(refused, patient=True)  # every rank stops, not rank 0 alone
     if refused is not None:
         raise LinkRefused(refused)
     dcp.save(tmp / "state", model, optimizer)
     state_files.save_rng(checkpoint.capture_rng(device), tmp / "rng" / f"rank_{dist.rank()}")
-    dist.barrier()
+    dist.wait_for_all()  # the ranks' shards are written and synced at their own pace
     digests = _shared_digests(tmp)
     problem = None
     if dist.is_main():
@@ -81,7 +81,7 @@ def save(
             problem = f"could not write the checkpoint of step {step} under {root}: {exc}"
         else:
             checkpoint.prune(root, keep=keep, protect=name)
-    problem = dist.broadcast(problem)
+    problem = dist.broadcast(problem, patient=True)  # after rank 0's writes, syncs, deletes
     if problem is not None:
         raise CheckpointError(f"{problem}; resume with: dapo train --resume {run_dir}")
     return root / name
