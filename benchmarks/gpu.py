@@ -20,7 +20,8 @@ it working (``tests/test_gpu_bench.py``). Per shape:
    model FLOPs = 6 N_layers S + 6 V H R + 6 L q S_row^2 summed over rows: the decoder layers'
    weights over every position S, the output head (V x H) over the R response positions it
    runs on, and causal attention (q = heads x head_dim); no recompute counted. Peak memory is
-   ``torch.cuda.max_memory_allocated`` over the timed steps, beside the memory plan's training
+   ``torch.cuda.max_memory_allocated`` (and ``max_memory_reserved``: the allocator's cache
+   and fragmentation too) over the timed steps, beside the memory plan's training
    peak for the same settings (``settings_from_config``, ``plan_memory``); null on a CPU.
 3. **decode**: the native engine (``make_engine("dapo", ...)``) drawing 64 rows (4 prompts x
    16) of 1,024 new tokens, EOS ignored; tokens/s after an untimed short warm-up. The prompts
@@ -163,6 +164,12 @@ def read_peak(device: torch.device) -> int | None:
     return _proc_status("VmHWM")
 
 
+def read_reserved_peak(device: torch.device) -> int | None:
+    """The most bytes the caching allocator reserved in the window (allocated plus what it
+    keeps cached and fragmented: what the card must really hold); None off CUDA."""
+    return torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
+
+
 def mib(n: float | None) -> float | None:
     return None if n is None else round(n / MIB, 1)
 
@@ -298,6 +305,7 @@ def train_section(
     reset_peak(device)
     seconds = statistics.median(timed_steps(state, episodes, steps))
     peak = read_peak(device) if device.type == "cuda" else None
+    reserved = read_reserved_peak(device)
     tokens = sizes.rows * (sizes.prompt + sizes.response)
     flops = model_flops(shape, sizes)
     settings = settings_from_config(cfg, world_size=1, prompt_tokens=sizes.prompt)
@@ -316,6 +324,7 @@ def train_section(
         "loss_first_step": first["loss"],
         "grad_norm_first_step": first["grad_norm"],
         "peak_mib": mib(peak),
+        "reserved_peak_mib": mib(reserved),
         "plan_training_peak_mib": mib(plan.training_peak),
         "plan_activations_mib": mib(plan.activations),
     }, episodes
@@ -521,7 +530,8 @@ def describe(section: str, r: dict) -> str:
             f"  train: {r['rows']} rows x {r['tokens_per_row']} tokens, micro-batches of "
             f"{r['microbatch_tokens']}: {r['step_s']:.3f} s/step (median of {r['steps']}), "
             f"{r['tokens_per_s']:,.0f} tokens/s, {r['tflops']:.3g} TFLOP/s, MFU {r['mfu']:.3f};"
-            f" peak {gib_or_mib(r['peak_mib'])}, plan {gib_or_mib(r['plan_training_peak_mib'])}"
+            f" peak {gib_or_mib(r['peak_mib'])} (reserved {gib_or_mib(r['reserved_peak_mib'])}),"
+            f" plan {gib_or_mib(r['plan_training_peak_mib'])}"
         )
     if section == "decode":
         return (

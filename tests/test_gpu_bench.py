@@ -58,6 +58,7 @@ def test_training_step_figures(tiny_run):
     flops = 4 * (6 * 2 * LAYER_PARAMS * 64 + 6 * 512 * 64 * 48 + 6 * 2 * 64 * 64**2)
     assert train["flops_per_step"] == flops == 164_364_288
     assert train["tokens_per_s"] == pytest.approx(4 * 64 / train["step_s"])
+    assert train["peak_mib"] is None and train["reserved_peak_mib"] is None  # CUDA's alone
     assert train["tokens_per_s"] > 0 and 0 < train["mfu"] < 1
     assert train["mfu"] == pytest.approx(
         train["tflops"] / tiny_run[0]["matmul"]["tflops"], rel=1e-9
