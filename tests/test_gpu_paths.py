@@ -375,10 +375,10 @@ def test_a_failing_rank_leaves_the_process_group_and_vllm_to_its_exit(monkeypatc
     def fails(*a, **kw):
         raise RuntimeError("rank 1 failed")
 
-    monkeypatch.setattr(training, "_run_rank", fails)
+    monkeypatch.setattr(training, "run_rank", fails)
     cfg = load_config(None, [])
     with pytest.raises(RuntimeError, match="rank 1 failed"):
         training.run(cfg)
     assert closed == ["engine", "engine"]
-    monkeypatch.setattr(training, "_run_rank", lambda *a, **kw: "runs/x")
+    monkeypatch.setattr(training, "run_rank", lambda *a, **kw: "runs/x")
     assert training.run(cfg) == "runs/x" and closed[-1] == "group"

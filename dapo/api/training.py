@@ -118,7 +118,7 @@ def run(
         from dapo.dist import roles
 
         try:
-            run_dir = _run_rank(cfg, resume_dir, overwrite=overwrite, reward_fn=reward_fn)
+            run_dir = run_rank(cfg, resume_dir, overwrite=overwrite, reward_fn=reward_fn)
         except BaseException:
             # Not destroyed here: the other ranks may be waiting in a collective on it (with
             # NCCL the destroy itself can hang). This rank's exit makes torchrun stop them.
@@ -132,7 +132,7 @@ def run(
     return _train(cfg, resume_dir, overwrite, dry_run, world_size, reward_fn)
 
 
-def _run_rank(
+def run_rank(
     cfg: Config, resume_dir: Path | None, *, overwrite: bool, reward_fn: Callable[..., Any] | None
 ) -> Path | None:
     """One rank of a ``torchrun`` job: rank 0 checks and creates the run directory and

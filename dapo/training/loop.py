@@ -70,13 +70,11 @@ def fit(
     def make_pool() -> RewardPool:
         return reward_pool(cfg, reward_fn)
 
-    state.pool = make_pool()
-    failed = True
+    state.pool, failed = make_pool(), True
     try:
         loop = _Loop(state, val_problems, run_dir=run_dir, stream=stream, make_pool=make_pool)
         loop.warnings = list(warnings or [])
-        summary = loop.train(resume=resume)
-        failed = False
+        summary, failed = loop.train(resume=resume), False
         return summary
     except (NonFiniteError, DynamicSamplingExhausted) as exc:
         nan = isinstance(exc, NonFiniteError)
