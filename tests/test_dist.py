@@ -38,7 +38,9 @@ def test_two_ranks_agree_on_the_sum():
     assert results == [(0, 2, 0, True, 7), (1, 2, 1, False, 7)]
 
 
-def _waiting_rank(rank: int, port: int, out) -> None:
+def _two_ranks_with_long_waits(rank: int, port: int) -> None:
+    """Rank ``rank`` of 2 gloo ranks whose collectives time out after 1 s, and whose long
+    waits (dapo.dist.wait_for_all, patient collectives) after 60 s."""
     torch.distributed.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
@@ -47,6 +49,10 @@ def _waiting_rank(rank: int, port: int, out) -> None:
         timeout=datetime.timedelta(seconds=1),
     )
     dist.join_long_waits(60.0)
+
+
+def _waiting_rank(rank: int, port: int, out) -> None:
+    _two_ranks_with_long_waits(rank, port)
     try:
         if rank == 0:
             time.sleep(3)  # rank 0 alone loads (or writes) the model, past the 1 s timeout
@@ -72,14 +78,7 @@ def test_ranks_wait_for_rank_0_past_the_collective_timeout():
 
 
 def _patient_rank(rank: int, port: int, out) -> None:
-    torch.distributed.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=1),
-    )
-    dist.join_long_waits(60.0)
+    _two_ranks_with_long_waits(rank, port)
     try:
         if rank == 0:
             time.sleep(3)  # rank 0 alone writes, fsyncs and prunes a checkpoint
