@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from dapo.config import Config, load_config
 from dapo.dist import dcp
 from dapo.models import lora
+from dapo.run import model_files
 from dapo.run.model_files import TRAINED_FILE, CheckpointError
 
 
@@ -66,8 +67,8 @@ def merged(
     log(f"export: loading the base model {cfg.model.path} to merge the adapters into")
     model, _ = policy.load_policy(cfg, warmup, log=log)
     where = None if cfg.model.path == "embedded" else policy.model_dir(cfg)
-    now = lora.base_reference(cfg.model.path, cfg.model.revision, where, model)
-    wrong = lora.check_base(saved_base, now, ckpt)
+    now = model_files.base_reference(cfg.model.path, cfg.model.revision, where, model)
+    wrong = model_files.check_base(saved_base, now, ckpt)
     if wrong:
         raise CheckpointError(wrong)
     params = dict(model.named_parameters())

@@ -9,11 +9,14 @@ Frozen parameters never change in a run, so a checkpoint need not hold them: wit
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from dapo.run import manifest
 
 TRAINED_FILE = "trained.safetensors"
 """With frozen parameters (LoRA): the trained ones alone, by their names in the model."""
@@ -107,3 +110,58 @@ def _load_trained(model: torch.nn.Module, path: Path) -> None:
         )
     for name, tensor in saved.items():
         params[name].copy_(tensor)
+
+
+def weights_digest(model_dir: Path) -> str:
+    """A SHA-256 of the base model's weights and config (``model.lora``'s checkpoints name
+    the base by it): of each ``*.safetensors`` file's SHA-256 and ``config.json``. A file in
+    the Hugging Face cache is a link to a blob named by its SHA-256, read from the name."""
+    digest = hashlib.sha256()
+    for path in sorted([*model_dir.glob("*.safetensors"), model_dir / "config.json"]):
+        target = path.resolve()
+        own = (
+            target.name
+            if _is_sha256(target.name) and path.is_symlink()
+            else manifest.sha256(target)
+        )
+        digest.update(f"{path.name} {own}\n".encode())
+    return digest.hexdigest()
+
+
+def _is_sha256(name: str) -> bool:
+    return len(name) == 64 and all(c in "0123456789abcdef" for c in name)
+
+
+def base_reference(
+    path: str, revision: str | None, model_dir: Path | None, model: torch.nn.Module
+) -> dict[str, Any]:
+    """What a LoRA checkpoint records of its base: ``model.path``, ``model.revision`` and a
+    digest of the frozen weights, of the files in ``model_dir`` (:func:`weights_digest`), or
+    without a directory (the embedded model, rebuilt from its settings) of the frozen
+    tensors themselves."""
+    if model_dir is not None:
+        digest = weights_digest(model_dir)
+    else:
+        h = hashlib.sha256()
+        for name, p in model.named_parameters():
+            if not p.requires_grad:
+                whole = p.full_tensor() if hasattr(p, "full_tensor") else p  # a shard: gathered
+                h.update(name.encode())
+                h.update(whole.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        digest = h.hexdigest()
+    return {"path": path, "revision": revision, "sha256": digest}
+
+
+def check_base(saved: dict[str, Any] | None, now: dict[str, Any], where: Path) -> str | None:
+    """Why the adapters in the checkpoint ``where`` do not belong on this base (None: they
+    do)."""
+    if saved is None:
+        return f"{where} holds no adapters' base model (it was not written with model.lora)"
+    if saved.get("sha256") != now["sha256"]:
+        return (
+            f"{where} trained adapters on model.path={saved.get('path')} (weights sha256 "
+            f"{str(saved.get('sha256'))[:12]}...), but this run's base is "
+            f"model.path={now['path']} (sha256 {now['sha256'][:12]}...): resume with the same "
+            "base model (model.path, model.revision)"
+        )
+    return None

@@ -26,7 +26,7 @@ from dapo.eval.metrics import pick_samples
 from dapo.models import lora
 from dapo.reward.pool import RewardPool
 from dapo.rollout.base import close_engine
-from dapo.run import checkpoint, rundir, sharded_checkpoint
+from dapo.run import checkpoint, model_files, rundir, sharded_checkpoint
 from dapo.run.interrupt import GracefulStop, RunStopped, StepAborted
 from dapo.run.metrics import MetricsLogger, NullLogger, open_wandb
 from dapo.run.progress import LiveProgress
@@ -305,7 +305,7 @@ class _Loop:
         info = sharded_checkpoint.load(
             ckpt, model=state.model, optimizer=state.optimizer, device=state.device
         )
-        wrong = self.base and lora.check_base(info.get("base_model"), self.base, ckpt)
+        wrong = self.base and model_files.check_base(info.get("base_model"), self.base, ckpt)
         if wrong:
             raise checkpoint.CheckpointError(wrong)
         state.load_state_dict(info)

@@ -27,6 +27,7 @@ from dapo.reward.custom import make_resolver
 from dapo.reward.pool import RewardPool
 from dapo.rollout import Engine, make_engine
 from dapo.rollout.base import LiveModelEngine
+from dapo.run import model_files
 from dapo.run.metrics import accumulate
 from dapo.training.copies import copies_and_shards
 from dapo.training.rounds import Drawer
@@ -138,7 +139,7 @@ def _base_model(cfg: Config, model: torch.nn.Module) -> dict[str, Any] | None:
     if not lora.enabled(model):
         return None
     where = None if cfg.model.path == "embedded" else model_dir(cfg)
-    return lora.base_reference(cfg.model.path, cfg.model.revision, where, model)
+    return model_files.base_reference(cfg.model.path, cfg.model.revision, where, model)
 
 
 def drawer_for(cfg: Config, **objects: Any) -> Drawer:
