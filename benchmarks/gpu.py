@@ -106,19 +106,20 @@ class Sizes:
     prompt: int  # tokens of each training prompt
     response: int  # tokens of each training response
     microbatch_tokens: int  # train.tokens_per_microbatch
-    decode_prompts: int
+    decode_prompt_counts: tuple[int, ...]  # prompts of each timed decoding run
     decode_group: int  # responses per decoding prompt
     decode_prompt: int  # tokens of each decoding prompt
     decode_new: int  # new tokens per decoded row
+    eager_new: int  # new tokens per row of the eager loop's run (CUDA only)
     head_tokens: int
     head_chunk: int | None  # positions per chunk of the head; None: the project's default
     matmul_n: int
 
 
-REAL = Sizes(16, 256, 768, 8192, 4, 16, 256, 1024, 16384, None, 8192)
+REAL = Sizes(16, 256, 768, 8192, (4, 16), 16, 256, 1024, 128, 16384, None, 8192)
 # The tiny head keeps 16k positions but a chunk of 512 (1/32 of them, as the default's 441
 # positions are of 16k at a 152k vocabulary): the default would be one chunk at V = 512.
-TINY = Sizes(4, 16, 48, 128, 2, 4, 16, 32, 16384, 512, 512)
+TINY = Sizes(4, 16, 48, 128, (2, 8), 4, 16, 32, 32, 16384, 512, 512)
 
 
 def log(message: str) -> None:
@@ -330,14 +331,93 @@ def train_section(
     }, episodes
 
 
-def decode_prompts(sizes: Sizes) -> list[str]:
-    """Distinct prompts of ``decode_prompt`` demo-tokenizer tokens ("3", " 4", ...: a digit
+def decode_prompts(sizes: Sizes, count: int) -> list[str]:
+    """``count`` prompts of ``decode_prompt`` demo-tokenizer tokens ("3", " 4", ...: a digit
     each)."""
     digits = range(1, sizes.decode_prompt)
-    return [
-        str(i % 10) + "".join(f" {(i + k) % 10}" for k in digits)
-        for i in range(sizes.decode_prompts)
-    ]
+    return [str(i % 10) + "".join(f" {(i + k) % 10}" for k in digits) for i in range(count)]
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, *, batches: int = 5, reps: int = 5) -> float:
+    """Bytes/s of a device-to-device copy of ``nbytes`` (random data), counting the bytes read
+    and the bytes written: the best of ``batches`` timed batches. What a decoding step that
+    reads its weights and cache once can at best move."""
+    src = torch.rand(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(batches):
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            dst.copy_(src)
+        sync(device)
+        best = min(best, (time.perf_counter() - t0) / reps)
+    return 2 * src.numel() * 4 / best
+
+
+def decode_step_bytes(shape: ModelShape, *, rows: int, tokens: float, compute: int) -> int:
+    """The fewest bytes a decoding step of ``rows`` rows must read: every decoder layer's
+    weights and the output head's (an embedding row per row aside) in the compute dtype, and
+    the keys and values of ``tokens`` positions per row (the mean length over the rollout)."""
+    weights = compute * (shape.layers * shape.layer_parameters + shape.vocab * shape.hidden)
+    cache = kv_cache_bytes(shape, tokens=1, rows=rows, compute=compute) * tokens
+    return int(weights + cache)
+
+
+def decode_run(
+    engine: Any,
+    shape: ModelShape,
+    prompts: list[str],
+    sizes: Sizes,
+    new_tokens: int,
+    device: torch.device,
+    compute: str,
+    bandwidth: float,
+) -> dict:
+    """One timed ``generate`` (EOS ignored) after a short untimed one: tokens/s against the
+    bound that the copy ``bandwidth`` sets for the bytes each step must read."""
+    options = dict(group_size=sizes.decode_group, seed=0, ignore_eos=True)
+    engine.generate(prompts, max_new_tokens=4, **options)  # kernels chosen and loaded here
+    start = reset_peak(device)
+    t0 = time.perf_counter()
+    rollout = engine.generate(prompts, max_new_tokens=new_tokens, **options)
+    sync(device)
+    seconds = time.perf_counter() - t0
+    peak = read_peak(device) if device.type == "cuda" else None
+    rows, tokens = len(rollout.texts), int(rollout.lengths_B.sum())
+    prompt_tokens = int(rollout.prompt_mask_BP[0].sum())
+    width = DTYPE_BYTES[compute]
+    kv = kv_cache_bytes(shape, tokens=prompt_tokens + new_tokens, rows=rows, compute=width)
+    settings = PlanSettings(
+        compute_dtype=compute,
+        prompt_tokens=prompt_tokens,
+        max_new_tokens=new_tokens,
+        rows=rows,
+        gqa_copy=transformers_copies_gqa(),
+    )
+    workspace = decode_workspace_bytes(shape, settings, compute=width)
+    step_bytes = decode_step_bytes(
+        shape, rows=rows, tokens=prompt_tokens + (new_tokens - 1) / 2, compute=width
+    )
+    bound = rows * bandwidth / step_bytes
+    return {
+        "path": "cuda graphs" if engine.static_path() else "eager",
+        "rows": rows,
+        "prompt_tokens": prompt_tokens,
+        "new_tokens": new_tokens,
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "step_ms": 1000 * seconds / new_tokens,
+        "bytes_per_step": step_bytes,
+        "bound_tokens_per_s": bound,
+        "decode_bound_frac": tokens / seconds / bound,
+        "peak_mib": mib(peak),
+        "rise_mib": mib(None if peak is None or start is None else peak - start),
+        "plan_kv_cache_mib": mib(kv),
+        "plan_decode_mib": mib(kv + workspace),
+    }
 
 
 def decode_section(
@@ -347,44 +427,29 @@ def decode_section(
     sizes: Sizes,
     device: torch.device,
     compute: str,
-) -> dict:
-    """Tokens/s of the native engine, EOS ignored, after a short untimed warm-up."""
+    bandwidth: float,
+) -> list[dict]:
+    """The native engine at each of ``sizes.decode_prompt_counts`` (x G rows) of
+    ``decode_new`` tokens; on CUDA also its eager loop (``rollout.cuda_graphs=false``) at the
+    first count for ``eager_new`` tokens, the loop the graphs replace."""
     engine = make_engine("dapo", model, tok, (tok.eos_token_id,), DTYPES[compute], device=device)
     model.eval()
-    prompts = decode_prompts(sizes)
-    options = dict(group_size=sizes.decode_group, seed=0, ignore_eos=True)
-    engine.generate(prompts, max_new_tokens=4, **options)  # kernels chosen and loaded here
-    start = reset_peak(device)
-    t0 = time.perf_counter()
-    rollout = engine.generate(prompts, max_new_tokens=sizes.decode_new, **options)
-    sync(device)
-    seconds = time.perf_counter() - t0
-    peak = read_peak(device) if device.type == "cuda" else None
-    rows, tokens = len(rollout.texts), int(rollout.lengths_B.sum())
-    prompt_tokens = int(rollout.prompt_mask_BP[0].sum())
-    kv = kv_cache_bytes(
-        shape, tokens=prompt_tokens + sizes.decode_new, rows=rows, compute=DTYPE_BYTES[compute]
-    )
-    settings = PlanSettings(
-        compute_dtype=compute,
-        prompt_tokens=prompt_tokens,
-        max_new_tokens=sizes.decode_new,
-        rows=rows,
-        gqa_copy=transformers_copies_gqa(),
-    )
-    workspace = decode_workspace_bytes(shape, settings, compute=DTYPE_BYTES[compute])
-    return {
-        "rows": rows,
-        "prompt_tokens": prompt_tokens,
-        "new_tokens": sizes.decode_new,
-        "tokens": tokens,
-        "seconds": seconds,
-        "tokens_per_s": tokens / seconds,
-        "peak_mib": mib(peak),
-        "rise_mib": mib(None if peak is None or start is None else peak - start),
-        "plan_kv_cache_mib": mib(kv),
-        "plan_decode_mib": mib(kv + workspace),
-    }
+    runs = []
+    for count in sizes.decode_prompt_counts:
+        prompts = decode_prompts(sizes, count)
+        run = decode_run(
+            engine, shape, prompts, sizes, sizes.decode_new, device, compute, bandwidth
+        )
+        runs.append(run)
+        print(describe("decode", run), flush=True)
+        release(device)
+    if device.type == "cuda":
+        engine.cuda_graphs = False
+        prompts = decode_prompts(sizes, sizes.decode_prompt_counts[0])
+        run = decode_run(engine, shape, prompts, sizes, sizes.eager_new, device, compute, bandwidth)
+        runs.append(run)
+        print(describe("decode", run), flush=True)
+    return runs
 
 
 def head_pass(
@@ -536,7 +601,10 @@ def describe(section: str, r: dict) -> str:
     if section == "decode":
         return (
             f"  decode: {r['rows']} rows x {r['new_tokens']} new tokens after "
-            f"{r['prompt_tokens']}: {r['seconds']:.2f} s, {r['tokens_per_s']:,.0f} tokens/s; "
+            f"{r['prompt_tokens']} ({r['path']}): {r['seconds']:.2f} s, {r['tokens_per_s']:,.0f} tokens/s "
+            f"({r['step_ms']:.2f} ms a step), bound {r['bound_tokens_per_s']:,.0f} "
+            f"({r['bytes_per_step'] / 2**30:.2f} GiB a step), fraction "
+            f"{r['decode_bound_frac']:.3f}; "
             f"rise {gib_or_mib(r['rise_mib'])}, plan {gib_or_mib(r['plan_decode_mib'])} (KV "
             f"cache {gib_or_mib(r['plan_kv_cache_mib'])} and the decoding workspace)"
         )
@@ -562,31 +630,37 @@ def run_shape(
     compute: str,
     steps: int,
     peak_tflops: float,
+    bandwidth: float,
+    decode_only: bool = False,
 ) -> dict:
-    """Every section on one shape, printing a line each as it ends; MFU against
-    ``peak_tflops``."""
+    """Every section on one shape (or decoding alone), printing a line each as it ends; MFU
+    against ``peak_tflops``."""
     tok = build_tokenizer()
     shape = ModelShape.from_hf_config(fields)
     print(f"{name}: {shape.num_parameters / 1e6:,.1f}M parameters", flush=True)
     model = build_model(fields, tok, device)
-    log(f"{name}: training step")
-    train, episodes = train_section(shape, model, tok, sizes, device, compute, steps)
-    train["mfu"] = train["tflops"] / peak_tflops
-    print(describe("train", train), flush=True)
+    sections: dict[str, Any] = {}
+    if not decode_only:
+        log(f"{name}: training step")
+        train, episodes = train_section(shape, model, tok, sizes, device, compute, steps)
+        train["mfu"] = train["tflops"] / peak_tflops
+        print(describe("train", train), flush=True)
+        sections["train"] = train
     log(f"{name}: decoding")
-    decode = decode_section(shape, model, tok, sizes, device, compute)
-    print(describe("decode", decode), flush=True)
+    decode_runs = decode_section(shape, model, tok, sizes, device, compute, bandwidth)
+    sections |= {"decode": decode_runs[0], "decode_runs": decode_runs}
     del model
     release(device)
-    log(f"{name}: output head")
-    head = head_section(shape, sizes, device, compute)
-    print(describe("head", head), flush=True)
-    release(device)
-    log(f"{name}: one-rank FSDP step")
-    sharded = fsdp_section(fields, tok, sizes, device, compute, episodes, train)
-    print(describe("fsdp", sharded), flush=True)
-    release(device)
-    sections = {"train": train, "decode": decode, "head": head, "fsdp": sharded}
+    if not decode_only:
+        log(f"{name}: output head")
+        sections["head"] = head_section(shape, sizes, device, compute)
+        print(describe("head", sections["head"]), flush=True)
+        release(device)
+        log(f"{name}: one-rank FSDP step")
+        sharded = fsdp_section(fields, tok, sizes, device, compute, episodes, train)
+        print(describe("fsdp", sharded), flush=True)
+        release(device)
+        sections["fsdp"] = sharded
     return {"params": shape.num_parameters, "sizes": asdict(sizes), **sections}
 
 
@@ -597,6 +671,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--tiny", action="store_true", help="tiny sizes (the default off CUDA)")
     parser.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
+    parser.add_argument("--decode-only", action="store_true", help="the decoding section alone")
     parser.add_argument("--steps", type=int, help="timed training steps (5; tiny: 2)")
     parser.add_argument("--threads", type=int, help="CPU threads (default: torch's)")
     parser.add_argument("--compute-dtype", choices=("bfloat16", "float32"))
@@ -633,9 +708,22 @@ def main(argv: list[str] | None = None) -> dict:
     matmul = matmul_peak(device, DTYPES[compute], (TINY if tiny else REAL).matmul_n)
     print(f"matmul peak: {matmul['tflops']:.4g} TFLOP/s ({matmul['dtype']})", flush=True)
     result["matmul"] = matmul
+    bandwidth = copy_bandwidth(device, 2**30 if cuda else 2**26)
+    print(f"copy bandwidth: {bandwidth / 1e9:,.0f} GB/s (read + written)", flush=True)
+    result["copy_bandwidth_gb_s"] = bandwidth / 1e9
     shapes = {"tiny-qwen2": TINY_FIELDS} if tiny else {s: KNOWN_SHAPES[s] for s in args.shapes}
     result["shapes"] = {
-        s: run_shape(s, f, TINY if tiny else REAL, device, compute, steps, matmul["tflops"])
+        s: run_shape(
+            s,
+            f,
+            TINY if tiny else REAL,
+            device,
+            compute,
+            steps,
+            matmul["tflops"],
+            bandwidth,
+            decode_only=args.decode_only,
+        )
         for s, f in shapes.items()
     }
     if args.json:

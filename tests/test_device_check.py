@@ -17,7 +17,8 @@ pi_ref) and ``minibatch_update`` (micro-batches, the loss and KL, backward, clip
 step) for the dapo and grpo presets; ``NativeEngine.generate``: ``encode_prompts``, the prefill
 and its row cache, the drawing of a token (CPU uniforms moved to the device, per-prompt seeds,
 top-p, greedy), rows leaving the batch and the cache, a step on the cache, ``finish_rollout``;
-``HFEngine.generate`` for one token; ``collate(...).to(device)``.
+``HFEngine.generate`` for one token; ``collate(...).to(device)``; the CUDA-graph path's loop
+(``static_decode`` without graphs: its buffers, the step, the draw, the read-backs).
 
 Stepped around, as fake tensors hold no data: a value read from a tensor (``.item()``,
 ``float()``, ``bool()``) is answered by the function that reads it (``READS_*``; a read with
@@ -51,7 +52,7 @@ from dapo.config import load_config
 from dapo.data.batch import Batch, Episode, collate, length_sorted, split_microbatches
 from dapo.data.problems import Problem
 from dapo.models import logprobs
-from dapo.rollout import native
+from dapo.rollout import native, static_decode
 from dapo.rollout.base import encode_prompts
 from dapo.rollout.hf import HFEngine
 from dapo.training.old_logprobs import fill_logprobs
@@ -474,3 +475,49 @@ def test_prompts_and_batches_go_to_the_device(tokenizer):
     assert ids.device == mask.device == DEVICE and ids.shape == mask.shape and len(ids) == 2
     fields = vars(batch)
     assert len(fields) == 13 and all(v.device == DEVICE for v in fields.values())
+
+
+def test_static_decoding_on_the_device(tiny_model, tokenizer, monkeypatch):
+    """The CUDA-graph path's loop (graphs off: meta runs eagerly) with every buffer on the
+    device; its only waits are the read-backs, one per ``CHECK_EVERY`` steps."""
+    monkeypatch.setattr(static_decode, "CHECK_EVERY", 2)
+    reads = {"read_back": False}  # no row has finished at any read-back
+    with DeviceCheck(reads) as check:
+        model = on_device(tiny_model)
+        ids, mask = encode_prompts(tokenizer, PROMPTS, DEVICE)
+        tokens, logprobs, slots = static_decode.static_decode(
+            model,
+            ids,
+            mask,
+            group_size=G,
+            max_new_tokens=5,
+            stop_token_ids=[0],
+            pad_token_id=tokenizer.pad_token_id,
+            top_p=0.9,
+            seed=[1, 2],
+            graphs=False,
+        )
+    assert tokens.device == logprobs.device == DEVICE and tokens.shape == (2 * G, 5)
+    assert slots == 5 * 2 * G
+    own = [site for site in check.syncs if not site.startswith("library:")]
+    # Five steps: the first drawn from the prefill, then steps 1-4 on the buffers, read back
+    # after every second one and after the last: 3 waits, none per token.
+    assert own == ["read_back"] * 3
+
+
+def test_static_decoding_catches_a_cpu_tensor(tiny_model, tokenizer, monkeypatch):
+    with DeviceCheck({"read_back": False}):
+        model = on_device(tiny_model)
+        ids, mask = encode_prompts(tokenizer, PROMPTS, DEVICE)
+        monkeypatch.setattr(static_decode, "torch", ForgetsDevice())  # state on the CPU
+        with mixed_devices():
+            static_decode.static_decode(
+                model,
+                ids,
+                mask,
+                group_size=G,
+                max_new_tokens=3,
+                stop_token_ids=[0],
+                pad_token_id=tokenizer.pad_token_id,
+                graphs=False,
+            )

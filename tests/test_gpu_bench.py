@@ -79,6 +79,26 @@ def test_decoding_draws_every_token_it_was_asked_for(tiny_run):
     assert decode["plan_kv_cache_mib"] == round(2 * 2 * 32 * 4 * 48 * 8 / 2**20, 1)
 
 
+def test_decoding_against_its_bandwidth_bound(tiny_run):
+    result = tiny_run[0]
+    runs = result["shapes"]["tiny-qwen2"]["decode_runs"]
+    assert [r["rows"] for r in runs] == [8, 32]  # 2 and 8 prompts x 4; eager on CUDA only
+    assert all(r["path"] == "eager" for r in runs)  # a CPU decodes eagerly
+    bandwidth = result["copy_bandwidth_gb_s"] * 1e9
+    assert bandwidth > 0
+    for r in runs:
+        # The bytes of a step: float32 decoder layers and head (hidden 64, vocabulary 512),
+        # and K and V of 2 layers x 2 heads x 16 dims at the mean length 16 + 31 / 2.
+        weights = 4 * (2 * LAYER_PARAMS + 512 * 64)
+        cache = 2 * 2 * 32 * 4 * r["rows"] * (16 + 31 / 2)
+        assert r["bytes_per_step"] == int(weights + cache)
+        assert r["bound_tokens_per_s"] == pytest.approx(r["rows"] * bandwidth / (weights + cache))
+        assert r["decode_bound_frac"] == pytest.approx(
+            r["tokens_per_s"] / r["bound_tokens_per_s"]
+        )
+        assert r["step_ms"] == pytest.approx(1000 * r["seconds"] / 32)
+
+
 def test_chunked_head_is_the_full_logits_in_less_memory(tiny_run):
     head = tiny_run[0]["shapes"]["tiny-qwen2"]["head"]
     assert head["tokens"] == 16384 and head["chunk_tokens"] == 512

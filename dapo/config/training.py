@@ -36,6 +36,11 @@ class RolloutConfig:
     generate, for a model whose KV cache cannot be repeated or sliced by row) or vllm (an
     inference engine: the ``vllm`` section and the ``[vllm]`` extra; its log-probs are not
     the trainer's, see ``algo.rollout_correction``)."""
+    cuda_graphs: bool = True
+    """On CUDA, the dapo engine decodes on static buffers with each step replayed as a CUDA
+    graph and the host reading which rows run every 16 steps, not at every token
+    (``dapo.rollout.static_decode``; Llama, Qwen2 and Qwen3 decoders, else the eager loop).
+    false: the eager loop everywhere. The same tokens to rounding; on a CPU, always eager."""
     tp_size: int = 1
     """Under torchrun: ranks that generate together, tensor parallel, k at a time (one engine
     per group of k consecutive ranks, each holding 1/k of every split weight and of the KV

@@ -100,6 +100,11 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
+def holds_dtensors(model: torch.nn.Module) -> bool:
+    """Whether any of ``model``'s parameters is a DTensor (FSDP2 or tensor-parallel shards)."""
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
 def within_forward(model: torch.nn.Module, fn: Callable[[Callable[..., Any]], T]) -> T:
     """``fn(forward)`` run as ``model``'s own forward, ``forward`` being the model's real one.
 

@@ -31,6 +31,7 @@ T = steps, V = vocabulary.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -38,7 +39,17 @@ import torch
 
 from dapo.models.logprobs import autocast, cache_argument, returned_cache, row_sliceable
 from dapo.rollout.base import LiveModelEngine, Rollout, encode_prompts, finish_rollout
+from dapo.rollout.decoder_step import unsupported_reason
 from dapo.rollout.kv_cache import RowCache
+from dapo.rollout.sampling import (  # noqa: F401  (where the tests and callers found them)
+    CDF_CHUNK_ELEMENTS,
+    NONFINITE_LOGITS,
+    Uniforms,
+    draw_tokens,
+    sample_from_logits,
+    sampling_cdf,
+)
+from dapo.rollout.static_decode import static_decode
 
 
 class NativeEngine(LiveModelEngine):
@@ -48,6 +59,25 @@ class NativeEngine(LiveModelEngine):
     The module may be a tensor-parallel copy (:mod:`dapo.dist.tensor_parallel`), unchanged:
     every rank of its group calls ``generate`` with the same prompts and seeds, sees the same
     logits, and so finishes the same rows at the same steps as the others."""
+
+    cuda_graphs: bool = True
+    """On CUDA, decode with :func:`dapo.rollout.static_decode.static_decode` when
+    :class:`~dapo.rollout.decoder_step.DecoderStep` can run the model (``rollout.cuda_graphs``)."""
+
+    def static_path(self) -> bool:
+        """Whether ``generate`` takes the CUDA-graph path (once per engine, a warning when a
+        CUDA model cannot)."""
+        if not self.cuda_graphs or self.device.type != "cuda":
+            return False
+        if not hasattr(self, "_static_reason"):
+            self._static_reason = unsupported_reason(self.model)
+            if self._static_reason is not None:
+                warnings.warn(
+                    f"rollout.engine=dapo decodes eagerly (a read on the host per token): "
+                    f"the CUDA-graph path cannot run this model: {self._static_reason}",
+                    stacklevel=2,
+                )
+        return self._static_reason is None
 
     @torch.inference_mode()
     def generate(
@@ -65,21 +95,25 @@ class NativeEngine(LiveModelEngine):
         """See :class:`dapo.rollout.base.Engine`; ``greedy`` decodes the argmax."""
         tok = self.tokenizer
         ids_nP, mask_nP = encode_prompts(tok, prompts, self.device)
-        with autocast(self.model, self.compute_dtype, self.device):
-            response_ids_BT, logprobs_BT, slots = decode(
-                self.model,
-                ids_nP,
-                mask_nP,
-                group_size=group_size,
-                max_new_tokens=max_new_tokens,
-                stop_token_ids=self.stop_token_ids,
-                pad_token_id=tok.pad_token_id,
-                temperature=temperature,
-                top_p=top_p,
-                seed=seed,
-                greedy=greedy,
-                ignore_eos=ignore_eos,
+        options = dict(
+            group_size=group_size,
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=self.stop_token_ids,
+            pad_token_id=tok.pad_token_id,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            greedy=greedy,
+            ignore_eos=ignore_eos,
+        )
+        if self.static_path():
+            decoded = static_decode(
+                self.model, ids_nP, mask_nP, compute_dtype=self.compute_dtype, **options
             )
+        else:
+            with autocast(self.model, self.compute_dtype, self.device):
+                decoded = decode(self.model, ids_nP, mask_nP, **options)
+        response_ids_BT, logprobs_BT, slots = decoded
         return finish_rollout(
             tok,
             ids_nP.repeat_interleave(group_size, dim=0),
@@ -89,59 +123,6 @@ class NativeEngine(LiveModelEngine):
             slots,
             self.stop_token_ids,
         )
-
-
-# Rows of a [rows, V] float64 CDF built at once: 2**24 elements, 128 MiB per array (a few
-# such arrays, more with top-p's sort), so a 152k vocabulary never needs float64 copies of
-# every running row's distribution.
-CDF_CHUNK_ELEMENTS = 1 << 24
-
-
-def sampling_cdf(logits_AV: torch.Tensor, *, top_p: float = 1.0):
-    """(CDF [A, V] in float64, token order [A, V] or None): what inverse-CDF sampling reads.
-
-    The probabilities and their running sum are float64: in float32 a cumulative sum over a
-    152k vocabulary drifts by up to ~1e-3 in total variation, and a token whose probability
-    is below the sum's spacing (~6e-8 near 1) is never drawn, while the importance ratio
-    assumes the exact softmax. With top-p, tokens are in decreasing probability (the order is
-    returned) and the ones outside the nucleus have zero mass: the smallest set of most likely
-    tokens whose mass reaches ``top_p`` (a token is kept when the mass strictly above it is
-    below ``top_p``), as transformers' TopPLogitsWarper keeps.
-    """
-    probs_AV = torch.softmax(logits_AV.double(), dim=-1)
-    order_AV = None
-    if top_p < 1.0:
-        # Stable: tied probabilities at the nucleus edge are ordered the same on every run.
-        probs_AV, order_AV = probs_AV.sort(dim=-1, descending=True, stable=True)
-        mass_above_AV = probs_AV.cumsum(dim=-1) - probs_AV
-        probs_AV = probs_AV.masked_fill(mass_above_AV >= top_p, 0.0)
-    return probs_AV.cumsum(dim=-1), order_AV
-
-
-def sample_from_logits(logits_AV: torch.Tensor, u_A: torch.Tensor, *, top_p: float = 1.0):
-    """Token drawn from softmax(logits) (restricted to the top-p nucleus) by inverse CDF of ``u``.
-
-    ``u`` in [0, 1) (float64 for 53 bits) picks the token whose CDF interval (``sampling_cdf``)
-    contains ``u`` x (kept mass); tokens of zero probability are never drawn. Row a's token
-    depends only on its logits and ``u[a]``. Rows go through in blocks, so memory is bounded
-    by ``CDF_CHUNK_ELEMENTS`` whatever the batch.
-    """
-    if not torch.isfinite(logits_AV.amax(dim=-1)).all():
-        # NaN, or +inf (fp16 overflow): no distribution to draw from (-inf alone is a mask).
-        raise FloatingPointError("the policy's logits hold NaN or +inf; cannot sample")
-    vocab = logits_AV.shape[-1]
-    rows = max(1, CDF_CHUNK_ELEMENTS // vocab)
-    out = []
-    for logits_block, u_block in zip(logits_AV.split(rows), u_A.split(rows), strict=True):
-        cdf_AV, order_AV = sampling_cdf(logits_block, top_p=top_p)
-        target_A1 = (u_block.double() * cdf_AV[:, -1]).unsqueeze(1)
-        # right=True: the first index whose CDF exceeds the target, never a zero-mass token.
-        idx_A = torch.searchsorted(cdf_AV, target_A1, right=True).squeeze(1)
-        idx_A = idx_A.clamp(max=vocab - 1)
-        if order_AV is not None:
-            idx_A = order_AV.gather(1, idx_A[:, None]).squeeze(1)
-        out.append(idx_A)
-    return torch.cat(out)
 
 
 @torch.inference_mode()
@@ -186,7 +167,7 @@ def decode(
     steps = slots = 0
     for t in range(max_new_tokens):
         u_B = uniforms.step(t).to(device)
-        token_A, logp_A = _draw(
+        token_A, logp_A = draw_tokens(
             logits_AV,
             u_B[live.rows_A],
             temperature=temperature,
@@ -209,43 +190,6 @@ def decode(
             break
         logits_AV = live.forward(model, cache, token_A)
     return tokens_BT[:, :steps], logprobs_BT[:, :steps], slots
-
-
-class Uniforms:
-    """u[t, b], the uniform number row b turns into its token at step t: the stream is
-    row-addressed, B numbers a step whatever is still running.
-
-    With one ``seed`` for the batch, step t draws all B from one generator. With a seed per
-    prompt, prompt i's G rows read only prompt i's generator, in blocks of ``BLOCK`` steps,
-    so a prompt's draws are the same in any batch: alone, beside others, on any rank.
-    """
-
-    BLOCK = 64
-    """Steps drawn at once from each prompt's generator (one call per prompt per block)."""
-
-    def __init__(self, seed: int | Sequence[int], *, num_prompts: int, group_size: int) -> None:
-        self.group_size = group_size
-        if isinstance(seed, int):
-            self.gens = [torch.Generator().manual_seed(seed)]
-        else:
-            if len(seed) != num_prompts:
-                raise ValueError(f"{len(seed)} seeds for {num_prompts} prompts: give one each")
-            self.gens = [torch.Generator().manual_seed(int(s)) for s in seed]
-        self.per_prompt = not isinstance(seed, int)
-        self.num_rows = num_prompts * group_size
-        self.block_KB: torch.Tensor | None = None
-
-    def step(self, t: int) -> torch.Tensor:
-        """u [B] (float64, on the CPU) of step t; steps are asked for in order."""
-        if not self.per_prompt:
-            return torch.rand(self.num_rows, generator=self.gens[0], dtype=torch.float64)
-        if t % self.BLOCK == 0:
-            blocks = [
-                torch.rand((self.BLOCK, self.group_size), generator=g, dtype=torch.float64)
-                for g in self.gens
-            ]
-            self.block_KB = torch.cat(blocks, dim=1)
-        return self.block_KB[t % self.BLOCK]
 
 
 @dataclass
@@ -333,20 +277,3 @@ def _prefill(model, prompt_ids_nP, prompt_mask_nP, group_size: int, width: int):
     held = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
     rows = RowCache(cache, group_size=group_size, max_length=width, dtype=held)
     return rows, out.logits[:, -1].float().repeat_interleave(group_size, dim=0)
-
-
-def _draw(logits_AV, u_A, *, temperature: float, top_p: float, greedy: bool, masked_tokens):
-    """Each running row's next token and its log-prob under the temperature-scaled policy
-    (before top-p, and with ``masked_tokens`` unmasked: the policy's own probability)."""
-    scaled_AV = logits_AV / temperature if not greedy else logits_AV
-    logz_A1 = torch.logsumexp(scaled_AV, dim=-1, keepdim=True)
-    policy_AV = scaled_AV
-    if masked_tokens is not None:
-        policy_AV = scaled_AV.clone()
-        policy_AV[:, masked_tokens] = float("-inf")
-    if greedy:
-        token_A = policy_AV.argmax(dim=-1)
-    else:
-        token_A = sample_from_logits(policy_AV, u_A, top_p=top_p)
-    logp_A = (scaled_AV.gather(1, token_A[:, None]) - logz_A1).squeeze(1)
-    return token_A, logp_A

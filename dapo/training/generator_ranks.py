@@ -164,7 +164,14 @@ def generate_on_this_rank(
     model = model.to(device, frozen_dtype(model, compute)).eval().requires_grad_(False)
     stops = stop_token_ids(model, tokenizer, cfg.rollout.stop_token_ids)
     engine = make_engine(
-        cfg.rollout.engine, model, tokenizer, stops, compute, vllm=vars(cfg.vllm), device=device
+        cfg.rollout.engine,
+        model,
+        tokenizer,
+        stops,
+        compute,
+        vllm=vars(cfg.vllm),
+        device=device,
+        cuda_graphs=cfg.rollout.cuda_graphs,
     )
     sampler = PromptSampler(problems, seed=cfg.train.seed)
     pool = reward_pool(cfg, reward_fn)

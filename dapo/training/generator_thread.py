@@ -72,7 +72,13 @@ class GeneratorThread:
         tokenizer = copy.deepcopy(state.tokenizer)
         stops = stop_token_ids(model, tokenizer, cfg.rollout.stop_token_ids)
         engine = make_engine(
-            cfg.rollout.engine, model, tokenizer, stops, compute, device=state.device
+            cfg.rollout.engine,
+            model,
+            tokenizer,
+            stops,
+            compute,
+            device=state.device,
+            cuda_graphs=cfg.rollout.cuda_graphs,
         )
         self.device = state.device
         # The generator's own model, engine, pool and timers; the prompt sampler is shared

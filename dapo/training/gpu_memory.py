@@ -141,7 +141,7 @@ def decode_workspace_bytes(shape: ModelShape, s: PlanSettings, *, compute: int) 
     of up to L_max new tokens at a vocabulary of V: the responses' tokens and log-probs
     (12 A L_max bytes), and the larger of
 
-    - drawing a token (``dapo.rollout.native._draw``): the step's float32 logits and their
+    - drawing a token (``dapo.rollout.native.draw_tokens``): the step's float32 logits and their
       temperature-scaled copy (8 A V bytes), and, a block of B = min(A, ``CDF_CHUNK_ELEMENTS``
       / V) rows at a time, two float64 [B, V] arrays at once of the logits, probabilities and
       CDF (16 B V; 33 B V with top-p's sort, its order and the mass above each token);

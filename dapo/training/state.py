@@ -192,6 +192,7 @@ def build_state(
         compute,
         vllm=vars(cfg.vllm) | ({"tensor_parallel_size": cfg.rollout.tp_size} if tp_mesh else {}),
         device=device,
+        cuda_graphs=cfg.rollout.cuda_graphs,
     )
     scaler = None
     if compute == torch.float16 and next(model.parameters()).dtype == torch.float32:

@@ -1,0 +1,208 @@
+"""One decoding step of a Llama-family decoder (Llama, Qwen2, Qwen3), written out from the
+model's own modules with static shapes, for the native engine's CUDA-graph path
+(:mod:`dapo.rollout.static_decode`).
+
+transformers' forward builds its attention mask, checks its cache and reads shapes on the
+host at every call; none of that can be captured in a CUDA graph. This step does the same
+arithmetic on fixed buffers: every row writes its new key and value at the same column of a
+``[rows, kv_heads, capacity, head_dim]`` buffer (the column comes from a device tensor, so one
+captured graph serves every step), and attends to the first ``width`` columns through a mask
+that the step computes on the device from the prompt's padding and that column.
+
+The arithmetic is transformers' under autocast, step for step: the residual stream in the
+embedding's dtype (float32 master weights keep it in float32), the RMSNorm modules called as
+they are, projections in the compute dtype, rotary embeddings in the residual's dtype, keys and
+values held in the compute dtype. The one change of order: grouped-query attention reads each
+key-value head once for its G query heads (the queries of a head group become G query rows)
+instead of copying keys and values to every query head. In float32 the logits equal
+transformers' forward to rounding (tested); the weights of the projections and the output
+head are cast once per rollout, as autocast's weight cache casts them once per call.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dapo.dist.fsdp import holds_dtensors
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+"""Decoders whose layer is this step's: pre-norm attention with rotary embeddings, a gated
+MLP, RMSNorm (Qwen3's per-head query and key norms included)."""
+
+PROJECTIONS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+"""A layer's linear maps, each a plain ``torch.nn.Linear`` (not an adapter or a quantized
+layer, whose weights are not one matrix)."""
+
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+"""Rotary embeddings whose frequencies are fixed at load (``dynamic`` and ``longrope`` change
+them with the sequence length, a read on the host)."""
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why :class:`DecoderStep` cannot run ``model`` (None when it can): another architecture,
+    a sliding window, length-dependent rotary embeddings, or modules whose forward was
+    replaced or whose weights are sharded (tensor-parallel copies, FSDP, adapters)."""
+    config = getattr(model, "config", None)
+    kind = getattr(config, "model_type", None)
+    if kind not in SUPPORTED_MODEL_TYPES:
+        return f"model type {kind!r} (the step is written for {', '.join(SUPPORTED_MODEL_TYPES)})"
+    if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
+        return "a sliding attention window"
+    decoder = getattr(model, "model", None)
+    rope = getattr(decoder, "rotary_emb", None)
+    if getattr(rope, "rope_type", "default") not in STATIC_ROPE_TYPES:
+        return f"rotary embeddings of type {rope.rope_type!r}"
+    for name, module in model.named_modules():
+        if "forward" in vars(module):
+            return f"module {name or 'model'} has its forward replaced (a parallel copy)"
+    for i, layer in enumerate(getattr(decoder, "layers", ())):
+        for name in PROJECTIONS:
+            part, _, proj = name.partition(".")
+            module = getattr(getattr(layer, part, None), proj, None)
+            if type(module) is not torch.nn.Linear:
+                return f"layer {i}'s {name} is a {type(module).__name__}, not a plain Linear"
+    if holds_dtensors(model):
+        return "DTensor parameters (sharded: FSDP or tensor-parallel)"
+    return None
+
+
+class DecoderStep:
+    """The decoding step of ``model`` with its projection weights in ``compute_dtype``.
+
+    ``__call__`` feeds one token per row and returns the next logits [A, V] in float32;
+    ``cache`` holds the layers' key and value buffers, written at column ``column_1``.
+
+    On a GPU a decoding step is a long chain of small kernels, and their number, not their
+    arithmetic, sets its time once it is a CUDA graph. So the step launches few: the query, key
+    and value projections are one matrix (as are the MLP's gate and up projections), each
+    RMSNorm's weight is folded into the matrix that follows it (``W diag(g)``: the norm is then
+    one ``rms_norm``), the rotary embedding turns queries and keys at once, and attention takes
+    an additive mask made once per step. The weights are copied for this (in the compute
+    dtype, as autocast's cache would hold them), once per rollout."""
+
+    def __init__(self, model: torch.nn.Module, compute_dtype: torch.dtype | None) -> None:
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"the static decoding step cannot run this model: {reason}")
+        decoder = model.model
+        config = model.config
+        self.decoder = decoder
+        self.heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.compute_dtype = compute_dtype or decoder.embed_tokens.weight.dtype
+        self.layers = [self._fuse_layer(layer) for layer in decoder.layers]
+        self.final_eps = norm_eps(decoder.norm)
+        self.head_weight = self._cast(
+            model.get_output_embeddings().weight.detach() * decoder.norm.weight.detach()
+        )
+        rope = decoder.rotary_emb
+        self.inv_freq = rope.inv_freq.float()
+        self.rope_scaling = float(getattr(rope, "attention_scaling", 1.0))
+
+    def _cast(self, weight: torch.Tensor | None) -> torch.Tensor | None:
+        return None if weight is None else weight.detach().to(self.compute_dtype).contiguous()
+
+    def _fuse_layer(self, layer: torch.nn.Module) -> dict:
+        """One layer's matrices, fused and cast (the norms' weights folded in)."""
+        attn, mlp = layer.self_attn, layer.mlp
+        g_in = layer.input_layernorm.weight.detach()
+        g_post = layer.post_attention_layernorm.weight.detach()
+        qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
+        qkv_bias = [m.bias for m in qkv]
+        mlp_bias = [mlp.gate_proj.bias, mlp.up_proj.bias]
+        return {
+            "attn": attn,
+            "act": mlp.act_fn,
+            "eps": (norm_eps(layer.input_layernorm), norm_eps(layer.post_attention_layernorm)),
+            "qkv": (
+                self._cast(torch.cat([m.weight.detach() for m in qkv]) * g_in),
+                None if qkv_bias[0] is None else self._cast(torch.cat(qkv_bias)),
+            ),
+            "o": (self._cast(attn.o_proj.weight), self._cast(attn.o_proj.bias)),
+            "gate_up": (
+                self._cast(torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight]) * g_post),
+                None if mlp_bias[0] is None else self._cast(torch.cat(mlp_bias)),
+            ),
+            "down": (self._cast(mlp.down_proj.weight), self._cast(mlp.down_proj.bias)),
+            "scaling": getattr(attn, "scaling", self.head_dim**-0.5),
+        }
+
+    def new_cache(self, rows: int, width: int, device: torch.device) -> list[torch.Tensor]:
+        """Keys and values of every layer, ``[rows, kv_heads, width, head_dim]`` each, in the
+        compute dtype, zeroed: attention weighs the columns not yet written by 0, and 0 x NaN
+        (what an uninitialised buffer may hold) would be NaN."""
+        shape = (rows, self.kv_heads, width, self.head_dim)
+        return [
+            torch.zeros(shape, dtype=self.compute_dtype, device=device)
+            for _ in range(2 * len(self.layers))
+        ]
+
+    def rotary(self, positions_A: torch.Tensor, dtype: torch.dtype):
+        """cos and signed sin [A, 1, head_dim] of each row's position (transformers' values;
+        the sine's first half negated, so that ``x cos + roll(x) sin`` is the rotation)."""
+        freqs_AF = positions_A[:, None].float() * self.inv_freq[None, :]
+        emb_AD = torch.cat((freqs_AF, freqs_AF), dim=-1)
+        cos = (emb_AD.cos() * self.rope_scaling).to(dtype)
+        sin = (emb_AD.sin() * self.rope_scaling).to(dtype)
+        half = sin.shape[-1] // 2
+        signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        return cos[:, None], signed[:, None]
+
+    def attention_bias(self, valid_AW: torch.Tensor) -> torch.Tensor:
+        """The additive mask [A, 1, 1, W] of a step: 0 where a row attends, -inf elsewhere."""
+        bias = torch.zeros(valid_AW.shape, dtype=self.compute_dtype, device=valid_AW.device)
+        return bias.masked_fill_(~valid_AW, float("-inf"))[:, None, None, :]
+
+    def __call__(
+        self,
+        token_A: torch.Tensor,
+        position_A: torch.Tensor,
+        column_1: torch.Tensor,
+        valid_AW: torch.Tensor,
+        cache: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """Logits [A, V] (float32) after feeding ``token_A`` at ``position_A``; its keys and
+        values go to column ``column_1`` of each layer's buffer, and attention reads the
+        first W columns where ``valid_AW`` is True."""
+        rows, width = valid_AW.shape
+        heads, kv, dim = self.heads, self.kv_heads, self.head_dim
+        hidden = self.decoder.embed_tokens(token_A)
+        cos, sin = self.rotary(position_A, hidden.dtype)
+        bias = self.attention_bias(valid_AW)
+        for i, w in enumerate(self.layers):
+            keys, values = cache[2 * i][:rows], cache[2 * i + 1][:rows]
+            x = F.rms_norm(hidden, hidden.shape[-1:], eps=w["eps"][0]).to(self.compute_dtype)
+            qkv = F.linear(x, *w["qkv"]).view(rows, heads + 2 * kv, dim)
+            qk, v = qkv[:, : heads + kv], qkv[:, heads + kv :]
+            if hasattr(w["attn"], "q_norm"):  # Qwen3: per-head norms, as transformers runs them
+                qk = torch.cat(
+                    (w["attn"].q_norm(qk[:, :heads]), w["attn"].k_norm(qk[:, heads:])), 1
+                )
+            qk = torch.addcmul(qk * cos, qk.roll(dim // 2, dims=-1), sin).to(self.compute_dtype)
+            keys.index_copy_(2, column_1, qk[:, heads:, None])
+            values.index_copy_(2, column_1, v[:, :, None])
+            q = qk[:, :heads].view(rows, kv, heads // kv, dim)
+            attended = F.scaled_dot_product_attention(
+                q, keys[:, :, :width], values[:, :, :width], attn_mask=bias, scale=w["scaling"]
+            )
+            hidden = hidden + F.linear(attended.reshape(rows, -1), *w["o"])
+            x = F.rms_norm(hidden, hidden.shape[-1:], eps=w["eps"][1]).to(self.compute_dtype)
+            gate, up = F.linear(x, *w["gate_up"]).chunk(2, dim=-1)
+            hidden = hidden + F.linear(w["act"](gate) * up, *w["down"])
+        x = F.rms_norm(hidden, hidden.shape[-1:], eps=self.final_eps).to(self.compute_dtype)
+        return F.linear(x, self.head_weight).float()
+
+
+def norm_eps(norm: torch.nn.Module) -> float:
+    """An RMSNorm module's epsilon (transformers names it ``variance_epsilon``)."""
+    return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))

@@ -1,0 +1,199 @@
+"""Drawing a token: inverse-CDF sampling from the policy's exact softmax, in float64.
+
+Shared by the native engine's eager loop (:mod:`dapo.rollout.native`) and its CUDA-graph loop
+(:mod:`dapo.rollout.static_decode`), so both draw the same token from the same logits and
+uniform number. Nothing here reads a value on the host except the optional finiteness check.
+
+Shapes: A = rows, V = vocabulary, K = blocks of ``BLOCK_TOKENS`` tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+# Rows of a [rows, V] float64 CDF built at once: 2**24 elements, 128 MiB per array (a few
+# such arrays, more with top-p's sort), so a 152k vocabulary never needs float64 copies of
+# every running row's distribution.
+CDF_CHUNK_ELEMENTS = 1 << 24
+
+
+NONFINITE_LOGITS = "the policy's logits hold NaN or +inf; cannot sample"
+
+
+def sampling_cdf(logits_AV: torch.Tensor, *, top_p: float = 1.0):
+    """(CDF [A, V] in float64, token order [A, V] or None): what inverse-CDF sampling reads.
+
+    The probabilities and their running sum are float64: in float32 a cumulative sum over a
+    152k vocabulary drifts by up to ~1e-3 in total variation, and a token whose probability
+    is below the sum's spacing (~6e-8 near 1) is never drawn, while the importance ratio
+    assumes the exact softmax. With top-p, tokens are in decreasing probability (the order is
+    returned) and the ones outside the nucleus have zero mass: the smallest set of most likely
+    tokens whose mass reaches ``top_p`` (a token is kept when the mass strictly above it is
+    below ``top_p``), as transformers' TopPLogitsWarper keeps.
+    """
+    probs_AV, order_AV = sampling_probs(logits_AV, top_p=top_p)
+    return probs_AV.cumsum(dim=-1), order_AV
+
+
+def sampling_probs(logits_AV: torch.Tensor, *, top_p: float = 1.0):
+    """(probabilities [A, V] in float64, token order [A, V] or None): the distribution whose
+    running sum is :func:`sampling_cdf`."""
+    probs_AV = torch.softmax(logits_AV.double(), dim=-1)
+    order_AV = None
+    if top_p < 1.0:
+        # Stable: tied probabilities at the nucleus edge are ordered the same on every run.
+        probs_AV, order_AV = probs_AV.sort(dim=-1, descending=True, stable=True)
+        mass_above_AV = probs_AV.cumsum(dim=-1) - probs_AV
+        probs_AV = probs_AV.masked_fill(mass_above_AV >= top_p, 0.0)
+    return probs_AV, order_AV
+
+
+BLOCK_TOKENS = 256
+"""Tokens per block of the two-level inversion (:func:`invert_by_blocks`)."""
+
+
+def invert_by_blocks(probs_AV: torch.Tensor, u_A: torch.Tensor) -> torch.Tensor:
+    """The token whose interval of the running sum of ``probs`` holds ``u`` x (total mass),
+    found in two levels: the block of ``BLOCK_TOKENS`` tokens (from the blocks' masses and
+    their running sum), then the token within that block (its own running sum).
+
+    A running sum over the whole vocabulary is one long scan per row, the slowest kernel of a
+    decoding step on a GPU (measured on an H100: 0.29 ms of a 64-row step of a 152k
+    vocabulary, more than a layer's matmuls); block sums are a plain reduction and the two
+    scans are short. The draw is the whole-vocabulary inversion's up to float64 rounding of
+    the partial sums (a ``u`` within ~1e-16 of a boundary). Targets stay strictly below the
+    mass they are compared with, and never below zero, so a token of zero probability (a
+    masked one) is never drawn.
+    """
+    rows, vocab = probs_AV.shape
+    if vocab % BLOCK_TOKENS:
+        probs_AV = F.pad(probs_AV, (0, BLOCK_TOKENS - vocab % BLOCK_TOKENS))
+    blocks_AKB = probs_AV.view(rows, -1, BLOCK_TOKENS)
+    mass_AK = blocks_AKB.sum(dim=-1)
+    cdf_AK = mass_AK.cumsum(dim=-1)
+    target_A1 = u_A.double()[:, None] * cdf_AK[:, -1:]
+    target_A1 = torch.minimum(target_A1, _just_below(cdf_AK[:, -1:]))
+    # right=True: the first block whose running sum exceeds the target (it has mass).
+    block_A1 = torch.searchsorted(cdf_AK, target_A1, right=True)
+    before_A1 = cdf_AK.gather(1, block_A1) - mass_AK.gather(1, block_A1)
+    within_AB = blocks_AKB.gather(1, block_A1[:, :, None].expand(-1, 1, BLOCK_TOKENS))[:, 0]
+    within_cdf_AB = within_AB.cumsum(dim=-1)
+    inner_A1 = (target_A1 - before_A1).clamp(min=0.0)
+    inner_A1 = torch.minimum(inner_A1, _just_below(within_cdf_AB[:, -1:]))
+    token_A1 = torch.searchsorted(within_cdf_AB, inner_A1, right=True)
+    return (block_A1 * BLOCK_TOKENS + token_A1)[:, 0]
+
+
+def _just_below(x: torch.Tensor) -> torch.Tensor:
+    """The largest float below each (positive) element."""
+    return torch.nextafter(x, torch.zeros_like(x))
+
+
+def sample_from_logits(
+    logits_AV: torch.Tensor,
+    u_A: torch.Tensor,
+    *,
+    top_p: float = 1.0,
+    check: bool = True,
+    by_blocks: bool = False,
+):
+    """Token drawn from softmax(logits) (restricted to the top-p nucleus) by inverse CDF of ``u``.
+
+    ``u`` in [0, 1) (float64 for 53 bits) picks the token whose CDF interval (``sampling_cdf``)
+    contains ``u`` x (kept mass); tokens of zero probability are never drawn. Row a's token
+    depends only on its logits and ``u[a]``. Rows go through in blocks, so memory is bounded
+    by ``CDF_CHUNK_ELEMENTS`` whatever the batch. ``check=False`` leaves out the test for
+    NaN and +inf logits (a read on the host: the CUDA-graph path tests on the device).
+    ``by_blocks`` finds the token in two levels (:func:`invert_by_blocks`: fewer bytes, more
+    kernels; the CUDA-graph path's choice) instead of one running sum over the vocabulary
+    (fewer kernels: the eager loop's, and faster on a CPU).
+    """
+    if check and not torch.isfinite(logits_AV.amax(dim=-1)).all():
+        # NaN, or +inf (fp16 overflow): no distribution to draw from (-inf alone is a mask).
+        raise FloatingPointError(NONFINITE_LOGITS)
+    vocab = logits_AV.shape[-1]
+    rows = max(1, CDF_CHUNK_ELEMENTS // vocab)
+    out = []
+    for logits_block, u_block in zip(logits_AV.split(rows), u_A.split(rows), strict=True):
+        probs_AV, order_AV = sampling_probs(logits_block, top_p=top_p)
+        if by_blocks:
+            idx_A = invert_by_blocks(probs_AV, u_block)
+        else:
+            cdf_AV = probs_AV.cumsum(dim=-1)
+            target_A1 = (u_block.double() * cdf_AV[:, -1]).unsqueeze(1)
+            # right=True: the first index whose CDF exceeds the target, never a zero-mass token.
+            idx_A = torch.searchsorted(cdf_AV, target_A1, right=True).squeeze(1)
+            idx_A = idx_A.clamp(max=vocab - 1)
+        if order_AV is not None:
+            idx_A = order_AV.gather(1, idx_A[:, None]).squeeze(1)
+        out.append(idx_A)
+    return torch.cat(out)
+
+
+def draw_tokens(
+    logits_AV: torch.Tensor,
+    u_A: torch.Tensor,
+    *,
+    temperature: float,
+    top_p: float,
+    greedy: bool,
+    masked_tokens: torch.Tensor | None,
+    check: bool = True,
+    by_blocks: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each running row's next token and its log-prob under the temperature-scaled policy
+    (before top-p, and with ``masked_tokens`` unmasked: the policy's own probability)."""
+    # Dividing by 1 changes nothing: skipped, a pass over [A, V] less a step.
+    scaled_AV = logits_AV / temperature if not greedy and temperature != 1.0 else logits_AV
+    logz_A1 = torch.logsumexp(scaled_AV, dim=-1, keepdim=True)
+    policy_AV = scaled_AV
+    if masked_tokens is not None:
+        # index_fill_ takes -inf as a kernel argument, not as a tensor copied from the host
+        # (which a CUDA graph cannot capture).
+        policy_AV = scaled_AV.clone().index_fill_(1, masked_tokens, float("-inf"))
+    if greedy:
+        token_A = policy_AV.argmax(dim=-1)
+    else:
+        token_A = sample_from_logits(policy_AV, u_A, top_p=top_p, check=check, by_blocks=by_blocks)
+    logp_A = (scaled_AV.gather(1, token_A[:, None]) - logz_A1).squeeze(1)
+    return token_A, logp_A
+
+
+class Uniforms:
+    """u[t, b], the uniform number row b turns into its token at step t: the stream is
+    row-addressed, B numbers a step whatever is still running.
+
+    With one ``seed`` for the batch, step t draws all B from one generator. With a seed per
+    prompt, prompt i's G rows read only prompt i's generator, in blocks of ``BLOCK`` steps,
+    so a prompt's draws are the same in any batch: alone, beside others, on any rank.
+    """
+
+    BLOCK = 64
+    """Steps drawn at once from each prompt's generator (one call per prompt per block)."""
+
+    def __init__(self, seed: int | Sequence[int], *, num_prompts: int, group_size: int) -> None:
+        self.group_size = group_size
+        if isinstance(seed, int):
+            self.gens = [torch.Generator().manual_seed(seed)]
+        else:
+            if len(seed) != num_prompts:
+                raise ValueError(f"{len(seed)} seeds for {num_prompts} prompts: give one each")
+            self.gens = [torch.Generator().manual_seed(int(s)) for s in seed]
+        self.per_prompt = not isinstance(seed, int)
+        self.num_rows = num_prompts * group_size
+        self.block_KB: torch.Tensor | None = None
+
+    def step(self, t: int) -> torch.Tensor:
+        """u [B] (float64, on the CPU) of step t; steps are asked for in order."""
+        if not self.per_prompt:
+            return torch.rand(self.num_rows, generator=self.gens[0], dtype=torch.float64)
+        if t % self.BLOCK == 0:
+            blocks = [
+                torch.rand((self.BLOCK, self.group_size), generator=g, dtype=torch.float64)
+                for g in self.gens
+            ]
+            self.block_KB = torch.cat(blocks, dim=1)
+        return self.block_KB[t % self.BLOCK]

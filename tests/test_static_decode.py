@@ -1,0 +1,211 @@
+"""The native engine's CUDA-graph path (dapo.rollout.static_decode, dapo.rollout.decoder_step)
+run without graphs on the CPU: the same tokens and log-probs as the eager loop, reads on the
+host only at read-backs, and the models it refuses. The graphs themselves need a GPU
+(``benchmarks/decode_check.py`` compares them with this path there, bit for bit)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from dapo.models.logprobs import autocast
+from dapo.rollout import make_engine, sampling, static_decode
+from dapo.rollout.decoder_step import DecoderStep, unsupported_reason
+from dapo.rollout.native import decode
+
+SIZES = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=97,
+)
+MODELS = {
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**SIZES)),
+    "llama (tied)": lambda: LlamaForCausalLM(LlamaConfig(**SIZES, tie_word_embeddings=True)),
+    "qwen3 (head norms)": lambda: Qwen3ForCausalLM(Qwen3Config(**SIZES, head_dim=16)),
+}
+STOPS = [5, 6, 7, 8]  # rows finish at different steps: the batch shrinks
+SAMPLING = {
+    "sampled": {},
+    "top-p, temperature": {"top_p": 0.7, "temperature": 0.8},
+    "greedy": {"greedy": True},
+    "a seed per prompt": {"seed": [1, 2, 3]},
+    "EOS ignored": {"ignore_eos": True},
+}
+
+
+def model_of(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return MODELS[name]().eval()
+
+
+def prompts() -> tuple[torch.Tensor, torch.Tensor]:
+    """Three prompts of 7, 6 and 4 tokens, left padded."""
+    ids = torch.randint(3, 97, (3, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    mask[1, :1] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def both(model, *, new_tokens: int = 40, compute=None, **options):
+    """(eager, static) results of the same rollout: 4 rows per prompt."""
+    ids, mask = prompts()
+    kwargs = dict(group_size=4, max_new_tokens=new_tokens, stop_token_ids=STOPS, pad_token_id=0)
+    with torch.inference_mode():
+        with autocast(model, compute):
+            eager = decode(model, ids, mask, **kwargs, **options)
+        static = static_decode.static_decode(
+            model, ids, mask, compute_dtype=compute, graphs=False, **kwargs, **options
+        )
+    return eager, static
+
+
+@pytest.mark.parametrize("arch", MODELS)
+@pytest.mark.parametrize("how", SAMPLING)
+def test_the_same_tokens_and_log_probs_as_the_eager_loop(arch, how):
+    eager, static = both(model_of(arch), **SAMPLING[how])
+    assert torch.equal(static[0], eager[0])
+    # float32: the fused projections and folded norm weights change the order of sums only.
+    torch.testing.assert_close(static[1], eager[1], rtol=0, atol=1e-5)
+    if how not in ("EOS ignored", "greedy"):  # rows finish, so the batch shrinks
+        assert torch.isin(eager[0], torch.tensor(STOPS)).any(dim=1).sum() >= 7
+    # Slots: every row in the batch at every step; the static batch shrinks every 16 steps only.
+    assert eager[2] <= static[2] <= 12 * eager[0].shape[1]
+
+
+def test_small_blocks_and_buckets_refill_uniforms_and_shrink_the_batch(monkeypatch):
+    """Uniforms refilled every 8 steps, a read-back every 4, attention widths in steps of 16,
+    over 60 tokens: the rows shrink through the batch sizes 12, 8, 4, 2, 1."""
+    monkeypatch.setattr(static_decode, "UNIFORM_BLOCK", 8)
+    monkeypatch.setattr(static_decode, "CHECK_EVERY", 4)
+    monkeypatch.setattr(static_decode, "WIDTH_STEP", 16)
+    sizes = []
+    real = static_decode.State.compact
+    monkeypatch.setattr(
+        static_decode.State,
+        "compact",
+        lambda self, slots, size, filled: (sizes.append(size), real(self, slots, size, filled)),
+    )
+    eager, static = both(model_of("qwen2"), new_tokens=60, seed=[4, 5, 6])
+    assert torch.equal(static[0], eager[0])
+    torch.testing.assert_close(static[1], eager[1], rtol=0, atol=1e-5)
+    assert sizes and sizes == sorted(sizes, reverse=True) and set(sizes) <= {8, 4, 2, 1}
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the ops that read a value on the host or size their output by the data (a
+    wait for the GPU's queue on CUDA)."""
+
+    READS = {"_local_scalar_dense", "item", "is_nonzero", "nonzero", "equal", "unique_dim"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in self.READS:
+            self.reads.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_no_read_on_the_host_per_token(monkeypatch):
+    """Every decoding step runs under a counter of host reads: none; the loop reads back once
+    every CHECK_EVERY steps and after the last."""
+    per_step: list[list[str]] = []
+    real_run = static_decode.Runner.run
+
+    def counted(self, size, width):
+        with HostReads() as mode:
+            real_run(self, size, width)
+        per_step.append(mode.reads)
+
+    read_backs = []
+    real_read = static_decode.read_back
+    monkeypatch.setattr(static_decode.Runner, "run", counted)
+    monkeypatch.setattr(
+        static_decode, "read_back", lambda t: (read_backs.append(1), real_read(t))[1]
+    )
+    _, static = both(model_of("qwen2"), new_tokens=40, ignore_eos=True, top_p=0.9)
+    assert len(per_step) == 39 and all(reads == [] for reads in per_step)
+    assert len(read_backs) == 3 == -(-40 // static_decode.CHECK_EVERY)  # steps 16, 32, 40
+    assert static[0].shape == (12, 40)
+
+
+def test_bf16_log_probs_stay_with_the_policy():
+    """bf16 autocast over float32 weights (a GPU run's setting): the recorded log-probs are
+    within bf16 rounding of the eager loop's on the tokens both drew before they part."""
+    eager, static = both(model_of("qwen2"), compute=torch.bfloat16, top_p=0.9)
+    steps = min(eager[0].shape[1], static[0].shape[1])
+    same = (eager[0][:, :steps] != static[0][:, :steps]).long().cumsum(dim=1) == 0
+    assert same[:, 0].all()  # the first token comes from the same prefill
+    gap = ((eager[1][:, :steps] - static[1][:, :steps]).abs() * same).max()
+    assert gap < 0.05
+
+
+def test_two_level_inversion_draws_what_one_running_sum_draws():
+    g = torch.Generator().manual_seed(0)
+    for vocab in (97, 256, 1000, 4096):
+        logits = torch.randn(64, vocab, generator=g) * 4
+        logits[:, ::7] = float("-inf")  # masked tokens: never drawn
+        u = torch.rand(64, dtype=torch.float64, generator=g)
+        u[:4] = torch.tensor([0.0, 1 - 2**-53, 0.5, 1e-300], dtype=torch.float64)
+        one = sampling.sample_from_logits(logits, u)
+        two = sampling.sample_from_logits(logits, u, by_blocks=True)
+        assert torch.equal(one, two)
+        assert not (two % 7 == 0).any()
+
+
+def test_the_models_it_refuses_and_the_engine_falls_back():
+    assert unsupported_reason(model_of("qwen2")) is None
+    gpt2 = type("Gpt2", (torch.nn.Module,), {})()
+    gpt2.config = type("C", (), {"model_type": "gpt2"})()
+    assert "gpt2" in unsupported_reason(gpt2)
+    model = model_of("llama (tied)")
+    model.model.layers[1].mlp.up_proj.forward = lambda x: x  # a parallel copy's replaced forward
+    assert "forward replaced" in unsupported_reason(model)
+    with pytest.raises(ValueError, match="cannot run this model"):
+        DecoderStep(model, None)
+    engine = make_engine("dapo", model, _Tok(), device=torch.device("cuda"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert engine.static_path() is False and engine.static_path() is False
+    assert len(caught) == 1 and "decodes eagerly" in str(caught[0].message)
+    fine = make_engine("dapo", model_of("qwen2"), _Tok(), device=torch.device("cuda"))
+    assert fine.static_path() is True
+    fine.cuda_graphs = False  # rollout.cuda_graphs=false
+    assert fine.static_path() is False
+    assert make_engine("dapo", model_of("qwen2"), _Tok()).static_path() is False  # a CPU
+
+
+def test_lora_adapters_are_refused():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(
+        model_of("qwen2"), peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"])
+    ).base_model.model
+    assert "not a plain Linear" in unsupported_reason(model)
+
+
+class _Tok:
+    eos_token_id = 5
+    pad_token_id = 0
+
+
+@pytest.mark.parametrize("new_tokens", [1, 2, 17])
+def test_short_rollouts_end_where_the_eager_loop_ends(new_tokens):
+    eager, static = both(model_of("qwen2"), new_tokens=new_tokens)
+    assert static[0].shape == eager[0].shape == (12, new_tokens)
+    assert torch.equal(static[0], eager[0])
