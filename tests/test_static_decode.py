@@ -5,6 +5,7 @@ host only at read-backs, and the models it refuses. The graphs themselves need a
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
@@ -74,9 +75,18 @@ def both(model, *, new_tokens: int = 40, compute=None, **options):
     return eager, static
 
 
+@pytest.fixture(params=["weights as they are", "fused and folded"])
+def fused(request, monkeypatch):
+    """The step on the model's own float32 weights, or (what it does on a GPU, where float32
+    master weights are copied into bf16) on fused copies with the norms folded in."""
+    fuse = request.param == "fused and folded"
+    monkeypatch.setattr(static_decode, "DecoderStep", functools.partial(DecoderStep, fuse=fuse))
+    return fuse
+
+
 @pytest.mark.parametrize("arch", MODELS)
 @pytest.mark.parametrize("how", SAMPLING)
-def test_the_same_tokens_and_log_probs_as_the_eager_loop(arch, how):
+def test_the_same_tokens_and_log_probs_as_the_eager_loop(arch, how, fused):
     eager, static = both(model_of(arch), **SAMPLING[how])
     assert torch.equal(static[0], eager[0])
     # float32: the fused projections and folded norm weights change the order of sums only.
@@ -87,7 +97,7 @@ def test_the_same_tokens_and_log_probs_as_the_eager_loop(arch, how):
     assert eager[2] <= static[2] <= 12 * eager[0].shape[1]
 
 
-def test_small_blocks_and_buckets_refill_uniforms_and_shrink_the_batch(monkeypatch):
+def test_small_blocks_and_buckets_refill_uniforms_and_shrink_the_batch(monkeypatch, fused):
     """Uniforms refilled every 8 steps, a read-back every 4, attention widths in steps of 16,
     over 60 tokens: the rows shrink through the batch sizes 12, 8, 4, 2, 1."""
     monkeypatch.setattr(static_decode, "UNIFORM_BLOCK", 8)
@@ -209,3 +219,17 @@ def test_short_rollouts_end_where_the_eager_loop_ends(new_tokens):
     eager, static = both(model_of("qwen2"), new_tokens=new_tokens)
     assert static[0].shape == eager[0].shape == (12, new_tokens)
     assert torch.equal(static[0], eager[0])
+
+
+def test_weights_in_the_compute_dtype_are_not_copied():
+    model = model_of("qwen2")
+    own = DecoderStep(model, torch.float32)  # float32 weights, float32 compute
+    assert not own.fuse and len(own.layers[0]["qkv"]) == 3
+    q_proj = model.model.layers[0].self_attn.q_proj.weight
+    assert own.layers[0]["qkv"][0][0].data_ptr() == q_proj.data_ptr()
+    copied = DecoderStep(model, torch.bfloat16)  # bf16 matmuls over float32 master weights
+    assert copied.fuse and len(copied.layers[0]["qkv"]) == 1
+    qkv, bias = copied.layers[0]["qkv"][0]
+    assert qkv.dtype == bias.dtype == torch.bfloat16 and qkv.shape == (64 + 2 * 32, 64)
+    g = model.model.layers[0].input_layernorm.weight
+    torch.testing.assert_close(qkv[:64].float(), (q_proj * g).bfloat16().float())

@@ -82,14 +82,21 @@ class DecoderStep:
     ``cache`` holds the layers' key and value buffers, written at column ``column_1``.
 
     On a GPU a decoding step is a long chain of small kernels, and their number, not their
-    arithmetic, sets its time once it is a CUDA graph. So the step launches few: the query, key
-    and value projections are one matrix (as are the MLP's gate and up projections), each
-    RMSNorm's weight is folded into the matrix that follows it (``W diag(g)``: the norm is then
-    one ``rms_norm``), the rotary embedding turns queries and keys at once, and attention takes
-    an additive mask made once per step. The weights are copied for this (in the compute
-    dtype, as autocast's cache would hold them), once per rollout."""
+    arithmetic, sets its time once it is a CUDA graph. So the step launches few: the rotary
+    embedding turns queries and keys at once, attention takes an additive mask made once per
+    step, and, when the weights must be copied into the compute dtype anyway (float32 master
+    weights, bf16 matmuls: the copy autocast would make), the query, key and value
+    projections are one matrix, as are the MLP's gate and up projections, and each RMSNorm's
+    weight is folded into the matrix that follows it (``W diag(g)``: the norm is then one
+    ``rms_norm``). Weights already in the compute dtype are used as they are: no copy."""
 
-    def __init__(self, model: torch.nn.Module, compute_dtype: torch.dtype | None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        compute_dtype: torch.dtype | None,
+        *,
+        fuse: bool | None = None,
+    ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the static decoding step cannot run this model: {reason}")
@@ -100,11 +107,14 @@ class DecoderStep:
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.compute_dtype = compute_dtype or decoder.embed_tokens.weight.dtype
-        self.layers = [self._fuse_layer(layer) for layer in decoder.layers]
-        self.final_eps = norm_eps(decoder.norm)
-        self.head_weight = self._cast(
-            model.get_output_embeddings().weight.detach() * decoder.norm.weight.detach()
-        )
+        head = model.get_output_embeddings()
+        copied = (*decoder.layers.parameters(), head.weight)
+        self.fuse = any(p.dtype != self.compute_dtype for p in copied) if fuse is None else fuse
+        """Whether the weights are copied (then fused and folded) or used as they are
+        (default: copied when they are not all in the compute dtype)."""
+        self.layers = [self._layer(layer) for layer in decoder.layers]
+        self.final_norm = (decoder.norm.weight, norm_eps(decoder.norm))
+        self.head = self.matrices([head], decoder.norm.weight)
         rope = decoder.rotary_emb
         self.inv_freq = rope.inv_freq.float()
         self.rope_scaling = float(getattr(rope, "attention_scaling", 1.0))
@@ -112,27 +122,35 @@ class DecoderStep:
     def _cast(self, weight: torch.Tensor | None) -> torch.Tensor | None:
         return None if weight is None else weight.detach().to(self.compute_dtype).contiguous()
 
-    def _fuse_layer(self, layer: torch.nn.Module) -> dict:
-        """One layer's matrices, fused and cast (the norms' weights folded in)."""
+    def matrices(self, modules: list[torch.nn.Module], norm_weight: torch.Tensor) -> list:
+        """(weight, bias) pairs mapping a norm's output to the outputs of ``modules`` in
+        order: one matrix, fused, cast and with ``norm_weight`` folded in, when the step
+        copies its weights; else each module's own weight and bias."""
+        if not self.fuse:
+            return [
+                (m.weight.detach(), None if m.bias is None else m.bias.detach()) for m in modules
+            ]
+        weight = torch.cat([m.weight.detach() for m in modules]) * norm_weight.detach()
+        biases = [m.bias for m in modules]
+        if all(b is None for b in biases):
+            return [(self._cast(weight), None)]
+        parts = [
+            m.weight.new_zeros(m.out_features) if b is None else b
+            for m, b in zip(modules, biases, strict=True)
+        ]
+        return [(self._cast(weight), self._cast(torch.cat([b.detach() for b in parts])))]
+
+    def _layer(self, layer: torch.nn.Module) -> dict:
+        """One layer's matrices (fused when copied) and norms (their weight None when folded)."""
         attn, mlp = layer.self_attn, layer.mlp
-        g_in = layer.input_layernorm.weight.detach()
-        g_post = layer.post_attention_layernorm.weight.detach()
-        qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
-        qkv_bias = [m.bias for m in qkv]
-        mlp_bias = [mlp.gate_proj.bias, mlp.up_proj.bias]
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
         return {
             "attn": attn,
             "act": mlp.act_fn,
-            "eps": (norm_eps(layer.input_layernorm), norm_eps(layer.post_attention_layernorm)),
-            "qkv": (
-                self._cast(torch.cat([m.weight.detach() for m in qkv]) * g_in),
-                None if qkv_bias[0] is None else self._cast(torch.cat(qkv_bias)),
-            ),
+            "norms": [(None if self.fuse else n.weight, norm_eps(n)) for n in norms],
+            "qkv": self.matrices([attn.q_proj, attn.k_proj, attn.v_proj], norms[0].weight),
             "o": (self._cast(attn.o_proj.weight), self._cast(attn.o_proj.bias)),
-            "gate_up": (
-                self._cast(torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight]) * g_post),
-                None if mlp_bias[0] is None else self._cast(torch.cat(mlp_bias)),
-            ),
+            "gate_up": self.matrices([mlp.gate_proj, mlp.up_proj], norms[1].weight),
             "down": (self._cast(mlp.down_proj.weight), self._cast(mlp.down_proj.bias)),
             "scaling": getattr(attn, "scaling", self.head_dim**-0.5),
         }
@@ -181,8 +199,8 @@ class DecoderStep:
         bias = self.attention_bias(valid_AW)
         for i, w in enumerate(self.layers):
             keys, values = cache[2 * i][:rows], cache[2 * i + 1][:rows]
-            x = F.rms_norm(hidden, hidden.shape[-1:], eps=w["eps"][0]).to(self.compute_dtype)
-            qkv = F.linear(x, *w["qkv"]).view(rows, heads + 2 * kv, dim)
+            x = self.norm(hidden, *w["norms"][0])
+            qkv = project(x, w["qkv"]).view(rows, heads + 2 * kv, dim)
             qk, v = qkv[:, : heads + kv], qkv[:, heads + kv :]
             if hasattr(w["attn"], "q_norm"):  # Qwen3: per-head norms, as transformers runs them
                 qk = torch.cat(
@@ -196,11 +214,23 @@ class DecoderStep:
                 q, keys[:, :, :width], values[:, :, :width], attn_mask=bias, scale=w["scaling"]
             )
             hidden = hidden + F.linear(attended.reshape(rows, -1), *w["o"])
-            x = F.rms_norm(hidden, hidden.shape[-1:], eps=w["eps"][1]).to(self.compute_dtype)
-            gate, up = F.linear(x, *w["gate_up"]).chunk(2, dim=-1)
+            x = self.norm(hidden, *w["norms"][1])
+            gate, up = project(x, w["gate_up"]).chunk(2, dim=-1)
             hidden = hidden + F.linear(w["act"](gate) * up, *w["down"])
-        x = F.rms_norm(hidden, hidden.shape[-1:], eps=self.final_eps).to(self.compute_dtype)
-        return F.linear(x, self.head_weight).float()
+        x = self.norm(hidden, None if self.fuse else self.final_norm[0], self.final_norm[1])
+        return project(x, self.head).float()
+
+    def norm(self, hidden: torch.Tensor, weight: torch.Tensor | None, eps: float):
+        """RMSNorm of the residual stream (times ``weight`` unless it was folded), in the
+        compute dtype."""
+        return F.rms_norm(hidden, hidden.shape[-1:], weight=weight, eps=eps).to(self.compute_dtype)
+
+
+def project(x: torch.Tensor, matrices: list) -> torch.Tensor:
+    """``x`` through (weight, bias) pairs, their outputs side by side."""
+    if len(matrices) == 1:
+        return F.linear(x, *matrices[0])
+    return torch.cat([F.linear(x, *pair) for pair in matrices], dim=-1)
 
 
 def norm_eps(norm: torch.nn.Module) -> float:
