@@ -51,7 +51,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -311,6 +311,8 @@ def train_section(
     flops = model_flops(shape, sizes)
     settings = settings_from_config(cfg, world_size=1, prompt_tokens=sizes.prompt)
     plan = plan_memory(shape, settings)
+    # The allocator reserves beyond its peak: checked against the plan's reserve (on CUDA).
+    on_card = plan_memory(shape, replace(settings, device="cuda"))
     state.optimizer.zero_grad(set_to_none=True)
     del state
     return {
@@ -327,6 +329,7 @@ def train_section(
         "peak_mib": mib(peak),
         "reserved_peak_mib": mib(reserved),
         "plan_training_peak_mib": mib(plan.training_peak),
+        "plan_reserved_mib": mib(on_card.training_peak - on_card.runtime),
         "plan_activations_mib": mib(plan.activations),
     }, episodes
 
@@ -596,12 +599,14 @@ def describe(section: str, r: dict) -> str:
             f"{r['microbatch_tokens']}: {r['step_s']:.3f} s/step (median of {r['steps']}), "
             f"{r['tokens_per_s']:,.0f} tokens/s, {r['tflops']:.3g} TFLOP/s, MFU {r['mfu']:.3f};"
             f" peak {gib_or_mib(r['peak_mib'])} (reserved {gib_or_mib(r['reserved_peak_mib'])}),"
-            f" plan {gib_or_mib(r['plan_training_peak_mib'])}"
+            f" plan {gib_or_mib(r['plan_training_peak_mib'])} (with the allocator's reserve "
+            f"{gib_or_mib(r['plan_reserved_mib'])})"
         )
     if section == "decode":
         return (
             f"  decode: {r['rows']} rows x {r['new_tokens']} new tokens after "
-            f"{r['prompt_tokens']} ({r['path']}): {r['seconds']:.2f} s, {r['tokens_per_s']:,.0f} tokens/s "
+            f"{r['prompt_tokens']} ({r['path']}): {r['seconds']:.2f} s, "
+            f"{r['tokens_per_s']:,.0f} tokens/s "
             f"({r['step_ms']:.2f} ms a step), bound {r['bound_tokens_per_s']:,.0f} "
             f"({r['bytes_per_step'] / 2**30:.2f} GiB a step), fraction "
             f"{r['decode_bound_frac']:.3f}; "

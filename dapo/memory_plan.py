@@ -26,6 +26,7 @@ from typing import Any
 
 from dapo.config import load_config
 from dapo.config.loading import read_hardware
+from dapo.training.fixed_memory import usable_gib
 from dapo.training.gpu_memory import (
     model_shape,
     plan_memory,
@@ -92,11 +93,18 @@ def recipe_plan(recipe: Path, *, prompt_tokens: int = 512) -> dict[str, Any]:
     cfg = load_config(recipe)
     hardware = read_hardware(recipe)
     gpus = hardware["gpus"]
-    settings = settings_from_config(cfg, world_size=max(gpus, 1), prompt_tokens=prompt_tokens)
+    budget = usable_gib(hardware["gpu_gib"]) if gpus else hardware["memory_gib"]
+    settings = settings_from_config(
+        cfg,
+        world_size=max(gpus, 1),
+        prompt_tokens=prompt_tokens,
+        device="cuda" if gpus else "cpu",
+        gpu_bytes=int(budget * 2**30) if gpus else 0,
+    )
     plan = plan_memory(recipe_shape(cfg), settings)
-    budget = hardware["gpu_gib"] if gpus else hardware["memory_gib"]
     row = {"recipe": str(recipe), "model": Path(cfg.model.path).name}
-    row |= {"device": "cuda" if gpus else "cpu", "gpus": gpus, "gpu_gib": budget}
+    row |= {"device": "cuda" if gpus else "cpu", "gpus": gpus}
+    row |= {"gpu_gib": hardware["gpu_gib"] if gpus else budget, "usable_gib": round(budget, 2)}
     return row | plan_row(plan, gpu_gib=budget)
 
 
@@ -117,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(rows, indent=1))
     for row in [] if args.json else rows:
-        where = f"{row['gpus']} x {row['gpu_gib']} GiB" if row["gpus"] else "CPU"
+        where = "CPU"
+        if row["gpus"]:
+            where = f"{row['gpus']} x {row['gpu_gib']:g} GB ({row['usable_gib']} GiB usable)"
         print(
             f"{row['recipe']}: {row['model']} on {where}: peak {row['peak_train_gib']} GiB "
             f"training, {row['peak_generate_gib']} GiB generating; {row['spare_gib']} GiB spare"

@@ -9,7 +9,7 @@ import torch
 from helpers import LiveBytes
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from dapo.rollout import native
+from dapo.rollout import decoder_step, native
 from dapo.training import gpu_memory
 from dapo.training.gpu_memory import (
     GIB,
@@ -70,6 +70,25 @@ def test_the_plan_gives_what_the_h200_measured_while_decoding():
 
 def test_the_copied_constant_is_the_engines():
     assert gpu_memory.CDF_CHUNK_ELEMENTS == native.CDF_CHUNK_ELEMENTS
+    assert set(gpu_memory.STATIC_DECODING_TYPES) == set(decoder_step.SUPPORTED_MODEL_TYPES)
+
+
+def test_the_cuda_graph_path_copies_no_keys_per_query_head():
+    """On CUDA the native engine decodes a whole Qwen2 on its own step: the workspace has no
+    per-head copy whatever transformers is installed; a tensor-parallel copy, LoRA or the
+    eager loop (rollout.cuda_graphs=false) go through transformers' forward."""
+    shape = ModelShape.from_hf_config(KNOWN_SHAPES["qwen2.5-0.5b"])
+    base = PlanSettings(gqa_copy=True, device="cuda")
+    assert not gpu_memory.copies_gqa(shape, base)
+    for eager in (
+        dict(cuda_graphs=False),
+        dict(device="cpu"),
+        dict(lora_rank=8),
+        dict(engine="hf"),
+    ):
+        assert gpu_memory.copies_gqa(shape, replace(base, **eager))
+    assert gpu_memory.copies_gqa(shape, replace(base, world_size=2, tp_size=2))
+    assert not gpu_memory.copies_gqa(shape, replace(base, gqa_copy=False, cuda_graphs=False))
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.7])

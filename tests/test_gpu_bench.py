@@ -93,9 +93,7 @@ def test_decoding_against_its_bandwidth_bound(tiny_run):
         cache = 2 * 2 * 32 * 4 * r["rows"] * (16 + 31 / 2)
         assert r["bytes_per_step"] == int(weights + cache)
         assert r["bound_tokens_per_s"] == pytest.approx(r["rows"] * bandwidth / (weights + cache))
-        assert r["decode_bound_frac"] == pytest.approx(
-            r["tokens_per_s"] / r["bound_tokens_per_s"]
-        )
+        assert r["decode_bound_frac"] == pytest.approx(r["tokens_per_s"] / r["bound_tokens_per_s"])
         assert r["step_ms"] == pytest.approx(1000 * r["seconds"] / 32)
 
 

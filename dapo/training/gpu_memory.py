@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dapo.models import hub
+from dapo.training import fixed_memory
 from dapo.training.model_shape import ModelShape
 from dapo.training.plan_settings import PlanSettings
 
@@ -39,6 +40,8 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 HEAD_CHUNK_ELEMENTS = 1 << 26
 MAX_OVERSAMPLE = 4
 CDF_CHUNK_ELEMENTS = 1 << 24
+STATIC_DECODING_TYPES = ("llama", "qwen2", "qwen3")
+"""A copy of dapo.rollout.decoder_step.SUPPORTED_MODEL_TYPES (a test keeps them equal)."""
 PACKED_GQA_TRANSFORMERS = (5, 23)
 """The first transformers release whose sdpa attention decodes a grouped-query model under a
 mask without copying each layer's keys and values to every query head (it packs the query)."""
@@ -67,6 +70,14 @@ class MemoryPlan:
     """Host memory per rank while the model loads (not on the GPU, not in the peaks)."""
     ahead: int = 0
     """The generator's own copy and up to k clones of new weights (``train.async_staleness``)."""
+    runtime: int = 0
+    """The CUDA runtime and NCCL's buffers (outside PyTorch's counters: :mod:`fixed_memory`)."""
+    allocator_slack: int = 0
+    """What the caching allocator reserves beyond its allocated peak in training."""
+    vllm_generating: int = 0
+    """The vllm engine's reservation while it generates (in place of KV cache and workspace)."""
+    vllm_training: int = 0
+    """What the vllm engine keeps while the trainer trains (asleep, or all of it)."""
 
     @property
     def offloaded(self) -> bool:
@@ -81,11 +92,11 @@ class MemoryPlan:
     @property
     def held(self) -> int:  # on the GPU through both phases
         states = 0 if self.offloaded else self.weights + self.optimizer + self.reference
-        return states + self.generation_copy + self.ahead
+        return states + self.generation_copy + self.ahead + self.runtime
 
     @property
     def generation_peak(self) -> int:
-        return self.held + self.kv_cache + self.decode_workspace
+        return self.held + self.kv_cache + self.decode_workspace + self.vllm_generating
 
     @property
     def training_peak(self) -> int:
@@ -93,9 +104,8 @@ class MemoryPlan:
         decoding = self.kv_cache + self.decode_workspace
         # Generating meanwhile, in this process (not on generator ranks).
         overlap = decoding if self.settings.staleness and not self.settings.generators else 0
-        return (
-            self.held + grads + self.gathered_layers + self.activations + self.output_head + overlap
-        )
+        transient = self.gathered_layers + self.activations + self.output_head
+        return self.held + grads + transient + self.allocator_slack + overlap + self.vllm_training
 
     @property
     def total(self) -> int:  # the peak per GPU: the larger phase
@@ -154,10 +164,20 @@ def decode_workspace_bytes(shape: ModelShape, s: PlanSettings, *, compute: int) 
     rows, vocab = s.rows, shape.vocab
     block = min(rows, max(1, CDF_CHUNK_ELEMENTS // vocab))
     draw = 8 * rows * vocab + (33 if s.top_p else 16) * block * vocab
-    heads = shape.heads if s.gqa_copy else shape.kv_heads
+    heads = shape.heads if copies_gqa(shape, s) else shape.kv_heads
     width = s.prompt_tokens + s.max_new_tokens
     layer = math.ceil(2 * rows * heads * shape.head_dim * width * compute / s.tp_size)
     return 12 * rows * s.max_new_tokens + max(draw, 4 * rows * vocab + layer)
+
+
+def copies_gqa(shape: ModelShape, s: PlanSettings) -> bool:
+    """Whether decoding copies a layer's keys and values to every query head: transformers'
+    forward before 5.23 does (``s.gqa_copy``), the native engine's CUDA-graph step (on CUDA,
+    ``rollout.cuda_graphs``, a whole model of ``STATIC_DECODING_TYPES``: no tensor-parallel
+    copy, no adapters) never."""
+    static = s.device == "cuda" and s.engine == "dapo" and s.cuda_graphs
+    static = static and s.tp_size == 1 and not s.lora_rank
+    return s.gqa_copy and not (static and shape.model_type in STATIC_DECODING_TYPES)
 
 
 def transformers_copies_gqa() -> bool:
@@ -218,6 +238,11 @@ def plan_memory(shape: ModelShape, settings: PlanSettings) -> MemoryPlan:
     if a and s.sharded:
         gathered += (a // shape.layers - shape.layer_parameters) * 4  # one layer's gradient
     moving = a * frozen if a else p * frozen
+    activations = activation_bytes(shape, tokens=tokens, compute=compute, checkpointing=ckpt)
+    head = output_head_bytes(shape, s, compute=compute)
+    vllm_generating, vllm_training = fixed_memory.vllm_bytes(s)
+    native = s.engine != "vllm"  # vLLM's KV cache and workspace are in its reservation
+    slack = (activations + head + gathered) * fixed_memory.ALLOCATOR_SLACK
     return MemoryPlan(
         shape=shape,
         settings=s,
@@ -228,18 +253,21 @@ def plan_memory(shape: ModelShape, settings: PlanSettings) -> MemoryPlan:
         accumulated_gradients=(4 * a or 4 * p) if s.sharded and s.grad_sync == "minibatch" else 0,
         generation_copy=generation_copy_bytes(shape, s, frozen=frozen) + 4 * a,
         gathered_layers=gathered,
-        activations=activation_bytes(shape, tokens=tokens, compute=compute, checkpointing=ckpt),
-        output_head=output_head_bytes(shape, s, compute=compute),
-        kv_cache=kv_cache_bytes(
-            shape, tokens=kv_tokens, rows=s.rows, compute=compute, tp=s.tp_size
-        ),
-        decode_workspace=decode_workspace_bytes(shape, s, compute=compute),
+        activations=activations,
+        output_head=head,
+        kv_cache=native
+        * kv_cache_bytes(shape, tokens=kv_tokens, rows=s.rows, compute=compute, tp=s.tp_size),
+        decode_workspace=native * decode_workspace_bytes(shape, s, compute=compute),
         reference=math.ceil(p * frozen / w) if s.reference and not a else 0,
         load_host=load_host_bytes(shape, s),
         # Whole copies kept to generate ahead: in one process the generator's and up to k
         # clones of what moves; with generator ranks, on trainer rank 0, the versions sent
         # and not yet taken (up to k; one while the roles take turns).
         ahead=moving * max(1, k) if s.generators else (p * frozen + k * moving if k else 0),
+        runtime=fixed_memory.runtime_bytes(s),
+        allocator_slack=math.ceil(slack) if s.device == "cuda" else 0,
+        vllm_generating=vllm_generating,
+        vllm_training=vllm_training,
     )
 
 
@@ -279,11 +307,19 @@ def rows_per_rank(cfg: Config, world_size: int, tp_size: int = 1) -> int:
 
 
 def settings_from_config(
-    cfg: Config, *, world_size: int, prompt_tokens: int, tp_size: int | None = None
+    cfg: Config,
+    *,
+    world_size: int,
+    prompt_tokens: int,
+    tp_size: int | None = None,
+    device: str = "",
+    gpu_bytes: int = 0,
 ) -> PlanSettings:
     """The plan's settings for a run of ``world_size`` ranks whose longest prompt has
     ``prompt_tokens`` tokens (every response counted at L_max: an upper bound), generating
-    ``tp_size`` ranks at a time (by default ``rollout.tp_size``)."""
+    ``tp_size`` ranks at a time (by default ``rollout.tp_size``), on ``device`` (``cuda`` counts
+    the runtime's and the allocator's overheads; "": not stated) with cards of ``gpu_bytes``
+    (0: not known)."""
     generators = cfg.dist.rollout_ranks if world_size > cfg.dist.rollout_ranks else 0
     world_size -= generators  # a trainer rank's plan (a generator's: generator_bytes)
     context = prompt_tokens + cfg.rollout.max_new_tokens
@@ -309,6 +345,12 @@ def settings_from_config(
         lora_rank=cfg.model.lora.rank,
         lora_targets=tuple(cfg.model.lora.target_modules),
         gqa_copy=transformers_copies_gqa(),
+        device=device,
+        engine=cfg.rollout.engine,
+        cuda_graphs=cfg.rollout.cuda_graphs,
+        vllm_fraction=cfg.vllm.gpu_memory_utilization,
+        vllm_sleep=cfg.vllm.sleep,
+        gpu_bytes=gpu_bytes,
     )
 
 

@@ -10,10 +10,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from dapo.training.fixed_memory import communicators, usable_gib
 from dapo.training.gpu_memory import (
     GIB,
     MemoryPlan,
     PlanSettings,
+    copies_gqa,
     generator_bytes,
     model_shape,
     plan_memory,
@@ -27,7 +29,9 @@ if TYPE_CHECKING:
     from dapo.config import Config
 
 SPARE_GIB = 4.0
-"""What a plan must leave free on its card: allocator fragmentation, CUDA context, NCCL."""
+"""What a plan must leave free on its card, for what it cannot see: the CUDA runtime, NCCL's
+buffers and the allocator's reserve are in the plan (:mod:`dapo.training.fixed_memory`), but
+as estimates."""
 
 COMPONENTS = (
     "weights",
@@ -42,6 +46,10 @@ COMPONENTS = (
     "decode_workspace",
     "reference",
     "ahead",
+    "runtime",
+    "allocator_slack",
+    "vllm_generating",
+    "vllm_training",
 )
 """The parts of a plan on the GPU, each a ``<part>_gib`` key of a JSON row."""
 
@@ -76,7 +84,7 @@ def copy_dtype(s: PlanSettings) -> str:
 def _workspace(plan: MemoryPlan) -> str:
     # The forward's part is a layer's keys and values either way: copied per query head
     # (transformers before 5.23), else the old buffer of a layer whose cache grows.
-    copied = plan.settings.gqa_copy and plan.shape.heads > plan.shape.kv_heads
+    copied = copies_gqa(plan.shape, plan.settings) and plan.shape.heads > plan.shape.kv_heads
     per_head = " per query head" if copied else ""
     return f"decoding workspace (logits and sampling, or one layer's keys and values{per_head})"
 
@@ -109,6 +117,14 @@ def _part_rows(plan: MemoryPlan) -> list[tuple[str, int, str]]:
         (_workspace(plan), plan.decode_workspace, "GPU, generation"),
         (f"GRPO reference ({share})", plan.reference, where + ", always"),
         (_ahead(s), plan.ahead, "GPU, always"),
+        (f"CUDA runtime and NCCL buffers ({communicators(s)} communicators)", plan.runtime,
+         "GPU, always"),
+        ("caching allocator's reserve (20% of the transient)", plan.allocator_slack,
+         "GPU, training"),
+        (f"vllm engine ({s.vllm_fraction:g} of the card)", plan.vllm_generating,
+         "GPU, generation"),
+        ("vllm engine asleep" if s.vllm_sleep else "vllm engine (no sleep)", plan.vllm_training,
+         "GPU, training"),
     ]  # fmt: skip
 
 
@@ -142,9 +158,26 @@ def format_plan(plan: MemoryPlan) -> str:
     return "\n".join([head, "  " + describe_settings(s), *lines])
 
 
+def the_card(cfg: Config) -> tuple[str, int]:
+    """(device type, bytes of its memory) a dry run plans for: where the run would compute
+    (``model.device``; ``auto`` on a machine without CUDA is the CPU), with the GPU's memory
+    when this machine has the GPU (else 0: not known)."""
+    if cfg.model.device == "cpu":
+        return "cpu", 0
+    import torch
+
+    if not torch.cuda.is_available():
+        return ("cpu" if cfg.model.device == "auto" else "cuda"), 0
+    index = torch.device(cfg.model.device if cfg.model.device != "auto" else "cuda").index
+    return "cuda", torch.cuda.get_device_properties(index or 0).total_memory
+
+
 def print_plan(cfg: Config, *, world_size: int, prompt_tokens: int) -> None:
     """The dry run's memory table (or why there is none)."""
-    settings = settings_from_config(cfg, world_size=world_size, prompt_tokens=prompt_tokens)
+    device, card = the_card(cfg)
+    settings = settings_from_config(
+        cfg, world_size=world_size, prompt_tokens=prompt_tokens, device=device, gpu_bytes=card
+    )
     try:
         plan = plan_memory(model_shape(cfg), settings)
     except (OSError, ValueError, KeyError) as exc:
@@ -156,6 +189,11 @@ def print_plan(cfg: Config, *, world_size: int, prompt_tokens: int) -> None:
         print(
             f"  note: this transformers copies each layer's keys and values to every query head "
             f"while decoding; 5.23 or later does not, which would save {_size(saved)} here"
+        )
+    if settings.engine == "vllm" and device == "cuda" and not card:
+        print(
+            f"  note: the vllm engine reserves {settings.vllm_fraction:g} of the card "
+            "(vllm.gpu_memory_utilization) on top of this; no GPU here to size it"
         )
     if settings.generators:
         print(generator_line(cfg, plan, settings))
@@ -220,12 +258,12 @@ def table_settings(
     counts the keys and values transformers before 5.23 copies per query head while decoding:
     the table is the same whichever transformers prints it, and holds for all of them."""
     if recipe is None:
-        return replace(PlanSettings(), world_size=world_size)
+        return replace(PlanSettings(), world_size=world_size, device="cuda")
     tp = min(recipe.rollout.tp_size, world_size) if world_size > 1 else 1
     settings = settings_from_config(
         recipe, world_size=world_size, prompt_tokens=prompt_tokens, tp_size=tp
     )
-    return replace(settings, gqa_copy=True)
+    return replace(settings, gqa_copy=True, device="cuda")
 
 
 def table_rows(
@@ -235,14 +273,17 @@ def table_rows(
     gpu_gib: float = 80.0,
 ) -> list[dict[str, Any]]:
     """A row per model of ``KNOWN_SHAPES`` and world size, with the settings of the model's
-    recipe in ``recipes`` (by name), else the defaults."""
+    recipe in ``recipes`` (by name), else the defaults; ``gpu_gib``: cards sold as that many
+    GB (an "80 GB" card offers 79.65 GiB)."""
+    usable = usable_gib(gpu_gib)
     rows = []
     for name in names:
         shape = ModelShape.from_hf_config(KNOWN_SHAPES[name])
         for w in world_sizes:
-            plan = plan_memory(shape, table_settings(w, recipes.get(name)))
-            row = {"model": name, "gpus": w, "gpu_gib": gpu_gib}
-            rows.append(row | plan_row(plan, gpu_gib=gpu_gib))
+            settings = replace(table_settings(w, recipes.get(name)), gpu_bytes=int(usable * GIB))
+            plan = plan_memory(shape, settings)
+            row = {"model": name, "gpus": w, "gpu_gib": gpu_gib, "usable_gib": usable}
+            rows.append(row | plan_row(plan, gpu_gib=usable))
     return rows
 
 
@@ -259,9 +300,11 @@ _COLUMNS = (
     ("output head", "output_head_gib"),
     ("KV cache", "kv_cache_gib"),
     ("decoding workspace", "decode_workspace_gib"),
+    ("CUDA runtime, NCCL", "runtime_gib"),
+    ("allocator's reserve", "allocator_slack_gib"),
     ("peak in training", "peak_train_gib"),
     ("peak in generation", "peak_generate_gib"),
-    ("fits 80 GB", ""),
+    ("fits 80 GB (79.65 GiB)", ""),
     ("host while loading", "load_host_gib"),
 )
 
@@ -275,7 +318,7 @@ def _settings_cell(row: Mapping[str, Any]) -> str:
 def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """GiB per GPU of ``table_rows`` (docs/scale-out.md's table)."""
     lines = ["| " + " | ".join(title for title, _ in _COLUMNS) + " |"]
-    left = ("model", "settings", "fits 80 GB")
+    left = ("model", "settings", "fits 80 GB (79.65 GiB)")
     lines.append("|" + "".join("---|" if t in left else "---:|" for t, _ in _COLUMNS))
     for row in rows:
         states = row["weights_gib"] + row["gradients_gib"] + row["optimizer_gib"]
@@ -283,7 +326,9 @@ def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
             "params": f"{row['params'] / 1e9:.2f}B",
             "settings": _settings_cell(row),
             "weights + grads + AdamW": f"{states:.2f}",
-            "fits 80 GB": f"yes ({row['spare_gib']:.2f} spare)" if row["fits"] else "no",
+            "fits 80 GB (79.65 GiB)": f"yes ({row['spare_gib']:.2f} spare)"
+            if row["fits"]
+            else "no",
         }
         cells = [
             computed.get(title) or (f"{row[key]:.2f}" if key.endswith("_gib") else str(row[key]))

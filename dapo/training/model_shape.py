@@ -5,7 +5,7 @@ tests check Qwen2.5's published counts), and the shapes of four Qwen2.5 models."
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
@@ -40,6 +40,8 @@ class ModelShape:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    model_type: str = field(default="", compare=False)
+    """``config.json``'s ``model_type`` (which decoding path runs it), when known."""
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any]) -> ModelShape:
@@ -64,6 +66,7 @@ class ModelShape:
             o_bias=kind != "qwen2" and attention_bias,
             mlp_bias=kind == "llama" and bool(config.get("mlp_bias", False)),
             qk_norm=kind == "qwen3",
+            model_type=kind,
         )
 
     @property

@@ -48,6 +48,23 @@ class PlanSettings:
     and the rest is frozen; 0: every weight trains."""
     lora_targets: tuple[str, ...] = ()
     """``model.lora.target_modules``."""
+    device: str = ""
+    """Where the run computes: on ``cuda`` the CUDA runtime, NCCL's buffers and the caching
+    allocator's reserve count (:mod:`dapo.training.fixed_memory`); ``cpu`` or unstated (""),
+    the run's tensors alone."""
+    engine: str = "dapo"
+    """``rollout.engine``: ``vllm`` holds a reservation of its own in place of the native
+    engine's KV cache and workspace."""
+    vllm_fraction: float = 0.5
+    """``vllm.gpu_memory_utilization``: the share of the card vLLM reserves."""
+    vllm_sleep: bool = True
+    """``vllm.sleep``: vLLM frees its reservation (but a little) while the trainer trains."""
+    cuda_graphs: bool = True
+    """``rollout.cuda_graphs``: on CUDA the native engine decodes a Llama, Qwen2 or Qwen3 on its
+    own static step, which never copies keys and values per query head."""
+    gpu_bytes: int = 0
+    """The card's memory as the driver reports it (0: not known; the vllm engine's
+    reservation, a share of it, is then left out, and the dry run says so)."""
     gqa_copy: bool = True
     """The installed transformers copies a layer's keys and values to every query head while
     decoding (before 5.23; :func:`transformers_copies_gqa`): True, the upper bound, by default."""
