@@ -233,38 +233,87 @@ class _Done:
         return None
 
 
-def test_weights_are_sent_on_the_ranks_device_and_load_into_a_generator_copy(monkeypatch):
-    """Every tensor trainer rank 0 broadcasts is made on the run's device (meta stands in for
-    a GPU, which a CPU build cannot make); on the CPU, the buckets a generator receives fill
-    its copy with the trainer's weights in its dtype, and -1 then says stop."""
+def test_weights_are_sent_from_host_memory_and_load_into_a_generator_copy(monkeypatch):
+    """Every tensor trainer rank 0 broadcasts is in host memory (the sync group is gloo: no
+    transfer holds a kernel on a GPU); the buckets a generator receives fill its copy with the
+    trainer's weights in its dtype, and -1 then says stop, its buckets following unread."""
     sent: list[torch.Tensor] = []
 
     def send(tensor, src, group=None, async_op=False):
-        sent.append(tensor if tensor.is_meta else tensor.clone())
+        sent.append(tensor.clone())
         return _Done()
 
     monkeypatch.setattr(weight_sync.torch_dist, "broadcast", send)
     trainer = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 100))
-    weight_sync.Sender(torch.bfloat16, torch.device("meta")).send(trainer, 3)
-    assert [t.device.type for t in sent] == ["meta", "meta"]  # the version, one bucket
-    assert [t.dtype for t in sent] == [torch.long, torch.bfloat16]
-    sent.clear()
     sender = weight_sync.Sender(torch.bfloat16, torch.device("cpu"))
     sender.send(trainer, 3)
-    sender.stop()
+    sender.stop(trainer)
     sender.finish()
+    assert [t.device.type for t in sent] == ["cpu"] * 4  # version, bucket; stop, bucket
+    assert [t.dtype for t in sent] == [torch.long, torch.bfloat16] * 2
+    assert sent[2].item() == weight_sync.STOP and not sent[3].any()
     generator = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 100))
     generator = generator.to(torch.bfloat16).requires_grad_(False)
     for p in generator.parameters():
         p.zero_()
     queue = iter(sent)
-    monkeypatch.setattr(
-        weight_sync.torch_dist, "broadcast", lambda t, src, group=None: t.copy_(next(queue))
-    )
-    assert weight_sync.receive(generator, torch.device("cpu")) == 3
+
+    def receive(tensor, src, group=None, async_op=False):
+        tensor.copy_(next(queue))
+        return _Done()
+
+    monkeypatch.setattr(weight_sync.torch_dist, "broadcast", receive)
+    receiver = weight_sync.Receiver(generator, torch.device("cpu"))
+    assert receiver.take() == 3
     for mine, theirs in zip(generator.parameters(), trainer.parameters(), strict=True):
         assert torch.equal(mine, theirs.detach().to(torch.bfloat16))
-    assert weight_sync.receive(generator, torch.device("cpu")) == weight_sync.STOP
+    assert receiver.take() == weight_sync.STOP
+    assert next(queue, None) is None  # every message was posted for, in full
+
+
+def _busy_generator_rank(rank: int, port: int, busy_s: float, out: str) -> None:
+    """Rank 0 trains and sends weights (version 1); rank 1 generates for ``busy_s`` before
+    it needs them. Rank 0 records how long its broadcast took to finish."""
+    from dapo import dist
+
+    env = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": 2, "MASTER_PORT": port}
+    os.environ.update({k: str(v) for k, v in env.items()}, MASTER_ADDR="127.0.0.1")
+    dist.init_from_env(timeout_s=30.0, wait_timeout_s=60.0)
+    try:
+        roles.split(1, wait_timeout_s=60.0)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 3))
+        if rank == 0:
+            sender = weight_sync.Sender(torch.float32, torch.device("cpu"))
+            t0 = time.perf_counter()
+            sender.send(model, 1)
+            sender.finish()  # done when the generator has received, not when it takes
+            Path(out).write_text(f"{time.perf_counter() - t0:.3f}")
+            sender.stop(model)
+            sender.finish()
+        else:
+            copy = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 3))
+            copy.requires_grad_(False)
+            receiver = weight_sync.Receiver(copy, torch.device("cpu"))
+            time.sleep(busy_s)  # drawing a step with the weights it has
+            assert receiver.take() == 1
+            pairs = zip(copy.parameters(), model.parameters(), strict=True)
+            assert all(torch.equal(a, b) for a, b in pairs)
+            assert receiver.take() == weight_sync.STOP
+    finally:
+        roles.forget()
+        dist.shutdown()
+
+
+def test_the_trainers_broadcast_is_done_while_the_generator_is_still_drawing(tmp_path):
+    """The generator posts its receives of the next weights as soon as it has taken the last
+    ones, so trainer rank 0's broadcast ends at once, not when the generator next needs the
+    weights (4 s later here): nothing of it waits on rank 0 meanwhile (issue 44, item 3)."""
+    from helpers import spawn_ranks
+
+    seconds = tmp_path / "seconds"
+    spawn_ranks(_busy_generator_rank, 4.0, str(seconds))
+    assert float(seconds.read_text()) < 2.0
 
 
 def _late_rollouts_rank(rank: int, port: int, delay_s: float) -> None:

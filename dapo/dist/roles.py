@@ -88,9 +88,9 @@ def split(rollout_ranks: int, *, wait_timeout_s: float) -> Roles | None:
             torch_dist.new_group(ranks),
             torch_dist.new_group(ranks, backend="gloo", timeout=waits),
         )
-    # The sync group waits as long as the generators may: trainer rank 0 blocks in it only
-    # when it has more weights to send than the generators have taken (never at k >= 1).
-    _sync = torch_dist.new_group([0, *generators], timeout=waits)
+    # The sync group waits as long as the generators may, and is gloo: the weights travel
+    # through host memory (dapo.dist.weight_sync), so no transfer holds a kernel on a GPU.
+    _sync = torch_dist.new_group([0, *generators], backend="gloo", timeout=waits)
     _rollouts = torch_dist.new_group(list(range(roles.world)), backend="gloo", timeout=waits)
     dist.use_groups(*made["generate" if roles.generates(me) else "train"])
     _roles = roles

@@ -2,10 +2,20 @@
 
 After an update every trainer rank takes part in gathering each parameter whole from the FSDP
 shards (a collective of the trainers), one bucket of parameters at a time; trainer rank 0
-copies each bucket into one flat buffer in the generators' dtype and broadcasts it in the sync
-group (:func:`dapo.dist.roles.sync_group`) without waiting: the trainer goes on training while
-the generators take the weights when the step they draw next needs them. A broadcast of one
-number, the version (the steps trained), goes first; -1 tells the generators to stop.
+copies each bucket into one flat buffer in the generators' dtype, brings it to host memory and
+broadcasts it in the sync group (:func:`dapo.dist.roles.sync_group`) without waiting: the
+trainer goes on training while the generators take the weights when the step they draw next
+needs them. A broadcast of one number, the version (the steps trained), goes first; -1 tells
+the generators to stop (its buckets follow, unread, so that every message has one shape).
+
+The weights travel through host memory (gloo), not NCCL, and a generator posts its receives
+of the next version as soon as it has taken one (:class:`Receiver`), into buffers of its own
+in host memory. So no transfer waits on a GPU: an NCCL broadcast started on trainer rank 0
+and taken by the generators a step later would hold its kernel on rank 0's GPU meanwhile,
+and any device-wide synchronisation there (``torch.cuda.empty_cache`` before a vLLM engine
+wakes, for one) would wait for the generators, while the other trainers waited on rank 0 in
+their collectives (issue 44). Host memory holds, on trainer rank 0, the versions not yet
+taken (up to ``train.async_staleness``) and, on a generator, one version being received.
 
 Both sides cut the parameters into the same buckets, in ``named_parameters`` order (a tied
 weight once), so nothing but the tensors' bytes travels.
@@ -55,7 +65,8 @@ def buckets(
 
 class Sender:
     """The trainers' side: every trainer rank calls :meth:`send` (the gather is theirs);
-    trainer rank 0 broadcasts, keeping each bucket until its broadcast is done."""
+    trainer rank 0 broadcasts from host memory, keeping each bucket until its broadcast is
+    done."""
 
     def __init__(
         self, dtype: torch.dtype, device: torch.device, names: set[str] | None = None
@@ -79,18 +90,24 @@ class Sender:
         t0 = time.perf_counter()
         self._release()
         if self.sends:
-            self._broadcast(torch.tensor([version], dtype=torch.long, device=self.device))
+            self._broadcast(torch.tensor([version], dtype=torch.long))
         for bucket in buckets(model, self.dtype, names=self.names):
             parts = [p.full_tensor() if isinstance(p, DTensor) else p for _, p in bucket]
             if self.sends:
-                flat = torch.cat([t.detach().reshape(-1).to(self.device, self.dtype) for t in parts])
-                self._broadcast(flat)
+                # Cast and joined on the run's device, then one copy to the host.
+                flat = torch.cat(
+                    [t.detach().reshape(-1).to(self.device, self.dtype) for t in parts]
+                )
+                self._broadcast(flat.cpu())
         return time.perf_counter() - t0
 
-    def stop(self) -> None:
-        """Tell the generators there are no more weights to wait for."""
+    def stop(self, model: torch.nn.Module) -> None:
+        """Tell the generators there are no more weights to wait for (a message of the usual
+        shape: ``model``'s buckets follow the -1, zeros)."""
         if self.sends:
-            self._broadcast(torch.tensor([STOP], dtype=torch.long, device=self.device))
+            self._broadcast(torch.tensor([STOP], dtype=torch.long))
+            for bucket in buckets(model, self.dtype, names=self.names):
+                self._broadcast(torch.zeros(sum(p.numel() for _, p in bucket), dtype=self.dtype))
 
     def finish(self) -> None:
         """Wait until every broadcast started is done."""
@@ -98,22 +115,51 @@ class Sender:
             self.pending.popleft()[0].wait()
 
 
-@torch.no_grad()
+class Receiver:
+    """A generator's side: the receives of the next message posted at once, into host
+    buffers, and taken (loaded into ``model``, whose parameters are in the dtype the trainers
+    send; those in ``names``, as the trainers' Sender has them) when a step needs them."""
+
+    def __init__(
+        self, model: torch.nn.Module, device: torch.device, names: set[str] | None = None
+    ) -> None:
+        self.model, self.device = model, device
+        dtype = next(model.parameters()).dtype
+        self.buckets = buckets(model, dtype, names=names)
+        self.header = torch.empty(1, dtype=torch.long)
+        self.flats = [torch.empty(sum(p.numel() for _, p in b), dtype=dtype) for b in self.buckets]
+        self.works: list = []
+        self._post()
+
+    def _post(self) -> None:
+        group = roles.sync_group()
+        self.works = [
+            torch_dist.broadcast(t, src=0, group=group, async_op=True)
+            for t in (self.header, *self.flats)
+        ]
+
+    @torch.no_grad()
+    def take(self, *, post_next: bool = True) -> int:
+        """The next version the trainers send, loaded into the model (and, ``post_next``, the
+        receives of the message after it posted); :data:`STOP` when they have stopped."""
+        for work in self.works:
+            work.wait()
+        self.works = []
+        version = int(self.header.item())
+        if version == STOP:
+            return STOP
+        for bucket, flat in zip(self.buckets, self.flats, strict=True):
+            offset = 0
+            for _, p in bucket:
+                # A blocking copy: the buffer is free for the next message once it returns.
+                p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+        if post_next:
+            self._post()
+        return version
+
+
 def receive(model: torch.nn.Module, device: torch.device, names: set[str] | None = None) -> int:
-    """A generator's side: the next version the trainers send, loaded into ``model`` (its
-    parameters in the dtype the trainers send; those in ``names``, as the trainers' Sender
-    has them); :data:`STOP` when they have stopped."""
-    header = torch.empty(1, dtype=torch.long, device=device)
-    torch_dist.broadcast(header, src=0, group=roles.sync_group())
-    version = int(header.item())
-    if version == STOP:
-        return STOP
-    dtype = next(model.parameters()).dtype
-    for bucket in buckets(model, dtype, names=names):
-        flat = torch.empty(sum(p.numel() for _, p in bucket), dtype=dtype, device=device)
-        torch_dist.broadcast(flat, src=0, group=roles.sync_group())
-        offset = 0
-        for _, p in bucket:
-            p.copy_(flat[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
-    return version
+    """One message, received and taken at once (what :class:`Receiver` does, posting no
+    receives ahead)."""
+    return Receiver(model, device, names).take(post_next=False)

@@ -43,11 +43,12 @@ def usable_gib(nominal_gb: float) -> float:
 
 
 def communicators(s: PlanSettings) -> int:
-    """NCCL communicators a trainer rank belongs to: the job's (FSDP's collectives), a
-    tensor-parallel group's, and the weight-sync group's with generator ranks."""
+    """NCCL communicators a trainer rank belongs to: the job's (FSDP's collectives; with
+    generator ranks, the job's and the trainers' own) and a tensor-parallel group's. The
+    weights go to generator ranks over gloo (:mod:`dapo.dist.weight_sync`): no NCCL."""
     if not s.sharded and not s.generators:
         return 0
-    return int(s.sharded or s.generators > 0) + int(s.tp_size > 1) + int(s.generators > 0)
+    return 1 + int(s.generators > 0) + int(s.tp_size > 1)
 
 
 def runtime_bytes(s: PlanSettings) -> int:

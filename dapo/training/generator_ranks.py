@@ -138,7 +138,7 @@ class GeneratorRanks:
 
     def close(self) -> None:
         """Stop the generators: take what they still draw, then the stop signal."""
-        self.sender.stop()
+        self.sender.stop(self.state.model)
         self._catch_up()
         self.sender.finish()
 
@@ -199,13 +199,16 @@ def serve(drawer: Drawer, *, staleness: int, steps: int, device: torch.device) -
     trainers = roles.roles().trainers
     sends = dist.global_rank() == roles.roles().first_generator
     moving = lora.moving_names(drawer.model)  # with LoRA only the adapters move
+    # Posted now, and again after each version is taken: the trainers' broadcast is done
+    # while this rank draws (weight_sync: nothing waits on a GPU).
+    weights = weight_sync.Receiver(drawer.model, device, moving)
     version, pending = -1, []
     step = int(start["next"])
     while step < limit:
         t0 = time.perf_counter()
         had = version
         while version < max(0, step - k):
-            version = weight_sync.receive(drawer.model, device, moving)
+            version = weights.take()
             if version == weight_sync.STOP:
                 return roles.wait_sent(pending)
         if version != had:  # an engine with weights of its own (vllm) loads the new ones
@@ -229,7 +232,7 @@ def serve(drawer: Drawer, *, staleness: int, steps: int, device: torch.device) -
             for dst in range(trainers):
                 roles.send_bytes(message, dst, pending)
         step += 1
-    while weight_sync.receive(drawer.model, device, moving) != weight_sync.STOP:
+    while weights.take() != weight_sync.STOP:
         pass  # weights no step needs (a trainer past the limit): taken, unused
     roles.wait_sent(pending)
 

@@ -261,9 +261,9 @@ def plan_memory(shape: ModelShape, settings: PlanSettings) -> MemoryPlan:
         reference=math.ceil(p * frozen / w) if s.reference and not a else 0,
         load_host=load_host_bytes(shape, s),
         # Whole copies kept to generate ahead: in one process the generator's and up to k
-        # clones of what moves; with generator ranks, on trainer rank 0, the versions sent
-        # and not yet taken (up to k; one while the roles take turns).
-        ahead=moving * max(1, k) if s.generators else (p * frozen + k * moving if k else 0),
+        # clones of what moves. With generator ranks the versions sent and not yet taken
+        # wait in trainer rank 0's host memory (dapo.dist.weight_sync): none on the GPU.
+        ahead=0 if s.generators else (p * frozen + k * moving if k else 0),
         runtime=fixed_memory.runtime_bytes(s),
         allocator_slack=math.ceil(slack) if s.device == "cuda" else 0,
         vllm_generating=vllm_generating,
@@ -272,20 +272,17 @@ def plan_memory(shape: ModelShape, settings: PlanSettings) -> MemoryPlan:
 
 
 def generator_bytes(shape: ModelShape, s: PlanSettings) -> dict[str, int]:
-    """A generator rank's memory (``dist.rollout_ranks``), ``s`` being its settings (world
-    size 1, its rows): the policy whole in the frozen dtype, the KV cache and the decoding
-    workspace of its rows, and one bucket of weights being received."""
-    from dapo.dist.weight_sync import BUCKET_BYTES
-
+    """A generator rank's GPU memory (``dist.rollout_ranks``), ``s`` being its settings
+    (world size 1, its rows): the policy whole in the frozen dtype, the KV cache and the
+    decoding workspace of its rows. The next weights arrive in its host memory (one version
+    of what moves: :mod:`dapo.dist.weight_sync`), not on the GPU."""
     frozen = 2 if s.compute_dtype == "bfloat16" else DTYPE_BYTES[s.param_dtype]
     compute = DTYPE_BYTES[s.compute_dtype]
     tokens = s.prompt_tokens + s.max_new_tokens
-    bucket = min(shape.num_parameters * frozen, max(BUCKET_BYTES, shape.largest_tensor * frozen))
     return {
         "policy": shape.num_parameters * frozen,
         "kv_cache": kv_cache_bytes(shape, tokens=tokens, rows=s.rows, compute=compute),
         "decode_workspace": decode_workspace_bytes(shape, s, compute=compute),
-        "bucket": bucket,
     }
 
 

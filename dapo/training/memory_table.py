@@ -215,11 +215,11 @@ def generator_line(cfg: Config, plan: MemoryPlan, trainer: PlanSettings) -> str:
     gen = replace(trainer, world_size=1, rows=rows_per_rank(cfg, r), tp_size=1, generators=0)
     parts = generator_bytes(plan.shape, gen)
     names = {"policy": "the policy, whole", "kv_cache": f"KV cache ({gen.rows} rows)"}
-    names |= {"decode_workspace": "decoding workspace", "bucket": "a bucket of weights"}
+    names |= {"decode_workspace": "decoding workspace"}
     text = " + ".join(f"{names[k]} {_size(v).strip()}" for k, v in parts.items())
     return (
         f"  a generator rank (dist.rollout_ranks={r}; the table is a trainer rank's): {text} "
-        f"= {_size(sum(parts.values())).strip()}"
+        f"= {_size(sum(parts.values())).strip()} (the next weights arrive in host memory)"
     )
 
 
