@@ -75,19 +75,20 @@ def test_the_copied_constant_is_the_engines():
 
 def test_the_cuda_graph_path_copies_no_keys_per_query_head():
     """On CUDA the native engine decodes a whole Qwen2 on its own step: the workspace has no
-    per-head copy whatever transformers is installed; a tensor-parallel copy, LoRA or the
-    eager loop (rollout.cuda_graphs=false) go through transformers' forward."""
+    per-head copy whatever transformers is installed (LoRA's adapters merged); a
+    tensor-parallel copy or the eager loop (rollout.cuda_graphs=false) go through
+    transformers' forward."""
     shape = ModelShape.from_hf_config(KNOWN_SHAPES["qwen2.5-0.5b"])
     base = PlanSettings(gqa_copy=True, device="cuda")
     assert not gpu_memory.copies_gqa(shape, base)
     for eager in (
         dict(cuda_graphs=False),
         dict(device="cpu"),
-        dict(lora_rank=8),
         dict(engine="hf"),
     ):
         assert gpu_memory.copies_gqa(shape, replace(base, **eager))
     assert gpu_memory.copies_gqa(shape, replace(base, world_size=2, tp_size=2))
+    assert not gpu_memory.copies_gqa(shape, replace(base, lora_rank=8))
     assert not gpu_memory.copies_gqa(shape, replace(base, gqa_copy=False, cuda_graphs=False))
 
 

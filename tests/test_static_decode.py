@@ -20,6 +20,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from dapo.models import lora
 from dapo.models.logprobs import autocast
 from dapo.rollout import make_engine, sampling, static_decode
 from dapo.rollout.decoder_step import DecoderStep, unsupported_reason
@@ -201,12 +202,56 @@ def test_the_models_it_refuses_and_the_engine_falls_back():
     assert make_engine("dapo", model_of("qwen2"), _Tok()).static_path() is False  # a CPU
 
 
-def test_lora_adapters_are_refused():
+def lora_model(seed: int = 0) -> torch.nn.Module:
+    """The tiny Qwen2 with rank-4 adapters (peft, as ``model.lora`` injects them) on the
+    attention's q and v and the MLP's down projection, B drawn so that they matter."""
     peft = pytest.importorskip("peft")
-    model = peft.get_peft_model(
-        model_of("qwen2"), peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"])
-    ).base_model.model
-    assert "not a plain Linear" in unsupported_reason(model)
+    model = model_of("qwen2")
+    settings = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    peft.inject_adapter_in_model(settings, model)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.2)
+    return model.eval()
+
+
+def test_lora_decodes_from_merged_weights_as_the_adapters_do():
+    model = lora_model()
+    assert unsupported_reason(model) is None
+    assert DecoderStep(model, None).fuse  # merged into a copy, even in float32
+    eager, static = both(model, top_p=0.9, seed=[7, 8, 9])
+    assert torch.equal(static[0], eager[0])
+    torch.testing.assert_close(static[1], eager[1], rtol=0, atol=1e-5)
+
+
+def test_merged_weights_do_not_drift_over_many_updates():
+    """Twenty updates of the adapters (in place, as AdamW makes them): each rollout's step
+    merges them afresh into its own copy, and its logits stay the adapters' own; the base
+    weights are never touched."""
+    model = lora_model(seed=1)
+    base = {n: p.clone() for n, p in model.named_parameters() if "lora_" not in n}
+    ids, mask = prompts()
+    for update in range(20):
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_" in name:
+                    p.add_(torch.randn_like(p), alpha=0.05)
+        eager, static = both(model, new_tokens=6, seed=[update, 1, 2])
+        assert torch.equal(static[0], eager[0]), update
+        torch.testing.assert_close(static[1], eager[1], rtol=0, atol=1e-5)
+    assert all(torch.equal(p, base[n]) for n, p in model.named_parameters() if n in base)
+
+
+def test_adapters_it_cannot_merge_are_refused():
+    model = lora_model()
+    with lora.adapters_off(model):  # the reference of a KL term: the base alone
+        assert "one active, unmerged adapter" in unsupported_reason(model)
+    assert unsupported_reason(model) is None
+    layer = model.model.layers[0].self_attn.q_proj
+    layer.use_dora[layer.active_adapters[0]] = True
+    assert "DoRA" in unsupported_reason(model)
 
 
 class _Tok:

@@ -49,8 +49,9 @@ them with the sequence length, a read on the host)."""
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why :class:`DecoderStep` cannot run ``model`` (None when it can): another architecture,
-    a sliding window, length-dependent rotary embeddings, or modules whose forward was
-    replaced or whose weights are sharded (tensor-parallel copies, FSDP, adapters)."""
+    a sliding window, length-dependent rotary embeddings, projections that are neither plain
+    nor LoRA Linears (:func:`linear_reason`), or modules whose forward was replaced or whose
+    weights are sharded (tensor-parallel copies, FSDP)."""
     config = getattr(model, "config", None)
     kind = getattr(config, "model_type", None)
     if kind not in SUPPORTED_MODEL_TYPES:
@@ -67,12 +68,44 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     for i, layer in enumerate(getattr(decoder, "layers", ())):
         for name in PROJECTIONS:
             part, _, proj = name.partition(".")
-            module = getattr(getattr(layer, part, None), proj, None)
-            if type(module) is not torch.nn.Linear:
-                return f"layer {i}'s {name} is a {type(module).__name__}, not a plain Linear"
+            reason = linear_reason(getattr(getattr(layer, part, None), proj, None))
+            if reason is not None:
+                return f"layer {i}'s {name} is {reason}"
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(head) is not torch.nn.Linear:
+        return f"the output head is a {type(head).__name__}, not a plain Linear"
     if holds_dtensors(model):
         return "DTensor parameters (sharded: FSDP or tensor-parallel)"
     return None
+
+
+def linear_reason(module: torch.nn.Module | None) -> str | None:
+    """Why the step cannot take ``module``'s weight as one matrix (None when it can): a plain
+    Linear, or peft's LoRA Linear with one active adapter, not merged, not DoRA, whose merged
+    weight the step computes."""
+    if type(module) is torch.nn.Linear:
+        return None
+    base = getattr(module, "base_layer", None)
+    if type(base) is not torch.nn.Linear or not hasattr(module, "get_delta_weight"):
+        return f"a {type(module).__name__}, not a plain Linear or a LoRA one"
+    adapters = list(getattr(module, "active_adapters", ()))
+    if len(adapters) != 1 or module.disable_adapters or module.merged:
+        return "LoRA with other than one active, unmerged adapter"
+    if getattr(module, "use_dora", {}).get(adapters[0], False):
+        return "a DoRA adapter"
+    return None
+
+
+def linear_weight(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias) that ``module`` applies: a plain Linear's own, or a LoRA Linear's base
+    weight plus its adapter's ``scaling x B A`` (a new float32 tensor: the module is left as
+    it is, so nothing is merged in place and nothing can drift across updates)."""
+    if type(module) is torch.nn.Linear:
+        return module.weight.detach(), None if module.bias is None else module.bias.detach()
+    base = module.base_layer
+    delta = module.get_delta_weight(module.active_adapters[0]).detach()
+    bias = None if base.bias is None else base.bias.detach()
+    return base.weight.detach().float() + delta.float(), bias
 
 
 class DecoderStep:
@@ -109,7 +142,10 @@ class DecoderStep:
         self.compute_dtype = compute_dtype or decoder.embed_tokens.weight.dtype
         head = model.get_output_embeddings()
         copied = (*decoder.layers.parameters(), head.weight)
-        self.fuse = any(p.dtype != self.compute_dtype for p in copied) if fuse is None else fuse
+        lora = any(hasattr(m, "base_layer") for m in decoder.layers.modules())
+        if fuse is None:  # adapters are merged into a copy anyway
+            fuse = lora or any(p.dtype != self.compute_dtype for p in copied)
+        self.fuse = fuse
         """Whether the weights are copied (then fused and folded) or used as they are
         (default: copied when they are not all in the compute dtype)."""
         self.layers = [self._layer(layer) for layer in decoder.layers]
@@ -126,19 +162,14 @@ class DecoderStep:
         """(weight, bias) pairs mapping a norm's output to the outputs of ``modules`` in
         order: one matrix, fused, cast and with ``norm_weight`` folded in, when the step
         copies its weights; else each module's own weight and bias."""
+        pairs = [linear_weight(m) for m in modules]
         if not self.fuse:
-            return [
-                (m.weight.detach(), None if m.bias is None else m.bias.detach()) for m in modules
-            ]
-        weight = torch.cat([m.weight.detach() for m in modules]) * norm_weight.detach()
-        biases = [m.bias for m in modules]
-        if all(b is None for b in biases):
+            return pairs
+        weight = torch.cat([w.to(norm_weight.dtype) for w, _ in pairs]) * norm_weight.detach()
+        if all(b is None for _, b in pairs):
             return [(self._cast(weight), None)]
-        parts = [
-            m.weight.new_zeros(m.out_features) if b is None else b
-            for m, b in zip(modules, biases, strict=True)
-        ]
-        return [(self._cast(weight), self._cast(torch.cat([b.detach() for b in parts])))]
+        biases = [w.new_zeros(w.shape[0]) if b is None else b for w, b in pairs]
+        return [(self._cast(weight), self._cast(torch.cat(biases)))]
 
     def _layer(self, layer: torch.nn.Module) -> dict:
         """One layer's matrices (fused when copied) and norms (their weight None when folded)."""
@@ -149,9 +180,9 @@ class DecoderStep:
             "act": mlp.act_fn,
             "norms": [(None if self.fuse else n.weight, norm_eps(n)) for n in norms],
             "qkv": self.matrices([attn.q_proj, attn.k_proj, attn.v_proj], norms[0].weight),
-            "o": (self._cast(attn.o_proj.weight), self._cast(attn.o_proj.bias)),
+            "o": tuple(map(self._cast, linear_weight(attn.o_proj))),
             "gate_up": self.matrices([mlp.gate_proj, mlp.up_proj], norms[1].weight),
-            "down": (self._cast(mlp.down_proj.weight), self._cast(mlp.down_proj.bias)),
+            "down": tuple(map(self._cast, linear_weight(mlp.down_proj))),
             "scaling": getattr(attn, "scaling", self.head_dim**-0.5),
         }
 

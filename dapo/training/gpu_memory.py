@@ -173,10 +173,9 @@ def decode_workspace_bytes(shape: ModelShape, s: PlanSettings, *, compute: int) 
 def copies_gqa(shape: ModelShape, s: PlanSettings) -> bool:
     """Whether decoding copies a layer's keys and values to every query head: transformers'
     forward before 5.23 does (``s.gqa_copy``), the native engine's CUDA-graph step (on CUDA,
-    ``rollout.cuda_graphs``, a whole model of ``STATIC_DECODING_TYPES``: no tensor-parallel
-    copy, no adapters) never."""
-    static = s.device == "cuda" and s.engine == "dapo" and s.cuda_graphs
-    static = static and s.tp_size == 1 and not s.lora_rank
+    ``rollout.cuda_graphs``, a whole model of ``STATIC_DECODING_TYPES``, not a
+    tensor-parallel copy; LoRA adapters merged) never."""
+    static = s.device == "cuda" and s.engine == "dapo" and s.cuda_graphs and s.tp_size == 1
     return s.gqa_copy and not (static and shape.model_type in STATIC_DECODING_TYPES)
 
 
