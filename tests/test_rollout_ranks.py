@@ -345,3 +345,17 @@ def test_a_trainer_waits_for_rollouts_longer_than_the_collective_timeout():
     from helpers import spawn_ranks
 
     spawn_ranks(_late_rollouts_rank, 3.0)
+
+
+def test_a_failing_run_stops_its_source_without_waiting_on_the_generators():
+    """On an exception the loop closes its source with failed=True: the trainers then wait
+    for nothing from the generators (no rollouts drained, no broadcast finished): their exit
+    makes torchrun stop the job. An object with none of the source's parts stands in: any
+    wait would touch one and raise."""
+    from types import SimpleNamespace
+
+    from dapo.training.generator_ranks import GeneratorRanks
+
+    GeneratorRanks.close(SimpleNamespace(), failed=True)
+    with pytest.raises(AttributeError):
+        GeneratorRanks.close(SimpleNamespace())  # a run that ends well stops them first

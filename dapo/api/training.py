@@ -146,7 +146,7 @@ def run_rank(
     dist.init_from_env(timeout_s=d.timeout_s, wait_timeout_s=d.wait_timeout_s)
     watch_launcher(dist.rank())
     roles.check(d.rollout_ranks, dist.job_size())
-    roles.split(d.rollout_ranks, wait_timeout_s=d.wait_timeout_s)
+    roles.split(d.rollout_ranks, wait_timeout_s=d.wait_timeout_s, timeout_s=d.timeout_s)
     if not dist.is_main():
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
     else:
@@ -280,7 +280,8 @@ def _train(
             dist.wait_for_all(everyone=True)
         started = True
         if opened is not None and resume_dir is None:
-            rundir.finish_replacing(opened)
+            rundir.finish_replacing(opened)  # rank 0 may delete a whole replaced run here
+        dist.wait_for_all()  # the other trainers wait for it as long as that takes
         inputs = (cfg, model, tokenizer, data.train, data.val)
         options = dict(resume=bool(resume_dir), reward_fn=reward_fn, warnings=data.warnings)
         fit(*inputs, run_dir=run_dir, **options)

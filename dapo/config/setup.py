@@ -283,9 +283,11 @@ class VLLMConfig:
     enforce_eager: bool = False
     """GPU: no CUDA graphs (faster start, slower decoding). A CPU engine always runs eager."""
     sleep: bool = True
-    """GPU: release the KV cache and move the engine's weights to host memory while the
-    trainer updates (vLLM's sleep mode, level 1), and take them back before the next rollout.
-    vLLM has no sleep mode on a CPU: there this does nothing."""
+    """GPU: release the KV cache and the engine's weights while the trainer updates (vLLM's
+    sleep mode), and take them back before the next rollout: level 2 (the weights dropped,
+    reloaded from the trainer's module) for a whole model, level 1 (the weights kept in host
+    memory) when the policy is FSDP-sharded under torchrun. vLLM has no sleep mode on a CPU:
+    there this does nothing."""
 
     def check(self) -> list[str]:
         errors = []

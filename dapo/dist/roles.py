@@ -70,9 +70,13 @@ _rollouts: Any = None
 on while the generators draw a whole round (minutes at the paper's lengths)."""
 
 
-def split(rollout_ranks: int, *, wait_timeout_s: float) -> Roles | None:
+def split(
+    rollout_ranks: int, *, wait_timeout_s: float, timeout_s: float | None = None
+) -> Roles | None:
     """Give this rank its role (every rank calls it, after :func:`dapo.dist.init_from_env`);
-    None, and nothing done, without rollout ranks or a process group."""
+    None, and nothing done, without rollout ranks or a process group. The roles' own
+    collectives wait ``timeout_s`` (``dist.timeout_s``; None: torch's default), what waits
+    on the other role ``wait_timeout_s``."""
     global _roles, _sync, _rollouts
     if not rollout_ranks or not dist.active():
         return None
@@ -80,12 +84,13 @@ def split(rollout_ranks: int, *, wait_timeout_s: float) -> Roles | None:
     check(rollout_ranks, roles.world)
     me = torch_dist.get_rank()
     waits = datetime.timedelta(seconds=wait_timeout_s)
+    short = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
     trainers = list(range(roles.trainers))
     generators = list(range(roles.trainers, roles.world))
     made = {}
     for name, ranks in (("train", trainers), ("generate", generators)):
         made[name] = (
-            torch_dist.new_group(ranks),
+            torch_dist.new_group(ranks, **short),
             torch_dist.new_group(ranks, backend="gloo", timeout=waits),
         )
     # The sync group waits as long as the generators may, and is gloo: the weights travel

@@ -33,8 +33,10 @@ with its external-launcher executor, whose worker takes the GPU from ``LOCAL_RAN
 this rank's GPU while it starts; each rank's engine is then one replica of an
 external data-parallel group), and the trainer's current CUDA device, which vLLM's worker
 sets, is put back and checked. Between rollouts it sleeps at level 2 (weights and KV cache
-released, nothing copied to host memory): the weights are reloaded anyway, after every
-update, or from the trainer's module when it wakes without one. ``torch.cuda.empty_cache()``
+released, nothing copied to host memory: the weights are reloaded anyway, after every
+update, or from the trainer's module when it wakes without one) when its source is a whole
+module (one process, or a generator rank's copy under ``torchrun``), and at level 1 (the
+weights kept in host memory) when its source is FSDP-sharded. ``torch.cuda.empty_cache()``
 hands the trainer's cached blocks back before it wakes.
 
 Under ``torchrun`` the weights come straight from the FSDP2 shards, one whole tensor at a time

@@ -3,12 +3,13 @@ the CUDA runtime and NCCL's buffers (outside PyTorch's counters), what the cachi
 reserves beyond what it hands out, the vllm engine's reservation, and what a card of a given
 size really offers.
 
-Measured here: an "80 GB" H100 reports 81,559 MiB (79.65 GiB), an H200 143,771 MiB (140.4
-GiB) (nvidia-smi, 2026-11); on one H100 (2026-11-27, ``benchmarks/gpu.py``) the allocator
-reserved 1.02 GiB (Qwen2.5-0.5B shape) and 3.68 GiB (1.5B) more than the training step's
-allocated peak, 8.6% and 14.9% of the activations the plan counts. Not measured here (the
-issue's estimates, taken at the top of their range): the CUDA context with cuBLAS' and
-cuDNN's workspaces, NCCL's buffers per communicator, and what a sleeping vLLM keeps.
+Measured here: nvidia-smi shows 81,559 MiB (79.65 GiB) on an "80 GB" H100 and 143,771 MiB
+(140.4 GiB) on an H200 (2026-11), CUDA itself about 0.46 GiB less on the H100 (public logs);
+on one H100 (2026-11-27, ``benchmarks/gpu.py``) the allocator reserved 1.02 GiB
+(Qwen2.5-0.5B shape) and 3.68 GiB (1.5B) more than the training step's allocated peak, 8.6%
+and 14.9% of the activations the plan counts. Not measured here (the issue's estimates, taken
+at the top of their range): the CUDA context with cuBLAS' and cuDNN's workspaces, NCCL's
+buffers per communicator, and what a sleeping vLLM keeps.
 """
 
 from __future__ import annotations
@@ -32,9 +33,11 @@ VLLM_ASLEEP_BYTES = 2 * GIB
 """What a sleeping vllm engine (sleep level 1: KV cache freed, weights in host memory)
 keeps on the GPU: its CUDA graphs' pool, buffers and communicators."""
 
-CARD_GIB = {80: 79.65, 141: 140.4}
-"""Cards sold as N GB and the GiB they report (measured: H100 80GB, H200). Other sizes are
-taken as N x 10^9 bytes."""
+CARD_GIB = {80: 79.19, 141: 139.9}
+"""Cards sold as N GB and the GiB CUDA reports, which vLLM's reservation is a share of: an
+H100 80GB about 81,090 MiB (public logs of ``torch.cuda.get_device_properties``; nvidia-smi
+shows 81,559 MiB, measured here); an H200 143,771 MiB by nvidia-smi (measured here), less
+the same 0.46 GiB (an estimate). Other sizes are taken as N x 10^9 bytes."""
 
 
 def usable_gib(nominal_gb: float) -> float:

@@ -68,6 +68,7 @@ class GeneratorRanks:
             self.ready = {s.step: s for s in steps}
         self.received = state.step + len(self.ready) - 1  # the newest step the trainers have
         self.sent: int | None = None  # the newest weights sent
+        self.stopped = False
         self.sync_s = 0.0
         dtype = frozen_dtype(state.model, DTYPES[cfg.model.compute_dtype])
         self.sender = weight_sync.Sender(dtype, state.device, lora.moving_names(state.model))
@@ -75,6 +76,9 @@ class GeneratorRanks:
         if dist.is_main():
             start = {"next": nxt, "sampler": state.sampler.state_dict()}
             roles.broadcast_json({**start, "prior": list(self.prior)})
+        # Rank 0 has waited there for the generators to load their model: the others wait
+        # for it as long as that may take, not in the gather's short collectives.
+        dist.wait_for_all()
         if nxt < self.limit and max(0, nxt - self.k) <= state.step:
             self._send(state.step)
 
@@ -119,6 +123,11 @@ class GeneratorRanks:
         version = state.step + 1
         if version + self.k < self.limit:
             self._send(version)
+        else:
+            # No step samples from later weights: stop now, so that the receive each
+            # generator has posted for its next message is answered at once, not after the
+            # final evaluation, save and export (which may outlast its wait).
+            self._stop()
         out = drawn_ahead_metrics(state, rollouts, waited)
         out["perf/weight_sync_s"] = metrics.get("perf/weight_sync_s", 0.0) + self.sync_s
         return out
@@ -136,11 +145,20 @@ class GeneratorRanks:
         meta, tensors = rollouts_to_files([self.ready[t] for t in sorted(self.ready)])
         return {"prior": list(self.prior), "rollouts": meta}, tensors
 
-    def close(self) -> None:
-        """Stop the generators: take what they still draw, then the stop signal."""
-        self.sender.stop(self.state.model)
+    def close(self, *, failed: bool = False) -> None:
+        """Stop the generators: the stop signal (unless sent), then take what they still
+        draw. A failing run waits for nothing: its exit makes torchrun stop the job."""
+        if failed:
+            return
+        self._stop()
         self._catch_up()
         self.sender.finish()
+
+    def _stop(self) -> None:
+        """Tell the generators no more weights come (once)."""
+        if not self.stopped:
+            self.sender.stop(self.state.model)
+            self.stopped = True
 
 
 # ----------------------------------------------------------------------------- the generators

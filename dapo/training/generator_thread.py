@@ -67,6 +67,8 @@ class GeneratorThread:
         compute = DTYPES[cfg.model.compute_dtype]
         self.dtype = frozen_dtype(state.model, compute)  # as the copies under torchrun are
         model = copy.deepcopy(state.model).to(self.dtype).eval().requires_grad_(False)
+        if state.device.type == "cuda":  # made on this stream, read on the thread's own
+            torch.cuda.current_stream(state.device).synchronize()
         # Its own tokenizer too: a fast tokenizer used from two threads at once can raise
         # ("Already borrowed"), and evaluation uses the trainer's meanwhile.
         tokenizer = copy.deepcopy(state.tokenizer)
@@ -221,7 +223,7 @@ class GeneratorThread:
         meta, tensors = rollouts_to_files(drawn)
         return {"prior": prior, "rollouts": meta}, tensors
 
-    def close(self) -> None:
+    def close(self, *, failed: bool = False) -> None:
         """Stop the thread between two rounds; close its reward pool."""
         with self.cond:
             self.closing = True

@@ -195,8 +195,11 @@ def transformers_copies_gqa() -> bool:
 def generation_copy_bytes(shape: ModelShape, s: PlanSettings, *, frozen: int) -> int:
     """Under FSDP a frozen copy (``frozen`` bytes a value) to generate from, whole or with
     ``shape.tp_split_parameters`` split over ``s.tp_size`` ranks; one process generates from its
-    own module, whose compute-dtype copy under autocast this counts (none in float32)."""
+    own module, whose compute-dtype copy under autocast this counts (none in float32). The
+    vllm engine under FSDP loads its own weights from the shards (in its reservation): none."""
     master, compute = DTYPE_BYTES[s.param_dtype], DTYPE_BYTES[s.compute_dtype]
+    if s.sharded and s.engine == "vllm":
+        return 0
     if not s.sharded:
         return shape.num_parameters * compute if compute != master else 0
     split = shape.tp_split_parameters
@@ -273,15 +276,20 @@ def plan_memory(shape: ModelShape, settings: PlanSettings) -> MemoryPlan:
 def generator_bytes(shape: ModelShape, s: PlanSettings) -> dict[str, int]:
     """A generator rank's GPU memory (``dist.rollout_ranks``), ``s`` being its settings
     (world size 1, its rows): the policy whole in the frozen dtype, the KV cache and the
-    decoding workspace of its rows. The next weights arrive in its host memory (one version
-    of what moves: :mod:`dapo.dist.weight_sync`), not on the GPU."""
+    decoding workspace of its rows (or the vllm engine's reservation), the CUDA runtime on a
+    GPU. The next weights arrive in its host memory (one version of what moves:
+    :mod:`dapo.dist.weight_sync`), not on the GPU."""
     frozen = 2 if s.compute_dtype == "bfloat16" else DTYPE_BYTES[s.param_dtype]
     compute = DTYPE_BYTES[s.compute_dtype]
     tokens = s.prompt_tokens + s.max_new_tokens
+    vllm, _ = fixed_memory.vllm_bytes(s)
+    native = s.engine != "vllm"
     return {
         "policy": shape.num_parameters * frozen,
-        "kv_cache": kv_cache_bytes(shape, tokens=tokens, rows=s.rows, compute=compute),
-        "decode_workspace": decode_workspace_bytes(shape, s, compute=compute),
+        "kv_cache": native * kv_cache_bytes(shape, tokens=tokens, rows=s.rows, compute=compute),
+        "decode_workspace": native * decode_workspace_bytes(shape, s, compute=compute),
+        "vllm": vllm,
+        "runtime": fixed_memory.runtime_bytes(s),
     }
 
 

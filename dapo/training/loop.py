@@ -61,8 +61,7 @@ def fit(
     With ``resume``, the latest complete checkpoint in ``run_dir`` is restored first (the model
     given must be the starting policy: it is the KL reference) and ``metrics.jsonl`` is cut back
     to what that checkpoint had logged, so no step is missing or logged twice. ``reward_fn``
-    is the function that ``reward.function`` names, when it was given in Python.
-    """
+    is the function that ``reward.function`` names, when it was given in Python."""
     stream = stream or sys.stdout
     run_dir = Path(run_dir)
     state = build_state(cfg, model, tokenizer, train_problems)
@@ -101,10 +100,10 @@ def rollout_source(
     checkpoint holds drawn ahead, and the kept fraction their drawer had."""
     if roles.roles() is not None:  # dist.rollout_ranks: the generators are other ranks
         return GeneratorRanks(state, restored=restored)
-    if state.cfg.train.async_staleness:
-        pool = make_pool() if make_pool else None
-        return GeneratorThread(state, pool=pool, threads=threads, restored=restored)
-    return InTurn()
+    if not state.cfg.train.async_staleness:
+        return InTurn()
+    pool = make_pool() if make_pool else None
+    return GeneratorThread(state, pool=pool, threads=threads, restored=restored)
 
 
 class _Loop:
@@ -177,7 +176,7 @@ class _Loop:
         if self.live:
             self.progress = LiveProgress(total=cfg.train.steps, done=state.step, stream=self.stream)
             state.on_phase = self.progress.phase
-        stop = GracefulStop()
+        stop, failed = GracefulStop(), True  # failed until the steps end: the source stops
         try:
             with stop:
                 if not resume:
@@ -188,6 +187,7 @@ class _Loop:
                         f"(avg@{cfg.eval.num_samples} over {len(self.val_problems)} problems)"
                     )
                 self.steps(stop)
+            failed = False
         except StepAborted:
             ckpt = checkpoint.read_pointer(self.run_dir)
             where = f"the last checkpoint is {ckpt.name}" if ckpt else "no checkpoint was written"
@@ -197,7 +197,7 @@ class _Loop:
                 stop.signum or 2,
             ) from None
         finally:
-            self.source.close()
+            self.source.close(failed=failed)
             self.logger.close()
             if self.progress is not None:
                 self.progress.close()

@@ -184,6 +184,12 @@ def print_plan(cfg: Config, *, world_size: int, prompt_tokens: int) -> None:
         print(f"memory plan: not available ({exc})")
         return
     print(format_plan(plan))
+    if card:
+        spare = (card - plan.total) / GIB
+        verdict = "fits" if spare >= SPARE_GIB else f"leaves less than the {SPARE_GIB:g} GiB asked"
+        print(f"  this machine's GPU: {card / GIB:.2f} GiB, {spare:.2f} GiB spare: {verdict}")
+    elif device == "cuda":
+        print("  no GPU here: python -m dapo.memory_plan --config RECIPE plans a recipe's card")
     packed = plan_memory(plan.shape, replace(settings, gqa_copy=False))
     if (saved := plan.decode_workspace - packed.decode_workspace) > 0:
         print(
@@ -215,8 +221,9 @@ def generator_line(cfg: Config, plan: MemoryPlan, trainer: PlanSettings) -> str:
     gen = replace(trainer, world_size=1, rows=rows_per_rank(cfg, r), tp_size=1, generators=0)
     parts = generator_bytes(plan.shape, gen)
     names = {"policy": "the policy, whole", "kv_cache": f"KV cache ({gen.rows} rows)"}
-    names |= {"decode_workspace": "decoding workspace"}
-    text = " + ".join(f"{names[k]} {_size(v).strip()}" for k, v in parts.items())
+    names |= {"decode_workspace": "decoding workspace", "vllm": "the vllm engine"}
+    names |= {"runtime": "CUDA runtime"}
+    text = " + ".join(f"{names[k]} {_size(v).strip()}" for k, v in parts.items() if v)
     return (
         f"  a generator rank (dist.rollout_ranks={r}; the table is a trainer rank's): {text} "
         f"= {_size(sum(parts.values())).strip()} (the next weights arrive in host memory)"
@@ -274,7 +281,7 @@ def table_rows(
 ) -> list[dict[str, Any]]:
     """A row per model of ``KNOWN_SHAPES`` and world size, with the settings of the model's
     recipe in ``recipes`` (by name), else the defaults; ``gpu_gib``: cards sold as that many
-    GB (an "80 GB" card offers 79.65 GiB)."""
+    GB (an "80 GB" card offers 79.19 GiB to CUDA)."""
     usable = usable_gib(gpu_gib)
     rows = []
     for name in names:
@@ -304,7 +311,7 @@ _COLUMNS = (
     ("allocator's reserve", "allocator_slack_gib"),
     ("peak in training", "peak_train_gib"),
     ("peak in generation", "peak_generate_gib"),
-    ("fits 80 GB (79.65 GiB)", ""),
+    ("fits 80 GB (79.19 GiB)", ""),
     ("host while loading", "load_host_gib"),
 )
 
@@ -318,7 +325,7 @@ def _settings_cell(row: Mapping[str, Any]) -> str:
 def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """GiB per GPU of ``table_rows`` (docs/scale-out.md's table)."""
     lines = ["| " + " | ".join(title for title, _ in _COLUMNS) + " |"]
-    left = ("model", "settings", "fits 80 GB (79.65 GiB)")
+    left = ("model", "settings", "fits 80 GB (79.19 GiB)")
     lines.append("|" + "".join("---|" if t in left else "---:|" for t, _ in _COLUMNS))
     for row in rows:
         states = row["weights_gib"] + row["gradients_gib"] + row["optimizer_gib"]
@@ -326,7 +333,7 @@ def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
             "params": f"{row['params'] / 1e9:.2f}B",
             "settings": _settings_cell(row),
             "weights + grads + AdamW": f"{states:.2f}",
-            "fits 80 GB (79.65 GiB)": f"yes ({row['spare_gib']:.2f} spare)"
+            "fits 80 GB (79.19 GiB)": f"yes ({row['spare_gib']:.2f} spare)"
             if row["fits"]
             else "no",
         }

@@ -85,8 +85,9 @@ class RolloutSource(Protocol):
         tensors) for the checkpoint; None when nothing is drawn ahead."""
         ...
 
-    def close(self) -> None:
-        """Stop drawing, between two rounds."""
+    def close(self, *, failed: bool = False) -> None:
+        """Stop drawing, between two rounds; ``failed``: the run is failing, and nothing
+        that waits on another process may be waited for."""
         ...
 
 
@@ -146,7 +147,7 @@ class InTurn:
     def settle(self, state: TrainState) -> None:
         return None
 
-    def close(self) -> None:
+    def close(self, *, failed: bool = False) -> None:
         pass
 
 
