@@ -285,6 +285,13 @@ def wait_for_all(*, everyone: bool = False) -> None:
         torch_dist.barrier(group=_long_waits if everyone else (_role_waits or _long_waits))
 
 
+def wait_group() -> Any:
+    """The role's group of :func:`wait_for_all` (gloo, ``dist.wait_timeout_s``): for
+    coordination that waits on another rank's solo work (a checkpoint's shards written or
+    read at each rank's own pace)."""
+    return _role_waits or _long_waits
+
+
 def share(n: int) -> range:
     """This rank's contiguous part of ``n`` items split in rank order, the parts' sizes
     differing by at most one."""

@@ -202,7 +202,9 @@ def save(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
     optim_tensors, optim_json = split_optimizer_state(optim_sd)
     state = {"model": model_sd, "optim": optim_tensors}
     writer = HuggingFaceStorageWriter(str(path), save_distributed=True)
-    dcp.save(state, storage_writer=writer, process_group=dist.group())
+    # Coordinated on the patient group: a rank that has written its shards waits there for
+    # the slowest writer, for as long as dist.wait_timeout_s, not the collectives' timeout.
+    dcp.save(state, storage_writer=writer, process_group=dist.wait_group())
     if dist.is_main():
         (Path(path) / OPTIMIZER_JSON).write_text(json.dumps(optim_json) + "\n")
     dist.barrier()
@@ -228,7 +230,7 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
             state,
             storage_reader=SafeReader(str(path)),
             planner=TensorsOnlyPlanner(),
-            process_group=dist.group(),
+            process_group=dist.wait_group(),  # each rank reads its shards at its own pace
         )
     try:
         optim_json = json.loads((Path(path) / OPTIMIZER_JSON).read_text())
