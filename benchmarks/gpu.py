@@ -175,6 +175,21 @@ def mib(n: float | None) -> float | None:
     return None if n is None else round(n / MIB, 1)
 
 
+def best_seconds(device: torch.device, work: Callable[[], Any], batches: int, reps: int) -> float:
+    """Seconds of one ``work()``: the best of ``batches`` timed batches of ``reps`` calls,
+    after one untimed call (which picks and loads its kernels)."""
+    work()
+    best = float("inf")
+    for _ in range(batches):
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            work()
+        sync(device)
+        best = min(best, (time.perf_counter() - t0) / reps)
+    return best
+
+
 def matmul_peak(
     device: torch.device, dtype: torch.dtype, n: int, *, batches: int = 3, reps: int = 10
 ) -> dict:
@@ -183,15 +198,7 @@ def matmul_peak(
     a = torch.randn(n, n, device=device, dtype=dtype, generator=g)
     b = torch.randn(n, n, device=device, dtype=dtype, generator=g)
     out = torch.empty(n, n, device=device, dtype=dtype)
-    torch.matmul(a, b, out=out)  # the first call picks and loads its kernel
-    best = float("inf")
-    for _ in range(batches):
-        sync(device)
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            torch.matmul(a, b, out=out)
-        sync(device)
-        best = min(best, (time.perf_counter() - t0) / reps)
+    best = best_seconds(device, lambda: torch.matmul(a, b, out=out), batches, reps)
     flops = 2 * n**3 / best
     return {"dtype": str(dtype).removeprefix("torch."), "n": n, "tflops": flops / 1e12}
 
@@ -347,16 +354,7 @@ def copy_bandwidth(device: torch.device, nbytes: int, *, batches: int = 5, reps:
     reads its weights and cache once can at best move."""
     src = torch.rand(nbytes // 4, device=device)
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(batches):
-        sync(device)
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            dst.copy_(src)
-        sync(device)
-        best = min(best, (time.perf_counter() - t0) / reps)
-    return 2 * src.numel() * 4 / best
+    return 2 * src.numel() * 4 / best_seconds(device, lambda: dst.copy_(src), batches, reps)
 
 
 def decode_step_bytes(shape: ModelShape, *, rows: int, tokens: float, compute: int) -> int:

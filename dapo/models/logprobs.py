@@ -64,6 +64,18 @@ def cache_argument(module: torch.nn.Module, cache: Any) -> dict[str, Any]:
     return {_cache_parameter(type(module)): cache}
 
 
+def prompt_pass(model: torch.nn.Module, ids_nP: torch.Tensor, mask_nP: torch.Tensor) -> Any:
+    """One forward pass over left-padded prompts (positions counted from each prompt's first
+    token) that keeps the KV cache and the last position's logits: a rollout's prefill."""
+    return model(
+        input_ids=ids_nP,
+        attention_mask=mask_nP,
+        position_ids=(mask_nP.long().cumsum(dim=1) - 1).clamp(min=0),
+        use_cache=True,
+        logits_to_keep=1,
+    )
+
+
 def returned_cache(out: Any) -> Any:
     """The KV cache a forward returned, under either name; None when it returned none.
     Looked up among the keys the output really has: asking the output itself for

@@ -37,7 +37,13 @@ from dataclasses import dataclass
 
 import torch
 
-from dapo.models.logprobs import autocast, cache_argument, returned_cache, row_sliceable
+from dapo.models.logprobs import (
+    autocast,
+    cache_argument,
+    prompt_pass,
+    returned_cache,
+    row_sliceable,
+)
 from dapo.rollout.base import LiveModelEngine, Rollout, encode_prompts, finish_rollout
 from dapo.rollout.decoder_step import unsupported_reason
 from dapo.rollout.kv_cache import RowCache
@@ -258,14 +264,7 @@ class _Rows:
 def _prefill(model, prompt_ids_nP, prompt_mask_nP, group_size: int, width: int):
     """One forward pass per prompt; its KV cache (room for ``width`` positions) and last
     logits repeated G times."""
-    position_nP = (prompt_mask_nP.long().cumsum(dim=1) - 1).clamp(min=0)
-    out = model(
-        input_ids=prompt_ids_nP,
-        attention_mask=prompt_mask_nP,
-        position_ids=position_nP,
-        use_cache=True,
-        logits_to_keep=1,
-    )
+    out = prompt_pass(model, prompt_ids_nP, prompt_mask_nP)
     cache = returned_cache(out)
     if not row_sliceable(cache):
         raise ValueError(

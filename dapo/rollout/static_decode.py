@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from dapo.models.logprobs import autocast, returned_cache
+from dapo.models.logprobs import autocast, prompt_pass, returned_cache
 from dapo.rollout.decoder_step import DecoderStep
 from dapo.rollout.sampling import NONFINITE_LOGITS, Uniforms, draw_tokens
 
@@ -235,15 +235,8 @@ def _fill_uniforms(state: State, uniforms: Uniforms, start: int) -> None:
 def _prefill(model, state, prompt_ids_nP, prompt_mask_nP, group_size, compute_dtype):
     """One forward pass per prompt through the model itself; its keys and values copied into
     the static cache (each prompt's G times), its last logits [B, V] repeated G times."""
-    position_nP = (prompt_mask_nP.long().cumsum(dim=1) - 1).clamp(min=0)
     with autocast(model, compute_dtype, prompt_ids_nP.device):
-        out = model(
-            input_ids=prompt_ids_nP,
-            attention_mask=prompt_mask_nP,
-            position_ids=position_nP,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        out = prompt_pass(model, prompt_ids_nP, prompt_mask_nP)
     prompt = prompt_ids_nP.shape[1]
     for i, layer in enumerate(returned_cache(out).layers):
         for buf, src in ((state.cache[2 * i], layer.keys), (state.cache[2 * i + 1], layer.values)):
