@@ -165,7 +165,8 @@ class DecoderStep:
         pairs = [linear_weight(m) for m in modules]
         if not self.fuse:
             return pairs
-        weight = torch.cat([w.to(norm_weight.dtype) for w, _ in pairs]) * norm_weight.detach()
+        # Folded in float32, then cast once (bf16 weights and norms would round twice).
+        weight = torch.cat([w.float() for w, _ in pairs]) * norm_weight.detach().float()
         if all(b is None for _, b in pairs):
             return [(self._cast(weight), None)]
         biases = [w.new_zeros(w.shape[0]) if b is None else b for w, b in pairs]
