@@ -435,21 +435,17 @@ def decode_section(
     first count for ``eager_new`` tokens, the loop the graphs replace."""
     engine = make_engine("dapo", model, tok, (tok.eos_token_id,), DTYPES[compute], device=device)
     model.eval()
+    plans = [(count, sizes.decode_new, True) for count in sizes.decode_prompt_counts]
+    if device.type == "cuda":
+        plans.append((sizes.decode_prompt_counts[0], sizes.eager_new, False))
     runs = []
-    for count in sizes.decode_prompt_counts:
+    for count, new_tokens, graphs in plans:
+        engine.cuda_graphs = graphs
         prompts = decode_prompts(sizes, count)
-        run = decode_run(
-            engine, shape, prompts, sizes, sizes.decode_new, device, compute, bandwidth
-        )
+        run = decode_run(engine, shape, prompts, sizes, new_tokens, device, compute, bandwidth)
         runs.append(run)
         print(describe("decode", run), flush=True)
         release(device)
-    if device.type == "cuda":
-        engine.cuda_graphs = False
-        prompts = decode_prompts(sizes, sizes.decode_prompt_counts[0])
-        run = decode_run(engine, shape, prompts, sizes, sizes.eager_new, device, compute, bandwidth)
-        runs.append(run)
-        print(describe("decode", run), flush=True)
     return runs
 
 

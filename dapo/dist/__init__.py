@@ -237,8 +237,7 @@ def gather_lists(items: list[Any], *, patient: bool = False) -> list[Any]:
     if not active():
         return items
     parts: list[Any] = [None] * world_size()
-    waits = _role_waits or _long_waits
-    torch_dist.all_gather_object(parts, items, group=waits if patient else _group)
+    torch_dist.all_gather_object(parts, items, group=wait_group() if patient else _group)
     return [x for part in parts for x in part]
 
 
@@ -265,8 +264,8 @@ def broadcast(value: Any, *, patient: bool = False) -> Any:
     if not active():
         return value
     box = [value]
-    waits = _role_waits or _long_waits
-    torch_dist.broadcast_object_list(box, src=_global(0), group=waits if patient else _group)
+    group = wait_group() if patient else _group
+    torch_dist.broadcast_object_list(box, src=_global(0), group=group)
     return box[0]
 
 
@@ -282,7 +281,7 @@ def wait_for_all(*, everyone: bool = False) -> None:
     whole model (minutes for a large one) are not cut off by the training collectives'
     ``timeout_s``."""
     if active():
-        torch_dist.barrier(group=_long_waits if everyone else (_role_waits or _long_waits))
+        torch_dist.barrier(group=_long_waits if everyone else wait_group())
 
 
 def wait_group() -> Any:

@@ -123,8 +123,7 @@ class Receiver:
     def __init__(
         self, model: torch.nn.Module, device: torch.device, names: set[str] | None = None
     ) -> None:
-        self.model, self.device = model, device
-        dtype = next(model.parameters()).dtype
+        dtype = next(model.parameters()).dtype  # the model is on ``device``: take() copies there
         self.buckets = buckets(model, dtype, names=names)
         self.header = torch.empty(1, dtype=torch.long)
         self.flats = [torch.empty(sum(p.numel() for _, p in b), dtype=dtype) for b in self.buckets]
