@@ -10,13 +10,16 @@ top-p 0.9. Three ways of drawing the same rollout:
 
 - ``eager``: :func:`dapo.rollout.native.decode`, transformers' forward, a read per token;
 - ``static``: :func:`dapo.rollout.static_decode.static_decode` without graphs;
-- ``graphs``: the same with every step replayed as a CUDA graph (CUDA only).
+- ``graphs``: the same with every step replayed as a CUDA graph (CUDA only);
+- ``compiled``: the graphs of the step compiled by inductor (``rollout.compile_step``; CUDA,
+  or ``--compile`` on a CPU, without graphs).
 
 Printed: whether static and graphs give the same tokens and log-probs (the same kernels: they
-should, bit for bit), how many tokens eager and static share before their first difference
-(rounding may move a draw near a CDF boundary), the largest log-prob gap over the shared
-prefix, and the largest gap between the recorded log-probs and a teacher-forced forward pass
-of the model over prompt and response (the quantity the objective's ratio divides by).
+should, bit for bit), how many tokens eager and static, and graphs and compiled, share before
+their first difference (rounding may move a draw near a CDF boundary), the largest log-prob
+gap over the shared prefix, and the largest gap between the recorded log-probs and a
+teacher-forced forward pass of the model over prompt and response (the quantity the
+objective's ratio divides by), for the graphs and for the compiled step.
 """
 
 from __future__ import annotations
@@ -55,6 +58,26 @@ def teacher_forced(model, ids_BP, mask_BP, tokens_BT, keep_BT, compute, device) 
     return logits.log_softmax(dim=-1).gather(2, tokens_BT[..., None]).squeeze(2)
 
 
+def agreement(a, b) -> tuple[float, float]:
+    """(fraction of tokens two rollouts share before a row's first difference, largest
+    log-prob gap over that shared prefix)."""
+    steps = min(a[0].shape[1], b[0].shape[1])
+    differ = (a[0][:, :steps] != b[0][:, :steps]).long()
+    shared = differ.cumsum(dim=1) == 0
+    gap = ((a[1][:, :steps] - b[1][:, :steps]).abs() * shared).max()
+    return float(shared.float().mean()), float(gap)
+
+
+def forward_gap(model, prompt, run, stops, compute, device) -> float:
+    """Largest gap between a rollout's recorded log-probs and a teacher-forced forward pass,
+    over each row's tokens up to and including its stop token."""
+    tokens, logprobs, _ = run
+    is_stop = (tokens[:, :, None] == torch.tensor(stops, device=device)).any(-1).long()
+    keep = (is_stop.cumsum(dim=1) - is_stop) == 0
+    forward = teacher_forced(model, *prompt, tokens, keep, compute, device)
+    return float(((forward - logprobs).abs() * keep).max())
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=sorted(KNOWN_SHAPES), default="qwen2.5-0.5b")
@@ -62,6 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rows-per-prompt", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=80)
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--compile", action="store_true", help="the compiled step on a CPU too")
     args = parser.parse_args(argv)
     device = compute_device(args.device)
     cuda = device.type == "cuda"
@@ -92,6 +116,10 @@ def main(argv: list[str] | None = None) -> dict:
             runs["graphs"] = static_decode(
                 model, ids, mask, compute_dtype=compute, graphs=True, **options
             )
+        if cuda or args.compile:
+            runs["compiled"] = static_decode(
+                model, ids, mask, compute_dtype=compute, graphs=cuda, compile="inductor", **options
+            )
     result: dict = {"device": str(device), "shape": args.shape if cuda else "tiny"}
     for name, (tokens, _, slots) in runs.items():
         finished = (tokens[:, :, None] == torch.tensor(stops, device=device)).any(-1).any(-1)
@@ -99,26 +127,19 @@ def main(argv: list[str] | None = None) -> dict:
     last = "graphs" if cuda else "static"
     a, b = runs["static"], runs[last]
     result["static_vs_graphs_equal"] = bool(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]))
-    e, s = runs["eager"], runs[last]
-    steps = min(e[0].shape[1], s[0].shape[1])
-    differ = (e[0][:, :steps] != s[0][:, :steps]).long()
-    shared = differ.cumsum(dim=1) == 0
-    result["eager_shared_token_frac"] = float(shared.float().mean())
-    result["eager_logprob_gap"] = float(((e[1][:, :steps] - s[1][:, :steps]).abs() * shared).max())
-    tokens, logprobs, _ = s
-    G = args.rows_per_prompt
-    is_stop = (tokens[:, :, None] == torch.tensor(stops, device=device)).any(-1).long()
-    keep = (is_stop.cumsum(dim=1) - is_stop) == 0  # up to and including the stop token
-    forward = teacher_forced(
-        model,
-        ids.repeat_interleave(G, 0),
-        mask.repeat_interleave(G, 0),
-        tokens,
-        keep,
-        compute,
-        device,
+    result["eager_shared_token_frac"], result["eager_logprob_gap"] = agreement(
+        runs["eager"], runs[last]
     )
-    result["forward_logprob_gap"] = float(((forward - logprobs).abs() * keep).max())
+    if "compiled" in runs:
+        result["compiled_shared_token_frac"], result["compiled_logprob_gap"] = agreement(
+            runs[last], runs["compiled"]
+        )
+    G = args.rows_per_prompt
+    prompt = (ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0))
+    for name in (last, "compiled"):
+        if name in runs:
+            gap = forward_gap(model, prompt, runs[name], stops, compute, device)
+            result["forward_logprob_gap" + ("_compiled" if name == "compiled" else "")] = gap
     for key, value in result.items():
         print(f"{key}: {value}", flush=True)
     return result

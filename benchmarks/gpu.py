@@ -379,7 +379,12 @@ def decode_run(
     """One timed ``generate`` (EOS ignored) after a short untimed one: tokens/s against the
     bound that the copy ``bandwidth`` sets for the bytes each step must read."""
     options = dict(group_size=sizes.decode_group, seed=0, ignore_eos=True)
-    engine.generate(prompts, max_new_tokens=4, **options)  # kernels chosen and loaded here
+    t0 = time.perf_counter()
+    # Untimed, the same rollout: kernels loaded, the step compiled, cuDNN's attention plans
+    # built for each width (a first rollout of new widths pays ~20% more).
+    engine.generate(prompts, max_new_tokens=new_tokens, **options)
+    sync(device)
+    warm_up = time.perf_counter() - t0
     start = reset_peak(device)
     t0 = time.perf_counter()
     rollout = engine.generate(prompts, max_new_tokens=new_tokens, **options)
@@ -402,8 +407,12 @@ def decode_run(
         shape, rows=rows, tokens=prompt_tokens + (new_tokens - 1) / 2, compute=width
     )
     bound = rows * bandwidth / step_bytes
+    path = "eager"
+    if engine.static_path():
+        path = "cuda graphs, compiled" if engine.compile_step else "cuda graphs"
     return {
-        "path": "cuda graphs" if engine.static_path() else "eager",
+        "path": path,
+        "warm_up_s": warm_up,
         "rows": rows,
         "prompt_tokens": prompt_tokens,
         "new_tokens": new_tokens,
@@ -431,16 +440,18 @@ def decode_section(
     bandwidth: float,
 ) -> list[dict]:
     """The native engine at each of ``sizes.decode_prompt_counts`` (x G rows) of
-    ``decode_new`` tokens; on CUDA also its eager loop (``rollout.cuda_graphs=false``) at the
-    first count for ``eager_new`` tokens, the loop the graphs replace."""
+    ``decode_new`` tokens; on CUDA also, at the first count, its graphs of the uncompiled step
+    (``rollout.compile_step=false``) and its eager loop (``rollout.cuda_graphs=false``) for
+    ``eager_new`` tokens, the loop the graphs replace."""
     engine = make_engine("dapo", model, tok, (tok.eos_token_id,), DTYPES[compute], device=device)
     model.eval()
-    plans = [(count, sizes.decode_new, True) for count in sizes.decode_prompt_counts]
+    plans = [(count, sizes.decode_new, True, True) for count in sizes.decode_prompt_counts]
     if device.type == "cuda":
-        plans.append((sizes.decode_prompt_counts[0], sizes.eager_new, False))
+        first = sizes.decode_prompt_counts[0]
+        plans += [(first, sizes.decode_new, True, False), (first, sizes.eager_new, False, False)]
     runs = []
-    for count, new_tokens, graphs in plans:
-        engine.cuda_graphs = graphs
+    for count, new_tokens, graphs, compiled in plans:
+        engine.cuda_graphs, engine.compile_step = graphs, compiled
         prompts = decode_prompts(sizes, count)
         run = decode_run(engine, shape, prompts, sizes, new_tokens, device, compute, bandwidth)
         runs.append(run)
@@ -599,7 +610,8 @@ def describe(section: str, r: dict) -> str:
     if section == "decode":
         return (
             f"  decode: {r['rows']} rows x {r['new_tokens']} new tokens after "
-            f"{r['prompt_tokens']} ({r['path']}): {r['seconds']:.2f} s, "
+            f"{r['prompt_tokens']} ({r['path']}; warm-up {r['warm_up_s']:.1f} s): "
+            f"{r['seconds']:.2f} s, "
             f"{r['tokens_per_s']:,.0f} tokens/s "
             f"({r['step_ms']:.2f} ms a step), bound {r['bound_tokens_per_s']:,.0f} "
             f"({r['bytes_per_step'] / 2**30:.2f} GiB a step), fraction "

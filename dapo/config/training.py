@@ -41,6 +41,13 @@ class RolloutConfig:
     graph and the host reading which rows run every 16 steps, not at every token
     (``dapo.rollout.static_decode``; Llama, Qwen2 and Qwen3 decoders, else the eager loop).
     false: the eager loop everywhere. The same tokens to rounding; on a CPU, always eager."""
+    compile_step: bool = True
+    """On the CUDA-graph path, the decoding step's layer and its draw compiled by
+    ``torch.compile`` (inductor's Triton kernels): the norms, residual adds, rotary embedding,
+    cache writes and sampling arithmetic between the matmuls fuse into a few kernels instead
+    of ~40 a layer. A process's first rollout pays the compilation (see
+    docs/guides/gpus.md); a compiler error falls back to the uncompiled step with a warning.
+    The same tokens to rounding (the fused sums run in another order)."""
     tp_size: int = 1
     """Under torchrun: ranks that generate together, tensor parallel, k at a time (one engine
     per group of k consecutive ranks, each holding 1/k of every split weight and of the KV

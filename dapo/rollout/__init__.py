@@ -40,13 +40,14 @@ def make_engine(
     vllm: dict[str, Any] | None = None,
     device: torch.device | None = None,
     cuda_graphs: bool = True,
+    compile_step: bool = True,
 ) -> Engine:
     """The engine called ``name``, sampling from ``model`` (in ``compute_dtype`` when given)
     on ``device`` (the run's compute device; default: the model's); a response ends at the
     first of ``stop_token_ids`` (default: the tokenizer's EOS; ``policy.stop_token_ids``
     gives a run's set). ``vllm`` holds the vllm engine's options (the run's ``vllm`` config
-    section as a dict; its defaults when None). ``cuda_graphs``: the dapo engine's
-    ``rollout.cuda_graphs``."""
+    section as a dict; its defaults when None). ``cuda_graphs``, ``compile_step``: the dapo
+    engine's ``rollout.cuda_graphs`` and ``rollout.compile_step``."""
     if name not in ENGINES:
         raise ValueError(f"rollout engine {name!r}: use one of {', '.join(ENGINES)}")
     if name == "vllm":
@@ -55,6 +56,7 @@ def make_engine(
     engine = ENGINES[name](model, tokenizer, stop_token_ids, compute_dtype, device=device)
     if isinstance(engine, NativeEngine):
         engine.cuda_graphs = cuda_graphs
+        engine.compile_step = compile_step
     return engine
 
 

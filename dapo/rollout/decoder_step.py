@@ -21,7 +21,11 @@ head are cast once per rollout, as autocast's weight cache casts them once per c
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
+import torch.fx.experimental._config
 import torch.nn.functional as F
 
 from dapo.dist.fsdp import holds_dtensors
@@ -49,13 +53,15 @@ them with the sequence length, a read on the host)."""
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why :class:`DecoderStep` cannot run ``model`` (None when it can): another architecture,
-    a sliding window, length-dependent rotary embeddings, projections that are neither plain
-    nor LoRA Linears (:func:`linear_reason`), or modules whose forward was replaced or whose
-    weights are sharded (tensor-parallel copies, FSDP)."""
+    an activation other than SiLU, a sliding window, length-dependent rotary embeddings,
+    projections that are neither plain nor LoRA Linears (:func:`linear_reason`), or modules
+    whose forward was replaced or whose weights are sharded (tensor-parallel copies, FSDP)."""
     config = getattr(model, "config", None)
     kind = getattr(config, "model_type", None)
     if kind not in SUPPORTED_MODEL_TYPES:
         return f"model type {kind!r} (the step is written for {', '.join(SUPPORTED_MODEL_TYPES)})"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"the activation {config.hidden_act!r} (the step's MLP computes SiLU)"
     if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
         return "a sliding attention window"
     decoder = getattr(model, "model", None)
@@ -121,7 +127,12 @@ class DecoderStep:
     weights, bf16 matmuls: the copy autocast would make), the query, key and value
     projections are one matrix, as are the MLP's gate and up projections, and each RMSNorm's
     weight is folded into the matrix that follows it (``W diag(g)``: the norm is then one
-    ``rms_norm``). Weights already in the compute dtype are used as they are: no copy."""
+    ``rms_norm``). Weights already in the compute dtype are used as they are: no copy.
+
+    ``compile`` (a ``torch.compile`` backend, e.g. ``"inductor"``) compiles the step's
+    inputs and its layer (:func:`step_inputs`, :func:`layer_step`, each traced once for every
+    layer, batch size and width): the norms, residual adds, rotary embedding, cache writes
+    and activation between the matmuls become a few fused kernels instead of ~40 a layer."""
 
     def __init__(
         self,
@@ -129,6 +140,7 @@ class DecoderStep:
         compute_dtype: torch.dtype | None,
         *,
         fuse: bool | None = None,
+        compile: str | None = None,
     ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
@@ -154,6 +166,11 @@ class DecoderStep:
         rope = decoder.rotary_emb
         self.inv_freq = rope.inv_freq.float()
         self.rope_scaling = float(getattr(rope, "attention_scaling", 1.0))
+        self.shape = dict(heads=self.heads, kv=self.kv_heads, dim=self.head_dim)
+        self.shape["compute"] = self.compute_dtype
+        self.compiled = compile is not None
+        self.inputs = compiled(step_inputs, compile) if compile else step_inputs
+        self.layer = compiled(layer_step, compile) if compile else layer_step
 
     def _cast(self, weight: torch.Tensor | None) -> torch.Tensor | None:
         return None if weight is None else weight.detach().to(self.compute_dtype).contiguous()
@@ -173,13 +190,16 @@ class DecoderStep:
         return [(self._cast(weight), self._cast(torch.cat(biases)))]
 
     def _layer(self, layer: torch.nn.Module) -> dict:
-        """One layer's matrices (fused when copied) and norms (their weight None when folded)."""
+        """One layer's tensors: its matrices (fused when copied), norms (their weight None when
+        folded), Qwen3's per-head query and key norms (None for the others)."""
         attn, mlp = layer.self_attn, layer.mlp
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         return {
-            "attn": attn,
-            "act": mlp.act_fn,
-            "norms": [(None if self.fuse else n.weight, norm_eps(n)) for n in norms],
+            "norm1": (None if self.fuse else norms[0].weight, norm_eps(norms[0])),
+            "norm2": (None if self.fuse else norms[1].weight, norm_eps(norms[1])),
+            "q_norm": None if q_norm is None else (q_norm.weight, norm_eps(q_norm)),
+            "k_norm": None if k_norm is None else (k_norm.weight, norm_eps(k_norm)),
             "qkv": self.matrices([attn.q_proj, attn.k_proj, attn.v_proj], norms[0].weight),
             "o": tuple(map(self._cast, linear_weight(attn.o_proj))),
             "gate_up": self.matrices([mlp.gate_proj, mlp.up_proj], norms[1].weight),
@@ -197,22 +217,6 @@ class DecoderStep:
             for _ in range(2 * len(self.layers))
         ]
 
-    def rotary(self, positions_A: torch.Tensor, dtype: torch.dtype):
-        """cos and signed sin [A, 1, head_dim] of each row's position (transformers' values;
-        the sine's first half negated, so that ``x cos + roll(x) sin`` is the rotation)."""
-        freqs_AF = positions_A[:, None].float() * self.inv_freq[None, :]
-        emb_AD = torch.cat((freqs_AF, freqs_AF), dim=-1)
-        cos = (emb_AD.cos() * self.rope_scaling).to(dtype)
-        sin = (emb_AD.sin() * self.rope_scaling).to(dtype)
-        half = sin.shape[-1] // 2
-        signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
-        return cos[:, None], signed[:, None]
-
-    def attention_bias(self, valid_AW: torch.Tensor) -> torch.Tensor:
-        """The additive mask [A, 1, 1, W] of a step: 0 where a row attends, -inf elsewhere."""
-        bias = torch.zeros(valid_AW.shape, dtype=self.compute_dtype, device=valid_AW.device)
-        return bias.masked_fill_(~valid_AW, float("-inf"))[:, None, None, :]
-
     def __call__(
         self,
         token_A: torch.Tensor,
@@ -224,38 +228,132 @@ class DecoderStep:
         """Logits [A, V] (float32) after feeding ``token_A`` at ``position_A``; its keys and
         values go to column ``column_1`` of each layer's buffer, and attention reads the
         first W columns where ``valid_AW`` is True."""
-        rows, width = valid_AW.shape
-        heads, kv, dim = self.heads, self.kv_heads, self.head_dim
+        rows = valid_AW.shape[0]
         hidden = self.decoder.embed_tokens(token_A)
-        cos, sin = self.rotary(position_A, hidden.dtype)
-        bias = self.attention_bias(valid_AW)
+        if self.compiled:
+            dynamic(position_A, valid_AW, dims=(0,))
+            dynamic(valid_AW, dims=(1,))
+        cos, sin, bias = self.inputs(
+            position_A,
+            valid_AW,
+            self.inv_freq,
+            scaling=self.rope_scaling,
+            dtype=hidden.dtype,
+            compute=self.compute_dtype,
+        )
         for i, w in enumerate(self.layers):
             keys, values = cache[2 * i][:rows], cache[2 * i + 1][:rows]
-            x = self.norm(hidden, *w["norms"][0])
-            qkv = project(x, w["qkv"]).view(rows, heads + 2 * kv, dim)
-            qk, v = qkv[:, : heads + kv], qkv[:, heads + kv :]
-            if hasattr(w["attn"], "q_norm"):  # Qwen3: per-head norms, as transformers runs them
-                qk = torch.cat(
-                    (w["attn"].q_norm(qk[:, :heads]), w["attn"].k_norm(qk[:, heads:])), 1
-                )
-            qk = torch.addcmul(qk * cos, qk.roll(dim // 2, dims=-1), sin).to(self.compute_dtype)
-            keys.index_copy_(2, column_1, qk[:, heads:, None])
-            values.index_copy_(2, column_1, v[:, :, None])
-            q = qk[:, :heads].view(rows, kv, heads // kv, dim)
-            attended = F.scaled_dot_product_attention(
-                q, keys[:, :, :width], values[:, :, :width], attn_mask=bias, scale=w["scaling"]
-            )
-            hidden = hidden + F.linear(attended.reshape(rows, -1), *w["o"])
-            x = self.norm(hidden, *w["norms"][1])
-            gate, up = project(x, w["gate_up"]).chunk(2, dim=-1)
-            hidden = hidden + F.linear(w["act"](gate) * up, *w["down"])
-        x = self.norm(hidden, None if self.fuse else self.final_norm[0], self.final_norm[1])
-        return project(x, self.head).float()
+            if self.compiled:
+                dynamic(hidden, cos, sin, bias, keys, values, dims=(0,))
+                dynamic(bias, dims=(3,))
+                dynamic(keys, values, dims=(2,))
+            hidden = self.layer(hidden, cos, sin, bias, keys, values, column_1, w, **self.shape)
+        x = rms_norm(hidden, None if self.fuse else self.final_norm[0], self.final_norm[1])
+        return project(x.to(self.compute_dtype), self.head).float()
 
-    def norm(self, hidden: torch.Tensor, weight: torch.Tensor | None, eps: float):
-        """RMSNorm of the residual stream (times ``weight`` unless it was folded), in the
-        compute dtype."""
-        return F.rms_norm(hidden, hidden.shape[-1:], weight=weight, eps=eps).to(self.compute_dtype)
+
+def step_inputs(
+    position_A: torch.Tensor,
+    valid_AW: torch.Tensor,
+    inv_freq: torch.Tensor,
+    *,
+    scaling: float,
+    dtype: torch.dtype,
+    compute: torch.dtype,
+):
+    """(cos, signed sin [A, 1, head_dim] in ``dtype``, additive mask [A, 1, 1, W] in
+    ``compute``) of a step: transformers' rotary values of each row's position, the sine's
+    first half negated so that ``x cos + roll(x) sin`` is the rotation; the mask 0 where a row
+    attends, -inf elsewhere."""
+    freqs_AF = position_A[:, None].float() * inv_freq[None, :]
+    emb_AD = torch.cat((freqs_AF, freqs_AF), dim=-1)
+    cos = (emb_AD.cos() * scaling).to(dtype)
+    sin = (emb_AD.sin() * scaling).to(dtype)
+    half = sin.shape[-1] // 2
+    signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+    bias = torch.zeros(valid_AW.shape, dtype=compute, device=valid_AW.device)
+    bias = bias.masked_fill(~valid_AW, float("-inf"))[:, None, None, :]
+    return cos[:, None], signed[:, None], bias
+
+
+def layer_step(
+    hidden: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    bias: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    column_1: torch.Tensor,
+    w: dict,
+    *,
+    heads: int,
+    kv: int,
+    dim: int,
+    compute: torch.dtype,
+) -> torch.Tensor:
+    """One decoder layer on the residual stream ``hidden`` [A, H]: its key and value go to
+    column ``column_1`` of ``keys`` / ``values`` [A, kv, capacity, dim], and attention reads
+    their first W columns through ``bias`` [A, 1, 1, W]. ``w`` holds the layer's tensors
+    (:meth:`DecoderStep._layer`); everything else is a plain number, so one compiled function
+    serves every layer."""
+    rows, width = hidden.shape[0], bias.shape[-1]
+    x = rms_norm(hidden, *w["norm1"]).to(compute)
+    qkv = project(x, w["qkv"]).view(rows, heads + 2 * kv, dim)
+    qk, v = qkv[:, : heads + kv], qkv[:, heads + kv :]
+    if w["q_norm"] is not None:  # Qwen3: per-head norms, as transformers computes them
+        qk = torch.cat(
+            (head_norm(qk[:, :heads], *w["q_norm"]), head_norm(qk[:, heads:], *w["k_norm"])), 1
+        )
+    qk = torch.addcmul(qk * cos, qk.roll(dim // 2, dims=-1), sin).to(compute)
+    keys.index_copy_(2, column_1, qk[:, heads:, None])
+    values.index_copy_(2, column_1, v[:, :, None])
+    q = qk[:, :heads].view(rows, kv, heads // kv, dim)
+    attended = F.scaled_dot_product_attention(
+        q, keys[:, :, :width], values[:, :, :width], attn_mask=bias, scale=w["scaling"]
+    )
+    hidden = hidden + F.linear(attended.reshape(rows, -1), *w["o"])
+    x = rms_norm(hidden, *w["norm2"]).to(compute)
+    gate, up = project(x, w["gate_up"]).chunk(2, dim=-1)
+    return hidden + F.linear(F.silu(gate) * up, *w["down"])
+
+
+def rms_norm(hidden: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm of the residual stream (times ``weight`` unless it was folded)."""
+    return F.rms_norm(hidden, hidden.shape[-1:], weight=weight, eps=eps)
+
+
+def head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3's per-head RMSNorm, transformers' arithmetic: in float32, cast back, then times
+    the weight."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+@functools.cache
+def compiled(fn: Callable, backend: str) -> Callable:
+    """``fn`` compiled whole by ``backend`` (one wrapper per function and backend: the traces
+    are cached on ``fn``'s code, so a new rollout's step reuses them).
+
+    Traced without duck sizing: by default two varying sizes that happen to be equal at the
+    first call (a width and a buffer's capacity, a batch of 512 rows and a width of 512) get
+    one symbol, and the first call where they differ compiles again."""
+    compiled_fn = torch.compile(fn, fullgraph=True, backend=backend)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            return compiled_fn(*args, **kwargs)
+
+    return call
+
+
+def dynamic(*tensors: torch.Tensor, dims: tuple[int, ...]) -> None:
+    """Marks ``dims`` of ``tensors`` as sizes that vary between calls (batch size, attention
+    width, buffer capacity), so the compiled step is traced once for all of them."""
+    for tensor in tensors:
+        for d in dims:
+            torch._dynamo.maybe_mark_dynamic(tensor, d)
 
 
 def project(x: torch.Tensor, matrices: list) -> torch.Tensor:

@@ -36,6 +36,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch._dynamo.exc
+import torch._inductor.exc
 
 from dapo.models.logprobs import (
     autocast,
@@ -69,6 +71,10 @@ class NativeEngine(LiveModelEngine):
     cuda_graphs: bool = True
     """On CUDA, decode with :func:`dapo.rollout.static_decode.static_decode` when
     :class:`~dapo.rollout.decoder_step.DecoderStep` can run the model (``rollout.cuda_graphs``)."""
+
+    compile_step: bool = True
+    """On the CUDA-graph path, compile the step's layer and draw with inductor
+    (``rollout.compile_step``); off after a compiler error, with a warning."""
 
     def static_path(self) -> bool:
         """Whether ``generate`` takes the CUDA-graph path (once per engine, a warning when a
@@ -113,9 +119,7 @@ class NativeEngine(LiveModelEngine):
             ignore_eos=ignore_eos,
         )
         if self.static_path():
-            decoded = static_decode(
-                self.model, ids_nP, mask_nP, compute_dtype=self.compute_dtype, **options
-            )
+            decoded = self._static_decode(ids_nP, mask_nP, options)
         else:
             with autocast(self.model, self.compute_dtype, self.device):
                 decoded = decode(self.model, ids_nP, mask_nP, **options)
@@ -129,6 +133,45 @@ class NativeEngine(LiveModelEngine):
             slots,
             self.stop_token_ids,
         )
+
+    def _static_decode(self, ids_nP: torch.Tensor, mask_nP: torch.Tensor, options: dict):
+        """The CUDA-graph path, compiled unless ``compile_step`` is off; a compiler error
+        turns compilation off for this engine and decodes again uncompiled (nothing of the
+        failed call is kept: its buffers and uniforms are its own)."""
+        compile = COMPILE_BACKEND if self.compile_step else None
+        try:
+            return static_decode(
+                self.model,
+                ids_nP,
+                mask_nP,
+                compute_dtype=self.compute_dtype,
+                compile=compile,
+                **options,
+            )
+        except COMPILER_ERRORS as err:
+            if compile is None:
+                raise
+            # A backend's failure wraps the compiler's own error: that one says what is missing.
+            cause = getattr(err, "inner_exception", None) or err
+            first_line = (str(cause).strip().splitlines() or [""])[0]
+            warnings.warn(
+                f"rollout.compile_step: torch.compile failed ({type(cause).__name__}: "
+                f"{first_line}); the dapo engine decodes with the uncompiled step from now on "
+                "(rollout.compile_step=false skips compiling)",
+                stacklevel=3,
+            )
+            self.compile_step = False
+            return static_decode(
+                self.model, ids_nP, mask_nP, compute_dtype=self.compute_dtype, **options
+            )
+
+
+COMPILE_BACKEND = "inductor"
+"""``torch.compile``'s backend for the step: Triton kernels on a GPU."""
+
+COMPILER_ERRORS = (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError)
+"""What a failed ``torch.compile`` raises: dynamo's errors (a backend's failure included)
+and inductor's."""
 
 
 @torch.inference_mode()
@@ -161,7 +204,7 @@ def decode(
     """
     device = prompt_ids_nP.device
     num_rows = prompt_ids_nP.shape[0] * group_size
-    stops = torch.tensor(list(stop_token_ids), device=device)
+    stops = torch.tensor(list(stop_token_ids), dtype=torch.long, device=device)
     width = prompt_ids_nP.shape[1] + max_new_tokens
     cache, logits_AV = _prefill(model, prompt_ids_nP, prompt_mask_nP, group_size, width)
     live = _Rows.start(prompt_mask_nP, group_size, width)

@@ -17,7 +17,11 @@ the time goes to launching kernels. Here the host only counts steps:
   holds them, and the loop ends when none runs;
 - attention reads the first ``WIDTH_STEP``-multiple of columns that holds the filled ones;
 - on CUDA each (batch size, width) step is captured once as a CUDA graph, right after the
-  same step ran eagerly, and replayed from then on.
+  same step ran eagerly, and replayed from then on;
+- with ``compile`` (``rollout.compile_step``) the step's layer is a compiled function
+  (:class:`~dapo.rollout.decoder_step.DecoderStep`) traced once for all sizes: so that no
+  size is traced as a constant, the batch never shrinks below 2 rows and the cache holds
+  ``SPARE_COLUMNS`` beyond the widest attention.
 
 What is drawn is the eager loop's: the same uniforms ``u[t, b]`` (:class:`Uniforms`, moved to
 the device ``UNIFORM_BLOCK`` steps at a time), the same inverse-CDF sampling, the same log-probs
@@ -42,13 +46,19 @@ WIDTH_STEP = 256
 """Attention reads cache columns in multiples of this (one graph per multiple in use); a
 multiple of 16."""
 
+SPARE_COLUMNS = 16
+"""Columns the KV cache holds beyond the widest attention when the step is compiled: a trace
+whose attention width is the buffer's whole capacity takes that equality for a rule (and the
+strides that follow from it), and the next width would compile the step again."""
+
 UNIFORM_BLOCK = 256
 """Steps of uniforms moved to the device at once."""
 
 
-def batch_sizes(rows: int) -> list[int]:
-    """The batch sizes the loop runs at: ``rows`` and the powers of two below it."""
-    sizes, size = {rows}, 1
+def batch_sizes(rows: int, smallest: int = 1) -> list[int]:
+    """The batch sizes the loop runs at: ``rows`` and the powers of two below it, from
+    ``smallest`` on."""
+    sizes, size = {rows}, smallest
     while size < rows:
         sizes.add(size)
         size *= 2
@@ -64,7 +74,14 @@ class State:
     """The device buffers of one rollout (``S`` slots: the rows in the batch, running first)."""
 
     def __init__(
-        self, step: DecoderStep, prompt_mask_nP, *, group_size: int, steps: int, pad: int
+        self,
+        step: DecoderStep,
+        prompt_mask_nP,
+        *,
+        group_size: int,
+        steps: int,
+        pad: int,
+        spare: int = 0,
     ) -> None:
         device = prompt_mask_nP.device
         n, prompt = prompt_mask_nP.shape
@@ -84,7 +101,7 @@ class State:
         self.token_S = torch.zeros(self.rows, dtype=torch.long, device=device)
         self.t_1 = torch.zeros(1, dtype=torch.long, device=device)
         self.column_1 = torch.full((1,), prompt, dtype=torch.long, device=device)
-        self.cache = step.new_cache(self.rows, width, device)
+        self.cache = step.new_cache(self.rows, width + spare, device)
         self.tokens_flat = torch.full(
             ((self.rows + 1) * steps,), pad, dtype=torch.long, device=device
         )
@@ -124,16 +141,24 @@ def static_decode(
     greedy: bool = False,
     ignore_eos: bool = False,
     graphs: bool | None = None,
+    compile: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """:func:`dapo.rollout.native.decode`'s contract (same arguments and results) on static
-    buffers; ``graphs`` (default: on CUDA) replays each step shape as a CUDA graph."""
+    buffers; ``graphs`` (default: on CUDA) replays each step shape as a CUDA graph;
+    ``compile`` (a ``torch.compile`` backend) compiles the step's layer and inputs."""
     device = prompt_ids_nP.device
-    step = DecoderStep(model, compute_dtype)
+    step = DecoderStep(model, compute_dtype, compile=compile)
+    spare = 0 if compile is None else SPARE_COLUMNS
     state = State(
-        step, prompt_mask_nP, group_size=group_size, steps=max_new_tokens, pad=pad_token_id
+        step,
+        prompt_mask_nP,
+        group_size=group_size,
+        steps=max_new_tokens,
+        pad=pad_token_id,
+        spare=spare,
     )
     logits_BV = _prefill(model, state, prompt_ids_nP, prompt_mask_nP, group_size, compute_dtype)
-    stops = torch.tensor(list(stop_token_ids), device=device)
+    stops = torch.tensor(list(stop_token_ids), dtype=torch.long, device=device)
     draw = dict(
         temperature=temperature,
         top_p=top_p,
@@ -147,7 +172,9 @@ def static_decode(
     _fill_uniforms(state, uniforms, 0)
     decoding.record(logits_BV, state.rows)
     runner = Runner(decoding.advance, device.type == "cuda" if graphs is None else graphs)
-    steps, slots = _loop(state, runner, uniforms)
+    # A compiled step is traced for a batch of any size but 1 (a size-1 dimension is traced
+    # as a constant): the batch never shrinks below 2 rows, which would compile it again.
+    steps, slots = _loop(state, runner, uniforms, smallest=1 if compile is None else 2)
     tokens = state.tokens_flat.view(state.rows + 1, state.steps)[: state.rows, :steps]
     logprobs = state.logprobs_flat.view(state.rows + 1, state.steps)[: state.rows, :steps]
     return tokens, logprobs, slots
@@ -192,10 +219,10 @@ class Decoding:
         state.column_1 += 1
 
 
-def _loop(state: State, runner: Runner, uniforms: Uniforms) -> tuple[int, int]:
-    """Steps 1 .. T-1, reading back every ``CHECK_EVERY``; (steps any row drew at, slots
-    computed)."""
-    sizes = batch_sizes(state.rows)
+def _loop(state: State, runner: Runner, uniforms: Uniforms, smallest: int) -> tuple[int, int]:
+    """Steps 1 .. T-1, reading back every ``CHECK_EVERY``, the batch never below ``smallest``
+    rows (unless it starts below); (steps any row drew at, slots computed)."""
+    sizes = batch_sizes(state.rows, smallest)
     size = members = slots = state.rows
     t, idle = 1, 0
     while t < state.steps:

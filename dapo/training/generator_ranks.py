@@ -190,6 +190,7 @@ def generate_on_this_rank(
         vllm=vars(cfg.vllm),
         device=device,
         cuda_graphs=cfg.rollout.cuda_graphs,
+        compile_step=cfg.rollout.compile_step,
     )
     sampler = PromptSampler(problems, seed=cfg.train.seed)
     pool = reward_pool(cfg, reward_fn)

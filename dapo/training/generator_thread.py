@@ -81,6 +81,7 @@ class GeneratorThread:
             compute,
             device=state.device,
             cuda_graphs=cfg.rollout.cuda_graphs,
+            compile_step=cfg.rollout.compile_step,
         )
         self.device = state.device
         # The generator's own model, engine, pool and timers; the prompt sampler is shared

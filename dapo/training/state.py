@@ -193,6 +193,7 @@ def build_state(
         vllm=vars(cfg.vllm) | ({"tensor_parallel_size": cfg.rollout.tp_size} if tp_mesh else {}),
         device=device,
         cuda_graphs=cfg.rollout.cuda_graphs,
+        compile_step=cfg.rollout.compile_step,
     )
     scaler = None
     if compute == torch.float16 and next(model.parameters()).dtype == torch.float32:
