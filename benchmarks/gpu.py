@@ -54,6 +54,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+import length_mix
 import torch
 import transformers
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -65,6 +66,7 @@ from dapo.data.batch import Episode
 from dapo.data.problems import Problem
 from dapo.dist import fsdp
 from dapo.models.demo import build_tokenizer
+from dapo.models.packing import PACKED_ATTENTION
 from dapo.models.policy import DTYPES, compute_device
 from dapo.rollout import make_engine
 from dapo.training.gpu_memory import (
@@ -114,12 +116,15 @@ class Sizes:
     head_tokens: int
     head_chunk: int | None  # positions per chunk of the head; None: the project's default
     matmul_n: int
+    mix_rows: int  # responses of the length-mix mini-batch (each its own prompt)
+    mix_prompt: float  # the length mix's mean prompt (benchmarks/length_mix.py)
+    mix_l_max: int  # the length mix's L_max
 
 
-REAL = Sizes(16, 256, 768, 8192, (4, 16), 16, 256, 1024, 128, 16384, None, 8192)
+REAL = Sizes(16, 256, 768, 8192, (4, 16), 16, 256, 1024, 128, 16384, None, 8192, 32, 134.2, 2048)
 # The tiny head keeps 16k positions but a chunk of 512 (1/32 of them, as the default's 441
 # positions are of 16k at a 152k vocabulary): the default would be one chunk at V = 512.
-TINY = Sizes(4, 16, 48, 128, (2, 8), 4, 16, 32, 32, 16384, 512, 512)
+TINY = Sizes(4, 16, 48, 128, (2, 8), 4, 16, 32, 32, 16384, 512, 512, 8, 16.0, 48)
 
 
 def log(message: str) -> None:
@@ -218,8 +223,9 @@ def build_model(fields: dict[str, Any], tokenizer: Any, device: torch.device) ->
         return Qwen2ForCausalLM(config)
 
 
-def run_config(sizes: Sizes, compute: str) -> Config:
-    """The run settings the training step reads (and the memory plan plans from)."""
+def run_config(sizes: Sizes, compute: str, *extra: str) -> Config:
+    """The run settings the training step reads (and the memory plan plans from); ``extra``
+    dotted overrides last."""
     return load_config(
         None,
         [
@@ -233,6 +239,7 @@ def run_config(sizes: Sizes, compute: str) -> Config:
             "optim.lr=1e-6",
             "optim.warmup_steps=0",
             "reward.workers=0",
+            *extra,
         ],
     )
 
@@ -339,6 +346,97 @@ def train_section(
         "plan_reserved_mib": mib(on_card.training_peak - on_card.runtime),
         "plan_activations_mib": mib(plan.activations),
     }, episodes
+
+
+def mix_episodes(sizes: Sizes, vocab: int) -> list[Episode]:
+    """``mix_rows`` responses of the realistic length mix (:mod:`length_mix`), each after its
+    own random prompt, random tokens, advantages from N(0, 1)."""
+    g = torch.Generator(HOST).manual_seed(4)
+    out = []
+    for p, t in length_mix.draw(
+        sizes.mix_rows, prompt_mean=sizes.mix_prompt, l_max=sizes.mix_l_max
+    ):
+        advantage = float(torch.randn((), generator=g, device=HOST))
+        out.append(
+            Episode(
+                prompt_ids=torch.randint(3, vocab, (p,), generator=g, device=HOST),
+                response_ids=torch.randint(3, vocab, (t,), generator=g, device=HOST),
+                sampler_logprobs=torch.zeros(t, device=HOST),
+                truncated=t == sizes.mix_l_max,
+                correct=advantage > 0,
+                reward=advantage,
+                advantage=advantage,
+            )
+        )
+    return out
+
+
+def mix_flops(shape: ModelShape, episodes: list[Episode]) -> float:
+    """Model FLOPs of a training step over the real tokens alone: :func:`model_flops` per row
+    at its own lengths."""
+    flops = 0.0
+    for e in episodes:
+        seq = e.prompt_length + e.length
+        flops += (
+            6 * shape.layers * shape.layer_parameters * seq
+            + 6 * shape.vocab * shape.hidden * e.length
+        )
+        flops += 6 * shape.layers * shape.heads * shape.head_dim * seq**2
+    return flops
+
+
+def mix_section(
+    shape: ModelShape,
+    model: torch.nn.Module,
+    tok: Any,
+    sizes: Sizes,
+    device: torch.device,
+    compute: str,
+    steps: int,
+    peak_tflops: float,
+) -> list[dict]:
+    """The training step on the realistic length mix, padded then packed (``train.packing``):
+    positions computed per real token, and MFU counted on the real tokens alone."""
+    episodes = mix_episodes(sizes, shape.vocab)
+    flops = mix_flops(shape, episodes)
+    runs = []
+    for packing in (False, True):
+        cfg = run_config(
+            sizes,
+            compute,
+            f"rollout.max_new_tokens={sizes.mix_l_max}",
+            f"algo.l_cache={max(1, sizes.mix_l_max // 4)}",
+            f"train.responses_per_minibatch={sizes.mix_rows}",
+            f"train.packing={str(packing).lower()}",
+        )
+        state = train_state(cfg, model, tok, device)
+        set_old_logprobs(state, episodes)
+        first = minibatch_update(state, episodes)  # untimed
+        reset_peak(device)
+        seconds = statistics.median(timed_steps(state, episodes, steps))
+        peak = read_peak(device) if device.type == "cuda" else None
+        state.optimizer.zero_grad(set_to_none=True)
+        del state
+        runs.append(
+            {
+                "packing": packing,
+                "rows": len(episodes),
+                "real_tokens": sum(e.prompt_length + e.length for e in episodes),
+                "microbatch_tokens": sizes.microbatch_tokens,
+                "step_s": seconds,
+                "positions_per_real_token": first["slots"] / first["real"],
+                "tflops_real": flops / seconds / 1e12,
+                "mfu_real": flops / seconds / 1e12 / peak_tflops,
+                "peak_mib": mib(peak),
+            }
+        )
+        print(describe("mix", runs[-1]), flush=True)
+    for module in model.modules():  # the later sections attend as before
+        config = getattr(module, "config", None)
+        if getattr(config, "_attn_implementation", None) == PACKED_ATTENTION:
+            config._attn_implementation = "sdpa"
+    release(device)
+    return runs
 
 
 def decode_prompts(sizes: Sizes, count: int) -> list[str]:
@@ -607,6 +705,13 @@ def describe(section: str, r: dict) -> str:
             f" plan {gib_or_mib(r['plan_training_peak_mib'])} (with the allocator's reserve "
             f"{gib_or_mib(r['plan_reserved_mib'])})"
         )
+    if section == "mix":
+        return (
+            f"  length mix, {'packed' if r['packing'] else 'padded'}: {r['rows']} rows, "
+            f"{r['real_tokens']} real tokens: {r['step_s']:.3f} s/step, "
+            f"{r['positions_per_real_token']:.3f} positions per real token, MFU on real tokens "
+            f"{r['mfu_real']:.3f}; peak {gib_or_mib(r['peak_mib'])}"
+        )
     if section == "decode":
         return (
             f"  decode: {r['rows']} rows x {r['new_tokens']} new tokens after "
@@ -657,6 +762,9 @@ def run_shape(
         train["mfu"] = train["tflops"] / peak_tflops
         print(describe("train", train), flush=True)
         sections["train"] = train
+        log(f"{name}: training on a realistic length mix, padded and packed")
+        mix = mix_section(shape, model, tok, sizes, device, compute, steps, peak_tflops)
+        sections["mix"] = mix
     log(f"{name}: decoding")
     decode_runs = decode_section(shape, model, tok, sizes, device, compute, bandwidth)
     sections |= {"decode": decode_runs[0], "decode_runs": decode_runs}

@@ -322,7 +322,7 @@ def test_losses_on_the_device():
             algo.policy_loss(logp, torch.zeros(rows, T), adv, mask, eps_low=0.2, eps_high=0.28)
 
 
-def run_config(preset: str):
+def run_config(preset: str, *extra: str):
     return load_config(
         None,
         [
@@ -333,17 +333,18 @@ def run_config(preset: str):
             "train.responses_per_minibatch=4",
             "train.tokens_per_microbatch=24",  # 2 rows a micro-batch: 2 micro-batches
             "reward.workers=0",
+            *extra,
         ],
         preset=preset,
     )
 
 
-def train_state(preset: str, model, tokenizer, ref_model=None) -> TrainState:
+def train_state(preset: str, model, tokenizer, ref_model=None, *extra: str) -> TrainState:
     """build_state's state around ``model`` on DEVICE (inside the mode). grpo's frozen
     reference is ``ref_model`` (a copy of the starting policy, made outside the mode): the
     ``.to(dtype)`` build_state gives its copy changes nothing, and then cannot swap
     FakeTensorMode's parameters."""
-    cfg = run_config(preset)
+    cfg = run_config(preset, *extra)
     kl_coef, cfg.algo.kl_coef = cfg.algo.kl_coef, 0.0
     state = build_state(cfg, on_device(model), tokenizer, [PROBLEM], DEVICE)
     if kl_coef > 0:
@@ -373,6 +374,20 @@ def test_training_update_on_the_device(tiny_model, tokenizer, preset):
     assert len(moments) == 2 * len(params) and all(m.device == DEVICE for m in moments)
     assert all(p.device == DEVICE for p in params)
     assert check.answered.count("unique") >= 2  # each micro-batch shared its group's prompt
+
+
+def test_packed_training_update_on_the_device(tiny_model, tokenizer):
+    """``train.packing``: the packed layout's indices go to the device with the batch, and the
+    packed forward, its per-row attention and the scatter back stay there."""
+    episodes = host_episodes(len(tokenizer))
+    # collate reads the rows' prompt indices on the host (no wait): answered as one prompt.
+    with DeviceCheck(READS_UPDATE | {"collate": 0}) as check:
+        state = train_state("dapo", tiny_model, tokenizer, None, "train.packing=true")
+        fill_logprobs(state.model, episodes, "old_logprobs", state)
+        sums = minibatch_update(state, episodes)
+    assert sums["updates"] == 1.0 and sums["slots"] == sums["real"]  # packed: no padding
+    assert all(p.grad is None and p.device == DEVICE for p in state.model.parameters())
+    assert check.syncs.count("_shared_prompt_pass") == 0  # prompts are shared in the pack
 
 
 @pytest.mark.parametrize("preset", ["dapo", "grpo"])
@@ -474,6 +489,7 @@ def test_prompts_and_batches_go_to_the_device(tokenizer):
         batch = collate(episodes, pad_id=tokenizer.pad_token_id).to(DEVICE)
     assert ids.device == mask.device == DEVICE and ids.shape == mask.shape and len(ids) == 2
     fields = vars(batch)
+    assert fields.pop("packing") is None  # padded (train.packing's layout: the test above)
     assert len(fields) == 13 and all(v.device == DEVICE for v in fields.values())
 
 

@@ -70,6 +70,27 @@ def test_training_step_figures(tiny_run):
     assert train["loss_first_step"] != 0 and train["grad_norm_first_step"] > 0
 
 
+def test_the_length_mix_trains_padded_then_packed(tiny_run):
+    """8 rows of the realistic mix (benchmarks/length_mix.py, scaled to the tiny sizes): the
+    same real tokens both ways; padded computes more positions than real tokens, packed none
+    more; MFU on the real tokens' FLOPs."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from length_mix import draw
+
+    lengths = draw(8, prompt_mean=16.0, l_max=48)
+    padded, packed = tiny_run[0]["shapes"]["tiny-qwen2"]["mix"]
+    assert (padded["packing"], packed["packing"]) == (False, True)
+    assert padded["real_tokens"] == packed["real_tokens"] == sum(p + t for p, t in lengths)
+    assert padded["positions_per_real_token"] > 1.0 == packed["positions_per_real_token"]
+    flops = sum(
+        6 * 2 * LAYER_PARAMS * (p + t) + 6 * 512 * 64 * t + 6 * 2 * 64 * (p + t) ** 2
+        for p, t in lengths
+    )
+    peak = tiny_run[0]["matmul"]["tflops"]
+    for run in (padded, packed):
+        assert run["mfu_real"] == pytest.approx(flops / run["step_s"] / 1e12 / peak, rel=1e-9)
+
+
 def test_decoding_draws_every_token_it_was_asked_for(tiny_run):
     decode = tiny_run[0]["shapes"]["tiny-qwen2"]["decode"]
     assert decode["rows"] == 8 and decode["prompt_tokens"] == 16 and decode["new_tokens"] == 32

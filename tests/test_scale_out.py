@@ -116,8 +116,9 @@ def test_two_ranks_train_the_grpo_baseline_as_one_process(one_process, tmp_path)
         [[], []],
         [["train.tokens_per_microbatch=120"], ["train.tokens_per_microbatch=700"]],
         [["rollout.tp_size=2"], ["rollout.tp_size=2"]],
+        [["train.packing=true"], ["train.packing=true", "train.tokens_per_microbatch=200"]],
     ],
-    ids=["same-split", "different-micro-batches", "tensor-parallel-rollout"],
+    ids=["same-split", "different-micro-batches", "tensor-parallel-rollout", "packed"],
 )
 def test_two_ranks_train_as_one_process(one_process, per_rank, tmp_path):
     cache, (metrics_1, weights_1, moved) = one_process

@@ -36,8 +36,9 @@ def describe(cfg: Config) -> str:
         f"preset {cfg.run.preset} on base {cfg.run.base}: {t.prompts_per_step} prompts/step x "
         f"{r.group_size} responses/prompt = {cfg.responses_per_step} responses/step; "
         f"{t.responses_per_minibatch} responses/mini-batch x {t.epochs} epoch(s) = "
-        f"{cfg.updates_per_step} gradient updates/step; micro-batches of <= "
-        f"{t.tokens_per_microbatch} padded tokens; L_max {r.max_new_tokens} tokens"
+        f"{cfg.updates_per_step} gradient updates/step; "
+        f"{'packed ' if t.packing else ''}micro-batches of <= {t.tokens_per_microbatch} "
+        f"{'' if t.packing else 'padded '}tokens; L_max {r.max_new_tokens} tokens"
     )
 
 

@@ -188,7 +188,8 @@ class TrainConfig:
     responses_per_minibatch: int = 512
     """Responses per gradient update (paper: 512, so 16 updates per step at G=16)."""
     tokens_per_microbatch: int = 16384
-    """Padded tokens per forward/backward; only memory, never the gradient, depends on it."""
+    """Tokens per forward/backward, padding included (real tokens alone with
+    ``train.packing``); only memory, never the gradient, depends on it."""
     epochs: int = 1
     """mu, passes over each step's responses."""
     recompute_old_logprobs: bool = True
@@ -197,6 +198,11 @@ class TrainConfig:
     sampler is the policy itself (not vllm, not ``train.async_staleness`` > 0)."""
     share_prompts: bool = True
     """Forward passes run each distinct prompt of a micro-batch once for all its responses."""
+    packing: bool = False
+    """Lay a micro-batch's rows end to end, with no padding, attention kept within each row
+    (``dapo/models/packing.py``): the same log-probs, loss and gradient as padded, to float
+    rounding. Each row then runs its own prompt (``share_prompts`` does not apply). Needs
+    the model's SDPA attention (the default)."""
     seed: int = 0
     """Seed of prompt order, sampling and initialisation."""
     async_staleness: int = 0

@@ -69,6 +69,73 @@ class Episode:
 
 
 @dataclass
+class Packing:
+    """Where a micro-batch's real tokens go when its rows are laid end to end, a group's
+    prompt once before its responses (:mod:`dapo.models.packing`). Shapes: N = packed tokens,
+    R = real response tokens."""
+
+    groups: tuple[tuple[int, tuple[int, ...]], ...]
+    """(prompt tokens, each of its rows' response tokens) per group, in packed order (kept on
+    the host)."""
+    index_N: torch.Tensor
+    """Flat positions, in ``cat([prompt_ids_BP, response_ids_BT], 1)``, of the packed tokens."""
+    positions_N: torch.Tensor
+    """Each packed token's position in its row, from 0 at the prompt's first token."""
+    states_R: torch.Tensor
+    """The packed position whose output predicts each real response token (row-major)."""
+    response_R: torch.Tensor
+    """The flat (row-major) positions in ``[B, T]`` of the real response tokens."""
+
+    def to(self, device: torch.device | str) -> Packing:
+        tensors = ("index_N", "positions_N", "states_R", "response_R")
+        return Packing(self.groups, *(getattr(self, name).to(device) for name in tensors))
+
+    @property
+    def tokens(self) -> int:
+        """The packed tokens, N."""
+        return sum(p + sum(ts) for p, ts in self.groups)
+
+
+def packing_of(
+    prompt_of: list[int], prompt_lengths: list[int], lengths: list[int], width_p: int, width_t: int
+) -> Packing:
+    """The :class:`Packing` of rows whose prompts are ``prompt_of`` (an index per row: rows of
+    one index share their prompt), ``prompt_lengths`` and response ``lengths`` long, collated
+    to ``width_p`` prompt and ``width_t`` response columns. Groups go in the order of their
+    first row, a group's rows in row order."""
+    members: dict[int, list[int]] = {}
+    for b, key in enumerate(prompt_of):
+        members.setdefault(key, []).append(b)
+    width = width_p + width_t
+    index, positions, groups = [], [], []
+    states, response = [0] * len(lengths), [0] * len(lengths)
+    start = 0
+    for rows in members.values():
+        p = prompt_lengths[rows[0]]
+        index.append(torch.arange(rows[0] * width + width_p - p, rows[0] * width + width_p))
+        positions.append(torch.arange(p))
+        last_prompt, start = start + p - 1, start + p
+        for b in rows:
+            t = lengths[b]
+            index.append(torch.arange(b * width + width_p, b * width + width_p + t))
+            positions.append(torch.arange(p, p + t))
+            # Token 0 is predicted by the prompt's last position, token t by response t - 1.
+            states[b] = torch.cat(
+                [torch.tensor([last_prompt]), torch.arange(start, start + t - 1)]
+            )[:t]
+            response[b] = torch.arange(b * width_t, b * width_t + t)
+            start += t
+        groups.append((p, tuple(lengths[b] for b in rows)))
+    return Packing(
+        tuple(groups),
+        torch.cat(index),
+        torch.cat(positions),
+        torch.cat(states),
+        torch.cat(response),
+    )
+
+
+@dataclass
 class Batch:
     prompt_ids_BP: torch.Tensor
     prompt_mask_BP: torch.Tensor
@@ -91,6 +158,8 @@ class Batch:
     loss_index_N: torch.Tensor | None = None
     """The flat (row-major) positions of ``loss_mask_BT``'s tokens, found on the host: on the
     device, selecting by them never waits for a ``nonzero`` there."""
+    packing: Packing | None = None
+    """The rows laid end to end (``train.packing``), found on the host; None: padded."""
 
     def to(self, device: torch.device | str) -> Batch:
         return Batch(**{k: None if v is None else v.to(device) for k, v in vars(self).items()})
@@ -103,8 +172,9 @@ class Batch:
         return self.prompt_ids_NP, self.prompt_mask_NP, self.prompt_index_B
 
 
-def collate(episodes: Sequence[Episode], *, pad_id: int) -> Batch:
-    """Left-pad prompts and right-pad responses so that every response starts at column P."""
+def collate(episodes: Sequence[Episode], *, pad_id: int, packed: bool = False) -> Batch:
+    """Left-pad prompts and right-pad responses so that every response starts at column P;
+    ``packed``: with the :class:`Packing` that lays the rows end to end."""
     num = len(episodes)
     width_p = max(e.prompt_ids.numel() for e in episodes)
     width_t = max(e.length for e in episodes)
@@ -137,6 +207,15 @@ def collate(episodes: Sequence[Episode], *, pad_id: int) -> Batch:
         prompt_mask_NP=rows_NP[:, width_p:],
         prompt_index_B=index_B,
         loss_index_N=loss_mask.flatten().nonzero().squeeze(1),
+        packing=packing_of(
+            index_B.tolist(),
+            [e.prompt_ids.numel() for e in episodes],
+            [e.length for e in episodes],
+            width_p,
+            width_t,
+        )
+        if packed
+        else None,
     )
 
 
@@ -189,25 +268,28 @@ def length_sorted(episodes: Sequence[Episode], indices: Iterable[int]) -> list[i
 
 
 def split_microbatches(
-    episodes: Sequence[Episode], indices: Sequence[int], *, max_tokens: int
+    episodes: Sequence[Episode], indices: Sequence[int], *, max_tokens: int, packed: bool = False
 ) -> list[list[int]]:
-    """Greedy chunks of ``indices`` whose padded size rows x (P + T) stays within ``max_tokens``.
+    """Greedy chunks of ``indices`` whose padded size rows x (P + T) stays within ``max_tokens``
+    (``packed``: whose real tokens, every row's P + T summed, do).
 
     A single response longer than the budget still gets a micro-batch of its own. The split
     changes memory only: every micro-batch loss is divided by the whole mini-batch's count.
     """
     chunks: list[list[int]] = []
     current: list[int] = []
-    width_p = width_t = 0
+    width_p = width_t = real = 0
     for i in indices:
         e = episodes[i]
         # collate pads prompts and responses separately: the width is max P + max T.
         p, t = max(width_p, e.prompt_ids.numel()), max(width_t, e.length)
-        if current and (p + t) * (len(current) + 1) > max_tokens:
+        size = real + e.prompt_ids.numel() + e.length if packed else (p + t) * (len(current) + 1)
+        if current and size > max_tokens:
             chunks.append(current)
-            current, p, t = [], e.prompt_ids.numel(), e.length
+            current, p, t, real = [], e.prompt_ids.numel(), e.length, 0
         current.append(i)
         width_p, width_t = p, t
+        real += e.prompt_ids.numel() + e.length
     if current:
         chunks.append(current)
     return chunks

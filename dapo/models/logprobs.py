@@ -21,7 +21,7 @@ import torch
 
 from dapo import dist
 from dapo.algo import entropy_from_logits, token_logprobs_from_hidden, token_logprobs_from_logits
-from dapo.data.batch import Batch
+from dapo.data.batch import Batch, Packing
 from dapo.dist import fsdp
 from dapo.models import prompt_cache
 
@@ -87,16 +87,20 @@ def returned_cache(out: Any) -> Any:
     return None
 
 
-def _forward(model, head: torch.Tensor | None, *, keep: int, cache: Any = None, **kwargs):
-    """(hidden states or logits [B, keep, X] of the last ``keep`` positions, the KV cache).
-    ``model`` is the module, or (under FSDP) its own forward, called from inside its hooks."""
+def _forward(
+    model, head: torch.Tensor | None, *, keep: int | torch.Tensor, cache: Any = None, **kwargs
+):
+    """(hidden states or logits [B, keep, X] of the last ``keep`` positions, or of the
+    positions ``keep`` lists, the KV cache). ``model`` is the module, or (under FSDP) its own
+    forward, called from inside its hooks."""
     module = getattr(model, "__self__", model)  # the module of a bound forward
     if head is None:
         out = model(**kwargs, **cache_argument(module, cache), logits_to_keep=keep)
         return out.logits, returned_cache(out)
     decoder = module.get_decoder()
     out = decoder(**kwargs, **cache_argument(decoder, cache))
-    return out.last_hidden_state[:, -keep:], returned_cache(out)
+    states = out.last_hidden_state
+    return states[:, keep] if torch.is_tensor(keep) else states[:, -keep:], returned_cache(out)
 
 
 def response_logprobs(
@@ -110,6 +114,7 @@ def response_logprobs(
     with_entropy: bool = False,
     share_prompts: bool = True,
     prompts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    packing: Packing | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(o_t | q, o_<t) for every response token, and optionally the entropy there.
 
@@ -129,10 +134,14 @@ def response_logprobs(
     A model sharded by FSDP runs all of this inside its own forward (:func:`fsdp.within_forward`),
     where its hooks have gathered the head: the chunked head and the shared prompt work there
     as in one process.
+
+    With ``packing`` (``train.packing``: the model attends through
+    :func:`dapo.models.packing.packed_attention`) the rows run laid end to end, with no
+    padding, a group's prompt once, in one forward pass. Padding positions get 0.
     """
     args = (prompt_ids_BP, prompt_mask_BP, response_ids_BT, response_mask_BT)
     options = dict(temperature=temperature, with_entropy=with_entropy, share_prompts=share_prompts)
-    options["prompts"] = prompts
+    options |= dict(prompts=prompts, packing=packing)
     if fsdp.is_sharded(model):
         return fsdp.within_forward(model, lambda fwd: _owned(_logprobs(fwd, *args, **options)))
     return _logprobs(model, *args, **options)
@@ -155,10 +164,14 @@ def _logprobs(
     with_entropy: bool,
     share_prompts: bool,
     prompts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    packing: Packing | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`response_logprobs` of ``model``: the module, or its forward inside FSDP's hooks."""
     module = getattr(model, "__self__", model)
     head = output_head(module)
+    if packing is not None:
+        ids = (prompt_ids_BP, response_ids_BT)
+        return _packed_forward(model, head, *ids, packing, temperature, with_entropy)
     args = (model, head, prompt_ids_BP, prompt_mask_BP, response_ids_BT, response_mask_BT)
     sharded = fsdp.is_sharded(module)
     shared = None
@@ -271,6 +284,28 @@ def _full_forward(
     return _scored(states_BTX[:, :-1], response_ids_BT, head, temperature, with_entropy)
 
 
+def _packed_forward(model, head, prompt_ids_BP, response_ids_BT, packing, temperature, entropy):
+    """One forward pass over the rows laid end to end; the outputs that predict response
+    tokens are scored, and put back at their ``[B, T]`` places."""
+    B, T = response_ids_BT.shape
+    ids_1N = torch.cat([prompt_ids_BP, response_ids_BT], dim=1).flatten()[packing.index_N][None]
+    states_1RX, _ = _forward(
+        model,
+        head,
+        keep=packing.states_R,
+        input_ids=ids_1N,
+        position_ids=packing.positions_N[None],
+        packed_groups=packing.groups,
+        use_cache=False,
+    )
+    targets_1R = response_ids_BT.flatten()[packing.response_R][None]
+    scored = _scored(states_1RX, targets_1R, head, temperature, entropy)
+    place = (packing.response_R,)
+    return tuple(
+        None if v is None else v.new_zeros(B * T).index_put(place, v[0]).view(B, T) for v in scored
+    )
+
+
 def _scored(
     states_BTX: torch.Tensor,
     ids_BT: torch.Tensor,
@@ -321,6 +356,7 @@ def batch_logprobs(
         with_entropy=with_entropy,
         share_prompts=share_prompts,
         prompts=batch.distinct_prompts,
+        packing=batch.packing,
     )
 
 
@@ -328,6 +364,9 @@ def forward_slots(b: Batch, *, shared: bool) -> tuple[float, torch.Tensor]:
     """(padded, real) token positions a micro-batch's forward pass computes, a shared prompt
     counted once: the padded count a number, the real one a 0-d tensor where ``b`` is (not
     read back: the caller sums it on the device)."""
+    if b.packing is not None:  # nothing padded, no prompt shared
+        tokens = float(b.packing.tokens)
+        return tokens, b.response_mask_BT.new_tensor(tokens, dtype=torch.float64)
     prompts = b.prompt_mask_BP  # [B, P], or [N, P] over the N distinct prompts when shared
     if shared:
         found = b.distinct_prompts or distinct_prompts(b.prompt_ids_BP, b.prompt_mask_BP)

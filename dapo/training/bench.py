@@ -38,6 +38,8 @@ def summarize_steps(steps: list[dict[str, float]]) -> dict:
         "train_tokens_per_s": med("perf/train_tokens_per_s"),
         "gen_padding_frac": med("perf/gen_padding_frac"),
         "train_padding_frac": med("perf/train_padding_frac"),
+        # Positions a forward pass computes per real token (1.0 packed).
+        "train_positions_per_real_token": 1.0 / max(1.0 - med("perf/train_padding_frac"), 1e-9),
         "tokens_generated": med("sampling/tokens_generated"),
         "response_len_mean": med("rollout/response_len_mean"),
     }

@@ -241,6 +241,10 @@ def plan_memory(shape: ModelShape, settings: PlanSettings) -> MemoryPlan:
         gathered += (a // shape.layers - shape.layer_parameters) * 4  # one layer's gradient
     moving = a * frozen if a else p * frozen
     activations = activation_bytes(shape, tokens=tokens, compute=compute, checkpointing=ckpt)
+    if s.packing:  # rows of the plan's lengths: each copies its prompt's q, k, v and output
+        copies = tokens * s.prompt_tokens // (s.prompt_tokens + s.max_new_tokens)
+        per_copy = (2 * shape.hidden + 2 * shape.kv_dim) * compute
+        activations += (1 if ckpt else shape.layers) * copies * per_copy
     head = output_head_bytes(shape, s, compute=compute)
     vllm_generating, vllm_training = fixed_memory.vllm_bytes(s)
     native = s.engine != "vllm"  # vLLM's KV cache and workspace are in its reservation
@@ -352,6 +356,7 @@ def settings_from_config(
         device=device,
         engine=cfg.rollout.engine,
         cuda_graphs=cfg.rollout.cuda_graphs,
+        packing=cfg.train.packing,
         vllm_fraction=cfg.vllm.gpu_memory_utilization,
         vllm_sleep=cfg.vllm.sleep,
         gpu_bytes=gpu_bytes,

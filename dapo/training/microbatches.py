@@ -2,7 +2,8 @@
 
 A rank's share of a mini-batch goes by prompt and length (a group's rows together, so that its
 prompt runs once; :func:`~dapo.data.batch.length_sorted`), cut into micro-batches of at most
-``train.tokens_per_microbatch`` padded tokens, each collated and moved to the compute device.
+``train.tokens_per_microbatch`` padded tokens (real ones when packed, ``train.packing``), each
+collated and moved to the compute device.
 Under FSDP a forward and a backward are collectives, so a rank with fewer micro-batches than
 another runs idle passes to match it (one padding token, nothing kept, no gradient): they are
 made here and nowhere else.
@@ -52,16 +53,18 @@ def micro_batches(
     max_tokens: int,
     pad_id: int,
     device: torch.device,
+    packed: bool = False,
 ) -> Iterator[MicroBatch]:
     """This rank's micro-batches of ``episodes[share]``, then idle passes up to the most any
-    rank has; each collated on ``device``."""
+    rank has; each collated on ``device`` (``packed``: ``train.packing``, their rows laid end
+    to end, ``max_tokens`` real tokens)."""
     order = length_sorted(episodes, share)
-    chunks = split_microbatches(episodes, order, max_tokens=max_tokens)
+    chunks = split_microbatches(episodes, order, max_tokens=max_tokens, packed=packed)
     passes = dist.all_reduce_max(len(chunks))
     for n in range(passes):
         rows = chunks[n] if n < len(chunks) else []
         members = [episodes[i] for i in rows] or [idle_row(pad_id)]
-        batch = collate(members, pad_id=pad_id).to(device)
+        batch = collate(members, pad_id=pad_id, packed=packed).to(device)
         yield MicroBatch(rows, batch, last=n == passes - 1)
 
 

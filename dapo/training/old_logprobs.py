@@ -50,7 +50,12 @@ def fill_logprobs(
     rows: list[int] = []
     parts: list[torch.Tensor] = []
     for micro in micro_batches(
-        episodes, share, max_tokens=cfg.train.tokens_per_microbatch, pad_id=pad_id, device=device
+        episodes,
+        share,
+        max_tokens=cfg.train.tokens_per_microbatch,
+        pad_id=pad_id,
+        device=device,
+        packed=cfg.train.packing,
     ):
         with autocast(model, compute, device):
             logp_BT, _ = batch_logprobs(

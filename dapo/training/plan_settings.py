@@ -65,6 +65,10 @@ class PlanSettings:
     gpu_bytes: int = 0
     """The card's memory as the driver reports it (0: not known; the vllm engine's
     reservation, a share of it, is then left out, and the dry run says so)."""
+    packing: bool = False
+    """``train.packing``: each response attends with a copy of its group's prompt queries,
+    keys and values, and an attention output over them (held for the backward), beside the
+    packed tokens' own activations."""
     gqa_copy: bool = True
     """The installed transformers copies a layer's keys and values to every query head while
     decoding (before 5.23; :func:`transformers_copies_gqa`): True, the upper bound, by default."""

@@ -22,6 +22,7 @@ from dapo.config import Config
 from dapo.data.problems import Problem, PromptSampler
 from dapo.dist import fsdp, tensor_parallel
 from dapo.models import lora
+from dapo.models.packing import use_packing
 from dapo.models.policy import DTYPES, compute_device, model_dir, stop_token_ids
 from dapo.reward.custom import make_resolver
 from dapo.reward.pool import RewardPool
@@ -176,6 +177,10 @@ def build_state(
     device = device or compute_device(cfg.model.device)
     compute = DTYPES[cfg.model.compute_dtype]
     ref_model, gen_model, tp_mesh = copies_and_shards(cfg, model, compute, device)
+    if cfg.train.packing:  # the passes that train or score; generation copies attend as before
+        for scorer in (model, ref_model):
+            if scorer is not None:
+                use_packing(scorer)
     o = cfg.optim
     # Only what trains: with LoRA the adapters, whose state is all the optimizer holds.
     trained = [p for p in model.parameters() if p.requires_grad]

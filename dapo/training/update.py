@@ -205,7 +205,12 @@ def accumulate_gradients(
     share = list(range(len(episodes))) if share is None else share
     pad_id = state.tokenizer.pad_token_id
     for micro in micro_batches(
-        episodes, share, max_tokens=t.tokens_per_microbatch, pad_id=pad_id, device=state.device
+        episodes,
+        share,
+        max_tokens=t.tokens_per_microbatch,
+        pad_id=pad_id,
+        device=state.device,
+        packed=t.packing,
     ):
         if cfg.dist.grad_sync == "minibatch":  # reduce-scatter once, after the last backward
             fsdp.set_grad_sync(model, micro.last)

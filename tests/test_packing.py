@@ -1,0 +1,175 @@
+"""Packed micro-batches (``train.packing``, dapo/models/packing.py) against padded ones, through
+a real transformer in float32: the same log-probs and entropies, the same loss and gradient,
+whatever the micro-batch split; nothing attends across rows."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from dapo.config import load_config
+from dapo.data.batch import Episode, collate, split_microbatches
+from dapo.data.problems import Problem
+from dapo.models.logprobs import batch_logprobs
+from dapo.models.packing import PACKED_ATTENTION, use_packing
+from dapo.training.gpu_memory import PlanSettings, plan_memory
+from dapo.training.model_shape import ModelShape
+from dapo.training.state import build_state
+from dapo.training.update import accumulate_gradients
+
+
+def episode(prompt: torch.Tensor, length: int, seed: int, advantage: float) -> Episode:
+    g = torch.Generator().manual_seed(seed)
+    e = Episode(
+        prompt_ids=prompt,
+        response_ids=torch.randint(5, 60, (length,), generator=g),
+        sampler_logprobs=-torch.rand(length, generator=g),
+        truncated=False,
+        correct=advantage > 0,
+        reward=1.0,
+        advantage=advantage,
+    )
+    e.old_logprobs = e.sampler_logprobs
+    return e
+
+
+def groups() -> list[Episode]:
+    """Three prompts of 3, 7 and 5 tokens, their responses of 1 to 13 tokens (a group's rows
+    share their prompt, as a round's do); one row overlong-filtered."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(5, 60, (n,), generator=g) for n in (3, 7, 5)]
+    lengths = [[13, 2, 6], [1, 9], [4, 11, 3, 7]]
+    eps = [
+        episode(prompts[p], n, seed=10 * p + i, advantage=(-1.0) ** i * (0.3 + i / 7))
+        for p, group in enumerate(lengths)
+        for i, n in enumerate(group)
+    ]
+    eps[4].trainable = False
+    return eps
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_packed_log_probs_are_the_padded_ones(tiny_model, with_entropy):
+    eps = groups()
+    padded = collate(eps, pad_id=0)
+    packed = collate(eps, pad_id=0, packed=True)
+    assert packed.packing.groups == ((3, (13, 2, 6)), (7, (1, 9)), (5, (4, 11, 3, 7)))
+    assert packed.packing.tokens == 3 + 21 + 7 + 10 + 5 + 25
+    with torch.no_grad():
+        shared = batch_logprobs(tiny_model, padded, with_entropy=with_entropy)
+        alone = batch_logprobs(tiny_model, padded, with_entropy=with_entropy, share_prompts=False)
+        use_packing(tiny_model)
+        got = batch_logprobs(tiny_model, packed, with_entropy=with_entropy, temperature=1.0)
+    real = padded.response_mask_BT
+    for ref in (shared, alone):
+        for want, have in zip(ref, got, strict=True):
+            if want is None:
+                assert have is None
+                continue
+            torch.testing.assert_close(have[real], want[real], rtol=0, atol=2e-6)
+            assert (have[~real] == 0).all()
+
+
+def test_a_row_sees_only_itself():
+    """Changing one row's tokens changes no other row's log-probs (a Llama with a tied head:
+    the chunked head; and its logits path through ``logits_to_keep``)."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(config).eval()
+    use_packing(model)
+    assert model.config._attn_implementation == PACKED_ATTENTION
+    eps = groups()
+    before = batch_logprobs(model, collate(eps, pad_id=0, packed=True))[0]
+    eps[2].response_ids = eps[2].response_ids.flip(0)
+    after = batch_logprobs(model, collate(eps, pad_id=0, packed=True))[0]
+    changed = (before != after).any(dim=1)
+    assert changed.tolist() == [i == 2 for i in range(len(eps))]
+
+
+def gradients(model, tokenizer, eps, *overrides: str):
+    cfg = load_config(None, ["rollout.max_new_tokens=20", *overrides])
+    state = build_state(cfg, model, tokenizer, [Problem("p", (), "1")])
+    model.zero_grad(set_to_none=True)
+    sums = accumulate_gradients(
+        state,
+        eps,
+        num_tokens=sum(e.num_loss_tokens for e in eps),
+        num_seqs=sum(1 for e in eps if e.num_loss_tokens),
+    ).read()
+    return [p.grad.clone() for p in model.parameters()], sums
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_packed_gradient_is_the_padded_one_whatever_the_split(tiny_model, tokenizer, agg):
+    eps = groups()
+    rule = f"algo.loss_agg={agg}"
+    padded, s0 = gradients(tiny_model, tokenizer, eps, rule, "train.tokens_per_microbatch=100000")
+    runs = [
+        gradients(tiny_model, tokenizer, eps, rule, "train.packing=true", f"train.{budget}")
+        for budget in ("tokens_per_microbatch=100000", "tokens_per_microbatch=20")
+    ]
+    for grads, sums in runs:
+        assert sums["tokens"] == s0["tokens"] and sums["loss"] == pytest.approx(s0["loss"], 1e-6)
+        for want, have in zip(padded, grads, strict=True):
+            torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-8)
+    # Nothing padded, a group's prompt once: every position computed is a real token.
+    whole, split = (sums for _, sums in runs)
+    assert whole["slots"] == whole["real"] == s0["real"] == 15 + 56 < s0["slots"]
+    assert split["slots"] == split["real"] > whole["real"]  # a group cut in two: its prompt twice
+
+
+def test_packed_micro_batches_count_real_tokens():
+    eps = groups()
+    chunks = split_microbatches(eps, range(len(eps)), max_tokens=20, packed=True)
+    assert sorted(i for c in chunks for i in c) == list(range(len(eps)))
+    for c in chunks:
+        real = sum(eps[i].prompt_length + eps[i].length for i in c)
+        assert len(c) == 1 or real <= 20
+
+
+def test_only_an_sdpa_model_packs():
+    model = LlamaForCausalLM._from_config(
+        LlamaConfig(
+            hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+        ),
+        attn_implementation="eager",
+    )
+    with pytest.raises(ValueError, match="train.packing=false"):
+        use_packing(model)
+
+
+def test_the_memory_plan_counts_the_prompt_copies():
+    """Packed, each response attends with a copy of its prompt's queries, keys and values and
+    an output over them, held for the backward: rows of the plan's lengths (10 prompt + 22
+    response tokens) in 100 tokens copy 100 x 10 // 32 = 31 prompt positions in each of 2
+    layers, 2 x 64 + 2 x 16 values each (hidden 64, one kv head of 16), in bf16."""
+    shape = ModelShape.from_hf_config(
+        {
+            "model_type": "qwen2",
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 1,
+            "vocab_size": 1000,
+            "tie_word_embeddings": True,
+        }
+    )
+    settings = PlanSettings(microbatch_tokens=100, prompt_tokens=10, max_new_tokens=22)
+    padded = plan_memory(shape, settings).activations
+    packed = plan_memory(shape, replace(settings, packing=True)).activations
+    assert packed - padded == 2 * 31 * (2 * 64 + 2 * 16) * 2
+    ckpt = replace(settings, activation_checkpointing=True)
+    extra = plan_memory(shape, replace(ckpt, packing=True)).activations
+    assert extra - plan_memory(shape, ckpt).activations == 31 * (2 * 64 + 2 * 16) * 2  # one layer at a time
