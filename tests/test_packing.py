@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from dapo.config import load_config
 from dapo.data.batch import Episode, collate, split_microbatches
@@ -138,7 +138,7 @@ def test_packed_micro_batches_count_real_tokens():
         assert len(c) == 1 or real <= 20
 
 
-def test_only_an_sdpa_model_packs():
+def test_only_an_sdpa_model_without_windows_packs():
     model = LlamaForCausalLM._from_config(
         LlamaConfig(
             hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
@@ -147,6 +147,19 @@ def test_only_an_sdpa_model_packs():
     )
     with pytest.raises(ValueError, match="train.packing=false"):
         use_packing(model)
+    windowed = Qwen2ForCausalLM(
+        Qwen2Config(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            use_sliding_window=True,
+            sliding_window=8,
+            max_window_layers=1,
+        )
+    )
+    with pytest.raises(ValueError, match="sliding-window"):
+        use_packing(windowed)
 
 
 def test_the_memory_plan_counts_the_prompt_copies():
@@ -172,4 +185,6 @@ def test_the_memory_plan_counts_the_prompt_copies():
     assert packed - padded == 2 * 31 * (2 * 64 + 2 * 16) * 2
     ckpt = replace(settings, activation_checkpointing=True)
     extra = plan_memory(shape, replace(ckpt, packing=True)).activations
-    assert extra - plan_memory(shape, ckpt).activations == 31 * (2 * 64 + 2 * 16) * 2  # one layer at a time
+    assert (
+        extra - plan_memory(shape, ckpt).activations == 31 * (2 * 64 + 2 * 16) * 2
+    )  # one layer at a time

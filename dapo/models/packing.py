@@ -99,8 +99,9 @@ def packed_mask(**kwargs: Any) -> torch.Tensor | None:
 
 def use_packing(model: torch.nn.Module) -> None:
     """Makes ``model`` attend through :func:`packed_attention` (registered with transformers
-    once). Only from SDPA: another implementation (eager, flash) would change the model's
-    unpacked calls, so it is refused with the fix."""
+    once). Only from SDPA, and without sliding windows: another implementation (eager,
+    flash) would change the model's unpacked calls, and a window would be lost, so these are
+    refused with the fix."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -112,6 +113,12 @@ def use_packing(model: torch.nn.Module) -> None:
         raise ValueError(
             f"train.packing=true runs attention through PyTorch's SDPA, and this model was "
             f"loaded with attn_implementation={current!r}; set train.packing=false"
+        )
+    windowed = getattr(config, "use_sliding_window", False) and config.sliding_window
+    if windowed or "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        raise ValueError(
+            "train.packing=true attends to each whole row, and this model has sliding-window "
+            "attention layers; set train.packing=false"
         )
     AttentionInterface.register(PACKED_ATTENTION, packed_attention)
     AttentionMaskInterface.register(PACKED_ATTENTION, packed_mask)
