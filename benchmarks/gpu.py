@@ -250,27 +250,36 @@ def train_state(cfg: Config, model: torch.nn.Module, tok: Any, device: torch.dev
     return build_state(cfg, model, tok, [problem], device)
 
 
-def synthetic_episodes(sizes: Sizes, vocab: int) -> list[Episode]:
-    """``rows`` responses of random tokens, each after its own random prompt (nothing shared,
-    so the FLOPs are those of the formula), with advantages drawn from N(0, 1)."""
-    g = torch.Generator(HOST).manual_seed(1)
+def random_episodes(
+    lengths: list[tuple[int, int]], vocab: int, *, seed: int, l_max: int | None = None
+) -> list[Episode]:
+    """Responses of random tokens of the given (prompt, response) ``lengths``, each after its
+    own random prompt (nothing shared, so the FLOPs are those of the formula), advantages
+    drawn from N(0, 1); a response of ``l_max`` tokens counts as truncated."""
+    g = torch.Generator(HOST).manual_seed(seed)
     out = []
-    for _ in range(sizes.rows):
-        prompt = torch.randint(3, vocab, (sizes.prompt,), generator=g, device=HOST)
-        response = torch.randint(3, vocab, (sizes.response,), generator=g, device=HOST)
+    for p, t in lengths:
+        prompt = torch.randint(3, vocab, (p,), generator=g, device=HOST)
+        response = torch.randint(3, vocab, (t,), generator=g, device=HOST)
         advantage = float(torch.randn((), generator=g, device=HOST))
         out.append(
             Episode(
                 prompt_ids=prompt,
                 response_ids=response,
-                sampler_logprobs=torch.zeros(sizes.response, device=HOST),
-                truncated=False,
+                sampler_logprobs=torch.zeros(t, device=HOST),
+                truncated=l_max is not None and t == l_max,
                 correct=advantage > 0,
                 reward=advantage,
                 advantage=advantage,
             )
         )
     return out
+
+
+def synthetic_episodes(sizes: Sizes, vocab: int) -> list[Episode]:
+    """``rows`` random responses of ``response`` tokens after prompts of ``prompt``."""
+    lengths = [(sizes.prompt, sizes.response)] * sizes.rows
+    return random_episodes(lengths, vocab, seed=1)
 
 
 def set_old_logprobs(state: TrainState, episodes: list[Episode]) -> None:
@@ -282,13 +291,18 @@ def set_old_logprobs(state: TrainState, episodes: list[Episode]) -> None:
         e.old_logprobs = e.old_logprobs + 0.1 * torch.randn(e.length, generator=g, device=HOST)
 
 
-def model_flops(shape: ModelShape, sizes: Sizes) -> float:
-    """Model FLOPs of one training step (forward and backward), as the module docstring says."""
-    seq = sizes.prompt + sizes.response
+def row_flops(shape: ModelShape, prompt: int, response: int) -> int:
+    """Model FLOPs of training one row (forward and backward), as the module docstring says."""
+    seq = prompt + response
     dense = 6 * shape.layers * shape.layer_parameters * seq
-    head = 6 * shape.vocab * shape.hidden * sizes.response
+    head = 6 * shape.vocab * shape.hidden * response
     attention = 6 * shape.layers * shape.heads * shape.head_dim * seq**2
-    return float(sizes.rows * (dense + head + attention))
+    return dense + head + attention
+
+
+def model_flops(shape: ModelShape, sizes: Sizes) -> float:
+    """Model FLOPs of one training step of the fixed-length mini-batch."""
+    return float(sizes.rows * row_flops(shape, sizes.prompt, sizes.response))
 
 
 def timed_steps(state: TrainState, episodes: list[Episode], steps: int) -> list[float]:
@@ -349,40 +363,14 @@ def train_section(
 
 
 def mix_episodes(sizes: Sizes, vocab: int) -> list[Episode]:
-    """``mix_rows`` responses of the realistic length mix (:mod:`length_mix`), each after its
-    own random prompt, random tokens, advantages from N(0, 1)."""
-    g = torch.Generator(HOST).manual_seed(4)
-    out = []
-    for p, t in length_mix.draw(
-        sizes.mix_rows, prompt_mean=sizes.mix_prompt, l_max=sizes.mix_l_max
-    ):
-        advantage = float(torch.randn((), generator=g, device=HOST))
-        out.append(
-            Episode(
-                prompt_ids=torch.randint(3, vocab, (p,), generator=g, device=HOST),
-                response_ids=torch.randint(3, vocab, (t,), generator=g, device=HOST),
-                sampler_logprobs=torch.zeros(t, device=HOST),
-                truncated=t == sizes.mix_l_max,
-                correct=advantage > 0,
-                reward=advantage,
-                advantage=advantage,
-            )
-        )
-    return out
+    """``mix_rows`` random responses of the realistic length mix (:mod:`length_mix`)."""
+    lengths = length_mix.draw(sizes.mix_rows, prompt_mean=sizes.mix_prompt, l_max=sizes.mix_l_max)
+    return random_episodes(lengths, vocab, seed=4, l_max=sizes.mix_l_max)
 
 
 def mix_flops(shape: ModelShape, episodes: list[Episode]) -> float:
-    """Model FLOPs of a training step over the real tokens alone: :func:`model_flops` per row
-    at its own lengths."""
-    flops = 0.0
-    for e in episodes:
-        seq = e.prompt_length + e.length
-        flops += (
-            6 * shape.layers * shape.layer_parameters * seq
-            + 6 * shape.vocab * shape.hidden * e.length
-        )
-        flops += 6 * shape.layers * shape.heads * shape.head_dim * seq**2
-    return flops
+    """Model FLOPs of a training step over the real tokens alone: each row's at its lengths."""
+    return float(sum(row_flops(shape, e.prompt_length, e.length) for e in episodes))
 
 
 def mix_section(

@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 import torch
-from test_static_decode import MODELS, SIZES, STOPS, model_of, prompts
+from test_static_decode import MODELS, SIZES, STOPS, batch_sizes_seen, model_of, prompts
 from torch._dynamo.testing import CompileCounter
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -76,13 +76,7 @@ def test_one_trace_serves_every_layer_width_batch_and_rollout(monkeypatch):
     each compiled function is traced once."""
     monkeypatch.setattr(static_decode, "WIDTH_STEP", 16)
     monkeypatch.setattr(static_decode, "CHECK_EVERY", 4)
-    sizes = []
-    real = static_decode.State.compact
-    monkeypatch.setattr(
-        static_decode.State,
-        "compact",
-        lambda self, slots, size, filled: (sizes.append(size), real(self, slots, size, filled)),
-    )
+    sizes = batch_sizes_seen(monkeypatch)
     counter = CompileCounter()
     model = model_of("qwen2")
     ids, mask = prompts()

@@ -98,19 +98,25 @@ def test_the_same_tokens_and_log_probs_as_the_eager_loop(arch, how, fused):
     assert eager[2] <= static[2] <= 12 * eager[0].shape[1]
 
 
-def test_small_blocks_and_buckets_refill_uniforms_and_shrink_the_batch(monkeypatch, fused):
-    """Uniforms refilled every 8 steps, a read-back every 4, attention widths in steps of 16,
-    over 60 tokens: the rows shrink through the batch sizes 12, 8, 4, 2, 1."""
-    monkeypatch.setattr(static_decode, "UNIFORM_BLOCK", 8)
-    monkeypatch.setattr(static_decode, "CHECK_EVERY", 4)
-    monkeypatch.setattr(static_decode, "WIDTH_STEP", 16)
-    sizes = []
+def batch_sizes_seen(monkeypatch) -> list[int]:
+    """The batch sizes the static loop shrinks to, appended as it compacts."""
+    sizes: list[int] = []
     real = static_decode.State.compact
     monkeypatch.setattr(
         static_decode.State,
         "compact",
         lambda self, slots, size, filled: (sizes.append(size), real(self, slots, size, filled)),
     )
+    return sizes
+
+
+def test_small_blocks_and_buckets_refill_uniforms_and_shrink_the_batch(monkeypatch, fused):
+    """Uniforms refilled every 8 steps, a read-back every 4, attention widths in steps of 16,
+    over 60 tokens: the rows shrink through the batch sizes 12, 8, 4, 2, 1."""
+    monkeypatch.setattr(static_decode, "UNIFORM_BLOCK", 8)
+    monkeypatch.setattr(static_decode, "CHECK_EVERY", 4)
+    monkeypatch.setattr(static_decode, "WIDTH_STEP", 16)
+    sizes = batch_sizes_seen(monkeypatch)
     eager, static = both(model_of("qwen2"), new_tokens=60, seed=[4, 5, 6])
     assert torch.equal(static[0], eager[0])
     torch.testing.assert_close(static[1], eager[1], rtol=0, atol=1e-5)
