@@ -316,6 +316,17 @@ def timed_steps(state: TrainState, episodes: list[Episode], steps: int) -> list[
     return out
 
 
+def measured_updates(state: TrainState, episodes: list[Episode], steps: int):
+    """(the first update's metrics, the median seconds of ``steps`` more, CUDA's peak bytes
+    over them or None): pi_old set first, the first update untimed (AdamW makes its state)."""
+    set_old_logprobs(state, episodes)
+    first = minibatch_update(state, episodes)
+    reset_peak(state.device)
+    seconds = statistics.median(timed_steps(state, episodes, steps))
+    peak = read_peak(state.device) if state.device.type == "cuda" else None
+    return first, seconds, peak
+
+
 def train_section(
     shape: ModelShape,
     model: torch.nn.Module,
@@ -329,11 +340,7 @@ def train_section(
     cfg = run_config(sizes, compute)
     state = train_state(cfg, model, tok, device)
     episodes = synthetic_episodes(sizes, shape.vocab)
-    set_old_logprobs(state, episodes)
-    first = minibatch_update(state, episodes)  # untimed: AdamW makes its state here
-    reset_peak(device)
-    seconds = statistics.median(timed_steps(state, episodes, steps))
-    peak = read_peak(device) if device.type == "cuda" else None
+    first, seconds, peak = measured_updates(state, episodes, steps)
     reserved = read_reserved_peak(device)
     tokens = sizes.rows * (sizes.prompt + sizes.response)
     flops = model_flops(shape, sizes)
@@ -398,11 +405,7 @@ def mix_section(
             f"train.packing={str(packing).lower()}",
         )
         state = train_state(cfg, model, tok, device)
-        set_old_logprobs(state, episodes)
-        first = minibatch_update(state, episodes)  # untimed
-        reset_peak(device)
-        seconds = statistics.median(timed_steps(state, episodes, steps))
-        peak = read_peak(device) if device.type == "cuda" else None
+        first, seconds, peak = measured_updates(state, episodes, steps)
         state.optimizer.zero_grad(set_to_none=True)
         del state
         runs.append(
