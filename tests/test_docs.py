@@ -14,6 +14,7 @@ import yaml
 from helpers import load_script
 
 from dapo.config import Config
+from dapo.config.sections import key_of
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -38,7 +39,7 @@ def test_every_config_field_appears_in_the_docs():
     text = "\n".join(p.read_text(encoding="utf-8") for p in DOCS.rglob("*.md"))
     config = Config()
     keys = [
-        f"{section.name}.{f.name}"
+        f"{section.name}.{key_of(f.name)}"  # env.class, held in EnvConfig.class_
         for section in dataclasses.fields(config)
         for f in dataclasses.fields(getattr(config, section.name))
     ]

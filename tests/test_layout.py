@@ -58,7 +58,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # maths, problems and batches, collectives; install hints for the optional extras
     ("dapo.algo", "dapo.data", "dapo.dist", "dapo.extras"),
     ("dapo.reward",),  # tasks (verifiers), the worker pool; no torch
-    ("dapo.config",),  # typed sections, presets, YAML and overrides; no torch
+    # typed sections, presets, YAML and overrides; environments (tools in episodes); no torch
+    ("dapo.config", "dapo.env"),
     ("dapo.models", "dapo.run"),  # loading and passes; checkpoints, run dir, logging
     ("dapo.rollout",),  # the engines
     ("dapo.eval",),  # held-out evaluation and its statistics

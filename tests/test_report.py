@@ -210,3 +210,17 @@ def test_mechanisms_group_runs_by_configuration_and_band_over_seeds(tmp_path):
     assert across_seeds(groups["single"], "sampling/all_correct_frac") == ([], [], [], [])
     path = write_mechanisms(runs, tmp_path / "mechanisms.png")
     assert path.read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_a_run_with_a_tool_shows_its_tool_call_rate_beside_accuracy(tmp_path: Path) -> None:
+    run = _write_run(tmp_path, "tools", _config(name="tools"))
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        if "val/accuracy" in row:  # steps 0, 5, 10: 0.25, 0.6, 0.95
+            row["val/tool_call_frac"] = 0.25 + 0.07 * row["step"]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    plain = _write_run(tmp_path, "plain", _config(name="plain"))
+    html = make_report([run, plain], tmp_path / "report").read_text(encoding="utf-8")
+    assert "<th>tool-call rate start</th><th>tool-call rate end</th>" in html
+    assert '<td class="num">0.250</td><td class="num">0.950</td>' in html
+    assert '<td class="num">—</td><td class="num">—</td></tr>' in html  # the run without one

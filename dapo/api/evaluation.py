@@ -103,6 +103,7 @@ def run(req: EvalRequest, *, reward_fn: Callable[..., Any] | None = None) -> Eva
     from dapo.reward.custom import make_resolver
     from dapo.reward.pool import RewardPool
     from dapo.rollout import make_engine
+    from dapo.training.state import engine_stops, runner_for
 
     _check(req, reward_fn)
     ks, phrases = _ks(req.pass_k, req.k), _phrases(req.phrases)
@@ -119,9 +120,12 @@ def run(req: EvalRequest, *, reward_fn: Callable[..., Any] | None = None) -> Eva
     t0 = time.perf_counter()
     before_batch = _progress(req, t0)
     resolve = make_resolver(req.reward_function, reward_fn, _code_section(req))
-    with RewardPool(workers=1, resolve=resolve, max_abs=_run_config(req).reward.max_abs) as pool:
+    settings = _run_config(req)
+    stops = engine_stops(stop_token_ids(model, tokenizer, extra), tokenizer, settings.env)
+    engine = make_engine(req.engine, model, tokenizer, stops)
+    with RewardPool(workers=1, resolve=resolve, max_abs=settings.reward.max_abs) as pool:
         records = done + sample_records(
-            make_engine(req.engine, model, tokenizer, stop_token_ids(model, tokenizer, extra)),
+            engine,
             tokenizer,
             problems[len(done) :],
             first_index=len(done),
@@ -136,6 +140,7 @@ def run(req: EvalRequest, *, reward_fn: Callable[..., Any] | None = None) -> Eva
             reward_mode=req.reward_function or req.reward_mode,
             before_batch=lambda i, n: before_batch(len(done) + i, len(done) + n),
             after_batch=journal.append,
+            episodes=runner_for(settings.env, engine, tokenizer),  # the run's env.class
         )
     before_batch(len(problems), len(problems))
     per_problem = {r["uid"]: _record_metrics(r, ks, phrases) for r in records}

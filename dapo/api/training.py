@@ -85,21 +85,23 @@ def resolve_config(
 
 
 def _refuse_code_from(run_dir: Path, cfg: Config) -> None:
-    """A run directory is data, perhaps from elsewhere: the reward function its config names
-    may not be a file inside it (resuming would run code that came with the directory)."""
+    """A run directory is data, perhaps from elsewhere: the reward function and the
+    environment its config names may not be files inside it (resuming would run code that
+    came with the directory)."""
     from dapo.reward import custom
 
-    if not cfg.reward.function:
-        return
-    target, _ = custom.split_spec(cfg.reward.function)
-    if custom.is_path_spec(target):
-        path = Path(target).expanduser().resolve()
-        if path.is_relative_to(run_dir.resolve()):
-            raise ValueError(
-                f"--resume {run_dir}: reward.function={cfg.reward.function} is a file inside "
-                "the run directory, and dapo runs no code that came with a run directory; "
-                "copy it elsewhere, read it, and resume with reward.function=THAT.py:NAME --force"
-            )
+    for key, spec in (("reward.function", cfg.reward.function), ("env.class", cfg.env.class_)):
+        if ":" not in spec:
+            continue  # empty, or a built-in name
+        target, _ = custom.split_spec(spec, key)
+        if custom.is_path_spec(target):
+            path = Path(target).expanduser().resolve()
+            if path.is_relative_to(run_dir.resolve()):
+                raise ValueError(
+                    f"--resume {run_dir}: {key}={spec} is a file inside the run directory, "
+                    "and dapo runs no code that came with a run directory; copy it elsewhere, "
+                    f"read it, and resume with {key}=THAT.py:NAME --force"
+                )
 
 
 def run(
@@ -219,6 +221,7 @@ def _checked_inputs(
 
         raise ValueError(install_hint())
     reward, warnings = inputs.check_reward_function(cfg, reward_fn)
+    inputs.check_environment(cfg)
     for warning in warnings:
         print(f"dapo: warning: {warning}", file=sys.stderr)
     data = inputs.load_run_data(cfg)

@@ -122,7 +122,8 @@ def _add_engine_args(ev: argparse.ArgumentParser) -> None:
 def _add_setting_args(ev: argparse.ArgumentParser) -> None:
     ev.add_argument(
         "--config",
-        help="a run's YAML (a recipe, a run's config.yaml): its arith section shapes --data arith",
+        help="a run's YAML (a recipe, a run's config.yaml): its arith section shapes --data "
+        "arith, and its env section (env.class) makes each sample an episode with the tool",
     )
     ev.add_argument(
         "--threads",

@@ -18,7 +18,7 @@ from functools import cache
 from typing import Any
 
 from dapo.config import presets
-from dapo.config.sections import Config, is_subsection, leaves
+from dapo.config.sections import Config, is_subsection, key_of, leaves
 
 
 @dataclass(frozen=True)
@@ -105,11 +105,11 @@ def _fields(section: str, prefix: str, cls: type, by_preset: dict) -> list[Field
             infos += _fields(section, f"{prefix}{f.name}.", hints[f.name], by_preset)
             continue
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
-        key = f"{section}.{prefix}{f.name}"
+        key = f"{section}.{prefix}{key_of(f.name)}"
         infos.append(
             FieldInfo(
                 section=section,
-                name=f"{prefix}{f.name}",
+                name=f"{prefix}{key_of(f.name)}",
                 type=type_name(hints[f.name]),
                 default=default,
                 doc=docs.get(f.name, ""),

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import yaml
 
 from dapo.config import presets
-from dapo.config.sections import Config, field_types, is_subsection, leaves
+from dapo.config.sections import Config, attr_of, field_types, is_subsection, leaves
 
 MOVED_KEYS = {
     "data.num_train": "arith.num_train",
@@ -97,19 +97,19 @@ def set_value(cfg: Config, dotted: str, value: Any) -> None:
         if not is_subsection(typ):
             if not last:
                 raise ValueError(f"unknown config key {dotted!r}: {where}.{name} has no fields")
-            setattr(owner, name, _coerce(value, typ, dotted))
+            setattr(owner, attr_of(name), _coerce(value, typ, dotted))
             return
         if last:
             if not isinstance(value, dict):
-                fields = ", ".join(field_types(getattr(owner, name)))
+                fields = ", ".join(field_types(getattr(owner, attr_of(name))))
                 raise ValueError(
                     f"{dotted}: a section of fields ({fields}); set one, e.g. "
-                    f"{dotted}.{next(iter(field_types(getattr(owner, name))))}=..."
+                    f"{dotted}.{next(iter(field_types(getattr(owner, attr_of(name)))))}=..."
                 )
             for key, item in value.items():
                 set_value(cfg, f"{dotted}.{key}", item)
             return
-        owner, where = getattr(owner, name), f"{where}.{name}"
+        owner, where = getattr(owner, attr_of(name)), f"{where}.{name}"
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -243,7 +243,7 @@ def _choice_errors(name: str, section: Any) -> list[str]:
     """A field typed ``Literal[...]`` must hold one of its values (in subsections too)."""
     errors = []
     for key, typ in field_types(section).items():
-        value = getattr(section, key)
+        value = getattr(section, attr_of(key))
         if is_subsection(typ):
             errors += _choice_errors(f"{name}.{key}", value)
         elif typing.get_origin(typ) is Literal and value not in typing.get_args(typ):

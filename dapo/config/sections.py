@@ -12,10 +12,12 @@ and where).
 from __future__ import annotations
 
 import dataclasses
+import keyword
 import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from dapo.config.env import EnvConfig
 from dapo.config.setup import (
     DataConfig,
     DistConfig,
@@ -52,12 +54,14 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     embedded: EmbeddedConfig = field(default_factory=EmbeddedConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     # A task with settings of its own adds its section here, named after the task.
     arith: ArithConfig = field(default_factory=ArithConfig)
     code: CodeConfig = field(default_factory=CodeConfig)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every section as a mapping by its keys (``env.class``, not ``class_``)."""
+        return _keyed(dataclasses.asdict(self))
 
     # Derived figures, printed at start so the units are never in doubt.
     @property
@@ -70,10 +74,28 @@ class Config:
         return per_epoch * self.train.epochs
 
 
+def key_of(name: str) -> str:
+    """The config key of a field: a Python keyword is held in a field with a trailing
+    underscore (``env.class`` in ``EnvConfig.class_``)."""
+    stem = name[:-1]
+    return stem if name.endswith("_") and keyword.iskeyword(stem) else name
+
+
+def attr_of(key: str) -> str:
+    """The field that holds config key ``key``: the inverse of :func:`key_of`."""
+    return key + "_" if keyword.iskeyword(key) else key
+
+
+def _keyed(tree: Any) -> Any:
+    if not isinstance(tree, dict):
+        return tree
+    return {key_of(k): _keyed(v) for k, v in tree.items()}
+
+
 def field_types(section: Any) -> dict[str, Any]:
-    """The resolved type of every field of a config section."""
+    """The resolved type of every field of a config section, by its key (:func:`key_of`)."""
     hints = typing.get_type_hints(type(section))
-    return {f.name: hints[f.name] for f in dataclasses.fields(section)}
+    return {key_of(f.name): hints[f.name] for f in dataclasses.fields(section)}
 
 
 def is_subsection(typ: Any) -> bool:
@@ -86,7 +108,7 @@ def leaves(section: Any, prefix: str = "") -> dict[str, Any]:
     subsections included: ``{"model.path": ..., "model.lora.rank": ...}``."""
     out: dict[str, Any] = {}
     for name, typ in field_types(section).items():
-        value = getattr(section, name)
+        value = getattr(section, attr_of(name))
         if is_subsection(typ):
             out |= leaves(value, f"{prefix}{name}.")
         else:

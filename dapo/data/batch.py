@@ -11,6 +11,24 @@ from dataclasses import dataclass, replace
 import torch
 
 
+@dataclass(frozen=True)
+class Trace:
+    """How a multi-turn episode went (``env.class``): what its metrics count."""
+
+    turns: int = 1
+    """Model turns."""
+    env_tokens: int = 0
+    """Response tokens the environment wrote (observations): context, never trained."""
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_seconds: float = 0.0
+    reward: float | None = None
+    """The environment's score, which replaces the verifier's; None: the verifier grades."""
+    transcript: str = ""
+    """The whole response, the observations in their places (the episode's ``text`` is the
+    model's alone: what the verifier grades)."""
+
+
 @dataclass
 class Episode:
     """One response with everything the update needs; tensors are 1-D and unpadded."""
@@ -36,6 +54,12 @@ class Episode:
     """Why the verifier failed on this response (graded incorrect), or empty."""
     sizes: tuple[int, int] | None = None
     """(prompt, response) tokens of a :meth:`summary`, whose tensors are None."""
+    env_mask: torch.Tensor | None = None
+    """True at the response tokens the environment wrote (a multi-turn episode's
+    observations): inputs of the forward pass, outside the loss. None: every token is the
+    model's."""
+    trace: Trace | None = None
+    """How the episode's turns went; None for a single-turn response."""
 
     @property
     def length(self) -> int:
@@ -61,11 +85,28 @@ class Episode:
             sampler_logprobs=None,
             text="",
             sizes=(self.prompt_length, self.length),
+            env_mask=None,
+            trace=None if self.trace is None else replace(self.trace, transcript=""),
         )
 
     @property
+    def env_tokens(self) -> int:
+        return 0 if self.trace is None else self.trace.env_tokens
+
+    @property
+    def model_tokens(self) -> int:
+        """The response tokens the model sampled: what is trained, shaped and counted."""
+        return self.length - self.env_tokens
+
+    def model_mask(self) -> torch.Tensor:
+        """True at the response tokens the model sampled (every one of a single turn)."""
+        if self.env_mask is None:
+            return torch.ones(self.length, dtype=torch.bool)
+        return ~self.env_mask
+
+    @property
     def num_loss_tokens(self) -> int:
-        return self.length if self.trainable else 0
+        return self.model_tokens if self.trainable else 0
 
 
 @dataclass
@@ -143,7 +184,8 @@ class Batch:
     response_mask_BT: torch.Tensor
     """Every real response token (for old log-probs and metrics)."""
     loss_mask_BT: torch.Tensor
-    """Tokens that count in the loss: real and not overlong-filtered."""
+    """Tokens that count in the loss: the model's (not an environment's), of responses not
+    overlong-filtered."""
     advantages_B: torch.Tensor
     old_logprobs_BT: torch.Tensor | None = None
     ref_logprobs_BT: torch.Tensor | None = None
@@ -182,14 +224,17 @@ def collate(episodes: Sequence[Episode], *, pad_id: int, packed: bool = False) -
     prompt_mask = torch.zeros((num, width_p), dtype=torch.long)
     response_ids = torch.full((num, width_t), pad_id, dtype=torch.long)
     response_mask = torch.zeros((num, width_t), dtype=torch.bool)
+    model_mask = torch.zeros((num, width_t), dtype=torch.bool)
     for i, e in enumerate(episodes):
         p, t = e.prompt_ids.numel(), e.length
         prompt_ids[i, width_p - p :] = e.prompt_ids
         prompt_mask[i, width_p - p :] = 1
         response_ids[i, :t] = e.response_ids
         response_mask[i, :t] = True
+        model_mask[i, :t] = e.model_mask()
     trainable = torch.tensor([e.trainable for e in episodes], dtype=torch.bool)
-    loss_mask = response_mask & trainable[:, None]
+    # The environment's tokens are context: no loss, no entropy, not in the divisor.
+    loss_mask = model_mask & trainable[:, None]
     rows_NP, index_B = torch.unique(
         torch.cat([prompt_ids, prompt_mask], dim=1), dim=0, return_inverse=True
     )

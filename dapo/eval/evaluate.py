@@ -7,6 +7,7 @@ Samples are drawn by the run's rollout engine; the caller puts the model in eval
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 from dapo import dist
@@ -15,6 +16,7 @@ from dapo.data.prompts import render_prompt
 from dapo.eval.metrics import record_metrics, summarize
 from dapo.reward.pool import RewardPool, grading_job
 from dapo.rollout import Engine, Rollout
+from dapo.rollout.episodes import EpisodeRunner, environment_score
 from dapo.run.seeding import derive_seed
 
 
@@ -38,6 +40,7 @@ def evaluate(
     before_batch: Callable[[int, int], None] | None = None,
     rows_per_generate: int = 0,
     tp_mesh: Any = None,
+    episodes: EpisodeRunner | None = None,
 ) -> dict[str, float]:
     """The held-out evaluation of training: ``dapo eval``'s samples and metrics, as val/*.
 
@@ -52,8 +55,8 @@ def evaluate(
     generated at once (training's ``rollout.rows_per_generate``: AIME's avg@32 is 960 rows).
     Under torchrun each rank (``tp_mesh``: each group of ranks that generate together)
     samples a share of the problems; seeded per problem, the records gathered are the ones one
-    process would draw.
-    """
+    process would draw. ``episodes``: each sample an episode of the run's environment
+    (``val/tool_call_frac``: the share that called a tool)."""
     k = num_samples
     share = _share(len(problems), tp_mesh)
     records = sample_records(
@@ -70,10 +73,9 @@ def evaluate(
         chat_template=chat_template,
         system_prompt=system_prompt,
         reward_mode=reward_mode,
-        responses_per_batch=min(prompts_per_batch * k, max(rows_per_generate, k))
-        if rows_per_generate
-        else prompts_per_batch * k,
+        responses_per_batch=_batch(prompts_per_batch * k, rows_per_generate, k),
         before_batch=before_batch,
+        episodes=episodes,
     )
     per_problem, everyone = _exchange(records, k, tp_mesh)
     if records_out is not None:
@@ -91,7 +93,20 @@ def evaluate(
         "val/num_problems": float(len(problems)),
         "val/num_samples": float(k),
         "val/reward_faults": float(sum(r["faults"] for r in everyone)),
-    }
+    } | _tool_metrics(everyone)
+
+
+def _tool_metrics(records: list[dict]) -> dict[str, float]:
+    """The share of held-out episodes that called a tool (multi-turn records only)."""
+    calls = [c for r in records for c in r.get("tool_calls", ())]
+    if not any("tool_calls" in r for r in records):
+        return {}
+    return {"val/tool_call_frac": sum(c > 0 for c in calls) / max(len(calls), 1)}
+
+
+def _batch(responses: int, rows_per_generate: int, k: int) -> int:
+    """Responses per batch: ``responses``, or fewer (whole problems) under a row bound."""
+    return min(responses, max(rows_per_generate, k)) if rows_per_generate else responses
 
 
 def _share(n: int, tp_mesh: Any) -> range:
@@ -138,6 +153,7 @@ def sample_records(
     before_batch: Callable[[int, int], None] | None = None,
     first_index: int = 0,
     after_batch: Callable[[list[dict]], None] | None = None,
+    episodes: EpisodeRunner | None = None,
 ) -> list[dict]:
     """k graded samples of every problem, one record per problem (``dapo eval``'s raw data).
 
@@ -147,7 +163,8 @@ def sample_records(
     from ``first_index``), so a fixed seed repeats the figures whatever the batch size.
     ``before_batch(done, total)`` is called before each batch with the problems done so far
     (progress, thread count); ``after_batch(records)`` after each, with its records (``dapo
-    eval`` writes them to disk then).
+    eval`` writes them to disk then). ``episodes``: each sample is a multi-turn episode of
+    the environment it runs (a record's ``tool_calls`` counts each one's calls).
     """
     per_batch = max(1, responses_per_batch // k)
     records = []
@@ -155,11 +172,13 @@ def sample_records(
         if before_batch is not None:
             before_batch(start, len(problems))
         chunk = problems[start : start + per_batch]
+        staged = chunk if episodes is None else [episodes.staged(p) for p in chunk]
         prompts = [
             render_prompt(tokenizer, p, chat_template=chat_template, system_prompt=system_prompt)
-            for p in chunk
+            for p in staged
         ]
-        ro = engine.generate(
+        generate = engine.generate if episodes is None else partial(episodes.generate, chunk)
+        ro = generate(
             prompts,
             group_size=k,
             max_new_tokens=max_new_tokens,
@@ -168,19 +187,31 @@ def sample_records(
             seed=[derive_seed(seed, "problem", first_index + start + j) for j in range(len(chunk))],
         )
         jobs = [grading_job(chunk[i // k], text, reward_mode) for i, text in enumerate(ro.texts)]
-        graded = pool.grade(jobs)
+        graded = _with_environment(pool.grade(jobs), ro)
         greedy_correct = None
         if greedy:
-            g = engine.generate(prompts, group_size=1, max_new_tokens=max_new_tokens, greedy=True)
+            g = generate(prompts, group_size=1, max_new_tokens=max_new_tokens, greedy=True)
             greedy_jobs = [
                 grading_job(p, text, reward_mode) for p, text in zip(chunk, g.texts, strict=True)
             ]
-            greedy_correct = [s.correct for s in pool.grade(greedy_jobs).scores]
+            greedy_correct = [
+                s.correct for s in _with_environment(pool.grade(greedy_jobs), g).scores
+            ]
         batch = _records(chunk, ro, graded, k, greedy_correct)
         if after_batch is not None:
             after_batch(batch)
         records += batch
     return records
+
+
+def _with_environment(graded: Any, ro: Rollout) -> Any:
+    """``graded`` with each episode's environment score in place of the verifier's, where
+    the environment gave one."""
+    if ro.traces is not None:
+        graded.scores = [
+            environment_score(t, s) for t, s in zip(ro.traces, graded.scores, strict=True)
+        ]
+    return graded
 
 
 def _records(chunk, ro: Rollout, graded, k: int, greedy_correct) -> list[dict]:
@@ -193,11 +224,19 @@ def _records(chunk, ro: Rollout, graded, k: int, greedy_correct) -> list[dict]:
             "responses": [ro.texts[b] for b in rows],
             "answers": [graded.scores[b].pred for b in rows],
             "correct": [bool(graded.scores[b].correct) for b in rows],
-            "lengths": [int(ro.lengths_B[b]) for b in rows],
+            "lengths": [int(ro.lengths_B[b]) - _env_tokens(ro, b) for b in rows],
             "truncated": [bool(ro.truncated_B[b]) for b in rows],
             "faults": sum(1 for f in graded.faults if f.index in rows),
         }
         if greedy_correct is not None:
             record["greedy_correct"] = greedy_correct[j]
+        if ro.traces is not None:
+            record["tool_calls"] = [ro.traces[b].tool_calls for b in rows]
+            record["transcripts"] = [ro.traces[b].transcript for b in rows]
         out.append(record)
     return out
+
+
+def _env_tokens(ro: Rollout, b: int) -> int:
+    """Row ``b``'s tokens written by an environment (not the model's length)."""
+    return 0 if ro.traces is None else ro.traces[b].env_tokens

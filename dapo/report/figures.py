@@ -86,7 +86,7 @@ def _accuracy_figure(runs: Sequence[Run], path: Path) -> None:
 
     colours = run_colours(len(runs))
     fig, ax = plt.subplots(figsize=(8, 4.8))
-    drawn = False
+    drawn = tools = False
     for run, colour in zip(runs, colours, strict=True):
         steps, values = series(run, "rollout/accuracy")
         if steps:
@@ -109,6 +109,10 @@ def _accuracy_figure(runs: Sequence[Run], path: Path) -> None:
         if steps:
             ax.plot(steps, values, color=colour, linewidth=1.8, marker="o", markersize=5)
             drawn = True
+        steps, values = series(run, "val/tool_call_frac")  # runs with a tool (env.class)
+        if steps:
+            ax.plot(steps, values, color=colour, linewidth=1.2, linestyle=":", marker="s")
+            tools = True
     finish_panel(ax, "accuracy", "accuracy", drawn)
     legend_rows = _figure_legend(
         fig,
@@ -117,6 +121,7 @@ def _accuracy_figure(runs: Sequence[Run], path: Path) -> None:
         styles=(
             ("-", "val/accuracy (band: 95% CI)", {"marker": "o", "linewidth": 1.8}),
             ("-", "rollout/accuracy", {"linewidth": 0.8, "alpha": 0.55}),
+            *((":", "val/tool_call_frac", {"marker": "s", "linewidth": 1.2}),) * tools,
         ),
         max_cols=2,
     )

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dapo.report.runs import Run, config_differences, is_number
+from dapo.report.runs import Run, config_differences, is_number, series
 from dapo.report.style import run_colours
 
 
@@ -73,10 +73,13 @@ def _runs_table(runs: Sequence[Run]) -> list[str]:
 
     esc = html.escape
     colours = [to_hex(c) for c in run_colours(len(runs))]
+    tools = any(series(run, "val/tool_call_frac")[0] for run in runs)  # env.class runs
     parts = [
         "<h2>Runs</h2>",
         "<table><tr><th>run</th><th>directory</th><th>steps</th><th>metrics lines</th>"
-        "<th>val accuracy start</th><th>val accuracy end</th></tr>",
+        "<th>val accuracy start</th><th>val accuracy end</th>"
+        + ("<th>tool-call rate start</th><th>tool-call rate end</th>" if tools else "")
+        + "</tr>",
     ]
     for run, colour in zip(runs, colours, strict=True):
         steps = run.summary.get("steps", run.last_step)
@@ -89,10 +92,19 @@ def _runs_table(runs: Sequence[Run]) -> list[str]:
             f'<td class="num">{esc(_fmt(steps))}</td>'
             f"<td>{len(run.rows)} read, {skipped}</td>"
             f'<td class="num">{_fmt_acc(run.summary.get("val/accuracy_start"))}</td>'
-            f'<td class="num">{_fmt_acc(run.summary.get("val/accuracy_end"))}</td></tr>'
+            f'<td class="num">{_fmt_acc(run.summary.get("val/accuracy_end"))}</td>'
+            + (_tool_rates(run) if tools else "")
+            + "</tr>"
         )
     parts.append("</table>")
     return parts
+
+
+def _tool_rates(run: Run) -> str:
+    """Cells of the share of held-out episodes that called a tool, first and last evaluation."""
+    _, values = series(run, "val/tool_call_frac")
+    first, last = (values[0], values[-1]) if values else (None, None)
+    return f'<td class="num">{_fmt_acc(first)}</td><td class="num">{_fmt_acc(last)}</td>'
 
 
 def _differences(runs: Sequence[Run]) -> list[str]:

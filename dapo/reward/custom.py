@@ -42,21 +42,22 @@ def is_path_spec(target: str) -> bool:
     return target.endswith(".py") or "/" in target or "\\" in target
 
 
-def split_spec(spec: str) -> tuple[str, str]:
-    """``PATH.py:NAME`` or ``module:NAME`` -> (target, name); ValueError naming the fix."""
+def split_spec(spec: str, key: str = "reward.function", fix: str = FIX) -> tuple[str, str]:
+    """``PATH.py:NAME`` or ``module:NAME`` -> (target, name); ValueError naming the fix.
+    ``key`` and ``fix``: the config field that holds ``spec``, and how to write it."""
     target, sep, name = spec.rpartition(":")
     if not sep or not target or not name.isidentifier():
-        raise ValueError(f"reward.function={spec!r} is not TARGET:NAME; {FIX}")
+        raise ValueError(f"{key}={spec!r} is not TARGET:NAME; {fix}")
     return target, name
 
 
-def spec_file(spec: str) -> Path:
+def spec_file(spec: str, key: str = "reward.function", fix: str = FIX) -> Path:
     """The file that holds the function: the path given, or the module's source file."""
-    target, _ = split_spec(spec)
+    target, _ = split_spec(spec, key, fix)
     if is_path_spec(target):
         path = Path(target).expanduser()
         if not path.is_file():
-            raise ValueError(f"reward.function={spec!r}: no file {path.resolve()}; {FIX}")
+            raise ValueError(f"{key}={spec!r}: no file {path.resolve()}; {fix}")
         return path.resolve()
     try:
         found = importlib.util.find_spec(target)
@@ -68,9 +69,9 @@ def spec_file(spec: str) -> Path:
         local = Path(target.replace(".", "/") + ".py")
         hint = ""
         if local.is_file():
-            hint = f" (there is ./{local}: write reward.function=./{local}:NAME)"
+            hint = f" (there is ./{local}: write {key}=./{local}:NAME)"
         why = f": {error}" if error else ""
-        raise ValueError(f"reward.function={spec!r}: no module {target!r}{why}{hint}; {FIX}")
+        raise ValueError(f"{key}={spec!r}: no module {target!r}{why}{hint}; {fix}")
     return Path(found.origin).resolve()
 
 
@@ -84,11 +85,11 @@ def _module_name(path: Path) -> str:
     return "dapo_user_reward_" + hashlib.sha256(str(path).encode()).hexdigest()[:16]
 
 
-def load_function(spec: str) -> Callable[..., Any]:
-    """Import the module or file that ``spec`` names and return its function NAME."""
-    target, name = split_spec(spec)
+def load_function(spec: str, key: str = "reward.function", fix: str = FIX) -> Callable[..., Any]:
+    """Import the module or file that ``spec`` names and return its object NAME."""
+    target, name = split_spec(spec, key, fix)
     if is_path_spec(target):
-        path = spec_file(spec)
+        path = spec_file(spec, key, fix)
         module_name = _module_name(path)
         module = sys.modules.get(module_name)
         if module is None:
@@ -102,12 +103,12 @@ def load_function(spec: str) -> Callable[..., Any]:
                 del sys.modules[module_name]
                 raise
     else:
-        spec_file(spec)  # a clear error for a module that does not exist
+        spec_file(spec, key, fix)  # a clear error for a module that does not exist
         module = importlib.import_module(target)
     fn = getattr(module, name, None)
     if fn is None:
         where = getattr(module, "__file__", target)
-        raise ValueError(f"reward.function={spec!r}: {where} has no {name!r}; {FIX}")
+        raise ValueError(f"{key}={spec!r}: {where} has no {name!r}; {fix}")
     return fn
 
 

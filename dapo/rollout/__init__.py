@@ -19,7 +19,9 @@ from typing import Any
 
 import torch
 
+from dapo.data.problems import Problem
 from dapo.rollout.base import Engine, Rollout, Sample
+from dapo.rollout.episodes import EpisodeRunner
 from dapo.rollout.hf import HFEngine
 from dapo.rollout.native import NativeEngine
 from dapo.rollout.vllm_engine import VLLMEngine
@@ -67,10 +69,13 @@ def generate_samples(
     group_size: int,
     rows_per_call: int,
     seed: int | Sequence[int],
+    episodes: EpisodeRunner | None = None,
+    problems: Sequence[Problem] = (),
     **sampling: Any,
 ) -> tuple[list[Sample], int]:
     """G responses per prompt (samples i*G .. i*G+G-1 are prompt i) and the slots computed,
     in engine calls of at most ``rows_per_call`` rows (0 = one call), which bounds memory.
+    With ``episodes``, multi-turn episodes of ``problems`` (those the prompts render) on it.
 
     With one seed per prompt (what training uses), the calls do not change what is drawn.
     With one ``seed``, the first call is seeded with it (so one call is the plain draw), call
@@ -83,9 +88,13 @@ def generate_samples(
             call_seed = list(seed[start : start + per_call])
         else:
             call_seed = seed if call == 0 else derive_seed(seed, "call", call)
-        ro = engine.generate(
-            prompts[start : start + per_call], group_size=group_size, seed=call_seed, **sampling
-        )
+        part = slice(start, start + per_call)
+        if episodes is None:
+            ro = engine.generate(prompts[part], group_size=group_size, seed=call_seed, **sampling)
+        else:
+            ro = episodes.generate(
+                problems[part], prompts[part], group_size=group_size, seed=call_seed, **sampling
+            )
         slots += ro.slots
         samples.extend(ro.samples())
     return samples, slots

@@ -12,6 +12,11 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from dapo.data.batch import Trace
+
+Prompts = list[str] | list[list[int]]
+"""What ``Engine.generate`` takes: each prompt's text, or its token ids."""
+
 
 @dataclass
 class Sample:
@@ -23,6 +28,9 @@ class Sample:
     """The sampler's log pi of each token (float32)."""
     truncated: bool
     text: str
+    env_mask: torch.Tensor | None = None
+    """True at the tokens an environment wrote (multi-turn episodes); None: single turn."""
+    trace: Trace | None = None
 
 
 @dataclass
@@ -40,12 +48,18 @@ class Rollout:
     texts: list[str]
     slots: int = 0
     """(row, step) positions the engine computed: generated tokens plus any padding after EOS."""
+    env_mask_BT: torch.Tensor | None = None
+    """Multi-turn episodes (:mod:`dapo.rollout.episodes`): True at the response tokens the
+    environment wrote, whose ``logprobs_BT`` are 0; ``texts`` are then the model's text
+    alone, each row's whole response in ``traces``."""
+    traces: list[Trace] | None = None
 
     def samples(self) -> list[Sample]:
         """Every row unpadded, on the CPU, in row order."""
         out = []
         for b in range(len(self.texts)):
             length = int(self.lengths_B[b])
+            env = self.env_mask_BT
             out.append(
                 Sample(
                     prompt_ids=self.prompt_ids_BP[b][self.prompt_mask_BP[b].bool()].cpu(),
@@ -53,6 +67,8 @@ class Rollout:
                     logprobs=self.logprobs_BT[b, :length].float().cpu(),
                     truncated=bool(self.truncated_B[b]),
                     text=self.texts[b],
+                    env_mask=None if env is None else env[b, :length].cpu(),
+                    trace=None if self.traces is None else self.traces[b],
                 )
             )
         return out
@@ -73,7 +89,7 @@ class Engine(Protocol):
 
     def generate(
         self,
-        prompts: list[str],
+        prompts: Prompts,
         *,
         group_size: int,
         max_new_tokens: int,
@@ -83,7 +99,8 @@ class Engine(Protocol):
         greedy: bool = False,
         ignore_eos: bool = False,
     ) -> Rollout:
-        """``group_size`` responses for each prompt (rows i*G .. i*G+G-1 are prompt i),
+        """``group_size`` responses for each prompt (rows i*G .. i*G+G-1 are prompt i; a
+        prompt is its text, or its token ids, which are used as they are),
         reproducible for a given seed and policy. With one seed per prompt, a prompt's
         responses do not depend on the other prompts of the call (so not on how a round is
         split into calls or across ranks)."""
@@ -131,9 +148,22 @@ class LiveModelEngine:
         """Nothing to release: the module is the trainer's."""
 
 
-def encode_prompts(tokenizer: Any, prompts: list[str], device: torch.device):
-    """(ids [n, P], mask [n, P]) of the prompts, left padded, on ``device``."""
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+def encode_prompts(
+    tokenizer: Any, prompts: Sequence[str] | Sequence[Sequence[int]], device: torch.device
+):
+    """(ids [n, P], mask [n, P]) of the prompts, left padded, on ``device``. A prompt is its
+    text, or its token ids (an episode continued after an observation: the tokens sampled,
+    which a decode and encode could change)."""
+    if prompts and not isinstance(prompts[0], str):
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            if len(p):
+                ids[i, width - len(p) :] = torch.as_tensor(list(p), dtype=torch.long)
+                mask[i, width - len(p) :] = 1
+        return ids.to(device), mask.to(device)
+    enc = tokenizer(list(prompts), return_tensors="pt", padding=True, add_special_tokens=False)
     return enc["input_ids"].to(device), enc["attention_mask"].to(device)
 
 

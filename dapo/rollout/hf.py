@@ -14,6 +14,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from dapo.models.logprobs import autocast
 from dapo.rollout.base import (
     LiveModelEngine,
+    Prompts,
     Rollout,
     concat_rollouts,
     encode_prompts,
@@ -74,7 +75,7 @@ class HFEngine(LiveModelEngine):
     @torch.inference_mode()
     def generate(
         self,
-        prompts: list[str],
+        prompts: Prompts,
         *,
         group_size: int,
         max_new_tokens: int,

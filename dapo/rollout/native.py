@@ -46,7 +46,7 @@ from dapo.models.logprobs import (
     returned_cache,
     row_sliceable,
 )
-from dapo.rollout.base import LiveModelEngine, Rollout, encode_prompts, finish_rollout
+from dapo.rollout.base import LiveModelEngine, Prompts, Rollout, encode_prompts, finish_rollout
 from dapo.rollout.decoder_step import unsupported_reason
 from dapo.rollout.kv_cache import RowCache
 from dapo.rollout.sampling import (  # noqa: F401  (where the tests and callers found them)
@@ -94,7 +94,7 @@ class NativeEngine(LiveModelEngine):
     @torch.inference_mode()
     def generate(
         self,
-        prompts: list[str],
+        prompts: Prompts,
         *,
         group_size: int,
         max_new_tokens: int,

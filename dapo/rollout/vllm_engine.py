@@ -70,7 +70,7 @@ from dapo.dist import fsdp
 from dapo.extras import pip_install
 from dapo.models import lora
 from dapo.rollout import vllm_lora, vllm_process
-from dapo.rollout.base import Rollout, encode_prompts, finish_rollout
+from dapo.rollout.base import Prompts, Rollout, encode_prompts, finish_rollout
 from dapo.run.seeding import derive_seed
 
 CPU_KV_CACHE_GIB = 1.0
@@ -282,7 +282,7 @@ class VLLMEngine:
     @torch.inference_mode()
     def generate(
         self,
-        prompts: list[str],
+        prompts: Prompts,
         *,
         group_size: int,
         max_new_tokens: int,

@@ -19,14 +19,17 @@ AREAS: dict[str, str] = {
     "async": "Generation ahead of training (train.async_staleness > 0 or dist.rollout_ranks "
     "only): how old the sampling weights were (who waited: perf/*_idle_s).",
     "perf": "Where the step's time went. The only metrics that differ between identical runs.",
+    "tools": "Tool calls in multi-turn episodes (env.class only), per response of the step.",
+    "episode": "Multi-turn episodes (env.class only): turns and the environment's tokens.",
 }
 
 METRICS: dict[str, str] = {
     # rollout
     "rollout/accuracy": "Share of the step's responses graded correct (all rounds, kept or not).",
     "rollout/reward_mean": "Mean shaped reward R_correct + R_length of those responses.",
-    "rollout/response_len_mean": "Mean response length in tokens.",
-    "rollout/response_len_max": "Longest response in tokens.",
+    "rollout/response_len_mean": "Mean response length in tokens (the model's: an "
+    "environment's observations are not counted).",
+    "rollout/response_len_max": "Longest response in tokens (the model's).",
     "rollout/truncated_frac": "Share of responses with no stop token within L_max "
     "(rollout.max_new_tokens).",
     # reward
@@ -43,7 +46,8 @@ METRICS: dict[str, str] = {
     "sampling/groups_surplus": "Mixed groups drawn beyond N and dropped (over-sampling's margin).",
     "sampling/exhausted": "1 when sampling.max_rounds ran out before N groups were kept "
     "(with sampling.on_max_rounds=train), else 0.",
-    "sampling/tokens_generated": "Tokens generated this step, every response counted.",
+    "sampling/tokens_generated": "Tokens generated this step, every response counted (the "
+    "model's: an environment's observations are not generated).",
     "sampling/tokens_per_kept_group": "tokens_generated / groups_kept: what a kept group cost.",
     "sampling/all_correct_frac": "Share of the step's groups (all rounds) whose responses are "
     "all correct: zero advantage, no gradient.",
@@ -98,6 +102,17 @@ METRICS: dict[str, str] = {
     "val/num_problems": "Distinct held-out problems evaluated.",
     "val/num_samples": "Samples per problem, k.",
     "val/reward_faults": "Held-out responses whose verifier faulted (graded incorrect).",
+    "val/tool_call_frac": "Share of held-out episodes that called a tool (env.class only).",
+    # tools and episodes (env.class)
+    "tools/calls_per_response": "Tool calls per response (every response of the step).",
+    "tools/call_frac": "Share of responses that called a tool at least once.",
+    "tools/error_frac": "Share of tool calls that failed: an exception, the deadline "
+    "(env.tool_wall_s) or a limit.",
+    "tools/seconds": "Seconds the step's tool calls took, summed (they run env.workers at a "
+    "time, so more than the wall-clock time they cost).",
+    "episode/turns": "Model turns per response.",
+    "episode/env_tokens": "Tokens the environment wrote per response (observations: context, "
+    "never trained, outside the loss's divisor and the overlong shaping's length).",
     # perf
     "perf/step_s": "Seconds of the step; the phases below add up to it.",
     "perf/generate_s": "Seconds generating (every round).",

@@ -44,7 +44,7 @@ from dapo.training.rollout_files import decode, encode, rollouts_to_files
 from dapo.training.rounds import Drawer, draw_step
 from dapo.training.sampling import SamplingResult
 from dapo.training.sources import StepRollouts, drawn_ahead_metrics
-from dapo.training.state import TrainState, drawer_for, reward_pool
+from dapo.training.state import TrainState, drawer_for, engine_stops, reward_pool
 
 # ----------------------------------------------------------------------------- the trainers
 
@@ -180,7 +180,9 @@ def generate_on_this_rank(
     device = compute_device(cfg.model.device)
     compute = DTYPES[cfg.model.compute_dtype]
     model = model.to(device, frozen_dtype(model, compute)).eval().requires_grad_(False)
-    stops = stop_token_ids(model, tokenizer, cfg.rollout.stop_token_ids)
+    stops = engine_stops(
+        stop_token_ids(model, tokenizer, cfg.rollout.stop_token_ids), tokenizer, cfg.env
+    )
     engine = make_engine(
         cfg.rollout.engine,
         model,

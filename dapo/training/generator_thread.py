@@ -45,7 +45,7 @@ from dapo.training.exchange import MiniBatch
 from dapo.training.rollout_files import rollouts_to_files
 from dapo.training.rounds import draw_step
 from dapo.training.sources import StepRollouts, drawn_ahead_metrics
-from dapo.training.state import TrainState, drawer_for
+from dapo.training.state import TrainState, drawer_for, engine_stops
 
 if TYPE_CHECKING:
     from dapo.reward.pool import RewardPool
@@ -72,7 +72,9 @@ class GeneratorThread:
         # Its own tokenizer too: a fast tokenizer used from two threads at once can raise
         # ("Already borrowed"), and evaluation uses the trainer's meanwhile.
         tokenizer = copy.deepcopy(state.tokenizer)
-        stops = stop_token_ids(model, tokenizer, cfg.rollout.stop_token_ids)
+        stops = engine_stops(
+            stop_token_ids(model, tokenizer, cfg.rollout.stop_token_ids), tokenizer, cfg.env
+        )
         engine = make_engine(
             cfg.rollout.engine,
             model,

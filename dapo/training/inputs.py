@@ -47,8 +47,10 @@ def load_run_data(cfg: Config) -> RunData:
             seed=a.seed,
             min_terms=a.min_terms,
             max_terms=a.max_terms,
+            max_operand=a.max_operand,
             operators=a.operators,
             style=a.solution,
+            tool_share=a.tool_share,
             prompt=a.prompt,
             shots=a.shots,
         )
@@ -115,6 +117,19 @@ def check_code_sandbox(cfg: Config) -> str:
     mode = sandbox.pick_mode(cfg.code.sandbox)
     print(f"code rows: graded in the {mode} sandbox (code.sandbox={cfg.code.sandbox})")
     return mode
+
+
+def check_environment(cfg: Config) -> None:
+    """Load the environment ``env.class`` names (its file imported, its sandbox found) before
+    any model loads; ValueError naming the fix."""
+    from dapo.env import load_environment
+
+    env = load_environment(cfg.env.class_, cfg.env)
+    if env is not None:
+        print(
+            f"episodes: env.class={cfg.env.class_} ({type(env).__name__}), up to "
+            f"{cfg.env.max_turns} model turns, L_max {cfg.rollout.max_new_tokens} in all"
+        )
 
 
 def check_reward_function(

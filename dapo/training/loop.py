@@ -266,8 +266,7 @@ class _Loop:
             self.threads.adjust()
 
     def validate(self) -> dict[str, float]:
-        """The held-out evaluation, seeded the same every time (the same weights, the same
-        figures)."""
+        """The held-out evaluation, seeded the same every time (same weights, same figures)."""
         state, cfg = self.state, self.state.cfg
         state.on_phase("eval")
         if state.engine_behind:
@@ -291,6 +290,7 @@ class _Loop:
             before_batch=self.adjust_threads,
             rows_per_generate=cfg.rollout.rows_per_generate,
             tp_mesh=state.tp_mesh,
+            episodes=state.episodes,
         )
 
     def restore(self) -> None:

@@ -99,8 +99,12 @@ def set_old_logprobs(
     out = {}
     if not state.sampler_logprobs_checked:
         fill_logprobs(state.model, episodes, "old_logprobs", state, share)
-        gaps = [
-            algo.max_abs_gap(episodes[i].old_logprobs, episodes[i].sampler_logprobs) for i in share
+        gaps = [  # over the model's tokens: an environment's have no sampler log-prob
+            algo.max_abs_gap(
+                episodes[i].old_logprobs[episodes[i].model_mask()],
+                episodes[i].sampler_logprobs[episodes[i].model_mask()],
+            )
+            for i in share
         ]
         gap = dist.all_reduce_max(max((float(g) for g in gaps), default=0.0))
         if not gap <= SAMPLER_LOGPROB_TOLERANCE:
@@ -168,11 +172,11 @@ def _correct(state: TrainState, episodes: list[Episode], mode: str, sums: dict) 
         chunk = episodes[start : start + CORRECTION_CHUNK]
         old_BT = pad_sequence([e.old_logprobs for e in chunk], batch_first=True)
         rollout_BT = pad_sequence([e.sampler_logprobs for e in chunk], batch_first=True)
-        lengths_B = torch.tensor([e.length for e in chunk])
+        model_BT = pad_sequence([e.model_mask() for e in chunk], batch_first=True)
         weights_BT, stats = algo.rollout_correction(
             old_BT,
             rollout_BT,
-            torch.arange(old_BT.shape[1]) < lengths_B[:, None],
+            model_BT,  # an environment's tokens are neither corrected nor counted
             mode=mode,
             threshold=state.cfg.algo.rollout_correction_threshold,
         )

@@ -9,6 +9,7 @@ does not match its JSON is an error naming it, never a wrong rollout.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -16,13 +17,23 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from dapo.data.batch import Episode
+from dapo.data.batch import Episode, Trace
 from dapo.run.checkpoint import CheckpointError
 from dapo.training.sampling import Group, SamplingResult
 from dapo.training.sources import StepRollouts
 
 _TENSORS = ("prompt_ids", "response_ids", "sampler_logprobs")
 _FIELDS = ("truncated", "correct", "reward", "text", "trainable", "reward_fault")
+_ENV_MASK = "env_mask"
+"""Multi-turn episodes' masks (written when any episode has one; a file of single-turn
+episodes, or of an earlier version, has none)."""
+
+
+def _episode_json(e: Episode) -> dict[str, Any]:
+    out = {f: getattr(e, f) for f in _FIELDS}
+    if e.trace is not None:
+        out["trace"] = dataclasses.asdict(e.trace)
+    return out
 
 
 def rollouts_to_files(drawn: list[StepRollouts]) -> tuple[list[dict], dict[str, torch.Tensor]]:
@@ -47,7 +58,7 @@ def rollouts_to_files(drawn: list[StepRollouts]) -> tuple[list[dict], dict[str, 
                 "groups": [
                     {
                         "uid": g.uid,
-                        "episodes": [{f: getattr(e, f) for f in _FIELDS} for e in g.episodes],
+                        "episodes": [_episode_json(e) for e in g.episodes],
                     }
                     for g in r.generated
                 ],
@@ -57,6 +68,9 @@ def rollouts_to_files(drawn: list[StepRollouts]) -> tuple[list[dict], dict[str, 
             for e in g.episodes:
                 for name in _TENSORS:
                     parts[name].append(getattr(e, name))
+    episodes = [e for d in drawn for g in d.result.generated for e in g.episodes]
+    if any(e.env_mask is not None for e in episodes):
+        parts[_ENV_MASK] = [e.model_mask().logical_not().to(torch.uint8) for e in episodes]
     tensors = {}
     for name, values in parts.items():
         tensors[name] = torch.cat(values) if values else torch.zeros(0)
@@ -74,7 +88,7 @@ def rollouts_from_files(
         return []
     split = {}
     try:
-        for name in _TENSORS:
+        for name in _TENSORS + ((_ENV_MASK,) if _ENV_MASK in tensors else ()):
             lengths = tensors[f"{name}_lengths"].tolist()
             split[name] = list(torch.split(tensors[name], lengths))
         episodes = sum(len(g["episodes"]) for m in meta for g in m["groups"])
@@ -86,8 +100,7 @@ def rollouts_from_files(
             for g in m["groups"]:
                 episodes_g = []
                 for fields in g["episodes"]:
-                    tensors_e = {name: split[name][n].clone() for name in _TENSORS}
-                    episodes_g.append(Episode(**tensors_e, **{f: fields[f] for f in _FIELDS}))
+                    episodes_g.append(_episode(split, n, fields))
                     n += 1
                 groups.append(Group(str(g["uid"]), episodes_g, version=int(m["version"])))
             result = SamplingResult(
@@ -107,6 +120,19 @@ def rollouts_from_files(
             "checkpoint is damaged; resume from an earlier one (delete this step's directory)"
         ) from None
     return drawn
+
+
+def _episode(split: dict[str, list[torch.Tensor]], n: int, fields: dict) -> Episode:
+    """Episode ``n`` of a file: its tensors from ``split``, the rest from its JSON."""
+    tensors = {name: split[name][n].clone() for name in _TENSORS}
+    trace = fields.get("trace")
+    trace = None if trace is None else Trace(**trace)
+    env_mask = None
+    if trace is not None and _ENV_MASK in split:
+        env_mask = split[_ENV_MASK][n].bool()
+        if env_mask.numel() != tensors["response_ids"].numel():
+            raise ValueError(f"episode {n}: its env_mask and its response differ in length")
+    return Episode(**tensors, **{f: fields[f] for f in _FIELDS}, env_mask=env_mask, trace=trace)
 
 
 def encode(drawn: StepRollouts, extra: dict[str, Any]) -> torch.Tensor:

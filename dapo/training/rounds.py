@@ -32,6 +32,7 @@ from dapo.data.prompts import render_prompt
 from dapo.dist import tensor_parallel
 from dapo.reward.pool import GradeResult, RewardPool, grading_job
 from dapo.rollout import Engine, Sample, generate_samples
+from dapo.rollout.episodes import EpisodeRunner, environment_score
 from dapo.run.metrics import accumulate
 from dapo.run.seeding import derive_seed
 from dapo.training import sampling
@@ -69,6 +70,8 @@ class Drawer:
     """Told each phase as it starts (generate, reward)."""
     stopping: Callable[[], bool] = lambda: False
     """Asked before each round: a closing source stops between two rounds."""
+    episodes: EpisodeRunner | None = None
+    """Runs multi-turn episodes of the run's environment (``env.class``); None: one turn."""
 
 
 def draw_step(
@@ -168,7 +171,7 @@ def rollout_round(
     for i, problem in enumerate(problems):
         episodes = []
         for b in range(i * G, (i + 1) * G):
-            x, score = samples[b], graded.scores[b]
+            x, score = samples[b], environment_score(samples[b].trace, graded.scores[b])
             episodes.append(
                 Episode(
                     prompt_ids=x.prompt_ids,
@@ -179,6 +182,8 @@ def rollout_round(
                     reward=score.score,
                     text=x.text,
                     reward_fault=fault_of.get(b, ""),
+                    env_mask=x.env_mask,
+                    trace=x.trace,
                 )
             )
         shape_group(episodes, drawer.shaping, l_max=drawer.rollout.max_new_tokens)
@@ -193,15 +198,18 @@ def sample_round(
     ``seeds[i]`` alone, in calls of at most ``rollout.rows_per_generate`` rows; their slots
     counted in ``perf/gen_padding_frac`` when ``count``."""
     r, d = drawer.rollout, drawer.data
+    staged = problems if drawer.episodes is None else map(drawer.episodes.staged, problems)
     prompts = [
         render_prompt(
             drawer.tokenizer, p, chat_template=d.apply_chat_template, system_prompt=d.system_prompt
         )
-        for p in problems
+        for p in staged
     ]
     samples, slots = generate_samples(
         drawer.engine,
         prompts,
+        episodes=drawer.episodes,
+        problems=problems,
         group_size=r.group_size,
         rows_per_call=r.rows_per_generate,
         seed=seeds,
@@ -217,11 +225,13 @@ def sample_round(
 def shape_group(episodes: Sequence[Episode], shaping: AlgoConfig, *, l_max: int) -> None:
     """R = R_correct + R_length (soft overlong punishment), or overlong filtering, in place;
     with neither technique on, a truncated response scores a hard -1 and is incorrect (the
-    naive baseline). ``l_max``: ``rollout.max_new_tokens``."""
+    naive baseline). ``l_max``: ``rollout.max_new_tokens``. A response's length is the
+    model's tokens: an environment's observations count toward L_max (they end an episode
+    there) but not in the soft punishment, which shapes what the model writes."""
     rewards_B, correct_B, trainable_B = algo.shape_rewards(
         torch.tensor([e.reward for e in episodes], dtype=torch.float64),
         torch.tensor([e.correct for e in episodes]),
-        torch.tensor([e.length for e in episodes]),
+        torch.tensor([e.model_tokens for e in episodes]),
         torch.tensor([e.truncated for e in episodes]),
         l_max=l_max,
         l_cache=shaping.l_cache,

@@ -46,7 +46,8 @@ class SamplingResult:
 
     @property
     def tokens_generated(self) -> int:
-        return sum(e.length for g in self.generated for e in g.episodes)
+        """The model's tokens (an environment's observations are not generated)."""
+        return sum(e.model_tokens for g in self.generated for e in g.episodes)
 
 
 class DynamicSamplingExhausted(RuntimeError):
@@ -155,7 +156,7 @@ def rollout_metrics(result: SamplingResult) -> dict[str, float]:
     """Figures over every response generated this step, what dynamic sampling cost, and how
     many trained groups carry a gradient (call it after the advantages are assigned)."""
     eps = [e for g in result.generated for e in g.episodes]
-    lengths = torch.tensor([e.length for e in eps], dtype=torch.float64)
+    lengths = torch.tensor([e.model_tokens for e in eps], dtype=torch.float64)
     kept = len(result.groups)
     drawn = max(len(result.generated), 1)
     # The mechanisms dynamic sampling answers: as groups become all right (or stay all wrong)
@@ -183,4 +184,23 @@ def rollout_metrics(result: SamplingResult) -> dict[str, float]:
         "sampling/all_correct_frac": all_correct / drawn,
         "sampling/all_wrong_frac": all_wrong / drawn,
         "sampling/groups_with_gradient": float(with_gradient),
+    } | episode_metrics(eps)
+
+
+def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
+    """Figures of multi-turn episodes (``env.class``), per response: tool calls, the share of
+    calls that failed, tool seconds, model turns and the environment's tokens; none for
+    single-turn responses."""
+    traces = [e.trace for e in episodes if e.trace is not None]
+    if not traces:
+        return {}
+    n = len(episodes)
+    calls = sum(t.tool_calls for t in traces)
+    return {
+        "tools/calls_per_response": calls / n,
+        "tools/call_frac": sum(t.tool_calls > 0 for t in traces) / n,
+        "tools/error_frac": sum(t.tool_errors for t in traces) / max(calls, 1),
+        "tools/seconds": sum(t.tool_seconds for t in traces),
+        "episode/turns": sum(t.turns for t in traces) / n,
+        "episode/env_tokens": sum(t.env_tokens for t in traces) / n,
     }

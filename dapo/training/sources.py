@@ -113,6 +113,7 @@ class InTurn:
             tp_mesh=state.tp_mesh,
             timers=state.timers,
             on_phase=state.on_phase,
+            episodes=state.episodes,
         )
 
     def take(self, state: TrainState) -> StepRollouts:

@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from dapo.config import Config
+from dapo.config.env import EnvConfig
 from dapo.data.problems import Problem, PromptSampler
 from dapo.dist import fsdp, tensor_parallel
+from dapo.env import load_environment
 from dapo.models import lora
 from dapo.models.packing import use_packing
 from dapo.models.policy import DTYPES, compute_device, model_dir, stop_token_ids
@@ -28,6 +30,7 @@ from dapo.reward.custom import make_resolver
 from dapo.reward.pool import RewardPool
 from dapo.rollout import Engine, make_engine
 from dapo.rollout.base import LiveModelEngine
+from dapo.rollout.episodes import EpisodeRunner, with_turn_ends
 from dapo.run import model_files
 from dapo.run.metrics import accumulate
 from dapo.training.copies import copies_and_shards
@@ -84,6 +87,9 @@ class TrainState:
     tp_mesh: Any = None
     """With ``rollout.tp_size`` > 1: the ("dp", "tp") mesh of the ranks that generate together
     (:mod:`dapo.dist.tensor_parallel`); None otherwise."""
+    episodes: EpisodeRunner | None = None
+    """Runs the environment's multi-turn episodes on ``engine`` (``env.class``), for the
+    rollouts drawn in turn and for evaluation; None: single-turn."""
 
     def sync_engine(self) -> None:
         """Tell the engine the weights changed (after updates, after a resume); under FSDP,
@@ -148,7 +154,30 @@ def drawer_for(cfg: Config, **objects: Any) -> Drawer:
     sampler, model; optionally pool, tp_mesh, timers, on_phase, stopping)."""
     t = cfg.train
     sections = (cfg.rollout, cfg.sampling, cfg.algo, cfg.data, cfg.reward.grader)
+    if "episodes" not in objects:  # a drawer of its own engine: a runner of its own too
+        objects["episodes"] = runner_for(cfg.env, objects["engine"], objects["tokenizer"])
     return Drawer(*sections, t.seed, t.prompts_per_step, **objects)
+
+
+def runner_for(settings: EnvConfig, engine: Engine, tokenizer: Any) -> EpisodeRunner | None:
+    """The runner of the environment ``settings`` (a run's ``env`` section) names, on
+    ``engine``; None for single-turn rollouts (no ``env.class``)."""
+    env = load_environment(settings.class_, settings)
+    if env is None:
+        return None
+    return EpisodeRunner(
+        engine,
+        tokenizer,
+        env,
+        max_turns=settings.max_turns,
+        max_observation_tokens=settings.max_observation_tokens,
+        workers=settings.workers,
+    )
+
+
+def engine_stops(stops: Sequence[int], tokenizer: Any, settings: EnvConfig) -> list[int]:
+    """:func:`with_turn_ends` of the environment ``settings`` names."""
+    return with_turn_ends(stops, tokenizer, load_environment(settings.class_, settings))
 
 
 def reward_pool(cfg: Config, reward_fn: Callable[..., Any] | None = None) -> RewardPool:
@@ -188,7 +217,9 @@ def build_state(
         trained, lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay
     )
     sampler = PromptSampler(train_problems, seed=cfg.train.seed)
-    stops = stop_token_ids(model, tokenizer, cfg.rollout.stop_token_ids)
+    stops = engine_stops(
+        stop_token_ids(model, tokenizer, cfg.rollout.stop_token_ids), tokenizer, cfg.env
+    )
     engine = make_engine(
         cfg.rollout.engine,
         gen_model or model,
@@ -217,4 +248,5 @@ def build_state(
         device=device,
         gen_model=gen_model,
         tp_mesh=tp_mesh,
+        episodes=runner_for(cfg.env, engine, tokenizer),
     )

@@ -1,0 +1,52 @@
+"""The ``env`` section: multi-turn episodes, in which the model calls tools (dapo.env)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass
+class EnvConfig:
+    """The environment a rollout's episodes run in; empty ``class`` (the default): one model
+    turn per response, as in the paper."""
+
+    class_: str = ""
+    """The environment: ``math_tool`` (the built-in Python tool: a fenced python block that
+    closes a turn runs in the code sandbox, and what it prints comes back as context),
+    ``PATH.py:NAME`` or ``package.module:NAME`` (a subclass of ``dapo.env.Environment`` of
+    your own), or empty: single-turn."""
+    max_turns: int = 8
+    """Model turns an episode may take (each ends at a tool call, a turn-end text of the
+    environment, or the end of the message); the episode ends after the last."""
+    max_observation_tokens: int = 256
+    """Tokens one observation (a tool's output) may add; a longer one is cut, with a marker.
+    The whole episode, model and environment tokens together, stays within
+    ``rollout.max_new_tokens``."""
+    workers: int = 4
+    """Tool calls run at once (threads, each waiting on a sandboxed process): rows whose
+    turn ended at the same time call their tools concurrently."""
+    tool_wall_s: float = 3.0
+    """Seconds one call of the Python tool may run (its earlier blocks, replayed, included)."""
+    tool_memory_mb: int = 512
+    """Address space of the Python tool's process, MiB."""
+    tool_instruction: bool = True
+    """Add the Python tool's instruction (how to call it) to each problem's first user
+    message, for a model never shown the tool; false for one warm-started on its format
+    (the tools demo)."""
+    tool_sandbox: Literal["auto", "bwrap", "unshare", "process"] = "auto"
+    """The Python tool's isolation, as ``code.sandbox`` (docs/guides/code-sandbox.md)."""
+
+    def check(self) -> list[str]:
+        errors = []
+        if self.max_turns < 1:
+            errors.append(f"env.max_turns must be >= 1, got {self.max_turns}")
+        if self.max_observation_tokens < 1:
+            errors.append(
+                f"env.max_observation_tokens must be >= 1, got {self.max_observation_tokens}"
+            )
+        if self.workers < 1:
+            errors.append(f"env.workers must be >= 1, got {self.workers}")
+        if not self.tool_wall_s > 0 or self.tool_memory_mb < 64:
+            errors.append("env.tool_wall_s must be > 0 and env.tool_memory_mb >= 64")
+        return errors

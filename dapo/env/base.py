@@ -1,0 +1,93 @@
+"""What an environment is: the first messages of a row, then an observation after each turn.
+
+An episode alternates model turns and observations. A model turn ends at one of the policy's
+stop tokens (the end of its message) or at a token whose text is one of the environment's
+``turn_ends`` (the closing fence of a code block); the environment then answers with an
+:class:`Observation`: text to append (context for the model, never trained), or the end of
+the episode. The rollout driver (:mod:`dapo.rollout.episodes`) runs the episodes; an
+environment only reads text and writes text.
+
+Environments are stateless: :meth:`Environment.step` sees the whole episode so far (a
+:class:`History`), so that one object serves every row, in threads at once, and a resumed
+run needs nothing of it but its settings.
+
+Standard library only, and no torch: a config is checked without loading the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dapo.data.problems import Problem
+
+
+@dataclass(frozen=True)
+class History:
+    """An episode so far, as :meth:`Environment.step` sees it after a model turn."""
+
+    problem: Problem
+    model_text: str
+    """Every model turn so far, joined; the observations left out."""
+    transcript: str
+    """The response so far, the observations in their places."""
+    turns: int
+    """Model turns so far (this one included)."""
+    finished: bool
+    """The last turn ended at a stop token of the policy (the end of its message), not at
+    one of the environment's ``turn_ends``."""
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the environment answers to a model turn."""
+
+    text: str = ""
+    """Appended to the episode after the model's turn, as context (no loss, no advantage);
+    empty with ``done`` False: the model goes on with nothing added."""
+    done: bool = False
+    """The episode ends here; ``text`` is then ignored."""
+    reward: float | None = None
+    """With ``done``: the episode's score in place of the row's verifier (correct when > 0);
+    None: the verifier grades the model's text."""
+    tool_call: bool = False
+    """This answer ran a tool (counted in ``tools/calls_per_response``)."""
+    error: bool = False
+    """The tool failed: an exception, a deadline, a memory limit (``tools/error_frac``)."""
+    seconds: float = 0.0
+    """Wall-clock seconds the tool took (``tools/seconds``)."""
+
+
+class Environment:
+    """The base of every environment; alone, it is single-turn: the row's own messages, and
+    the episode ends after the first turn.
+
+    A subclass overrides what it changes: :meth:`messages` (the first messages of a row),
+    ``turn_ends`` (texts whose token ends a model turn early) and :meth:`step`. It is made
+    with no arguments, or with the run's ``env`` settings when its ``__init__`` takes one
+    (:func:`dapo.env.load_environment`)."""
+
+    turn_ends: tuple[str, ...] = ()
+    """A token ends a model turn when its text, without surrounding whitespace, is one of
+    these (besides the policy's stop tokens, which end the model's message)."""
+
+    def messages(self, problem: Problem) -> list[dict[str, str]]:
+        """The chat messages an episode of ``problem`` starts from."""
+        return list(problem.messages)
+
+    def step(self, history: History) -> Observation:
+        """The answer to the model's last turn."""
+        return Observation(done=True)
+
+
+def turn_end_ids(tokenizer: Any, texts: tuple[str, ...]) -> list[int]:
+    """The ids of every vocabulary token whose text, stripped of whitespace, is one of
+    ``texts`` (for "```": the fence alone and with a newline or a space around it)."""
+    if not texts:
+        return []
+    wanted = set(texts)
+    ids = []
+    for token, i in tokenizer.get_vocab().items():
+        if tokenizer.convert_tokens_to_string([token]).strip() in wanted:
+            ids.append(i)
+    return sorted(ids)

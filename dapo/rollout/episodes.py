@@ -1,0 +1,288 @@
+"""Multi-turn episodes: the model's turns, an environment's observations between them.
+
+:class:`EpisodeRunner` drives any engine through episodes of an environment
+(:mod:`dapo.env`). The first turn of every row is one ordinary ``generate`` call (a prompt's
+G rows share its prefill); a row's turn ends at a stop token of the policy or at one of the
+environment's turn-end tokens (the engine is built to stop at both: :func:`with_turn_ends`).
+The environment then answers every row whose turn ended, its tools running concurrently on
+``workers`` threads; the rows that go on are continued together in one more ``generate``
+call, each from its own tokens so far (token ids, never re-encoded text, so that the trained
+tokens are the sampled ones). An engine with a prefix cache (vLLM) reuses the episode's
+prefix; the native and hf engines compute it again.
+
+Bounds: ``max_turns`` model turns; each observation within ``max_observation_tokens`` (cut,
+with a marker); the whole response, model and environment tokens together, within the call's
+``max_new_tokens`` (L_max). A row that reaches L_max is truncated.
+
+Seeds: turn 1 draws from the prompt's seed, as a single-turn rollout does; turn t > 1 of row
+g of prompt i from (that seed, g, t): a row's episode does not depend on the rows beside it,
+in its call or on other ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from dapo.data.batch import Trace
+from dapo.data.problems import Problem
+from dapo.env import Environment, History, Observation, turn_end_ids
+from dapo.reward.tasks import Score
+from dapo.rollout.base import Engine, Rollout
+from dapo.run.seeding import derive_seed
+
+CUT_MARKER = "\n... (cut)\n"
+"""Ends an observation cut to ``env.max_observation_tokens``."""
+
+
+def with_turn_ends(stops: Sequence[int], tokenizer: Any, env: Environment | None) -> list[int]:
+    """The stop tokens of an engine that runs ``env``'s episodes: the policy's ``stops`` and
+    the environment's turn-end tokens (``stops`` alone without an environment)."""
+    ends = [] if env is None else turn_end_ids(tokenizer, env.turn_ends)
+    return list(dict.fromkeys([*stops, *ends]))
+
+
+def environment_score(trace: Trace | None, verified: Score) -> Score:
+    """An episode's score: its environment's when it gave one, else the verifier's."""
+    if trace is None or trace.reward is None:
+        return verified
+    reward = float(trace.reward)
+    return Score(score=reward, correct=reward > 0, pred=verified.pred)
+
+
+@dataclass
+class _Row:
+    """One episode under way, on the host."""
+
+    problem: Problem
+    prompt: list[int]
+    seed: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    env: list[bool] = field(default_factory=list)
+    segments: list[tuple[str, bool]] = field(default_factory=list)
+    """Each turn's and observation's text, and whether the environment wrote it."""
+    turns: int = 0
+    truncated: bool = False
+    calls: int = 0
+    errors: int = 0
+    seconds: float = 0.0
+    reward: float | None = None
+
+    def history(self, finished: bool) -> History:
+        model_text = "".join(t for t, env in self.segments if not env)
+        transcript = "".join(t for t, _ in self.segments)
+        return History(self.problem, model_text, transcript, self.turns, finished)
+
+    def trace(self) -> Trace:
+        return Trace(
+            turns=self.turns,
+            env_tokens=sum(self.env),
+            tool_calls=self.calls,
+            tool_errors=self.errors,
+            tool_seconds=self.seconds,
+            reward=self.reward,
+            transcript="".join(t for t, _ in self.segments),
+        )
+
+
+def _on_host(out: Rollout) -> Rollout:
+    """``out``'s per-row tensors on the CPU, read back once for all its rows."""
+    names = ("response_ids_BT", "logprobs_BT", "lengths_B", "truncated_B")
+    return replace(out, **{name: getattr(out, name).cpu() for name in names})
+
+
+class EpisodeRunner:
+    """Runs ``env``'s episodes on ``engine`` (built with :func:`with_turn_ends`)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Any,
+        env: Environment,
+        *,
+        max_turns: int = 8,
+        max_observation_tokens: int = 256,
+        workers: int = 4,
+    ) -> None:
+        self.engine, self.tokenizer, self.env = engine, tokenizer, env
+        self.turn_ends = frozenset(turn_end_ids(tokenizer, env.turn_ends))
+        stops = set(getattr(engine, "stop_token_ids", ()) or ())
+        if stops and not self.turn_ends <= stops:
+            raise ValueError(
+                f"the rollout engine does not stop at the environment's turn ends "
+                f"({sorted(self.turn_ends - stops)}): build it with the stop tokens of "
+                "dapo.rollout.episodes.with_turn_ends"
+            )
+        self.max_turns, self.max_observation_tokens = max_turns, max_observation_tokens
+        self.workers = workers
+
+    def staged(self, problem: Problem) -> Problem:
+        """``problem`` with the first messages of the environment (what the prompt renders)."""
+        return replace(problem, messages=tuple(self.env.messages(problem)))
+
+    def generate(
+        self,
+        problems: Sequence[Problem],
+        prompts: list[str],
+        *,
+        group_size: int,
+        max_new_tokens: int,
+        seed: int | Sequence[int] = 0,
+        **sampling: Any,
+    ) -> Rollout:
+        """``group_size`` episodes of each problem (``prompts``: their rendered prompts, of
+        :meth:`staged` problems), as the engine's ``generate`` returns responses; the
+        sampling options (temperature, top_p, greedy, ignore_eos) go to every turn."""
+        G = group_size
+        first = self.engine.generate(
+            prompts, group_size=G, max_new_tokens=max_new_tokens, seed=seed, **sampling
+        )
+        prompt_seeds = (
+            [derive_seed(seed, "prompt", i) for i in range(len(prompts))]
+            if isinstance(seed, int)
+            else [int(s) for s in seed]
+        )
+        rows = []
+        for b in range(len(prompts) * G):
+            prompt = first.prompt_ids_BP[b][first.prompt_mask_BP[b].bool()].tolist()
+            row_seed = derive_seed(prompt_seeds[b // G], "row", b % G)
+            rows.append(_Row(problems[b // G], prompt, row_seed))
+        slots, pending, out = first.slots, list(range(len(rows))), _on_host(first)
+        while pending:
+            asking = [
+                b for j, b in enumerate(pending) if self._absorb(rows[b], out, j, max_new_tokens)
+            ]
+            pending = self._observe(rows, asking, max_new_tokens)
+            if pending:
+                out = _on_host(self._continue(rows, pending, max_new_tokens, sampling))
+                slots += out.slots
+        return self._rollout(first, rows, slots)
+
+    def _absorb(self, row: _Row, out: Rollout, j: int, max_new_tokens: int) -> bool:
+        """Add row ``j`` of ``out`` (the row's latest turn) to ``row``, within L_max; whether
+        the environment is to answer it."""
+        length = int(out.lengths_B[j])
+        ids = out.response_ids_BT[j, :length].tolist()
+        logp = out.logprobs_BT[j, :length].float().tolist()
+        room = max_new_tokens - len(row.tokens)
+        ended = not bool(out.truncated_B[j])
+        if len(ids) > room:
+            ids, logp, ended = ids[:room], logp[:room], False
+        row.turns += 1
+        row.tokens += ids
+        row.logprobs += logp
+        row.env += [False] * len(ids)
+        row.segments.append((self.tokenizer.decode(ids, skip_special_tokens=True), False))
+        row.truncated = not ended  # L_max came before the turn's end
+        return ended
+
+    def _observe(self, rows: list[_Row], asking: list[int], max_new_tokens: int) -> list[int]:
+        """The environment's answers to the rows ``asking`` (tools run concurrently); the
+        rows that go on."""
+        finished = {b: rows[b].tokens[-1] not in self.turn_ends for b in asking}
+        # A turn that ended at a turn end after the last turn allowed ends the episode: no
+        # tool runs for an answer the model will not see.
+        asking = [b for b in asking if finished[b] or rows[b].turns < self.max_turns]
+        if not asking:
+            return []
+        histories = [rows[b].history(finished[b]) for b in asking]
+        with ThreadPoolExecutor(max_workers=self.workers) as pool:
+            answers = list(pool.map(self._step, histories))
+        going_on = []
+        for b, answer in zip(asking, answers, strict=True):
+            if self._add_observation(rows[b], answer, max_new_tokens):
+                going_on.append(b)
+        return going_on
+
+    def _step(self, history: History) -> Observation:
+        try:
+            answer = self.env.step(history)
+        except Exception as exc:
+            raise RuntimeError(
+                f"env.class: {type(self.env).__name__}.step raised on row "
+                f"{history.problem.uid} (turn {history.turns}): {type(exc).__name__}: {exc}"
+            ) from exc
+        if not isinstance(answer, Observation):
+            raise TypeError(
+                f"env.class: {type(self.env).__name__}.step returned "
+                f"{type(answer).__name__} on row {history.problem.uid}; return a "
+                "dapo.env.Observation"
+            )
+        return answer
+
+    def _add_observation(self, row: _Row, answer: Observation, max_new_tokens: int) -> bool:
+        """Add the environment's ``answer`` to ``row``; whether the row goes on."""
+        row.calls += int(answer.tool_call)
+        row.errors += int(answer.error)
+        row.seconds += answer.seconds
+        if answer.done:
+            row.reward = answer.reward
+            return False
+        if row.turns >= self.max_turns:
+            return False
+        ids = self.observation_ids(answer.text)
+        room = max_new_tokens - len(row.tokens)
+        if len(ids) >= room:  # no room left for the model to answer: L_max reached
+            ids, row.truncated = ids[:room], True
+        row.tokens += ids
+        row.logprobs += [0.0] * len(ids)
+        row.env += [True] * len(ids)
+        if ids:
+            row.segments.append((self.tokenizer.decode(ids, skip_special_tokens=True), True))
+        return not row.truncated
+
+    def observation_ids(self, text: str) -> list[int]:
+        """``text``'s tokens, cut to ``max_observation_tokens`` with :data:`CUT_MARKER`."""
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+        limit = self.max_observation_tokens
+        if len(ids) <= limit:
+            return ids
+        marker = self.tokenizer(CUT_MARKER, add_special_tokens=False)["input_ids"]
+        if len(marker) >= limit:
+            return ids[:limit]
+        return ids[: limit - len(marker)] + marker
+
+    def _continue(
+        self, rows: list[_Row], pending: list[int], max_new_tokens: int, sampling: dict
+    ) -> Rollout:
+        """The next turn of the rows ``pending``, from their tokens so far, in one call."""
+        contexts = [rows[b].prompt + rows[b].tokens for b in pending]
+        seeds = [derive_seed(rows[b].seed, "turn", rows[b].turns + 1) for b in pending]
+        room = max(max_new_tokens - len(rows[b].tokens) for b in pending)
+        return self.engine.generate(
+            contexts, group_size=1, max_new_tokens=room, seed=seeds, **sampling
+        )
+
+    def _rollout(self, first: Rollout, rows: list[_Row], slots: int) -> Rollout:
+        """The episodes as one rollout, padded on the host."""
+        width = max([len(r.tokens) for r in rows] + [1])
+        pad = self.tokenizer.pad_token_id
+        B = len(rows)
+        ids_BT = torch.full((B, width), pad, dtype=torch.long)
+        logprobs_BT = torch.zeros((B, width), dtype=torch.float32)
+        mask_BT = torch.zeros((B, width), dtype=torch.bool)
+        env_BT = torch.zeros((B, width), dtype=torch.bool)
+        for b, r in enumerate(rows):
+            n = len(r.tokens)
+            ids_BT[b, :n] = torch.tensor(r.tokens, dtype=torch.long)
+            logprobs_BT[b, :n] = torch.tensor(r.logprobs, dtype=torch.float32)
+            mask_BT[b, :n] = True
+            env_BT[b, :n] = torch.tensor(r.env, dtype=torch.bool)
+        return Rollout(
+            prompt_ids_BP=first.prompt_ids_BP.cpu(),
+            prompt_mask_BP=first.prompt_mask_BP.cpu(),
+            response_ids_BT=ids_BT,
+            response_mask_BT=mask_BT,
+            logprobs_BT=logprobs_BT,
+            lengths_B=mask_BT.sum(dim=1),
+            truncated_B=torch.tensor([r.truncated for r in rows], dtype=torch.bool),
+            texts=[r.history(False).model_text for r in rows],
+            slots=slots,
+            env_mask_BT=env_BT,
+            traces=[r.trace() for r in rows],
+        )

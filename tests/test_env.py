@@ -1,0 +1,401 @@
+"""Multi-turn episodes (dapo.env, dapo.rollout.episodes): the Python tool, the runner's
+bounds, and training on episodes whose observations are context, never trained."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import ROOT, TINY_DEMO
+from test_code_task import NAMES, hostile
+from test_sandbox import FAST, MARGIN_S, Trap
+
+from dapo.cli import main
+from dapo.config import load_config
+from dapo.data.batch import Episode, Trace, collate
+from dapo.data.problems import Problem
+from dapo.env import Environment, History, MathTool, Observation, load_environment
+from dapo.env.python_tool import python_blocks
+from dapo.models.logprobs import batch_logprobs
+from dapo.reward import sandbox
+from dapo.rollout import Rollout, make_engine
+from dapo.rollout.episodes import CUT_MARKER, EpisodeRunner, with_turn_ends
+from dapo.training.old_logprobs import fill_logprobs
+from dapo.training.rounds import shape_group
+from dapo.training.state import build_state
+from dapo.training.update import accumulate_gradients
+
+PROBLEM = Problem("p0", ({"role": "user", "content": "Compute 2 + 3."},), "5", "arith")
+needs_sandbox = pytest.mark.skipif(
+    not sandbox.available_modes(), reason="no sandbox mode works on this machine"
+)
+
+
+def _history(text: str, *, finished: bool = False) -> History:
+    return History(PROBLEM, text, text, 1, finished)
+
+
+# The Python tool ---------------------------------------------------------------------------
+
+
+def test_python_blocks_finds_closed_blocks_and_a_call_at_the_end():
+    text = "Let me compute.\n```python\nx = 6 * 7\n```\n"
+    assert python_blocks(text) == (["x = 6 * 7"], True)
+    # Two blocks, the second closing the text: both found, a call.
+    two = text + "```output\n\n```\nNow:\n```python\nprint(x)\n```"
+    assert python_blocks(two) == (["x = 6 * 7", "print(x)"], True)
+    # A block still open, another language, text after the fence: no call.
+    assert python_blocks("```python\nprint(1)\n") == ([], False)
+    assert python_blocks("```text\nhello\n```") == ([], False)
+    assert python_blocks("```python\nprint(1)\n```\nAnswer: 1") == (["print(1)"], False)
+    # An opening fence alone (the model continues writing the block).
+    assert python_blocks("Let me see: ```") == ([], False)
+
+
+@needs_sandbox
+def test_the_tool_runs_a_call_keeps_state_by_replay_and_reports_errors():
+    tool = MathTool()
+    first = tool.step(_history("```python\nx = 123 * 456\nprint(x)\n```"))
+    assert first.text == "\n```output\n56088\n```\n"
+    assert (first.tool_call, first.error, first.done) == (True, False, False)
+    # The second call sees x (the first block is replayed, its output discarded).
+    text = "```python\nx = 123 * 456\nprint(x)\n```\nthen\n```python\nprint(x + 1)\n```\n"
+    assert tool.step(_history(text)).text == "\n```output\n56089\n```\n"
+    failed = tool.step(_history("```python\nprint(1 / 0)\n```"))
+    assert failed.error and "ZeroDivisionError: division by zero" in failed.text
+    # No call: the model goes on with nothing added; the end of its message ends the episode.
+    assert tool.step(_history("I think ```")) == Observation()
+    assert tool.step(_history("Answer: 5", finished=True)).done
+
+
+@needs_sandbox
+def test_the_tool_stops_hostile_code_at_its_deadline_and_limits():
+    tool = MathTool(load_config(None, ["env.tool_wall_s=1.0"]).env)
+    loop = tool.step(_history("```python\nwhile True:\n    pass\n```"))
+    assert loop.error and "ran past 1 s" in loop.text and loop.seconds < 5
+    flood = tool.step(_history("```python\nprint('x' * 10**6)\n```"))
+    assert flood.tool_call and len(flood.text) < 2100  # cut to MAX_OUTPUT_CHARS
+    escape = tool.step(_history("```python\nimport os\nos.system('touch /tmp/dapo-escape')\n```"))
+    assert escape.error and "PermissionError" in escape.text
+    assert not Path("/tmp/dapo-escape").exists()
+    memory = tool.step(_history("```python\nx = [0] * 10**9\n```"))
+    assert memory.error and "MemoryError" in memory.text
+
+
+@needs_sandbox
+def test_environments_load_by_name_and_from_a_file(tmp_path):
+    assert load_environment("") is None
+    assert isinstance(load_environment("math_tool"), MathTool)
+    path = tmp_path / "envs.py"
+    path.write_text(
+        "from dapo.env import Environment, Observation\n"
+        "class Echo(Environment):\n"
+        "    turn_ends = ('=',)\n"
+        "    def step(self, history):\n"
+        "        return Observation(text=' 5', done=history.turns > 1)\n"
+        "not_an_env = 3\n"
+    )
+    assert type(load_environment(f"{path}:Echo")).__name__ == "Echo"
+    with pytest.raises(ValueError, match=r"env.class=.*is a int; give env.class as a built-in"):
+        load_environment(f"{path}:not_an_env")
+    with pytest.raises(ValueError, match=r"env.class=.*has no 'Missing'"):
+        load_environment(f"{path}:Missing")
+
+
+# The runner, on an engine that writes a fixed turn ----------------------------------------
+
+
+class FixedTurns:
+    """An engine whose every turn is ``turn`` (cut at max_new_tokens, truncated then)."""
+
+    exact_logprobs = True
+
+    def __init__(self, turn: list[int], stops: list[int], pad: int) -> None:
+        self.turn, self.stop_token_ids, self.pad = turn, tuple(stops), pad
+        self.contexts: list[list[int]] = []
+
+    def generate(self, prompts, *, group_size, max_new_tokens, seed=0, **_):
+        rows = len(prompts) * group_size
+        ids = self.turn[:max_new_tokens]
+        stopped = ids[-1] in self.stop_token_ids
+        if not isinstance(prompts[0], str):
+            self.contexts += [list(p) for p in prompts]
+        prompt = torch.tensor([[7, 8]] * rows)
+        return Rollout(
+            prompt_ids_BP=prompt,
+            prompt_mask_BP=torch.ones_like(prompt),
+            response_ids_BT=torch.tensor([ids] * rows),
+            response_mask_BT=torch.ones((rows, len(ids)), dtype=torch.bool),
+            logprobs_BT=torch.full((rows, len(ids)), -0.5),
+            lengths_B=torch.full((rows,), len(ids)),
+            truncated_B=torch.full((rows,), not stopped),
+            texts=[""] * rows,
+            slots=rows * len(ids),
+        )
+
+
+class Says(Environment):
+    """Ends a turn at "=", answers ``text`` to every turn."""
+
+    turn_ends = ("=",)
+
+    def __init__(self, text: str = " 5 ?") -> None:
+        self.text = text
+
+    def step(self, history: History) -> Observation:
+        if history.finished:
+            return Observation(done=True)
+        return Observation(self.text, tool_call=True)
+
+
+def _runner(tokenizer, turn: str, env: Environment, **bounds) -> tuple[EpisodeRunner, list]:
+    stops = with_turn_ends([tokenizer.eos_token_id], tokenizer, env)
+    ids = tokenizer(turn, add_special_tokens=False)["input_ids"]
+    engine = FixedTurns(ids, stops, tokenizer.pad_token_id)
+    return EpisodeRunner(engine, tokenizer, env, **bounds), ids
+
+
+def test_turns_and_observations_alternate_within_max_turns(tokenizer):
+    runner, turn = _runner(tokenizer, " 2 + 3 =", Says(), max_turns=3)
+    ro = runner.generate([PROBLEM], ["x"], group_size=2, max_new_tokens=100, seed=[1])
+    obs = tokenizer(" 5 ?", add_special_tokens=False)["input_ids"]
+    (a, b) = ro.samples()
+    assert a.response_ids.tolist() == turn + obs + turn + obs + turn
+    assert a.env_mask.tolist() == [False] * 4 + [True] * 2 + [False] * 4 + [True] * 2 + [False] * 4
+    assert a.logprobs.tolist() == [-0.5] * 4 + [0.0] * 2 + [-0.5] * 4 + [0.0] * 2 + [-0.5] * 4
+    assert (
+        a.trace
+        == b.trace
+        == Trace(turns=3, env_tokens=4, tool_calls=2, transcript=" 2 + 3 = 5 ? 2 + 3 = 5 ? 2 + 3 =")
+    )
+    assert a.text == " 2 + 3 = 2 + 3 = 2 + 3 ="  # the model's text alone: what is graded
+    assert not a.truncated  # max_turns ends the episode, not L_max
+    # Each later turn continues from the row's own tokens so far, prompt first.
+    assert runner.engine.contexts[:2] == [[7, 8, *turn, *obs]] * 2
+
+
+def test_an_episode_stops_at_l_max_counting_the_observations(tokenizer):
+    runner, turn = _runner(tokenizer, " 2 + 3 =", Says(), max_turns=8)
+    ro = runner.generate([PROBLEM], ["x"], group_size=1, max_new_tokens=9, seed=[1])
+    (a,) = ro.samples()
+    # 4 model tokens, 2 observation tokens, then 3 of the next turn's 4: truncated at 9.
+    assert len(a.response_ids) == 9 and a.truncated
+    assert a.env_mask.tolist() == [False] * 4 + [True] * 2 + [False] * 3
+    # An observation that fills what is left ends the episode, truncated.
+    runner, _ = _runner(tokenizer, " 2 + 3 =", Says(" 5 5 5 5 5"), max_turns=8)
+    (b,) = runner.generate([PROBLEM], ["x"], group_size=1, max_new_tokens=7, seed=[1]).samples()
+    assert b.env_mask.tolist() == [False] * 4 + [True] * 3 and b.truncated
+
+
+def test_a_long_observation_is_cut_with_a_marker(tokenizer):
+    runner, _ = _runner(tokenizer, " 2 =", Says(" 1" * 50), max_observation_tokens=12)
+    marker = tokenizer(CUT_MARKER, add_special_tokens=False)["input_ids"]
+    ids = runner.observation_ids(" 1" * 50)
+    assert len(ids) == 12 and ids[-len(marker) :] == marker
+    assert (
+        runner.observation_ids(" 1 1") == tokenizer(" 1 1", add_special_tokens=False)["input_ids"]
+    )
+
+
+def test_the_engine_must_stop_at_the_turn_ends(tokenizer):
+    env = Says()
+    engine = FixedTurns([5], [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    with pytest.raises(ValueError, match="with_turn_ends"):
+        EpisodeRunner(engine, tokenizer, env)
+
+
+# Episodes on a real model: log-probs, seeds, the loss -------------------------------------
+
+
+class Hints(Environment):
+    """Ends a turn at any of several common pieces and answers a fixed hint: a random tiny
+    model writes them often, so its episodes have several turns."""
+
+    turn_ends = ("+", "=", "?", ".", ":")
+
+    def step(self, history: History) -> Observation:
+        return Observation(" 4 +", tool_call=True)
+
+
+def _episodes(model, tokenizer, problems, seeds, **bounds) -> Rollout:
+    env = Hints()
+    stops = with_turn_ends([tokenizer.eos_token_id], tokenizer, env)
+    runner = EpisodeRunner(make_engine("dapo", model, tokenizer, stops), tokenizer, env, **bounds)
+    prompts = ["What is 2 + 3?\n"] * len(problems)
+    return runner.generate(problems, prompts, group_size=3, max_new_tokens=40, seed=seeds)
+
+
+def test_a_problems_episodes_do_not_depend_on_the_rows_beside_them(tiny_model, tokenizer):
+    other = dataclasses.replace(PROBLEM, uid="p1")
+    both = _episodes(tiny_model, tokenizer, [PROBLEM, other], [11, 12], max_turns=6).samples()
+    alone = _episodes(tiny_model, tokenizer, [PROBLEM], [11], max_turns=6).samples()
+    assert sum(s.trace.turns > 1 for s in both) >= 3  # the test exercises continuations
+    for x, y in zip(alone, both[:3], strict=True):
+        assert x.response_ids.tolist() == y.response_ids.tolist()
+        # Padded beside other prompts, the sums round differently: the same to float noise.
+        torch.testing.assert_close(x.logprobs, y.logprobs, atol=1e-5, rtol=0)
+
+
+def _as_episodes(ro: Rollout) -> list[Episode]:
+    out = []
+    for s in ro.samples():
+        out.append(
+            Episode(
+                s.prompt_ids, s.response_ids, s.logprobs, s.truncated, True, 1.0,
+                env_mask=s.env_mask, trace=s.trace,
+            )
+        )  # fmt: skip
+    return out
+
+
+def test_sampler_logprobs_of_model_tokens_match_a_forward_pass(tiny_model, tokenizer):
+    episodes = _as_episodes(_episodes(tiny_model, tokenizer, [PROBLEM], [5], max_turns=6))
+    assert sum(e.env_tokens for e in episodes) > 0
+    cfg = load_config(None, ["train.tokens_per_microbatch=4096"])
+    state = build_state(cfg, tiny_model, tokenizer, [PROBLEM])
+    fill_logprobs(tiny_model, episodes, "old_logprobs", state, list(range(len(episodes))))
+    for e in episodes:
+        model = e.model_mask()
+        torch.testing.assert_close(
+            e.old_logprobs[model], e.sampler_logprobs[model], atol=2e-5, rtol=0
+        )
+        assert (e.sampler_logprobs[e.env_mask] == 0).all()
+
+
+def test_observation_tokens_get_no_gradient_and_no_share_of_the_divisor(tiny_model, tokenizer):
+    """The gradient of episodes with observations equals the gradient of the same tokens
+    with the observations masked out of the loss by hand: -(1/N) sum A grad log pi over the
+    model's tokens, N their count, at pi = pi_old."""
+    episodes = _as_episodes(_episodes(tiny_model, tokenizer, [PROBLEM], [5], max_turns=6))
+    for i, e in enumerate(episodes):
+        e.advantage = [1.0, -0.5, 0.25][i]
+    cfg = load_config(None, ["train.tokens_per_microbatch=4096"])
+    state = build_state(cfg, tiny_model, tokenizer, [PROBLEM])
+    fill_logprobs(tiny_model, episodes, "old_logprobs", state, list(range(len(episodes))))
+    num_tokens = sum(e.num_loss_tokens for e in episodes)
+    assert num_tokens == sum(e.length - e.env_tokens for e in episodes)
+    tiny_model.zero_grad(set_to_none=True)
+    accumulate_gradients(state, episodes, list(range(3)), num_tokens=num_tokens, num_seqs=3).read()
+    got = [p.grad.clone() for p in tiny_model.parameters()]
+
+    tiny_model.zero_grad(set_to_none=True)
+    plain = [dataclasses.replace(e, env_mask=None, trace=None) for e in episodes]
+    b = collate(plain, pad_id=tokenizer.pad_token_id)
+    hand_BT = b.response_mask_BT.clone()
+    for row, e in enumerate(episodes):
+        hand_BT[row, : e.length] &= ~e.env_mask
+    logp_BT, _ = batch_logprobs(tiny_model, b)
+    (-(b.advantages_B[:, None] * logp_BT * hand_BT).sum() / hand_BT.sum()).backward()
+    for a, h in zip(got, (p.grad for p in tiny_model.parameters()), strict=True):
+        torch.testing.assert_close(a, h, rtol=1e-4, atol=1e-7)
+
+
+def test_overlong_shaping_counts_the_models_tokens_only():
+    cfg = load_config(None, ["rollout.max_new_tokens=20", "algo.l_cache=4"])
+    g = torch.Generator().manual_seed(0)
+
+    def episode(model: int, env: int) -> Episode:
+        mask = torch.tensor([False] * model + [True] * env)
+        ids = torch.randint(5, 60, (model + env,), generator=g)
+        return Episode(
+            torch.tensor([1, 2]), ids, torch.zeros(model + env), False, True, 1.0,
+            env_mask=mask, trace=Trace(turns=2, env_tokens=env),
+        )  # fmt: skip
+
+    # 14 model tokens and 6 of the environment's reach L_max = 20; the soft punishment
+    # counts 14 (free up to 16). 18 model tokens: -1/4 per token past 16.
+    eps = [episode(14, 6), episode(18, 2)]
+    shape_group(eps, cfg.algo, l_max=20)
+    assert [e.reward for e in eps] == [1.0, 0.5]
+    b = collate(eps, pad_id=0)
+    assert b.loss_mask_BT.sum(dim=1).tolist() == [14, 18]
+    assert b.response_mask_BT.sum(dim=1).tolist() == [20, 20]
+    assert [e.num_loss_tokens for e in eps] == [14, 18]
+
+
+# The command line ------------------------------------------------------------------------
+
+
+def test_a_bad_env_class_stops_the_run_before_the_model_loads(tmp_path, capsys):
+    args = [*TINY_DEMO, "train.steps=1", f"run.out_dir={tmp_path}", "run.name=r"]
+    assert main(["train", *args, f"env.class={tmp_path}/absent.py:Tool"]) == 2
+    err = capsys.readouterr().err
+    assert "env.class=" in err and "absent.py" in err and "give env.class as" in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_resume_refuses_an_environment_that_came_with_the_run_directory(tmp_path, capsys):
+    run_dir = tmp_path / "r"
+    args = [*TINY_DEMO, "train.steps=1", f"run.out_dir={tmp_path}", "run.name=r"]
+    assert main(["train", *args]) == 0
+    planted = run_dir / "planted.py"
+    planted.write_text("from dapo.env import Environment\nclass E(Environment):\n    pass\n")
+    capsys.readouterr()
+    code = main(["train", "--resume", str(run_dir), f"env.class={planted}:E", "--force"])
+    assert code == 2
+    assert "env.class=" in capsys.readouterr().err
+
+
+@pytest.fixture
+def trap(tmp_path, monkeypatch):
+    trap = Trap(tmp_path, monkeypatch)
+    yield trap
+    trap.close()
+
+
+@needs_sandbox
+@pytest.mark.parametrize("name", NAMES)
+def test_hostile_tool_calls_end_in_the_sandbox_as_observations(name, trap):
+    """The code task's hostile programs, called as the tool: each comes back as an
+    observation within its deadline (an error where the sandbox stopped it), and nothing
+    escapes."""
+    response, _ = hostile(trap)[name]
+    tool = MathTool(load_config(None, [f"env.tool_wall_s={FAST.wall_s}"]).env)
+    start = time.monotonic()
+    answer = tool.step(_history(response.removesuffix("\nIt adds.")))  # ends at the fence
+    assert time.monotonic() - start < FAST.wall_s + MARGIN_S
+    assert answer.tool_call and not answer.done and answer.text.startswith("\n```output\n")
+    assert len(answer.text) < 2100
+    if name not in ("exit 0 before the tests", "daemon"):  # these two exit normally
+        assert answer.error, answer
+    assert trap.escaped() == []
+
+
+TOOL_USER = """
+import time
+from dapo.data.problems import Problem
+from dapo.env import History, MathTool
+if __name__ == "__main__":
+    tool = MathTool()
+    history = History(Problem("u", (), ""), "```python\\nprint(6 * 7)\\n```", "", 1, False)
+    print(tool.step(history).text.strip(), flush=True)
+    time.sleep(300)
+"""
+
+
+@needs_sandbox
+def test_a_trainer_killed_with_9_leaves_no_tool_helper_behind(tmp_path):
+    """The tool's helper processes end with the process that made them: none keeps its
+    stdout open (a test harness, a shell pipe would wait for it forever)."""
+    script = tmp_path / "tool_user.py"
+    script.write_text(TOOL_USER)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        text=True, env=env,
+    )  # fmt: skip
+    lines = [proc.stdout.readline() for _ in range(3)]
+    assert "42\n" in lines
+    proc.kill()
+    proc.wait()
+    reader = threading.Thread(target=proc.stdout.read, daemon=True)
+    reader.start()
+    reader.join(timeout=10)  # EOF: every holder of the pipe is gone
+    assert not reader.is_alive(), "a helper of the tool outlived the killed process"

@@ -1,0 +1,105 @@
+"""Whole runs of the tools demo (recipes/demo-tools.yaml), tiny: kill -9 and resume give the
+uninterrupted run, and two gloo ranks under torchrun give the one-process run."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import ROOT, dapo_train, finish_run, start_run
+from safetensors.torch import load_file
+
+from dapo.reward import sandbox
+
+pytestmark = pytest.mark.skipif(
+    not sandbox.available_modes(), reason="no sandbox mode works on this machine"
+)
+
+TOOLS_RUN = [
+    "--config",
+    str(ROOT / "recipes" / "demo-tools.yaml"),
+    "embedded.sft_steps=150",
+    "embedded.hidden=64",
+    "arith.num_warmup=512",
+    "arith.num_train=200",
+    "arith.num_val=8",
+    "rollout.group_size=4",
+    "train.prompts_per_step=4",
+    "sampling.prompts_per_round=6",
+    "sampling.on_max_rounds=train",
+    "train.responses_per_minibatch=8",  # 2 updates per step
+    "train.tokens_per_microbatch=300",  # several micro-batches per update
+    "reward.workers=0",
+    "optim.lr=1e-3",
+    "train.steps=4",
+    "eval.num_samples=2",
+    "eval.every=2",
+    "train.save_every=1",
+    "run.threads=1",
+    "dist.timeout_s=60",
+    "env.workers=2",
+]
+"""4 steps of the tools demo at a tiny scale, a checkpoint every step."""
+
+
+def _lines(run_dir: Path) -> list[dict]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [
+        {k: v for k, v in x.items() if not k.startswith(("perf/", "tools/seconds"))} for x in rows
+    ]
+
+
+def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(run_dir / "model" / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One uninterrupted run, and the warm-up cache every other run shares."""
+    root = tmp_path_factory.mktemp("tools")
+    code, _, err = finish_run(start_run(root, "reference", root / "cache", TOOLS_RUN))
+    assert code == 0, err
+    steps = _lines(root / "reference")[1:]
+    # The runs exercise episodes: continued turns, tool calls, observations in the batch.
+    assert max(m["episode/turns"] for m in steps) > 1
+    assert sum(m["tools/calls_per_response"] for m in steps) > 0
+    assert max(m["episode/env_tokens"] for m in steps) > 0
+    return root / "reference", root / "cache"
+
+
+def test_kill_9_then_resume_matches_the_uninterrupted_run(tmp_path, reference):
+    ref, cache = reference
+    proc = start_run(tmp_path, "run", cache, TOOLS_RUN)
+    run_dir = tmp_path / "run"
+    deadline = time.monotonic() + 300
+    while not (run_dir / "checkpoints" / "latest").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint came"
+        time.sleep(0.01)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGKILL)
+    code, _, _ = finish_run(proc)
+    assert code == -signal.SIGKILL
+    resumed = start_run(tmp_path, "run", cache, [], "--resume", str(run_dir))
+    rcode, out, err = finish_run(resumed)
+    assert rcode == 0, err
+    assert "at step " in out
+    assert _lines(ref) == _lines(run_dir)
+    a, b = _weights(ref), _weights(run_dir)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_torchrun_two_ranks_are_the_one_process_run(tmp_path, reference):
+    ref, cache = reference
+    dapo_train(2, *TOOLS_RUN, f"embedded.cache_dir={cache}", "run.name=two", out_dir=tmp_path)
+    counters = ("sampling/", "episode/", "tools/calls", "tools/call_frac", "train/updates")
+    ones, twos = _lines(ref), _lines(tmp_path / "two")
+    for one, two in zip(ones, twos, strict=True):
+        pick = sorted(k for k in one if k.startswith(counters) or k == "val/accuracy")
+        assert {k: two.get(k) for k in pick} == {k: one[k] for k in pick}
+    a, b = _weights(ref), _weights(tmp_path / "two")
+    gap = max(float((b[k] - w).abs().max()) for k, w in a.items())
+    assert gap <= 1e-6, f"weights differ by up to {gap:.3g}"
