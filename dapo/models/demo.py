@@ -29,6 +29,10 @@ from dapo.reward.tasks import arith
 # Words keep their leading space (as in GPT-2's byte-level BPE), digits are single tokens so
 # that numbers of any size are spelled, and every other character is a token of its own.
 PIECE_PATTERN = r" ?[A-Za-z]+| ?[0-9]| ?[^\sA-Za-z0-9]|\n|\s"
+# With the Python tool (arith.tool_share > 0), a fence is one piece, as in real tokenizers,
+# so that the tool's turn end ("```") is a token of its own.
+TOOL_PIECES = r"```(?:python|output)?|"
+TOOL_CORPUS = "```python\nprint(7 * 8)\n```\n```output\n56\n```\n*"
 SPECIAL_TOKENS = ("<|endoftext|>", "<|pad|>", "<|unk|>")
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] }}\n{% endfor %}"
@@ -36,8 +40,8 @@ CHAT_TEMPLATE = (
 )
 
 
-def _corpus() -> str:
-    chat = "User: Assistant:\n"
+def _corpus(tools: bool = False) -> str:
+    chat = "User: Assistant:\n" + (TOOL_CORPUS if tools else "")
     phrasing = " ".join(arith.PHRASINGS)
     digits = " ".join(f"{d} {d}" for d in "0123456789") + "".join("0123456789")
     # Sign and operator pieces with and without a leading space ("-3" and " - 3").
@@ -45,18 +49,19 @@ def _corpus() -> str:
     return PROMPT_PREFIX + PROMPT_SUFFIX + chat + phrasing + digits + ops + "\nAnswer: Answer:"
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """A word-level tokenizer whose vocabulary covers the DAPO template and the task.
+def build_tokenizer(tools: bool = False) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer whose vocabulary covers the DAPO template and the task (with
+    ``tools``, the Python tool's fences and code too).
 
     Decoding concatenates pieces, so ``decode(encode(text)) == text`` for task text.
     """
-    corpus = _corpus()
+    corpus, pattern = _corpus(tools), piece_pattern(tools)
     words = set(re.findall(r"[A-Za-z]+", corpus))
     # Every word both at a line start and after a space, whichever the text happened to show.
-    pieces = sorted(set(re.findall(PIECE_PATTERN, corpus)) | words | {" " + w for w in words})
+    pieces = sorted(set(re.findall(pattern, corpus)) | words | {" " + w for w in words})
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + tuple(pieces))}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|unk|>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex(PIECE_PATTERN), behavior="isolated")
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
     core.decoder = decoders.Fuse()
     tok = PreTrainedTokenizerFast(
         tokenizer_object=core,
@@ -67,6 +72,11 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
     tok.chat_template = CHAT_TEMPLATE
     return tok
+
+
+def piece_pattern(tools: bool) -> str:
+    """The pieces text splits into (a fence is one with ``tools``)."""
+    return TOOL_PIECES + PIECE_PATTERN if tools else PIECE_PATTERN
 
 
 @dataclass(frozen=True)
@@ -169,9 +179,10 @@ def load_embedded(
     the model is built; ``task_key`` identifies them in the cache key, so a different task
     never reuses another's weights.
     """
-    tokenizer = build_tokenizer()
+    tools = any("```" in solution for _, solution in pairs)  # arith.tool_share > 0
+    tokenizer = build_tokenizer(tools)
     vocab = sorted(tokenizer.get_vocab().items())
-    key = _cache_key(spec, warmup, task_key, vocab, PIECE_PATTERN, torch.__version__)
+    key = _cache_key(spec, warmup, task_key, vocab, piece_pattern(tools), torch.__version__)
     target = Path(cache_dir).expanduser() / f"embedded-{key}"
     if (target / "model.safetensors").exists():
         model = Qwen2ForCausalLM.from_pretrained(target)

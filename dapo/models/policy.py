@@ -246,6 +246,7 @@ def _embedded(cfg: Config, warmup_pairs: Sequence[tuple[Problem, str]], log):
             a.num_warmup,
             # Appended only when set, so the demo's existing caches keep their keys.
             *((a.prompt, a.shots) if a.prompt != "dapo" else ()),
+            *((a.max_operand, a.tool_share) if (a.max_operand, a.tool_share) != (9, 0.0) else ()),
         ),
         log=log,
     )

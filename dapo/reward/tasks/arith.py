@@ -52,10 +52,18 @@ class ArithConfig:
     max_terms: int = 5
     """Most terms in a problem (more terms: longer, harder responses)."""
     operators: str = "+"
-    """Operators the task draws from (any of ``+-``)."""
+    """Operators the task draws from (any of ``+-*``; ``*`` is what the tool demo, too hard
+    for the tiny model to compute in its head, multiplies)."""
+    max_operand: int = 9
+    """Largest term (terms are drawn from 1 to it): 99 makes products of two-digit numbers."""
     solution: Literal["direct", "steps", "mixed"] = "direct"
     """Worked-solution style of the warm-up: ``direct`` (one line), ``steps`` (a line per
     operation) or ``mixed`` (either, at random)."""
+    tool_share: float = 0.0
+    """Share of the warm-up's worked solutions that compute with the Python tool instead (a
+    ```python block that prints the expression, its output block, then the Answer line): the
+    format of ``env.class=math_tool``, shown on a minority so that RL has a tool use to
+    reinforce (recipes/demo-tools.yaml)."""
     seed: int = 1234
     """Seed of the task's problems."""
     prompt: Literal["dapo", "chat"] = "dapo"
@@ -74,8 +82,12 @@ class ArithConfig:
             errors.append("arith.num_train and arith.num_val must be >= 1")
         if self.num_warmup < 1:
             errors.append("arith.num_warmup must be >= 1")
-        if not (set(self.operators) <= set("+-") and self.operators != ""):
-            errors.append("arith.operators must be a non-empty string of + and -")
+        if not (set(self.operators) <= set("+-*") and self.operators != ""):
+            errors.append("arith.operators must be a non-empty string of +, - and *")
+        if self.max_operand < 1:
+            errors.append("arith.max_operand must be >= 1")
+        if not 0 <= self.tool_share <= 1:
+            errors.append("arith.tool_share must be in [0, 1]")
         if not 1 <= self.min_terms <= self.max_terms:
             errors.append("arith.min_terms must be >= 1 and <= arith.max_terms")
         if self.shots < 0:
@@ -101,13 +113,28 @@ def worked_solution(terms: list[int], ops: list[str], style: str = "steps") -> t
         raise ValueError(f"solution style must be one of {STYLES}, got {style!r}")
     lines, acc = [], terms[0]
     for op, t in zip(ops, terms[1:], strict=True):
-        nxt = acc + t if op == "+" else acc - t
+        nxt = acc + t if op == "+" else acc - t if op == "-" else acc * t
         lines.append(f"{acc} {op} {t} = {nxt}")
         acc = nxt
     if style == "direct":
         lines = [f"{_expr(terms, ops)} = {acc}"]
     lines.append(f"Answer: {acc}")
     return "\n".join(lines), acc
+
+
+def tool_solution(terms: list[int], ops: list[str]) -> tuple[str, int]:
+    """The solution that computes with the Python tool: the code block, the output block the
+    tool answers with (``dapo.env.python_tool.output_block``'s format), the Answer line.
+    Operators apply left to right, as in :func:`worked_solution`."""
+    _, answer = worked_solution(terms, ops, "direct")
+    code = str(terms[0])
+    for op, t in zip(ops, terms[1:], strict=True):
+        code = (
+            f"({code}) {op} {t}"
+            if op == "*" and ("+" in code or "-" in code)
+            else f"{code} {op} {t}"
+        )
+    return f"```python\nprint({code})\n```\n```output\n{answer}\n```\nAnswer: {answer}", answer
 
 
 def _expr(terms: list[int], ops: list[str]) -> str:
@@ -120,9 +147,14 @@ def _expr(terms: list[int], ops: list[str]) -> str:
 SPLIT_SHARES = (("val", 0.1), ("warmup", 0.3), ("train", 0.6))
 
 
+def _unit(text: str) -> float:
+    """A stable hash of ``text`` in [0, 1)."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") / 2**64
+
+
 def split_of(expr: str) -> str:
     """The split that owns ``expr``: a stable hash of its text, cut by ``SPLIT_SHARES``."""
-    u = int.from_bytes(hashlib.sha256(expr.encode()).digest()[:8], "little") / 2**64
+    u = _unit(expr)
     for name, share in SPLIT_SHARES:
         if u < share:
             return name
@@ -143,6 +175,7 @@ def make_splits(
     style: str = "direct",
     prompt: str = "dapo",
     shots: int = 2,
+    tool_share: float = 0.0,
 ) -> tuple[list[tuple[Problem, str]], ...]:
     """(train, held-out, warm-up) lists of (problem, worked solution) pairs, i.i.d. per split.
 
@@ -154,6 +187,9 @@ def make_splits(
     ``prompt="chat"`` puts each question after ``shots`` worked examples (user question,
     assistant solution in the ``steps`` style); the examples are warm-up-split problems, so
     they are never a training or held-out problem, and the same for every question.
+    ``tool_share``: the share of problems whose solution computes with the Python tool
+    (:func:`tool_solution`), chosen by a hash of the problem's text (the stream of problems
+    is the same at any share).
     """
     if prompt not in ("dapo", "chat"):
         raise ValueError(f"prompt must be 'dapo' or 'chat', got {prompt!r}")
@@ -171,6 +207,8 @@ def make_splits(
         if len(out[split]) >= wanted[split]:
             continue
         solution, answer = worked_solution(terms, ops, this_style)
+        if tool_share and _unit(f"tool:{text}") < tool_share:
+            solution, answer = tool_solution(terms, ops)
         question = dapo_prompt(text) if prompt == "dapo" else text
         problem = Problem(
             uid=f"arith-{split}-{len(out[split])}",
