@@ -23,6 +23,7 @@ from dapo.data.batch import Episode, Trace, collate
 from dapo.data.problems import Problem
 from dapo.env import Environment, History, MathTool, Observation, load_environment
 from dapo.env.python_tool import python_blocks
+from dapo.eval.metrics import record_metrics
 from dapo.models.logprobs import batch_logprobs
 from dapo.reward import sandbox
 from dapo.rollout import Rollout, make_engine
@@ -399,3 +400,17 @@ def test_a_trainer_killed_with_9_leaves_no_tool_helper_behind(tmp_path):
     reader.start()
     reader.join(timeout=10)  # EOF: every holder of the pipe is gone
     assert not reader.is_alive(), "a helper of the tool outlived the killed process"
+
+
+def test_an_evaluation_record_of_episodes_counts_its_tool_calls():
+    record = {
+        "correct": [True, False, True],
+        "answers": ["6", "5", "6"],
+        "lengths": [9, 4, 9],
+        "truncated": [False, False, False],
+        "responses": ["```python\nprint(2 * 3)\n```Answer: 6", "Answer: 5", "Answer: 6"],
+        "tool_calls": [1, 0, 2],
+    }
+    assert record_metrics(record, ks=[1, 3])["tool_call_frac"] == pytest.approx(2 / 3)
+    del record["tool_calls"]  # single-turn samples: no such figure
+    assert "tool_call_frac" not in record_metrics(record, ks=[1, 3])

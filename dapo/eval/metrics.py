@@ -279,7 +279,8 @@ def record_metrics(
     record: Mapping[str, Any], *, ks: Sequence[int], phrases: Sequence[str] = REFLECTIVE_PHRASES
 ) -> dict[str, float]:
     """``problem_metrics`` of one evaluation record (``dapo eval``'s problems.jsonl format),
-    plus ``greedy`` when the record has a greedy verdict."""
+    plus ``greedy`` when the record has a greedy verdict, and ``tool_call_frac`` (the share
+    of its samples that called a tool) when its samples are episodes with a tool."""
     out = problem_metrics(
         record["correct"],
         record["answers"],
@@ -291,4 +292,7 @@ def record_metrics(
     )
     if "greedy_correct" in record:
         out["greedy"] = float(record["greedy_correct"])
+    if "tool_calls" in record:
+        calls = record["tool_calls"]
+        out["tool_call_frac"] = sum(c > 0 for c in calls) / max(len(calls), 1)
     return out

@@ -148,8 +148,9 @@ class EpisodeRunner:
             else [int(s) for s in seed]
         )
         rows = []
+        ids_BP, mask_BP = first.prompt_ids_BP.cpu(), first.prompt_mask_BP.cpu().bool()
         for b in range(len(prompts) * G):
-            prompt = first.prompt_ids_BP[b][first.prompt_mask_BP[b].bool()].tolist()
+            prompt = ids_BP[b][mask_BP[b]].tolist()
             row_seed = derive_seed(prompt_seeds[b // G], "row", b % G)
             rows.append(_Row(problems[b // G], prompt, row_seed))
         slots, pending, out = first.slots, list(range(len(rows))), _on_host(first)
