@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, dapo_train, finish_run, start_run
+from helpers import ROOT, TORCHRUN_DEMO, dapo_train, finish_run, start_run
 from safetensors.torch import load_file
 
 from dapo.reward import sandbox
@@ -22,25 +22,14 @@ pytestmark = pytest.mark.skipif(
 TOOLS_RUN = [
     "--config",
     str(ROOT / "recipes" / "demo-tools.yaml"),
+    *TORCHRUN_DEMO,
+    # The recipe's L_max and L_cache (a tool episode is ~30 tokens), a warm-start that shows
+    # the tool's format often enough, and a step more.
+    "rollout.max_new_tokens=40",
+    "algo.l_cache=8",
     "embedded.sft_steps=150",
-    "embedded.hidden=64",
     "arith.num_warmup=512",
-    "arith.num_train=200",
-    "arith.num_val=8",
-    "rollout.group_size=4",
-    "train.prompts_per_step=4",
-    "sampling.prompts_per_round=6",
-    "sampling.on_max_rounds=train",
-    "train.responses_per_minibatch=8",  # 2 updates per step
-    "train.tokens_per_microbatch=300",  # several micro-batches per update
-    "reward.workers=0",
-    "optim.lr=1e-3",
     "train.steps=4",
-    "eval.num_samples=2",
-    "eval.every=2",
-    "train.save_every=1",
-    "run.threads=1",
-    "dist.timeout_s=60",
     "env.workers=2",
 ]
 """4 steps of the tools demo at a tiny scale, a checkpoint every step."""
