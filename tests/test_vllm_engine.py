@@ -108,6 +108,41 @@ def test_groups_seeds_and_log_probs(model, tokenizer, engine):
     assert not torch.equal(other.response_ids_BT[:G], again.response_ids_BT[:G])
 
 
+def test_episodes_on_vllm_are_the_native_engines(model, tokenizer, engine):
+    """Multi-turn episodes (dapo.rollout.episodes): vLLM continues each row from its token ids
+    after an observation, and greedy episodes are the native engine's, turn for turn."""
+    from dapo.data.problems import Problem
+    from dapo.env import Environment, Observation
+    from dapo.rollout.episodes import EpisodeRunner, with_turn_ends
+
+    eos = tokenizer.eos_token_id
+    native = make_engine("dapo", model, tokenizer)
+    plain = native.generate(PROMPTS, group_size=1, max_new_tokens=12, greedy=True)
+    # A turn ends at the text of the third token of a greedy response: turns are continued.
+    end = tokenizer.decode([int(plain.response_ids_BT[0, 2])]).strip()
+
+    class Hints(Environment):
+        turn_ends = (end,)
+
+        def step(self, history):
+            return Observation(" 4 +")
+
+    env = Hints()
+    stops = tuple(with_turn_ends([eos], tokenizer, env))
+    problems = [Problem(f"p{i}", (), "0") for i in range(len(PROMPTS))]
+    kw = dict(group_size=1, max_new_tokens=16, greedy=True)
+    engine.stop_token_ids = stops
+    try:
+        a = EpisodeRunner(engine, tokenizer, env, max_turns=4).generate(problems, PROMPTS, **kw)
+    finally:
+        engine.stop_token_ids = (eos,)
+    native.stop_token_ids = stops
+    b = EpisodeRunner(native, tokenizer, env, max_turns=4).generate(problems, PROMPTS, **kw)
+    assert max(t.turns for t in a.traces) > 1  # observations were added and continued from
+    assert torch.equal(a.response_ids_BT, b.response_ids_BT)
+    assert torch.equal(a.env_mask_BT, b.env_mask_BT) and a.traces == b.traces
+
+
 def test_after_an_update_only_a_sync_gives_the_new_policy(model, tokenizer, engine):
     """An optimizer step changes the policy; without a sync the engine samples the old one (the
     test would fail if the sync were skipped), with it the new one. The long prompt spans
@@ -329,38 +364,3 @@ def test_a_lora_run_on_vllm_in_one_process_and_on_two_ranks(tmp_path):
     after, ranks = (load_file(r / "model" / "model.safetensors") for r in (one, two))
     assert any(not torch.equal(before[k], after[k]) for k in before)  # merged: it moved
     assert max(float((after[k] - ranks[k]).abs().max()) for k in after) < 1e-4
-
-
-def test_episodes_on_vllm_are_the_native_engines(model, tokenizer, engine):
-    """Multi-turn episodes (dapo.rollout.episodes): vLLM continues each row from its token ids
-    after an observation, and greedy episodes are the native engine's, turn for turn."""
-    from dapo.data.problems import Problem
-    from dapo.env import Environment, Observation
-    from dapo.rollout.episodes import EpisodeRunner, with_turn_ends
-
-    eos = tokenizer.eos_token_id
-    native = make_engine("dapo", model, tokenizer)
-    plain = native.generate(PROMPTS, group_size=1, max_new_tokens=12, greedy=True)
-    # A turn ends at the text of the third token of a greedy response: turns are continued.
-    end = tokenizer.decode([int(plain.response_ids_BT[0, 2])]).strip()
-
-    class Hints(Environment):
-        turn_ends = (end,)
-
-        def step(self, history):
-            return Observation(" 4 +")
-
-    env = Hints()
-    stops = tuple(with_turn_ends([eos], tokenizer, env))
-    problems = [Problem(f"p{i}", (), "0") for i in range(len(PROMPTS))]
-    kw = dict(group_size=1, max_new_tokens=16, greedy=True)
-    engine.stop_token_ids = stops
-    try:
-        a = EpisodeRunner(engine, tokenizer, env, max_turns=4).generate(problems, PROMPTS, **kw)
-    finally:
-        engine.stop_token_ids = (eos,)
-    native.stop_token_ids = stops
-    b = EpisodeRunner(native, tokenizer, env, max_turns=4).generate(problems, PROMPTS, **kw)
-    assert max(t.turns for t in a.traces) > 1  # observations were added and continued from
-    assert torch.equal(a.response_ids_BT, b.response_ids_BT)
-    assert torch.equal(a.env_mask_BT, b.env_mask_BT) and a.traces == b.traces

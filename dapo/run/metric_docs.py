@@ -18,7 +18,8 @@ AREAS: dict[str, str] = {
     "val": "Held-out evaluation, on evaluation steps only (step 0, every eval.every, the end).",
     "async": "Generation ahead of training (train.async_staleness > 0 or dist.rollout_ranks "
     "only): how old the sampling weights were (who waited: perf/*_idle_s).",
-    "perf": "Where the step's time went. The only metrics that differ between identical runs.",
+    "perf": "Where the step's time went. With tools/seconds, the only metrics that differ "
+    "between identical runs.",
     "tools": "Tool calls in multi-turn episodes (env.class only), per response of the step.",
     "episode": "Multi-turn episodes (env.class only): turns and the environment's tokens.",
 }
@@ -109,7 +110,8 @@ METRICS: dict[str, str] = {
     "tools/error_frac": "Share of tool calls that failed: an exception, the deadline "
     "(env.tool_wall_s) or a limit.",
     "tools/seconds": "Seconds the step's tool calls took, summed (they run env.workers at a "
-    "time, so more than the wall-clock time they cost).",
+    "time, so more than the wall-clock time they cost): a timing, which differs between "
+    "identical runs as perf/* do.",
     "episode/turns": "Model turns per response.",
     "episode/env_tokens": "Tokens the environment wrote per response (observations: context, "
     "never trained, outside the loss's divisor and the overlong shaping's length).",
