@@ -81,8 +81,13 @@ def evaluate(
     if records_out is not None:
         records_out[:] = everyone[: share.start] + records + everyone[share.stop :]
     summary = summarize(per_problem, resamples=resamples, seed=seed % 2**32)
+    return _val_metrics(summary, k, len(problems), sum(r["faults"] for r in everyone))
+
+
+def _val_metrics(summary: dict, k: int, num_problems: int, faults: int) -> dict[str, float]:
+    """The val/* figures of an evaluation's ``summary`` (intervals per metric)."""
     acc = summary["avg@k"]
-    return {
+    out = {
         "val/accuracy": acc.mean,
         "val/accuracy_low": acc.low,
         "val/accuracy_high": acc.high,
@@ -90,18 +95,13 @@ def evaluate(
         "val/maj@k": summary["maj@k"].mean,
         "val/response_len_mean": summary["len_mean"].mean,
         "val/truncated_frac": summary["truncated_frac"].mean,
-        "val/num_problems": float(len(problems)),
+        "val/num_problems": float(num_problems),
         "val/num_samples": float(k),
-        "val/reward_faults": float(sum(r["faults"] for r in everyone)),
-    } | _tool_metrics(everyone)
-
-
-def _tool_metrics(records: list[dict]) -> dict[str, float]:
-    """The share of held-out episodes that called a tool (multi-turn records only)."""
-    calls = [c for r in records for c in r.get("tool_calls", ())]
-    if not any("tool_calls" in r for r in records):
-        return {}
-    return {"val/tool_call_frac": sum(c > 0 for c in calls) / max(len(calls), 1)}
+        "val/reward_faults": float(faults),
+    }
+    if "tool_call_frac" in summary:  # episodes of an environment (env.class)
+        out["val/tool_call_frac"] = summary["tool_call_frac"].mean
+    return out
 
 
 def _batch(responses: int, rows_per_generate: int, k: int) -> int:
@@ -121,10 +121,13 @@ def _share(n: int, tp_mesh: Any) -> range:
 
 def _exchange(records: list[dict], k: int, tp_mesh: Any = None) -> tuple[list[dict], list[dict]]:
     """Every rank's (group's) per-problem metrics and records, in problem order, with the
-    records' responses left out: ranks exchange metrics and verdicts, not texts (at AIME's
-    k = 32 and 20k-token responses those are tens of MB a rank)."""
+    records' responses (and episodes' transcripts) left out: ranks exchange metrics and
+    verdicts, not texts (at AIME's k = 32 and 20k-token responses those are tens of MB a
+    rank)."""
     metrics = [record_metrics(r, ks=[k]) for r in records]
-    light = [{key: v for key, v in r.items() if key != "responses"} for r in records]
+    light = [
+        {key: v for key, v in r.items() if key not in ("responses", "transcripts")} for r in records
+    ]
     contribution = list(zip(metrics, light, strict=True))
     if tp_mesh is not None:
         from dapo.dist import tensor_parallel
