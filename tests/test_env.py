@@ -414,3 +414,25 @@ def test_an_evaluation_record_of_episodes_counts_its_tool_calls():
     assert record_metrics(record, ks=[1, 3])["tool_call_frac"] == pytest.approx(2 / 3)
     del record["tool_calls"]  # single-turn samples: no such figure
     assert "tool_call_frac" not in record_metrics(record, ks=[1, 3])
+
+
+def test_a_checkpoints_episodes_keep_their_masks_and_a_mismatch_is_refused():
+    from dapo.run.checkpoint import CheckpointError
+    from dapo.training.rollout_files import rollouts_from_files, rollouts_to_files
+    from dapo.training.sampling import Group, SamplingResult
+    from dapo.training.sources import StepRollouts
+
+    mask = torch.tensor([False, False, True, True, False])
+    episode = Episode(
+        torch.tensor([1, 2]), torch.tensor([5, 6, 7, 8, 9]), torch.zeros(5), False, True, 1.0,
+        env_mask=mask, trace=Trace(turns=2, env_tokens=2, tool_calls=1, transcript="x"),
+    )  # fmt: skip
+    group = Group("g", [episode])
+    drawn = StepRollouts(0, 0, SamplingResult([group], rounds=1, generated=[group]), {}, 0.0, 0.0)
+    meta, tensors = rollouts_to_files([drawn])
+    (back,) = rollouts_from_files(meta, tensors, "file").pop().result.generated
+    assert back.episodes[0].env_mask.tolist() == mask.tolist()
+    assert back.episodes[0].trace == episode.trace
+    meta[0]["groups"][0]["episodes"][0]["trace"]["env_tokens"] = 0  # the count, tampered with
+    with pytest.raises(CheckpointError, match="does not match"):
+        rollouts_from_files(meta, tensors, "file")

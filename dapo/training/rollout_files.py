@@ -132,6 +132,9 @@ def _episode(split: dict[str, list[torch.Tensor]], n: int, fields: dict) -> Epis
         env_mask = split[_ENV_MASK][n].bool()
         if env_mask.numel() != tensors["response_ids"].numel():
             raise ValueError(f"episode {n}: its env_mask and its response differ in length")
+    if trace is not None and trace.env_tokens != (0 if env_mask is None else int(env_mask.sum())):
+        # The mask is what training reads, the trace what is counted: they must agree.
+        raise ValueError(f"episode {n}: its trace and its env_mask count other tokens")
     return Episode(**tensors, **{f: fields[f] for f in _FIELDS}, env_mask=env_mask, trace=trace)
 
 
