@@ -52,7 +52,7 @@ from dapo.config import load_config
 from dapo.data.batch import Batch, Episode, collate, length_sorted, split_microbatches
 from dapo.data.problems import Problem
 from dapo.models import logprobs
-from dapo.rollout import native, static_decode
+from dapo.rollout import native, parking, static_decode
 from dapo.rollout.base import encode_prompts
 from dapo.rollout.hf import HFEngine
 from dapo.training.old_logprobs import fill_logprobs
@@ -537,3 +537,33 @@ def test_static_decoding_catches_a_cpu_tensor(tiny_model, tokenizer, monkeypatch
                 pad_token_id=tokenizer.pad_token_id,
                 graphs=False,
             )
+
+
+def test_episodes_continue_from_parked_caches_on_the_device(tiny_model, tokenizer):
+    """A turn whose rows park their caches at a turn end (token 2), then the next turn from
+    them (dapo/rollout/parking.py): the parked keys stay on the device, and the prefix cache,
+    the prefill over the added tokens and the decoding after it run there. Reads: every row
+    of the first turn ends at step 0 with token 2 after 2 tokens, and parks as row 0."""
+    reads = READS_DECODE | {"finish_rollout": tokenizer.eos_token_id, "park": 0, "rows": 2}
+    with DeviceCheck(reads):
+        engine = native.NativeEngine(on_device(tiny_model), tokenizer)
+        first = engine.generate(PROMPTS, group_size=G, max_new_tokens=2, park_at=[2])
+        parked = first.parked[0]
+        assert parked is not None and first.parked[1:] == [None] * (2 * G - 1)
+        assert all(t.device == DEVICE for t in parked.keys + parked.values)
+        contexts = [[*parked.tokens, 2, 5, 6], [3, 4, 5]]
+        rollout = engine.generate(
+            contexts, group_size=1, max_new_tokens=2, prefixes=[parked, None], park_at=[2]
+        )
+    tensors = [v for v in vars(rollout).values() if isinstance(v, torch.Tensor)]
+    assert len(tensors) == 7 and all(t.device == DEVICE for t in tensors)
+    assert rollout.response_ids_BT.shape == (2, 2)
+
+
+def test_parking_catches_a_cpu_tensor(tiny_model, tokenizer, monkeypatch):
+    reads = READS_DECODE | {"finish_rollout": tokenizer.eos_token_id, "park": 0, "rows": 2}
+    with DeviceCheck(reads):
+        engine = native.NativeEngine(on_device(tiny_model), tokenizer)
+        monkeypatch.setattr(parking, "torch", ForgetsDevice())  # the turn-end tokens on the CPU
+        with mixed_devices():
+            engine.generate(PROMPTS, group_size=G, max_new_tokens=2, park_at=[2])

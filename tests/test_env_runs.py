@@ -1,5 +1,6 @@
 """Whole runs of the tools demo (recipes/demo-tools.yaml), tiny: kill -9 and resume give the
-uninterrupted run, and two gloo ranks under torchrun give the one-process run."""
+uninterrupted run, two gloo ranks under torchrun give the one-process run, and generation
+ahead of training draws episodes and resumes exactly."""
 
 from __future__ import annotations
 
@@ -64,14 +65,7 @@ def test_kill_9_then_resume_matches_the_uninterrupted_run(tmp_path, reference):
     ref, cache = reference
     proc = start_run(tmp_path, "run", cache, TOOLS_RUN)
     run_dir = tmp_path / "run"
-    deadline = time.monotonic() + 300
-    while not (run_dir / "checkpoints" / "latest").exists():
-        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint came"
-        time.sleep(0.01)
-    time.sleep(0.3)
-    proc.send_signal(signal.SIGKILL)
-    code, _, _ = finish_run(proc)
-    assert code == -signal.SIGKILL
+    _kill_at_first_checkpoint(proc, run_dir)
     resumed = start_run(tmp_path, "run", cache, [], "--resume", str(run_dir))
     rcode, out, err = finish_run(resumed)
     assert rcode == 0, err
@@ -92,3 +86,36 @@ def test_torchrun_two_ranks_are_the_one_process_run(tmp_path, reference):
     a, b = _weights(ref), _weights(tmp_path / "two")
     gap = max(float((b[k] - w).abs().max()) for k, w in a.items())
     assert gap <= 1e-6, f"weights differ by up to {gap:.3g}"
+
+
+def _kill_at_first_checkpoint(proc, run_dir: Path) -> None:
+    deadline = time.monotonic() + 300
+    while not (run_dir / "checkpoints" / "latest").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint came"
+        time.sleep(0.01)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGKILL)
+    assert finish_run(proc)[0] == -signal.SIGKILL
+
+
+def test_generation_ahead_draws_episodes_and_a_kill_9_resumes_it_exactly(tmp_path, reference):
+    """``train.async_staleness=1``: the generator thread draws episodes (the runner on its
+    engine), and the episodes it drew ahead, masks and traces, go through the checkpoint."""
+    _, cache = reference
+    ahead = [*TOOLS_RUN, "train.async_staleness=1"]
+    code, _, err = finish_run(start_run(tmp_path, "ahead", cache, ahead))
+    assert code == 0, err
+    lines = _lines(tmp_path / "ahead")
+    steps = lines[1:]
+    assert max(m["async/staleness_max"] for m in steps) == 1
+    assert max(m["episode/turns"] for m in steps) > 1
+    assert sum(m["tools/calls_per_response"] for m in steps) > 0
+    proc = start_run(tmp_path, "run", cache, ahead)
+    _kill_at_first_checkpoint(proc, tmp_path / "run")
+    rcode, _, err = finish_run(
+        start_run(tmp_path, "run", cache, [], "--resume", str(tmp_path / "run"))
+    )
+    assert rcode == 0, err
+    assert _lines(tmp_path / "run") == lines
+    a, b = _weights(tmp_path / "ahead"), _weights(tmp_path / "run")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -638,3 +638,18 @@ def test_lora_counts_gradients_and_adamw_of_the_adapters_alone():
     cfg = load_config(None, ["model.lora.rank=16", "model.lora.target_modules=[q_proj]"])
     s = settings_from_config(cfg, world_size=1, prompt_tokens=10)
     assert (s.lora_rank, s.lora_targets) == (16, ("q_proj",))
+
+
+def test_episodes_count_the_parked_caches_beside_the_decoding_ones():
+    """With ``env.class`` the native engine keeps the caches of rows that stopped at a turn
+    end while the others decode (dapo/rollout/parking.py): the KV cache twice; vLLM's
+    reservation is its own."""
+    shape = ModelShape.from_hf_config(HAND)
+    cfg = load_config(None, ["env.class=math_tool"])
+    assert settings_from_config(cfg, world_size=1, prompt_tokens=10).episodes
+    assert not settings_from_config(load_config(None, []), world_size=1, prompt_tokens=10).episodes
+    one = plan_memory(shape, HAND_SETTINGS)
+    two = plan_memory(shape, replace(HAND_SETTINGS, episodes=True))
+    assert two.kv_cache == 2 * one.kv_cache == 2 * 24_576
+    vllm = replace(HAND_SETTINGS, engine="vllm")
+    assert plan_memory(shape, replace(vllm, episodes=True)).kv_cache == 0

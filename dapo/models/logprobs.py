@@ -64,15 +64,22 @@ def cache_argument(module: torch.nn.Module, cache: Any) -> dict[str, Any]:
     return {_cache_parameter(type(module)): cache}
 
 
-def prompt_pass(model: torch.nn.Module, ids_nP: torch.Tensor, mask_nP: torch.Tensor) -> Any:
+def prompt_pass(
+    model: torch.nn.Module, ids_nP: torch.Tensor, mask_nP: torch.Tensor, prefix: Any = None
+) -> Any:
     """One forward pass over left-padded prompts (positions counted from each prompt's first
-    token) that keeps the KV cache and the last position's logits: a rollout's prefill."""
+    token) that keeps the KV cache and the last position's logits: a rollout's prefill.
+    ``prefix``: the KV cache of the first columns, already computed (a continued episode:
+    :mod:`dapo.rollout.parking`); the pass then runs over the columns after them."""
+    done = 0 if prefix is None else prefix.get_seq_length()
+    extra = {} if prefix is None else cache_argument(model, prefix)
     return model(
-        input_ids=ids_nP,
+        input_ids=ids_nP[:, done:],
         attention_mask=mask_nP,
-        position_ids=(mask_nP.long().cumsum(dim=1) - 1).clamp(min=0),
+        position_ids=(mask_nP.long().cumsum(dim=1) - 1).clamp(min=0)[:, done:],
         use_cache=True,
         logits_to_keep=1,
+        **extra,
     )
 
 

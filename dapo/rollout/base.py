@@ -53,6 +53,9 @@ class Rollout:
     environment wrote, whose ``logprobs_BT`` are 0; ``texts`` are then the model's text
     alone, each row's whole response in ``traces``."""
     traces: list[Trace] | None = None
+    parked: list[Any] | None = None
+    """The native engine asked to park (:mod:`dapo.rollout.parking`): each row's KV cache
+    when it stopped at a turn end, else None."""
 
     def samples(self) -> list[Sample]:
         """Every row unpadded, on the CPU, in row order."""
@@ -222,6 +225,9 @@ def concat_rollouts(parts: Sequence[Rollout], pad_token_id: int) -> Rollout:
         truncated_B=torch.cat([r.truncated_B for r in parts]),
         texts=[t for r in parts for t in r.texts],
         slots=sum(r.slots for r in parts),
+        parked=None
+        if all(r.parked is None for r in parts)
+        else [p for r in parts for p in (r.parked or [None] * len(r.texts))],
     )
 
 

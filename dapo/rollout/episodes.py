@@ -7,8 +7,9 @@ environment's turn-end tokens (the engine is built to stop at both: :func:`with_
 The environment then answers every row whose turn ended, its tools running concurrently on
 ``workers`` threads; the rows that go on are continued together in one more ``generate``
 call, each from its own tokens so far (token ids, never re-encoded text, so that the trained
-tokens are the sampled ones). An engine with a prefix cache (vLLM) reuses the episode's
-prefix; the native and hf engines compute it again.
+tokens are the sampled ones). The native engine continues a row from the KV cache its last
+turn left (:mod:`dapo.rollout.parking`: only the turn-end token and the observation are
+prefilled); vLLM's prefix cache finds the episode's prefix; the hf engine computes it again.
 
 Bounds: ``max_turns`` model turns; each observation within ``max_observation_tokens`` (cut,
 with a marker); the whole response, model and environment tokens together, within the call's
@@ -32,7 +33,7 @@ from dapo.data.batch import Trace
 from dapo.data.problems import Problem
 from dapo.env import Environment, History, Observation, turn_end_ids
 from dapo.reward.tasks import Score
-from dapo.rollout.base import Engine, Rollout
+from dapo.rollout.base import Engine, Rollout, concat_rollouts
 from dapo.run.seeding import derive_seed
 
 CUT_MARKER = "\n... (cut)\n"
@@ -72,6 +73,8 @@ class _Row:
     errors: int = 0
     seconds: float = 0.0
     reward: float | None = None
+    parked: Any = None
+    """The engine's KV cache of the row after its last turn, while the episode goes on."""
 
     def history(self, finished: bool) -> History:
         model_text = "".join(t for t, env in self.segments if not env)
@@ -120,6 +123,12 @@ class EpisodeRunner:
             )
         self.max_turns, self.max_observation_tokens = max_turns, max_observation_tokens
         self.workers = workers
+        self.parking = (
+            {"park_at": sorted(self.turn_ends)}
+            if getattr(engine, "continues_from_cache", False)
+            else {}
+        )
+        """What asks the engine to keep the caches of rows that stop at a turn end."""
 
     def staged(self, problem: Problem) -> Problem:
         """``problem`` with the first messages of the environment (what the prompt renders)."""
@@ -140,7 +149,12 @@ class EpisodeRunner:
         sampling options (temperature, top_p, greedy, ignore_eos) go to every turn."""
         G = group_size
         first = self.engine.generate(
-            prompts, group_size=G, max_new_tokens=max_new_tokens, seed=seed, **sampling
+            prompts,
+            group_size=G,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+            **sampling,
+            **self.parking,
         )
         prompt_seeds = (
             [derive_seed(seed, "prompt", i) for i in range(len(prompts))]
@@ -160,7 +174,8 @@ class EpisodeRunner:
             ]
             pending = self._observe(rows, asking, max_new_tokens)
             if pending:
-                out = _on_host(self._continue(rows, pending, max_new_tokens, sampling))
+                pending, out = self._continue(rows, pending, max_new_tokens, sampling)
+                out = _on_host(out)
                 slots += out.slots
         return self._rollout(first, rows, slots)
 
@@ -180,12 +195,16 @@ class EpisodeRunner:
         row.env += [False] * len(ids)
         row.segments.append((self.tokenizer.decode(ids, skip_special_tokens=True), False))
         row.truncated = not ended  # L_max came before the turn's end
+        row.parked = out.parked[j] if out.parked is not None and ended else None
         return ended
 
     def _observe(self, rows: list[_Row], asking: list[int], max_new_tokens: int) -> list[int]:
         """The environment's answers to the rows ``asking`` (tools run concurrently); the
         rows that go on."""
         finished = {b: rows[b].tokens[-1] not in self.turn_ends for b in asking}
+        for b in asking:
+            if finished[b] or rows[b].turns >= self.max_turns:
+                rows[b].parked = None  # the episode ends: its cache goes
         # A turn that ended at a turn end after the last turn allowed ends the episode: no
         # tool runs for an answer the model will not see.
         asking = [b for b in asking if finished[b] or rows[b].turns < self.max_turns]
@@ -198,6 +217,8 @@ class EpisodeRunner:
         for b, answer in zip(asking, answers, strict=True):
             if self._add_observation(rows[b], answer, max_new_tokens):
                 going_on.append(b)
+        for b in set(asking) - set(going_on):
+            rows[b].parked = None
         return going_on
 
     def _step(self, history: History) -> Observation:
@@ -250,13 +271,30 @@ class EpisodeRunner:
 
     def _continue(
         self, rows: list[_Row], pending: list[int], max_new_tokens: int, sampling: dict
+    ) -> tuple[list[int], Rollout]:
+        """The next turn of the rows ``pending``, from their tokens so far: (the rows in the
+        order of the rollout's, the rollout). One call; two when the engine continues from
+        parked caches and some rows have none (an environment that goes on after a stop
+        token other than a turn end): the prefill of a batch feeds every row as many tokens
+        as the row that adds the most, so those rows are not batched with the others."""
+        warm = [b for b in pending if rows[b].parked is not None]
+        cold = [b for b in pending if rows[b].parked is None]
+        if not warm or not cold:
+            return pending, self._turn(rows, pending, max_new_tokens, sampling)
+        parts = [self._turn(rows, part, max_new_tokens, sampling) for part in (warm, cold)]
+        return warm + cold, concat_rollouts(parts, self.tokenizer.pad_token_id)
+
+    def _turn(
+        self, rows: list[_Row], pending: list[int], max_new_tokens: int, sampling: dict
     ) -> Rollout:
-        """The next turn of the rows ``pending``, from their tokens so far, in one call."""
         contexts = [rows[b].prompt + rows[b].tokens for b in pending]
         seeds = [derive_seed(rows[b].seed, "turn", rows[b].turns + 1) for b in pending]
         room = max(max_new_tokens - len(rows[b].tokens) for b in pending)
+        extra = dict(self.parking)
+        if extra:
+            extra["prefixes"] = [rows[b].parked for b in pending]
         return self.engine.generate(
-            contexts, group_size=1, max_new_tokens=room, seed=seeds, **sampling
+            contexts, group_size=1, max_new_tokens=room, seed=seeds, **sampling, **extra
         )
 
     def _rollout(self, first: Rollout, rows: list[_Row], slots: int) -> Rollout:

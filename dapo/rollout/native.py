@@ -49,6 +49,7 @@ from dapo.models.logprobs import (
 from dapo.rollout.base import LiveModelEngine, Prompts, Rollout, encode_prompts, finish_rollout
 from dapo.rollout.decoder_step import unsupported_reason
 from dapo.rollout.kv_cache import RowCache
+from dapo.rollout.parking import Parked, Parking, prefix_cache
 from dapo.rollout.sampling import (  # noqa: F401  (where the tests and callers found them)
     CDF_CHUNK_ELEMENTS,
     NONFINITE_LOGITS,
@@ -75,6 +76,11 @@ class NativeEngine(LiveModelEngine):
     compile_step: bool = True
     """On the CUDA-graph path, compile the step's layer and draw with inductor
     (``rollout.compile_step``); off after a compiler error, with a warning."""
+
+    continues_from_cache = True
+    """``generate`` parks the rows that stop at ``park_at`` and continues rows from their
+    ``prefixes`` (:mod:`dapo.rollout.parking`): an episode's next turn prefills only the
+    tokens added since its last (the episode runner asks for it)."""
 
     def static_path(self) -> bool:
         """Whether ``generate`` takes the CUDA-graph path (once per engine, a warning when a
@@ -103,10 +109,19 @@ class NativeEngine(LiveModelEngine):
         seed: int | Sequence[int] = 0,
         greedy: bool = False,
         ignore_eos: bool = False,
+        park_at: Sequence[int] = (),
+        prefixes: Sequence[Parked | None] | None = None,
     ) -> Rollout:
-        """See :class:`dapo.rollout.base.Engine`; ``greedy`` decodes the argmax."""
+        """See :class:`dapo.rollout.base.Engine`; ``greedy`` decodes the argmax. The rows that
+        stop at one of ``park_at`` keep their KV cache (``Rollout.parked``); ``prefixes``: a
+        parked cache (or None) for each prompt (given as token ids) that begins with its
+        tokens, which the prefill then does not compute again."""
         tok = self.tokenizer
         ids_nP, mask_nP = encode_prompts(tok, prompts, self.device)
+        prefix = None
+        if prefixes is not None:
+            prefix, _ = prefix_cache(prefixes, prompts, ids_nP.shape[1])
+        parking = Parking(park_at, self.device) if park_at else None
         options = dict(
             group_size=group_size,
             max_new_tokens=max_new_tokens,
@@ -117,6 +132,8 @@ class NativeEngine(LiveModelEngine):
             seed=seed,
             greedy=greedy,
             ignore_eos=ignore_eos,
+            parking=parking,
+            prefix=prefix,
         )
         if self.static_path():
             decoded = self._static_decode(ids_nP, mask_nP, options)
@@ -124,7 +141,7 @@ class NativeEngine(LiveModelEngine):
             with autocast(self.model, self.compute_dtype, self.device):
                 decoded = decode(self.model, ids_nP, mask_nP, **options)
         response_ids_BT, logprobs_BT, slots = decoded
-        return finish_rollout(
+        out = finish_rollout(
             tok,
             ids_nP.repeat_interleave(group_size, dim=0),
             mask_nP.repeat_interleave(group_size, dim=0),
@@ -133,6 +150,11 @@ class NativeEngine(LiveModelEngine):
             slots,
             self.stop_token_ids,
         )
+        if parking is not None:
+            out.parked = parking.rows(
+                out.prompt_ids_BP, out.prompt_mask_BP, out.response_ids_BT, out.lengths_B
+            )
+        return out
 
     def _static_decode(self, ids_nP: torch.Tensor, mask_nP: torch.Tensor, options: dict):
         """The CUDA-graph path, compiled unless ``compile_step`` is off; a compiler error
@@ -190,6 +212,8 @@ def decode(
     greedy: bool = False,
     ignore_eos: bool = False,
     drop_finished: bool = True,
+    parking: Parking | None = None,
+    prefix=None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Sample ``group_size`` responses per prompt (rows i*G .. i*G+G-1 are prompt i).
 
@@ -200,13 +224,14 @@ def decode(
     at every step (fixed-length benchmarks). ``drop_finished=False``
     keeps finished rows in the batch (fed padding, as ``generate`` does): the reference the
     removal is tested against. ``seed``: one for the batch, or one per prompt
-    (:class:`Uniforms`).
+    (:class:`Uniforms`). ``parking`` collects the caches of the rows that stop at its tokens;
+    ``prefix``: the KV cache of the prompts' first columns (:func:`prefix_cache`).
     """
     device = prompt_ids_nP.device
     num_rows = prompt_ids_nP.shape[0] * group_size
     stops = torch.tensor(list(stop_token_ids), dtype=torch.long, device=device)
     width = prompt_ids_nP.shape[1] + max_new_tokens
-    cache, logits_AV = _prefill(model, prompt_ids_nP, prompt_mask_nP, group_size, width)
+    cache, logits_AV = _prefill(model, prompt_ids_nP, prompt_mask_nP, group_size, width, prefix)
     live = _Rows.start(prompt_mask_nP, group_size, width)
     tokens_BT = torch.full(
         (num_rows, max_new_tokens), pad_token_id, dtype=torch.long, device=device
@@ -232,6 +257,8 @@ def decode(
         finished_A = running_A & torch.isin(token_A, stops)
         if ignore_eos:
             finished_A = torch.zeros_like(running_A)
+        if parking is not None:
+            live.park(parking, finished_A & torch.isin(token_A, parking.stops), cache)
         if t == max_new_tokens - 1:
             break
         token_A = live.retire(finished_A, token_A, cache, drop=drop_finished, pad=pad_token_id)
@@ -290,6 +317,16 @@ class _Rows:
             self.next_pos_A, self.done_A = self.next_pos_A[order_A], self.done_A[order_A]
         return token_A
 
+    def park(self, parking: Parking, park_A: torch.Tensor, cache: RowCache) -> None:
+        """Hand ``parking`` the caches of the rows ``park_A`` (they just stopped at a turn
+        end: their stop token is not in the cache)."""
+        slots = park_A.nonzero().squeeze(1)
+        if slots.numel():
+            first = self.prompt - self.mask_AW[slots, : self.prompt].sum(dim=1)
+            layers = cache.cache.layers
+            buffers = [buf for layer in layers for buf in (layer.key_buf, layer.value_buf)]
+            parking.take(slots, self.rows_A[slots].tolist(), buffers, self.width, first.tolist())
+
     def forward(self, model, cache: RowCache, token_A) -> torch.Tensor:
         """One decoding step of every row in the batch; the next logits [A, V] in float32."""
         self.width += 1
@@ -304,10 +341,10 @@ class _Rows:
         return out.logits[:, -1].float()
 
 
-def _prefill(model, prompt_ids_nP, prompt_mask_nP, group_size: int, width: int):
-    """One forward pass per prompt; its KV cache (room for ``width`` positions) and last
-    logits repeated G times."""
-    out = prompt_pass(model, prompt_ids_nP, prompt_mask_nP)
+def _prefill(model, prompt_ids_nP, prompt_mask_nP, group_size: int, width: int, prefix=None):
+    """One forward pass per prompt (after the ``prefix`` columns, when given); its KV cache
+    (room for ``width`` positions) and last logits repeated G times."""
+    out = prompt_pass(model, prompt_ids_nP, prompt_mask_nP, prefix)
     cache = returned_cache(out)
     if not row_sliceable(cache):
         raise ValueError(

@@ -37,6 +37,7 @@ import torch
 
 from dapo.models.logprobs import autocast, prompt_pass, returned_cache
 from dapo.rollout.decoder_step import DecoderStep
+from dapo.rollout.parking import Parking
 from dapo.rollout.sampling import NONFINITE_LOGITS, Uniforms, draw_tokens
 
 CHECK_EVERY = 16
@@ -95,6 +96,7 @@ class State:
         self.position_S = mask_BP.long().sum(dim=1)
         self.row_S = torch.arange(self.rows, device=device)
         self.done_S = torch.zeros(self.rows, dtype=torch.bool, device=device)
+        self.park_S = torch.zeros(self.rows, dtype=torch.bool, device=device)
         self.bad_1 = torch.zeros(1, dtype=torch.bool, device=device)
         # Steps drawn since the last that had a running row (the response length's slack).
         self.idle_1 = torch.zeros(1, dtype=torch.long, device=device)
@@ -118,7 +120,7 @@ class State:
         order = torch.tensor(slots + [slots[0]] * (size - len(slots)), device=device)
         for buf in self.cache:
             buf[:size, :, :filled] = buf[order, :, :filled]
-        for name in ("prompt_valid_SW", "position_S", "row_S", "done_S", "token_S"):
+        for name in ("prompt_valid_SW", "position_S", "row_S", "done_S", "park_S", "token_S"):
             buf = getattr(self, name)
             buf[:size] = buf[order]
         self.row_S[len(slots) : size] = self.rows
@@ -142,10 +144,13 @@ def static_decode(
     ignore_eos: bool = False,
     graphs: bool | None = None,
     compile: str | None = None,
+    parking: Parking | None = None,
+    prefix=None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """:func:`dapo.rollout.native.decode`'s contract (same arguments and results) on static
-    buffers; ``graphs`` (default: on CUDA) replays each step shape as a CUDA graph;
-    ``compile`` (a ``torch.compile`` backend) compiles the step's layer and inputs."""
+    """:func:`dapo.rollout.native.decode`'s contract (same arguments and results, parking and
+    prefix included) on static buffers; ``graphs`` (default: on CUDA) replays each step shape
+    as a CUDA graph; ``compile`` (a ``torch.compile`` backend) compiles the step's layer and
+    inputs."""
     device = prompt_ids_nP.device
     step = DecoderStep(model, compute_dtype, compile=compile)
     spare = 0 if compile is None else SPARE_COLUMNS
@@ -157,7 +162,9 @@ def static_decode(
         pad=pad_token_id,
         spare=spare,
     )
-    logits_BV = _prefill(model, state, prompt_ids_nP, prompt_mask_nP, group_size, compute_dtype)
+    logits_BV = _prefill(
+        model, state, prompt_ids_nP, prompt_mask_nP, group_size, compute_dtype, prefix
+    )
     stops = torch.tensor(list(stop_token_ids), dtype=torch.long, device=device)
     draw = dict(
         temperature=temperature,
@@ -168,13 +175,16 @@ def static_decode(
         by_blocks=True,
     )
     decoding = Decoding(step, state, draw, stops=None if ignore_eos else stops, pad=pad_token_id)
+    decoding.park = None if parking is None or ignore_eos else parking.stops
     uniforms = Uniforms(seed, num_prompts=prompt_ids_nP.shape[0], group_size=group_size)
     _fill_uniforms(state, uniforms, 0)
     decoding.record(logits_BV, state.rows)
     runner = Runner(decoding.advance, device.type == "cuda" if graphs is None else graphs)
     # A compiled step is traced for a batch of any size but 1 (a size-1 dimension is traced
     # as a constant): the batch never shrinks below 2 rows, which would compile it again.
-    steps, slots = _loop(state, runner, uniforms, smallest=1 if compile is None else 2)
+    steps, slots = _loop(
+        state, runner, uniforms, smallest=1 if compile is None else 2, parking=parking
+    )
     tokens = state.tokens_flat.view(state.rows + 1, state.steps)[: state.rows, :steps]
     logprobs = state.logprobs_flat.view(state.rows + 1, state.steps)[: state.rows, :steps]
     return tokens, logprobs, slots
@@ -185,6 +195,8 @@ class Decoding:
 
     def __init__(self, step: DecoderStep, state: State, draw: dict, *, stops, pad: int):
         self.step, self.state, self.draw, self.stops, self.pad = step, state, draw, stops, pad
+        self.park: torch.Tensor | None = None
+        """The tokens whose rows park (:mod:`dapo.rollout.parking`), marked in ``park_S``."""
 
     def record(self, logits_AV: torch.Tensor, size: int) -> None:
         """Sample step t for the first ``size`` slots and record it; t moves on."""
@@ -202,6 +214,8 @@ class Decoding:
         if self.stops is not None:
             stopped = (token[:, None] == self.stops[None, :]).any(dim=1) & running
             state.done_S[:size] |= stopped
+            if self.park is not None:
+                state.park_S[:size] |= stopped & torch.isin(token, self.park)
         state.token_S[:size] = token
         state.t_1 += 1
 
@@ -219,9 +233,12 @@ class Decoding:
         state.column_1 += 1
 
 
-def _loop(state: State, runner: Runner, uniforms: Uniforms, smallest: int) -> tuple[int, int]:
+def _loop(
+    state: State, runner: Runner, uniforms: Uniforms, smallest: int, parking: Parking | None
+) -> tuple[int, int]:
     """Steps 1 .. T-1, reading back every ``CHECK_EVERY``, the batch never below ``smallest``
-    rows (unless it starts below); (steps any row drew at, slots computed)."""
+    rows (unless it starts below); (steps any row drew at, slots computed). The rows to park
+    are handed to ``parking`` as they leave the batch, or at the end."""
     sizes = batch_sizes(state.rows, smallest)
     size = members = slots = state.rows
     t, idle = 1, 0
@@ -235,18 +252,35 @@ def _loop(state: State, runner: Runner, uniforms: Uniforms, smallest: int) -> tu
         if t % CHECK_EVERY and t < state.steps:
             continue
         finished = state.done_S[:size] | (state.row_S[:size] == state.rows)
-        idle, bad, *flags = read_back(torch.cat([state.idle_1, state.bad_1, finished]))
+        parks = state.park_S[:size] if parking is not None else finished[:0]
+        idle, bad, *flags = read_back(torch.cat([state.idle_1, state.bad_1, finished, parks]))
         if bad:
             raise FloatingPointError(NONFINITE_LOGITS)
-        running = [slot for slot, done in enumerate(flags) if not done]
+        running = [slot for slot, done in enumerate(flags[:size]) if not done]
+        parked = [slot for slot, park in enumerate(flags[size:]) if park]
         if not running:
             break
         smaller = next(s for s in sizes if s >= len(running))
         if smaller < size:
+            _park(state, parking, parked, state.prompt + t)  # before they are overwritten
             state.compact(running, smaller, filled=state.prompt + t)
             size, members = smaller, len(running)
+    if parking is not None:  # the rows to park that are still in the batch
+        parked = [slot for slot, park in enumerate(read_back(state.park_S[:size])) if park]
+        _park(state, parking, parked, state.prompt + t)
     # T is the longest response: the steps after every row finished drew nothing.
     return t - idle, slots
+
+
+def _park(state: State, parking: Parking | None, slots: list[int], columns: int) -> None:
+    """Hand ``parking`` the caches of the finished ``slots`` whose rows stopped at a turn end
+    (a slot's columns past its stop hold what it computed after it, which is not used)."""
+    if parking is None or not slots:
+        return
+    index = torch.tensor(slots, device=state.row_S.device)
+    first = state.prompt - state.prompt_valid_SW[index, : state.prompt].sum(dim=1)
+    rows = state.row_S[index].tolist()
+    parking.take(index, rows, state.cache, min(columns, state.cache[0].shape[2]), first.tolist())
 
 
 def _fill_uniforms(state: State, uniforms: Uniforms, start: int) -> None:
@@ -259,11 +293,12 @@ def _fill_uniforms(state: State, uniforms: Uniforms, start: int) -> None:
     state.u_flat.copy_(block.view(-1), non_blocking=True)
 
 
-def _prefill(model, state, prompt_ids_nP, prompt_mask_nP, group_size, compute_dtype):
-    """One forward pass per prompt through the model itself; its keys and values copied into
-    the static cache (each prompt's G times), its last logits [B, V] repeated G times."""
+def _prefill(model, state, prompt_ids_nP, prompt_mask_nP, group_size, compute_dtype, prefix):
+    """One forward pass per prompt through the model itself (after the ``prefix`` columns,
+    when given); its keys and values copied into the static cache (each prompt's G times),
+    its last logits [B, V] repeated G times."""
     with autocast(model, compute_dtype, prompt_ids_nP.device):
-        out = prompt_pass(model, prompt_ids_nP, prompt_mask_nP)
+        out = prompt_pass(model, prompt_ids_nP, prompt_mask_nP, prefix)
     prompt = prompt_ids_nP.shape[1]
     for i, layer in enumerate(returned_cache(out).layers):
         for buf, src in ((state.cache[2 * i], layer.keys), (state.cache[2 * i + 1], layer.values)):

@@ -262,6 +262,7 @@ def plan_memory(shape: ModelShape, settings: PlanSettings) -> MemoryPlan:
         activations=activations,
         output_head=head,
         kv_cache=native
+        * (1 + s.episodes)  # parked rows' caches beside the decoding rows'
         * kv_cache_bytes(shape, tokens=kv_tokens, rows=s.rows, compute=compute, tp=s.tp_size),
         decode_workspace=native * decode_workspace_bytes(shape, s, compute=compute),
         reference=math.ceil(p * frozen / w) if s.reference and not a else 0,
@@ -348,6 +349,7 @@ def settings_from_config(
         tp_size=tp,
         reshard_after_forward=cfg.dist.reshard_after_forward,
         staleness=cfg.train.async_staleness,
+        episodes=bool(cfg.env.class_),
         generators=generators,
         top_p=min(cfg.rollout.top_p, cfg.eval.top_p) < 1,
         lora_rank=cfg.model.lora.rank,

@@ -100,7 +100,8 @@ def _part_rows(plan: MemoryPlan) -> list[tuple[str, int, str]]:
     else:
         copy = "generation copy (whole)" if k == 1 else f"generation copy (tp {k}: 1/{k} split)"
     kv = f"KV cache ({s.rows} rows x {s.prompt_tokens + s.max_new_tokens} tokens"
-    kv += f", 1/{k} of the KV heads)" if k > 1 else ")"
+    kv += f", 1/{k} of the KV heads" if k > 1 else ""
+    kv += ", twice: parked episodes)" if s.episodes and s.engine != "vllm" else ")"
     head = "the weight's" if s.sharded else f"the {compute} weight, its"
     return [
         (f"weights ({master}, {share})", plan.weights, where + ", always"),

@@ -37,6 +37,10 @@ class PlanSettings:
     staleness: int = 0
     """``train.async_staleness``: generation overlaps training (in one process, or on
     ``generators`` ranks of their own)."""
+    episodes: bool = False
+    """``env.class`` is set: the native engine keeps the caches of rows that stop at a turn end
+    (:mod:`dapo.rollout.parking`) beside those of the rows still decoding, up to a second KV
+    cache."""
     generators: int = 0
     """``dist.rollout_ranks``: this is a trainer rank's plan, the generators being other ranks
     (:func:`generator_bytes`); ``world_size`` counts the trainers."""
