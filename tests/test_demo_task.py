@@ -94,3 +94,18 @@ def test_the_long_recipe_gives_responses_of_every_length_up_to_past_l_max(tokeni
     assert max(lengths["step by step"]) > l_max
     punished = sum(n > free for n in lengths["step by step"]) / len(lengths["step by step"])
     assert 0.2 < punished < 0.8
+
+
+def test_chat_examples_show_the_tool_on_the_last_of_a_share():
+    """``prompt: chat`` with ``tool_share``: the last ceil(shots x share) worked examples
+    compute with the tool (an instruct model's warm-start); with no share, none does, and
+    the examples and problems are those drawn without it."""
+    plain, _, _ = make_splits(3, 1, seed=0, prompt="chat", shots=3, operators="*")
+    tools, _, _ = make_splits(3, 1, seed=0, prompt="chat", shots=3, operators="*", tool_share=0.5)
+    examples = [m["content"] for m in tools[0][0].messages[:-1] if m["role"] == "assistant"]
+    assert [e.startswith("```python\nprint(") for e in examples] == [False, True, True]
+    assert not any("```" in m["content"] for m in plain[0][0].messages)
+    a, b = examples[-1], [m["content"] for m in plain[0][0].messages[:-1]][-1]
+    assert a.rsplit("Answer: ", 1)[1] == b.rsplit("Answer: ", 1)[1]  # the same problem
+    assert [p.messages[-1] for p, _ in tools] == [p.messages[-1] for p, _ in plain]
+    assert get_verifier("arith")(a, a.rsplit("Answer: ", 1)[1]).correct

@@ -14,6 +14,7 @@ graded by the lenient rules (:mod:`dapo.reward.tasks.math_lenient`): its prompts
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 from dataclasses import dataclass
 from typing import Literal
@@ -63,7 +64,8 @@ class ArithConfig:
     """Share of the warm-up's worked solutions that compute with the Python tool instead (a
     ```python block that prints the expression, its output block, then the Answer line): the
     format of ``env.class=math_tool``, shown on a minority so that RL has a tool use to
-    reinforce (recipes/demo-tools.yaml)."""
+    reinforce (recipes/demo-tools.yaml). With ``prompt: chat``, also the share of the
+    ``shots`` examples that do (the last ones, at least one when above 0)."""
     seed: int = 1234
     """Seed of the task's problems."""
     prompt: Literal["dapo", "chat"] = "dapo"
@@ -193,7 +195,9 @@ def make_splits(
     """
     if prompt not in ("dapo", "chat"):
         raise ValueError(f"prompt must be 'dapo' or 'chat', got {prompt!r}")
-    context = chat_examples(seed, shots, min_terms, max_terms, max_operand, operators)
+    context = chat_examples(
+        seed, shots, min_terms, max_terms, max_operand, operators, tool_share=tool_share
+    )
     wanted = {"train": num_train, "val": num_val, "warmup": num_warmup}
     out: dict[str, list[tuple[Problem, str]]] = {name: [] for name in wanted}
     rng = random.Random(seed)
@@ -224,16 +228,29 @@ def make_splits(
 
 
 def chat_examples(
-    seed: int, shots: int, min_terms: int, max_terms: int, max_operand: int, operators: str
+    seed: int,
+    shots: int,
+    min_terms: int,
+    max_terms: int,
+    max_operand: int,
+    operators: str,
+    *,
+    tool_share: float = 0.0,
 ) -> tuple[dict[str, str], ...]:
     """``shots`` worked examples as chat turns (user, assistant, ...), warm-up-split problems
-    drawn from their own stream (the splits' stream is the same with or without them)."""
+    drawn from their own stream (the splits' stream is the same with or without them). The
+    last ``ceil(shots x tool_share)`` compute with the Python tool (:func:`tool_solution`):
+    the examples are an instruct model's warm-start, and the one nearest the question is the
+    one it follows most."""
     rng, turns = random.Random(f"arith-shots-{seed}"), []
+    tools = math.ceil(shots * tool_share)
     while len(turns) < 2 * shots:
         terms, ops = _expression(rng, max(min_terms, 2), max(max_terms, 2), max_operand, operators)
         if split_of(_expr(terms, ops)) != "warmup":
             continue
         solution, _ = worked_solution(terms, ops, "steps")
+        if len(turns) // 2 >= shots - tools:
+            solution, _ = tool_solution(terms, ops)
         question = rng.choice(PHRASINGS).format(expr=_expr(terms, ops))
         turns += [{"role": "user", "content": question}, {"role": "assistant", "content": solution}]
     return tuple(turns)
