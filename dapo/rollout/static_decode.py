@@ -215,7 +215,8 @@ class Decoding:
             stopped = (token[:, None] == self.stops[None, :]).any(dim=1) & running
             state.done_S[:size] |= stopped
             if self.park is not None:
-                state.park_S[:size] |= stopped & torch.isin(token, self.park)
+                parks = (token[:, None] == self.park[None, :]).any(dim=1)
+                state.park_S[:size] |= stopped & parks
         state.token_S[:size] = token
         state.t_1 += 1
 
