@@ -112,15 +112,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    args = parse_args(argv)
+def prepare(args: argparse.Namespace):
+    """(device, model, tokenizer) of ``--device``, ``--model`` and ``--threads``, warnings and
+    the tokenizers' threads quiet: what a benchmark of engines sets up first."""
     if args.threads:
         torch.set_num_threads(args.threads)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     warnings.filterwarnings("ignore")
     device = torch.device(args.device)
     model, tokenizer = load(args.model)
-    model.to(device)
+    return device, model.to(device), tokenizer
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    device, model, tokenizer = prepare(args)
     prompts = prompts_for(tokenizer, args.rows // args.group, chat=bool(args.model))
     names = available(args.engines)
     engines = {

@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
-import warnings
 
 import torch
-from engines import load, log, prompts_for
+from engines import log, prepare, prompts_for
 
 from dapo.data.problems import Problem
 from dapo.env import Environment, History, Observation
@@ -98,13 +96,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    warnings.filterwarnings("ignore")
-    device = torch.device(args.device)
-    model, tokenizer = load(args.model)
-    model.to(device)
+    device, model, tokenizer = prepare(args)
     prompts = prompts_for(tokenizer, args.rows // args.group, chat=args.chat)
     problems = [Problem(f"p{i}", (), "", "arith") for i in range(len(prompts))]
     env = Echo(

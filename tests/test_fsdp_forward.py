@@ -106,6 +106,9 @@ def _rank(rank: int, port: int, options: dict, out: str) -> None:
         logp = _loss(model, rows, options["micro_batches"], sync_each=options["sync_each"])
         grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
         torch.save({"logp": logp, "grads": grads, "calls": calls}, f"{out}/rank_{rank}.pt")
+        # Both ranks done with every collective before either tears gloo down: a rank that
+        # destroyed its group while its peer's last reduce was in flight aborted once (CI).
+        torch.distributed.barrier()
     finally:
         torch.distributed.destroy_process_group()
 
