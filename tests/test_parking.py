@@ -164,3 +164,34 @@ def test_the_episodes_benchmark_draws_the_same_episodes_both_ways():
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["rows_that_differ"] == 0 and summary["turns_per_episode"] > 1.2
     assert summary["parked_prefill_positions"] < summary["again_prefill_positions"]
+
+
+def test_a_compiler_error_after_the_prefill_decodes_the_same_episodes(
+    tiny_model, tokenizer, monkeypatch
+):
+    """The CUDA-graph path falls back to the uncompiled step on a compiler error: a call that
+    failed after its prefill (which appended to the prefix cache) and after parking rows
+    leaves neither behind, and the episodes are those of a path that never failed."""
+    real = native.static_decode
+    failures = []
+
+    def fails_when_compiling(*args, compile=None, **kwargs):
+        if compile is None or kwargs["prefix"] is None:  # the first turn: compiled, say
+            return real(*args, **kwargs)
+        real(*args, **kwargs)  # prefill, decoding and parking done, then the compiler fails
+        failures.append(kwargs["prefix"].get_seq_length())
+        raise torch._dynamo.exc.TorchDynamoException("no backend here")
+
+    expected = _episodes(tiny_model, tokenizer, "static", monkeypatch).samples()
+    monkeypatch.setattr(native, "static_decode", fails_when_compiling)
+    engine, env = _engine(tiny_model, tokenizer, "static", monkeypatch)
+    engine.compile_step = True
+    runner = EpisodeRunner(engine, tokenizer, env, max_turns=6)
+    problems = [PROBLEM, dataclasses.replace(PROBLEM, uid="p1")]
+    with pytest.warns(UserWarning, match="torch.compile failed"):
+        got = runner.generate(
+            problems, ["What is 2 + 3?\n"] * 2, group_size=3, max_new_tokens=40, seed=[5, 6]
+        ).samples()
+    assert len(failures) == 1 and not engine.compile_step
+    for x, y in zip(got, expected, strict=True):
+        assert x.response_ids.tolist() == y.response_ids.tolist() and x.trace == y.trace

@@ -159,8 +159,11 @@ class NativeEngine(LiveModelEngine):
     def _static_decode(self, ids_nP: torch.Tensor, mask_nP: torch.Tensor, options: dict):
         """The CUDA-graph path, compiled unless ``compile_step`` is off; a compiler error
         turns compilation off for this engine and decodes again uncompiled (nothing of the
-        failed call is kept: its buffers and uniforms are its own)."""
+        failed call is kept: its buffers and uniforms are its own; the columns its prefill
+        added to a continuation's prefix cache and the rows it parked are taken back)."""
         compile = COMPILE_BACKEND if self.compile_step else None
+        prefix = options["prefix"]
+        cached = None if prefix is None else prefix.get_seq_length()
         try:
             return static_decode(
                 self.model,
@@ -183,6 +186,12 @@ class NativeEngine(LiveModelEngine):
                 stacklevel=3,
             )
             self.compile_step = False
+            if prefix is not None:  # the failed call's prefill appended its columns to it
+                for layer in prefix.layers:  # (crop's argument means another thing in 5.x)
+                    layer.keys = layer.keys[..., :cached, :]
+                    layer.values = layer.values[..., :cached, :]
+            if options["parking"] is not None:  # and may have parked rows
+                options["parking"].held.clear()
             return static_decode(
                 self.model, ids_nP, mask_nP, compute_dtype=self.compute_dtype, **options
             )
