@@ -3,6 +3,7 @@
     python benchmarks/gpu.py                       # on CUDA: Qwen2.5-0.5B and 1.5B shapes
     python benchmarks/gpu.py --shapes qwen2.5-0.5b --steps 10 --json
     python benchmarks/gpu.py --tiny --json         # any machine: the same code, tiny sizes
+    python benchmarks/gpu.py --shapes qwen2.5-1.5b --sections mix --steps 3
 
 Random weights of the shapes in ``dapo.training.gpu_memory.KNOWN_SHAPES`` (a transformers
 ``Qwen2Config`` with their fields; nothing is downloaded). Without CUDA, or with ``--tiny``,
@@ -23,6 +24,10 @@ it working (``tests/test_gpu_bench.py``). Per shape:
    ``torch.cuda.max_memory_allocated`` (and ``max_memory_reserved``: the allocator's cache
    and fragmentation too) over the timed steps, beside the memory plan's training
    peak for the same settings (``settings_from_config``, ``plan_memory``); null on a CPU.
+   **mix**: the same step on a realistic length mix (``benchmarks/length_mix.py``: 32 rows,
+   prompts from DAPO-Math-17k's lengths, long-tailed responses up to 2,048 tokens), padded
+   then packed (``train.packing``, with the packed attention path it took): positions computed
+   per real token and MFU on the real tokens alone.
 3. **decode**: the native engine (``make_engine("dapo", ...)``) drawing 64 rows (4 prompts x
    16) of 1,024 new tokens, EOS ignored; tokens/s after an untimed short warm-up. The prompts
    come from the demo tokenizer (a small vocabulary: the model's 152k-row head still runs).
@@ -66,7 +71,7 @@ from dapo.data.batch import Episode
 from dapo.data.problems import Problem
 from dapo.dist import fsdp
 from dapo.models.demo import build_tokenizer
-from dapo.models.packing import PACKED_ATTENTION
+from dapo.models.packing import PACKED_ATTENTION, varlen_dtype
 from dapo.models.policy import DTYPES, compute_device
 from dapo.rollout import make_engine
 from dapo.training.gpu_memory import (
@@ -86,6 +91,7 @@ from dapo.training.update import minibatch_update
 
 MIB = 2**20
 DEFAULT_SHAPES = ("qwen2.5-0.5b", "qwen2.5-1.5b")
+SECTIONS = ("train", "mix", "decode", "head", "fsdp")
 HOST = torch.device("cpu")
 """Episodes live in host memory, as in a run: collate moves each micro-batch to the device."""
 TINY_FIELDS: dict[str, Any] = {
@@ -380,6 +386,15 @@ def mix_flops(shape: ModelShape, episodes: list[Episode]) -> float:
     return float(sum(row_flops(shape, e.prompt_length, e.length) for e in episodes))
 
 
+def attention_path(shape: ModelShape, device: torch.device, compute: str) -> str:
+    """Which packed attention the training step takes (``dapo.models.packing.varlen_dtype``
+    on a query of the shape, under the step's autocast): one variable-length flash call, or
+    an SDPA call per response."""
+    query = torch.empty(1, shape.heads, 1, shape.head_dim, device=device)
+    with torch.autocast(device.type, dtype=DTYPES[compute], enabled=device.type == "cuda"):
+        return "varlen" if varlen_dtype(query) is not None else "sdpa per response"
+
+
 def mix_section(
     shape: ModelShape,
     model: torch.nn.Module,
@@ -411,6 +426,7 @@ def mix_section(
         runs.append(
             {
                 "packing": packing,
+                "attention": attention_path(shape, device, compute) if packing else "sdpa",
                 "rows": len(episodes),
                 "real_tokens": sum(e.prompt_length + e.length for e in episodes),
                 "microbatch_tokens": sizes.microbatch_tokens,
@@ -698,7 +714,8 @@ def describe(section: str, r: dict) -> str:
         )
     if section == "mix":
         return (
-            f"  length mix, {'packed' if r['packing'] else 'padded'}: {r['rows']} rows, "
+            f"  length mix, {'packed' if r['packing'] else 'padded'} ({r['attention']}): "
+            f"{r['rows']} rows, "
             f"{r['real_tokens']} real tokens: {r['step_s']:.3f} s/step, "
             f"{r['positions_per_real_token']:.3f} positions per real token, MFU on real tokens "
             f"{r['mfu_real']:.3f}; peak {gib_or_mib(r['peak_mib'])}"
@@ -738,40 +755,41 @@ def run_shape(
     steps: int,
     peak_tflops: float,
     bandwidth: float,
-    decode_only: bool = False,
+    sections: frozenset[str] = frozenset(SECTIONS),
 ) -> dict:
-    """Every section on one shape (or decoding alone), printing a line each as it ends; MFU
-    against ``peak_tflops``."""
+    """The ``sections`` on one shape, printing a line each as it ends; MFU against
+    ``peak_tflops``. The fsdp section compares with the train section's step, so it runs it."""
     tok = build_tokenizer()
     shape = ModelShape.from_hf_config(fields)
     print(f"{name}: {shape.num_parameters / 1e6:,.1f}M parameters", flush=True)
     model = build_model(fields, tok, device)
-    sections: dict[str, Any] = {}
-    if not decode_only:
+    out: dict[str, Any] = {}
+    if sections & {"train", "fsdp"}:
         log(f"{name}: training step")
         train, episodes = train_section(shape, model, tok, sizes, device, compute, steps)
         train["mfu"] = train["tflops"] / peak_tflops
         print(describe("train", train), flush=True)
-        sections["train"] = train
+        out["train"] = train
+    if "mix" in sections:
         log(f"{name}: training on a realistic length mix, padded and packed")
-        mix = mix_section(shape, model, tok, sizes, device, compute, steps, peak_tflops)
-        sections["mix"] = mix
-    log(f"{name}: decoding")
-    decode_runs = decode_section(shape, model, tok, sizes, device, compute, bandwidth)
-    sections |= {"decode": decode_runs[0], "decode_runs": decode_runs}
+        out["mix"] = mix_section(shape, model, tok, sizes, device, compute, steps, peak_tflops)
+    if "decode" in sections:
+        log(f"{name}: decoding")
+        decode_runs = decode_section(shape, model, tok, sizes, device, compute, bandwidth)
+        out |= {"decode": decode_runs[0], "decode_runs": decode_runs}
     del model
     release(device)
-    if not decode_only:
+    if "head" in sections:
         log(f"{name}: output head")
-        sections["head"] = head_section(shape, sizes, device, compute)
-        print(describe("head", sections["head"]), flush=True)
+        out["head"] = head_section(shape, sizes, device, compute)
+        print(describe("head", out["head"]), flush=True)
         release(device)
+    if "fsdp" in sections:
         log(f"{name}: one-rank FSDP step")
-        sharded = fsdp_section(fields, tok, sizes, device, compute, episodes, train)
-        print(describe("fsdp", sharded), flush=True)
+        out["fsdp"] = fsdp_section(fields, tok, sizes, device, compute, episodes, out["train"])
+        print(describe("fsdp", out["fsdp"]), flush=True)
         release(device)
-        sections["fsdp"] = sharded
-    return {"params": shape.num_parameters, "sizes": asdict(sizes), **sections}
+    return {"params": shape.num_parameters, "sizes": asdict(sizes), **out}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -782,6 +800,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="tiny sizes (the default off CUDA)")
     parser.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
     parser.add_argument("--decode-only", action="store_true", help="the decoding section alone")
+    parser.add_argument(
+        "--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="(all)"
+    )
     parser.add_argument("--steps", type=int, help="timed training steps (5; tiny: 2)")
     parser.add_argument("--threads", type=int, help="CPU threads (default: torch's)")
     parser.add_argument("--compute-dtype", choices=("bfloat16", "float32"))
@@ -832,7 +853,7 @@ def main(argv: list[str] | None = None) -> dict:
             steps,
             matmul["tflops"],
             bandwidth,
-            decode_only=args.decode_only,
+            frozenset(["decode"] if args.decode_only else args.sections),
         )
         for s, f in shapes.items()
     }

@@ -17,8 +17,10 @@ pi_ref) and ``minibatch_update`` (micro-batches, the loss and KL, backward, clip
 step) for the dapo and grpo presets; ``NativeEngine.generate``: ``encode_prompts``, the prefill
 and its row cache, the drawing of a token (CPU uniforms moved to the device, per-prompt seeds,
 top-p, greedy), rows leaving the batch and the cache, a step on the cache, ``finish_rollout``;
-``HFEngine.generate`` for one token; ``collate(...).to(device)``; the CUDA-graph path's loop
-(``static_decode`` without graphs: its buffers, the step, the draw, the read-backs).
+``HFEngine.generate`` for one token; ``collate(...).to(device)``; ``train.packing``'s pass,
+its GPU attention too (one variable-length call, PyTorch's kernel stood in); the CUDA-graph
+path's loop (``static_decode`` without graphs: its buffers, the step, the draw, the
+read-backs).
 
 Stepped around, as fake tensors hold no data: a value read from a tensor (``.item()``,
 ``float()``, ``bool()``) is answered by the function that reads it (``READS_*``; a read with
@@ -51,7 +53,7 @@ from dapo.algo import logits as head_maths
 from dapo.config import load_config
 from dapo.data.batch import Batch, Episode, collate, length_sorted, split_microbatches
 from dapo.data.problems import Problem
-from dapo.models import logprobs
+from dapo.models import logprobs, packing
 from dapo.rollout import native, parking, static_decode
 from dapo.rollout.base import encode_prompts
 from dapo.rollout.hf import HFEngine
@@ -388,6 +390,50 @@ def test_packed_training_update_on_the_device(tiny_model, tokenizer):
     assert sums["updates"] == 1.0 and sums["slots"] == sums["real"]  # packed: no padding
     assert all(p.grad is None and p.device == DEVICE for p in state.model.parameters())
     assert check.syncs.count("_shared_prompt_pass") == 0  # prompts are shared in the pack
+
+
+def fake_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
+    """A stand-in for PyTorch's CUDA-only ``varlen_attn`` whose ops meet all its tensors."""
+    touched = k.sum() + v.sum() + cu_q.sum() + cu_k.sum()
+    return q * 1 + touched * 0
+
+
+def packed_update_through_varlen(tokenizer, tiny_model, monkeypatch):
+    monkeypatch.setattr(packing, "varlen_dtype", lambda query: query.dtype)
+    monkeypatch.setattr(packing, "varlen_kernel", lambda: (fake_varlen_attn, True))
+    episodes = host_episodes(len(tokenizer))
+    with DeviceCheck(READS_UPDATE | {"collate": 0}):
+        state = train_state("dapo", tiny_model, tokenizer, None, "train.packing=true")
+        fill_logprobs(state.model, episodes, "old_logprobs", state)
+        return minibatch_update(state, episodes)
+
+
+def test_packed_training_update_through_varlen_on_the_device(tiny_model, tokenizer, monkeypatch):
+    """The GPU's packed attention (one variable-length flash call, ``varlen_packed``): its
+    offsets and the gathered prompt keys are made on the compute device."""
+    calls = []
+    monkeypatch.setattr(packing, "varlen_layout", counted(packing.varlen_layout, calls))
+    sums = packed_update_through_varlen(tokenizer, tiny_model, monkeypatch)
+    assert sums["updates"] == 1.0 and calls  # the varlen path ran
+    assert all(layout.key_index is not None for layout in calls)  # prompts shared: gathered
+
+
+def test_packed_varlen_catches_a_cpu_tensor(tiny_model, tokenizer, monkeypatch):
+    """Negative: offsets built on the host are caught."""
+    built = packing.varlen_layout.__wrapped__
+    monkeypatch.setattr(
+        packing, "varlen_layout", lambda groups, device: built(groups, torch.device("cpu"))
+    )
+    with mixed_devices():
+        packed_update_through_varlen(tokenizer, tiny_model, monkeypatch)
+
+
+def counted(fn, calls: list):
+    def call(*args, **kwargs):
+        calls.append(fn(*args, **kwargs))
+        return calls[-1]
+
+    return call
 
 
 @pytest.mark.parametrize("preset", ["dapo", "grpo"])

@@ -9,6 +9,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import dapo.models.logprobs
 from dapo.algo import token_logprobs_from_hidden
+from dapo.algo.logits import add_product
 from dapo.models.logprobs import output_head, response_logprobs
 
 
@@ -60,6 +61,21 @@ def test_under_bf16_autocast_the_head_runs_in_bf16_and_returns_float32():
     torch.testing.assert_close(logp, ref, rtol=0, atol=1e-5)
     logp.sum().backward()
     assert hidden.grad.dtype == weight.grad.dtype == torch.float32
+
+
+def test_the_weight_gradient_sums_chunk_products_in_the_accumulators_dtype():
+    """``add_product``: float32 += bf16 @ bf16 is the bf16 product cast and added (on CUDA,
+    cuBLAS sums it in float32 without rounding it to bf16 first: checked on an H100, relative
+    error 6e-7 against the float32 product); equal dtypes add in place."""
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(6, 5, generator=g), torch.randn(5, 4, generator=g)
+    acc = torch.randn(6, 4, generator=g)
+    want = acc + (a.bfloat16() @ b.bfloat16()).float()
+    add_product(acc, a.bfloat16(), b.bfloat16())
+    assert torch.equal(acc, want)
+    want = acc + a @ b
+    add_product(acc, a, b)
+    torch.testing.assert_close(acc, want, rtol=1e-6, atol=1e-6)
 
 
 def _big_vocab_model(vocab: int = 4096, tied: bool = True) -> Qwen2ForCausalLM:

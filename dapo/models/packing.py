@@ -2,22 +2,30 @@
 
 A padded micro-batch computes every row to the longest prompt plus the longest response; on
 real length mixes much of that is padding, and attention over it is paid quadratically. A
-packed one is one sequence ``[1, N]``: each row's prompt tokens and response tokens, rows one
-after another, positions counted from 0 in each row. Attention stays within a row: the model's
-attention function is :func:`packed_attention`, which runs causal attention on each row's
-span alone when the forward is given ``packed_lengths`` (the rows' token counts, a host list,
-so nothing is read back from the device), and is PyTorch's SDPA, as before, in every other
-call (generation, an unpacked pass). Nothing attends across rows, nothing is computed twice:
-the log-probs are those of the padded forward up to float rounding (tested).
+packed one is one sequence ``[1, N]``: each group's prompt once, then each of its rows'
+responses, groups one after another, positions counted from 0 at each prompt's first token.
+Attention stays within a row: the model's attention function is :func:`packed_attention`,
+which, when the forward is given ``packed_groups`` (the groups' token counts, a host tuple, so
+nothing is read back from the device), lets each response attend to its prompt and itself
+alone; in every other call (generation, an unpacked pass) it is transformers' SDPA, as before.
+Nothing attends across rows, nothing is computed twice: the log-probs are those of the padded
+forward up to float rounding (tested).
 
-A group's prompt runs once per row here (G times), where the padded path's shared-prompt
-pass runs it once per group; which costs less depends on the lengths (docs: the speed guide).
+Two ways to run it, the same function: on a GPU in bf16/fp16, one call of PyTorch's
+variable-length flash attention for the whole micro-batch (:func:`varlen_packed`, a later
+response's prompt keys gathered beside it); elsewhere one causal SDPA call per response
+(:func:`looped_packed`).
 
 Shapes: N = packed tokens.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,9 +49,12 @@ def packed_attention(
     """transformers' attention-function contract (``query`` [1, heads, N, d], ``key`` and
     ``value`` [1, kv_heads, N, d]; returns [1, N, heads, d]): with ``packed_groups`` in
     ``kwargs`` (:attr:`dapo.data.batch.Packing.groups`), causal attention over each group's
-    prompt followed by each of its responses in turn (the prompt's queries, keys and values
-    copied beside each response: no mask is built, and a response never sees another);
-    without, transformers' own SDPA."""
+    prompt followed by each of its responses in turn, a response never seeing another; without,
+    transformers' own SDPA.
+
+    On a GPU in bf16 or fp16 this is one call of PyTorch's variable-length flash attention
+    (:func:`varlen_dtype`); elsewhere (a CPU, float32) one SDPA call per response, its prompt's
+    queries, keys and values copied beside it."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = kwargs.pop("packed_groups", None)
@@ -59,27 +70,167 @@ def packed_attention(
             is_causal=is_causal,
             **kwargs,
         )
-    options = dict(dropout_p=dropout if module.training else 0.0, scale=scaling, enable_gqa=True)
-    out, start = [], 0
-    for prompt, responses in groups:
-        span = slice(start, start + prompt)
-        prompt_qkv = [x[:, :, span] for x in (query, key, value)]
-        start += prompt
+    dropout_p = dropout if module.training else 0.0
+    half = varlen_dtype(query) if dropout_p == 0.0 else None
+    if half is not None:  # cast as SDPA under autocast casts (the rotary leaves float32)
+        q, k, v = (x.to(half) for x in (query, key, value))
+        return varlen_packed(q, k, v, groups, scale=scaling), None
+    return looped_packed(query, key, value, groups, dropout_p=dropout_p, scale=scaling), None
+
+
+def looped_packed(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    groups: Groups,
+    *,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Packed attention as one causal SDPA call per response over its prompt and itself
+    (returns [1, N, heads, d]). The packed tensors are split once: the gradient of a split is
+    one concatenation, where a slice per response would add a zero-filled [1, heads, N, d]
+    gradient per slice in backward."""
+    sizes = [n for prompt, responses in groups for n in (prompt, *responses)]
+    pieces = [x.split(sizes, dim=2) for x in (query, key, value)]
+    options = dict(dropout_p=dropout_p, scale=scale, enable_gqa=True)
+    out, i = [], 0
+    for _, responses in groups:
+        prompt_qkv = [x[i] for x in pieces]
         first = True
-        for length in filter(None, responses):  # an empty response has no query
-            span = slice(start, start + length)
+        for j, length in enumerate(responses, start=i + 1):
+            if not length:  # an empty response has no query
+                continue
             # Causal attention over prompt + response, as the padded row computes it; the
             # prompt's own outputs are kept once, from the group's first response.
             q, k, v = (
-                torch.cat([x_p, x[:, :, span]], dim=2)
-                for x_p, x in zip(prompt_qkv, (query, key, value), strict=True)
+                torch.cat([x_p, x[j]], dim=2) for x_p, x in zip(prompt_qkv, pieces, strict=True)
             )
             attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, **options)
-            out.append(attended if first else attended[:, :, prompt:])
-            first, start = False, start + length
-        if first and prompt:  # no response: the prompt alone
+            out.append(attended if first else attended[:, :, prompt_qkv[0].shape[2] :])
+            first = False
+        if first and prompt_qkv[0].shape[2]:  # no response: the prompt alone
             out.append(F.scaled_dot_product_attention(*prompt_qkv, is_causal=True, **options))
-    return torch.cat(out, dim=2).transpose(1, 2).contiguous(), None
+        i += 1 + len(responses)
+    return torch.cat(out, dim=2).transpose(1, 2).contiguous()
+
+
+def varlen_dtype(query: torch.Tensor) -> torch.dtype | None:
+    """The dtype :func:`varlen_packed` runs ``query`` in, or None where it cannot run.
+
+    It runs on a CUDA tensor in bf16 or fp16: the autocast dtype under CUDA autocast (a
+    float32 query there is what rotary embeddings computed in float32 give back, and SDPA
+    would cast it), else the query's own. Also needed: a GPU that flash attention supports
+    (compute capability 8.0 or later), a head size of at most 256, and a PyTorch with
+    ``torch.nn.attention.varlen``."""
+    if not query.is_cuda:
+        return None
+    autocast = torch.is_autocast_enabled("cuda")
+    dtype = torch.get_autocast_dtype("cuda") if autocast else query.dtype
+    if dtype not in (torch.bfloat16, torch.float16) or query.shape[-1] > 256:
+        return None
+    if torch.cuda.get_device_capability(query.device) < (8, 0) or varlen_kernel() is None:
+        return None
+    return dtype
+
+
+def varlen_packed(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    groups: Groups,
+    *,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Packed attention as one variable-length flash-attention call (returns [1, N, heads,
+    d]). Each segment of queries (a group's prompt with its first response, then each later
+    response) attends causally to its keys, aligned at the end: a later response's keys are its
+    prompt's, gathered once, then its own."""
+    layout = varlen_layout(groups, query.device)
+    k_1KNd, v_1KNd = key, value
+    if layout.key_index is not None:
+        k_1KNd = key.index_select(2, layout.key_index)
+        v_1KNd = value.index_select(2, layout.key_index)
+    q_NHd, k_NHd, v_NHd = (x[0].transpose(0, 1) for x in (query, k_1KNd, v_1KNd))
+    attend, gqa = varlen_kernel()
+    extra = {"enable_gqa": True} if gqa else {}  # older PyTorch: flash takes GQA as it is
+    out_NHd = attend(
+        q_NHd,
+        k_NHd,
+        v_NHd,
+        layout.cu_q,
+        layout.cu_k,
+        layout.max_q,
+        layout.max_k,
+        scale=scale,
+        window_size=(-1, 0),  # causal, aligned at the segment's last key
+        **extra,
+    )
+    return out_NHd[None]
+
+
+Groups = tuple[tuple[int, tuple[int, ...]], ...]
+"""(prompt tokens, each of its rows' response tokens) per group: :attr:`Packing.groups`."""
+
+
+@dataclass(frozen=True)
+class VarlenLayout:
+    """Where the variable-length call's segments start (int32 offsets on the device)."""
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+    key_index: torch.Tensor | None
+    """Packed positions of each segment's keys, in order; None where they are its queries'."""
+
+
+@functools.lru_cache(maxsize=8)  # one micro-batch's layout serves all its layers
+def varlen_layout(groups: Groups, device: torch.device) -> VarlenLayout:
+    """The segments of :func:`varlen_packed` for ``groups``, built on the host."""
+    q_lengths, k_ranges, start = [], [], 0
+    for prompt, responses in groups:
+        first = True
+        at = start + prompt
+        for length in responses:
+            if length:
+                if first:
+                    q_lengths.append(prompt + length)
+                    k_ranges.append([(start, prompt + length)])
+                else:
+                    q_lengths.append(length)
+                    k_ranges.append([(start, prompt), (at, length)])
+                first = False
+            at += length
+        if first and prompt:
+            q_lengths.append(prompt)
+            k_ranges.append([(start, prompt)])
+        start = at
+    k_lengths = [sum(n for _, n in ranges) for ranges in k_ranges]
+    shared = k_lengths != q_lengths
+    index = [p for ranges in k_ranges for s, n in ranges for p in range(s, s + n)]
+
+    def offsets(lengths: list[int]) -> torch.Tensor:
+        return torch.tensor(list(itertools.accumulate(lengths, initial=0)), dtype=torch.int32)
+
+    return VarlenLayout(
+        cu_q=offsets(q_lengths).to(device),
+        cu_k=offsets(k_lengths).to(device),
+        max_q=max(q_lengths, default=0),
+        max_k=max(k_lengths, default=0),
+        key_index=torch.tensor(index, dtype=torch.long).to(device) if shared else None,
+    )
+
+
+@functools.cache
+def varlen_kernel() -> tuple[Callable, bool] | None:
+    """PyTorch's ``varlen_attn`` and whether it takes ``enable_gqa`` (added after 2.11), or
+    None before it existed."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn, "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
 def packed_mask(**kwargs: Any) -> torch.Tensor | None:
