@@ -3,7 +3,7 @@
     python benchmarks/gpu.py                       # on CUDA: Qwen2.5-0.5B and 1.5B shapes
     python benchmarks/gpu.py --shapes qwen2.5-0.5b --steps 10 --json
     python benchmarks/gpu.py --tiny --json         # any machine: the same code, tiny sizes
-    python benchmarks/gpu.py --shapes qwen2.5-1.5b --sections mix --steps 3
+    python benchmarks/gpu.py --shapes qwen2.5-1.5b --sections mix --steps 3 --profile
 
 Random weights of the shapes in ``dapo.training.gpu_memory.KNOWN_SHAPES`` (a transformers
 ``Qwen2Config`` with their fields; nothing is downloaded). Without CUDA, or with ``--tiny``,
@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import gc
 import json
 import os
@@ -60,6 +61,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import length_mix
+import step_profile
 import torch
 import transformers
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -404,9 +406,11 @@ def mix_section(
     compute: str,
     steps: int,
     peak_tflops: float,
+    profile: bool = False,
 ) -> list[dict]:
     """The training step on the realistic length mix, padded then packed (``train.packing``):
-    positions computed per real token, and MFU counted on the real tokens alone."""
+    positions computed per real token, and MFU counted on the real tokens alone; with
+    ``profile``, one more step of each under the profiler (:mod:`step_profile`)."""
     episodes = mix_episodes(sizes, shape.vocab)
     flops = mix_flops(shape, episodes)
     runs = []
@@ -421,6 +425,11 @@ def mix_section(
         )
         state = train_state(cfg, model, tok, device)
         first, seconds, peak = measured_updates(state, episodes, steps)
+        profiled = None
+        if profile:  # one more step, after the timed ones
+            profiled = step_profile.profile_call(
+                functools.partial(minibatch_update, state, episodes), device
+            )
         state.optimizer.zero_grad(set_to_none=True)
         del state
         runs.append(
@@ -438,6 +447,10 @@ def mix_section(
             }
         )
         print(describe("mix", runs[-1]), flush=True)
+        if profiled is not None:
+            runs[-1]["profile"] = profiled
+            label = "packed" if packing else "padded"
+            print(step_profile.describe(label, profiled), flush=True)
     for module in model.modules():  # the later sections attend as before
         config = getattr(module, "config", None)
         if getattr(config, "_attn_implementation", None) == PACKED_ATTENTION:
@@ -756,6 +769,7 @@ def run_shape(
     peak_tflops: float,
     bandwidth: float,
     sections: frozenset[str] = frozenset(SECTIONS),
+    profile: bool = False,
 ) -> dict:
     """The ``sections`` on one shape, printing a line each as it ends; MFU against
     ``peak_tflops``. The fsdp section compares with the train section's step, so it runs it."""
@@ -772,7 +786,9 @@ def run_shape(
         out["train"] = train
     if "mix" in sections:
         log(f"{name}: training on a realistic length mix, padded and packed")
-        out["mix"] = mix_section(shape, model, tok, sizes, device, compute, steps, peak_tflops)
+        out["mix"] = mix_section(
+            shape, model, tok, sizes, device, compute, steps, peak_tflops, profile
+        )
     if "decode" in sections:
         log(f"{name}: decoding")
         decode_runs = decode_section(shape, model, tok, sizes, device, compute, bandwidth)
@@ -802,6 +818,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--decode-only", action="store_true", help="the decoding section alone")
     parser.add_argument(
         "--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="(all)"
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="profile one more length-mix step of each kind"
     )
     parser.add_argument("--steps", type=int, help="timed training steps (5; tiny: 2)")
     parser.add_argument("--threads", type=int, help="CPU threads (default: torch's)")
@@ -854,6 +873,7 @@ def main(argv: list[str] | None = None) -> dict:
             matmul["tflops"],
             bandwidth,
             frozenset(["decode"] if args.decode_only else args.sections),
+            args.profile,
         )
         for s, f in shapes.items()
     }

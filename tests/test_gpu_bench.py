@@ -139,3 +139,44 @@ def test_one_rank_fsdp_step_matches_one_process(tiny_run):
     assert sharded["loss"] == pytest.approx(train["loss_first_step"], abs=1e-5)
     assert sharded["grad_norm"] == pytest.approx(train["grad_norm_first_step"], rel=1e-5)
     assert sharded["step_s"] > 0 and sharded["first_step_s"] > 0
+
+
+def test_sections_and_the_step_profile():
+    """``--sections mix --profile``: the length-mix section alone, each kind of step profiled
+    once more; the kinds add up to the busy time, and the matrix products are found."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = ["--tiny", "--json", "--threads", "1", "--sections", "mix", "--profile"]
+    done = subprocess.run(
+        [sys.executable, "benchmarks/gpu.py", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    shape = json.loads(done.stdout.strip().splitlines()[-1])["shapes"]["tiny-qwen2"]
+    assert set(shape) == {"params", "sizes", "mix"}
+    assert [r["attention"] for r in shape["mix"]] == ["sdpa", "sdpa per response"]
+    for run in shape["mix"]:
+        p = run["profile"]
+        assert p["measures"] == "operators' own CPU time" and 0 < p["busy_s"]
+        assert sum(p["by_kind"].values()) == pytest.approx(p["busy_s"])
+        assert p["by_kind"]["matmul"] > 0 and p["by_kind"]["optimizer"] > 0
+        assert p["top"][0]["s"] >= p["top"][-1]["s"] and len(p["top"]) == 8
+    assert done.stdout.count("  profile, ") == 2
+
+
+def test_kinds_of_work_by_name():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from step_profile import kind_of
+
+    assert kind_of("nvjet_sm90_tst_192x192_64x3_1x2_h_bz_coopB_NTN") == "matmul"
+    assert kind_of("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma") == "attention"
+    assert kind_of("aten::_foreach_addcdiv_") == "optimizer"
+    assert kind_of("void at::native::unrolled_elementwise_kernel<direct_copy_kernel_cuda>") == (
+        "copy/cast"
+    )
+    assert kind_of("void at::native::vectorized_elementwise_kernel<CUDAFunctor_add<float>>") == (
+        "other"
+    )
