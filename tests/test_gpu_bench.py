@@ -21,12 +21,11 @@ LAYER_PARAMS = 64 * 128 + 64 * 64 + 128 + 3 * 64 * 128 + 2 * 64
 PARAMS = 2 * LAYER_PARAMS + 512 * 64 + 64
 
 
-@pytest.fixture(scope="module")
-def tiny_run() -> tuple[dict, str]:
-    """The JSON figures and the stdout of one tiny run (one thread: the machine is shared)."""
+def run_tiny(*args: str) -> tuple[dict, str]:
+    """The JSON figures and the stdout of a tiny run (one thread: the machine is shared)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
-        [sys.executable, "benchmarks/gpu.py", "--tiny", "--json", "--threads", "1"],
+        [sys.executable, "benchmarks/gpu.py", "--tiny", "--json", "--threads", "1", *args],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -36,6 +35,12 @@ def tiny_run() -> tuple[dict, str]:
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.strip().splitlines()
     return json.loads(lines[-1]), done.stdout
+
+
+@pytest.fixture(scope="module")
+def tiny_run() -> tuple[dict, str]:
+    """Every section of one tiny run."""
+    return run_tiny()
 
 
 def test_the_run_names_its_machine_and_prints_a_line_per_section(tiny_run):
@@ -144,18 +149,8 @@ def test_one_rank_fsdp_step_matches_one_process(tiny_run):
 def test_sections_and_the_step_profile():
     """``--sections mix --profile``: the length-mix section alone, each kind of step profiled
     once more; the kinds add up to the busy time, and the matrix products are found."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    args = ["--tiny", "--json", "--threads", "1", "--sections", "mix", "--profile"]
-    done = subprocess.run(
-        [sys.executable, "benchmarks/gpu.py", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    shape = json.loads(done.stdout.strip().splitlines()[-1])["shapes"]["tiny-qwen2"]
+    result, stdout = run_tiny("--sections", "mix", "--profile")
+    shape = result["shapes"]["tiny-qwen2"]
     assert set(shape) == {"params", "sizes", "mix"}
     assert [r["attention"] for r in shape["mix"]] == ["sdpa", "sdpa per response"]
     for run in shape["mix"]:
@@ -164,7 +159,7 @@ def test_sections_and_the_step_profile():
         assert sum(p["by_kind"].values()) == pytest.approx(p["busy_s"])
         assert p["by_kind"]["matmul"] > 0 and p["by_kind"]["optimizer"] > 0
         assert p["top"][0]["s"] >= p["top"][-1]["s"] and len(p["top"]) == 8
-    assert done.stdout.count("  profile, ") == 2
+    assert stdout.count("  profile, ") == 2
 
 
 def test_kinds_of_work_by_name():
