@@ -4,6 +4,7 @@
     python benchmarks/gpu.py --shapes qwen2.5-0.5b --steps 10 --json
     python benchmarks/gpu.py --tiny --json         # any machine: the same code, tiny sizes
     python benchmarks/gpu.py --shapes qwen2.5-1.5b --sections mix --steps 3 --profile
+    python benchmarks/gpu.py --shapes qwen2.5-1.5b qwen2.5-0.5b --sections mix --compile
 
 Random weights of the shapes in ``dapo.training.gpu_memory.KNOWN_SHAPES`` (a transformers
 ``Qwen2Config`` with their fields; nothing is downloaded). Without CUDA, or with ``--tiny``,
@@ -27,7 +28,8 @@ it working (``tests/test_gpu_bench.py``). Per shape:
    **mix**: the same step on a realistic length mix (``benchmarks/length_mix.py``: 32 rows,
    prompts from DAPO-Math-17k's lengths, long-tailed responses up to 2,048 tokens), padded
    then packed (``train.packing``, with the packed attention path it took): positions computed
-   per real token and MFU on the real tokens alone.
+   per real token and MFU on the real tokens alone; with ``--compile``, both again with
+   compiled decoder layers (``train.compile``).
 3. **decode**: the native engine (``make_engine("dapo", ...)``) drawing 64 rows (4 prompts x
    16) of 1,024 new tokens, EOS ignored; tokens/s after an untimed short warm-up. The prompts
    come from the demo tokenizer (a small vocabulary: the model's 152k-row head still runs).
@@ -407,14 +409,18 @@ def mix_section(
     steps: int,
     peak_tflops: float,
     profile: bool = False,
+    compile: bool = False,
 ) -> list[dict]:
     """The training step on the realistic length mix, padded then packed (``train.packing``):
     positions computed per real token, and MFU counted on the real tokens alone; with
-    ``profile``, one more step of each under the profiler (:mod:`step_profile`)."""
+    ``compile``, both again with compiled decoder layers (``train.compile``: the first step,
+    untimed, compiles); with ``profile``, one more step of each under the profiler
+    (:mod:`step_profile`)."""
     episodes = mix_episodes(sizes, shape.vocab)
     flops = mix_flops(shape, episodes)
     runs = []
-    for packing in (False, True):
+    kinds = [(False, False), (True, False)] + ([(False, True), (True, True)] if compile else [])
+    for packing, compiled in kinds:
         cfg = run_config(
             sizes,
             compute,
@@ -422,6 +428,7 @@ def mix_section(
             f"algo.l_cache={max(1, sizes.mix_l_max // 4)}",
             f"train.responses_per_minibatch={sizes.mix_rows}",
             f"train.packing={str(packing).lower()}",
+            f"train.compile={str(compiled).lower()}",
         )
         state = train_state(cfg, model, tok, device)
         first, seconds, peak = measured_updates(state, episodes, steps)
@@ -432,9 +439,12 @@ def mix_section(
             )
         state.optimizer.zero_grad(set_to_none=True)
         del state
+        for layer in fsdp.decoder_layers(model):  # the next kind runs eager unless it compiles
+            layer.__dict__.pop("forward", None)
         runs.append(
             {
                 "packing": packing,
+                "compiled": compiled,
                 "attention": attention_path(shape, device, compute) if packing else "sdpa",
                 "rows": len(episodes),
                 "real_tokens": sum(e.prompt_length + e.length for e in episodes),
@@ -449,7 +459,7 @@ def mix_section(
         print(describe("mix", runs[-1]), flush=True)
         if profiled is not None:
             runs[-1]["profile"] = profiled
-            label = "packed" if packing else "padded"
+            label = ("packed" if packing else "padded") + (", compiled" if compiled else "")
             print(step_profile.describe(label, profiled), flush=True)
     for module in model.modules():  # the later sections attend as before
         config = getattr(module, "config", None)
@@ -727,7 +737,8 @@ def describe(section: str, r: dict) -> str:
         )
     if section == "mix":
         return (
-            f"  length mix, {'packed' if r['packing'] else 'padded'} ({r['attention']}): "
+            f"  length mix, {'packed' if r['packing'] else 'padded'} ({r['attention']}"
+            f"{', compiled layers' if r['compiled'] else ''}): "
             f"{r['rows']} rows, "
             f"{r['real_tokens']} real tokens: {r['step_s']:.3f} s/step, "
             f"{r['positions_per_real_token']:.3f} positions per real token, MFU on real tokens "
@@ -770,6 +781,7 @@ def run_shape(
     bandwidth: float,
     sections: frozenset[str] = frozenset(SECTIONS),
     profile: bool = False,
+    compile: bool = False,
 ) -> dict:
     """The ``sections`` on one shape, printing a line each as it ends; MFU against
     ``peak_tflops``. The fsdp section compares with the train section's step, so it runs it."""
@@ -787,7 +799,7 @@ def run_shape(
     if "mix" in sections:
         log(f"{name}: training on a realistic length mix, padded and packed")
         out["mix"] = mix_section(
-            shape, model, tok, sizes, device, compute, steps, peak_tflops, profile
+            shape, model, tok, sizes, device, compute, steps, peak_tflops, profile, compile
         )
     if "decode" in sections:
         log(f"{name}: decoding")
@@ -821,6 +833,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--profile", action="store_true", help="profile one more length-mix step of each kind"
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="the length-mix step also with compiled decoder layers (train.compile)",
     )
     parser.add_argument("--steps", type=int, help="timed training steps (5; tiny: 2)")
     parser.add_argument("--threads", type=int, help="CPU threads (default: torch's)")
@@ -874,6 +891,7 @@ def main(argv: list[str] | None = None) -> dict:
             bandwidth,
             frozenset(["decode"] if args.decode_only else args.sections),
             args.profile,
+            args.compile,
         )
         for s, f in shapes.items()
     }

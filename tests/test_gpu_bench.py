@@ -147,19 +147,29 @@ def test_one_rank_fsdp_step_matches_one_process(tiny_run):
 
 
 def test_sections_and_the_step_profile():
-    """``--sections mix --profile``: the length-mix section alone, each kind of step profiled
-    once more; the kinds add up to the busy time, and the matrix products are found."""
-    result, stdout = run_tiny("--sections", "mix", "--profile")
+    """``--sections mix --profile --compile``: the length-mix section alone, padded and packed
+    with eager then compiled layers (the same positions), each kind of step profiled once
+    more; the kinds add up to the busy time, and the matrix products are found."""
+    result, stdout = run_tiny("--sections", "mix", "--profile", "--compile")
     shape = result["shapes"]["tiny-qwen2"]
     assert set(shape) == {"params", "sizes", "mix"}
-    assert [r["attention"] for r in shape["mix"]] == ["sdpa", "sdpa per response"]
+    kinds = [(r["packing"], r["compiled"], r["attention"]) for r in shape["mix"]]
+    assert kinds == [
+        (False, False, "sdpa"),
+        (True, False, "sdpa per response"),
+        (False, True, "sdpa"),
+        (True, True, "sdpa per response"),
+    ]
+    positions = [r["positions_per_real_token"] for r in shape["mix"]]
+    assert positions[:2] == positions[2:] and positions[1] == 1.0 < positions[0]
+    assert stdout.count(", compiled layers): ") == 2
     for run in shape["mix"]:
         p = run["profile"]
         assert p["measures"] == "operators' own CPU time" and 0 < p["busy_s"]
         assert sum(p["by_kind"].values()) == pytest.approx(p["busy_s"])
         assert p["by_kind"]["matmul"] > 0 and p["by_kind"]["optimizer"] > 0
         assert p["top"][0]["s"] >= p["top"][-1]["s"] and len(p["top"]) == 8
-    assert stdout.count("  profile, ") == 2
+    assert stdout.count("  profile, ") == 4
 
 
 def test_kinds_of_work_by_name():

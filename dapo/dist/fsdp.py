@@ -8,6 +8,7 @@ gradients are summed, and FSDP's division by the world size is turned off.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Container, Iterator
 from typing import Any, TypeVar
 
@@ -76,17 +77,19 @@ def shard(
 
 
 def checkpoint_layer(layer: torch.nn.Module) -> None:
-    """Recompute ``layer``'s activations in the backward pass instead of keeping them."""
+    """Recompute ``layer``'s activations in the backward pass instead of keeping them. A
+    partial over the layer's forward, not a closure: a deep copy of the model then recomputes
+    its own layers."""
+    layer.forward = functools.partial(recomputed, layer.forward)
+
+
+def recomputed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``forward(*args, **kwargs)``, its activations recomputed in the backward pass."""
     from torch.utils.checkpoint import checkpoint
 
-    forward = layer.forward
-
-    def recomputed(*args, **kwargs):
-        if not torch.is_grad_enabled():
-            return forward(*args, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-    layer.forward = recomputed
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 def checkpoint_layers(model: torch.nn.Module) -> None:

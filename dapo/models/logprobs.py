@@ -23,6 +23,7 @@ from dapo import dist
 from dapo.algo import entropy_from_logits, token_logprobs_from_hidden, token_logprobs_from_logits
 from dapo.data.batch import Batch, Packing
 from dapo.dist import fsdp
+from dapo.models import packing as packed
 from dapo.models import prompt_cache
 
 # Model types whose causal-LM logits are exactly ``decoder(...) @ lm_head.weight.T``, read
@@ -302,7 +303,7 @@ def _packed_forward(model, head, prompt_ids_BP, response_ids_BT, packing, temper
         keep=packing.states_R,
         input_ids=ids_1N,
         position_ids=packing.positions_N[None],
-        packed_groups=packing.groups,
+        packed_groups=packed.Layout(packing.groups),
         use_cache=False,
     )
     targets_1R = response_ids_BT.flatten()[packing.response_R][None]

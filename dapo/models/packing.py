@@ -55,9 +55,14 @@ def packed_attention(
     On a GPU in bf16 or fp16 this is one call of PyTorch's variable-length flash attention
     (:func:`varlen_dtype`); elsewhere (a CPU, float32) one SDPA call per response, its prompt's
     queries, keys and values copied beside it."""
+    if torch.compiler.is_compiling():  # a compiled layer (train.compile): run it outside
+        args = (module, query, key, value, attention_mask, dropout, scaling, is_causal)
+        return outside_graph(*args, **kwargs)
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = kwargs.pop("packed_groups", None)
+    if isinstance(groups, Layout):
+        groups = groups.groups
     if groups is None:
         return sdpa_attention_forward(
             module,
@@ -76,6 +81,22 @@ def packed_attention(
         q, k, v = (x.to(half) for x in (query, key, value))
         return varlen_packed(q, k, v, groups, scale=scaling), None
     return looped_packed(query, key, value, groups, dropout_p=dropout_p, scale=scaling), None
+
+
+outside_graph = torch.compiler.disable(packed_attention)
+""":func:`packed_attention` kept out of compiled graphs: the loop's splits and varlen's
+offsets come from host data."""
+
+
+class Layout:
+    """A micro-batch's groups as the model is given them (``packed_groups``): an object a
+    compiled layer (``train.compile``) passes on without reading, where a tuple would be a
+    constant its graph is specialised on, compiling again for every micro-batch."""
+
+    __slots__ = ("groups",)
+
+    def __init__(self, groups: Groups) -> None:
+        self.groups = groups
 
 
 def looped_packed(

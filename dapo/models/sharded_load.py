@@ -35,7 +35,7 @@ from safetensors import safe_open
 
 from dapo.config import Config
 from dapo.dist import fsdp
-from dapo.models import lora
+from dapo.models import compiled_layers, lora
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -114,6 +114,8 @@ def load(
     _load_generation_config(model, path)
     if cfg.model.lora.rank:  # adapters before the shards are cut, filled once they exist
         lora.apply(model, cfg.model.lora)
+    if cfg.train.compile:  # before the shards' checkpointing, which recomputes it
+        compiled_layers.compile_layers(model)
     fsdp.shard(model, **options)
     offload = options["cpu_offload"]
     materialise(model, params_on=torch.device("cpu") if offload else device, buffers_on=device)

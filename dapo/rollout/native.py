@@ -36,9 +36,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch._dynamo.exc
-import torch._inductor.exc
 
+from dapo.models.compiled_layers import COMPILER_ERRORS
 from dapo.models.logprobs import (
     autocast,
     cache_argument,
@@ -199,10 +198,6 @@ class NativeEngine(LiveModelEngine):
 
 COMPILE_BACKEND = "inductor"
 """``torch.compile``'s backend for the step: Triton kernels on a GPU."""
-
-COMPILER_ERRORS = (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError)
-"""What a failed ``torch.compile`` raises: dynamo's errors (a backend's failure included)
-and inductor's."""
 
 
 @torch.inference_mode()

@@ -17,7 +17,7 @@ import torch
 from dapo import dist
 from dapo.config import Config
 from dapo.dist import fsdp, tensor_parallel
-from dapo.models import lora, sharded_load
+from dapo.models import compiled_layers, lora, sharded_load
 
 
 def frozen_dtype(model: torch.nn.Module, compute: torch.dtype) -> torch.dtype:
@@ -31,8 +31,8 @@ def copies_and_shards(
     cfg: Config, model: torch.nn.Module, compute: torch.dtype, device: torch.device
 ) -> tuple[torch.nn.Module | None, torch.nn.Module | None, Any]:
     """(the frozen reference (KL), the copy the engine samples from, the tensor-parallel
-    mesh), the policy sharded in place under FSDP2; activation checkpointing (FSDP's, or in
-    one process).
+    mesh), the policy sharded in place under FSDP2; its layers compiled (``train.compile``)
+    and checkpointed (FSDP's, or in one process), in that order.
 
     Under FSDP2 the generation copy is whole on every rank, or with ``rollout.tp_size`` = k
     split over each group of k ranks (:mod:`dapo.dist.tensor_parallel`: the mesh says who is
@@ -66,12 +66,14 @@ def _copies_then_shards(
     # with its adapters off: TrainState.reference).
     if cfg.algo.kl_coef > 0 and not lora.enabled(model):
         ref_model = copy.deepcopy(model).to(held).eval().requires_grad_(False)
+    options = sharded_load.shard_options(cfg) if dist.active() else {}  # refuses float16
+    if dist.active() and whole_copy:
+        gen_model = copy.deepcopy(model).to(held).eval().requires_grad_(False)
+    if cfg.train.compile:  # after the copies, before checkpointing (which recomputes it)
+        compiled_layers.compile_layers(model)
     if not dist.active() and cfg.dist.activation_checkpointing:
         fsdp.checkpoint_layers(model)
     if dist.active():
-        options = sharded_load.shard_options(cfg)  # refuses float16
-        if whole_copy:
-            gen_model = copy.deepcopy(model).to(held).eval().requires_grad_(False)
         fsdp.shard(model, **options)
         if ref_model is not None:
             frozen = {"activation_checkpointing": False, "reshard_after_forward": True}

@@ -359,6 +359,7 @@ def settings_from_config(
         engine=cfg.rollout.engine,
         cuda_graphs=cfg.rollout.cuda_graphs,
         packing=cfg.train.packing,
+        compiled=cfg.train.compile,
         vllm_fraction=cfg.vllm.gpu_memory_utilization,
         vllm_sleep=cfg.vllm.sleep,
         gpu_bytes=gpu_bytes,

@@ -95,6 +95,7 @@ def _part_rows(plan: MemoryPlan) -> list[tuple[str, int, str]]:
     share = f"1/{s.world_size} shard" if s.sharded else "whole"
     where = "host" if plan.offloaded else "GPU"
     ckpt = ", checkpointed" if s.activation_checkpointing else ""
+    ckpt += ", compiled: counted as eager, an upper bound" if s.compiled else ""
     if not s.sharded:
         copy = f"autocast's {compute} weight copy"
     else:

@@ -73,6 +73,10 @@ class PlanSettings:
     """``train.packing``: each response attends with a copy of its group's prompt queries,
     keys and values, and an attention output over them (held for the backward), beside the
     packed tokens' own activations."""
+    compiled: bool = False
+    """``train.compile``: the decoder layers run compiled; the activations are counted as
+    eager ones keep them, an upper bound (inductor's fusions keep fewer: measured, not
+    modelled)."""
     gqa_copy: bool = True
     """The installed transformers copies a layer's keys and values to every query head while
     decoding (before 5.23; :func:`transformers_copies_gqa`): True, the upper bound, by default."""

@@ -1,0 +1,94 @@
+"""Compiled decoder layers (``train.compile``): each layer of the policy run through
+``torch.compile`` in the passes that train and score, as torchtitan compiles its blocks.
+
+What compiles is a layer's forward without a KV cache: a packed micro-batch
+(``train.packing``), or a padded one whose prompt and responses run together. A forward that
+continues from a cache (generation on the policy itself, a shared prompt's responses) runs
+eagerly: a cache's Python bookkeeping would break the graph or specialise it per layer.
+
+One compiled function serves every layer of a class (the layer is an argument, its parameters
+graph inputs) and every length (``dynamic=True``). The packed attention runs between two
+graphs (:func:`dapo.models.packing.packed_attention`): its layout is host data, handed over
+in an object the graph does not look into, so a new layout does not compile again.
+
+A layer is wrapped by a :func:`functools.partial` over the layer, not a closure, so a deep
+copy of the model (the generation copy of ``train.async_staleness``) runs its own layers.
+A compiler error turns compiling off for the model with a warning; that call and the rest
+run eagerly.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch._dynamo
+import torch._inductor.exc
+
+from dapo.dist.fsdp import decoder_layers
+
+BACKEND = "inductor"
+"""``torch.compile``'s backend: Triton kernels on a GPU, C++ on a CPU."""
+
+COMPILER_ERRORS = (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError)
+"""What a failed ``torch.compile`` raises: dynamo's errors (a backend's failure included)
+and inductor's."""
+
+
+class CompiledForward:
+    """A layer class's forward, eager and compiled, and whether compiling is still on.
+
+    Shared, never copied: a deep copy of the model keeps calling through it."""
+
+    def __init__(self, forward: Callable[..., Any], backend: str) -> None:
+        self.eager = forward
+        self.compiled = torch.compile(forward, dynamic=True, backend=backend)
+        self.on = True
+
+    def __deepcopy__(self, memo: dict) -> CompiledForward:
+        return self
+
+
+def compile_layers(model: torch.nn.Module, backend: str = BACKEND) -> int:
+    """Wraps each decoder layer of ``model`` (:func:`decoder_layers`) so that its forwards
+    without a KV cache run compiled; returns how many layers. Layers already wrapped are left
+    as they are. Call it before activation checkpointing wraps the layers, so that a
+    recomputation runs the compiled layer too."""
+    shared: dict[Any, CompiledForward] = {}
+    layers = decoder_layers(model)
+    for layer in layers:
+        if is_compiled(layer):
+            continue
+        forward = type(layer).forward
+        if forward not in shared:
+            shared[forward] = CompiledForward(forward, backend)
+        layer.forward = functools.partial(layer_forward, shared[forward], layer)
+    return len(layers)
+
+
+def is_compiled(layer: torch.nn.Module) -> bool:
+    """Whether :func:`compile_layers` wrapped ``layer``."""
+    forward = layer.__dict__.get("forward")
+    return isinstance(forward, functools.partial) and forward.func is layer_forward
+
+
+def layer_forward(fn: CompiledForward, layer: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``layer``'s forward: compiled unless it reads or fills a KV cache, or compiling failed."""
+    if not fn.on or kwargs.get("past_key_values") is not None or kwargs.get("use_cache"):
+        return fn.eager(layer, *args, **kwargs)
+    try:
+        return fn.compiled(layer, *args, **kwargs)
+    except COMPILER_ERRORS as err:
+        # A backend's failure wraps the compiler's own error: that one says what is missing.
+        cause = getattr(err, "inner_exception", None) or err
+        first_line = (str(cause).strip().splitlines() or [""])[0]
+        warnings.warn(
+            f"train.compile: torch.compile failed ({type(cause).__name__}: {first_line}); "
+            "the decoder layers run eagerly from now on (train.compile=false skips compiling)",
+            stacklevel=2,
+        )
+        fn.on = False
+        return fn.eager(layer, *args, **kwargs)
