@@ -113,6 +113,7 @@ def test_checkpointing_recomputes_the_compiled_layer(tiny_model):
     eager = copy.deepcopy(tiny_model)
     compile_layers(tiny_model, backend=FAST)
     fsdp.checkpoint_layers(tiny_model)
+    assert all(is_compiled(layer) for layer in fsdp.decoder_layers(tiny_model))
     b = collate(groups(), pad_id=0, packed=True)
 
     def saved_and_grads(model):
@@ -231,3 +232,44 @@ def test_the_memory_plan_counts_compiled_activations_as_eager():
     row = "activations (8192 tokens, compiled: counted as eager, an upper bound)"
     assert row in format_plan(plan_memory(shape, compiled))
     assert "compiled" not in format_plan(plan_memory(shape, eager))
+
+
+def test_a_backward_that_fails_to_compile_falls_back_before_the_pass_runs(tiny_model):
+    """The backward's compiler fails: the failure comes out of the forward call (not later, in
+    ``loss.backward()``, beyond the fallback), and the gradient is eager's."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    def no_backward(graph, example_inputs):
+        raise RuntimeError("no backward compiler")
+
+    backend = aot_autograd(fw_compiler=lambda g, _: g, bw_compiler=no_backward)
+    use_packing(tiny_model)
+    eager = copy.deepcopy(tiny_model)
+    compile_layers(tiny_model, backend=backend)
+    b = collate(groups(), pad_id=0, packed=True)
+    with pytest.warns(UserWarning, match="train.compile: torch.compile failed"):
+        have, _ = batch_logprobs(tiny_model.train(), b)
+    have.sum().backward()
+    want, _ = batch_logprobs(eager.train(), b)
+    want.sum().backward()
+    for w, h in zip(eager.parameters(), tiny_model.parameters(), strict=True):
+        torch.testing.assert_close(h.grad, w.grad, rtol=0, atol=0)
+
+
+def test_a_failure_after_compiled_passes_stops_the_run(tiny_model):
+    """Once compiled layers have run, falling back could leave checkpointed layers
+    recomputing eagerly what they saved compiled: a later compiler failure is an error that
+    names the switch."""
+    failing = {"now": False}
+
+    def sometimes(graph, example_inputs):
+        if failing["now"]:
+            raise RuntimeError("out of compiler")
+        return graph.forward
+
+    compile_layers(tiny_model, backend=sometimes)
+    b = collate(groups()[:3], pad_id=0)
+    batch_logprobs(tiny_model.train(), b, share_prompts=False)
+    failing["now"] = True
+    with torch.no_grad(), pytest.raises(RuntimeError, match="set train.compile=false"):
+        batch_logprobs(tiny_model.eval(), b, share_prompts=False)

@@ -26,12 +26,30 @@ from typing import Any
 
 import torch
 import torch._dynamo
+import torch._functorch.config
 import torch._inductor.exc
 
 from dapo.dist.fsdp import decoder_layers
 
 BACKEND = "inductor"
 """``torch.compile``'s backend: Triton kernels on a GPU, C++ on a CPU."""
+
+CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past")
+"""The names a decoder layer's KV cache argument has had in transformers (``cache`` from
+5.2x, ``past_key_values`` before, ``past_key_value`` before 4.56; GPT-2's ``layer_past``)."""
+
+RECOMPILE_LIMIT = 64
+"""Compiled versions dynamo keeps of the layers' one forward: grad or not, train or eval,
+LoRA adapters on or off, a mask or none each make one (its default, 8, could be reached,
+and past it calls run eagerly with no more than a log line)."""
+
+LOWER_BACKWARD_NOW = (
+    {"force_non_lazy_backward_lowering": True}
+    if hasattr(torch._functorch.config, "force_non_lazy_backward_lowering")
+    else {}
+)
+"""AOTAutograd compiles a graph's backward when its forward runs, so that a failure is raised
+where :func:`layer_forward` falls back (where the option exists: torch 2.13 has it)."""
 
 COMPILER_ERRORS = (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError)
 """What a failed ``torch.compile`` raises: dynamo's errors (a backend's failure included)
@@ -47,6 +65,9 @@ class CompiledForward:
         self.eager = forward
         self.compiled = torch.compile(forward, dynamic=True, backend=backend)
         self.on = True
+        self.ran = False
+        """Whether a compiled call has run: after one, falling back mid-pass would leave a
+        checkpointed layer recomputing eagerly what it saved compiled."""
 
     def __deepcopy__(self, memo: dict) -> CompiledForward:
         return self
@@ -57,6 +78,8 @@ def compile_layers(model: torch.nn.Module, backend: str = BACKEND) -> int:
     without a KV cache run compiled; returns how many layers. Layers already wrapped are left
     as they are. Call it before activation checkpointing wraps the layers, so that a
     recomputation runs the compiled layer too."""
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT)
     shared: dict[Any, CompiledForward] = {}
     layers = decoder_layers(model)
     for layer in layers:
@@ -70,25 +93,40 @@ def compile_layers(model: torch.nn.Module, backend: str = BACKEND) -> int:
 
 
 def is_compiled(layer: torch.nn.Module) -> bool:
-    """Whether :func:`compile_layers` wrapped ``layer``."""
+    """Whether :func:`compile_layers` wrapped ``layer`` (under activation checkpointing's
+    wrapper or not)."""
     forward = layer.__dict__.get("forward")
-    return isinstance(forward, functools.partial) and forward.func is layer_forward
+    while isinstance(forward, functools.partial):
+        if forward.func is layer_forward:
+            return True
+        forward = next((a for a in forward.args if isinstance(a, functools.partial)), None)
+    return False
 
 
 def layer_forward(fn: CompiledForward, layer: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     """``layer``'s forward: compiled unless it reads or fills a KV cache, or compiling failed."""
-    if not fn.on or kwargs.get("past_key_values") is not None or kwargs.get("use_cache"):
+    cached = any(kwargs.get(name) is not None for name in CACHE_ARGUMENTS)
+    if not fn.on or cached or kwargs.get("use_cache"):
         return fn.eager(layer, *args, **kwargs)
     try:
-        return fn.compiled(layer, *args, **kwargs)
+        # The backward compiled now, inside this try, not lazily in loss.backward().
+        with torch._functorch.config.patch(**LOWER_BACKWARD_NOW):
+            out = fn.compiled(layer, *args, **kwargs)
     except COMPILER_ERRORS as err:
         # A backend's failure wraps the compiler's own error: that one says what is missing.
         cause = getattr(err, "inner_exception", None) or err
-        first_line = (str(cause).strip().splitlines() or [""])[0]
+        what = f"torch.compile failed ({type(cause).__name__}: "
+        what += (str(cause).strip().splitlines() or [""])[0] + ")"
+        if fn.ran:
+            raise RuntimeError(
+                f"train.compile: {what} after compiled passes had run; set train.compile=false"
+            ) from err
         warnings.warn(
-            f"train.compile: torch.compile failed ({type(cause).__name__}: {first_line}); "
-            "the decoder layers run eagerly from now on (train.compile=false skips compiling)",
+            f"train.compile: {what}; the decoder layers run eagerly from now on "
+            "(train.compile=false skips compiling)",
             stacklevel=2,
         )
         fn.on = False
         return fn.eager(layer, *args, **kwargs)
+    fn.ran = True
+    return out
