@@ -12,17 +12,13 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from dapo.config import load_config
 from dapo.data.batch import collate
-from dapo.data.problems import Problem
 from dapo.dist import fsdp
 from dapo.models import compiled_layers
 from dapo.models.compiled_layers import compile_layers, is_compiled
 from dapo.models.logprobs import batch_logprobs
 from dapo.models.packing import use_packing
-from dapo.training.state import build_state
-from dapo.training.update import accumulate_gradients
-from tests.test_packing import groups
+from tests.test_packing import gradients, groups
 
 # aot_eager traces and partitions exactly as inductor does, without generating C++: the
 # graphs and their count are the same, in a fraction of the time.
@@ -41,19 +37,6 @@ def graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-def gradients(model, tokenizer, eps, *overrides: str):
-    cfg = load_config(None, ["rollout.max_new_tokens=20", *overrides])
-    state = build_state(cfg, model, tokenizer, [Problem("p", (), "1")])
-    model.zero_grad(set_to_none=True)
-    sums = accumulate_gradients(
-        state,
-        eps,
-        num_tokens=sum(e.num_loss_tokens for e in eps),
-        num_seqs=sum(1 for e in eps if e.num_loss_tokens),
-    ).read()
-    return [p.grad.clone() for p in model.parameters()], sums, state
-
-
 @pytest.mark.parametrize(
     "layout", [["train.packing=true"], ["train.share_prompts=false"]], ids=["packed", "padded"]
 )
@@ -62,9 +45,9 @@ def test_compiled_layers_give_the_eager_gradient(tiny_model, tokenizer, layout):
     the loss and every parameter's gradient of eager layers, to float32 rounding."""
     eps = groups()
     twin = copy.deepcopy(tiny_model)
-    eager, e_sums, _ = gradients(tiny_model, tokenizer, eps, *layout)
-    got, c_sums, state = gradients(twin, tokenizer, eps, *layout, "train.compile=true")
-    assert all(is_compiled(layer) for layer in fsdp.decoder_layers(state.model))
+    eager, e_sums = gradients(tiny_model, tokenizer, eps, *layout)
+    got, c_sums = gradients(twin, tokenizer, eps, *layout, "train.compile=true")
+    assert all(is_compiled(layer) for layer in fsdp.decoder_layers(twin))
     assert graphs() > 0  # it did compile
     assert c_sums["loss"] == pytest.approx(e_sums["loss"], rel=1e-6)
     assert c_sums["tokens"] == e_sums["tokens"]

@@ -13,8 +13,9 @@ in an object the graph does not look into, so a new layout does not compile agai
 
 A layer is wrapped by a :func:`functools.partial` over the layer, not a closure, so a deep
 copy of the model (the generation copy of ``train.async_staleness``) runs its own layers.
-A compiler error turns compiling off for the model with a warning; that call and the rest
-run eagerly.
+A compiler error before any compiled pass has run turns compiling off for the model with a
+warning, and that call and the rest run eagerly; after one, it is an error (checkpointed
+layers would recompute eagerly what they saved compiled).
 """
 
 from __future__ import annotations
