@@ -2,7 +2,7 @@
 
     python benchmarks/lora.py runs --model models/smollm2-135m           # the recipe, both ways
     python benchmarks/lora.py runs --model M --only full r16-lr1e-4     # some of the runs
-    python benchmarks/lora.py decode --model models/smollm2-135m --rank 16
+    python benchmarks/lora.py decode --model models/smollm2-135m --rank 16 [--natural]
 
 ``runs`` trains ``recipes/smollm2-135m-arith.yaml`` (20 steps) once with every weight and once
 per LoRA setting of the sweep (``SWEEP``: rank and learning rate), one run after another in
@@ -11,9 +11,11 @@ gain (95% intervals from the run's own bootstrap), the median step time and its 
 and training parts, the trainer process's peak resident memory (with its reward workers),
 the trained parameters and the optimizer state's bytes (the last checkpoint's
 ``optimizer.safetensors``). A run already in ``--out`` with a ``summary.json`` is read, not
-run again. ``decode`` times the native engine on a model with adapters (``B`` drawn, not
-zero) against the same model with the adapters merged into its weights, at equal work:
-prompts of the arith task, every row exactly ``--new-tokens`` long.
+run again. ``decode`` times an engine (``--engine``: dapo or hf) on a model with adapters
+(``B`` drawn, not zero), sampling through the adapters against sampling from the copy with
+the adapters merged that ``model.lora.merged_sampling`` makes at each call (its making
+counted), at equal work: prompts of the arith task, every row exactly ``--new-tokens`` long,
+or with ``--natural`` ending at EOS (the same seeds draw the same tokens both ways).
 """
 
 from __future__ import annotations
@@ -121,7 +123,7 @@ def decode(args: argparse.Namespace) -> None:
     import copy
 
     import torch
-    from engines import load, prompts_for, time_one
+    from engines import load, prompts_for
 
     from dapo.config import LoraConfig
     from dapo.models import lora
@@ -130,36 +132,54 @@ def decode(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     base, tokenizer = load(args.model)
-    adapted = lora.apply(copy.deepcopy(base), LoraConfig(rank=args.rank), seed=0)
+    adapted = lora.apply(copy.deepcopy(base), LoraConfig(rank=args.rank), seed=0).eval()
     with torch.no_grad():  # a trained B: the merged weights differ from the base's
         for name, p in adapted.named_parameters():
             if ".lora_B." in name:
                 p.normal_(0, 1e-3, generator=torch.Generator().manual_seed(0))
-    merged = copy.deepcopy(base)
-    merged.load_state_dict(lora.merged_weights(adapted))
     prompts = prompts_for(tokenizer, args.rows // args.group, chat=bool(args.model))
-    models = {"adapters": adapted.eval(), "merged": merged.eval()}
-    engines = {
-        k: make_engine("dapo", m, tokenizer, (tokenizer.eos_token_id,)) for k, m in models.items()
+    stops = (tokenizer.eos_token_id,)
+    engines = {  # the same policy, sampled through its adapters or from a merged copy
+        k: make_engine(args.engine, adapted, tokenizer, stops, merged_sampling=k == "merged")
+        for k in ("adapters", "merged")
     }
     for engine in engines.values():
         engine.generate(prompts, group_size=args.group, max_new_tokens=4, ignore_eos=True)
     figures: dict[str, list[float]] = {k: [] for k in engines}
+    copies = []
     for rep in range(args.reps):
         for name in list(engines) if rep % 2 == 0 else list(engines)[::-1]:
-            tps = time_one(engines[name], prompts, args.group, args.new_tokens, seed=rep)
+            tps = _tokens_per_s(engines[name], prompts, args, seed=rep)
             figures[name].append(tps)
             log(f"rep {rep + 1}/{args.reps} {name}: {tps:,.1f} tokens/s")
+        t0 = time.perf_counter()
+        lora.merged_copy(adapted)
+        copies.append(time.perf_counter() - t0)
     params = sum(p.numel() for p in base.parameters())
+    ends = "at EOS (the same tokens both ways)" if args.natural else "of exactly that length"
     print(
         f"model {args.model} ({params / 1e6:.1f}M), LoRA rank {args.rank} on "
-        f"{', '.join(LoraConfig().target_modules)}; native engine, {args.rows} rows x "
-        f"{args.new_tokens} tokens, {args.reps} reps, threads {torch.get_num_threads()}"
+        f"{', '.join(LoraConfig().target_modules)}; {args.engine} engine, {args.rows} rows of "
+        f"up to {args.new_tokens} tokens {ends}, {args.reps} reps, "
+        f"threads {torch.get_num_threads()}"
     )
     for name, values in figures.items():
         print(f"{name:>9}: {statistics.median(values):>8,.1f} tokens/s (median)")
-    ratio = statistics.median(figures["adapters"]) / statistics.median(figures["merged"])
-    print(f"adapters / merged: {ratio:.2f}")
+    ratio = statistics.median(figures["merged"]) / statistics.median(figures["adapters"])
+    print(f"merged / adapters: {ratio:.2f} (the copy, made per call: {min(copies):.2f} s)")
+
+
+def _tokens_per_s(engine, prompts: list[str], args: argparse.Namespace, seed: int) -> float:
+    """Generated tokens per second of one call (a merged engine's copy included)."""
+    t0 = time.perf_counter()
+    rollout = engine.generate(
+        prompts,
+        group_size=args.group,
+        max_new_tokens=args.new_tokens,
+        seed=seed,
+        ignore_eos=not args.natural,
+    )
+    return int(rollout.lengths_B.sum()) / (time.perf_counter() - t0)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -173,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--steps", type=int, default=20)
     r.add_argument("--only", nargs="+", choices=list(SWEEP), help="some runs of the sweep")
     r.add_argument("--json", action="store_true")
-    d = sub.add_parser("decode", help="adapters against merged weights, native engine")
+    d = sub.add_parser("decode", help="sampling through the adapters against a merged copy")
     d.add_argument("--model", default="", help="a model directory (default: the demo)")
     d.add_argument("--rank", type=int, default=16)
     d.add_argument("--rows", type=int, default=32)
@@ -181,6 +201,10 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("--new-tokens", type=int, default=64)
     d.add_argument("--reps", type=int, default=3)
     d.add_argument("--threads", type=int, default=0)
+    d.add_argument("--engine", choices=["dapo", "hf"], default="dapo")
+    d.add_argument(
+        "--natural", action="store_true", help="rows end at EOS, as in training (default: never)"
+    )
     args = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).parent))  # benchmarks/engines.py's helpers
     runs(args) if args.what == "runs" else decode(args)

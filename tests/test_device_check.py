@@ -17,7 +17,8 @@ pi_ref) and ``minibatch_update`` (micro-batches, the loss and KL, backward, clip
 step) for the dapo and grpo presets; ``NativeEngine.generate``: ``encode_prompts``, the prefill
 and its row cache, the drawing of a token (CPU uniforms moved to the device, per-prompt seeds,
 top-p, greedy), rows leaving the batch and the cache, a step on the cache, ``finish_rollout``;
-``HFEngine.generate`` for one token; ``collate(...).to(device)``; ``train.packing``'s pass,
+``HFEngine.generate`` for one token; both engines' merged copy of a LoRA policy
+(``model.lora.merged_sampling``); ``collate(...).to(device)``; ``train.packing``'s pass,
 its GPU attention too (one variable-length call, PyTorch's kernel stood in); the CUDA-graph
 path's loop (``static_decode`` without graphs: its buffers, the step, the draw, the
 read-backs).
@@ -526,6 +527,25 @@ def test_hf_engine_on_the_device(tiny_model, tokenizer):
     tensors = [v for v in vars(rollout).values() if isinstance(v, torch.Tensor)]
     assert len(tensors) == 7 and all(t.device == DEVICE for t in tensors)
     assert rollout.logprobs_BT.shape == (2 * G, 1)
+
+
+@pytest.mark.parametrize("engine_class", [native.NativeEngine, HFEngine])
+def test_lora_merged_sampling_on_the_device(tiny_model, tokenizer, engine_class, monkeypatch):
+    """A LoRA policy samples from a merged copy made on the device from its weights."""
+    pytest.importorskip("peft")
+    from dapo.config import LoraConfig
+    from dapo.models import lora
+
+    made, real = [], lora.merged_copy
+    monkeypatch.setattr(lora, "merged_copy", lambda m: made.append(real(m)) or made[-1])
+    reads = READS_DECODE | {"generate": True, "finish_rollout": tokenizer.eos_token_id}
+    adapted = lora.apply(copy.deepcopy(tiny_model), LoraConfig(rank=2))
+    with DeviceCheck(reads):
+        engine = engine_class(on_device(adapted), tokenizer)
+        rollout = engine.generate(PROMPTS, group_size=G, max_new_tokens=2)
+    assert len(made) == 1 and rollout.response_ids_BT.device == DEVICE
+    tensors = [*made[0].parameters(), *made[0].buffers()]
+    assert all(isinstance(t, FakeTensor) and t.device == DEVICE for t in tensors)
 
 
 def test_prompts_and_batches_go_to_the_device(tokenizer):

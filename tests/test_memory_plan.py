@@ -640,6 +640,30 @@ def test_lora_counts_gradients_and_adamw_of_the_adapters_alone():
     assert (s.lora_rank, s.lora_targets) == (16, ("q_proj",))
 
 
+def test_lora_sampled_from_a_merged_copy_counts_the_adapted_weights_again():
+    """``model.lora.merged_sampling``: the eager loop and hf sample from a float32 copy of the
+    adapted Linears, merged. Qwen2.5-1.5B per layer: 1536 x (q 1536 + k 256 + v 256 + o 1536
+    + gate, up and down 8960 each) = 46,792,704 weights; 28 layers: 1,310,195,712."""
+    shape = ModelShape.from_hf_config(KNOWN_SHAPES["qwen2.5-1.5b"])
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    assert shape.lora_target_weights(targets) == 28 * 46_792_704 == 1_310_195_712
+    assert shape.lora_target_weights(("q_proj",)) == 28 * 1536 * 1536
+
+    def copy(**settings) -> int:
+        on = dict(lora_rank=16, lora_targets=targets, device="cuda", compute_dtype="bfloat16")
+        merged = plan_memory(shape, PlanSettings(**on | settings)).generation_copy
+        off = PlanSettings(**on | settings | {"merged_sampling": False})
+        return merged - plan_memory(shape, off).generation_copy
+
+    assert copy(engine="hf") == copy(cuda_graphs=False) == 4 * 1_310_195_712
+    assert copy(device="cpu", compute_dtype="float32") == 4 * 1_310_195_712
+    assert copy() == 0  # the CUDA-graph path merges into the bf16 copy it makes anyway
+    assert copy(engine="vllm") == copy(engine="hf", param_dtype="bfloat16") == 0
+    assert copy(engine="hf", world_size=2) == 0  # under FSDP: a bf16 generation copy
+    cfg = load_config(None, ["model.lora.rank=4", "model.lora.merged_sampling=false"])
+    assert not settings_from_config(cfg, world_size=1, prompt_tokens=10).merged_sampling
+
+
 def test_episodes_count_the_parked_caches_beside_the_decoding_ones():
     """With ``env.class`` the native engine keeps the caches of rows that stopped at a turn
     end while the others decode (dapo/rollout/parking.py): the KV cache twice; vLLM's

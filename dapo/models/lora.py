@@ -12,8 +12,10 @@ The starting policy is the base model exactly (``lora_B`` starts at zero). The K
 is the same module with its adapters switched off (:func:`adapters_off`), not a second copy.
 An engine with weights of its own gets the base once and the adapters after each update
 (vLLM, through its LoRA support) or the merged weights ``W + (alpha / r) B A`` computed into
-its copy (a tensor-parallel copy, :func:`merged_weights`); the policy's own weights are never
-merged in place, so nothing drifts however many updates there are.
+its copy (a tensor-parallel copy, :func:`merged_weights`); an engine that samples the live
+policy does so from a merged copy made for each call (:func:`merged_copy`), or through the
+adapters. The policy's own weights are never merged in place, so nothing drifts however many
+updates there are.
 """
 
 from __future__ import annotations
@@ -211,6 +213,57 @@ def merger(model: torch.nn.Module) -> Callable[[dict], dict] | None:
         return None
     scale = scales(model)
     return lambda weights: dict(merge_stream(weights.items(), scale))
+
+
+def merged_weight(module: torch.nn.Module) -> torch.Tensor:
+    """A LoRA Linear's weight as one matrix: its base weight plus its active adapter's
+    ``scaling x B A``, a new float32 tensor (the module is left as it is)."""
+    name, base = module.active_adapters[0], module.base_layer
+    if module.fan_in_fan_out:  # the weight is stored transposed: peft's general path
+        return base.weight.detach().float() + module.get_delta_weight(name).detach().float()
+    a, b = module.lora_A[name].weight.detach(), module.lora_B[name].weight.detach()
+    # One pass over W (peft's get_delta_weight makes B A, then its scaled copy, then the sum).
+    return torch.addmm(
+        base.weight.detach().float(), b.float(), a.float(), alpha=module.scaling[name]
+    )
+
+
+def can_merge(model: torch.nn.Module) -> bool:
+    """Whether a merged copy (:func:`merged_copy`) of ``model`` computes what it computes:
+    adapters on, one active adapter per layer, none merged or DoRA, and float32 base weights
+    (in bfloat16 or float16 the merge would round the adapters' small updates away)."""
+    from peft.tuners.lora import LoraLayer
+
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    return bool(layers) and all(
+        len(m.active_adapters) == 1
+        and not m.disable_adapters
+        and not m.merged
+        and not m.use_dora.get(m.active_adapters[0], False)
+        and m.base_layer.weight.dtype == torch.float32
+        and type(m.base_layer) is torch.nn.Linear
+        for m in layers
+    )
+
+
+@torch.no_grad()
+def merged_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` in which each LoRA Linear is a plain Linear holding its merged
+    weight (:func:`merged_weight`): what a sampler reads faster than the adapters (no second
+    pair of products per layer). Every other tensor is ``model``'s own, shared, not copied;
+    the policy itself is never merged, so nothing drifts however many updates there are.
+    Made fresh after each update (:func:`can_merge` first)."""
+    from peft.tuners.lora import LoraLayer
+
+    memo: dict[int, Any] = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    for module in model.modules():
+        if isinstance(module, LoraLayer):
+            base = module.base_layer
+            plain = torch.nn.Linear(base.in_features, base.out_features, bias=False, device="meta")
+            plain.weight = torch.nn.Parameter(merged_weight(module), requires_grad=False)
+            plain.bias = base.bias
+            memo[id(module)] = plain  # the deep copy takes it in the adapted layer's place
+    return copy.deepcopy(model, memo).eval()
 
 
 @torch.no_grad()

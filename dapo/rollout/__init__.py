@@ -43,19 +43,22 @@ def make_engine(
     device: torch.device | None = None,
     cuda_graphs: bool = True,
     compile_step: bool = True,
+    merged_sampling: bool = True,
 ) -> Engine:
     """The engine called ``name``, sampling from ``model`` (in ``compute_dtype`` when given)
     on ``device`` (the run's compute device; default: the model's); a response ends at the
     first of ``stop_token_ids`` (default: the tokenizer's EOS; ``policy.stop_token_ids``
     gives a run's set). ``vllm`` holds the vllm engine's options (the run's ``vllm`` config
     section as a dict; its defaults when None). ``cuda_graphs``, ``compile_step``: the dapo
-    engine's ``rollout.cuda_graphs`` and ``rollout.compile_step``."""
+    engine's ``rollout.cuda_graphs`` and ``rollout.compile_step``; ``merged_sampling``: the
+    dapo and hf engines' ``model.lora.merged_sampling``."""
     if name not in ENGINES:
         raise ValueError(f"rollout engine {name!r}: use one of {', '.join(ENGINES)}")
     if name == "vllm":
         options = vllm or {}
         return VLLMEngine(model, tokenizer, stop_token_ids, compute_dtype, device=device, **options)
     engine = ENGINES[name](model, tokenizer, stop_token_ids, compute_dtype, device=device)
+    engine.merged_sampling = merged_sampling
     if isinstance(engine, NativeEngine):
         engine.cuda_graphs = cuda_graphs
         engine.compile_step = compile_step

@@ -29,6 +29,7 @@ import torch.fx.experimental._config
 import torch.nn.functional as F
 
 from dapo.dist.fsdp import holds_dtensors
+from dapo.models import lora
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 """Decoders whose layer is this step's: pre-norm attention with rotary embeddings, a gated
@@ -108,10 +109,8 @@ def linear_weight(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor |
     it is, so nothing is merged in place and nothing can drift across updates)."""
     if type(module) is torch.nn.Linear:
         return module.weight.detach(), None if module.bias is None else module.bias.detach()
-    base = module.base_layer
-    delta = module.get_delta_weight(module.active_adapters[0]).detach()
-    bias = None if base.bias is None else base.bias.detach()
-    return base.weight.detach().float() + delta.float(), bias
+    bias = module.base_layer.bias
+    return lora.merged_weight(module), None if bias is None else bias.detach()
 
 
 class DecoderStep:

@@ -95,13 +95,30 @@ class HFEngine(LiveModelEngine):
             greedy=greedy,
             ignore_eos=ignore_eos,
         )
-        if not isinstance(seed, int):
-            if len(seed) != len(prompts):
-                raise ValueError(f"{len(seed)} seeds for {len(prompts)} prompts: give one each")
+        if not isinstance(seed, int) and len(seed) != len(prompts):
+            raise ValueError(f"{len(seed)} seeds for {len(prompts)} prompts: give one each")
+        with self.sampling_model() as model:
+            if isinstance(seed, int):
+                return self._generate(model, prompts, seed, **sampling)
             pairs = zip(prompts, seed, strict=True)
-            parts = [self.generate([p], seed=int(s), **sampling) for p, s in pairs]
+            parts = [self._generate(model, [p], int(s), **sampling) for p, s in pairs]
             return concat_rollouts(parts, self.tokenizer.pad_token_id)
-        model, tokenizer = self.model, self.tokenizer
+
+    def _generate(
+        self,
+        model: torch.nn.Module,
+        prompts: Prompts,
+        seed: int,
+        *,
+        group_size: int,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        greedy: bool,
+        ignore_eos: bool,
+    ) -> Rollout:
+        """One ``model.generate`` call over ``prompts``, seeded with ``seed``."""
+        tokenizer = self.tokenizer
         ids_nP, mask_nP = encode_prompts(tokenizer, prompts, self.device)
         prompt_ids_BP = ids_nP.repeat_interleave(group_size, dim=0)
         prompt_mask_BP = mask_nP.repeat_interleave(group_size, dim=0)

@@ -137,8 +137,8 @@ class NativeEngine(LiveModelEngine):
         if self.static_path():
             decoded = self._static_decode(ids_nP, mask_nP, options)
         else:
-            with autocast(self.model, self.compute_dtype, self.device):
-                decoded = decode(self.model, ids_nP, mask_nP, **options)
+            with self.sampling_model() as model, autocast(model, self.compute_dtype, self.device):
+                decoded = decode(model, ids_nP, mask_nP, **options)
         response_ids_BT, logprobs_BT, slots = decoded
         out = finish_rollout(
             tok,

@@ -44,7 +44,7 @@ from dapo.training.rollout_files import decode, encode, rollouts_to_files
 from dapo.training.rounds import Drawer, draw_step
 from dapo.training.sampling import SamplingResult
 from dapo.training.sources import StepRollouts, drawn_ahead_metrics
-from dapo.training.state import TrainState, drawer_for, engine_stops, reward_pool
+from dapo.training.state import TrainState, drawer_for, engine_options, engine_stops, reward_pool
 
 # ----------------------------------------------------------------------------- the trainers
 
@@ -191,8 +191,7 @@ def generate_on_this_rank(
         compute,
         vllm=vars(cfg.vllm),
         device=device,
-        cuda_graphs=cfg.rollout.cuda_graphs,
-        compile_step=cfg.rollout.compile_step,
+        **engine_options(cfg),
     )
     sampler = PromptSampler(problems, seed=cfg.train.seed)
     pool = reward_pool(cfg, reward_fn)

@@ -45,7 +45,7 @@ from dapo.training.exchange import MiniBatch
 from dapo.training.rollout_files import rollouts_to_files
 from dapo.training.rounds import draw_step
 from dapo.training.sources import StepRollouts, drawn_ahead_metrics
-from dapo.training.state import TrainState, drawer_for, engine_stops
+from dapo.training.state import TrainState, drawer_for, engine_options, engine_stops
 
 if TYPE_CHECKING:
     from dapo.reward.pool import RewardPool
@@ -82,8 +82,7 @@ class GeneratorThread:
             stops,
             compute,
             device=state.device,
-            cuda_graphs=cfg.rollout.cuda_graphs,
-            compile_step=cfg.rollout.compile_step,
+            **engine_options(cfg),
         )
         self.device = state.device
         # The generator's own model, engine, pool and timers; the prompt sampler is shared

@@ -196,14 +196,21 @@ def generation_copy_bytes(shape: ModelShape, s: PlanSettings, *, frozen: int) ->
     """Under FSDP a frozen copy (``frozen`` bytes a value) to generate from, whole or with
     ``shape.tp_split_parameters`` split over ``s.tp_size`` ranks; one process generates from its
     own module, whose compute-dtype copy under autocast this counts (none in float32). The
-    vllm engine under FSDP loads its own weights from the shards (in its reservation): none."""
+    vllm engine under FSDP loads its own weights from the shards (in its reservation): none.
+    LoRA on float32 weights sampled by the eager loop or hf (``model.lora.merged_sampling``):
+    the adapted weights once more, merged, in float32."""
     master, compute = DTYPE_BYTES[s.param_dtype], DTYPE_BYTES[s.compute_dtype]
+    static = s.device == "cuda" and s.cuda_graphs and shape.model_type in STATIC_DECODING_TYPES
+    eager = s.engine == "hf" or (s.engine == "dapo" and not static)
+    float32 = (frozen if s.sharded else master) == 4
+    merged = eager and float32 and s.lora_rank and s.merged_sampling
+    extra = 4 * shape.lora_target_weights(s.lora_targets) if merged else 0
     if s.sharded and s.engine == "vllm":
         return 0
     if not s.sharded:
-        return shape.num_parameters * compute if compute != master else 0
+        return (shape.num_parameters * compute if compute != master else 0) + extra
     split = shape.tp_split_parameters
-    return math.ceil(split * frozen / s.tp_size) + (shape.num_parameters - split) * frozen
+    return math.ceil(split * frozen / s.tp_size) + (shape.num_parameters - split) * frozen + extra
 
 
 def load_host_bytes(shape: ModelShape, s: PlanSettings) -> int:
@@ -354,6 +361,7 @@ def settings_from_config(
         top_p=min(cfg.rollout.top_p, cfg.eval.top_p) < 1,
         lora_rank=cfg.model.lora.rank,
         lora_targets=tuple(cfg.model.lora.target_modules),
+        merged_sampling=cfg.model.lora.merged_sampling,
         gqa_copy=transformers_copies_gqa(),
         device=device,
         engine=cfg.rollout.engine,

@@ -112,11 +112,10 @@ class ModelShape:
     def num_parameters(self) -> int:
         return self.layers * self.layer_parameters + self.outer_parameters
 
-    def lora_parameters(self, rank: int, targets: Sequence[str]) -> int:
-        """LoRA's adapter parameters (``model.lora``): r (in + out) for each targeted Linear
-        of every decoder layer (q, k, v, o, gate, up, down; other names count nothing)."""
+    def _linear_sizes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of each Linear of a decoder layer, by name."""
         h, i, q, kv = self.hidden, self.intermediate, self.heads * self.head_dim, self.kv_dim
-        sizes = {
+        return {
             "q_proj": (h, q),
             "k_proj": (h, kv),
             "v_proj": (h, kv),
@@ -125,5 +124,15 @@ class ModelShape:
             "up_proj": (h, i),
             "down_proj": (i, h),
         }
+
+    def lora_parameters(self, rank: int, targets: Sequence[str]) -> int:
+        """LoRA's adapter parameters (``model.lora``): r (in + out) for each targeted Linear
+        of every decoder layer (q, k, v, o, gate, up, down; other names count nothing)."""
+        sizes = self._linear_sizes()
         per_layer = sum(rank * sum(sizes[t]) for t in set(targets) if t in sizes)
         return self.layers * per_layer
+
+    def lora_target_weights(self, targets: Sequence[str]) -> int:
+        """The weights of the Linears LoRA adapts (in x out each), every decoder layer's."""
+        sizes = self._linear_sizes()
+        return self.layers * sum(a * b for t, (a, b) in sizes.items() if t in set(targets))

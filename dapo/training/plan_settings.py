@@ -52,6 +52,8 @@ class PlanSettings:
     and the rest is frozen; 0: every weight trains."""
     lora_targets: tuple[str, ...] = ()
     """``model.lora.target_modules``."""
+    merged_sampling: bool = True
+    """``model.lora.merged_sampling``: the eager loop and hf sample LoRA from a merged copy."""
     device: str = ""
     """Where the run computes: on ``cuda`` the CUDA runtime, NCCL's buffers and the caching
     allocator's reserve count (:mod:`dapo.training.fixed_memory`); ``cpu`` or unstated (""),

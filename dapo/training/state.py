@@ -175,6 +175,15 @@ def runner_for(settings: EnvConfig, engine: Engine, tokenizer: Any) -> EpisodeRu
     )
 
 
+def engine_options(cfg: Config) -> dict[str, bool]:
+    """The dapo and hf engines' settings from the run's config (``make_engine``'s keywords)."""
+    return dict(
+        cuda_graphs=cfg.rollout.cuda_graphs,
+        compile_step=cfg.rollout.compile_step,
+        merged_sampling=cfg.model.lora.merged_sampling,
+    )
+
+
 def engine_stops(stops: Sequence[int], tokenizer: Any, settings: EnvConfig) -> list[int]:
     """:func:`with_turn_ends` of the environment ``settings`` names."""
     return with_turn_ends(stops, tokenizer, load_environment(settings.class_, settings))
@@ -228,8 +237,7 @@ def build_state(
         compute,
         vllm=vars(cfg.vllm) | ({"tensor_parallel_size": cfg.rollout.tp_size} if tp_mesh else {}),
         device=device,
-        cuda_graphs=cfg.rollout.cuda_graphs,
-        compile_step=cfg.rollout.compile_step,
+        **engine_options(cfg),
     )
     scaler = None
     if compute == torch.float16 and next(model.parameters()).dtype == torch.float32:
