@@ -18,7 +18,8 @@ pytest.importorskip("peft")
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """A saved base (the demo's warm-started model), and LoRA runs on it: one process, two
-    ranks, and two ranks for 2 steps resumed in one process for the third."""
+    ranks, two ranks for 2 steps resumed in one process for the third, and two ranks that
+    generate together from a tensor-parallel copy (``rollout.tp_size=2``)."""
     from dapo.models.policy import load_policy
     from dapo.training.inputs import load_run_data
 
@@ -33,6 +34,7 @@ def runs(tmp_path_factory):
     dapo_train(0, *settings, "run.name=one", out_dir=root)
     dapo_train(2, *settings, "run.name=two", out_dir=root)
     dapo_train(2, *settings, "train.steps=2", "run.name=cut", out_dir=root)
+    dapo_train(2, *settings, "rollout.tp_size=2", "run.name=tp", out_dir=root)
     dapo_train(0, "--resume", str(root / "cut"), "train.steps=3", out_dir=root)
     return root
 
@@ -69,6 +71,16 @@ def test_two_ranks_train_the_adapters_as_one_process(runs):
     )
     _close(
         load_file(runs / "cut" / "model" / "model.safetensors"),
+        load_file(runs / "one" / "model" / "model.safetensors"),
+    )
+
+
+def test_a_tensor_parallel_rollout_trains_the_adapters_as_one_process(runs):
+    """The native engine's copy split over 2 ranks, filled with the merged weights after
+    every update, draws what one process draws from its merged copy."""
+    _same_lines(_lines(runs / "tp"), _lines(runs / "one"))
+    _close(
+        load_file(runs / "tp" / "model" / "model.safetensors"),
         load_file(runs / "one" / "model" / "model.safetensors"),
     )
 

@@ -660,6 +660,9 @@ def test_lora_sampled_from_a_merged_copy_counts_the_adapted_weights_again():
     assert copy() == 0  # the CUDA-graph path merges into the bf16 copy it makes anyway
     assert copy(engine="vllm") == copy(engine="hf", param_dtype="bfloat16") == 0
     assert copy(engine="hf", world_size=2) == 0  # under FSDP: a bf16 generation copy
+    f32 = dict(world_size=2, compute_dtype="float32", device="cpu")
+    assert copy(**f32) == 4 * 1_310_195_712  # a float32 one, merged per call again
+    assert copy(**f32, tp_size=2) == 0  # the tensor-parallel copy is filled merged
     cfg = load_config(None, ["model.lora.rank=4", "model.lora.merged_sampling=false"])
     assert not settings_from_config(cfg, world_size=1, prompt_tokens=10).merged_sampling
 

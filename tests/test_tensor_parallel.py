@@ -8,7 +8,8 @@ one vocabulary-sharded weight, an odd vocabulary split unevenly), an untied Llam
 (per-head q/k norms); both runtimes (local shards, the default, and DTensor's forwards); the copy
 filled from the whole model and from an FSDP2-sharded one (the same shards); no rank holding
 two whole parameters at once while filling; both ranks returning the same rollouts; the
-groups' share of a round and de-duplication; refusals before any model loads.
+groups' share of a round and de-duplication; refusals before any model loads; a LoRA policy
+(the copy filled with its merged weights, from the whole policy and from FSDP2 shards).
 
 Not covered here: CUDA and NCCL (checked by hand on one H200 at tp 1 only: two ranks cannot
 share one GPU under NCCL; a fake CUDA tensor cannot run on the CPU-only torch wheel, see
@@ -19,6 +20,7 @@ from the whole one, so its tokens need not match), the training step (not wired 
 from __future__ import annotations
 
 import copy
+import importlib.util
 import weakref
 from pathlib import Path
 
@@ -97,6 +99,21 @@ def _models(tok) -> dict[str, torch.nn.Module]:
         for model in models.values():
             model.get_output_embeddings().weight[tok.eos_token_id] *= 6
     return {name: model.eval() for name, model in models.items()}
+
+
+def _adapted(model: torch.nn.Module) -> torch.nn.Module | None:
+    """``model`` with rank-4 LoRA adapters, B drawn (trained adapters); None without peft."""
+    if importlib.util.find_spec("peft") is None:
+        return None
+    from dapo.config import LoraConfig
+    from dapo.models import lora
+
+    adapted = lora.apply(copy.deepcopy(model), LoraConfig(rank=4))
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    return adapted.eval()
 
 
 def _generate(model, tok) -> dict[str, list]:
@@ -185,6 +202,12 @@ def _rank_checks(rank: int) -> dict:
         seen[f"{name}_bf16_equal"] = all(
             c[k].dtype == torch.bfloat16 and torch.equal(c[k], a[k].bfloat16()) for k in a
         )
+    adapted = _adapted(_models(tok)["qwen2"])
+    if adapted is not None:  # a LoRA policy: its TP copy filled with the merged weights
+        copy_tp = tp.tp_generation_copy(adapted, mesh, dtype=torch.float32, device=CPU)
+        tp.fill_tp_copy(adapted, copy_tp)
+        seen["qwen2_lora"] = _generate(copy_tp, tok)
+        seen["qwen2_lora_fsdp_generate"] = _generate(_filled_from_shards(adapted, mesh)[0], tok)
     try:
         tp.tp_generation_copy(
             LlamaConfig(**{k: v for k, v in SMOLLM2.items() if k != "model_type"}),
@@ -219,7 +242,11 @@ def ranks(tmp_path_factory) -> dict[int, dict]:
 def one_process() -> dict[str, dict]:
     torch.set_num_threads(1)
     tok = build_tokenizer()
-    return {name: _generate(model, tok) for name, model in _models(tok).items()}
+    out = {name: _generate(model, tok) for name, model in _models(tok).items()}
+    adapted = _adapted(_models(tok)["qwen2"])
+    if adapted is not None:  # sampled from its merged copy (model.lora.merged_sampling)
+        out["qwen2_lora"] = _generate(adapted, tok)
+    return out
 
 
 RUNTIMES = ["", "_dtensor"]  # local shards with plain collectives (default); DTensor's dispatch
@@ -236,6 +263,20 @@ def test_two_ranks_generate_what_one_process_generates(ranks, one_process, name,
         assert split[f"{mode}_ids"] == whole[f"{mode}_ids"]
         diff = torch.tensor(split[f"{mode}_logprobs"]) - torch.tensor(whole[f"{mode}_logprobs"])
         assert diff.abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+def test_a_lora_policy_generates_at_tp_2_what_it_generates_whole(ranks, one_process, mode):
+    """The tensor-parallel copy of a policy with adapters holds the merged weights, filled from
+    the whole policy or from its FSDP2 shards (``fill_tp_copy``)."""
+    pytest.importorskip("peft")
+    whole = one_process["qwen2_lora"]
+    assert whole[f"{mode}_ids"] != one_process["qwen2"][f"{mode}_ids"]  # the adapters count
+    for r in (0, 1):
+        for split in (ranks[r]["qwen2_lora"], ranks[r]["qwen2_lora_fsdp_generate"]):
+            assert split[f"{mode}_ids"] == whole[f"{mode}_ids"]
+            diff = torch.tensor(split[f"{mode}_logprobs"]) - torch.tensor(whole[f"{mode}_logprobs"])
+            assert diff.abs().max() < 1e-4
 
 
 @pytest.mark.parametrize("runtime", RUNTIMES)

@@ -65,6 +65,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from dapo import dist
+from dapo.models import lora
 
 TP_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 """Decoder-only models whose attention is q/k/v/o and MLP gate/up/down ``nn.Linear`` layers
@@ -354,13 +355,11 @@ def fill_tp_copy(source: torch.nn.Module, tp_model: torch.nn.Module) -> None:
     rank) or a plain whole model. Every rank calls this, in the same parameter order (the
     gathers are collectives of the whole world). Values are cast to the copy's dtype. The
     buffers (rotary tables) are copied from ``source`` too, as ``fsdp.gather_into`` does.
+    A LoRA policy's adapted weights arrive merged (:func:`dapo.models.lora.whole_reader`).
     """
-    sources = dict(source.named_parameters())
+    whole = lora.whole_reader(source, lambda p: p.full_tensor() if isinstance(p, DTensor) else p)
     for name, target in tp_model.named_parameters():
-        if name not in sources:
-            raise KeyError(f"fill_tp_copy: the source has no parameter {name!r}")
-        p = sources[name]
-        full = p.full_tensor() if isinstance(p, DTensor) else p
+        full = whole(name)
         if isinstance(target, DTensor):
             part = distribute_tensor(
                 full, target.device_mesh, target.placements, src_data_rank=None

@@ -206,6 +206,32 @@ def merge_stream(
         yield f"{layer}.weight", merged.to(dtype or w.dtype)
 
 
+def whole_reader(
+    model: torch.nn.Module, gather: Callable[[torch.Tensor], torch.Tensor]
+) -> Callable[[str], torch.Tensor]:
+    """A reader of ``model``'s parameters by the names of its base model (what a plain copy
+    of it holds), each made whole with ``gather`` (a DTensor shard's ``full_tensor``), an
+    adapted layer's weight merged: ``W + scale B A`` in float32, from its three tensors
+    gathered whole one after another. A name the model lacks raises KeyError."""
+    params = dict(model.named_parameters())
+    scale = scales(model) if enabled(model) else {}
+
+    def read(name: str) -> torch.Tensor:
+        layer, _, leaf = name.rpartition(".")
+        if layer not in scale:
+            if name not in params:
+                raise KeyError(f"the source has no parameter {name!r}")
+            return gather(params[name])
+        base = gather(params[f"{layer}{BASE}{leaf}"])
+        if leaf != "weight":
+            return base
+        a = gather(params[f"{layer}.lora_A.default.weight"]).float()
+        b = gather(params[f"{layer}.lora_B.default.weight"]).float()
+        return torch.addmm(base.float(), b, a, alpha=scale[layer])
+
+    return read
+
+
 def merger(model: torch.nn.Module) -> Callable[[dict], dict] | None:
     """A function from ``model``'s whole state dict (gathered from shards) to the merged
     one; None without adapters."""

@@ -203,7 +203,7 @@ def generation_copy_bytes(shape: ModelShape, s: PlanSettings, *, frozen: int) ->
     static = s.device == "cuda" and s.cuda_graphs and shape.model_type in STATIC_DECODING_TYPES
     eager = s.engine == "hf" or (s.engine == "dapo" and not static)
     float32 = (frozen if s.sharded else master) == 4
-    merged = eager and float32 and s.lora_rank and s.merged_sampling
+    merged = eager and float32 and s.lora_rank and s.merged_sampling and s.tp_size == 1
     extra = 4 * shape.lora_target_weights(s.lora_targets) if merged else 0
     if s.sharded and s.engine == "vllm":
         return 0

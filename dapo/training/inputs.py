@@ -234,8 +234,7 @@ def check_tensor_parallel(cfg: Config, world_size: int) -> None:
 
 
 def check_lora(cfg: Config) -> None:
-    """``model.lora``: peft installed, and not the native engine's tensor-parallel copy
-    (split from plain Linear layers; vLLM serves the adapters and splits them itself)."""
+    """``model.lora``: peft installed."""
     if not cfg.model.lora.rank:
         return
     try:
@@ -244,12 +243,6 @@ def check_lora(cfg: Config) -> None:
         raise ValueError(
             f"model.lora.rank > 0 needs peft: {pip_install('lora')} (or pip install peft)"
         ) from None
-    if cfg.rollout.tp_size > 1 and cfg.rollout.engine != "vllm":
-        raise ValueError(
-            f"model.lora with rollout.tp_size={cfg.rollout.tp_size}: the native engine's "
-            "tensor-parallel copy is cut from plain Linear layers, not adapted ones; use "
-            "rollout.engine=vllm (it serves the adapters), or rollout.tp_size=1"
-        )
 
 
 def check_async(cfg: Config, world_size: int) -> None:
