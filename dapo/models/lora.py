@@ -202,8 +202,7 @@ def merge_stream(
             held[f"{layer}.A"] = tensor
             continue
         w, a = held.pop(layer), held.pop(f"{layer}.A")
-        merged = w.float() + scale[layer] * (tensor.float() @ a.float()).to(w.device)
-        yield f"{layer}.weight", merged.to(dtype or w.dtype)
+        yield f"{layer}.weight", merge(w, a, tensor, scale[layer]).to(dtype or w.dtype)
 
 
 def whole_reader(
@@ -225,9 +224,8 @@ def whole_reader(
         base = gather(params[f"{layer}{BASE}{leaf}"])
         if leaf != "weight":
             return base
-        a = gather(params[f"{layer}.lora_A.default.weight"]).float()
-        b = gather(params[f"{layer}.lora_B.default.weight"]).float()
-        return torch.addmm(base.float(), b, a, alpha=scale[layer])
+        a = gather(params[f"{layer}.lora_A.default.weight"])
+        return merge(base, a, gather(params[f"{layer}.lora_B.default.weight"]), scale[layer])
 
     return read
 
@@ -241,6 +239,13 @@ def merger(model: torch.nn.Module) -> Callable[[dict], dict] | None:
     return lambda weights: dict(merge_stream(weights.items(), scale))
 
 
+def merge(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """``W + scale B A`` in float32 on ``W``'s device, in one pass over ``W`` (``B A`` is
+    never made apart): an adapted Linear's weight as one matrix."""
+    device = w.device
+    return torch.addmm(w.float(), b.float().to(device), a.float().to(device), alpha=scale)
+
+
 def merged_weight(module: torch.nn.Module) -> torch.Tensor:
     """A LoRA Linear's weight as one matrix: its base weight plus its active adapter's
     ``scaling x B A``, a new float32 tensor (the module is left as it is)."""
@@ -248,10 +253,7 @@ def merged_weight(module: torch.nn.Module) -> torch.Tensor:
     if module.fan_in_fan_out:  # the weight is stored transposed: peft's general path
         return base.weight.detach().float() + module.get_delta_weight(name).detach().float()
     a, b = module.lora_A[name].weight.detach(), module.lora_B[name].weight.detach()
-    # One pass over W (peft's get_delta_weight makes B A, then its scaled copy, then the sum).
-    return torch.addmm(
-        base.weight.detach().float(), b.float(), a.float(), alpha=module.scaling[name]
-    )
+    return merge(base.weight.detach(), a, b, module.scaling[name])
 
 
 def can_merge(model: torch.nn.Module) -> bool:
