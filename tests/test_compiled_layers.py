@@ -111,7 +111,11 @@ def test_checkpointing_recomputes_the_compiled_layer(tiny_model):
     (kept, want), (kept_ckpt, have) = saved_and_grads(eager), saved_and_grads(tiny_model)
     assert kept_ckpt < kept / 2
     for w, h in zip(want, have, strict=True):
-        torch.testing.assert_close(h, w, rtol=1e-5, atol=1e-7)
+        # Float32 rounding of sums the traced graph orders its own way: relative to the
+        # gradient's scale, not to each element (a small element of a sum of larger terms
+        # keeps their rounding: 2.4e-7 at an element of 0.004 on one Xeon's kernels, in a
+        # gradient whose largest element is about 2).
+        torch.testing.assert_close(h, w, rtol=1e-5, atol=1e-5 * float(w.abs().max()))
 
 
 def test_a_deep_copy_runs_its_own_layers(tiny_model):
