@@ -32,6 +32,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 from dapo.dist import tensor_parallel as tp
 from dapo.models.demo import TinyModelSpec, build_tokenizer, tiny_qwen2
 from dapo.rollout.native import NativeEngine
+from dapo.training.copies import fill_tp_copy
 
 PROMPTS = ["1 + 2 =", "3 + 4 + 5 =", "6 ="]
 SEEDS = [5, 7, 11]
@@ -152,7 +153,7 @@ def _filled_from_shards(model, mesh) -> tuple[torch.nn.Module, int]:
 
     DTensor.full_tensor = tracked
     try:
-        tp.fill_tp_copy(sharded, target)
+        fill_tp_copy(sharded, target)
     finally:
         DTensor.full_tensor = full_tensor
     assert len(alive) == sum(1 for _ in sharded.parameters())  # every one was gathered
@@ -205,7 +206,7 @@ def _rank_checks(rank: int) -> dict:
     adapted = _adapted(_models(tok)["qwen2"])
     if adapted is not None:  # a LoRA policy: its TP copy filled with the merged weights
         copy_tp = tp.tp_generation_copy(adapted, mesh, dtype=torch.float32, device=CPU)
-        tp.fill_tp_copy(adapted, copy_tp)
+        fill_tp_copy(adapted, copy_tp)
         seen["qwen2_lora"] = _generate(copy_tp, tok)
         seen["qwen2_lora_fsdp_generate"] = _generate(_filled_from_shards(adapted, mesh)[0], tok)
     try:

@@ -65,7 +65,6 @@ from torch.distributed.tensor.parallel import (
 )
 
 from dapo import dist
-from dapo.models import lora
 
 TP_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 """Decoder-only models whose attention is q/k/v/o and MLP gate/up/down ``nn.Linear`` layers
@@ -344,8 +343,17 @@ def _gathered_logits(weight: torch.Tensor, rows: int, sizes: list[int], group: A
     return forward
 
 
+def whole_tensor(p: torch.Tensor) -> torch.Tensor:
+    """``p`` whole: all-gathered when it is a DTensor shard (a collective), else itself."""
+    return p.full_tensor() if isinstance(p, DTensor) else p
+
+
 @torch.no_grad()
-def fill_tp_copy(source: torch.nn.Module, tp_model: torch.nn.Module) -> None:
+def fill_tp_copy(
+    source: torch.nn.Module,
+    tp_model: torch.nn.Module,
+    read: Callable[[str], torch.Tensor] | None = None,
+) -> None:
     """Copy ``source``'s weights into the tensor-parallel copy (same parameter names), one
     parameter at a time: the whole of one parameter (all-gathered when ``source`` is
     FSDP2-sharded), then this rank's slice of it, then it is freed before the next. No rank
@@ -355,11 +363,14 @@ def fill_tp_copy(source: torch.nn.Module, tp_model: torch.nn.Module) -> None:
     rank) or a plain whole model. Every rank calls this, in the same parameter order (the
     gathers are collectives of the whole world). Values are cast to the copy's dtype. The
     buffers (rotary tables) are copied from ``source`` too, as ``fsdp.gather_into`` does.
-    A LoRA policy's adapted weights arrive merged (:func:`dapo.models.lora.whole_reader`).
+    ``read``: a whole tensor by its name in the copy (default: ``source``'s parameter of that
+    name, :func:`whole_tensor`); a LoRA policy's merges (:func:`dapo.models.lora.whole_reader`).
     """
-    whole = lora.whole_reader(source, lambda p: p.full_tensor() if isinstance(p, DTensor) else p)
+    sources = dict(source.named_parameters())
     for name, target in tp_model.named_parameters():
-        full = whole(name)
+        if read is None and name not in sources:
+            raise KeyError(f"fill_tp_copy: the source has no parameter {name!r}")
+        full = whole_tensor(sources[name]) if read is None else read(name)
         if isinstance(target, DTensor):
             part = distribute_tensor(
                 full, target.device_mesh, target.placements, src_data_rank=None

@@ -52,8 +52,17 @@ def copies_and_shards(
         ref, gen = _copies_then_shards(cfg, model, held, whole_copy=whole)
     if mesh is not None and native:  # split from the shards, one whole parameter at a time
         gen = tensor_parallel.tp_generation_copy(model, mesh, dtype=held, device=device)
-        tensor_parallel.fill_tp_copy(model, gen)
+        fill_tp_copy(model, gen)
     return ref, gen, mesh
+
+
+def fill_tp_copy(model: torch.nn.Module, gen: torch.nn.Module) -> None:
+    """The tensor-parallel generation copy refilled from the policy (after every update); a
+    LoRA policy's adapted weights merged on the way (the copy is a plain model)."""
+    read = None
+    if lora.enabled(model):
+        read = lora.whole_reader(model, tensor_parallel.whole_tensor)
+    tensor_parallel.fill_tp_copy(model, gen, read)
 
 
 def _copies_then_shards(

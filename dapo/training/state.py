@@ -21,7 +21,7 @@ import torch
 from dapo.config import Config
 from dapo.config.env import EnvConfig
 from dapo.data.problems import Problem, PromptSampler
-from dapo.dist import fsdp, tensor_parallel
+from dapo.dist import fsdp
 from dapo.env import load_environment
 from dapo.models import lora
 from dapo.models.packing import use_packing
@@ -33,7 +33,7 @@ from dapo.rollout.base import LiveModelEngine
 from dapo.rollout.episodes import EpisodeRunner, with_turn_ends
 from dapo.run import model_files
 from dapo.run.metrics import accumulate
-from dapo.training.copies import copies_and_shards
+from dapo.training.copies import copies_and_shards, fill_tp_copy
 from dapo.training.rounds import Drawer
 
 
@@ -97,7 +97,7 @@ class TrainState:
         there is something to copy: a gather, or an engine with its own weights (vllm)."""
         t0 = time.perf_counter()
         if self.tp_mesh is not None and self.gen_model is not None:
-            tensor_parallel.fill_tp_copy(self.model, self.gen_model)
+            fill_tp_copy(self.model, self.gen_model)
         elif self.gen_model is not None:
             fsdp.gather_into(self.model, self.gen_model)
         self.engine.sync_weights(self.model if self.gen_model is None else self.gen_model)
