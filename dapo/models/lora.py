@@ -284,6 +284,8 @@ def merged_copy(model: torch.nn.Module) -> torch.nn.Module:
     from peft.tuners.lora import LoraLayer
 
     memo: dict[int, Any] = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    for module in model.modules():  # tensors held as plain attributes (rotary tables): shared
+        memo.update({id(v): v for v in vars(module).values() if isinstance(v, torch.Tensor)})
     for module in model.modules():
         if isinstance(module, LoraLayer):
             base = module.base_layer
