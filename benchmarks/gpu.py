@@ -33,6 +33,9 @@ it working (``tests/test_gpu_bench.py``). Per shape:
 3. **decode**: the native engine (``make_engine("dapo", ...)``) drawing 64 rows (4 prompts x
    16) of 1,024 new tokens, EOS ignored; tokens/s after an untimed short warm-up. The prompts
    come from the demo tokenizer (a small vocabulary: the model's 152k-row head still runs).
+   With ``--profile``, each row count's call once more for 128 tokens under the profiler
+   (``benchmarks/step_profile.py``): kernel time per step by kind, kernels per step, the top
+   12.
 4. **head**: the log-prob pass, forward and backward, over 16,384 response positions at the
    shape's hidden size and vocabulary: ``token_logprobs_from_hidden`` (chunked) against the
    full logits and ``token_logprobs_from_logits``; peak memory above the inputs (on CUDA the
@@ -129,12 +132,15 @@ class Sizes:
     mix_rows: int  # responses of the length-mix mini-batch (each its own prompt)
     mix_prompt: float  # the length mix's mean prompt (benchmarks/length_mix.py)
     mix_l_max: int  # the length mix's L_max
+    profile_new: int  # new tokens per row of a profiled decoding call (--profile)
 
 
-REAL = Sizes(16, 256, 768, 8192, (4, 16), 16, 256, 1024, 128, 16384, None, 8192, 32, 134.2, 2048)
+REAL = Sizes(
+    16, 256, 768, 8192, (4, 16), 16, 256, 1024, 128, 16384, None, 8192, 32, 134.2, 2048, 128
+)
 # The tiny head keeps 16k positions but a chunk of 512 (1/32 of them, as the default's 441
 # positions are of 16k at a 152k vocabulary): the default would be one chunk at V = 512.
-TINY = Sizes(4, 16, 48, 128, (2, 8), 4, 16, 32, 32, 16384, 512, 512, 8, 16.0, 48)
+TINY = Sizes(4, 16, 48, 128, (2, 8), 4, 16, 32, 32, 16384, 512, 512, 8, 16.0, 48, 8)
 
 
 def log(message: str) -> None:
@@ -566,11 +572,13 @@ def decode_section(
     device: torch.device,
     compute: str,
     bandwidth: float,
+    profile: bool = False,
 ) -> list[dict]:
     """The native engine at each of ``sizes.decode_prompt_counts`` (x G rows) of
     ``decode_new`` tokens; on CUDA also, at the first count, its graphs of the uncompiled step
     (``rollout.compile_step=false``) and its eager loop (``rollout.cuda_graphs=false``) for
-    ``eager_new`` tokens, the loop the graphs replace."""
+    ``eager_new`` tokens, the loop the graphs replace. With ``profile``, each count's default
+    path once more under the profiler for ``profile_new`` tokens (:func:`decode_profile`)."""
     engine = make_engine("dapo", model, tok, (tok.eos_token_id,), DTYPES[compute], device=device)
     model.eval()
     plans = [(count, sizes.decode_new, True, True) for count in sizes.decode_prompt_counts]
@@ -585,7 +593,27 @@ def decode_section(
         runs.append(run)
         print(describe("decode", run), flush=True)
         release(device)
+    if profile:  # after every timed run: a profiler fault cannot cost their figures
+        for run, (count, _, graphs, compiled) in zip(runs, plans, strict=True):
+            if graphs and compiled:  # the default path (on CUDA: graphs of the compiled step)
+                engine.cuda_graphs, engine.compile_step = graphs, compiled
+                run["profile"] = decode_profile(engine, decode_prompts(sizes, count), sizes, device)
+                label = f"decode, {run['rows']} rows ({run['path']})"
+                print(step_profile.describe_steps(label, run["profile"], sizes.profile_new))
+                release(device)
     return runs
+
+
+def decode_profile(engine: Any, prompts: list[str], sizes: Sizes, device: torch.device) -> dict:
+    """One ``generate`` of ``profile_new`` tokens (EOS ignored) under the profiler, after the
+    same call untimed (the step compiled and cuDNN's plans built): on CUDA the kernels of the
+    replayed graphs, with the prompts' prefill and each new width's capture (one eager step
+    each) among them; the caller divides by the steps."""
+    options = dict(group_size=sizes.decode_group, seed=0, ignore_eos=True)
+    work = functools.partial(engine.generate, prompts, max_new_tokens=sizes.profile_new, **options)
+    work()
+    sync(device)
+    return step_profile.profile_call(work, device, top=12)
 
 
 def head_pass(
@@ -803,7 +831,7 @@ def run_shape(
         )
     if "decode" in sections:
         log(f"{name}: decoding")
-        decode_runs = decode_section(shape, model, tok, sizes, device, compute, bandwidth)
+        decode_runs = decode_section(shape, model, tok, sizes, device, compute, bandwidth, profile)
         out |= {"decode": decode_runs[0], "decode_runs": decode_runs}
     del model
     release(device)
@@ -832,7 +860,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="(all)"
     )
     parser.add_argument(
-        "--profile", action="store_true", help="profile one more length-mix step of each kind"
+        "--profile",
+        action="store_true",
+        help="profile one more length-mix step of each kind, and a short decoding call",
     )
     parser.add_argument(
         "--compile",

@@ -10,6 +10,8 @@ read off the kernel's or operator's name, first match wins:
   ``bmm``;
 - optimizer: adam, foreach, multi_tensor;
 - copy/cast: copy, convert, cast;
+- softmax/scan: softmax, logsumexp, scan, cumsum, searchsorted (a decoding step's draw, the
+  head's normalisation);
 - other: the rest (element-wise work, reductions, indexing).
 """
 
@@ -28,6 +30,7 @@ KINDS = (
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "aten::mm", "aten::addmm", "aten::bmm")),
     ("optimizer", ("adam", "foreach", "multi_tensor")),
     ("copy/cast", ("copy", "convert", "cast")),
+    ("softmax/scan", ("softmax", "logsumexp", "scan", "cumsum", "searchsorted")),
 )
 
 
@@ -42,7 +45,8 @@ def kind_of(name: str) -> str:
 
 def profile_call(work: Callable[[], Any], device: torch.device, top: int = 8) -> dict:
     """``work()`` once under the profiler: its wall seconds, the busy seconds (kernels on
-    CUDA, operators' own CPU time elsewhere), those by kind, and the ``top`` entries."""
+    CUDA, operators' own CPU time elsewhere), those by kind, how many kernels (operators)
+    ran, and the ``top`` entries."""
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
@@ -68,6 +72,7 @@ def profile_call(work: Callable[[], Any], device: torch.device, top: int = 8) ->
         "busy_s": sum(micros for _, micros, _ in entries) / 1e6,
         "measures": "kernels on the device" if cuda else "operators' own CPU time",
         "by_kind": dict(sorted(by_kind.items(), key=lambda item: -item[1])),
+        "calls": sum(count for _, _, count in entries),
         "top": [{"name": n[:100], "s": m / 1e6, "calls": c} for n, m, c in ranked],
     }
 
@@ -80,4 +85,20 @@ def describe(label: str, p: dict) -> str:
         f" ({kinds})"
     ]
     lines += [f"    {t['s'] * 1e3:9.2f} ms x{t['calls']:6d}  {t['name']}" for t in p["top"]]
+    return "\n".join(lines)
+
+
+def describe_steps(label: str, p: dict, steps: int) -> str:
+    """Lines for a profile of ``steps`` decoding steps: per step, the busy time by kind and
+    the kernels (operators) launched, then the top entries per step."""
+    kinds = ", ".join(f"{kind} {1e3 * s / steps:.3f}" for kind, s in p["by_kind"].items())
+    lines = [
+        f"  profile, {label}, per step of {steps}: {1e3 * p['wall_s'] / steps:.3f} ms, "
+        f"{p['measures']} {1e3 * p['busy_s'] / steps:.3f} ms ({kinds}), "
+        f"{p['calls'] / steps:.0f} launches"
+    ]
+    lines += [
+        f"    {t['s'] * 1e6 / steps:9.1f} us x{t['calls'] / steps:6.1f}  {t['name']}"
+        for t in p["top"]
+    ]
     return "\n".join(lines)

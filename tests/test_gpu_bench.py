@@ -172,6 +172,23 @@ def test_sections_and_the_step_profile():
     assert stdout.count("  profile, ") == 4
 
 
+def test_the_decoding_profile():
+    """``--sections decode --profile``: each timed decoding run once more under the profiler,
+    its figures per step: the kinds add up to the busy time, and the draw's softmax and
+    running sum and the matrix products are found."""
+    result, stdout = run_tiny("--sections", "decode", "--profile")
+    runs = result["shapes"]["tiny-qwen2"]["decode_runs"]
+    assert [r["rows"] for r in runs] == [8, 32]
+    for run in runs:
+        p = run["profile"]
+        assert p["measures"] == "operators' own CPU time" and 0 < p["busy_s"] <= p["wall_s"]
+        assert sum(p["by_kind"].values()) == pytest.approx(p["busy_s"])
+        assert p["by_kind"]["softmax/scan"] > 0 and p["by_kind"]["matmul"] > 0
+        assert len(p["top"]) == 12 and p["calls"] > 0
+    assert stdout.count("  profile, decode, ") == 2
+    assert ", per step of 8: " in stdout
+
+
 def test_kinds_of_work_by_name():
     sys.path.insert(0, str(REPO / "benchmarks"))
     from step_profile import kind_of
@@ -185,3 +202,8 @@ def test_kinds_of_work_by_name():
     assert kind_of("void at::native::vectorized_elementwise_kernel<CUDAFunctor_add<float>>") == (
         "other"
     )
+    assert kind_of("void at::native::(anonymous namespace)::cunn_SoftMaxForward<8, double>") == (
+        "softmax/scan"
+    )
+    assert kind_of("void at_cuda_detail::cub::DeviceScanKernel<...>") == "softmax/scan"
+    assert kind_of("aten::searchsorted") == "softmax/scan"

@@ -175,7 +175,16 @@ def test_bf16_log_probs_stay_with_the_policy():
 
 def test_two_level_inversion_draws_what_one_running_sum_draws():
     g = torch.Generator().manual_seed(0)
-    for vocab in (97, 256, 1000, 4096):
+    # 97 and 1000: padded to blocks of 256; 4096 in blocks of 256, 1,088 of 64 and 151,936
+    # (Qwen's) of 128, views of the probabilities.
+    assert [sampling.block_tokens(v) for v in (97, 1000, 4096, 1088, 151936)] == [
+        256,
+        256,
+        256,
+        64,
+        128,
+    ]
+    for vocab in (97, 256, 1000, 1088, 4096, 151936):
         logits = torch.randn(64, vocab, generator=g) * 4
         logits[:, ::7] = float("-inf")  # masked tokens: never drawn
         u = torch.rand(64, dtype=torch.float64, generator=g)
