@@ -3,13 +3,17 @@ the hf engine sample from a copy with the adapters merged in, made for each call
 policy's current adapters and dropped after it; the policy is never merged."""
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
 
 from dapo.config import LoraConfig, load_config
+from dapo.dist import fsdp
 from dapo.models import lora
 from dapo.rollout import make_engine
+from dapo.rollout.decoder_step import linear_reason
 from dapo.rollout.hf import HFEngine
 
 pytest.importorskip("peft")
@@ -68,6 +72,57 @@ def test_only_float32_single_adapters_are_merged(tiny_model):
         assert not lora.can_merge(model)
     bf16 = lora.apply(copy.deepcopy(tiny_model).to(torch.bfloat16), LoraConfig(rank=4))
     assert not lora.can_merge(bf16)  # a bfloat16 W + B A would round the adapters away
+
+
+def test_adapters_with_a_bias_of_their_own_are_not_merged(tiny_model):
+    """peft's ``lora_bias`` adds a bias to B's output, which W + s B A leaves out: neither the
+    merged copy nor the CUDA-graph step takes such a layer."""
+    from peft import LoraConfig as PeftLora
+    from peft import get_peft_model
+
+    targets = ["q_proj", "v_proj"]
+    plain = get_peft_model(copy.deepcopy(tiny_model), PeftLora(r=4, target_modules=targets))
+    biased = get_peft_model(
+        copy.deepcopy(tiny_model), PeftLora(r=4, target_modules=targets, lora_bias=True)
+    )
+    assert lora.can_merge(plain) and not lora.can_merge(biased)
+    q = biased.base_model.model.model.layers[0].self_attn.q_proj
+    assert linear_reason(q) == "a LoRA adapter with a bias of its own (lora_bias)"
+    assert linear_reason(plain.base_model.model.model.layers[0].self_attn.q_proj) is None
+
+
+@pytest.mark.parametrize("wrap", ["checkpointed", "as they are"])
+def test_a_copys_merged_weights_are_freed_when_the_call_ends(
+    tiny_model, tokenizer, wrap, monkeypatch
+):
+    """Layers wrapped for activation checkpointing hold a reference to themselves, a cycle
+    the copy keeps: with the garbage collector off, each call's merged weights are still
+    freed as the call ends (so the copies made per call never pile up)."""
+    model = _adapted(tiny_model)
+    if wrap == "checkpointed":
+        fsdp.checkpoint_layers(model)
+    engine = make_engine("dapo", model, tokenizer)
+    weights, real = [], lora.merged_copy
+
+    def spy(m):
+        out = real(m)
+        weights.extend(weakref.ref(p) for p in out.parameters() if p.requires_grad is False)
+        weights[:] = [w for w in weights if w() is not None]
+        return out
+
+    monkeypatch.setattr(lora, "merged_copy", spy)
+    gc.disable()
+    try:
+        for _ in range(3):
+            engine.generate(PROMPTS, group_size=2, max_new_tokens=4, seed=0)
+            own = [w for w in weights if w() is not None and not _shared(w(), model)]
+            assert own == []
+    finally:
+        gc.enable()
+
+
+def _shared(tensor: torch.Tensor, model: torch.nn.Module) -> bool:
+    return any(tensor is p for p in model.parameters())
 
 
 @pytest.mark.parametrize("engine_name", ["dapo", "hf"])

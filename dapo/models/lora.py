@@ -258,8 +258,9 @@ def merged_weight(module: torch.nn.Module) -> torch.Tensor:
 
 def can_merge(model: torch.nn.Module) -> bool:
     """Whether a merged copy (:func:`merged_copy`) of ``model`` computes what it computes:
-    adapters on, one active adapter per layer, none merged or DoRA, and float32 base weights
-    (in bfloat16 or float16 the merge would round the adapters' small updates away)."""
+    adapters on, one active adapter per layer, none merged, none with a bias of its own or a
+    variant (DoRA and the like), and float32 base weights (in bfloat16 or float16 the merge
+    would round the adapters' small updates away)."""
     from peft.tuners.lora import LoraLayer
 
     layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
@@ -268,6 +269,9 @@ def can_merge(model: torch.nn.Module) -> bool:
         and not m.disable_adapters
         and not m.merged
         and not m.use_dora.get(m.active_adapters[0], False)
+        # A bias on B, or a variant that changes the forward (DoRA, aLoRA): not W + s B A.
+        and not getattr(m, "lora_bias", {}).get(m.active_adapters[0], False)
+        and m.active_adapters[0] not in getattr(m, "lora_variant", {})
         and m.base_layer.weight.dtype == torch.float32
         and type(m.base_layer) is torch.nn.Linear
         for m in layers
@@ -284,6 +288,7 @@ def merged_copy(model: torch.nn.Module) -> torch.nn.Module:
     from peft.tuners.lora import LoraLayer
 
     memo: dict[int, Any] = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    merged: list[torch.nn.Linear] = []
     for module in model.modules():  # tensors held as plain attributes (rotary tables): shared
         memo.update({id(v): v for v in vars(module).values() if isinstance(v, torch.Tensor)})
     for module in model.modules():
@@ -293,7 +298,23 @@ def merged_copy(model: torch.nn.Module) -> torch.nn.Module:
             plain.weight = torch.nn.Parameter(merged_weight(module), requires_grad=False)
             plain.bias = base.bias
             memo[id(module)] = plain  # the deep copy takes it in the adapted layer's place
-    return copy.deepcopy(model, memo).eval()
+            merged.append(plain)
+    out = copy.deepcopy(model, memo).eval()
+    out.__dict__[MERGED_LINEARS] = merged
+    return out
+
+
+MERGED_LINEARS = "_dapo_merged_linears"
+"""Where a merged copy lists the Linears that hold its own weights (:func:`release`)."""
+
+
+def release(merged: torch.nn.Module) -> None:
+    """Frees a merged copy's own weights now. Dropping the copy may not: layers wrapped for
+    activation checkpointing or compiling hold a reference to themselves (their forward is a
+    partial of the layer), the deep copy keeps that cycle, and a cycle waits for Python's
+    occasional full collection, so copies made per call would pile up."""
+    for plain in merged.__dict__.pop(MERGED_LINEARS, ()):
+        plain.weight = None
 
 
 @torch.no_grad()

@@ -173,6 +173,7 @@ class LiveModelEngine:
         try:
             yield self._merged
         finally:
+            lora.release(self._merged)
             self._merged = None
 
     def close(self) -> None:

@@ -88,8 +88,8 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
 
 def linear_reason(module: torch.nn.Module | None) -> str | None:
     """Why the step cannot take ``module``'s weight as one matrix (None when it can): a plain
-    Linear, or peft's LoRA Linear with one active adapter, not merged, not DoRA, whose merged
-    weight the step computes."""
+    Linear, or peft's LoRA Linear with one active adapter, not merged, not DoRA or another
+    variant, without a bias of its own, whose merged weight the step computes."""
     if type(module) is torch.nn.Linear:
         return None
     base = getattr(module, "base_layer", None)
@@ -100,6 +100,10 @@ def linear_reason(module: torch.nn.Module | None) -> str | None:
         return "LoRA with other than one active, unmerged adapter"
     if getattr(module, "use_dora", {}).get(adapters[0], False):
         return "a DoRA adapter"
+    if getattr(module, "lora_bias", {}).get(adapters[0], False):
+        return "a LoRA adapter with a bias of its own (lora_bias)"
+    if adapters[0] in getattr(module, "lora_variant", {}):
+        return "a LoRA variant, not W + scaling x B A"
     return None
 
 
@@ -131,7 +135,10 @@ class DecoderStep:
     ``compile`` (a ``torch.compile`` backend, e.g. ``"inductor"``) compiles the step's
     inputs and its layer (:func:`step_inputs`, :func:`layer_step`, each traced once for every
     layer, batch size and width): the norms, residual adds, rotary embedding, cache writes
-    and activation between the matmuls become a few fused kernels instead of ~40 a layer."""
+    and activation between the matmuls become a few fused kernels instead of ~40 a layer.
+    ``compile_mode`` is ``torch.compile``'s mode (None: the backend's default;
+    ``"max-autotune-no-cudagraphs"`` has inductor time its own matmul kernels against
+    cuBLAS's at the first call's sizes, minutes of compiling)."""
 
     def __init__(
         self,
@@ -140,6 +147,7 @@ class DecoderStep:
         *,
         fuse: bool | None = None,
         compile: str | None = None,
+        compile_mode: str | None = None,
     ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
@@ -168,8 +176,8 @@ class DecoderStep:
         self.shape = dict(heads=self.heads, kv=self.kv_heads, dim=self.head_dim)
         self.shape["compute"] = self.compute_dtype
         self.compiled = compile is not None
-        self.inputs = compiled(step_inputs, compile) if compile else step_inputs
-        self.layer = compiled(layer_step, compile) if compile else layer_step
+        self.inputs = compiled(step_inputs, compile, compile_mode) if compile else step_inputs
+        self.layer = compiled(layer_step, compile, compile_mode) if compile else layer_step
 
     def _cast(self, weight: torch.Tensor | None) -> torch.Tensor | None:
         return None if weight is None else weight.detach().to(self.compute_dtype).contiguous()
@@ -330,14 +338,14 @@ def head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 @functools.cache
-def compiled(fn: Callable, backend: str) -> Callable:
-    """``fn`` compiled whole by ``backend`` (one wrapper per function and backend: the traces
-    are cached on ``fn``'s code, so a new rollout's step reuses them).
+def compiled(fn: Callable, backend: str, mode: str | None = None) -> Callable:
+    """``fn`` compiled whole by ``backend`` in ``mode`` (one wrapper per function, backend and
+    mode: the traces are cached on ``fn``'s code, so a new rollout's step reuses them).
 
     Traced without duck sizing: by default two varying sizes that happen to be equal at the
     first call (a width and a buffer's capacity, a batch of 512 rows and a width of 512) get
     one symbol, and the first call where they differ compiles again."""
-    compiled_fn = torch.compile(fn, fullgraph=True, backend=backend)
+    compiled_fn = torch.compile(fn, fullgraph=True, backend=backend, mode=mode)
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
