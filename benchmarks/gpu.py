@@ -544,6 +544,10 @@ def decode_run(
     path = "eager"
     if engine.static_path():
         path = "cuda graphs, compiled" if engine.compile_step else "cuda graphs"
+        if engine.width_step:
+            path += f", widths in steps of {engine.width_step}"
+        if engine.compile_step and engine.compile_mode:
+            path += f", {engine.compile_mode}"
     return {
         "path": path,
         "warm_up_s": warm_up,
@@ -564,6 +568,29 @@ def decode_run(
     }
 
 
+AUTOTUNE = "max-autotune-no-cudagraphs"
+"""``--variants``: the compiled step's ``torch.compile`` mode that times inductor's own matmul
+kernels against cuBLAS's."""
+
+
+def decode_plans(sizes: Sizes, device: torch.device, variants: bool) -> list[dict]:
+    """The decoding runs of a shape: each of ``decode_prompt_counts`` on the default path; on
+    CUDA also, at the first count, the uncompiled step's graphs and the eager loop (for
+    ``eager_new`` tokens); with ``variants`` (CUDA), the compiled step's graphs with attention
+    widths in steps of 128 and in inductor's autotuning mode."""
+    default = dict(new_tokens=sizes.decode_new, cuda_graphs=True, compile_step=True)
+    plans = [dict(default, count=count) for count in sizes.decode_prompt_counts]
+    first = sizes.decode_prompt_counts[0]
+    if device.type == "cuda":
+        plans.append(dict(default, count=first, compile_step=False))
+        eager = dict(new_tokens=sizes.eager_new, cuda_graphs=False, compile_step=False)
+        plans.append(dict(eager, count=first))
+    if device.type == "cuda" and variants:
+        plans.append(dict(default, count=first, width_step=128))
+        plans.append(dict(default, count=first, compile_mode=AUTOTUNE))
+    return plans
+
+
 def decode_section(
     shape: ModelShape,
     model: torch.nn.Module,
@@ -573,35 +600,43 @@ def decode_section(
     compute: str,
     bandwidth: float,
     profile: bool = False,
+    variants: bool = False,
 ) -> list[dict]:
-    """The native engine at each of ``sizes.decode_prompt_counts`` (x G rows) of
-    ``decode_new`` tokens; on CUDA also, at the first count, its graphs of the uncompiled step
-    (``rollout.compile_step=false``) and its eager loop (``rollout.cuda_graphs=false``) for
-    ``eager_new`` tokens, the loop the graphs replace. With ``profile``, each count's default
-    path once more under the profiler for ``profile_new`` tokens (:func:`decode_profile`)."""
+    """The native engine's runs of :func:`decode_plans`. With ``profile``, each count's
+    default path once more under the profiler for ``profile_new`` tokens
+    (:func:`decode_profile`)."""
     engine = make_engine("dapo", model, tok, (tok.eos_token_id,), DTYPES[compute], device=device)
     model.eval()
-    plans = [(count, sizes.decode_new, True, True) for count in sizes.decode_prompt_counts]
-    if device.type == "cuda":
-        first = sizes.decode_prompt_counts[0]
-        plans += [(first, sizes.decode_new, True, False), (first, sizes.eager_new, False, False)]
+    plans = decode_plans(sizes, device, variants)
     runs = []
-    for count, new_tokens, graphs, compiled in plans:
-        engine.cuda_graphs, engine.compile_step = graphs, compiled
-        prompts = decode_prompts(sizes, count)
-        run = decode_run(engine, shape, prompts, sizes, new_tokens, device, compute, bandwidth)
+    for plan in plans:
+        set_engine(engine, plan)
+        prompts = decode_prompts(sizes, plan["count"])
+        run = decode_run(
+            engine, shape, prompts, sizes, plan["new_tokens"], device, compute, bandwidth
+        )
         runs.append(run)
         print(describe("decode", run), flush=True)
         release(device)
     if profile:  # after every timed run: a profiler fault cannot cost their figures
-        for run, (count, _, graphs, compiled) in zip(runs, plans, strict=True):
-            if graphs and compiled:  # the default path (on CUDA: graphs of the compiled step)
-                engine.cuda_graphs, engine.compile_step = graphs, compiled
-                run["profile"] = decode_profile(engine, decode_prompts(sizes, count), sizes, device)
+        for run, plan in zip(runs, plans, strict=True):
+            variant = plan.get("width_step") or plan.get("compile_mode")
+            if plan["cuda_graphs"] and plan["compile_step"] and not variant:  # the default
+                set_engine(engine, plan)
+                prompts = decode_prompts(sizes, plan["count"])
+                run["profile"] = decode_profile(engine, prompts, sizes, device)
                 label = f"decode, {run['rows']} rows ({run['path']})"
                 print(step_profile.describe_steps(label, run["profile"], sizes.profile_new))
                 release(device)
     return runs
+
+
+def set_engine(engine: Any, plan: dict) -> None:
+    """The engine's path for ``plan``: graphs, compiled, and the variants' settings (their
+    defaults when the plan has none)."""
+    engine.cuda_graphs, engine.compile_step = plan["cuda_graphs"], plan["compile_step"]
+    engine.width_step = plan.get("width_step")
+    engine.compile_mode = plan.get("compile_mode")
 
 
 def decode_profile(engine: Any, prompts: list[str], sizes: Sizes, device: torch.device) -> dict:
@@ -810,6 +845,7 @@ def run_shape(
     sections: frozenset[str] = frozenset(SECTIONS),
     profile: bool = False,
     compile: bool = False,
+    variants: bool = False,
 ) -> dict:
     """The ``sections`` on one shape, printing a line each as it ends; MFU against
     ``peak_tflops``. The fsdp section compares with the train section's step, so it runs it."""
@@ -831,7 +867,9 @@ def run_shape(
         )
     if "decode" in sections:
         log(f"{name}: decoding")
-        decode_runs = decode_section(shape, model, tok, sizes, device, compute, bandwidth, profile)
+        decode_runs = decode_section(
+            shape, model, tok, sizes, device, compute, bandwidth, profile, variants
+        )
         out |= {"decode": decode_runs[0], "decode_runs": decode_runs}
     del model
     release(device)
@@ -868,6 +906,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--compile",
         action="store_true",
         help="the length-mix step also with compiled decoder layers (train.compile)",
+    )
+    parser.add_argument(
+        "--variants",
+        action="store_true",
+        help="on CUDA, the decoding step also with attention widths in steps of 128 and "
+        "with inductor's autotuned matmuls",
     )
     parser.add_argument("--steps", type=int, help="timed training steps (5; tiny: 2)")
     parser.add_argument("--threads", type=int, help="CPU threads (default: torch's)")
@@ -922,6 +966,7 @@ def main(argv: list[str] | None = None) -> dict:
             frozenset(["decode"] if args.decode_only else args.sections),
             args.profile,
             args.compile,
+            args.variants,
         )
         for s, f in shapes.items()
     }

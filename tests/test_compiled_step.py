@@ -146,6 +146,43 @@ def test_a_compiler_error_falls_back_to_the_uncompiled_step(monkeypatch):
     assert first.texts == second.texts and torch.equal(first.logprobs_BT, second.logprobs_BT)
 
 
+def test_the_engine_hands_on_its_mode_and_width_step(monkeypatch):
+    """``compile_mode`` reaches ``torch.compile`` for both compiled functions, and the
+    engine's ``width_step`` its loop; the rollout is the default one's (benchmarks/gpu.py
+    --variants times these settings on a GPU)."""
+    modes = []
+    real_compile = torch.compile
+    monkeypatch.setattr(
+        torch, "compile", lambda fn, **kw: (modes.append(kw.get("mode")), real_compile(fn, **kw))[1]
+    )
+    handed = []
+    real = static_decode.static_decode
+    monkeypatch.setattr(
+        native,
+        "static_decode",
+        lambda *a, **kw: (
+            handed.append((kw.get("compile_mode"), kw["width_step"])),
+            real(*a, **kw),
+        )[1],
+    )
+
+    def backend(graph, example_inputs, **options):  # new: no wrapper cached by another test
+        return graph.forward
+
+    monkeypatch.setattr(native, "COMPILE_BACKEND", backend)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**{**SIZES, "vocab_size": 128})).eval()
+    engine = make_engine("dapo", model, build_tokenizer())
+    engine.static_path = lambda: True
+    plain = engine.generate(["1 + 2"], group_size=2, max_new_tokens=20, seed=3)
+    engine.compile_mode, engine.width_step = "max-autotune-no-cudagraphs", 16
+    varied = engine.generate(["1 + 2"], group_size=2, max_new_tokens=20, seed=3)
+    assert handed == [(None, None), ("max-autotune-no-cudagraphs", 16)]
+    assert modes == [None, None, "max-autotune-no-cudagraphs", "max-autotune-no-cudagraphs"]
+    assert plain.texts == varied.texts
+    torch.testing.assert_close(varied.logprobs_BT, plain.logprobs_BT, rtol=0, atol=1e-6)
+
+
 def test_ignore_eos_without_stop_tokens():
     """No stop set at all (ignore_eos with an empty list): nothing is masked, and every row
     runs to the end."""

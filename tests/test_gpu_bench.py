@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -187,6 +188,35 @@ def test_the_decoding_profile():
         assert len(p["top"]) == 12 and p["calls"] > 0
     assert stdout.count("  profile, decode, ") == 2
     assert ", per step of 8: " in stdout
+
+
+def test_the_decoding_runs_of_a_shape():
+    """On CUDA the default path at both row counts, then at the first the uncompiled graphs,
+    the eager loop and (``--variants``) two settings of the compiled graphs; on a CPU the
+    default path alone (the engine decodes eagerly there)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu
+
+    cuda = gpu.decode_plans(gpu.REAL, torch.device("cuda"), variants=True)
+    rows = [
+        (p["count"], p["new_tokens"], p["cuda_graphs"], p["compile_step"], p.get("width_step"))
+        for p in cuda
+    ]
+    assert rows == [
+        (4, 1024, True, True, None),
+        (16, 1024, True, True, None),
+        (4, 1024, True, False, None),
+        (4, 128, False, False, None),
+        (4, 1024, True, True, 128),
+        (4, 1024, True, True, None),
+    ]
+    assert cuda[-1]["compile_mode"] == "max-autotune-no-cudagraphs"
+    assert len(gpu.decode_plans(gpu.REAL, torch.device("cuda"), variants=False)) == 4
+    cpu = gpu.decode_plans(gpu.TINY, torch.device("cpu"), variants=True)
+    assert [(p["count"], p["cuda_graphs"], p["compile_step"]) for p in cpu] == [
+        (2, True, True),
+        (8, True, True),
+    ]
 
 
 def test_kinds_of_work_by_name():

@@ -123,6 +123,24 @@ def test_small_blocks_and_buckets_refill_uniforms_and_shrink_the_batch(monkeypat
     assert sizes and sizes == sorted(sizes, reverse=True) and set(sizes) <= {8, 4, 2, 1}
 
 
+@pytest.mark.parametrize("width_step", [16, 48])
+def test_attention_widths_in_other_steps_draw_the_same(width_step):
+    """``width_step``: attention over more or fewer unfilled (masked) columns changes nothing
+    drawn; a step that is not a multiple of 16 is refused."""
+    model = model_of("qwen2")
+    ids, mask = prompts()
+    kwargs = dict(group_size=4, max_new_tokens=40, stop_token_ids=STOPS, pad_token_id=0)
+    with torch.inference_mode():
+        default = static_decode.static_decode(model, ids, mask, graphs=False, **kwargs)
+        other = static_decode.static_decode(
+            model, ids, mask, graphs=False, width_step=width_step, **kwargs
+        )
+        with pytest.raises(ValueError, match="width_step=40: give a multiple of 16"):
+            static_decode.static_decode(model, ids, mask, graphs=False, width_step=40, **kwargs)
+    assert torch.equal(other[0], default[0])
+    torch.testing.assert_close(other[1], default[1], rtol=0, atol=1e-6)
+
+
 class HostReads(TorchDispatchMode):
     """Counts the ops that read a value on the host or size their output by the data (a
     wait for the GPU's queue on CUDA)."""

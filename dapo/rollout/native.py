@@ -76,6 +76,16 @@ class NativeEngine(LiveModelEngine):
     """On the CUDA-graph path, compile the step's layer and draw with inductor
     (``rollout.compile_step``); off after a compiler error, with a warning."""
 
+    compile_mode: str | None = None
+    """``torch.compile``'s mode for the compiled step (None: inductor's default; see
+    :class:`~dapo.rollout.decoder_step.DecoderStep`). ``benchmarks/gpu.py --variants`` times
+    ``"max-autotune-no-cudagraphs"``."""
+
+    width_step: int | None = None
+    """The CUDA-graph path's attention reads cache columns in multiples of this (None:
+    :data:`~dapo.rollout.static_decode.WIDTH_STEP`): smaller reads fewer unfilled columns and
+    captures more graphs. ``benchmarks/gpu.py --variants`` times 128."""
+
     continues_from_cache = True
     """``generate`` parks the rows that stop at ``park_at`` and continues rows from their
     ``prefixes`` (:mod:`dapo.rollout.parking`): an episode's next turn prefills only the
@@ -170,6 +180,8 @@ class NativeEngine(LiveModelEngine):
                 mask_nP,
                 compute_dtype=self.compute_dtype,
                 compile=compile,
+                compile_mode=self.compile_mode,
+                width_step=self.width_step,
                 **options,
             )
         except COMPILER_ERRORS as err:
@@ -192,7 +204,12 @@ class NativeEngine(LiveModelEngine):
             if options["parking"] is not None:  # and may have parked rows
                 options["parking"].held.clear()
             return static_decode(
-                self.model, ids_nP, mask_nP, compute_dtype=self.compute_dtype, **options
+                self.model,
+                ids_nP,
+                mask_nP,
+                compute_dtype=self.compute_dtype,
+                width_step=self.width_step,
+                **options,
             )
 
 

@@ -83,7 +83,12 @@ class State:
         steps: int,
         pad: int,
         spare: int = 0,
+        width_step: int = WIDTH_STEP,
     ) -> None:
+        if width_step % 16:
+            raise ValueError(f"width_step={width_step}: give a multiple of 16")
+        self.width_step = width_step
+        """Attention reads the cache's columns in multiples of this (one graph each)."""
         device = prompt_mask_nP.device
         n, prompt = prompt_mask_nP.shape
         self.rows, self.prompt, self.steps = n * group_size, prompt, steps
@@ -144,15 +149,18 @@ def static_decode(
     ignore_eos: bool = False,
     graphs: bool | None = None,
     compile: str | None = None,
+    compile_mode: str | None = None,
+    width_step: int | None = None,
     parking: Parking | None = None,
     prefix=None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """:func:`dapo.rollout.native.decode`'s contract (same arguments and results, parking and
     prefix included) on static buffers; ``graphs`` (default: on CUDA) replays each step shape
     as a CUDA graph; ``compile`` (a ``torch.compile`` backend) compiles the step's layer and
-    inputs."""
+    inputs, in ``torch.compile``'s ``compile_mode``; attention reads columns in multiples of
+    ``width_step`` (default ``WIDTH_STEP``; a multiple of 16)."""
     device = prompt_ids_nP.device
-    step = DecoderStep(model, compute_dtype, compile=compile)
+    step = DecoderStep(model, compute_dtype, compile=compile, compile_mode=compile_mode)
     spare = 0 if compile is None else SPARE_COLUMNS
     state = State(
         step,
@@ -161,6 +169,7 @@ def static_decode(
         steps=max_new_tokens,
         pad=pad_token_id,
         spare=spare,
+        width_step=width_step or WIDTH_STEP,
     )
     logits_BV = _prefill(
         model, state, prompt_ids_nP, prompt_mask_nP, group_size, compute_dtype, prefix
@@ -246,7 +255,7 @@ def _loop(
     while t < state.steps:
         if t % UNIFORM_BLOCK == 0:
             _fill_uniforms(state, uniforms, t)
-        width = min(state.width, -(-(state.prompt + t) // WIDTH_STEP) * WIDTH_STEP)
+        width = min(state.width, -(-(state.prompt + t) // state.width_step) * state.width_step)
         runner.run(size, width)
         slots += members
         t += 1
