@@ -35,7 +35,8 @@ it working (``tests/test_gpu_bench.py``). Per shape:
    come from the demo tokenizer (a small vocabulary: the model's 152k-row head still runs).
    With ``--profile``, each row count's call once more for 128 tokens under the profiler
    (``benchmarks/step_profile.py``): kernel time per step by kind, kernels per step, the top
-   12.
+   12. With ``--variants`` (CUDA), two more runs at 64 rows: attention widths in steps of 128,
+   and the step compiled in inductor's ``max-autotune-no-cudagraphs`` mode.
 4. **head**: the log-prob pass, forward and backward, over 16,384 response positions at the
    shape's hidden size and vocabulary: ``token_logprobs_from_hidden`` (chunked) against the
    full logits and ``token_logprobs_from_logits``; peak memory above the inputs (on CUDA the
