@@ -126,7 +126,7 @@ def test_small_blocks_and_buckets_refill_uniforms_and_shrink_the_batch(monkeypat
 @pytest.mark.parametrize("width_step", [16, 48])
 def test_attention_widths_in_other_steps_draw_the_same(width_step):
     """``width_step``: attention over more or fewer unfilled (masked) columns changes nothing
-    drawn; a step that is not a multiple of 16 is refused."""
+    drawn; a step that is not a positive multiple of 16 is refused."""
     model = model_of("qwen2")
     ids, mask = prompts()
     kwargs = dict(group_size=4, max_new_tokens=40, stop_token_ids=STOPS, pad_token_id=0)
@@ -135,8 +135,11 @@ def test_attention_widths_in_other_steps_draw_the_same(width_step):
         other = static_decode.static_decode(
             model, ids, mask, graphs=False, width_step=width_step, **kwargs
         )
-        with pytest.raises(ValueError, match="width_step=40: give a multiple of 16"):
-            static_decode.static_decode(model, ids, mask, graphs=False, width_step=40, **kwargs)
+        for bad in (40, -16):
+            with pytest.raises(ValueError, match=f"width_step={bad}: give a positive multiple"):
+                static_decode.static_decode(
+                    model, ids, mask, graphs=False, width_step=bad, **kwargs
+                )
     assert torch.equal(other[0], default[0])
     torch.testing.assert_close(other[1], default[1], rtol=0, atol=1e-6)
 
@@ -211,6 +214,34 @@ def test_two_level_inversion_draws_what_one_running_sum_draws():
         two = sampling.sample_from_logits(logits, u, by_blocks=True)
         assert torch.equal(one, two)
         assert not (two % 7 == 0).any()
+
+
+@pytest.mark.parametrize("vocab", [97, 1088])
+def test_a_row_of_nan_logits_draws_a_valid_index(vocab):
+    """The graph path draws without a check (it reads the finiteness flag back later): a
+    NaN row, or a row of only NaN and -inf, still gives an index inside the vocabulary, so
+    the log-prob's gather stays in bounds (past the end would be a device-side assert on
+    CUDA, not the FloatingPointError the loop raises); the other rows draw as before."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, vocab, generator=g)
+    logits[1] = float("nan")
+    logits[2, ::2], logits[2, 1::2] = float("nan"), float("-inf")
+    u = torch.tensor([0.3, 0.999, 1 - 2**-53, 0.6], dtype=torch.float64)
+    tokens = sampling.sample_from_logits(logits, u, check=False, by_blocks=True)
+    assert ((tokens >= 0) & (tokens < vocab)).all()
+    keep = [0, 3]
+    assert torch.equal(tokens[keep], sampling.sample_from_logits(logits[keep], u[keep]))
+    token, logp = sampling.draw_tokens(
+        logits,
+        u,
+        temperature=1.0,
+        top_p=0.9,
+        greedy=False,
+        masked_tokens=None,
+        check=False,
+        by_blocks=True,
+    )
+    assert ((token >= 0) & (token < vocab)).all() and logp[1].isnan()
 
 
 def test_the_models_it_refuses_and_the_engine_falls_back():

@@ -4,7 +4,7 @@ Shared by the native engine's eager loop (:mod:`dapo.rollout.native`) and its CU
 (:mod:`dapo.rollout.static_decode`), so both draw the same token from the same logits and
 uniform number. Nothing here reads a value on the host except the optional finiteness check.
 
-Shapes: A = rows, V = vocabulary, K = blocks of ``BLOCK_TOKENS`` tokens.
+Shapes: A = rows, V = vocabulary, K = blocks of :func:`block_tokens` tokens.
 """
 
 from __future__ import annotations
@@ -90,15 +90,18 @@ def invert_by_blocks(probs_AV: torch.Tensor, u_A: torch.Tensor) -> torch.Tensor:
     cdf_AK = mass_AK.cumsum(dim=-1)
     target_A1 = u_A.double()[:, None] * cdf_AK[:, -1:]
     target_A1 = torch.minimum(target_A1, _just_below(cdf_AK[:, -1:]))
-    # right=True: the first block whose running sum exceeds the target (it has mass).
-    block_A1 = torch.searchsorted(cdf_AK, target_A1, right=True)
+    # right=True: the first block whose running sum exceeds the target (it has mass). The
+    # clamps only act on a row of NaN logits (no target is below a NaN sum): its token is
+    # then any valid index, not one past the end, which on CUDA would be a device-side
+    # assert where the caller means to raise FloatingPointError at its next check.
+    block_A1 = torch.searchsorted(cdf_AK, target_A1, right=True).clamp_(max=cdf_AK.shape[1] - 1)
     before_A1 = cdf_AK.gather(1, block_A1) - mass_AK.gather(1, block_A1)
     within_AB = blocks_AKB.gather(1, block_A1[:, :, None].expand(-1, 1, block))[:, 0]
     within_cdf_AB = within_AB.cumsum(dim=-1)
     inner_A1 = (target_A1 - before_A1).clamp(min=0.0)
     inner_A1 = torch.minimum(inner_A1, _just_below(within_cdf_AB[:, -1:]))
     token_A1 = torch.searchsorted(within_cdf_AB, inner_A1, right=True)
-    return (block_A1 * block + token_A1)[:, 0]
+    return (block_A1 * block + token_A1)[:, 0].clamp_(max=vocab - 1)
 
 
 def _just_below(x: torch.Tensor) -> torch.Tensor:

@@ -85,8 +85,8 @@ class State:
         spare: int = 0,
         width_step: int = WIDTH_STEP,
     ) -> None:
-        if width_step % 16:
-            raise ValueError(f"width_step={width_step}: give a multiple of 16")
+        if width_step <= 0 or width_step % 16:
+            raise ValueError(f"width_step={width_step}: give a positive multiple of 16")
         self.width_step = width_step
         """Attention reads the cache's columns in multiples of this (one graph each)."""
         device = prompt_mask_nP.device
