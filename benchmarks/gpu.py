@@ -33,10 +33,12 @@ it working (``tests/test_gpu_bench.py``). Per shape:
 3. **decode**: the native engine (``make_engine("dapo", ...)``) drawing 64 rows (4 prompts x
    16) of 1,024 new tokens, EOS ignored; tokens/s after an untimed short warm-up. The prompts
    come from the demo tokenizer (a small vocabulary: the model's 152k-row head still runs).
-   With ``--profile``, each row count's call once more for 128 tokens under the profiler
-   (``benchmarks/step_profile.py``): kernel time per step by kind, kernels per step, the top
-   12. With ``--variants`` (CUDA), two more runs at 64 rows: attention widths in steps of 128,
-   and the step compiled in inductor's ``max-autotune-no-cudagraphs`` mode.
+   With ``--profile``, each row count's graph path once more for 128 tokens under the
+   profiler (``benchmarks/step_profile.py``), its step compiled but launched without graphs
+   (the kernels the graphs replay, with their device times): kernel time per step by kind,
+   kernels per step, the top 12. With ``--variants`` (CUDA), two more runs at 64 rows:
+   attention widths in steps of 128, and the step compiled in inductor's
+   ``max-autotune-no-cudagraphs`` mode.
 4. **head**: the log-prob pass, forward and backward, over 16,384 response positions at the
    shape's hidden size and vocabulary: ``token_logprobs_from_hidden`` (chunked) against the
    full logits and ``token_logprobs_from_logits``; peak memory above the inputs (on CUDA the
@@ -82,6 +84,9 @@ from dapo.models.demo import build_tokenizer
 from dapo.models.packing import PACKED_ATTENTION, varlen_dtype
 from dapo.models.policy import DTYPES, compute_device
 from dapo.rollout import make_engine
+from dapo.rollout.base import encode_prompts
+from dapo.rollout.native import COMPILE_BACKEND
+from dapo.rollout.static_decode import static_decode
 from dapo.training.gpu_memory import (
     DTYPE_BYTES,
     PlanSettings,
@@ -604,7 +609,7 @@ def decode_section(
     variants: bool = False,
 ) -> list[dict]:
     """The native engine's runs of :func:`decode_plans`. With ``profile``, each count's
-    default path once more under the profiler for ``profile_new`` tokens
+    graph path once more under the profiler for ``profile_new`` tokens
     (:func:`decode_profile`)."""
     engine = make_engine("dapo", model, tok, (tok.eos_token_id,), DTYPES[compute], device=device)
     model.eval()
@@ -626,7 +631,8 @@ def decode_section(
                 set_engine(engine, plan)
                 prompts = decode_prompts(sizes, plan["count"])
                 run["profile"] = decode_profile(engine, prompts, sizes, device)
-                label = f"decode, {run['rows']} rows ({run['path']})"
+                step = "compiled step" if device.type == "cuda" else "step"
+                label = f"decode, {run['rows']} rows (the graph path's {step}, no graphs)"
                 print(step_profile.describe_steps(label, run["profile"], sizes.profile_new))
                 release(device)
     return runs
@@ -641,12 +647,28 @@ def set_engine(engine: Any, plan: dict) -> None:
 
 
 def decode_profile(engine: Any, prompts: list[str], sizes: Sizes, device: torch.device) -> dict:
-    """One ``generate`` of ``profile_new`` tokens (EOS ignored) under the profiler, after the
-    same call untimed (the step compiled and cuDNN's plans built): on CUDA the kernels of the
-    replayed graphs, with the prompts' prefill and each new width's capture (one eager step
-    each) among them; the caller divides by the steps."""
-    options = dict(group_size=sizes.decode_group, seed=0, ignore_eos=True)
-    work = functools.partial(engine.generate, prompts, max_new_tokens=sizes.profile_new, **options)
+    """The engine's CUDA-graph path for ``profile_new`` tokens (EOS ignored) under the
+    profiler, its step compiled on CUDA but launched without graphs: the same kernels as the
+    graphs replay, with their device times (no graph is captured or replayed under the
+    profiler, which has known faults with graphs), the prompts' prefill among them; after
+    the same call untimed. The caller divides by the steps."""
+    ids_nP, mask_nP = encode_prompts(engine.tokenizer, prompts, device)
+    compiled = device.type == "cuda" and engine.compile_step
+    work = functools.partial(
+        torch.inference_mode()(static_decode),
+        engine.model,
+        ids_nP,
+        mask_nP,
+        group_size=sizes.decode_group,
+        max_new_tokens=sizes.profile_new,
+        stop_token_ids=engine.stop_token_ids,
+        pad_token_id=engine.tokenizer.pad_token_id,
+        compute_dtype=engine.compute_dtype,
+        seed=0,
+        ignore_eos=True,
+        graphs=False,
+        compile=COMPILE_BACKEND if compiled else None,
+    )
     work()
     sync(device)
     return step_profile.profile_call(work, device, top=12)
