@@ -608,26 +608,29 @@ def decode_section(
     profile: bool = False,
     variants: bool = False,
 ) -> list[dict]:
-    """The native engine's runs of :func:`decode_plans`. With ``profile``, each count's
-    graph path once more under the profiler for ``profile_new`` tokens
-    (:func:`decode_profile`)."""
+    """The native engine's runs of :func:`decode_plans`: the standing ones; with ``profile``
+    each count's graph path once more under the profiler for ``profile_new`` tokens
+    (:func:`decode_profile`); then the variants, each of which may fail (an error line and
+    an ``error`` entry) without costing the figures after it."""
     engine = make_engine("dapo", model, tok, (tok.eos_token_id,), DTYPES[compute], device=device)
     model.eval()
     plans = decode_plans(sizes, device, variants)
-    runs = []
-    for plan in plans:
+
+    def timed(plan: dict) -> dict:
         set_engine(engine, plan)
         prompts = decode_prompts(sizes, plan["count"])
         run = decode_run(
             engine, shape, prompts, sizes, plan["new_tokens"], device, compute, bandwidth
         )
-        runs.append(run)
         print(describe("decode", run), flush=True)
         release(device)
+        return run
+
+    standing = [plan for plan in plans if not is_variant(plan)]
+    runs = [timed(plan) for plan in standing]
     if profile:  # after every timed run: a profiler fault cannot cost their figures
-        for run, plan in zip(runs, plans, strict=True):
-            variant = plan.get("width_step") or plan.get("compile_mode")
-            if plan["cuda_graphs"] and plan["compile_step"] and not variant:  # the default
+        for run, plan in zip(runs, standing, strict=True):
+            if plan["cuda_graphs"] and plan["compile_step"]:  # the default path
                 set_engine(engine, plan)
                 prompts = decode_prompts(sizes, plan["count"])
                 run["profile"] = decode_profile(engine, prompts, sizes, device)
@@ -635,7 +638,30 @@ def decode_section(
                 label = f"decode, {run['rows']} rows (the graph path's {step}, no graphs)"
                 print(step_profile.describe_steps(label, run["profile"], sizes.profile_new))
                 release(device)
+    for plan in filter(is_variant, plans):
+        runs.append(guarded(functools.partial(timed, plan), variant_name(plan)))
     return runs
+
+
+def is_variant(plan: dict) -> bool:
+    return bool(plan.get("width_step") or plan.get("compile_mode"))
+
+
+def variant_name(plan: dict) -> str:
+    if plan.get("width_step"):
+        return f"widths in steps of {plan['width_step']}"
+    return str(plan.get("compile_mode"))
+
+
+def guarded(run: Callable[[], dict], name: str) -> dict:
+    """``run()``, or, when it raises, an error line and ``{"variant", "error"}``: a variant
+    is an experiment, and its failure must not cost the later shapes' figures."""
+    try:
+        return run()
+    except Exception as err:  # noqa: BLE001 (any failure of an experiment is reported)
+        error = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
+        print(f"  decode variant ({name}) failed: {error}", flush=True)
+        return {"variant": name, "error": error}
 
 
 def set_engine(engine: Any, plan: dict) -> None:

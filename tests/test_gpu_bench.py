@@ -219,6 +219,29 @@ def test_the_decoding_runs_of_a_shape():
     ]
 
 
+def test_a_failed_variant_is_reported_not_raised(capsys):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu
+
+    def broken():
+        raise RuntimeError("operation not permitted when stream is capturing\nmore")
+
+    assert gpu.guarded(broken, "max-autotune-no-cudagraphs") == {
+        "variant": "max-autotune-no-cudagraphs",
+        "error": "RuntimeError: operation not permitted when stream is capturing",
+    }
+    assert "decode variant (max-autotune-no-cudagraphs) failed" in capsys.readouterr().out
+    assert gpu.guarded(lambda: {"rows": 64}, "x") == {"rows": 64}
+    assert [gpu.is_variant(p) for p in gpu.decode_plans(gpu.REAL, torch.device("cuda"), True)] == [
+        False,
+        False,
+        False,
+        False,
+        True,
+        True,
+    ]
+
+
 def test_kinds_of_work_by_name():
     sys.path.insert(0, str(REPO / "benchmarks"))
     from step_profile import kind_of
