@@ -244,6 +244,26 @@ def test_a_row_of_nan_logits_draws_a_valid_index(vocab):
     assert ((token >= 0) & (token < vocab)).all() and logp[1].isnan()
 
 
+def test_the_draw_benchmark_draws_the_same_tokens_both_ways():
+    """``benchmarks/draw.py`` at a vocabulary of 1,088 (blocks of 64): both ways draw the
+    same tokens, and it says so."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done = subprocess.run(
+        [sys.executable, "benchmarks/draw.py", "--vocab", "1088", "--rows", "4", "--reps", "1"],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = done.stdout.strip().splitlines()[-1]
+    assert line.startswith("4 rows x 1088 tokens: blocks of 64 ")
+    assert line.endswith("same tokens: True")
+
+
 def test_the_models_it_refuses_and_the_engine_falls_back():
     assert unsupported_reason(model_of("qwen2")) is None
     gpt2 = type("Gpt2", (torch.nn.Module,), {})()
