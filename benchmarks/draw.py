@@ -12,24 +12,11 @@ float64 probabilities into a wider array first, 16 bytes a row and token more.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
+from gpu import best_seconds
 
 from dapo.rollout import sampling
-
-
-def best_seconds(work, device: torch.device, reps: int) -> float:
-    best = float("inf")
-    for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        work()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def draw_both_ways(rows: int, vocab: int, device: torch.device, reps: int) -> dict:
@@ -48,7 +35,7 @@ def draw_both_ways(rows: int, vocab: int, device: torch.device, reps: int) -> di
         sampling.block_tokens = picks
         try:
             tokens[way] = draw()
-            out[way] = best_seconds(draw, device, reps)
+            out[way] = best_seconds(device, draw, reps, 1)
         finally:
             sampling.block_tokens = chosen
     out["same_tokens"] = bool(torch.equal(tokens["padded 256"], tokens["chosen"]))
