@@ -21,7 +21,9 @@ top-p, greedy), rows leaving the batch and the cache, a step on the cache, ``fin
 (``model.lora.merged_sampling``); ``collate(...).to(device)``; ``train.packing``'s pass,
 its GPU attention too (one variable-length call, PyTorch's kernel stood in); the CUDA-graph
 path's loop (``static_decode`` without graphs: its buffers, the step, the draw, the
-read-backs).
+read-backs). Where a GPU would wait: reads back to the host, and blocking copies to the device
+(``DeviceCheck.copies``): the micro-batches and the packed layout reach the device by
+asynchronous copies from page-locked memory (``dapo.data.transfer``, pinning stood in).
 
 Stepped around, as fake tensors hold no data: a value read from a tensor (``.item()``,
 ``float()``, ``bool()``) is answered by the function that reads it (``READS_*``; a read with
@@ -52,6 +54,7 @@ import dapo
 from dapo import algo
 from dapo.algo import logits as head_maths
 from dapo.config import load_config
+from dapo.data import transfer
 from dapo.data.batch import Batch, Episode, collate, length_sorted, split_microbatches
 from dapo.data.problems import Problem
 from dapo.models import logprobs, packing
@@ -93,16 +96,36 @@ class DeviceCheck(FakeTensorMode):
     ``syncs`` lists, by the dapo function that caused it, every point where a GPU would wait
     for its queue of kernels: a value read from a tensor on the device, a copy from the device
     to the host, an op on the device whose output size depends on the data (nonzero,
-    unique). Reads of host tensors are answered but not listed: they wait for nothing."""
+    unique). Reads of host tensors are answered but not listed: they wait for nothing.
+
+    ``copies`` lists, the same way, every blocking copy from the host to the device: on CUDA
+    PyTorch synchronises the stream after one (``memcpy_and_sync``), so the host waits for the
+    queue as it does at a read. They are a ``.to`` or ``copy_`` of a host tensor without
+    ``non_blocking``, and a tensor made on the device from host data (``torch.tensor``,
+    ``as_tensor``, ``new_tensor``: :class:`FromHost`)."""
 
     def __init__(self, reads: dict[str, object] | None = None) -> None:
         super().__init__(allow_non_fake_inputs=True)
         self.reads = READS_FORWARD | (reads or {})
         self.answered: list[str] = []
         self.syncs: list[str] = []
+        self.copies: list[str] = []
+        self.from_host = FromHost(self.copies)
+
+    def __enter__(self):
+        self.from_host.__enter__()  # FakeTensorMode's own code enters the mode again: nested
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self.from_host.__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         x = args[0] if args else None
+        if blocking_copy_to_device(func, args, kwargs or {}):
+            self.copies.append(dapo_site())
         if func is aten.detach_.default and not isinstance(x, FakeTensor):
             # torch.tensor(data, device="meta") makes a plain meta tensor, which FakeTensorMode
             # converts when an op takes it, but refuses to detach_ in place (inference mode).
@@ -137,11 +160,64 @@ class DeviceCheck(FakeTensorMode):
         return self.reads[site]
 
 
+def blocking_copy_to_device(func, args, kwargs) -> bool:
+    """Whether a dispatched op copies a host tensor to DEVICE without ``non_blocking``."""
+    if func is aten._to_copy.default:
+        source, target = args[0], kwargs.get("device")
+    elif func is aten.copy_.default:
+        source, target = args[1], args[0].device
+        kwargs = {"non_blocking": args[2] if len(args) > 2 else kwargs.get("non_blocking")}
+    else:
+        return False
+    return source.device == CPU and target == DEVICE and not kwargs.get("non_blocking")
+
+
+class FromHost:
+    """Lists in ``copies`` every tensor made on DEVICE from host data, by wrapping the three
+    factories that do it (``torch.tensor``, ``torch.as_tensor``, ``Tensor.new_tensor``): they
+    copy their data from the host and wait. A context manager."""
+
+    FACTORIES = ((torch, "tensor"), (torch, "as_tensor"), (torch.Tensor, "new_tensor"))
+
+    def __init__(self, copies: list[str]) -> None:
+        self.copies = copies
+        self.saved: list = []
+        self.depth = 0
+
+    def __enter__(self):
+        self.depth += 1
+        if self.depth == 1:  # the outermost entry wraps, its exit unwraps
+            for owner, name in self.FACTORIES:
+                real = getattr(owner, name)
+                self.saved.append((owner, name, real))
+                setattr(owner, name, self.watched(real, method=owner is torch.Tensor))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.depth -= 1
+        while not self.depth and self.saved:
+            setattr(*self.saved.pop())
+
+    def watched(self, real, *, method: bool):
+        def factory(*args, **kwargs):
+            data = args[1] if method else args[0]
+            device = kwargs.get("device", args[0].device if method else None)
+            made = real(*args, **kwargs)
+            on_device = isinstance(data, torch.Tensor) and data.device == DEVICE
+            # An empty one copies nothing (a cache's first keys): no wait.
+            if device is not None and torch.device(device) == DEVICE and not on_device:
+                if made.numel():
+                    self.copies.append(dapo_site())
+            return made
+
+        return factory
+
+
 def call_sites(files: list[str] | None = None) -> list[str]:
     """The functions a dispatched op runs in, torch's and this file's aside, from the one
     that called torch out to the first of dapo's (their files appended to ``files``)."""
     frame, sites = inspect.currentframe(), []
-    while frame.f_code.co_filename == __file__:  # this file's own frames (the mode's)
+    while frame.f_code.co_filename == __file__:  # this file's own frames (the modes')
         frame = frame.f_back
     while frame is not None and frame.f_code.co_filename != __file__:  # the test's: none
         if not frame.f_code.co_filename.startswith(TORCH):
@@ -403,10 +479,10 @@ def packed_update_through_varlen(tokenizer, tiny_model, monkeypatch):
     monkeypatch.setattr(packing, "varlen_dtype", lambda query: query.dtype)
     monkeypatch.setattr(packing, "varlen_kernel", lambda: (fake_varlen_attn, True))
     episodes = host_episodes(len(tokenizer))
-    with DeviceCheck(READS_UPDATE | {"collate": 0}):
+    with DeviceCheck(READS_UPDATE | {"collate": 0}) as check:
         state = train_state("dapo", tiny_model, tokenizer, None, "train.packing=true")
         fill_logprobs(state.model, episodes, "old_logprobs", state)
-        return minibatch_update(state, episodes)
+        return minibatch_update(state, episodes), check
 
 
 def test_packed_training_update_through_varlen_on_the_device(tiny_model, tokenizer, monkeypatch):
@@ -414,7 +490,7 @@ def test_packed_training_update_through_varlen_on_the_device(tiny_model, tokeniz
     offsets and the gathered prompt keys are made on the compute device."""
     calls = []
     monkeypatch.setattr(packing, "varlen_layout", counted(packing.varlen_layout, calls))
-    sums = packed_update_through_varlen(tokenizer, tiny_model, monkeypatch)
+    sums, _ = packed_update_through_varlen(tokenizer, tiny_model, monkeypatch)
     assert sums["updates"] == 1.0 and calls  # the varlen path ran
     assert all(layout.key_index is not None for layout in calls)  # prompts shared: gathered
 
@@ -633,3 +709,84 @@ def test_parking_catches_a_cpu_tensor(tiny_model, tokenizer, monkeypatch):
         monkeypatch.setattr(parking, "torch", ForgetsDevice())  # the turn-end tokens on the CPU
         with mixed_devices():
             engine.generate(PROMPTS, group_size=G, max_new_tokens=2, park_at=[2])
+
+
+
+@pytest.fixture
+def pinned(monkeypatch) -> list[tuple[int, ...]]:
+    """DEVICE taken for a CUDA device by :mod:`dapo.data.transfer`: host tensors go through
+    page-locked memory (pinning stood in: the CPU wheel cannot pin) and an asynchronous copy.
+    Lists the shapes pinned."""
+    shapes: list[tuple[int, ...]] = []
+
+    def pin_memory(self, *args, **kwargs):
+        shapes.append(tuple(self.shape))
+        return self
+
+    monkeypatch.setattr(transfer, "ASYNC_DEVICE_TYPES", ("cuda", DEVICE.type))
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    return shapes
+
+
+def test_the_check_lists_blocking_copies_to_the_device():
+    with DeviceCheck() as check:
+        host = torch.ones(3)
+        host.to(DEVICE)
+        torch.empty(3, device=DEVICE).copy_(host)
+        torch.tensor([1, 2], device=DEVICE)
+        torch.ones(2, device=DEVICE).new_tensor(3.0)
+        host.to(DEVICE, non_blocking=True)  # none of these waits
+        torch.empty(3, device=DEVICE).copy_(host, non_blocking=True)
+        torch.full((), 3.0, device=DEVICE)
+        torch.tensor([], device=DEVICE)
+        torch.tensor([1, 2])
+    assert len(check.copies) == 4  # the first four
+
+
+def test_to_device_pins_and_copies_asynchronously(pinned):
+    host = torch.arange(6).view(2, 3)
+    assert transfer.to_device(host, "cpu") is host
+    with DeviceCheck() as check:
+        moved = transfer.to_device(host, DEVICE)
+        assert transfer.to_device(moved, DEVICE) is moved  # there already
+    assert moved.device == DEVICE and moved.shape == (2, 3) and moved.dtype == torch.long
+    assert check.copies == [] and pinned == [(2, 3)]
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_micro_batches_reach_the_device_without_waiting(
+    tiny_model, tokenizer, request, packed, asynchronous
+):
+    """On CUDA a blocking copy from the host waits for the queue, so each micro-batch's copies
+    would wait for the backward pass of the one before it, and the card would idle while the
+    host collates the next. The pi_old pass's and the update's host tensors (the collated
+    micro-batches, the packed layout) go through page-locked memory and an asynchronous copy:
+    no copy waits. Without that (``asynchronous`` False: what a plain ``.to`` did), the check
+    finds each of them."""
+    shapes = request.getfixturevalue("pinned") if asynchronous else []
+    episodes = host_episodes(len(tokenizer))
+    extra = ("train.packing=true",) if packed else ()
+    with DeviceCheck(READS_UPDATE | {"collate": 0}) as check:
+        state = train_state("dapo", tiny_model, tokenizer, None, *extra)
+        check.copies.clear()
+        fill_logprobs(state.model, episodes, "old_logprobs", state)
+        assert minibatch_update(state, episodes)["updates"] == 1.0
+    # Two passes (pi_old, the update) of two micro-batches, each of 13 tensors, 4 more packed.
+    moved = 2 * 2 * (17 if packed else 13)
+    if asynchronous:
+        assert check.copies == [] and len(shapes) == moved
+    else:
+        assert check.copies == ["to_device"] * moved
+
+
+def test_the_varlen_layout_reaches_the_device_without_waiting(
+    tiny_model, tokenizer, monkeypatch, pinned
+):
+    calls = []
+    packing.varlen_layout.cache_clear()  # a layout of an earlier test would not be copied
+    monkeypatch.setattr(packing, "varlen_layout", counted(packing.varlen_layout, calls))
+    sums, check = packed_update_through_varlen(tokenizer, tiny_model, monkeypatch)
+    assert sums["updates"] == 1.0 and calls and check.copies == []
+    offsets = [(len(c.cu_q),) for c in calls] + [(len(c.cu_k),) for c in calls]
+    assert set(offsets) <= set(pinned)

@@ -10,6 +10,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from dapo.data.transfer import to_device
+
 
 @dataclass(frozen=True)
 class Trace:
@@ -128,8 +130,9 @@ class Packing:
     """The flat (row-major) positions in ``[B, T]`` of the real response tokens."""
 
     def to(self, device: torch.device | str) -> Packing:
+        """This layout on ``device``, copied without the host waiting (:func:`to_device`)."""
         tensors = ("index_N", "positions_N", "states_R", "response_R")
-        return Packing(self.groups, *(getattr(self, name).to(device) for name in tensors))
+        return Packing(self.groups, *(to_device(getattr(self, name), device) for name in tensors))
 
     @property
     def tokens(self) -> int:
@@ -204,7 +207,8 @@ class Batch:
     """The rows laid end to end (``train.packing``), found on the host; None: padded."""
 
     def to(self, device: torch.device | str) -> Batch:
-        return Batch(**{k: None if v is None else v.to(device) for k, v in vars(self).items()})
+        """This batch on ``device``, copied without the host waiting (:func:`to_device`)."""
+        return Batch(**{k: _moved(v, device) for k, v in vars(self).items()})
 
     @property
     def distinct_prompts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -212,6 +216,12 @@ class Batch:
         if self.prompt_index_B is None:
             return None
         return self.prompt_ids_NP, self.prompt_mask_NP, self.prompt_index_B
+
+
+def _moved(value: torch.Tensor | Packing | None, device: torch.device | str):
+    if value is None:
+        return None
+    return value.to(device) if isinstance(value, Packing) else to_device(value, device)
 
 
 def collate(episodes: Sequence[Episode], *, pad_id: int, packed: bool = False) -> Batch:

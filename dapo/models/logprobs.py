@@ -374,7 +374,10 @@ def forward_slots(b: Batch, *, shared: bool) -> tuple[float, torch.Tensor]:
     read back: the caller sums it on the device)."""
     if b.packing is not None:  # nothing padded, no prompt shared
         tokens = float(b.packing.tokens)
-        return tokens, b.response_mask_BT.new_tensor(tokens, dtype=torch.float64)
+        # A fill on the device: new_tensor would copy the number from the host, and a copy
+        # from pageable memory makes the host wait for the queue (dapo.data.transfer).
+        device = b.response_mask_BT.device
+        return tokens, torch.full((), tokens, dtype=torch.float64, device=device)
     prompts = b.prompt_mask_BP  # [B, P], or [N, P] over the N distinct prompts when shared
     if shared:
         found = b.distinct_prompts or distinct_prompts(b.prompt_ids_BP, b.prompt_mask_BP)

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from dapo.data.transfer import to_device
+
 PACKED_ATTENTION = "dapo_packed"
 """The attention implementation's name, registered with transformers (:func:`use_packing`)."""
 
@@ -235,11 +237,11 @@ def varlen_layout(groups: Groups, device: torch.device) -> VarlenLayout:
         return torch.tensor(list(itertools.accumulate(lengths, initial=0)), dtype=torch.int32)
 
     return VarlenLayout(
-        cu_q=offsets(q_lengths).to(device),
-        cu_k=offsets(k_lengths).to(device),
+        cu_q=to_device(offsets(q_lengths), device),
+        cu_k=to_device(offsets(k_lengths), device),
         max_q=max(q_lengths, default=0),
         max_k=max(k_lengths, default=0),
-        key_index=torch.tensor(index, dtype=torch.long).to(device) if shared else None,
+        key_index=to_device(torch.tensor(index, dtype=torch.long), device) if shared else None,
     )
 
 
