@@ -29,7 +29,10 @@ it working (``tests/test_gpu_bench.py``). Per shape:
    prompts from DAPO-Math-17k's lengths, long-tailed responses up to 2,048 tokens), padded
    then packed (``train.packing``, with the packed attention path it took): positions computed
    per real token and MFU on the real tokens alone; with ``--compile``, both again with
-   compiled decoder layers (``train.compile``).
+   compiled decoder layers (``train.compile``); with ``--bf16-weights``, the packed step
+   again on the model cast to bf16 without autocast (a speed figure only: AdamW on bf16
+   weights loses the paper's small updates; what a bf16 residual stream over float32 master
+   weights would approach).
 3. **decode**: the native engine (``make_engine("dapo", ...)``) drawing 64 rows (4 prompts x
    16) of 1,024 new tokens, EOS ignored; tokens/s after an untimed short warm-up. The prompts
    come from the demo tokenizer (a small vocabulary: the model's 152k-row head still runs).
@@ -422,20 +425,29 @@ def mix_section(
     peak_tflops: float,
     profile: bool = False,
     compile: bool = False,
+    bf16_weights: bool = False,
 ) -> list[dict]:
     """The training step on the realistic length mix, padded then packed (``train.packing``):
     positions computed per real token, and MFU counted on the real tokens alone; with
     ``compile``, both again with compiled decoder layers (``train.compile``: the first step,
-    untimed, compiles); with ``profile``, one more step of each under the profiler
+    untimed, compiles); with ``bf16_weights``, the packed step(s) again on the model cast to
+    bf16 (no autocast: the residual stream, norms and AdamW in bf16, a speed figure only:
+    what a bf16 residual stream over float32 master weights would approach; the model is cast
+    back to float32 after); with ``profile``, one more step of each under the profiler
     (:mod:`step_profile`)."""
     episodes = mix_episodes(sizes, shape.vocab)
     flops = mix_flops(shape, episodes)
     runs = []
     kinds = [(False, False), (True, False)] + ([(False, True), (True, True)] if compile else [])
-    for packing, compiled in kinds:
+    kinds = [(p, c, torch.float32) for p, c in kinds]
+    if bf16_weights:
+        kinds += [(True, c, torch.bfloat16) for c in ([False, True] if compile else [False])]
+    for packing, compiled, weights in kinds:
+        if next(model.parameters()).dtype != weights:
+            model.to(weights)
         cfg = run_config(
             sizes,
-            compute,
+            "bfloat16" if weights == torch.bfloat16 else compute,
             f"rollout.max_new_tokens={sizes.mix_l_max}",
             f"algo.l_cache={max(1, sizes.mix_l_max // 4)}",
             f"train.responses_per_minibatch={sizes.mix_rows}",
@@ -457,6 +469,7 @@ def mix_section(
             {
                 "packing": packing,
                 "compiled": compiled,
+                "weights": str(weights).removeprefix("torch."),
                 "attention": attention_path(shape, device, compute) if packing else "sdpa",
                 "rows": len(episodes),
                 "real_tokens": sum(e.prompt_length + e.length for e in episodes),
@@ -472,7 +485,9 @@ def mix_section(
         if profiled is not None:
             runs[-1]["profile"] = profiled
             label = ("packed" if packing else "padded") + (", compiled" if compiled else "")
+            label += ", bf16 weights" if weights == torch.bfloat16 else ""
             print(step_profile.describe(label, profiled), flush=True)
+    model.to(torch.float32)  # the later sections start from float32 master weights
     for module in model.modules():  # the later sections attend as before
         config = getattr(module, "config", None)
         if getattr(config, "_attn_implementation", None) == PACKED_ATTENTION:
@@ -850,7 +865,8 @@ def describe(section: str, r: dict) -> str:
     if section == "mix":
         return (
             f"  length mix, {'packed' if r['packing'] else 'padded'} ({r['attention']}"
-            f"{', compiled layers' if r['compiled'] else ''}): "
+            f"{', compiled layers' if r['compiled'] else ''}"
+            f"{', bf16 weights, no autocast' if r.get('weights') == 'bfloat16' else ''}): "
             f"{r['rows']} rows, "
             f"{r['real_tokens']} real tokens: {r['step_s']:.3f} s/step, "
             f"{r['positions_per_real_token']:.3f} positions per real token, MFU on real tokens "
@@ -895,6 +911,7 @@ def run_shape(
     profile: bool = False,
     compile: bool = False,
     variants: bool = False,
+    bf16_weights: bool = False,
 ) -> dict:
     """The ``sections`` on one shape, printing a line each as it ends; MFU against
     ``peak_tflops``. The fsdp section compares with the train section's step, so it runs it."""
@@ -912,8 +929,9 @@ def run_shape(
     if "mix" in sections:
         log(f"{name}: training on a realistic length mix, padded and packed")
         out["mix"] = mix_section(
-            shape, model, tok, sizes, device, compute, steps, peak_tflops, profile, compile
-        )
+            shape, model, tok, sizes, device, compute, steps, peak_tflops, profile, compile,
+            bf16_weights,
+        )  # fmt: skip
     if "decode" in sections:
         log(f"{name}: decoding")
         decode_runs = decode_section(
@@ -955,6 +973,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--compile",
         action="store_true",
         help="the length-mix step also with compiled decoder layers (train.compile)",
+    )
+    parser.add_argument(
+        "--bf16-weights",
+        action="store_true",
+        help="the packed length-mix step also on the model cast to bf16, without autocast "
+        "(a speed figure: what a bf16 residual stream would approach)",
     )
     parser.add_argument(
         "--variants",
@@ -1016,6 +1040,7 @@ def main(argv: list[str] | None = None) -> dict:
             args.profile,
             args.compile,
             args.variants,
+            args.bf16_weights,
         )
         for s, f in shapes.items()
     }

@@ -40,8 +40,8 @@ def run_tiny(*args: str) -> tuple[dict, str]:
 
 @pytest.fixture(scope="module")
 def tiny_run() -> tuple[dict, str]:
-    """Every section of one tiny run."""
-    return run_tiny()
+    """Every section of one tiny run, the length mix on bf16 weights too."""
+    return run_tiny("--bf16-weights")
 
 
 def test_the_run_names_its_machine_and_prints_a_line_per_section(tiny_run):
@@ -79,15 +79,20 @@ def test_training_step_figures(tiny_run):
 def test_the_length_mix_trains_padded_then_packed(tiny_run):
     """8 rows of the realistic mix (benchmarks/length_mix.py, scaled to the tiny sizes): the
     same real tokens both ways; padded computes more positions than real tokens, packed none
-    more; MFU on the real tokens' FLOPs."""
+    more; MFU on the real tokens' FLOPs. ``--bf16-weights``: packed once more on the model
+    cast to bf16 (and back to float32 for the sections after it, which still run)."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     from length_mix import draw
 
     lengths = draw(8, prompt_mean=16.0, l_max=48)
-    padded, packed = tiny_run[0]["shapes"]["tiny-qwen2"]["mix"]
-    assert (padded["packing"], packed["packing"]) == (False, True)
+    padded, packed, bf16 = tiny_run[0]["shapes"]["tiny-qwen2"]["mix"]
+    assert (padded["packing"], packed["packing"], bf16["packing"]) == (False, True, True)
+    weights = [run["weights"] for run in (padded, packed, bf16)]
+    assert weights == ["float32", "float32", "bfloat16"]
     assert padded["real_tokens"] == packed["real_tokens"] == sum(p + t for p, t in lengths)
     assert padded["positions_per_real_token"] > 1.0 == packed["positions_per_real_token"]
+    assert bf16["positions_per_real_token"] == 1.0 and bf16["step_s"] > 0
+    assert ", bf16 weights, no autocast): " in tiny_run[1]
     flops = sum(
         6 * 2 * LAYER_PARAMS * (p + t) + 6 * 512 * 64 * t + 6 * 2 * 64 * (p + t) ** 2
         for p, t in lengths
