@@ -711,7 +711,6 @@ def test_parking_catches_a_cpu_tensor(tiny_model, tokenizer, monkeypatch):
             engine.generate(PROMPTS, group_size=G, max_new_tokens=2, park_at=[2])
 
 
-
 @pytest.fixture
 def pinned(monkeypatch) -> list[tuple[int, ...]]:
     """DEVICE taken for a CUDA device by :mod:`dapo.data.transfer`: host tensors go through
