@@ -470,7 +470,9 @@ def mix_section(
                 "packing": packing,
                 "compiled": compiled,
                 "weights": str(weights).removeprefix("torch."),
-                "attention": attention_path(shape, device, compute) if packing else "sdpa",
+                "attention": attention_path(shape, device, cfg.model.compute_dtype)
+                if packing
+                else "sdpa",
                 "rows": len(episodes),
                 "real_tokens": sum(e.prompt_length + e.length for e in episodes),
                 "microbatch_tokens": sizes.microbatch_tokens,
@@ -487,7 +489,9 @@ def mix_section(
             label = ("packed" if packing else "padded") + (", compiled" if compiled else "")
             label += ", bf16 weights" if weights == torch.bfloat16 else ""
             print(step_profile.describe(label, profiled), flush=True)
-    model.to(torch.float32)  # the later sections start from float32 master weights
+    # The later sections take float32 weights (rounded to bf16 and trained by the bf16 runs:
+    # their figures do not depend on the values).
+    model.to(torch.float32)
     for module in model.modules():  # the later sections attend as before
         config = getattr(module, "config", None)
         if getattr(config, "_attn_implementation", None) == PACKED_ATTENTION:

@@ -113,14 +113,16 @@ class DeviceCheck(FakeTensorMode):
         self.from_host = FromHost(self.copies)
 
     def __enter__(self):
+        mode = super().__enter__()
         self.from_host.__enter__()  # FakeTensorMode's own code enters the mode again: nested
-        return super().__enter__()
+        return mode
 
     def __exit__(self, *exc):
         try:
-            return super().__exit__(*exc)
-        finally:
             self.from_host.__exit__(*exc)
+        finally:
+            suppress = super().__exit__(*exc)
+        return suppress
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         x = args[0] if args else None
@@ -200,7 +202,7 @@ class FromHost:
 
     def watched(self, real, *, method: bool):
         def factory(*args, **kwargs):
-            data = args[1] if method else args[0]
+            data = args[1] if method else args[0]  # (torch takes the device by keyword only)
             device = kwargs.get("device", args[0].device if method else None)
             made = real(*args, **kwargs)
             on_device = isinstance(data, torch.Tensor) and data.device == DEVICE
@@ -719,6 +721,8 @@ def pinned(monkeypatch) -> list[tuple[int, ...]]:
     shapes: list[tuple[int, ...]] = []
 
     def pin_memory(self, *args, **kwargs):
+        # A strided source would be copied through a pageable temporary: none is pinned.
+        assert self.is_contiguous(), f"a strided tensor {tuple(self.shape)} pinned"
         shapes.append(tuple(self.shape))
         return self
 
@@ -728,28 +732,42 @@ def pinned(monkeypatch) -> list[tuple[int, ...]]:
 
 
 def test_the_check_lists_blocking_copies_to_the_device():
+    host = torch.ones(3)
+    ops = {  # whether each op is a blocking copy to the device
+        "to": (lambda: host.to(DEVICE), True),
+        "copy_": (lambda: torch.empty(3, device=DEVICE).copy_(host), True),
+        "tensor": (lambda: torch.tensor([1, 2], device=DEVICE), True),
+        "as_tensor": (lambda: torch.as_tensor([1, 2], device=DEVICE), True),
+        "new_tensor": (lambda: torch.ones(2, device=DEVICE).new_tensor(3.0), True),
+        "to, non_blocking": (lambda: host.to(DEVICE, non_blocking=True), False),
+        "copy_, non_blocking": (
+            lambda: torch.empty(3, device=DEVICE).copy_(host, non_blocking=True),
+            False,
+        ),
+        "a fill": (lambda: torch.full((), 3.0, device=DEVICE), False),
+        "empty": (lambda: torch.tensor([], device=DEVICE), False),
+        "on the host": (lambda: torch.tensor([1, 2]), False),
+    }
     with DeviceCheck() as check:
-        host = torch.ones(3)
-        host.to(DEVICE)
-        torch.empty(3, device=DEVICE).copy_(host)
-        torch.tensor([1, 2], device=DEVICE)
-        torch.ones(2, device=DEVICE).new_tensor(3.0)
-        host.to(DEVICE, non_blocking=True)  # none of these waits
-        torch.empty(3, device=DEVICE).copy_(host, non_blocking=True)
-        torch.full((), 3.0, device=DEVICE)
-        torch.tensor([], device=DEVICE)
-        torch.tensor([1, 2])
-    assert len(check.copies) == 4  # the first four
+        for name, (op, blocking) in ops.items():
+            before = len(check.copies)
+            op()
+            assert len(check.copies) - before == int(blocking), name
+    assert torch.tensor is not ops["tensor"][0]  # the factories are unwrapped after the block
 
 
 def test_to_device_pins_and_copies_asynchronously(pinned):
     host = torch.arange(6).view(2, 3)
+    factory = torch.tensor
     assert transfer.to_device(host, "cpu") is host
     with DeviceCheck() as check:
         moved = transfer.to_device(host, DEVICE)
         assert transfer.to_device(moved, DEVICE) is moved  # there already
+        column = transfer.to_device(host[:, 1:], DEVICE)  # strided: made contiguous first
     assert moved.device == DEVICE and moved.shape == (2, 3) and moved.dtype == torch.long
-    assert check.copies == [] and pinned == [(2, 3)]
+    assert column.device == DEVICE and column.shape == (2, 2)
+    assert check.copies == [] and pinned == [(2, 3), (2, 2)]
+    assert torch.tensor is factory  # DeviceCheck unwrapped it
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -786,6 +804,6 @@ def test_the_varlen_layout_reaches_the_device_without_waiting(
     packing.varlen_layout.cache_clear()  # a layout of an earlier test would not be copied
     monkeypatch.setattr(packing, "varlen_layout", counted(packing.varlen_layout, calls))
     sums, check = packed_update_through_varlen(tokenizer, tiny_model, monkeypatch)
+    # The layouts were built under the check (a blocking copy would be listed) and pinned.
     assert sums["updates"] == 1.0 and calls and check.copies == []
-    offsets = [(len(c.cu_q),) for c in calls] + [(len(c.cu_k),) for c in calls]
-    assert set(offsets) <= set(pinned)
+    assert len(pinned) > 2 * 2 * 17  # the micro-batches' tensors and the layouts' offsets

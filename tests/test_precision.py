@@ -243,3 +243,48 @@ def test_the_fused_kernel_steps_as_the_default_does(tokenizer, monkeypatch, extr
         # Adam's division by sqrt(v) magnifies that where a gradient is near 0 (measured:
         # at most 6e-7, a bias).
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("written_fused", [False, True], ids=["foreach-written", "fused-written"])
+def test_a_checkpoint_resumes_with_this_processs_adamw(
+    tokenizer, monkeypatch, tmp_path, written_fused
+):
+    """Loading an optimizer's state replaces its parameter groups with the saved ones, AdamW's
+    ``fused`` among them. A float16 run (with a loss scaler) resumed across kinds, a checkpoint
+    of a CPU run on a GPU or the reverse (the CPU's fused kernel standing in for CUDA's), keeps
+    this process's kind, its step counters where that kind keeps them, and steps on (a fused
+    flag over a foreach optimizer used to fail at the scaler's step)."""
+    from dapo.run import checkpoint
+
+    ft = ("model.compute_dtype=float16",)
+    written, _ = _trained(tokenizer, monkeypatch, fused=written_fused, extra=ft)
+    checkpoint.save(
+        tmp_path,
+        step=2,
+        model=written.model,
+        tokenizer=tokenizer,
+        optimizer=written.optimizer,
+        trainer_state=written.state_dict(),
+        keep=1,
+    )
+    if not written_fused:
+        monkeypatch.setattr(state_module, "FUSED_DEVICE_TYPES", ("cpu",))
+    cfg = written.cfg
+    resumed = build_state(
+        cfg, tiny_qwen2(tokenizer, SPEC, seed=1), tokenizer, [Problem("p", (), "1")]
+    )
+    resumed.load_state_dict(
+        checkpoint.load(
+            checkpoint.find_latest(tmp_path), model=resumed.model, optimizer=resumed.optimizer
+        )
+    )
+    group = resumed.optimizer.param_groups[0]
+    assert group["fused"] is (None if written_fused else True)
+    before = [float(s["step"]) for s in written.optimizer.state.values()]
+    steps = [s["step"] for s in resumed.optimizer.state.values()]
+    assert [float(t) for t in steps] == before and before[0] >= 2.0
+    assert all(t.device.type == "cpu" and t.dtype == torch.float32 for t in steps)
+    updates = update(resumed, copy.deepcopy(_episodes()), lr=1e-3)["train/updates"]
+    assert updates >= 1.0
+    after = [float(s["step"]) for s in resumed.optimizer.state.values()]
+    assert after == [b + updates for b in before]

@@ -24,5 +24,7 @@ def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     there already). The values are the same either way."""
     device = torch.device(device)
     if tensor.device.type == "cpu" and device.type in ASYNC_DEVICE_TYPES:
-        return tensor.pin_memory().to(device, non_blocking=True)
+        # Contiguous first: the copy of a strided source goes through a pageable temporary
+        # (a column slice such as collate's distinct prompts), which pinning would not help.
+        return tensor.contiguous().pin_memory().to(device, non_blocking=True)
     return tensor.to(device)

@@ -15,8 +15,10 @@ is read.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +104,30 @@ def join_optimizer_state(
     for param, entries in from_json(rest_json["state"]).items():
         state.setdefault(param, {}).update(entries)
     return {"state": state, "param_groups": from_json(rest_json["param_groups"])}
+
+
+@contextlib.contextmanager
+def kernels_kept(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Loading an optimizer's state replaces its parameter groups with the saved ones, its
+    implementation among them (AdamW's ``fused``, ``foreach``): a checkpoint written on a GPU
+    would step a CPU run with the fused kernel, one written on a CPU a GPU run without it. The
+    block's load keeps the implementation this process chose
+    (:func:`dapo.training.state.adamw`), and each step counter goes where that implementation
+    keeps it: on the parameter's device for the fused kernel, on the host otherwise."""
+    kept = [{k: group.get(k) for k in KERNEL_KEYS} for group in optimizer.param_groups]
+    yield
+    for group, kernel in zip(optimizer.param_groups, kept, strict=True):
+        group.update(kernel)
+        on_device = bool(kernel["fused"] or group.get("capturable"))
+        for param in group["params"]:
+            step = optimizer.state.get(param, {}).get("step")
+            if isinstance(step, torch.Tensor):
+                where = param.device if on_device else torch.device("cpu")
+                optimizer.state[param]["step"] = step.to(dtype=torch.float32, device=where)
+
+
+KERNEL_KEYS = ("fused", "foreach")
+"""An optimizer's parameter-group settings that pick its implementation, not its maths."""
 
 
 # ----------------------------------------------------------------------------- reading safely
@@ -242,9 +268,14 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
         ) from None
     for alias, source in aliases.items():
         state["model"][alias] = state["model"][source]
-    set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=optim, options=options
-    )
+    with kernels_kept(optimizer):
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=optim,
+            options=options,
+        )
 
 
 def load_full(
@@ -265,7 +296,8 @@ def load_full(
             {**g, "params": [names[i] for i in g["params"]]} for g in optim_state["param_groups"]
         ],
     }
-    set_optimizer_state_dict(model, optimizer, by_name, options=options)
+    with kernels_kept(optimizer):
+        set_optimizer_state_dict(model, optimizer, by_name, options=options)
 
 
 def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from dapo.dist.dcp import kernels_kept
 from dapo.run import manifest, model_files, state_files
 from dapo.run.manifest import verify  # also checkpoint.verify, as callers have named it
 from dapo.run.model_files import CheckpointError
@@ -254,9 +255,10 @@ def load(
     trainer = read_trainer_state(ckpt, digests=not verified)
     model_files.load(model, ckpt / "model")
     try:
-        # load_state_dict moves each state tensor to its parameter's device (step counters
-        # stay on the CPU where torch keeps them).
-        optimizer.load_state_dict(state_files.load_optimizer(ckpt / "optimizer"))
+        # load_state_dict moves each state tensor to its parameter's device; the step
+        # counters go where this process's AdamW keeps them (kernels_kept).
+        with kernels_kept(optimizer):
+            optimizer.load_state_dict(state_files.load_optimizer(ckpt / "optimizer"))
         restore_rng(state_files.load_rng(ckpt / "rng"), device)
     except state_files.StateFileError as exc:
         raise CheckpointError(str(exc)) from None

@@ -214,8 +214,8 @@ def adamw(params: list[torch.nn.Parameter], **hyper: Any) -> torch.optim.AdamW:
     On CUDA torch defaults to its multi-tensor ``foreach`` path: some ten element-wise passes
     over the weights, gradients and moments, each reading and writing them in memory. The
     fused kernel reads each once and writes the weight and moments once (28 bytes a float32
-    weight). The choice is kept in the optimizer's parameter groups, so a checkpoint resumes
-    with the implementation that wrote it."""
+    weight). A resumed run keeps this choice whichever kind wrote its checkpoint
+    (:func:`dapo.dist.dcp.kernels_kept`)."""
     fused = bool(params) and all(p.device.type in FUSED_DEVICE_TYPES for p in params)
     return torch.optim.AdamW(params, fused=fused or None, **hyper)
 

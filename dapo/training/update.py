@@ -128,11 +128,12 @@ def _step_or_skip(state: TrainState, sums: dict[str, float], norm: float) -> dic
             )
         return {"skipped": 1.0}
     state.consecutive_skips = 0
+    # The gradients are unscaled and finite already, so the scaler's step would only pass its
+    # checks on (to a fused AdamW as arguments, which a foreach one refuses: a checkpoint
+    # written by the other kind); the optimizer steps itself, and the scaler updates after.
+    state.optimizer.step()
     if scaler is not None:
-        scaler.step(state.optimizer)  # the gradients are unscaled already
         scaler.update()
-    else:
-        state.optimizer.step()
     state.optimizer.zero_grad(set_to_none=True)
     return sums | {"grad_norm": norm, "updates": 1.0}
 
