@@ -40,13 +40,14 @@ def test_two_ranks_agree_on_the_sum():
 
 def _two_ranks_with_long_waits(rank: int, port: int) -> None:
     """Rank ``rank`` of 2 gloo ranks whose collectives time out after 1 s, and whose long
-    waits (dapo.dist.wait_for_all, patient collectives) after 60 s."""
+    waits (dapo.dist.wait_for_all, patient collectives) after 60 s. The rendezvous waits
+    60 s too: two spawned processes importing torch on a busy machine may start seconds
+    apart, past a 1 s rendezvous (seen in CI: "1/2 clients joined")."""
+    store = torch.distributed.TCPStore(
+        "127.0.0.1", port, 2, is_master=rank == 0, timeout=datetime.timedelta(seconds=60)
+    )
     torch.distributed.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=1),
+        "gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=1)
     )
     dist.join_long_waits(60.0)
 
