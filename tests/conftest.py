@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -10,7 +12,8 @@ from dapo.models.demo import TinyModelSpec, build_tokenizer, tiny_qwen2
 
 @pytest.fixture(autouse=True)
 def _few_threads():
-    torch.set_num_threads(2)
+    # Under pytest-xdist (`-n auto`: a worker per core) each worker computes on one thread.
+    torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 
 @pytest.fixture(scope="session")

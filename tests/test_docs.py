@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 README = ROOT / "README.md"
 INSTALL_AND_RUN = 'pip install torch==2.13.0 && pip install -e ".[test]" && dapo train'
-TEST_COMMAND = "python -m pytest -q"
+TEST_COMMAND = "python -m pytest -q -n auto"
 
 
 def _generator():
