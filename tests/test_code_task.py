@@ -70,10 +70,10 @@ def test_the_program_is_the_last_python_fence(response, program):
 
 
 def test_extraction_is_linear_in_the_response():
-    start = time.monotonic()
+    start = time.process_time()  # CPU time: the work, however busy the machine is
     assert extract_code("```\n" * 200_000) == ""
     assert extract_code("```python\n" + "x\n" * 500_000) == "x\n" * 499_999 + "x"
-    assert time.monotonic() - start < 2.0
+    assert time.process_time() - start < 2.0
 
 
 def test_a_right_program_passes_and_a_wrong_one_fails():

@@ -106,9 +106,9 @@ def test_normalize_examples():
 )
 def test_hostile_responses_are_graded_in_bounded_time(hostile):
     for grade in (math_score, math_score_boxed):
-        start = time.perf_counter()
+        start = time.process_time()  # CPU time: the work, however busy the machine is
         grade(hostile, "1")
-        assert time.perf_counter() - start < 0.5
+        assert time.process_time() - start < 0.5
 
 
 # ----------------------------------------------------------------------------- the reference

@@ -24,9 +24,9 @@ WRONG = Score(score=-1.0, correct=False, pred="")
 
 
 def timed_score(response, ground_truth="34"):
-    start = time.perf_counter()
+    start = time.process_time()  # CPU time: the work, however busy the machine is
     result = lenient_score(response, ground_truth)
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     assert elapsed < TIME_LIMIT_S, f"lenient_score took {elapsed:.2f}s"
     return result
 
@@ -189,9 +189,9 @@ def test_deeply_nested_boxed():
     assert timed_score(response) == WRONG
     # Graded via normalize_answer directly, the whole string is too long to be an
     # answer and comes back stripped only.
-    start = time.perf_counter()
+    start = time.process_time()
     assert normalize_answer(response) == response
-    assert time.perf_counter() - start < TIME_LIMIT_S
+    assert time.process_time() - start < TIME_LIMIT_S
 
 
 def test_power_tower_is_not_evaluated():
