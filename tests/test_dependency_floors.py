@@ -70,11 +70,11 @@ def _imports(tree: ast.AST) -> set[str]:
 def _calls_the_libraries() -> set[str]:
     """Test files that import a floored library or a dapo module importing one (the command
     line aside: it imports transformers' logging only), or take a model fixture."""
-    modules = set()
-    for path in (ROOT / "dapo").rglob("*.py"):
-        if any(name.split(".")[0] in LIBRARIES for name in _imports(ast.parse(path.read_text()))):
-            modules.add(".".join(path.relative_to(ROOT).with_suffix("").parts))
-    modules = {m.removesuffix(".__init__") for m in modules} - {"dapo.cli"}
+    modules = {
+        ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        for path in (ROOT / "dapo").rglob("*.py")
+        if {n.split(".")[0] for n in _imports(ast.parse(path.read_text()))} & LIBRARIES
+    } - {"dapo.cli"}
     found = set()
     for path in (ROOT / "tests").glob("test_*.py"):
         tree = ast.parse(path.read_text())

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -51,7 +52,7 @@ def test_others_busy_is_machine_busy_time_less_this_process(monkeypatch):
 
 def _cpu_seconds(pid: int) -> float:
     """CPU seconds process ``pid`` has used (its utime and stime in /proc/PID/stat)."""
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -77,7 +78,7 @@ def test_a_busy_process_is_seen_and_our_own_work_is_not():
         burned = (_cpu_seconds(burner.pid) - used) / (time.monotonic() - began)
         seen = governor.others_busy()
         assert burned > 0.3  # the burner ran: at least a third of a core
-        assert seen > min(idle + 0.4, burned * 0.8) * share
+        assert seen > min(idle + 0.4 * share, burned * 0.8 * share)
     finally:
         burner.kill()
         burner.wait()
