@@ -73,7 +73,7 @@ class SandboxLimits:
     """Wall-clock seconds before the run is killed; below reward.timeout_s (10 s by default),
     so that a run that hits it still answers before the reward pool's own deadline."""
     cpu_s: float = 4.0
-    """CPU seconds per process (RLIMIT_CPU, rounded up): SIGXCPU, then SIGKILL a second on."""
+    """CPU seconds per process (RLIMIT_CPU, rounded up): SIGKILL when they are used."""
     memory_mb: int = 512
     """Address space of each process (RLIMIT_AS), MiB: a larger allocation is a MemoryError."""
     processes: int = 32
@@ -121,7 +121,9 @@ def _child_setup(limits: SandboxLimits, own_uid: bool) -> Callable[[], None]:
     prctl, parent = _PRCTL, os.getpid()
     cpu, memory = math.ceil(limits.cpu_s), limits.memory_mb * 2**20
     settings = [
-        (resource.RLIMIT_CPU, cpu, cpu + 1),
+        # SIGKILL at the limit, not SIGXCPU first: a program can catch SIGXCPU, and as PID 1 of
+        # unshare's namespace it never receives it (the kernel does not signal a namespace's init).
+        (resource.RLIMIT_CPU, cpu, cpu),
         (resource.RLIMIT_AS, memory, memory),
         (resource.RLIMIT_FSIZE, limits.file_bytes, limits.file_bytes),
         (resource.RLIMIT_NOFILE, limits.open_files, limits.open_files),
