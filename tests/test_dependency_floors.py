@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from helpers import load_script
+from test_layout import covers, module_graph
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,36 +57,26 @@ def floors_tests() -> list[str]:
     return [line.split("#")[0].strip() for line in lines if line.split("#")[0].strip()]
 
 
-def _imports(tree: ast.AST) -> set[str]:
-    """Every module a source imports, at any depth, as ``pkg.mod`` and ``pkg.mod.name``."""
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
-    return found
-
-
 def _calls_the_libraries() -> set[str]:
     """Test files that import a floored library or a dapo module importing one (the command
-    line aside: it imports transformers' logging only), or take a model fixture."""
+    line aside: it imports transformers' logging only), or take a model fixture. The imports
+    are read as the layout test reads them (relative ones resolved, ``if TYPE_CHECKING:``
+    blocks left out, those inside functions kept)."""
     modules = {
-        ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
-        for path in (ROOT / "dapo").rglob("*.py")
-        if {n.split(".")[0] for n in _imports(ast.parse(path.read_text()))} & LIBRARIES
+        name
+        for name, module in module_graph(ROOT, "dapo").items()
+        if {imp.target.split(".")[0] for imp in module.imports} & LIBRARIES
     } - {"dapo.cli"}
     found = set()
-    for path in (ROOT / "tests").glob("test_*.py"):
-        tree = ast.parse(path.read_text())
-        imported = _imports(tree)
-        args = {
-            a.arg for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) for a in n.args.args
-        }
-        if imported & modules or {i.split(".")[0] for i in imported} & LIBRARIES:
-            found.add(path.name)
-        elif args & MODEL_FIXTURES:
-            found.add(path.name)
+    for name, test in module_graph(ROOT, "tests").items():
+        if not name.startswith("tests.test_"):
+            continue
+        imported = {imp.target for imp in test.imports}
+        functions = [n for n in ast.walk(test.tree) if isinstance(n, ast.FunctionDef)]
+        args = {a.arg for n in functions for a in n.args.args}
+        reaches = any(covers(m, target) for m in modules for target in imported)
+        if reaches or {i.split(".")[0] for i in imported} & LIBRARIES or args & MODEL_FIXTURES:
+            found.add(Path(test.path).name)
     return found
 
 
