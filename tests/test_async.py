@@ -148,11 +148,11 @@ def _run(run_dir: Path) -> tuple[list[dict], dict[str, torch.Tensor]]:
     return metrics, load_file(run_dir / "model" / "model.safetensors")
 
 
-def test_a_run_killed_with_sigkill_resumes_into_the_uninterrupted_run(tmp_path):
+def test_a_run_killed_with_sigkill_resumes_into_the_uninterrupted_run(tmp_path, demo_cache):
     """k = 2, a checkpoint every step: two uninterrupted runs are identical, and a run killed
     with SIGKILL at a random moment after its second checkpoint, then resumed, ends with the
     same metrics and weights."""
-    cache = tmp_path / "cache"
+    cache = demo_cache
     code, _, err = finish_run(_start(tmp_path, "reference", cache))
     assert code == 0, err
     ref_metrics, ref_weights = _run(tmp_path / "reference")

@@ -38,11 +38,11 @@ def _logits(directory: Path) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
+def one_process(tmp_path_factory, demo_cache):
     """A 2-step run of one process, a checkpoint each step, an extra stop token."""
     out = tmp_path_factory.mktemp("export")
     args = [*TINY_DEMO, "train.steps=2", "train.save_every=1", "eval.num_samples=0"]
-    args += ["eval.every=0", f"embedded.cache_dir={out / 'cache'}", "rollout.stop_token_ids=[7]"]
+    args += ["eval.every=0", f"embedded.cache_dir={demo_cache}", "rollout.stop_token_ids=[7]"]
     assert main(["train", "--quiet", *args, f"run.out_dir={out}", "run.name=r"]) == 0
     return out / "r"
 
@@ -126,10 +126,10 @@ def test_an_altered_checkpoint_is_named_and_nothing_written(one_process, tmp_pat
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".x")]
 
 
-def test_a_two_rank_dcp_checkpoint_exports_in_one_process(tmp_path, monkeypatch):
+def test_a_two_rank_dcp_checkpoint_exports_in_one_process(tmp_path, monkeypatch, demo_cache):
     """torchrun writes DCP shards, each rank its half; one process gathers them into the
     weights the run itself gathered for model/ at its end, in one file or in several."""
-    cache = f"embedded.cache_dir={tmp_path / 'cache'}"
+    cache = f"embedded.cache_dir={demo_cache}"
     dapo_train(2, *TORCHRUN_DEMO, "train.steps=2", cache, "run.name=two", out_dir=tmp_path)
     run = tmp_path / "two"
     assert (run / "checkpoints" / "step_000002" / "state").is_dir()

@@ -276,10 +276,12 @@ def test_checkpoint_and_model_directories_that_are_links_are_refused(tmp_path, v
     assert list(elsewhere.iterdir()) == []
 
 
-def test_a_resume_never_cuts_a_file_that_metrics_jsonl_links_to(tmp_path, victim, capsys):
+def test_a_resume_never_cuts_a_file_that_metrics_jsonl_links_to(
+    tmp_path, victim, capsys, demo_cache
+):
     from helpers import TINY_DEMO
 
-    cache = tmp_path / "cache"
+    cache = demo_cache
     argv = ["train", *TINY_DEMO, "train.steps=1", "eval.every=0", f"run.out_dir={tmp_path}"]
     argv += ["run.name=r", f"embedded.cache_dir={cache}", "--quiet"]
     assert cli.main(argv) == 0
@@ -427,10 +429,10 @@ def _alive(pid: int) -> bool:
     return "\nState:\tZ" not in status  # a zombie has ended; only its exit status remains
 
 
-def test_ranks_end_when_the_launcher_is_killed(tmp_path):
+def test_ranks_end_when_the_launcher_is_killed(tmp_path, demo_cache):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone"]
     cmd += ["-m", "dapo", "train", *TINY, f"run.out_dir={tmp_path}", "run.name=r"]
-    cmd += [f"embedded.cache_dir={tmp_path / 'cache'}", "train.steps=200", "run.threads=1"]
+    cmd += [f"embedded.cache_dir={demo_cache}", "train.steps=200", "run.threads=1"]
     cmd += ["train.save_every=1", "eval.every=0"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     launcher = subprocess.Popen(

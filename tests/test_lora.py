@@ -112,7 +112,7 @@ def test_the_optimizer_holds_the_adapters_alone(tiny_model):
 
 
 @pytest.fixture(scope="module")
-def lora_run(tmp_path_factory):
+def lora_run(tmp_path_factory, demo_cache):
     """A LoRA run of 3 steps on the demo's warm-started model (GRPO's KL term on), a
     checkpoint a step, the same run stopped after 2 steps and resumed, and its base model
     saved as a directory."""
@@ -120,7 +120,7 @@ def lora_run(tmp_path_factory):
     from dapo.training.inputs import load_run_data
 
     root = tmp_path_factory.mktemp("lora")
-    settings = [*TINY_DEMO, f"embedded.cache_dir={root / 'cache'}", "model.lora.rank=4"]
+    settings = [*TINY_DEMO, f"embedded.cache_dir={demo_cache}", "model.lora.rank=4"]
     settings += ["train.save_every=1", "eval.num_samples=0", "eval.every=0", "run.threads=1"]
     settings += ["algo.kl_coef=0.01", f"run.out_dir={root}"]
     assert main(["train", "--quiet", *settings, "train.steps=3", "run.name=whole"]) == 0

@@ -16,7 +16,7 @@ pytest.importorskip("peft")
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, demo_cache):
     """A saved base (the demo's warm-started model), and LoRA runs on it: one process, two
     ranks, two ranks for 2 steps resumed in one process for the third, and two ranks that
     generate together from a tensor-parallel copy (``rollout.tp_size=2``)."""
@@ -24,7 +24,7 @@ def runs(tmp_path_factory):
     from dapo.training.inputs import load_run_data
 
     root = tmp_path_factory.mktemp("lora-ranks")
-    cfg = load_config(None, [*TINY_DEMO, f"embedded.cache_dir={root / 'cache'}"])
+    cfg = load_config(None, [*TINY_DEMO, f"embedded.cache_dir={demo_cache}"])
     base, tokenizer = load_policy(cfg, load_run_data(cfg).warmup_pairs, log=lambda m: None)
     base.save_pretrained(root / "base")
     tokenizer.save_pretrained(root / "base")

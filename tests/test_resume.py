@@ -60,10 +60,10 @@ def _same_run(a: Path, b: Path) -> bool:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """One uninterrupted run (and the warm-up cache every other run shares)."""
+def reference(tmp_path_factory, demo_cache):
+    """One uninterrupted run, and the session's cache of the embedded model."""
     root = tmp_path_factory.mktemp("resume")
-    cache = root / "cache"
+    cache = demo_cache
     t0 = time.monotonic()
     code, out, err = _finish(_start(root, "reference", cache))
     assert code == 0, err

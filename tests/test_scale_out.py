@@ -84,8 +84,8 @@ def _two_ranks(cache: str, per_rank: list[list[str]], out: Path):
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
-    cache = str(tmp_path_factory.mktemp("cache"))
+def one_process(tmp_path_factory, demo_cache):
+    cache = str(demo_cache)
     return cache, _train(_config(cache))
 
 
@@ -164,10 +164,10 @@ def _same_run(a: Path, b: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, demo_cache):
     """The cache, the run directory root and an uninterrupted one-process run of 3 steps."""
     out = tmp_path_factory.mktemp("runs")
-    cache = f"embedded.cache_dir={out / 'cache'}"
+    cache = f"embedded.cache_dir={demo_cache}"
     dapo_train(0, *RUN, cache, "run.name=one", out_dir=out)
     return out, cache
 

@@ -167,7 +167,7 @@ def test_closing_a_generator_thread_mid_step_stops_it_without_an_error(tiny_mode
     assert source.ready == {}  # step 0 never finished
 
 
-def test_a_run_leaves_the_config_it_was_given_as_it_was(tmp_path):
+def test_a_run_leaves_the_config_it_was_given_as_it_was(tmp_path, demo_cache):
     """The checks settle what they find (here ``eval.num_samples=0``: the data's copies) in a
     new config, which the run saves; the caller's is never written."""
     from dapo.api import training
@@ -181,7 +181,7 @@ def test_a_run_leaves_the_config_it_was_given_as_it_was(tmp_path):
             "eval.every=0",
             f"run.out_dir={tmp_path}",
             "run.name=r",
-            f"embedded.cache_dir={tmp_path / 'cache'}",
+            f"embedded.cache_dir={demo_cache}",
             "run.progress=plain",
         ],
     )
