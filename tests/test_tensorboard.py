@@ -1,6 +1,8 @@
 """TensorBoard event files hold every metric of metrics.jsonl, under the same names, and a resume
 hides what the crashed run logged after its checkpoint, as metrics.jsonl does."""
 
+import time
+
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from dapo.run.metrics import MetricsLogger
@@ -30,7 +32,11 @@ def test_a_resume_purges_steps_after_the_checkpoint(tmp_path):
     for step in range(1, 5):
         log.log(step, {"rollout/accuracy": step / 10})
     log.close()
-    # The run resumes from a checkpoint of step 2: steps 3 and 4 are done again.
+    # The run resumes from a checkpoint of step 2: steps 3 and 4 are done again. A resume is
+    # a later process: TensorBoard reads event files in name order, and a name is whole
+    # seconds, host, pid and a count per process, which in one process and one second sorts
+    # ...pid.10 before ...pid.9 (seen under pytest-xdist, whose workers run many tests).
+    time.sleep(1.0)
     log = MetricsLogger(tmp_path / "metrics.jsonl", tensorboard_dir=tmp_path / "tb")
     log.purge_step = 3
     for step in (3, 4):
