@@ -181,19 +181,31 @@ def test_after_an_update_only_a_sync_gives_the_new_policy(model, tokenizer, engi
 
 
 RUN = [
-    "train.steps=5", "train.prompts_per_step=4", "rollout.group_size=4",
+    "train.steps=3", "train.prompts_per_step=4", "rollout.group_size=4",
     "train.responses_per_minibatch=8", "sampling.prompts_per_round=8",
     "sampling.on_max_rounds=train", "embedded.sft_steps=50", "arith.num_train=100",
-    "arith.num_val=8", "arith.num_warmup=128", "eval.num_samples=2", "eval.every=5",
+    "arith.num_val=8", "arith.num_warmup=128", "eval.num_samples=2", "eval.every=3",
     "rollout.engine=vllm", "algo.rollout_correction=seq_mis", "run.threads=1",
 ]  # fmt: skip
 
 
-def train(tmp_path: Path, name: str, *launcher: str, more: Sequence[str] = ()) -> Path:
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    """The embedded model's cache that the runs share: RUN's warm-up is built once."""
+    return tmp_path_factory.mktemp("vllm-runs") / "cache"
+
+
+def warm_started(cache: Path) -> dict[str, torch.Tensor]:
+    """The weights every run of RUN starts from."""
+    (start,) = cache.glob("embedded-*/model.safetensors")
+    return load_file(start)
+
+
+def train(tmp_path: Path, cache: Path, name: str, *launcher: str, more: Sequence[str] = ()) -> Path:
     """The run directory of ``dapo train`` with RUN and ``more`` overrides, under ``launcher``
     (e.g. torchrun)."""
     cmd = [*launcher, "-m", "dapo", "train", "--quiet", *RUN, *more, f"run.out_dir={tmp_path}"]
-    cmd += [f"run.name={name}", f"embedded.cache_dir={tmp_path / 'cache'}"]
+    cmd += [f"run.name={name}", f"embedded.cache_dir={cache}"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -204,20 +216,19 @@ def metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_a_short_run_with_seq_mis_trains_and_reports_the_mismatch(tmp_path):
-    """Five steps train (every metric finite, the weights move); two ranks under torchrun,
+def test_a_short_run_with_seq_mis_trains_and_reports_the_mismatch(tmp_path, cache):
+    """Three steps train (every metric finite, the weights move); two ranks under torchrun,
     each with its own engine loaded from the shards, draw the same samples and end at the
     same weights; so do two ranks that share one engine of tensor parallel size 2, and a
     trainer rank with a generator rank whose engine loads each version it is sent."""
-    one = train(tmp_path, "one", sys.executable)
+    one = train(tmp_path, cache, "one", sys.executable)
     trained = [m for m in metrics(one) if "train/loss" in m]
-    assert len(trained) == 5
+    assert len(trained) == 3
     for m in trained:
         assert all(math.isfinite(v) for v in m.values() if isinstance(v, float)), m
         assert 0 <= m["mismatch/abs_log_ratio"] < 1e-3  # float32 on both sides
         assert m["mismatch/corrected_frac"] == 0.0 and m["perf/weight_sync_s"] > 0
-    (start,) = (tmp_path / "cache").glob("embedded-*/model.safetensors")
-    before, after = load_file(start), load_file(one / "model" / "model.safetensors")
+    before, after = warm_started(cache), load_file(one / "model" / "model.safetensors")
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -227,7 +238,7 @@ def test_a_short_run_with_seq_mis_trains_and_reports_the_mismatch(tmp_path):
         "generator": ["dist.rollout_ranks=1", "train.async_staleness=0"],
     }
     for name, extra in ways.items():
-        two = train(tmp_path, name, *torchrun, "--nproc-per-node", "2", more=extra)
+        two = train(tmp_path, cache, name, *torchrun, "--nproc-per-node", "2", more=extra)
         for a, b in zip(metrics(one), metrics(two), strict=True):
             drawn = [k for k in a if k.startswith(("rollout/", "sampling/", "val/"))]
             assert {k: a[k] for k in drawn} == {k: b[k] for k in drawn}, name
@@ -343,24 +354,23 @@ def test_lora_adapters_are_served_and_alone_move_at_a_sync(tokenizer):
     engine.close()
 
 
-def test_a_lora_run_on_vllm_in_one_process_and_on_two_ranks(tmp_path):
+def test_a_lora_run_on_vllm_in_one_process_and_on_two_ranks(tmp_path, cache):
     """``model.lora`` with the vllm engine: the adapters train and the engine samples the
     policy of each step (float32 mismatch as without LoRA); two FSDP2 ranks, each engine
     given the adapters gathered from the shards, draw what one process draws."""
     pytest.importorskip("peft")
     more = ["model.lora.rank=4", "optim.lr=1e-3"]
-    one = train(tmp_path, "one", sys.executable, more=more)
+    one = train(tmp_path, cache, "one", sys.executable, more=more)
     trained = [m for m in metrics(one) if "train/loss" in m]
-    assert len(trained) == 5
+    assert len(trained) == 3
     for m in trained:
         assert 0 <= m["mismatch/abs_log_ratio"] < 1e-3, m
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    two = train(tmp_path, "two", *torchrun, "--nproc-per-node", "2", more=more)
+    two = train(tmp_path, cache, "two", *torchrun, "--nproc-per-node", "2", more=more)
     for a, b in zip(metrics(one), metrics(two), strict=True):
         drawn = [k for k in a if k.startswith(("rollout/", "sampling/", "val/"))]
         assert {k: a[k] for k in drawn} == {k: b[k] for k in drawn}
-    (start,) = (tmp_path / "cache").glob("embedded-*/model.safetensors")
-    before = load_file(start)
+    before = warm_started(cache)
     after, ranks = (load_file(r / "model" / "model.safetensors") for r in (one, two))
     assert any(not torch.equal(before[k], after[k]) for k in before)  # merged: it moved
     assert max(float((after[k] - ranks[k]).abs().max()) for k in after) < 1e-4
