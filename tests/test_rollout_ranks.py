@@ -29,7 +29,7 @@ TIMED = ("perf/",)
 
 
 def _dapo(ranks: int, *args: str, out: Path, wait: bool = True):
-    """:func:`dapo_train` with this module's cache of the embedded model."""
+    """:func:`dapo_train` with the embedded model's cache (``out / "cache"``)."""
     if "--resume" not in args:
         args = (*args, f"embedded.cache_dir={out / 'cache'}")
     return dapo_train(ranks, *args, out_dir=out, wait=wait)
@@ -70,10 +70,11 @@ def _same_run(a: Path, b: Path, *, exact: bool = True) -> None:
 
 
 @pytest.fixture(scope="module")
-def out(tmp_path_factory):
+def out(tmp_path_factory, demo_cache):
     """The one-process runs each torchrun run must equal: k = 0 (no generator) and k = 1 (a
-    generator thread)."""
+    generator thread). The module's cache is the session's (a link to it)."""
     out = tmp_path_factory.mktemp("rollout-ranks")
+    (out / "cache").symlink_to(demo_cache, target_is_directory=True)
     _dapo(0, *TORCHRUN_DEMO, "run.name=turns", out=out)
     _dapo(0, *TORCHRUN_DEMO, "train.async_staleness=1", "run.name=ahead", out=out)
     return out
