@@ -434,17 +434,28 @@ def mix_section(
     bf16 (no autocast: the residual stream, norms and AdamW in bf16, a speed figure only:
     what a bf16 residual stream over float32 master weights would approach; the model is cast
     back to float32 after); with ``profile``, one more step of each under the profiler
-    (:mod:`step_profile`)."""
+    (:mod:`step_profile`). A kind or a profile that fails prints an error line and leaves an
+    ``error`` entry (:func:`guarded`); the next kind starts from the model as it was."""
     episodes = mix_episodes(sizes, shape.vocab)
     flops = mix_flops(shape, episodes)
-    runs = []
     kinds = [(False, False), (True, False)] + ([(False, True), (True, True)] if compile else [])
     kinds = [(p, c, torch.float32) for p, c in kinds]
     if bf16_weights:
         kinds += [(True, c, torch.bfloat16) for c in ([False, True] if compile else [False])]
-    for packing, compiled, weights in kinds:
+
+    def measured(packing: bool, compiled: bool, weights: torch.dtype) -> dict:
         if next(model.parameters()).dtype != weights:
             model.to(weights)
+        try:
+            return timed_kind(packing, compiled, weights)
+        finally:  # the next kind starts from the model as it was, whether this one ran or not
+            model.zero_grad(set_to_none=True)
+            for layer in fsdp.decoder_layers(model):  # eager unless the next kind compiles
+                layer.__dict__.pop("forward", None)
+            attend_unpacked(model)  # a padded kind after a packed one attends as a real run
+            release(device)
+
+    def timed_kind(packing: bool, compiled: bool, weights: torch.dtype) -> dict:
         cfg = run_config(
             sizes,
             "bfloat16" if weights == torch.bfloat16 else compute,
@@ -456,48 +467,57 @@ def mix_section(
         )
         state = train_state(cfg, model, tok, device)
         first, seconds, peak = measured_updates(state, episodes, steps)
-        profiled = None
-        if profile:  # one more step, after the timed ones
-            profiled = step_profile.profile_call(
-                functools.partial(minibatch_update, state, episodes), device
+        run = {
+            "packing": packing,
+            "compiled": compiled,
+            "weights": str(weights).removeprefix("torch."),
+            "attention": attention_path(shape, device, cfg.model.compute_dtype)
+            if packing
+            else "sdpa",
+            "rows": len(episodes),
+            "real_tokens": sum(e.prompt_length + e.length for e in episodes),
+            "microbatch_tokens": sizes.microbatch_tokens,
+            "step_s": seconds,
+            "positions_per_real_token": first["slots"] / first["real"],
+            "tflops_real": flops / seconds / 1e12,
+            "mfu_real": flops / seconds / 1e12 / peak_tflops,
+            "peak_mib": mib(peak),
+        }
+        print(describe("mix", run), flush=True)
+        if profile:  # one more step, after the timed ones: a fault costs only the profile
+            label = mix_label(packing, compiled, weights)
+            step = functools.partial(minibatch_update, state, episodes)
+            profiled = guarded(
+                functools.partial(step_profile.profile_call, step, device), label, "profile"
             )
-        state.optimizer.zero_grad(set_to_none=True)
-        del state
-        for layer in fsdp.decoder_layers(model):  # the next kind runs eager unless it compiles
-            layer.__dict__.pop("forward", None)
-        runs.append(
-            {
-                "packing": packing,
-                "compiled": compiled,
-                "weights": str(weights).removeprefix("torch."),
-                "attention": attention_path(shape, device, cfg.model.compute_dtype)
-                if packing
-                else "sdpa",
-                "rows": len(episodes),
-                "real_tokens": sum(e.prompt_length + e.length for e in episodes),
-                "microbatch_tokens": sizes.microbatch_tokens,
-                "step_s": seconds,
-                "positions_per_real_token": first["slots"] / first["real"],
-                "tflops_real": flops / seconds / 1e12,
-                "mfu_real": flops / seconds / 1e12 / peak_tflops,
-                "peak_mib": mib(peak),
-            }
-        )
-        print(describe("mix", runs[-1]), flush=True)
-        if profiled is not None:
-            runs[-1]["profile"] = profiled
-            label = ("packed" if packing else "padded") + (", compiled" if compiled else "")
-            label += ", bf16 weights" if weights == torch.bfloat16 else ""
-            print(step_profile.describe(label, profiled), flush=True)
+            run["profile"] = profiled
+            if "error" not in profiled:
+                print(step_profile.describe(label, profiled), flush=True)
+        return run
+
+    runs = []
+    for packing, compiled, weights in kinds:
+        kind = functools.partial(measured, packing, compiled, weights)
+        runs.append(guarded(kind, mix_label(packing, compiled, weights), "length mix"))
     # The later sections take float32 weights (rounded to bf16 and trained by the bf16 runs:
     # their figures do not depend on the values).
     model.to(torch.float32)
-    for module in model.modules():  # the later sections attend as before
+    release(device)
+    return runs
+
+
+def mix_label(packing: bool, compiled: bool, weights: torch.dtype) -> str:
+    label = ("packed" if packing else "padded") + (", compiled" if compiled else "")
+    return label + (", bf16 weights" if weights == torch.bfloat16 else "")
+
+
+def attend_unpacked(model: torch.nn.Module) -> None:
+    """Undoes ``use_packing`` (``train.packing``): the model and its sub-models attend
+    through SDPA again, as a run with ``train.packing=false`` does."""
+    for module in model.modules():
         config = getattr(module, "config", None)
         if getattr(config, "_attn_implementation", None) == PACKED_ATTENTION:
             config._attn_implementation = "sdpa"
-    release(device)
-    return runs
 
 
 def decode_prompts(sizes: Sizes, count: int) -> list[str]:
@@ -560,6 +580,8 @@ def decode_run(
         max_new_tokens=new_tokens,
         rows=rows,
         gqa_copy=transformers_copies_gqa(),
+        device=device.type,
+        cuda_graphs=engine.static_path(),  # the graph path never copies keys per query head
     )
     workspace = decode_workspace_bytes(shape, settings, compute=width)
     step_bytes = decode_step_bytes(
@@ -650,12 +672,16 @@ def decode_section(
     if profile:  # after every timed run: a profiler fault cannot cost their figures
         for run, plan in zip(runs, standing, strict=True):
             if plan["cuda_graphs"] and plan["compile_step"]:  # the default path
-                set_engine(engine, plan)
+                # compiled as the timed run was (not when its compiling failed there)
+                set_engine(engine, dict(plan, compile_step="compiled" in run["path"]))
                 prompts = decode_prompts(sizes, plan["count"])
-                run["profile"] = decode_profile(engine, prompts, sizes, device)
-                step = "compiled step" if device.type == "cuda" else "step"
-                label = f"decode, {run['rows']} rows (the graph path's {step}, no graphs)"
-                print(step_profile.describe_steps(label, run["profile"], sizes.profile_new))
+                compiled = device.type == "cuda" and engine.compile_step
+                label = f"decode, {run['rows']} rows (the graph path's "
+                label += f"{'compiled ' if compiled else ''}step, no graphs)"
+                work = functools.partial(decode_profile, engine, prompts, sizes, device)
+                run["profile"] = guarded(work, label, "profile")
+                if "error" not in run["profile"]:
+                    print(step_profile.describe_steps(label, run["profile"], sizes.profile_new))
                 release(device)
     for plan in filter(is_variant, plans):
         runs.append(guarded(functools.partial(timed, plan), variant_name(plan)))
@@ -672,14 +698,16 @@ def variant_name(plan: dict) -> str:
     return str(plan.get("compile_mode"))
 
 
-def guarded(run: Callable[[], dict], name: str) -> dict:
-    """``run()``, or, when it raises, an error line and ``{"variant", "error"}``: a variant
-    is an experiment, and its failure must not cost the later shapes' figures."""
+def guarded(run: Callable[[], dict], name: str, what: str = "decode variant") -> dict:
+    """``run()``, or, when it raises, an error line (``what (name) failed: ...``) and
+    ``{"variant": name, "error"}``: a decoding variant, a length-mix kind, a profile or a
+    shape may fail on a card where none has run before, and its failure must not cost the
+    figures after it (one GPU call is all a session may get)."""
     try:
         return run()
     except Exception as err:  # noqa: BLE001 (any failure of an experiment is reported)
         error = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
-        print(f"  decode variant ({name}) failed: {error}", flush=True)
+        print(f"  {what} ({name}) failed: {error}", flush=True)
         return {"variant": name, "error": error}
 
 
@@ -919,6 +947,9 @@ def run_shape(
 ) -> dict:
     """The ``sections`` on one shape, printing a line each as it ends; MFU against
     ``peak_tflops``. The fsdp section compares with the train section's step, so it runs it."""
+    # A shape after another would otherwise reuse the compiled steps' caches, and dynamo would
+    # trace them again with the weights' sizes symbolic: neither this shape's alone nor a run's.
+    torch._dynamo.reset()
     tok = build_tokenizer()
     shape = ModelShape.from_hf_config(fields)
     print(f"{name}: {shape.num_parameters / 1e6:,.1f}M parameters", flush=True)
@@ -1030,24 +1061,17 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"copy bandwidth: {bandwidth / 1e9:,.0f} GB/s (read + written)", flush=True)
     result["copy_bandwidth_gb_s"] = bandwidth / 1e9
     shapes = {"tiny-qwen2": TINY_FIELDS} if tiny else {s: KNOWN_SHAPES[s] for s in args.shapes}
-    result["shapes"] = {
-        s: run_shape(
-            s,
-            f,
-            TINY if tiny else REAL,
-            device,
-            compute,
-            steps,
-            matmul["tflops"],
-            bandwidth,
-            frozenset(["decode"] if args.decode_only else args.sections),
-            args.profile,
-            args.compile,
-            args.variants,
-            args.bf16_weights,
-        )
-        for s, f in shapes.items()
-    }
+    sections = frozenset(["decode"] if args.decode_only else args.sections)
+    options = (args.profile, args.compile, args.variants, args.bf16_weights)
+    sizes = TINY if tiny else REAL
+    result["shapes"] = {}
+    for s, f in shapes.items():  # a shape that fails still leaves the next its figures
+        run = functools.partial(
+            run_shape, s, f, sizes, device, compute, steps, matmul["tflops"], bandwidth,
+            sections, *options,
+        )  # fmt: skip
+        result["shapes"][s] = guarded(run, s, "shape")
+        release(device)
     if args.json:
         print(json.dumps(result))
     return result

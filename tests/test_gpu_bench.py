@@ -247,6 +247,59 @@ def test_a_failed_variant_is_reported_not_raised(capsys):
     ]
 
 
+def test_a_failed_length_mix_kind_costs_only_itself(monkeypatch, capsys):
+    """A kind of the length mix that fails (an error line and entry), and each profile that
+    fails, leave the other kinds their figures; each kind starts from the model as it was: a
+    padded kind after a packed one attends through SDPA, as a run with packing off does, and
+    the section ends on float32 weights. (The measurement is stood in: what is checked here is
+    the section's handling of a failure, not a figure.)"""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu
+
+    tok = gpu.build_tokenizer()
+    model = gpu.build_model(gpu.TINY_FIELDS, tok, torch.device("cpu"))
+    seen = []
+
+    def measured_updates(state, episodes, steps):
+        seen.append((state.cfg.train.packing, model.config._attn_implementation))
+        if state.cfg.train.packing and not state.cfg.train.compile:
+            raise RuntimeError("CUDA out of memory\nmore")
+        return {"slots": 12, "real": 10}, 2.0, None
+
+    def profile_call(work, device):
+        raise RuntimeError("profiler fault")
+
+    monkeypatch.setattr(gpu, "measured_updates", measured_updates)
+    monkeypatch.setattr(gpu.step_profile, "profile_call", profile_call)
+    shape = gpu.ModelShape.from_hf_config(gpu.TINY_FIELDS)
+    args = (shape, model, tok, gpu.TINY, torch.device("cpu"), "float32", 1, 1.0)
+    runs = gpu.mix_section(*args, profile=True, compile=True, bf16_weights=True)
+    assert seen == [
+        (False, "sdpa"),
+        (True, "dapo_packed"),
+        (False, "sdpa"),
+        (True, "dapo_packed"),
+        (True, "dapo_packed"),
+        (True, "dapo_packed"),
+    ]
+    error = "RuntimeError: CUDA out of memory"
+    assert runs[1] == {"variant": "packed", "error": error}
+    assert runs[4] == {"variant": "packed, bf16 weights", "error": error}
+    for run, label in zip(
+        [runs[0], runs[2], runs[3], runs[5]],
+        ["padded", "padded, compiled", "packed, compiled", "packed, compiled, bf16 weights"],
+        strict=True,
+    ):
+        assert run["step_s"] == 2.0 and run["positions_per_real_token"] == 1.2
+        assert run["profile"] == {"variant": label, "error": "RuntimeError: profiler fault"}
+    out = capsys.readouterr().out
+    assert f"  length mix (packed) failed: {error}" in out
+    assert "  profile (padded, compiled) failed: RuntimeError: profiler fault" in out
+    assert model.config._attn_implementation == "sdpa"
+    assert next(model.parameters()).dtype == torch.float32
+    assert all("forward" not in vars(layer) for layer in gpu.fsdp.decoder_layers(model))
+
+
 def test_kinds_of_work_by_name():
     sys.path.insert(0, str(REPO / "benchmarks"))
     from step_profile import kind_of
