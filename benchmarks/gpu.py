@@ -899,8 +899,8 @@ def describe(section: str, r: dict) -> str:
             f"  length mix, {'packed' if r['packing'] else 'padded'} ({r['attention']}"
             f"{', compiled layers' if r['compiled'] else ''}"
             f"{', bf16 weights, no autocast' if r.get('weights') == 'bfloat16' else ''}): "
-            f"{r['rows']} rows, "
-            f"{r['real_tokens']} real tokens: {r['step_s']:.3f} s/step, "
+            f"{r['rows']} rows, {r['real_tokens']} real tokens, micro-batches of "
+            f"{r['microbatch_tokens']}: {r['step_s']:.3f} s/step, "
             f"{r['positions_per_real_token']:.3f} positions per real token, MFU on real tokens "
             f"{r['mfu_real']:.3f}; peak {gib_or_mib(r['peak_mib'])}"
         )
@@ -1021,11 +1021,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="on CUDA, the decoding step also with attention widths in steps of 128 and "
         "with inductor's autotuned matmuls",
     )
+    parser.add_argument(
+        "--microbatch-tokens",
+        type=int,
+        help="train.tokens_per_microbatch of the training sections (8192; tiny: 128): fewer, "
+        "larger micro-batches launch fewer kernels a step",
+    )
     parser.add_argument("--steps", type=int, help="timed training steps (5; tiny: 2)")
     parser.add_argument("--threads", type=int, help="CPU threads (default: torch's)")
     parser.add_argument("--compute-dtype", choices=("bfloat16", "float32"))
     parser.add_argument("--device", default="auto", help="cuda, cuda:N or cpu (default auto)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.microbatch_tokens is not None and args.microbatch_tokens < 1:
+        parser.error(f"--microbatch-tokens must be at least 1, got {args.microbatch_tokens}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -1064,6 +1073,8 @@ def main(argv: list[str] | None = None) -> dict:
     sections = frozenset(["decode"] if args.decode_only else args.sections)
     options = (args.profile, args.compile, args.variants, args.bf16_weights)
     sizes = TINY if tiny else REAL
+    if args.microbatch_tokens is not None:
+        sizes = replace(sizes, microbatch_tokens=args.microbatch_tokens)
     result["shapes"] = {}
     for s, f in shapes.items():  # a shape that fails still leaves the next its figures
         run = functools.partial(

@@ -153,10 +153,12 @@ def test_one_rank_fsdp_step_matches_one_process(tiny_run):
 
 
 def test_sections_and_the_step_profile():
-    """``--sections mix --profile --compile``: the length-mix section alone, padded and packed
-    with eager then compiled layers (the same positions), each kind of step profiled once
+    """``--sections mix --profile --compile --microbatch-tokens 256``: the length-mix section
+    alone, padded and packed with eager then compiled layers (the same positions), in
+    micro-batches of 256 tokens (the tiny default: 128), each kind of step profiled once
     more; the kinds add up to the busy time, and the matrix products are found."""
-    result, stdout = run_tiny("--sections", "mix", "--profile", "--compile")
+    args = ("--sections", "mix", "--profile", "--compile", "--microbatch-tokens", "256")
+    result, stdout = run_tiny(*args)
     shape = result["shapes"]["tiny-qwen2"]
     assert set(shape) == {"params", "sizes", "mix"}
     kinds = [(r["packing"], r["compiled"], r["attention"]) for r in shape["mix"]]
@@ -169,6 +171,12 @@ def test_sections_and_the_step_profile():
     positions = [r["positions_per_real_token"] for r in shape["mix"]]
     assert positions[:2] == positions[2:] and positions[1] == 1.0 < positions[0]
     assert stdout.count(", compiled layers): ") == 2
+    assert (
+        {r["microbatch_tokens"] for r in shape["mix"]}
+        == {256}
+        == {shape["sizes"]["microbatch_tokens"]}
+    )
+    assert stdout.count(" real tokens, micro-batches of 256: ") == 4
     for run in shape["mix"]:
         p = run["profile"]
         assert p["measures"] == "operators' own CPU time" and 0 < p["busy_s"]
@@ -237,6 +245,9 @@ def test_a_failed_variant_is_reported_not_raised(capsys):
     }
     assert "decode variant (max-autotune-no-cudagraphs) failed" in capsys.readouterr().out
     assert gpu.guarded(lambda: {"rows": 64}, "x") == {"rows": 64}
+    with pytest.raises(SystemExit):
+        gpu.parse_args(["--microbatch-tokens", "0"])
+    assert "--microbatch-tokens must be at least 1, got 0" in capsys.readouterr().err
     assert [gpu.is_variant(p) for p in gpu.decode_plans(gpu.REAL, torch.device("cuda"), True)] == [
         False,
         False,
