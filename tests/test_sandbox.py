@@ -71,6 +71,43 @@ def leftovers(marker: str) -> list[int]:
     return found
 
 
+IO_URING_SOCKET = """\
+import importlib.util, os, platform, struct
+_ctypes = importlib.util.module_from_spec(importlib.util.find_spec("_ctypes"))
+MMAP, SENDTO = {"x86_64": (9, 44), "aarch64": (222, 206)}[platform.machine()]
+class L(_ctypes._SimpleCData): _type_ = "l"
+class U(_ctypes._SimpleCData): _type_ = "I"
+class C(_ctypes._SimpleCData): _type_ = "c"
+class F(_ctypes.CFuncPtr): _flags_, _restype_ = 1 | 8, L  # cdecl, errno kept
+syscall = F(_ctypes.dlsym(-1, "syscall"))
+def call(*a): return syscall(*[L(x) if isinstance(x, int) else x for x in a])
+params = (C * 120)()
+ring = call(425, 4, params)  # io_uring_setup: a ring of 4 entries
+if ring < 0:
+    raise SystemExit("io_uring_setup: " + os.strerror(_ctypes.get_errno()))
+p = bytes(params)
+sq_n, cq_n = struct.unpack_from("2I", p, 0)
+sq_off, cq_off = struct.unpack_from("7IIQ", p, 40), struct.unpack_from("6IIIQ", p, 80)
+def mmap(size, offset): return call(MMAP, 0, size, 3, 0x8001, ring, offset)
+sq, cq = mmap(sq_off[6] + sq_n * 4, 0), mmap(cq_off[5] + cq_n * 16, 0x8000000)
+sqes = mmap(sq_n * 64, 0x10000000)
+# One entry: IORING_OP_SOCKET (45) of AF_INET (2), SOCK_DGRAM (2); then wait for it.
+(C * 64).from_address(sqes)[:] = struct.pack("BBHiQQIIQ", 45, 0, 0, 2, 2, 0, 0, 0, 7) + bytes(24)
+tail, mask = U.from_address(sq + sq_off[1]).value, U.from_address(sq + sq_off[2]).value
+U.from_address(sq + sq_off[6] + 4 * (tail & mask)).value = 0
+U.from_address(sq + sq_off[1]).value = tail + 1
+call(426, ring, 1, 1, 1, 0, 0)  # io_uring_enter
+head, cmask = U.from_address(cq + cq_off[0]).value, U.from_address(cq + cq_off[2]).value
+entry = bytes((C * 16).from_address(cq + cq_off[5] + 16 * (head & cmask)))
+fd = struct.unpack_from("i", entry, 8)[0]
+address = struct.pack("<H", 2) + struct.pack(">H", PORT) + bytes([127, 0, 0, 1]) + bytes(8)
+print("socket", fd, "sent", call(SENDTO, fd, b"out", 3, 0, address, 16))
+"""
+"""A UDP socket made by io_uring's IORING_OP_SOCKET, which no ``socket`` call makes, sent a
+datagram to the test: ``_ctypes`` loaded around the hook's import rule, ``syscall`` found by
+``dlsym`` (x86-64 and AArch64 numbers)."""
+
+
 class Trap:
     """What the hostile programs aim at, and how to tell whether one got through."""
 
@@ -83,6 +120,10 @@ class Trap:
         self.server = socket.create_server(("127.0.0.1", 0))
         self.server.settimeout(0.2)
         self.port = self.server.getsockname()[1]
+        # Landlock refuses TCP but not UDP: a datagram through a socket that got past the filter.
+        self.datagrams = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.datagrams.bind(("127.0.0.1", 0))
+        self.datagrams.setblocking(False)  # a datagram sent on loopback is there at once
         self.victim = subprocess.Popen(["sleep", "60"])
 
     def programs(self) -> dict[str, str]:
@@ -111,6 +152,9 @@ class Trap:
             f"    time.sleep(30)  # {self.marker}\nprint('left a daemon')\n",
             "1 GB of output": "import sys\nchunk = b'x' * 2**20\nfor _ in range(1024):\n"
             "    sys.stdout.buffer.write(chunk)\n",
+            "io_uring socket": IO_URING_SOCKET.replace(
+                "PORT", str(self.datagrams.getsockname()[1])
+            ),
             **self.past_the_hook(),
         }
 
@@ -153,6 +197,11 @@ class Trap:
             found.append("connected to the test server")
         except TimeoutError:
             pass
+        try:
+            self.datagrams.recv(64)
+            found.append("sent a datagram to the test server")
+        except BlockingIOError:
+            pass
         if self.victim.poll() is not None:
             found.append("killed the victim process")
         found += [f"left process {pid}" for pid in leftovers(self.marker)]
@@ -162,6 +211,7 @@ class Trap:
 
     def close(self) -> None:
         self.server.close()
+        self.datagrams.close()
         self.victim.kill()
         self.victim.wait()
         for path in self.outside:
@@ -301,6 +351,7 @@ OS_LAYER = {
     "8 GB allocation": MODES,
     "write outside": MODES,
     "socket": MODES if CONFINED else ("bwrap", "unshare"),
+    "io_uring socket": MODES if CONFINED else ("bwrap", "unshare"),
     "environment": MODES,
     "kill the parent": MODES,
     "daemon": MODES,
@@ -412,6 +463,9 @@ REFUSED = {
     "import os; os.system('true')": "os.system is not allowed",
     "import os; os.kill(os.getpid(), 0)": "os.kill is not allowed",
     "import ctypes": "import ctypes is not allowed",
+    "import importlib.util as u\nu.module_from_spec(u.find_spec('_ctypes')).dlsym(-1, 'syscall')": (
+        "ctypes.dlsym/handle is not allowed"
+    ),
     "import os; os.symlink('/etc', 'etc')": "os.symlink is not allowed",
     "open('/var/tmp/x', 'w')": "writes outside the working directory",
     "import os; os.open('/var/tmp', os.O_RDONLY)": "writes outside the working directory",

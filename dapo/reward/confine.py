@@ -15,7 +15,8 @@ mode, ``process`` included, wherever the kernel offers them.
 - **seccomp** (x86-64 and AArch64): no socket but ``AF_UNIX``, no new process (threads only:
   ``clone`` without ``CLONE_THREAD``, ``fork``, ``vfork`` and ``execve`` fail), no signal to a
   process but itself or its own process group, no ``ptrace`` or reading another process's
-  memory, no mount, namespace, BPF, key ring, kernel module or reboot calls. A syscall of
+  memory, no mount, namespace, BPF, key ring, kernel module or reboot calls, no io_uring
+  (whose ``IORING_OP_SOCKET`` makes a socket without the ``socket`` call). A syscall of
   another ABI (x86's 32-bit ``int 0x80``) kills the process.
 
 Both need ``PR_SET_NO_NEW_PRIVS``, which :func:`confine` sets first. Pure standard library,
@@ -138,6 +139,7 @@ _ARCH = {  # machine -> (AUDIT_ARCH_*, syscall numbers)
             swapoff=168, iopl=172, ioperm=173, userfaultfd=323, open_by_handle_at=304,
             name_to_handle_at=303, quotactl=179, mount_setattr=442, move_mount=429,
             open_tree=428, fsopen=430, fsconfig=431, fsmount=432, fspick=433,
+            io_uring_setup=425, io_uring_enter=426, io_uring_register=427,
         ),
     ),
     "aarch64": (
@@ -152,7 +154,8 @@ _ARCH = {  # machine -> (AUDIT_ARCH_*, syscall numbers)
             delete_module=106, kexec_load=104, kexec_file_load=294, reboot=142, swapon=224,
             swapoff=225, userfaultfd=282, open_by_handle_at=265, name_to_handle_at=264,
             quotactl=60, mount_setattr=442, move_mount=429, open_tree=428, fsopen=430,
-            fsconfig=431, fsmount=432, fspick=433,
+            fsconfig=431, fsmount=432, fspick=433, io_uring_setup=425, io_uring_enter=426,
+            io_uring_register=427,
         ),
     ),
 }  # fmt: skip
@@ -168,7 +171,7 @@ _DENIED = (
     "init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load", "reboot",
     "swapon", "swapoff", "iopl", "ioperm", "userfaultfd", "open_by_handle_at",
     "name_to_handle_at", "quotactl", "mount_setattr", "move_mount", "open_tree", "fsopen",
-    "fsconfig", "fsmount", "fspick",
+    "fsconfig", "fsmount", "fspick", "io_uring_setup", "io_uring_enter", "io_uring_register",
 )  # fmt: skip
 
 

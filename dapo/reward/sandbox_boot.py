@@ -16,7 +16,8 @@ import sys
 def _guard(os, root):
     deny = frozenset(("os.fork", "os.forkpty", "os.exec", "os.posix_spawn", "os.spawn",
         "os.system", "subprocess.Popen", "os.kill", "os.killpg", "signal.pthread_kill",
-        "socket.__new__", "ctypes.dlopen", "os.symlink", "os.link", "resource.prlimit"))
+        "socket.__new__", "ctypes.dlopen", "ctypes.dlsym", "ctypes.dlsym/handle", "os.symlink",
+        "os.link", "resource.prlimit"))
     modules = frozenset(("ctypes", "_ctypes", "_posixsubprocess", "socket", "_socket"))
     paths = {"os.rename": 2, "os.remove": 1, "os.rmdir": 1, "os.mkdir": 1, "os.chmod": 1,
         "os.chown": 1, "os.truncate": 1, "os.utime": 1, "os.setxattr": 1,
