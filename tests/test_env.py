@@ -4,6 +4,7 @@ bounds, and training on episodes whose observations are context, never trained."
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import subprocess
 import sys
@@ -26,8 +27,9 @@ from dapo.env.python_tool import python_blocks
 from dapo.eval.metrics import record_metrics
 from dapo.models.logprobs import batch_logprobs
 from dapo.reward import sandbox
+from dapo.reward.tasks import Score
 from dapo.rollout import Rollout, make_engine
-from dapo.rollout.episodes import CUT_MARKER, EpisodeRunner, with_turn_ends
+from dapo.rollout.episodes import CUT_MARKER, EpisodeRunner, environment_score, with_turn_ends
 from dapo.training.old_logprobs import fill_logprobs
 from dapo.training.rounds import shape_group
 from dapo.training.state import build_state
@@ -210,6 +212,40 @@ def test_the_engine_must_stop_at_the_turn_ends(tokenizer):
     engine = FixedTurns([5], [tokenizer.eos_token_id], tokenizer.pad_token_id)
     with pytest.raises(ValueError, match="with_turn_ends"):
         EpisodeRunner(engine, tokenizer, env)
+
+
+class Ends(Environment):
+    """Ends every episode at its first turn with ``reward``."""
+
+    turn_ends = ("=",)
+
+    def __init__(self, reward: object) -> None:
+        self.reward = reward
+
+    def step(self, history: History) -> Observation:
+        return Observation(done=True, reward=self.reward)
+
+
+@pytest.mark.parametrize(("reward", "score"), [(None, -1.0), (2.5, 2.5), (-1000, -1000.0)])
+def test_an_episodes_reward_takes_the_verifiers_place(tokenizer, reward, score):
+    runner, _ = _runner(tokenizer, " 2 + 3 =", Ends(reward), max_abs=1000)
+    (a,) = runner.generate([PROBLEM], ["x"], group_size=1, max_new_tokens=20, seed=[1]).samples()
+    verified = Score(score=-1.0, correct=False, pred="4")
+    assert a.trace.reward == reward
+    assert environment_score(a.trace, verified) == Score(score, score > 0, "4")
+
+
+@pytest.mark.parametrize("reward", [math.nan, math.inf, -math.inf, 1000.5, "high", [1.0]])
+def test_a_reward_that_would_poison_the_advantages_stops_the_run_naming_the_row(tokenizer, reward):
+    # A verifier's NaN or 1e200 is a fault; an environment's reward replaces the verifier's,
+    # so it meets the same bound (one NaN makes its group's advantages NaN, 1e200 zeroes them).
+    runner, _ = _runner(tokenizer, " 2 + 3 =", Ends(reward), max_abs=1000)
+    with pytest.raises(
+        ValueError,
+        match=r"Ends.step ended row p0 \(turn 1\) with reward .*"
+        r"within reward.max_abs=1000 .*scale it, or raise reward.max_abs",
+    ):
+        runner.generate([PROBLEM], ["x"], group_size=1, max_new_tokens=20, seed=[1])
 
 
 # Episodes on a real model: log-probs, seeds, the loss -------------------------------------

@@ -140,7 +140,7 @@ def run(req: EvalRequest, *, reward_fn: Callable[..., Any] | None = None) -> Eva
             reward_mode=req.reward_function or req.reward_mode,
             before_batch=lambda i, n: before_batch(len(done) + i, len(done) + n),
             after_batch=journal.append,
-            episodes=runner_for(settings.env, engine, tokenizer),  # the run's env.class
+            episodes=runner_for(settings, engine, tokenizer),  # the run's env.class
         )
     before_batch(len(problems), len(problems))
     per_problem = {r["uid"]: _record_metrics(r, ks, phrases) for r in records}

@@ -22,6 +22,7 @@ in its call or on other ranks.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -32,6 +33,7 @@ import torch
 from dapo.data.batch import Trace
 from dapo.data.problems import Problem
 from dapo.env import Environment, History, Observation, turn_end_ids
+from dapo.reward.jobs import MAX_ABS_SCORE
 from dapo.reward.tasks import Score
 from dapo.rollout.base import Engine, Rollout, concat_rollouts
 from dapo.run.seeding import derive_seed
@@ -111,8 +113,10 @@ class EpisodeRunner:
         max_turns: int = 8,
         max_observation_tokens: int = 256,
         workers: int = 4,
+        max_abs: float = MAX_ABS_SCORE,
     ) -> None:
         self.engine, self.tokenizer, self.env = engine, tokenizer, env
+        self.max_abs = max_abs  # reward.max_abs: the largest |reward| an episode may end with
         self.turn_ends = frozenset(turn_end_ids(tokenizer, env.turn_ends))
         stops = set(getattr(engine, "stop_token_ids", ()) or ())
         if stops and not self.turn_ends <= stops:
@@ -235,7 +239,26 @@ class EpisodeRunner:
                 f"{type(answer).__name__} on row {history.problem.uid}; return a "
                 "dapo.env.Observation"
             )
+        if answer.done and answer.reward is not None:
+            self._check_reward(answer.reward, history)
         return answer
+
+    def _check_reward(self, reward: Any, history: History) -> None:
+        """A finished episode's reward takes the verifier's place, so it is held to what a
+        verifier's score is: a finite number within ``reward.max_abs``."""
+        try:
+            value = float(reward) if not isinstance(reward, str | bytes) else math.nan
+        except (TypeError, ValueError):
+            value = math.nan
+        if math.isfinite(value) and abs(value) <= self.max_abs:
+            return
+        raise ValueError(
+            f"env.class: {type(self.env).__name__}.step ended row {history.problem.uid} "
+            f"(turn {history.turns}) with reward {reward!r}; an episode's reward must be None "
+            f"(the verifier grades) or a finite number within reward.max_abs={self.max_abs:g} "
+            "(a NaN, an infinity or a larger reward would zero or NaN its group's advantages): "
+            "return a finite float, scale it, or raise reward.max_abs"
+        )
 
     def _add_observation(self, row: _Row, answer: Observation, max_new_tokens: int) -> bool:
         """Add the environment's ``answer`` to ``row``; whether the row goes on."""

@@ -155,13 +155,15 @@ def drawer_for(cfg: Config, **objects: Any) -> Drawer:
     t = cfg.train
     sections = (cfg.rollout, cfg.sampling, cfg.algo, cfg.data, cfg.reward.grader)
     if "episodes" not in objects:  # a drawer of its own engine: a runner of its own too
-        objects["episodes"] = runner_for(cfg.env, objects["engine"], objects["tokenizer"])
+        objects["episodes"] = runner_for(cfg, objects["engine"], objects["tokenizer"])
     return Drawer(*sections, t.seed, t.prompts_per_step, **objects)
 
 
-def runner_for(settings: EnvConfig, engine: Engine, tokenizer: Any) -> EpisodeRunner | None:
-    """The runner of the environment ``settings`` (a run's ``env`` section) names, on
-    ``engine``; None for single-turn rollouts (no ``env.class``)."""
+def runner_for(cfg: Config, engine: Engine, tokenizer: Any) -> EpisodeRunner | None:
+    """The runner of the environment the run's ``env`` section names, on ``engine``, its
+    episodes' rewards within ``reward.max_abs``; None for single-turn rollouts (no
+    ``env.class``)."""
+    settings = cfg.env
     env = load_environment(settings.class_, settings)
     if env is None:
         return None
@@ -172,6 +174,7 @@ def runner_for(settings: EnvConfig, engine: Engine, tokenizer: Any) -> EpisodeRu
         max_turns=settings.max_turns,
         max_observation_tokens=settings.max_observation_tokens,
         workers=settings.workers,
+        max_abs=cfg.reward.max_abs,
     )
 
 
@@ -271,5 +274,5 @@ def build_state(
         device=device,
         gen_model=gen_model,
         tp_mesh=tp_mesh,
-        episodes=runner_for(cfg.env, engine, tokenizer),
+        episodes=runner_for(cfg, engine, tokenizer),
     )
