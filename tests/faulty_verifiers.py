@@ -58,6 +58,10 @@ def _sys_exit(response: str, answer: str) -> Score:
     sys.exit(0)
 
 
+def _interrupt(response: str, answer: str) -> Score:
+    raise KeyboardInterrupt  # Ctrl-C while grading: the caller's to act on
+
+
 def _not_a_score(response: str, answer: str) -> Score:
     return 1.0  # type: ignore[return-value]
 
@@ -103,6 +107,7 @@ VERIFIERS: dict[str, RewardFn] = {
     "exit": _exit,
     "segfault": _segfault,
     "sys_exit": _sys_exit,
+    "interrupt": _interrupt,
     "notascore": _not_a_score,
     "nan": _nan_score,
     "memory_error": _memory_error,

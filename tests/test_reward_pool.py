@@ -271,7 +271,8 @@ def test_spawn_fallback_works_too():
 
 def test_in_process_faults_never_escape():
     bad = {1: "raise", 2: "memory_error", 4: "recurse", 5: "notascore", 6: "nan", 8: "unknown"}
-    jobs = with_bad(10, bad)
+    bad[9] = "sys_exit"  # a verifier's sys.exit() is its fault, not the trainer's end
+    jobs = with_bad(11, bad)
     with pool(workers=0) as reward_pool:
         result = reward_pool.grade(jobs)
     kinds = [(f.index, f.kind) for f in result.faults]
@@ -282,17 +283,24 @@ def test_in_process_faults_never_escape():
         (5, "error"),
         (6, "error"),
         (8, "error"),
+        (9, "error"),
     ]
     assert result.faults[0].detail.startswith("verifier 'raise' raised ValueError: cannot grade")
+    assert result.faults[-1].detail == "verifier 'sys_exit' raised SystemExit: 0"
     assert result.faults[1].detail == "verifier 'memory_error' raised MemoryError"
     assert all(f.kind in FAULT_KINDS and "\n" not in f.detail for f in result.faults)
     assert_others_graded(jobs, result.scores, set(bad))
 
 
 def test_in_process_and_worker_faults_agree():
-    jobs = with_bad(6, {0: "raise", 2: "memory_error", 3: "notascore", 5: "recurse"})
+    jobs = with_bad(7, {0: "raise", 2: "memory_error", 3: "notascore", 5: "recurse", 6: "sys_exit"})
     with pool(workers=0) as in_process, pool(workers=2) as workers:
         assert in_process.grade(jobs) == workers.grade(jobs)
+
+
+def test_ctrl_c_while_grading_in_process_stops_the_caller():
+    with pool(workers=0) as reward_pool, pytest.raises(KeyboardInterrupt):
+        reward_pool.grade(with_bad(3, {1: "interrupt"}))
 
 
 # --- lifecycle and configuration -----------------------------------------------------------

@@ -216,8 +216,10 @@ class RewardPool:
         faults: list[Fault] = []
         sink = CappedText()
         for index, job in enumerate(jobs):
-            # Exception, not BaseException: Ctrl-C must still stop the caller.
-            args = (self._resolve, job.data_source, job.response, job.answer, Exception)
+            # Not BaseException: Ctrl-C must still stop the caller. A verifier's sys.exit()
+            # is a fault in that verifier, as in a worker.
+            catch = (Exception, SystemExit)
+            args = (self._resolve, job.data_source, job.response, job.answer, catch)
             outcome = captured(sink, lambda args=args: grade_one(*args, self._max_abs))
             self._printed.note(*sink.take())
             if outcome[0] == "ok":

@@ -87,7 +87,7 @@ def grade_one(
     data_source: str,
     response: str,
     answer: str,
-    catch: type[BaseException],
+    catch: type[BaseException] | tuple[type[BaseException], ...],
     max_abs: float = MAX_ABS_SCORE,
 ) -> Outcome:
     """Run one verifier and reduce its verdict, or its failure, to primitives; a finite
