@@ -57,6 +57,10 @@ def test_a_humaneval_file_with_a_missing_field_is_refused_naming_the_line(tmp_pa
     bad.write_text(json.dumps(row) + "\n" + json.dumps({**row, "test": None}) + "\n")
     with pytest.raises(DataError, match=r"line 2 lacks test as text"):
         code_rows.humaneval_rows(bad)
+    for line in ("[1, 2]", '"a string"', "7"):  # JSON, but no row
+        bad.write_text(json.dumps(row) + "\n" + line + "\n")
+        with pytest.raises(DataError, match=r"line 2 is not a JSON object; a HumanEval row has"):
+            code_rows.humaneval_rows(bad)
 
 
 def test_code_easy_is_deterministic_unique_and_split_without_overlap(tmp_path):

@@ -226,6 +226,16 @@ def test_invalid_json_line_is_a_bad_row(tmp_path):
     assert data.rows == 3 and len(data.problems) == 1 and data.copies == {data.problems[0].uid: 2}
 
 
+def test_an_integer_beyond_64_bits_is_an_answer_not_a_traceback(tmp_path):
+    # pyarrow refuses such an integer (OverflowError); the rows are read as JSON all the same.
+    path = write(
+        tmp_path / "big.jsonl",
+        [{"question": "Big?", "answer": 2**63}, {"question": "Q?", "answer": 3}],
+    )
+    data = load_problems(path)
+    assert [p.answer for p in data.problems] == [str(2**63), "3"]
+
+
 BAD_FLAT_ROWS = [
     ({"answer": "1"}, "question", "missing"),
     ({"question": 12, "answer": "1"}, "question", "must be a string"),

@@ -60,6 +60,38 @@ def test_eval_errors_name_the_fix(tmp_path, model_and_data, capsys):
     assert "not a saved model directory" in capsys.readouterr().err
 
 
+def test_bad_flags_are_refused_before_anything_is_written(tmp_path, model_and_data, capsys):
+    model_dir, data = model_and_data
+    assert _eval(model_dir, data, tmp_path / "a", "--seed", "-1") == 2
+    assert "--seed must be a non-negative integer" in capsys.readouterr().err
+    assert _eval(model_dir, data, tmp_path / "a", "--config", str(tmp_path / "no.yaml")) == 2
+    assert "no.yaml: no such file" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists()
+
+
+def test_default_directories_are_one_per_model_path(tmp_path):
+    from dapo.api.evaluation import EvalRequest, out_dir
+
+    a, b = (tmp_path / run / "checkpoints" / "step_000001" / "model" for run in ("a", "b"))
+    one, other = (out_dir(EvalRequest(model=str(m), data="arith", k=16)) for m in (a, b))
+    # `--compare runs/a/.../model runs/b/.../model` once wrote both into one directory and
+    # compared B with itself.
+    assert one != other and one.name.startswith("step_000001-model-")
+    assert one.name.endswith("-arith-k16") and one.parent.name == "evals"
+    assert out_dir(EvalRequest(model=str(a) + "/", data="arith", k=16)) == one
+
+
+def test_a_journal_under_another_config_is_not_resumed(tmp_path):
+    from dapo.api.evaluation import EvalRequest, _protocol
+
+    config = tmp_path / "run.yaml"
+    config.write_text("env:\n  class: math_tool\n")
+    with_env = _protocol(EvalRequest(model="embedded", data="arith", config=str(config)), 8)
+    assert _protocol(EvalRequest(model="embedded", data="arith"), 8) != with_env
+    config.write_text("env:\n  class: ''\n")  # the same path, other settings
+    assert _protocol(EvalRequest(model="embedded", data="arith", config=str(config)), 8) != with_env
+
+
 def _records(path, values):
     with path.open("w") as f:
         for i, v in enumerate(values):

@@ -4,6 +4,7 @@ written to ``summary.json`` and ``problems.jsonl`` and resumable from its journa
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -166,6 +167,10 @@ def _check(req: EvalRequest, reward_fn: Callable[..., Any] | None) -> None:
         raise ValueError(f"--k must be >= 1, got {req.k}")
     if req.threads < 0:
         raise ValueError(f"--threads must be >= 0 (0 = auto), got {req.threads}")
+    if req.config and not Path(req.config).is_file():
+        raise ValueError(f"--config {req.config}: no such file")
+    if not 0 <= req.seed < 2**63:
+        raise ValueError(f"--seed must be a non-negative integer below 2**63, got {req.seed}")
     if req.model != "embedded":
         from dapo.models import hub
 
@@ -337,6 +342,9 @@ def _protocol(req: EvalRequest, problems: int) -> dict[str, Any]:
     }
     if req.reward_function:
         protocol["reward_function"] = req.reward_function
+    if req.config:  # its env, code and reward settings shape the records too
+        digest = hashlib.sha256(Path(req.config).read_bytes()).hexdigest()
+        protocol["config"] = {"path": str(req.config), "sha256": digest}
     return protocol
 
 
@@ -361,7 +369,9 @@ def _save(
 
 
 def out_dir(req: EvalRequest) -> Path:
-    """Where the evaluation goes: ``out``, else ``evals/<model>-<data>-k<k>``."""
+    """Where the evaluation goes: ``out``, else ``evals/<model>-<data>-k<k>``, a saved
+    model's name followed by 8 hex digits of its resolved path: two runs' ``step_N/model``
+    (``--compare`` of a step of each) never share a directory."""
     if req.out:
         return Path(req.out)
     if req.model == "embedded":
@@ -370,4 +380,5 @@ def out_dir(req: EvalRequest) -> Path:
         path = Path(req.model).resolve()
         # runs/<name>/model and checkpoints/step_N/model: the parent says which one.
         name = f"{path.parent.name}-{path.name}" if path.name == "model" else path.name
+        name += "-" + hashlib.sha256(str(path).encode()).hexdigest()[:8]
     return Path(DEFAULT_OUT) / f"{name}-{Path(req.data).stem}-k{req.k}"

@@ -64,10 +64,15 @@ def read_humaneval(path: Path) -> list[dict[str, Any]]:
             rec = json.loads(line)
         except (ValueError, RecursionError):
             raise DataError(f"{path}: line {lineno} is not valid JSON") from None
-        bad = [k for k in HUMANEVAL_KEYS if not isinstance(rec.get(k), str) or not rec.get(k)]
-        if not isinstance(rec, dict) or bad:
+        if not isinstance(rec, dict):
             raise DataError(
-                f"{path}: line {lineno} lacks {', '.join(bad) or 'an object'} as text; a "
+                f"{path}: line {lineno} is not a JSON object; a HumanEval row has "
+                f"{', '.join(HUMANEVAL_KEYS)}"
+            )
+        bad = [k for k in HUMANEVAL_KEYS if not isinstance(rec.get(k), str) or not rec.get(k)]
+        if bad:
+            raise DataError(
+                f"{path}: line {lineno} lacks {', '.join(bad)} as text; a "
                 f"HumanEval row has {', '.join(HUMANEVAL_KEYS)}"
             )
         problems.append(rec)

@@ -157,9 +157,16 @@ def _read_jsonl(path: Path) -> Table:
     objects = [r for r in records if isinstance(r, dict)]
     try:
         schema = [(f.name, str(f.type)) for f in pa.Table.from_pylist(objects).schema]
-    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, UnicodeError):
+    except (
+        pa.ArrowInvalid,
+        pa.ArrowTypeError,
+        pa.ArrowNotImplementedError,
+        UnicodeError,
+        OverflowError,
+    ):
         # Rows disagree on a column's type (a number here, a string there), or a string is no
-        # text (a lone surrogate): say what each column holds; the rows say what is wrong.
+        # text (a lone surrogate), or an integer is beyond 64 bits: say what each column holds;
+        # the rows say what is wrong.
         schema = []
         for col in columns:
             kinds = sorted({json_type(r.get(col)) for r in objects} - {"null"}) or ["null"]
