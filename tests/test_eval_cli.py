@@ -81,17 +81,6 @@ def test_default_directories_are_one_per_model_path(tmp_path):
     assert out_dir(EvalRequest(model=str(a) + "/", data="arith", k=16)) == one
 
 
-def test_a_journal_under_another_config_is_not_resumed(tmp_path):
-    from dapo.api.evaluation import EvalRequest, _protocol
-
-    config = tmp_path / "run.yaml"
-    config.write_text("env:\n  class: math_tool\n")
-    with_env = _protocol(EvalRequest(model="embedded", data="arith", config=str(config)), 8)
-    assert _protocol(EvalRequest(model="embedded", data="arith"), 8) != with_env
-    config.write_text("env:\n  class: ''\n")  # the same path, other settings
-    assert _protocol(EvalRequest(model="embedded", data="arith", config=str(config)), 8) != with_env
-
-
 def _records(path, values):
     with path.open("w") as f:
         for i, v in enumerate(values):
@@ -178,3 +167,31 @@ def test_a_killed_evaluation_resumes_to_the_uninterrupted_result(
     (tmp_path / "resumed" / NAME).write_text((tmp_path / "whole" / "problems.jsonl").read_text())
     assert _eval(model_dir, data, tmp_path / "resumed", "--k", "64", "--seed", "4") == 0
     assert "resuming" not in capsys.readouterr().out
+
+
+def test_a_journal_left_under_another_config_is_not_resumed(
+    tmp_path, model_and_data, capsys, monkeypatch
+):
+    from dapo.eval.journal import NAME, Journal
+
+    model_dir, _ = model_and_data
+    config = tmp_path / "run.yaml"
+    config.write_text("reward:\n  max_abs: 100.0\n")  # a run's settings: they grade the records
+    args = ("--k", "64", "--num-problems", "6", "--config", str(config))
+    real_append = Journal.append
+
+    def killed_after_the_first_batch(self, records):
+        real_append(self, records)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Journal, "append", killed_after_the_first_batch)
+    with pytest.raises(KeyboardInterrupt):
+        _eval(model_dir, "arith", tmp_path / "e", *args)
+    assert (tmp_path / "e" / NAME).is_file()
+    monkeypatch.setattr(Journal, "append", real_append)
+    config.write_text("reward:\n  max_abs: 10.0\n")  # the same path, other settings
+    capsys.readouterr()
+    assert _eval(model_dir, "arith", tmp_path / "e", *args) == 0
+    assert "resuming" not in capsys.readouterr().out
+    protocol = json.loads((tmp_path / "e" / "summary.json").read_text())["protocol"]
+    assert protocol["config"]["path"] == str(config) and len(protocol["config"]["sha256"]) == 64

@@ -216,8 +216,7 @@ class RewardPool:
         faults: list[Fault] = []
         sink = CappedText()
         for index, job in enumerate(jobs):
-            # Not BaseException: Ctrl-C must still stop the caller. A verifier's sys.exit()
-            # is a fault in that verifier, as in a worker.
+            # Not BaseException: Ctrl-C must still stop the caller; sys.exit() is a fault.
             catch = (Exception, SystemExit)
             args = (self._resolve, job.data_source, job.response, job.answer, catch)
             outcome = captured(sink, lambda args=args: grade_one(*args, self._max_abs))
