@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from dapo.api import exporting
 from dapo.models.demo import TinyModelSpec, tiny_qwen2
 from dapo.run import checkpoint, state_files
 from dapo.run.metrics import MetricsLogger
@@ -139,6 +140,29 @@ def test_find_latest_skips_a_damaged_checkpoint(tmp_path, tokenizer):
     assert checkpoint.find_latest(tmp_path).name == "step_000001"
     with pytest.raises(checkpoint.CheckpointError, match="incomplete"):
         checkpoint.load(newest, model=model, optimizer=opt)
+
+
+def test_a_stray_file_is_named_and_never_called_a_run_without_checkpoints(tmp_path, tokenizer):
+    model, opt = _trained(tokenizer, seed=0)
+    older = _save(tmp_path, model, tokenizer, opt, step=1)
+    newest = _save(tmp_path, model, tokenizer, opt, step=2)
+    (newest / ".DS_Store").write_bytes(b"x")  # a copy's or a file browser's stray file
+    assert checkpoint.find_latest(tmp_path) == older
+    assert checkpoint.passed_over(tmp_path, older) == (
+        f"step_000002, the newest, was passed over: {newest / '.DS_Store'} is not in the "
+        "manifest: it was added after the checkpoint"
+    )
+    assert checkpoint.passed_over(tmp_path, newest) == ""
+    (older / ".DS_Store").write_bytes(b"x")
+    assert checkpoint.find_latest(tmp_path) is None
+    why = checkpoint.unreadable(tmp_path)
+    assert why.startswith("the newest, step_000002, is not whole: ") and ".DS_Store" in why
+    assert "remove a file added since" in why
+    # --resume and export say so; neither advises --overwrite (it would delete every one).
+    with pytest.raises(ValueError, match=r"is not whole: .*\.DS_Store") as err:
+        exporting.find_checkpoint(tmp_path, None)
+    assert "--overwrite" not in str(err.value)
+    assert checkpoint.unreadable(tmp_path / "checkpoints") == ""  # no checkpoint written there
 
 
 def test_a_file_altered_at_its_size_is_named_before_anything_is_read(tmp_path, tokenizer):

@@ -142,7 +142,8 @@ def find_checkpoint(run_dir: Path, step: int | None) -> Path:
     if step is None:
         found = checkpoint.find_latest(run_dir)
         if found is None:
-            raise ValueError(f"{run_dir}: no complete checkpoint in {root}")
+            why = checkpoint.unreadable(run_dir) or "none was written"
+            raise ValueError(f"{run_dir}: no complete checkpoint in {root}: {why}")
         return found
     ckpt = root / checkpoint.step_dir_name(step)
     if not ckpt.is_dir():

@@ -307,9 +307,10 @@ def _checked_run_dir(cfg: Config, resume_dir: Path | None, overwrite: bool) -> N
         rundir.plan_new_run(cfg, overwrite=overwrite)
         return
     if checkpoint.find_latest(resume_dir) is None:
+        why = checkpoint.unreadable(resume_dir)
         raise ValueError(
-            f"--resume {resume_dir}: no complete checkpoint there (it stopped before its first "
-            "one); start it again with --overwrite"
+            f"--resume {resume_dir}: no complete checkpoint there: "
+            + (why or "it stopped before its first one; start it again with --overwrite")
         )
     rundir.check_writable(resume_dir)
     rundir.check_space(resume_dir, cfg, _weights_dir(cfg))

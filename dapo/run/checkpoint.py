@@ -241,6 +241,31 @@ def find_latest(run_dir: Path) -> Path | None:
     return None
 
 
+def unreadable(run_dir: Path) -> str:
+    """When :func:`find_latest` found nothing: what is wrong with the newest checkpoint (the
+    one ``latest`` names, else the newest step) and the fix; "" when none was written."""
+    root = Path(run_dir) / CKPT_DIR
+    steps = step_dirs(root) if root.is_dir() else []
+    pointed = read_pointer(run_dir)
+    newest = pointed if pointed is not None and pointed.is_dir() else (steps or [None])[-1]
+    why = None if newest is None else verify(newest)
+    if why is None:
+        return ""
+    return (
+        f"the newest, {newest.name}, is not whole: {why}. Put back what was written (remove "
+        "a file added since, such as .DS_Store), or use an older copy of the run"
+    )
+
+
+def passed_over(run_dir: Path, ckpt: Path) -> str:
+    """Why the checkpoint ``latest`` names is not ``ckpt``, the one :func:`find_latest`
+    chose (it is not whole); "" when it is."""
+    pointed = read_pointer(run_dir)
+    if pointed is None or pointed == ckpt or not pointed.is_dir():
+        return ""
+    return f"{pointed.name}, the newest, was passed over: {verify(pointed)}"
+
+
 def load(
     ckpt: Path,
     *,

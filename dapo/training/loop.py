@@ -298,10 +298,8 @@ class _Loop:
         state = self.state
         ckpt = checkpoint.find_latest(self.run_dir)
         if ckpt is None:
-            raise checkpoint.CheckpointError(
-                f"{self.run_dir} has no complete checkpoint to resume from; start it again with "
-                f"--overwrite, or choose another run.name"
-            )
+            why = checkpoint.unreadable(self.run_dir) or "start again with --overwrite"
+            raise checkpoint.CheckpointError(f"{self.run_dir}: no checkpoint to resume; {why}")
         info = sharded_checkpoint.load(
             ckpt, model=state.model, optimizer=state.optimizer, device=state.device
         )
@@ -321,7 +319,9 @@ class _Loop:
         self.logger.truncate(info["metrics_bytes"])
         self.logger.purge_step = state.step + 1
         self.saved_at = state.step
-        print(f"resumed from {ckpt} at step {state.step}", file=self.stream)
+        skipped = checkpoint.passed_over(self.run_dir, ckpt)
+        note = f"; {skipped}" if skipped else ""
+        print(f"resumed from {ckpt} at step {state.step}{note}", file=self.stream)
 
     def save(self) -> Path:
         state = self.state
