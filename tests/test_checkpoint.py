@@ -12,7 +12,7 @@ import torch
 
 from dapo.api import exporting
 from dapo.models.demo import TinyModelSpec, tiny_qwen2
-from dapo.run import checkpoint, state_files
+from dapo.run import checkpoint, manifest, state_files
 from dapo.run.metrics import MetricsLogger
 
 SPEC = TinyModelSpec(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2)
@@ -163,6 +163,26 @@ def test_a_stray_file_is_named_and_never_called_a_run_without_checkpoints(tmp_pa
         exporting.find_checkpoint(tmp_path, None)
     assert "--overwrite" not in str(err.value)
     assert checkpoint.unreadable(tmp_path / "checkpoints") == ""  # no checkpoint written there
+
+
+@pytest.mark.parametrize("name", ["optimizer.safetensors", "model/model.safetensors"])
+def test_a_garbled_safetensors_file_with_its_own_manifest_is_named(tmp_path, tokenizer, name):
+    # A checkpoint from elsewhere may come with a manifest made for its files: the digests then
+    # pass, and safetensors' own SafetensorError (no ValueError) was a traceback.
+    model, opt = _trained(tokenizer, seed=0)
+    ckpt = _save(tmp_path, model, tokenizer, opt, step=1)
+    (ckpt / name).write_bytes(b"\xff" * 64)
+    (ckpt / "manifest.json").unlink()
+    manifest.write(ckpt, checkpoint.FORMAT_VERSION, 1, None)
+    assert checkpoint.verify(ckpt, digests=True) is None
+    with pytest.raises((checkpoint.CheckpointError, state_files.StateFileError)) as err:
+        checkpoint.load(ckpt, model=model, optimizer=opt)
+    assert name.split("/")[-1] in str(err.value) and "damaged" in str(err.value)
+    if name.startswith("model/"):
+        with pytest.raises(checkpoint.CheckpointError, match="not a readable safetensors"):
+            exporting.export(tmp_path, tmp_path / "out", log=lambda m: None, dtype="bfloat16")
+        with pytest.raises(checkpoint.CheckpointError, match="not a readable safetensors"):
+            exporting.export(tmp_path, tmp_path / "out2", log=lambda m: None)
 
 
 def test_a_file_altered_at_its_size_is_named_before_anything_is_read(tmp_path, tokenizer):

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
 from dapo.config import Config, load_config
 from dapo.dist import dcp
@@ -34,7 +33,7 @@ def trained_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
     """The adapters of the checkpoint ``ckpt`` by their names in the model, whichever way it
     was written."""
     if (ckpt / "model" / TRAINED_FILE).is_file():
-        return load_file(ckpt / "model" / TRAINED_FILE)
+        return model_files.read_tensors(ckpt / "model" / TRAINED_FILE)
     stored = dcp.stored_tensors(ckpt / "state")
     return {
         n.removeprefix("model."): t for n, t in dcp.read_tensors(ckpt / "state", stored).items()

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 import yaml
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from dapo import __version__
 from dapo.api import adapters
@@ -38,6 +38,7 @@ from dapo.dist import dcp
 from dapo.models.policy import DTYPES, generation_stop_ids, tokenizer_from_dir
 from dapo.run import checkpoint, manifest
 from dapo.run.checkpoint import CheckpointError
+from dapo.run.model_files import read_tensors
 from dapo.run.nofollow import fsync_dir, no_link
 
 MARKER = "dapo-export.json"
@@ -192,11 +193,14 @@ def _copy_weights(src: Path, tmp: Path, dtype: str | None, log) -> tuple[int, in
         if dtype is None:
             shutil.copyfile(f, tmp / f.name)
         else:
-            tensors = {k: v.to(DTYPES[dtype]) for k, v in load_file(f).items()}
+            tensors = {k: v.to(DTYPES[dtype]) for k, v in read_tensors(f).items()}
             save_file(tensors, tmp / f.name, metadata={"format": "pt"})
-        with safe_open(tmp / f.name, framework="pt") as written:
-            for key in written.keys():  # noqa: SIM118 - safe_open is no mapping
-                parameters += math.prod(written.get_slice(key).get_shape())
+        try:
+            with safe_open(tmp / f.name, framework="pt") as written:
+                for key in written.keys():  # noqa: SIM118 - safe_open is no mapping
+                    parameters += math.prod(written.get_slice(key).get_shape())
+        except SafetensorError as exc:  # copied as it is: a garbled file is read here first
+            raise CheckpointError(f"{f} is not a readable safetensors file ({exc})") from None
         size += (tmp / f.name).stat().st_size
         log(f"export: weights {i}/{len(files)} ({_size(size)})")
     index = src / "model.safetensors.index.json"

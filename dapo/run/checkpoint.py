@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from dapo.dist.dcp import kernels_kept
 from dapo.run import manifest, model_files, state_files
@@ -318,7 +318,7 @@ def load_rollouts(ckpt: Path) -> dict[str, torch.Tensor]:
     """The tensors of ``rollouts.safetensors`` (rollouts generated ahead of training); none
     when the checkpoint has no such file."""
     path = Path(ckpt) / ROLLOUTS_FILE
-    return load_file(path) if path.is_file() else {}
+    return model_files.read_tensors(path) if path.is_file() else {}
 
 
 # ----------------------------------------------------------------------------- outputs

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from dapo.run import manifest
@@ -24,6 +25,18 @@ TRAINED_FILE = "trained.safetensors"
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read; the message names the path and the fix."""
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of the safetensors file ``path`` of a checkpoint; one that cannot be read
+    (garbled, cut, not safetensors) is a :class:`CheckpointError` naming it."""
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(
+            f"{path} is not a readable safetensors file ({exc}): the checkpoint is damaged; "
+            "restore it, or resume from an earlier checkpoint"
+        ) from None
 
 
 def trained_only(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
@@ -70,7 +83,7 @@ def load(model: torch.nn.Module, model_dir: Path) -> None:
         )
     state: dict[str, torch.Tensor] = {}
     for shard in shards:
-        state.update(load_file(shard))
+        state.update(read_tensors(shard))
     try:
         result = model.load_state_dict(state, strict=False)
     except RuntimeError as exc:  # shape mismatches
@@ -94,7 +107,7 @@ def load(model: torch.nn.Module, model_dir: Path) -> None:
 def _load_trained(model: torch.nn.Module, path: Path) -> None:
     """The trained parameters alone, into a model whose frozen ones are already the base's:
     exactly the same names, shapes and dtypes, or refused."""
-    saved = load_file(path)
+    saved = read_tensors(path)
     params = dict(model.named_parameters())
     own = {name for name, p in params.items() if p.requires_grad}
     wrong = sorted(

@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from dapo import dist
 from dapo.dist import dcp, fsdp
-from dapo.run import checkpoint, manifest, state_files
+from dapo.run import checkpoint, manifest, model_files, state_files
 from dapo.run.checkpoint import CheckpointError
 from dapo.run.nofollow import LinkRefused, no_link
 
@@ -138,7 +138,7 @@ def load(
         elif fsdp.is_sharded(model):  # written by one process: whole tensors, sharded on load
             weights = {}
             for shard in sorted((ckpt / "model").glob("*.safetensors")):
-                weights.update(load_file(shard))
+                weights.update(model_files.read_tensors(shard))
             _add_tied(model, weights)
             optim = state_files.load_optimizer(ckpt / "optimizer")
             dcp.load_full(model, optimizer, weights, optim)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from dapo.dist.dcp import join_optimizer_state, split_optimizer_state, to_json
@@ -47,7 +48,7 @@ def load_optimizer(stem: Path) -> dict[str, Any]:
             param, name = key.split(_SEP, 1)
             state.setdefault(int(param), {})[name] = tensor
         return join_optimizer_state({"state": state}, rest)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as exc:
         raise _damaged(stem, exc) from None
 
 
@@ -74,7 +75,7 @@ def load_rng(stem: Path) -> dict[str, Any]:
             "numpy": [str(kind), tensors["numpy_keys"], int(pos), int(has_gauss), float(cached)],
             "torch": tensors["torch"],
         }
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as exc:
         raise _damaged(stem, exc) from None
     if "cuda_rank" in tensors:
         state["cuda_rank"] = tensors["cuda_rank"]
