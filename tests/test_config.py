@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+import dapo
 from dapo.config import (
     MOVED_KEYS,
     AlgoConfig,
@@ -138,6 +139,20 @@ def test_override_values_are_typed():
     cfg = load_config(None, ["optim.lr=1"])  # an int is a fine float
     assert isinstance(cfg.optim.lr, float) and cfg.optim.lr == 1.0
     assert isinstance(Config().optim.lr, float)
+
+
+def test_a_text_field_keeps_the_text_written(tmp_path):
+    # YAML reads 0612 as an octal 394, 12:30 as 750, 2e91830 as infinity and 1.10 as 1.1: a
+    # run named 0612 ran in runs/394, and a pinned revision became "inf".
+    for text in ("0612", "12:30", "1.10", "1e3", "true", "2026-11-29"):
+        assert load_config(None, [f"run.name={text}"]).run.name == text
+    assert load_config(None, ["model.revision=2e91830"]).model.revision == "2e91830"
+    assert dapo.load_config(None, {"run.name": "1.10"}).run.name == "1.10"  # the API's mapping
+    assert load_config(None, ["run.name='0612'"]).run.name == "0612"  # quoted: YAML's string
+    assert load_config(None, ["optim.lr=1e-5"]).optim.lr == 1e-5
+    path = tmp_path / "run.yaml"
+    path.write_text("optim:\n  lr: 1e-6\n")  # YAML 1.1's string: a float field's number
+    assert load_config(path).optim.lr == 1e-6
 
 
 def test_preset_comes_from_the_most_specific_source(tmp_path):

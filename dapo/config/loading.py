@@ -43,8 +43,13 @@ MOVED_KEYS = {
 _announced: set[str] = set()  # moved keys already noticed in this process
 
 
-def _coerce(value: Any, typ: Any, where: str) -> Any:
-    """Check ``value`` against the field type; ints are accepted where floats are expected.
+def _coerce(value: Any, typ: Any, where: str, text: str | None = None) -> Any:
+    """Check ``value`` against the field type; ints are accepted where floats are expected,
+    and text that reads as a number (YAML 1.1's ``1e-5``) where floats are.
+
+    ``text``: what was written on the command line, for a text field: YAML reads ``0612`` as
+    an octal 394, ``12:30`` as 750 and ``2e91830`` (a revision) as a float; a name or a
+    revision is the text as written.
 
     A ``Literal`` field takes a string here; whether it is one of the choices is checked with
     everything else in ``validate``, so that every bad value is reported at once.
@@ -57,6 +62,13 @@ def _coerce(value: Any, typ: Any, where: str) -> Any:
         typ = next(a for a in args if a is not type(None))
     if typing.get_origin(typ) is Literal:
         typ = str
+    if typ is str and text is not None and not isinstance(value, str | list | dict | None):
+        return text  # a number, a bool or a date to YAML
+    if typ is float and isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            pass
     if typing.get_origin(typ) is list:
         if not isinstance(value, list):
             raise ValueError(f"{where}: expected a list such as [1, 2], got {value!r}")
@@ -78,9 +90,10 @@ def _coerce(value: Any, typ: Any, where: str) -> Any:
     raise ValueError(f"{where}: expected {name}, got {value!r} ({type(value).__name__})")
 
 
-def set_value(cfg: Config, dotted: str, value: Any) -> None:
+def set_value(cfg: Config, dotted: str, value: Any, text: str | None = None) -> None:
     """Set ``section.field`` (or ``section.subsection.field``) on ``cfg``; unknown names list
-    what exists. A subsection takes a mapping of its fields (YAML's ``lora: {rank: 8}``)."""
+    what exists. A subsection takes a mapping of its fields (YAML's ``lora: {rank: 8}``).
+    ``text``: the value as written on the command line (a text field keeps it)."""
     section_name, _, rest = dotted.partition(".")
     sections = [f.name for f in dataclasses.fields(cfg)]
     if section_name not in sections or not rest:
@@ -97,7 +110,7 @@ def set_value(cfg: Config, dotted: str, value: Any) -> None:
         if not is_subsection(typ):
             if not last:
                 raise ValueError(f"unknown config key {dotted!r}: {where}.{name} has no fields")
-            setattr(owner, attr_of(name), _coerce(value, typ, dotted))
+            setattr(owner, attr_of(name), _coerce(value, typ, dotted, text))
             return
         if last:
             if not isinstance(value, dict):
@@ -130,6 +143,11 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
+def _text(override: str) -> str:
+    """An override's value as written (``a.b=v``: ``v``, without surrounding spaces)."""
+    return override.partition("=")[2].strip()
+
+
 def _flatten(tree: dict[str, Any], where: str) -> list[tuple[str, Any]]:
     out = []
     for section, values in tree.items():
@@ -142,14 +160,15 @@ def _flatten(tree: dict[str, Any], where: str) -> list[tuple[str, Any]]:
     return out
 
 
-def _moved(items: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
-    """``items`` with moved keys renamed; one line on stderr names the ones not yet noticed."""
-    new = [m for m in dict.fromkeys(k for k, _ in items if k in MOVED_KEYS) if m not in _announced]
+def _moved(items: list[tuple[str, Any, str | None]]) -> list[tuple[str, Any, str | None]]:
+    """``items`` (key, value, text) with moved keys renamed; one line on stderr names the
+    ones not yet noticed."""
+    new = [m for m in dict.fromkeys(k for k, *_ in items if k in MOVED_KEYS) if m not in _announced]
     if new:
         _announced.update(new)
         pairs = ", ".join(f"{k} -> {MOVED_KEYS[k]}" for k in new)
         print(f"dapo: notice: config keys read at their new place: {pairs}", file=sys.stderr)
-    return [(MOVED_KEYS.get(k, k), v) for k, v in items]
+    return [(MOVED_KEYS.get(k, k), *rest) for k, *rest in items]
 
 
 def saved_before_keys_moved(path: str | Path) -> bool:
@@ -181,6 +200,7 @@ def load_config(
     """Resolve base -> preset -> YAML file -> dotted overrides, then validate."""
     tree = _read_yaml(Path(path)) if path is not None else {}
     parsed = [parse_override(o) for o in overrides]
+    written = [(k, v, _text(o)) for (k, v), o in zip(parsed, overrides, strict=True)]
     # base and preset shape everything else, so they are resolved first, from the most
     # specific source: flag, then dotted override, then the file (top level or run section).
     run_section = tree.get("run") if isinstance(tree.get("run"), dict) else {}
@@ -197,9 +217,9 @@ def load_config(
             f"run.preset: unknown preset {preset!r}; choose one of {tuple(presets.ALGORITHMS)}"
         )
     cfg = presets.ALGORITHMS[preset](presets.BASES[base](Config()))
-    for key, value in _moved(_flatten(tree, str(path)) + parsed):
+    for key, value, text in _moved([(k, v, None) for k, v in _flatten(tree, str(path))] + written):
         if key not in ("run.base", "run.preset"):
-            set_value(cfg, key, value)
+            set_value(cfg, key, value, text)
     validate(cfg)
     return cfg
 
@@ -208,8 +228,8 @@ def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Conf
     """A copy of ``cfg`` under dotted overrides (renamed keys followed, as load_config
     does), validated."""
     cfg = copy.deepcopy(cfg)
-    for key, value in _moved([parse_override(o) for o in overrides]):
-        set_value(cfg, key, value)
+    for key, value, text in _moved([(*parse_override(o), _text(o)) for o in overrides]):
+        set_value(cfg, key, value, text)
     validate(cfg)
     return cfg
 
