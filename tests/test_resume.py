@@ -111,6 +111,27 @@ def test_sigterm_saves_then_resume_matches(tmp_path, reference):
     assert _same_run(ref, run_dir)
 
 
+def test_kill_9_just_after_the_final_checkpoint_resumes_with_every_output(tmp_path, reference):
+    """The final evaluation's samples.jsonl and val_problems.json are written before the final
+    checkpoint: a run killed just after it resumes with no step left, and has them too."""
+    ref, cache, _ = reference
+    proc = _start(tmp_path, "run", cache)
+    run_dir = tmp_path / "run"
+    latest, outputs = run_dir / "checkpoints" / "latest", ("samples.jsonl", "val_problems.json")
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and not (latest.exists() and "06" in latest.read_text()):
+        assert time.monotonic() < deadline, "the run made no progress"
+        time.sleep(0.005)
+    present = [(run_dir / name).is_file() for name in outputs]
+    proc.send_signal(signal.SIGKILL)
+    if _finish(proc)[0] != 0:  # killed before it finished: resume it
+        code, out, err = _finish(_start(tmp_path, "run", cache, "--resume", str(run_dir)))
+        assert code == 0 and "at step 6" in out, err
+    assert present == [True, True]  # already there when the final checkpoint was
+    for name in outputs:
+        assert (run_dir / name).read_text() == (ref / name).read_text(), name
+
+
 @pytest.mark.slow
 def test_kill_9_at_many_moments(tmp_path, reference):
     """kill -9 after each of steps 1-5, at a random point of the next step (checkpoint writes

@@ -124,11 +124,8 @@ class _Loop:
         self.warnings: list[str] = []  # the checks' warnings, kept in summary.json
         self.state, self.val_problems = state, val_problems
         self.run_dir, self.stream = run_dir, stream
-        self.live = (
-            cfg.run.progress == "auto"
-            and dist.is_main()
-            and getattr(stream, "isatty", lambda: False)()
-        )
+        tty = getattr(stream, "isatty", lambda: False)()
+        self.live = cfg.run.progress == "auto" and dist.is_main() and tty
         # Live: the rich display replaces the plain per-step lines; everything else is printed
         # through it so the two never interleave.
         wandb_run = None
@@ -146,7 +143,6 @@ class _Loop:
         )
         self.progress: LiveProgress | None = None
         self.records: list[dict] = []  # of the latest evaluation, for samples.jsonl
-        self.records_step: int | None = None  # the step those records were evaluated at
         self.val_start: dict[str, float] = {}
         self.val_last: dict[str, float] = {}
         self.seconds_before = 0.0
@@ -218,6 +214,8 @@ class _Loop:
             if is_last or (e.every and state.step % e.every == 0):
                 self.val_last = self.validate()
                 metrics.update(self.val_last)
+            if is_last and self.records and dist.is_main():  # before the final checkpoint
+                self.write_records()
             self.logger.log(state.step, metrics)
             if self.progress is not None:
                 self.progress.step_done(state.step, metrics)
@@ -239,6 +237,12 @@ class _Loop:
         else:  # with LoRA, the merged weights: a model like the base that anything can load
             merged = lora.merged_weights(state.model) if self.base is not None else None
             checkpoint.export_model(state.model, state.tokenizer, self.run_dir / "model", merged)
+
+    def write_records(self) -> None:
+        """The final evaluation's samples.jsonl (dapo report) and val_problems.json (dapo
+        ablate), before the final checkpoint: a run killed after it resumes with both."""
+        rundir.write_samples(self.run_dir, self.state.step, pick_samples(self.records))
+        rundir.write_val_problems(self.run_dir, self.state.step, self.records)
 
     def budget_spent(self) -> bool:
         """Whether ``train.max_gen_tokens`` or ``train.max_seconds`` is reached (on any rank:
@@ -272,7 +276,6 @@ class _Loop:
         if state.engine_behind:
             state.sync_engine()
         state.model.eval()
-        self.records_step = state.step
         return evaluate(
             state.engine,
             state.tokenizer,
@@ -380,10 +383,6 @@ class _Loop:
         if not dist.is_main():
             return summary
         rundir.write_summary(run_dir, summary)
-        if self.records:  # responses worth reading, for dapo report
-            rundir.write_samples(run_dir, step, pick_samples(self.records))
-        if self.records and self.records_step == step:  # intervals over problems (dapo ablate)
-            rundir.write_val_problems(run_dir, step, self.records)
         start, end = summary["val/accuracy_start"], summary["val/accuracy_end"]
         t = self.state.cfg.train
         spent = (
