@@ -18,8 +18,10 @@ from helpers import save_model
 from test_scale_out import TINY
 
 from dapo import cli
+from dapo.config import load_config
 from dapo.dist import dcp
 from dapo.models import policy
+from dapo.run import rundir
 from dapo.run.lock import RunLock
 from dapo.training import loop
 
@@ -139,6 +141,35 @@ def test_a_run_that_fails_before_it_starts_puts_the_earlier_run_back(
         cli.main(["train", "--overwrite", f"run.out_dir={tmp_path}", "run.name=r"])
     assert _tree(run) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
+
+
+def test_a_failed_start_in_a_directory_the_user_made_keeps_it(tmp_path, monkeypatch, no_training):
+    (tmp_path / "r").mkdir()  # made by the user, empty: a new run may go there
+
+    def interrupted(*_a, **_k):
+        raise KeyboardInterrupt  # Ctrl-C during the warm-start
+
+    monkeypatch.setattr(policy, "load_policy", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(["train", f"run.out_dir={tmp_path}", "run.name=r"])
+    assert (tmp_path / "r").is_dir() and list((tmp_path / "r").iterdir()) == []
+    with pytest.raises(KeyboardInterrupt):  # a directory it made is removed
+        cli.main(["train", f"run.out_dir={tmp_path}", "run.name=new"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
+
+
+def test_a_run_refused_by_the_lock_removes_nothing_of_the_run_holding_it(tmp_path):
+    # Two runs started at once under one name: both planned an empty directory; the first
+    # made it and holds its lock. The second's undo once removed the first's live directory.
+    cfg = load_config(None, [f"run.out_dir={tmp_path}", "run.name=r"])
+    first, second = rundir.plan_new_run(cfg), rundir.plan_new_run(cfg)
+    run = rundir.start_new_run(first)
+    held = sorted(p.name for p in run.iterdir())
+    with pytest.raises(ValueError, match="in use by process"):
+        rundir.start_new_run(second)
+    assert sorted(p.name for p in run.iterdir()) == held and first.lock is not None
+    rundir.undo_new_run(first)
+    assert not run.exists()
 
 
 def test_a_symlinked_run_directory_is_refused(tmp_path, capsys, no_training):

@@ -11,6 +11,7 @@ model load, so a typo in a path or a full disk costs seconds, not the minutes of
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -69,6 +70,7 @@ class NewRun:
     replaces: bool = False
     aside: Path | None = None
     lock: RunLock | None = None
+    created: bool = False  # this process made the directory (else it was there, empty)
 
 
 def plan_new_run(cfg: Config, *, overwrite: bool = False) -> NewRun:
@@ -128,7 +130,14 @@ def start_new_run(plan: NewRun) -> Path:
             old_lock.release()
         print(f"dapo: the earlier run in {run_dir} is kept at {plan.aside} until this one starts")
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            run_dir.mkdir()
+            plan.created = True
+        except FileExistsError:
+            if not run_dir.is_dir():
+                raise
+            # Empty when planned: the user's, or another run's by now (the lock decides).
     except OSError as exc:
         undo_new_run(plan)
         raise ValueError(
@@ -158,14 +167,25 @@ def finish_replacing(plan: NewRun) -> None:
 
 
 def undo_new_run(plan: NewRun) -> None:
-    """The new run failed before it started: remove its (still dapo-only) directory and put
-    the run it replaced back."""
+    """The new run failed before it started: remove what it wrote (its directory, when it
+    made it) and put the run it replaced back. A directory it found stays, and nothing of a
+    run whose lock it did not hold is touched (two runs started at once under one name)."""
+    held, run_dir = plan.lock is not None, plan.path
     if plan.lock is not None:
         plan.lock.release()
         plan.lock = None
-    run_dir = plan.path
-    if run_dir.is_dir() and all(is_own_entry(p.name) for p in run_dir.iterdir()):
+    own = run_dir.is_dir() and all(is_own_entry(p.name) for p in run_dir.iterdir())
+    if held and own and plan.created:
         shutil.rmtree(run_dir)
+    elif held and own:  # the user's empty directory: emptied again, kept
+        for entry in run_dir.iterdir():
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+    elif plan.created and run_dir.is_dir():
+        with contextlib.suppress(OSError):  # never locked: removed only if still empty
+            run_dir.rmdir()
     if plan.aside is not None and not run_dir.exists():
         os.rename(plan.aside, run_dir)
         plan.aside = None
