@@ -407,6 +407,34 @@ def test_convert_dapo_to_dapo_wraps_raw_problems_once(tmp_path):
     assert {r["data_source"] for r in got} == {"math_dapo"}
 
 
+def test_convert_never_wraps_a_templated_message_twice(tmp_path):
+    # The template's start with another end (a trailing newline): kept as it is, as loading
+    # keeps it (rows._wrap), where it was once wrapped a second time and counted as unwrapped.
+    content = dapo_prompt("Almost.") + "\n"
+    row = {**dapo_row("x", "1", index="a"), "prompt": [{"role": "user", "content": content}]}
+    out = tmp_path / "out.jsonl"
+    result = convert_file(write(tmp_path / "in.jsonl", [row]), out, to="dapo")
+    (got,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert result.wrapped == 0 and got["prompt"][0]["content"] == content
+
+
+def test_convert_gives_a_row_without_an_index_one_no_other_row_holds(tmp_path):
+    # Row 0 has no index; row 1's own index is "0": the filled-in index may not be "0", or
+    # the converted file would hold one problem where the input held two.
+    rows = [dapo_row("First.", "1"), dapo_row("Second.", "2", index="0"), dapo_row("Third.", "3")]
+    src = write(tmp_path / "in.jsonl", rows)
+    assert len(load_problems(src).problems) == 3
+    out = tmp_path / "out.jsonl"
+    convert_file(src, out, to="dapo")
+    got = [json.loads(line)["extra_info"]["index"] for line in out.read_text().splitlines()]
+    assert got == ["row-0", "0", "2"] and len(load_problems(out).problems) == 3
+    plain = tmp_path / "plain.jsonl"  # no index anywhere: the row numbers, an integer column
+    convert_file(
+        write(tmp_path / "p.jsonl", [dapo_row("A.", "1"), dapo_row("B.", "2")]), plain, to="dapo"
+    )
+    assert [json.loads(x)["extra_info"]["index"] for x in plain.read_text().splitlines()] == [0, 1]
+
+
 def test_convert_refuses_and_creates_nothing_on_error(tmp_path, dapo_file):
     with pytest.raises(ValueError, match="is the input file"):
         run_cli(["data", "convert", str(dapo_file), str(dapo_file)])

@@ -227,10 +227,11 @@ def convert_file(
 ) -> ConvertResult:
     """Write ``src`` to ``dst`` in the ``to`` format (default: the other one), row for row.
 
-    - to dapo: each raw problem is wrapped in the DAPO template (a message that already has
-      it is first unwrapped, so nothing is wrapped twice); ``data_source`` is the given one
+    - to dapo: each raw problem is wrapped in the DAPO template (a message that starts with
+      it is kept as it is, so nothing is wrapped twice); ``data_source`` is the given one
       or "math_dapo", ability "MATH", style "rule-lighteval/MATH_v2", and ``extra_info`` holds
-      the source's index (the row number when it has none) and the raw problem. Applied to
+      the source's index (the row number when it has none; ``row-N`` when another row's own
+      index is that number) and the raw problem. Applied to
       the DAPO-Math-17k copy, whose prompts lost the template, this rebuilds the official
       prompts.
     - to flat: the raw problem (template removed) and the answer, plus ``data_source``.
@@ -256,14 +257,19 @@ def convert_file(
     skipped: list[BadRow] = []
     indices: list[str] = []  # extra_info.index of each record (to dapo)
     wrapped = 0
-    rows = parse_rows(
-        table.records,
-        src_fmt,
-        question_key=question_key,
-        answer_key=answer_key,
-        data_source=DEFAULT_DATA_SOURCE,
-        wrap=False,
+    rows = list(
+        parse_rows(
+            table.records,
+            src_fmt,
+            question_key=question_key,
+            answer_key=answer_key,
+            data_source=DEFAULT_DATA_SOURCE,
+            wrap=False,
+        )
     )
+    # A row without an index gets its row number, unless a row's own index is that number
+    # (the two would then read as one problem): then "row-N".
+    taken = {r.index for r in rows if not isinstance(r, BadRow) and r.index is not None}
     for r in rows:
         out = r if isinstance(r, BadRow) else _convert_row(r, to, question_key, answer_key)
         if isinstance(out, BadRow):
@@ -276,13 +282,23 @@ def convert_file(
             record["data_source"] = data_source or r.data_source
         else:
             record["data_source"] = data_source or DEFAULT_DATA_SOURCE
-            indices.append(r.index if r.index is not None else str(r.row))
+            indices.append(r.index if r.index is not None else _free_index(r.row, taken))
         wrapped += newly_wrapped
         # The official files' column order, data_source first (JSON Lines keeps it).
         order = _DAPO_COLUMNS if to == "dapo" else (question_key, answer_key, "data_source")
         records.append({key: record[key] for key in order})
     _write_atomic(records, _schema(records, indices, to, question_key, answer_key), dst)
     return ConvertResult(src_fmt, to, len(table.records), len(records), wrapped, skipped)
+
+
+def _free_index(row: int, taken: set[str]) -> str:
+    """An index for row ``row``, which has none: its number, else one no row holds."""
+    index, n = str(row), 0
+    while index in taken:
+        n += 1
+        index = f"row-{row}" + (f"-{n}" if n > 1 else "")
+    taken.add(index)
+    return index
 
 
 def _write_code_rows(
@@ -347,7 +363,10 @@ def _convert_row(
     problem = strip_template(content)
     if to == "flat":
         return {question_key: problem, answer_key: r.answer}, False
-    user = {"content": dapo_prompt(problem), "role": "user"}
+    # Never wrapped twice: a message that starts with the template keeps it as it is, even
+    # when its end is not the template's exactly (a trailing newline).
+    wrapped = content.startswith(PROMPT_PREFIX)
+    user = {"content": content if wrapped else dapo_prompt(problem), "role": "user"}
     others = [{"content": m["content"], "role": m["role"]} for m in r.raw_messages]
     record = {
         "prompt": others[:k] + [user] + others[k + 1 :],
@@ -355,7 +374,7 @@ def _convert_row(
         "reward_model": {"ground_truth": r.answer, "style": DAPO_STYLE},
         "extra_info": {"index": None, "raw_problem": problem},
     }
-    return record, not content.startswith(PROMPT_PREFIX)
+    return record, not wrapped
 
 
 def _schema(
