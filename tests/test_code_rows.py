@@ -51,6 +51,20 @@ def test_humaneval_converts_and_its_canonical_solutions_pass_while_its_stubs_fai
     assert passed == 164 and failed_stubs == 164
 
 
+@needs_humaneval
+def test_dapo_data_check_reads_a_humaneval_file_as_its_code_rows(tmp_path, capsys):
+    lines = gzip.open(HUMANEVAL, "rt").read().splitlines()[:3]
+    path = tmp_path / "he.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    for flags in ([], ["--format", "humaneval"]):  # found by its columns, or named
+        assert main(["data", "check", str(path), *flags]) == 0
+        out = capsys.readouterr().out
+        assert "format: humaneval" in out and "distinct problems: 3" in out
+        assert "code ground truths checked by the task's own rules: 3" in out
+    assert main(["data", "check", str(HUMANEVAL)]) == 0  # the .jsonl.gz itself
+    assert "distinct problems: 164" in capsys.readouterr().out
+
+
 def test_a_humaneval_file_with_a_missing_field_is_refused_naming_the_line(tmp_path):
     bad = tmp_path / "he.jsonl"
     row = {"task_id": "HumanEval/0", "prompt": "def f():\n", "entry_point": "f", "test": "x"}

@@ -3,6 +3,7 @@ in the other format (dapo <-> flat)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -92,9 +93,17 @@ def check_file(
 
     ``tokenizer`` is a local Hugging Face tokenizer directory or a Hub model id; prompts are
     rendered as the trainer renders them (the chat template when the tokenizer has one) and
-    measured.
+    measured. A HumanEval file (``fmt`` humaneval, or found by ``auto``) is checked as the code
+    rows ``dapo data convert`` makes of it.
     """
-    table = read_table(path)
+    humaneval = fmt == "humaneval" or (fmt == "auto" and str(path).endswith(".gz"))
+    table = None if humaneval else read_table(path)
+    if humaneval or (fmt == "auto" and code_rows.is_humaneval(table.columns)):
+        with tempfile.TemporaryDirectory() as tmp:
+            rows = Path(tmp) / "code-rows.jsonl"
+            _write_code_rows(code_rows.humaneval_rows(Path(path)), rows, "dapo", "humaneval")
+            stats = check_file(rows, tokenizer=tokenizer)
+        return dataclasses.replace(stats, path=Path(path), fmt="humaneval")
     data = load_table(
         table,
         fmt=fmt,
