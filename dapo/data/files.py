@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import re
+import tempfile
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -340,3 +341,45 @@ def load_table(
     if dedup:
         out.copies = {p.uid: repeats.seen[p.uid] for p in out.problems}
     return out
+
+
+def check_destination(src: Path, dst: Path) -> None:
+    """Refuse an output path of ``dapo data convert``/``make`` that cannot be written as asked."""
+    if dst.suffix.lower() not in SUFFIXES:
+        raise DataError(
+            f"{dst}: unknown output file type {dst.suffix or '(no extension)'!r}; "
+            f"accepted: {', '.join(SUFFIXES)}"
+        )
+    if dst.resolve() == src.resolve() or (dst.exists() and src.exists() and dst.samefile(src)):
+        raise DataError(f"{dst}: is the input file; write the conversion to another path")
+    if dst.is_dir():
+        raise DataError(f"{dst}: is a directory; give an output file name")
+    if not dst.parent.is_dir():
+        raise DataError(f"{dst}: directory {dst.parent} does not exist")
+
+
+def write_records(records: list[dict[str, Any]], schema: pa.Schema, dst: Path) -> None:
+    """``records`` as the data file ``dst`` (Parquet or JSON Lines by its extension), written
+    beside it and renamed into place: an error leaves nothing behind."""
+    parquet = dst.suffix.lower() == ".parquet"
+    # Build everything before the temporary file exists: a failure here creates nothing.
+    if parquet:
+        table = pa.Table.from_pylist(records, schema=schema)
+    else:
+        lines = [json.dumps(rec, ensure_ascii=False) + "\n" for rec in records]
+    fd, tmp = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".tmp")
+    try:
+        if parquet:
+            os.close(fd)
+            pq.write_table(table, tmp)
+        else:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.writelines(lines)
+        # mkstemp makes the file private (0600); give it the mode a plain open() would.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, dst)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -4,7 +4,6 @@ in the other format (dapo <-> flat)."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import statistics
@@ -15,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from dapo.data import code_rows
 from dapo.data.files import (
@@ -23,12 +21,12 @@ from dapo.data.files import (
     FORMATS,
     INTEGER_RE,
     ON_BAD_ROW,
-    SUFFIXES,
-    DataError,
     bad_row_error,
+    check_destination,
     load_table,
     read_table,
     resolve_format,
+    write_records,
 )
 from dapo.data.problems import Problem
 from dapo.data.prompts import PROMPT_PREFIX, dapo_prompt, render_prompt, strip_template
@@ -94,16 +92,11 @@ def check_file(
     ``tokenizer`` is a local Hugging Face tokenizer directory or a Hub model id; prompts are
     rendered as the trainer renders them (the chat template when the tokenizer has one) and
     measured. A HumanEval file (``fmt`` humaneval, or found by ``auto``) is checked as the code
-    rows ``dapo data convert`` makes of it.
-    """
+    rows ``dapo data convert`` makes of it."""
     humaneval = fmt == "humaneval" or (fmt == "auto" and str(path).endswith(".gz"))
     table = None if humaneval else read_table(path)
     if humaneval or (fmt == "auto" and code_rows.is_humaneval(table.columns)):
-        with tempfile.TemporaryDirectory() as tmp:
-            rows = Path(tmp) / "code-rows.jsonl"
-            _write_code_rows(code_rows.humaneval_rows(Path(path)), rows, "dapo", "humaneval")
-            stats = check_file(rows, tokenizer=tokenizer)
-        return dataclasses.replace(stats, path=Path(path), fmt="humaneval")
+        return _check_humaneval(Path(path), tokenizer)
     data = load_table(
         table,
         fmt=fmt,
@@ -149,6 +142,15 @@ def check_file(
     if tokenizer is not None and problems:
         stats.prompt_tokens = _prompt_token_stats(problems, str(tokenizer))
     return stats
+
+
+def _check_humaneval(path: Path, tokenizer: str | os.PathLike[str] | None) -> CheckStats:
+    """:func:`check_file` of the code rows ``dapo data convert`` makes of HumanEval ``path``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = Path(tmp) / "code-rows.jsonl"
+        _write_code_rows(code_rows.humaneval_rows(path), rows, "dapo", "humaneval")
+        stats = check_file(rows, tokenizer=tokenizer)
+    return dataclasses.replace(stats, path=path, fmt="humaneval")
 
 
 def _check_truths(
@@ -254,7 +256,7 @@ def convert_file(
         raise ValueError(f"--to must be one of {', '.join(FORMATS)}; got {to!r}")
     if on_bad_row not in ON_BAD_ROW:
         raise ValueError(f"on_bad_row must be one of {', '.join(ON_BAD_ROW)}; got {on_bad_row!r}")
-    _check_destination(src, dst)
+    check_destination(src, dst)
     if fmt == "humaneval" or (fmt == "auto" and src.name.endswith(".gz")):
         return _write_code_rows(code_rows.humaneval_rows(src), dst, to, "humaneval")
     table = read_table(src)
@@ -296,7 +298,7 @@ def convert_file(
         # The official files' column order, data_source first (JSON Lines keeps it).
         order = _DAPO_COLUMNS if to == "dapo" else (question_key, answer_key, "data_source")
         records.append({key: record[key] for key in order})
-    _write_atomic(records, _schema(records, indices, to, question_key, answer_key), dst)
+    write_records(records, _schema(records, indices, to, question_key, answer_key), dst)
     return ConvertResult(src_fmt, to, len(table.records), len(records), wrapped, skipped)
 
 
@@ -315,7 +317,7 @@ def _write_code_rows(
 ) -> ConvertResult:
     if to not in (None, "dapo"):
         raise ValueError(f"a {src_fmt} file converts to the dapo format (code rows), not {to}")
-    _write_atomic(records, _dapo_schema(pa.string()), dst)
+    write_records(records, _dapo_schema(pa.string()), dst)
     return ConvertResult(src_fmt, "dapo", len(records), len(records), 0, [])
 
 
@@ -330,26 +332,12 @@ def make_file(
     if count < 1 or skip < 0:
         raise ValueError(f"--count must be >= 1 and --skip >= 0, got {count} and {skip}")
     dst = Path(dst)
-    _check_destination(Path(os.devnull), dst)
+    check_destination(Path(os.devnull), dst)
     records = code_rows.easy_code_rows(skip + count, seed)[skip:]
     for record in records:  # one index type for the column: the schema's string
         record["extra_info"]["index"] = str(record["extra_info"]["index"])
-    _write_atomic(records, _dapo_schema(pa.string()), dst)
+    write_records(records, _dapo_schema(pa.string()), dst)
     return len(records)
-
-
-def _check_destination(src: Path, dst: Path) -> None:
-    if dst.suffix.lower() not in SUFFIXES:
-        raise DataError(
-            f"{dst}: unknown output file type {dst.suffix or '(no extension)'!r}; "
-            f"accepted: {', '.join(SUFFIXES)}"
-        )
-    if dst.resolve() == src.resolve() or (dst.exists() and src.exists() and dst.samefile(src)):
-        raise DataError(f"{dst}: is the input file; write the conversion to another path")
-    if dst.is_dir():
-        raise DataError(f"{dst}: is a directory; give an output file name")
-    if not dst.parent.is_dir():
-        raise DataError(f"{dst}: directory {dst.parent} does not exist")
 
 
 def _convert_row(
@@ -399,28 +387,3 @@ def _schema(
     for rec, index in zip(records, indices, strict=True):
         rec["extra_info"]["index"] = int(index) if all_int else index
     return _dapo_schema(pa.int64() if all_int else pa.string())
-
-
-def _write_atomic(records: list[dict[str, Any]], schema: pa.Schema, dst: Path) -> None:
-    parquet = dst.suffix.lower() == ".parquet"
-    # Build everything before the temporary file exists: a failure here creates nothing.
-    if parquet:
-        table = pa.Table.from_pylist(records, schema=schema)
-    else:
-        lines = [json.dumps(rec, ensure_ascii=False) + "\n" for rec in records]
-    fd, tmp = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".tmp")
-    try:
-        if parquet:
-            os.close(fd)
-            pq.write_table(table, tmp)
-        else:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.writelines(lines)
-        # mkstemp makes the file private (0600); give it the mode a plain open() would.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, dst)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
