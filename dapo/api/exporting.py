@@ -38,7 +38,7 @@ from dapo.dist import dcp
 from dapo.models.policy import DTYPES, generation_stop_ids, tokenizer_from_dir
 from dapo.run import checkpoint, manifest
 from dapo.run.checkpoint import CheckpointError
-from dapo.run.model_files import read_tensors
+from dapo.run.model_files import read_tensors, unreadable_file
 from dapo.run.nofollow import fsync_dir, no_link
 
 MARKER = "dapo-export.json"
@@ -200,7 +200,7 @@ def _copy_weights(src: Path, tmp: Path, dtype: str | None, log) -> tuple[int, in
                 for key in written.keys():  # noqa: SIM118 - safe_open is no mapping
                     parameters += math.prod(written.get_slice(key).get_shape())
         except SafetensorError as exc:  # copied as it is: a garbled file is read here first
-            raise CheckpointError(f"{f} is not a readable safetensors file ({exc})") from None
+            raise unreadable_file(f, exc) from None
         size += (tmp / f.name).stat().st_size
         log(f"export: weights {i}/{len(files)} ({_size(size)})")
     index = src / "model.safetensors.index.json"

@@ -33,10 +33,15 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(path)
     except (SafetensorError, OSError, ValueError) as exc:
-        raise CheckpointError(
-            f"{path} is not a readable safetensors file ({exc}): the checkpoint is damaged; "
-            "restore it, or resume from an earlier checkpoint"
-        ) from None
+        raise unreadable_file(path, exc) from None
+
+
+def unreadable_file(path: Path, exc: Exception) -> CheckpointError:
+    """The error for a checkpoint's safetensors file that safetensors could not read."""
+    return CheckpointError(
+        f"{path} is not a readable safetensors file ({exc}): the checkpoint is damaged; "
+        "restore it, or resume from an earlier checkpoint"
+    )
 
 
 def trained_only(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
