@@ -22,7 +22,9 @@ class ModelLoaded(Exception):
 
 @pytest.fixture(autouse=True)
 def no_model(monkeypatch):
-    def refuse(*_a, **_k):
+    def refuse(*_a, on_resume=None, **_k):
+        if on_resume is not None:  # a resumed run's checkpoint read: its config is written
+            on_resume()
         raise ModelLoaded
 
     monkeypatch.setattr(policy, "load_policy", lambda cfg, pairs, tokenizer, **_: (None, tokenizer))

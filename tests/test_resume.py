@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import signal
 import subprocess
 import time
@@ -130,6 +131,30 @@ def test_kill_9_just_after_the_final_checkpoint_resumes_with_every_output(tmp_pa
     assert present == [True, True]  # already there when the final checkpoint was
     for name in outputs:
         assert (run_dir / name).read_text() == (ref / name).read_text(), name
+
+
+def test_a_resume_that_cannot_read_its_checkpoint_changes_nothing(tmp_path, reference):
+    """A forced resume writes its changed config.yaml only once the checkpoint is read: one
+    that fails on a damaged file leaves the run directory as it was."""
+    ref, cache, _ = reference
+    run_dir = tmp_path / "run"
+    shutil.copytree(ref, run_dir)
+    ckpt = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    data = bytearray((ckpt / "rng.json").read_bytes())
+    data[-3] ^= 1  # a digit: the same size, still JSON, another digest
+    (ckpt / "rng.json").write_bytes(bytes(data))
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    resumed = _start(tmp_path, "run", cache, "--resume", str(run_dir), "optim.lr=1e-5", "--force")
+    code, _, err = _finish(resumed)
+    assert code != 0 and "rng.json is not the file that was written" in err, err
+    after = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    changed = [
+        p.relative_to(run_dir)
+        for p in before.keys() | after.keys()
+        if before.get(p) != after.get(p)
+    ]
+    # Only the lock the resume held (its holder's pid) is dapo's to change.
+    assert [p for p in changed if p.name != ".dapo-lock"] == []  # config.yaml was rewritten
 
 
 @pytest.mark.slow

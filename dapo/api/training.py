@@ -9,6 +9,7 @@ reward function, the tokenizer and the context length. Then the run directory is
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import os
 import sys
@@ -271,8 +272,9 @@ def _train(
         torch.manual_seed(cfg.train.seed)
         _print_plan(cfg, data)
         print(f"run directory: {run_dir}")
-        if dist.is_main():
-            rundir.write_config(run_dir, cfg)
+        write_config = functools.partial(rundir.write_config, run_dir, cfg)
+        if dist.is_main() and not resume_dir:  # a resume's, once its checkpoint is read
+            write_config()
         # A resumed run starts from the same policy (it is the KL reference) and then loads
         # the checkpoint's weights over it. Under torchrun, rank 0 builds (and caches) the
         # embedded one before the other ranks load it, and a pretrained one stored as
@@ -286,9 +288,9 @@ def _train(
         if opened is not None and resume_dir is None:
             rundir.finish_replacing(opened)  # rank 0 may delete a whole replaced run here
         dist.wait_for_all()  # the other trainers wait for it as long as that takes
-        inputs = (cfg, model, tokenizer, data.train, data.val)
-        options = dict(resume=bool(resume_dir), reward_fn=reward_fn, warnings=data.warnings)
-        fit(*inputs, run_dir=run_dir, **options)
+        options = dict(reward_fn=reward_fn, warnings=data.warnings, resume=bool(resume_dir))
+        options["on_resume"] = write_config if dist.is_main() else None
+        fit(cfg, model, tokenizer, data.train, data.val, run_dir=run_dir, **options)
     finally:
         if opened is not None:
             if not started and resume_dir is None:

@@ -54,6 +54,7 @@ def fit(
     resume: bool = False,
     reward_fn: Callable[..., Any] | None = None,
     warnings: list[str] | None = None,
+    on_resume: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """Train for ``cfg.train.steps`` steps (or until ``train.max_gen_tokens`` or
     ``train.max_seconds`` is spent), evaluating at start, every ``eval.every`` and end.
@@ -61,7 +62,9 @@ def fit(
     With ``resume``, the latest complete checkpoint in ``run_dir`` is restored first (the model
     given must be the starting policy: it is the KL reference) and ``metrics.jsonl`` is cut back
     to what that checkpoint had logged, so no step is missing or logged twice. ``reward_fn``
-    is the function that ``reward.function`` names, when it was given in Python."""
+    is the function that ``reward.function`` names, when it was given in Python. ``on_resume``
+    runs once the checkpoint is read, before anything in ``run_dir`` changes: a checkpoint that
+    cannot be read leaves the run as it was (rank 0 writes the resumed config.yaml there)."""
     stream = stream or sys.stdout
     run_dir = Path(run_dir)
     state = build_state(cfg, model, tokenizer, train_problems)
@@ -72,7 +75,7 @@ def fit(
     state.pool, failed = make_pool(), True
     try:
         loop = _Loop(state, val_problems, run_dir=run_dir, stream=stream, make_pool=make_pool)
-        loop.warnings = list(warnings or [])
+        loop.warnings, loop.on_resume = list(warnings or []), on_resume
         summary, failed = loop.train(resume=resume), False
         return summary
     except (NonFiniteError, DynamicSamplingExhausted) as exc:
@@ -122,6 +125,7 @@ class _Loop:
         cfg = state.cfg
         self.make_pool = make_pool
         self.warnings: list[str] = []  # the checks' warnings, kept in summary.json
+        self.on_resume: Callable[[], None] | None = None
         self.state, self.val_problems = state, val_problems
         self.run_dir, self.stream = run_dir, stream
         tty = getattr(stream, "isatty", lambda: False)()
@@ -316,6 +320,8 @@ class _Loop:
             path = ckpt / checkpoint.ROLLOUTS_FILE
             drawn = rollouts_from_files(info["ahead"]["rollouts"], tensors, path)
             self.restored = drawn, tuple(info["ahead"]["prior"])
+        if self.on_resume is not None:
+            self.on_resume()
         self.val_start, self.val_last = info["val_start"], info["val_last"]
         self.seconds_before = info["train_seconds"]
         self.spent = dict(info.get("spent", self.spent))
@@ -363,7 +369,7 @@ class _Loop:
 
     def finish(self) -> dict[str, Any]:
         """summary.json, samples.jsonl and the closing line."""
-        step, run_dir = self.state.step, self.run_dir
+        step, run_dir, t = self.state.step, self.run_dir, self.state.cfg.train
         summary = {
             "steps": step,
             "val/accuracy_start": self.val_start["val/accuracy"],
@@ -372,11 +378,7 @@ class _Loop:
             "gen_tokens": self.spent["gen_tokens"],
             "step_seconds": self.spent["step_seconds"],
             # What the run was asked for, so that dapo ablate can tell a finished run.
-            "limits": {
-                "steps": self.state.cfg.train.steps,
-                "max_gen_tokens": self.state.cfg.train.max_gen_tokens,
-                "max_seconds": self.state.cfg.train.max_seconds,
-            },
+            "limits": {k: getattr(t, k) for k in ("steps", "max_gen_tokens", "max_seconds")},
         }
         if self.warnings:
             summary["warnings"] = self.warnings
@@ -384,7 +386,6 @@ class _Loop:
             return summary
         rundir.write_summary(run_dir, summary)
         start, end = summary["val/accuracy_start"], summary["val/accuracy_end"]
-        t = self.state.cfg.train
         spent = (
             f" ({self.spent['gen_tokens']:,.0f} tokens generated, "
             f"{self.spent['step_seconds']:.0f} s of steps)"
