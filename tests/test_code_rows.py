@@ -89,6 +89,52 @@ def test_code_easy_is_deterministic_unique_and_split_without_overlap(tmp_path):
     assert code_rows.easy_code_rows(200, 3) == code_rows.easy_code_rows(200, 3)
     texts = [p.messages[-1]["content"] for p in first + held_out]
     assert len(set(texts)) == 240  # no problem twice, none shared by the two files
+    # Nor in what they compute: b + a is a + b. Before, 29 of the 64 held-out problems of
+    # --count 64 --seed 0 --skip 500 computed what a training problem did.
+    seen = {_computes(p.messages[-1]["content"]) for p in first}
+    held = [_computes(p.messages[-1]["content"]) for p in held_out]
+    assert len(set(held)) == 40 and not seen & set(held)
+    full = code_rows.easy_code_rows(507, 0)
+    train_rows = full[:500]
+    keys = {_computes(r["prompt"][0]["content"]) for r in train_rows}
+    assert len(keys) == 344  # the training sequence is as it was: 500 texts, 344 functions
+    rows = code_rows.easy_code_rows(64, 0, skip=500)
+    assert not keys & {_computes(r["prompt"][0]["content"]) for r in rows}
+    # Each keeps its place in the sequence as its index: 500 (the first after the training
+    # file's), 502, 504 and 505 compute what a training problem did and are passed over.
+    assert [r["extra_info"]["index"] for r in rows][:3] == [501, 503, 506]
+    assert [_computes(r["prompt"][0]["content"]) in keys for r in full[500:507]] == [
+        True,
+        False,
+        True,
+        False,
+        True,
+        True,
+        False,
+    ]
+
+
+def _computes(prompt: str) -> tuple[int, ...]:
+    """The function a code-easy problem asks for, read from its docstring; checked against
+    the grid by hand in test_function_keys_tell_what_an_expression_computes."""
+    tokens = prompt.split('"""Return ')[1].split('."""')[0].split()
+    return code_rows.function_key(tokens)
+
+
+def test_function_keys_tell_what_an_expression_computes():
+    key = code_rows.function_key
+    assert key(["a", "+", "b"]) == key(["b", "+", "a"])
+    assert key(["a", "*", "2", "+", "a"]) == key(["a", "*", "3"])
+    assert key(["a", "*", "b"]) != key(["a", "+", "b"])
+    assert key(["a", "*", "a", "*", "a"]) != key(["a", "*", "a"])
+    # 64 points, (a, b, c) in {0..3}^3 in order: (0, 0, 0), (0, 0, 1), ... (3, 3, 3).
+    assert len(key(["a"])) == 64 and key(["a", "+", "b"])[:6] == (0, 0, 0, 0, 1, 1)
+    assert key(["c", "-", "2"])[:4] == (-2, -1, 0, 1)
+
+
+def test_code_easy_asked_for_more_than_it_holds_is_refused_naming_the_most():
+    with pytest.raises(DataError, match=r"makes 924 problems after its first 500.*at most 924"):
+        code_rows.easy_code_rows(925, 0, skip=500)
 
 
 @pytest.mark.parametrize("index", range(6))

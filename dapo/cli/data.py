@@ -97,7 +97,8 @@ def _add_make_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=0,
         help="leave out the seed's first N problems: a held-out file disjoint from a training "
-        "file of N problems made with the same seed",
+        "file of N problems made with the same seed (none of its problems computes what one "
+        "of those does, b + a after a + b, nor what another of its own does)",
     )
     make.set_defaults(func=cmd_make)
 

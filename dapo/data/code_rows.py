@@ -9,8 +9,10 @@ imports and helper functions) runs first, then the response's program, then the 
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import random
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -128,26 +130,59 @@ def _constant(tokens: list[str], names: tuple[str, ...]) -> bool:
     return len(values) == 1
 
 
-def easy_code_rows(count: int, seed: int) -> list[dict[str, Any]]:
-    """``count`` problems such as "write ``compute(a, b)`` that returns a * b + 3", each
-    tested on five argument tuples; deterministic in ``seed``."""
+MAX_EASY_DRAWS = 1_000_000  # ~10 s: the generator holds ~3,000 problems, the last ones rare
+
+
+def function_key(tokens: list[str]) -> tuple[int, ...]:
+    """What an expression computes, whatever its text or signature: its values at every point
+    of {0..3} for each of a, b and c (a polynomial of degree at most 3 in each, two products
+    at most, is fixed by them). ``a + b`` and ``b + a`` share a key; so do ``compute(a)`` and
+    ``compute(a, b)`` returning ``a * 3``."""
+    grid = itertools.product(range(4), repeat=len(_TERMS))
+    return tuple(expression_value(tokens, dict(zip(_TERMS, p, strict=True))) for p in grid)
+
+
+def _easy_sequence(seed: int) -> Iterator[tuple[list[str], tuple[str, ...], list[str]]]:
+    """The seed's problems in order, each new in its text, with its five asserts."""
     rng = random.Random(seed)
-    rows: list[dict[str, Any]] = []
     seen: set[str] = set()
-    while len(rows) < count:
+    for _ in range(MAX_EASY_DRAWS):
         names = _TERMS[: rng.randint(1, 3)]
         tokens = _expression(rng, names)
         if " ".join(tokens) in seen or _constant(tokens, names):
             continue  # one row per problem; "a - a" tests nothing
         seen.add(" ".join(tokens))
-        stub = (
-            f'def {EASY_ENTRY_POINT}({", ".join(names)}):\n    """Return {" ".join(tokens)}."""\n'
-        )
         checks = []
         for _ in range(5):
             args = {n: rng.randint(-9, 9) for n in names}
             call = ", ".join(str(args[n]) for n in names)
             checks.append(f"assert {EASY_ENTRY_POINT}({call}) == {expression_value(tokens, args)}")
-        tests = "\n".join(checks) + "\n"
-        rows.append(code_row(len(rows), stub, EASY_ENTRY_POINT, tests, ""))
-    return rows
+        yield tokens, names, checks
+
+
+def easy_code_rows(count: int, seed: int, skip: int = 0) -> list[dict[str, Any]]:
+    """``count`` problems such as "write ``compute(a, b)`` that returns a * b + 3", each
+    tested on five argument tuples; deterministic in ``seed``. With ``skip``, those after the
+    seed's first ``skip``, none computing what one of those does (``b + a`` after ``a + b``)
+    nor what another of its own does: a held-out file disjoint from a training file of
+    ``skip`` problems in what it asks, not only in its text."""
+    rows: list[dict[str, Any]] = []
+    taken: set[tuple[int, ...]] = set()
+    for position, (tokens, names, checks) in enumerate(_easy_sequence(seed)):
+        if skip:
+            key = function_key(tokens)
+            if position < skip or key in taken:
+                taken.add(key)
+                continue
+            taken.add(key)
+        stub = (
+            f'def {EASY_ENTRY_POINT}({", ".join(names)}):\n    """Return {" ".join(tokens)}."""\n'
+        )
+        rows.append(code_row(position, stub, EASY_ENTRY_POINT, "\n".join(checks) + "\n", ""))
+        if len(rows) == count:
+            return rows
+    after = f" after its first {skip}, none computing what those do," if skip else ""
+    raise DataError(
+        f"code-easy with --seed {seed} makes {len(rows)} problems{after} (its generator holds "
+        f"about 3,000 expressions); ask for at most {len(rows)} with --count"
+    )

@@ -325,15 +325,15 @@ def make_file(
     task: str, dst: str | os.PathLike[str], *, count: int, seed: int, skip: int = 0
 ) -> int:
     """Write ``count`` generated problems of ``task`` (``code-easy``) to ``dst``, after the
-    first ``skip`` of the seed's sequence (so that a held-out file shares none with a
-    training file of ``skip`` problems and the same seed)."""
+    first ``skip`` of the seed's sequence (so that a held-out file shares no problem, in text
+    or in what it computes, with a training file of ``skip`` problems and the same seed)."""
     if task != "code-easy":
         raise ValueError(f"unknown task {task!r}; dapo data make knows code-easy")
     if count < 1 or skip < 0:
         raise ValueError(f"--count must be >= 1 and --skip >= 0, got {count} and {skip}")
     dst = Path(dst)
     check_destination(Path(os.devnull), dst)
-    records = code_rows.easy_code_rows(skip + count, seed)[skip:]
+    records = code_rows.easy_code_rows(count, seed, skip=skip)
     for record in records:  # one index type for the column: the schema's string
         record["extra_info"]["index"] = str(record["extra_info"]["index"])
     write_records(records, _dapo_schema(pa.string()), dst)
