@@ -312,3 +312,25 @@ def test_the_2x2_interaction_is_both_on_minus_each_alone_plus_neither():
     assert contrast(res, weights)["seeds"] == 1  # only seed 0 has all four rows
     del res[names[0]][0]
     assert contrast(res, weights) is None
+
+
+def test_a_runs_seconds_are_its_steps_as_the_budget_and_the_target_count_them(tmp_path):
+    # 4 steps of 10 s, and 60 s of evaluations: the table said 100, its budget and its cost to
+    # the target 40.
+    from dapo.ablate.table import read_result
+
+    lines = [{"step": 0, "val/accuracy": 0.2}]
+    for step in range(1, 5):
+        kept = {"sampling/tokens_per_kept_group": 25.0}
+        lines.append(
+            {"step": step, "sampling/tokens_generated": 100.0, "perf/step_s": 10.0, **kept}
+        )
+    lines[-1]["val/accuracy"] = 0.5
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    summary = {"val/accuracy_end": 0.5, "train_seconds": 100.0, "step_seconds": 40.0}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    result = read_result(tmp_path)
+    assert result["seconds"] == 40.0 and result["curve"][-1] == (4, 0.5, 400.0, 40.0)
+    del summary["step_seconds"]  # a summary from before it was written: the steps' own sum
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    assert read_result(tmp_path)["seconds"] == 40.0

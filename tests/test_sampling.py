@@ -167,6 +167,10 @@ def test_metrics_count_all_right_all_wrong_and_the_groups_that_carry_a_gradient(
     res.groups[0].episodes[0].reward = 0.5  # one response of an all-right group shaped down
     assign_advantages(res.groups, eps=1e-6)
     assert rollout_metrics(res)["sampling/groups_with_gradient"] == 3.0
+    # Mixed groups are counted without dynamic sampling too (they were 0), and none of the
+    # 5, all kept, is surplus (it was 0 - 5 = -5).
+    assert (metrics["sampling/groups_mixed"], metrics["sampling/groups_kept"]) == (2.0, 5.0)
+    assert metrics["sampling/groups_surplus"] == 0.0
     # With dynamic sampling only mixed groups train; the shares count every group drawn.
     draw, _ = _rounds([[ALL_RIGHT, MIXED, ALL_WRONG, MIXED], [MIXED, ALL_RIGHT]])
     res = collect_groups(draw, num_groups=3, dynamic=True, max_rounds=5, on_max_rounds="error")
@@ -175,3 +179,4 @@ def test_metrics_count_all_right_all_wrong_and_the_groups_that_carry_a_gradient(
     assert metrics["sampling/all_correct_frac"] == 2 / 6
     assert metrics["sampling/all_wrong_frac"] == 1 / 6
     assert metrics["sampling/groups_with_gradient"] == 3.0
+    assert metrics["sampling/groups_mixed"] == 3.0 and metrics["sampling/groups_surplus"] == 0.0

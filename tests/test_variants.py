@@ -116,6 +116,23 @@ def test_cispo_by_hand():
     assert clip_grad[0, 2] == 0 and grad[0, 2] == pytest.approx(-1.28 / 5)
 
 
+def test_cispo_counts_its_weight_capped_whatever_the_advantages_sign():
+    # Ratios e^DELTA: (0, 2) = e^0.4 = 1.49 with Â = +1 and (1, 0) = e^0.3 = 1.35 with Â = -1
+    # pass 1 + 0.28. min() clips only the first (Â > 0); CISPO caps both weights at 1.28.
+    kw = dict(eps_low=1.0, eps_high=0.28, return_stats=True)
+    _, clipped = algo.policy_loss(OLD + DELTA, OLD, ADV, MASK, **kw)
+    _, cispo = algo.policy_loss(OLD + DELTA, OLD, ADV, MASK, loss_fn="cispo", **kw)
+    assert clipped["clip_high_frac"] == pytest.approx(1 / 5)
+    assert clipped["clip_high_prob_mean"] == pytest.approx(math.exp(-0.5))
+    assert cispo["clip_high_frac"] == pytest.approx(2 / 5)  # it was 1/5: (1, 0) not counted
+    assert cispo["clip_high_prob_mean"] == pytest.approx((math.exp(-0.5) + math.exp(-1.5)) / 2)
+    # A lower bound: (0, 1) = e^-0.2 = 0.82 < 0.9 with Â = +1 clips for CISPO only.
+    low = dict(eps_low=0.1, eps_high=0.28, return_stats=True)
+    assert algo.policy_loss(OLD + DELTA, OLD, ADV, MASK, **low)[1]["clip_low_frac"] == 0
+    _, cispo = algo.policy_loss(OLD + DELTA, OLD, ADV, MASK, loss_fn="cispo", **low)
+    assert cispo["clip_low_frac"] == pytest.approx(1 / 5)
+
+
 def test_cispo_has_the_clipped_losss_gradient_where_no_clip_is_active():
     for logp_delta in (torch.zeros_like(DELTA), 0.05 * DELTA):  # on-policy, and slightly off
         logp = OLD + logp_delta

@@ -32,8 +32,8 @@ COLUMNS = ("accuracy", "gen_tokens", "seconds", "tokens_per_kept_group", "entrop
 
 
 def read_result(run_dir: Path) -> dict:
-    """A finished run's numbers: held-out accuracy at the end, generated tokens and training
-    seconds in all, dynamic sampling's generated tokens per kept group (mean over steps), the
+    """A finished run's numbers: held-out accuracy at the end, generated tokens and seconds of
+    training steps in all, dynamic sampling's generated tokens per kept group (mean over steps), the
     last step's entropy and truncated fraction; ``problems`` (uid -> accuracy at the end, when
     the run wrote ``val_problems.json``) and ``curve``: (step, held-out accuracy, generated
     tokens and training seconds up to that step) at every evaluation."""
@@ -51,7 +51,9 @@ def read_result(run_dir: Path) -> dict:
     result = {
         "accuracy": summary["val/accuracy_end"],
         "gen_tokens": tokens,
-        "seconds": summary.get("train_seconds", math.nan),
+        # The seconds of its steps, as a seconds=S budget and the cost to a target count them
+        # (the run's wall time, train_seconds, adds evaluations, checkpoints and the export).
+        "seconds": summary.get("step_seconds", seconds),
         "tokens_per_kept_group": sum(kept) / len(kept) if kept else math.nan,
         "entropy": last.get("train/entropy", math.nan),
         "truncated": last.get("rollout/truncated_frac", math.nan),

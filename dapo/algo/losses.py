@@ -182,7 +182,8 @@ def policy_loss(
         the 0-d loss; with ``return_stats`` a pair ``(loss, stats)`` where ``stats``
         holds detached 0-d float tensors over this batch's masked tokens:
         ``clip_low_frac`` (Â < 0 and r < 1 - eps_low), ``clip_high_frac`` (Â > 0
-        and r > 1 + eps_high), ``clip_high_prob_mean`` (mean old-policy probability
+        and r > 1 + eps_high; for CISPO, Â ≠ 0 on either side: its weight is capped
+        whatever Â's sign), ``clip_high_prob_mean`` (mean old-policy probability
         of the tokens clipped at the upper bound, 0 if none: the paper's
         Clip-Higher diagnostic), ``dual_clip_frac`` (Â < 0 and the dual-clip bound
         active), ``ratio_mean``, ``num_tokens`` and ``num_clip_high``. To combine
@@ -219,7 +220,9 @@ def policy_loss(
         return loss
 
     dtype = stats_dtype(logprobs.dtype)
-    stats = _clip_stats(ratio_BT, old_logprobs, adv_BT, mask, eps_low, eps_high, dtype)
+    # min() clips the low side for Â < 0, the high for Â > 0; CISPO caps its weight either way.
+    sides = (adv_BT != 0,) * 2 if loss_fn == "cispo" else (adv_BT < 0, adv_BT > 0)
+    stats = _clip_stats(ratio_BT, old_logprobs, sides, mask, eps_low, eps_high, dtype)
     num_dual = (mask & dual_BT).sum() if dual_BT is not None else mask.new_zeros(())
     stats["dual_clip_frac"] = num_dual.to(dtype) / stats["num_tokens"].clamp(min=1)
     return loss, stats
@@ -246,12 +249,12 @@ def _checked(logprobs, old_logprobs, advantages, mask, eps_low, eps_high, clip_r
 
 
 @torch.no_grad()
-def _clip_stats(ratio_BT, old_logprobs, adv_BT, mask, eps_low, eps_high, dtype: torch.dtype):
-    """``policy_loss``'s diagnostics over the masked tokens, detached, in ``dtype``."""
+def _clip_stats(ratio_BT, old_logprobs, sides, mask, eps_low, eps_high, dtype: torch.dtype):
+    """``policy_loss``'s diagnostics over the masked tokens, detached, in ``dtype``; a bound
+    counts as active only where ``sides`` (low, high) says the objective clips there."""
     ratio_BT = ratio_BT.to(dtype)
-    # The clip is "active" only where min() picks the clipped branch.
-    clip_low_BT = mask & (adv_BT < 0) & (ratio_BT < 1.0 - eps_low)
-    clip_high_BT = mask & (adv_BT > 0) & (ratio_BT > 1.0 + eps_high)
+    clip_low_BT = mask & sides[0] & (ratio_BT < 1.0 - eps_low)
+    clip_high_BT = mask & sides[1] & (ratio_BT > 1.0 + eps_high)
     num_tok = mask.sum().to(dtype)
     num_clip_high = clip_high_BT.sum().to(dtype)
     old_prob_BT = torch.exp(old_logprobs.to(dtype))

@@ -141,12 +141,12 @@ def collect_groups(
         result.rounds += 1
         result.prompts_drawn += len(groups)
         result.generated.extend(groups)
+        correct_nG = torch.tensor([g.correct for g in groups], dtype=torch.bool)
+        keep_n = mixed_groups(correct_nG)
+        result.groups_mixed += int(keep_n.sum())  # with dynamic sampling or without
         if not dynamic:
             result.groups.extend(groups)
             break
-        correct_nG = torch.tensor([g.correct for g in groups], dtype=torch.bool)
-        keep_n = mixed_groups(correct_nG)
-        result.groups_mixed += int(keep_n.sum())
         result.groups.extend(g for g, k in zip(groups, keep_n.tolist(), strict=True) if k)
     del result.groups[num_groups:]
     return result
@@ -179,7 +179,8 @@ def rollout_metrics(result: SamplingResult) -> dict[str, float]:
         "sampling/kept_frac": kept / max(result.prompts_drawn, 1),
         "sampling/tokens_generated": float(result.tokens_generated),
         "sampling/tokens_per_kept_group": result.tokens_generated / max(kept, 1),
-        "sampling/groups_surplus": float(result.groups_mixed - kept),
+        # Without dynamic sampling every group is kept, the mixed ones among them: none dropped.
+        "sampling/groups_surplus": float(max(result.groups_mixed - kept, 0)),
         "sampling/exhausted": float(result.exhausted),
         "sampling/all_correct_frac": all_correct / drawn,
         "sampling/all_wrong_frac": all_wrong / drawn,
