@@ -133,3 +133,55 @@ def test_each_call_after_the_first_has_its_own_derived_seed(tiny_model, tokenize
         PROMPTS[1:], group_size=2, max_new_tokens=6, seed=derive_seed(3, "call", 1)
     )
     assert [s.text for s in split] == first.texts + second.texts
+
+
+@pytest.mark.parametrize("engine", ["dapo", "hf"])
+def test_bad_requests_are_refused_naming_the_argument(tiny_model, tokenizer, engine):
+    # Before: top-p 0 drew the least likely token every step, a negative temperature sampled
+    # the inverted distribution, and no prompt or no row were tracebacks from inside.
+    eng = make_engine(engine, tiny_model, tokenizer)
+    cases = [
+        (dict(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
+        (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+        (dict(temperature=-1.0), r"temperature must be a positive number, got -1.0"),
+        (dict(temperature=0.0), r"for argmax decoding pass greedy=True"),
+        (dict(temperature=float("nan")), "temperature must be a positive number"),
+        (dict(group_size=0), "group_size and max_new_tokens must be >= 1, got 0 and 4"),
+    ]
+    for options, message in cases:
+        with pytest.raises(ValueError, match=message):
+            eng.generate(PROMPTS, **{"group_size": 2, "max_new_tokens": 4, **options})
+    with pytest.raises(ValueError, match="at least one prompt"):
+        eng.generate([], group_size=2, max_new_tokens=4)
+    ro = eng.generate(PROMPTS, group_size=1, max_new_tokens=4, temperature=0.0, greedy=True)
+    assert ro.response_ids_BT.shape == (2, 4)  # greedy needs no temperature
+
+
+@pytest.mark.parametrize("engine", ["dapo", "hf"])
+def test_a_right_padding_tokenizer_still_gives_left_padded_prompts(
+    tiny_model, tokenizer, engine, monkeypatch
+):
+    # A tokenizer a user passes in often pads on the right: the shorter prompt then ended in
+    # pads, and generation continued from them.
+    left = generate(tiny_model, tokenizer, PROMPTS, group_size=2, max_new_tokens=8, seed=3)
+    monkeypatch.setattr(tokenizer, "padding_side", "right")
+    right = generate(
+        tiny_model, tokenizer, PROMPTS, group_size=2, max_new_tokens=8, seed=3, engine=engine
+    )
+    assert right.prompt_mask_BP[:, -1].all()
+    assert torch.equal(right.prompt_ids_BP, left.prompt_ids_BP)
+    if engine == "dapo":
+        assert torch.equal(right.response_ids_BT, left.response_ids_BT)
+
+
+@pytest.mark.parametrize("engine", ["dapo", "hf"])
+def test_greedy_logprobs_are_at_the_temperature_given(tiny_model, tokenizer, engine):
+    ro = generate(
+        tiny_model, tokenizer, PROMPTS, group_size=1, max_new_tokens=8, temperature=0.5,
+        greedy=True, engine=engine,
+    )  # fmt: skip
+    with torch.no_grad():
+        args = (ro.prompt_ids_BP, ro.prompt_mask_BP, ro.response_ids_BT, ro.response_mask_BT)
+        at_half, _ = response_logprobs(tiny_model, *args, temperature=0.5)
+    mask = ro.response_mask_BT
+    torch.testing.assert_close(ro.logprobs_BT[mask], at_half[mask], rtol=0, atol=1e-5)

@@ -286,6 +286,32 @@ def test_the_models_it_refuses_and_the_engine_falls_back():
     assert make_engine("dapo", model_of("qwen2"), _Tok()).static_path() is False  # a CPU
 
 
+def test_activation_checkpointing_and_compiled_layers_keep_the_static_path():
+    # In one process both wrap each decoder layer's forward on the policy the engine samples
+    # from, and both compute what the layer did: a 1-GPU run with either (the 48 GB recipe
+    # checkpoints) read as a parallel copy and decoded eagerly.
+    from dapo.dist import fsdp
+    from dapo.models.compiled_layers import compile_layers
+
+    wrapped = model_of("qwen2")
+    compile_layers(wrapped)
+    fsdp.checkpoint_layers(wrapped)  # nested: recomputed over the compiled layer_forward
+    assert unsupported_reason(wrapped) is None
+    engine = make_engine("dapo", wrapped, _Tok(), device=torch.device("cuda"))
+    assert engine.static_path() is True
+    checkpointed = model_of("qwen2")
+    fsdp.checkpoint_layers(checkpointed)
+    assert unsupported_reason(checkpointed) is None
+    eager, _ = both(model_of("qwen2"), top_p=0.9, seed=[7, 8, 9])
+    _, static = both(checkpointed, top_p=0.9, seed=[7, 8, 9])
+    assert torch.equal(static[0], eager[0])
+    torch.testing.assert_close(static[1], eager[1], rtol=0, atol=1e-5)
+    # A foreign forward under dapo's checkpointing is still refused.
+    layer = checkpointed.model.layers[0]
+    layer.forward = functools.partial(fsdp.recomputed, lambda *a, **k: a[0])
+    assert "forward replaced" in unsupported_reason(checkpointed)
+
+
 def lora_model(seed: int = 0) -> torch.nn.Module:
     """The tiny Qwen2 with rank-4 adapters (peft, as ``model.lora`` injects them) on the
     attention's q and v and the MLP's down projection, B drawn so that they matter."""

@@ -7,6 +7,7 @@ padded), T = response tokens (right padded after the stop token).
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -180,6 +181,32 @@ class LiveModelEngine:
         """Nothing to release: the module is the trainer's."""
 
 
+def check_request(
+    prompts: Prompts,
+    group_size: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    greedy: bool,
+) -> None:
+    """Refuse what no engine can draw, naming the argument: no prompts, no rows, no tokens;
+    sampling at a temperature that is not a positive number (0 is ``greedy=True``) or with a
+    top-p outside (0, 1] (top-p 0 kept no token, and the draw then took the least likely)."""
+    if not len(prompts):
+        raise ValueError("generate() needs at least one prompt, got none")
+    if group_size < 1 or max_new_tokens < 1:
+        raise ValueError(
+            f"group_size and max_new_tokens must be >= 1, got {group_size} and {max_new_tokens}"
+        )
+    if not greedy and not (0 < temperature < math.inf):
+        raise ValueError(
+            f"temperature must be a positive number, got {temperature}; for argmax decoding "
+            "pass greedy=True"
+        )
+    if not greedy and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p} (1: the whole distribution)")
+
+
 def encode_prompts(
     tokenizer: Any, prompts: Sequence[str] | Sequence[Sequence[int]], device: torch.device
 ):
@@ -195,7 +222,15 @@ def encode_prompts(
                 ids[i, width - len(p) :] = torch.as_tensor(list(p), dtype=torch.long)
                 mask[i, width - len(p) :] = 1
         return ids.to(device), mask.to(device)
-    enc = tokenizer(list(prompts), return_tensors="pt", padding=True, add_special_tokens=False)
+    # Left, whatever the tokenizer's padding_side says: generation continues from the last
+    # column, which right padding would make a pad for every shorter prompt.
+    enc = tokenizer(
+        list(prompts),
+        return_tensors="pt",
+        padding=True,
+        padding_side="left",
+        add_special_tokens=False,
+    )
     return enc["input_ids"].to(device), enc["attention_mask"].to(device)
 
 

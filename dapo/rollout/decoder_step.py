@@ -28,8 +28,9 @@ import torch
 import torch.fx.experimental._config
 import torch.nn.functional as F
 
-from dapo.dist.fsdp import holds_dtensors
+from dapo.dist.fsdp import holds_dtensors, recomputed
 from dapo.models import lora
+from dapo.models.compiled_layers import layer_forward
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 """Decoders whose layer is this step's: pre-norm attention with rotary embeddings, a gated
@@ -70,7 +71,7 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     if getattr(rope, "rope_type", "default") not in STATIC_ROPE_TYPES:
         return f"rotary embeddings of type {rope.rope_type!r}"
     for name, module in model.named_modules():
-        if "forward" in vars(module):
+        if "forward" in vars(module) and not computes_as_before(module):
             return f"module {name or 'model'} has its forward replaced (a parallel copy)"
     for i, layer in enumerate(getattr(decoder, "layers", ())):
         for name in PROJECTIONS:
@@ -84,6 +85,21 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     if holds_dtensors(model):
         return "DTensor parameters (sharded: FSDP or tensor-parallel)"
     return None
+
+
+def computes_as_before(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s replaced forward is dapo's own wrapping of its class's: activation
+    checkpointing (``fsdp.recomputed``) or a compiled layer (``layer_forward``), nested in any
+    order. Both compute what the layer computed, so the step may read its weights."""
+    forward = vars(module)["forward"]
+    while isinstance(forward, functools.partial):
+        if forward.func is layer_forward:
+            return forward.args[1:2] == (module,)
+        if forward.func is not recomputed or not forward.args:
+            return False
+        forward = forward.args[0]
+    bound = getattr(forward, "__self__", None) is module
+    return bound and getattr(forward, "__func__", None) is type(module).forward
 
 
 def linear_reason(module: torch.nn.Module | None) -> str | None:

@@ -16,6 +16,7 @@ from dapo.rollout.base import (
     LiveModelEngine,
     Prompts,
     Rollout,
+    check_request,
     concat_rollouts,
     encode_prompts,
     finish_rollout,
@@ -95,6 +96,7 @@ class HFEngine(LiveModelEngine):
             greedy=greedy,
             ignore_eos=ignore_eos,
         )
+        check_request(prompts, group_size, max_new_tokens, temperature, top_p, greedy)
         if not isinstance(seed, int) and len(seed) != len(prompts):
             raise ValueError(f"{len(seed)} seeds for {len(prompts)} prompts: give one each")
         with self.sampling_model() as model:
@@ -122,7 +124,7 @@ class HFEngine(LiveModelEngine):
         ids_nP, mask_nP = encode_prompts(tokenizer, prompts, self.device)
         prompt_ids_BP = ids_nP.repeat_interleave(group_size, dim=0)
         prompt_mask_BP = mask_nP.repeat_interleave(group_size, dim=0)
-        recorder = _SampledLogprobs(temperature)
+        recorder = _SampledLogprobs(temperature if temperature > 0 else 1.0)  # greedy at 0
         kwargs = sampling_kwargs(
             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p
         )

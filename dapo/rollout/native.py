@@ -45,7 +45,14 @@ from dapo.models.logprobs import (
     returned_cache,
     row_sliceable,
 )
-from dapo.rollout.base import LiveModelEngine, Prompts, Rollout, encode_prompts, finish_rollout
+from dapo.rollout.base import (
+    LiveModelEngine,
+    Prompts,
+    Rollout,
+    check_request,
+    encode_prompts,
+    finish_rollout,
+)
 from dapo.rollout.decoder_step import unsupported_reason
 from dapo.rollout.kv_cache import RowCache
 from dapo.rollout.parking import Parked, Parking, prefix_cache
@@ -125,6 +132,7 @@ class NativeEngine(LiveModelEngine):
         stop at one of ``park_at`` keep their KV cache (``Rollout.parked``); ``prefixes``: a
         parked cache (or None) for each prompt (given as token ids) that begins with its
         tokens, which the prefill then does not compute again."""
+        check_request(prompts, group_size, max_new_tokens, temperature, top_p, greedy)
         tok = self.tokenizer
         ids_nP, mask_nP = encode_prompts(tok, prompts, self.device)
         prefix = None

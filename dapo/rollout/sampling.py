@@ -163,8 +163,10 @@ def draw_tokens(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each running row's next token and its log-prob under the temperature-scaled policy
     (before top-p, and with ``masked_tokens`` unmasked: the policy's own probability)."""
-    # Dividing by 1 changes nothing: skipped, a pass over [A, V] less a step.
-    scaled_AV = logits_AV / temperature if not greedy and temperature != 1.0 else logits_AV
+    # Dividing by 1 changes nothing: skipped, a pass over [A, V] less a step. Greedy rows
+    # record their log-prob at the temperature too (as the hf engine does), unless it is <= 0.
+    scale = temperature != 1.0 and temperature > 0
+    scaled_AV = logits_AV / temperature if scale else logits_AV
     logz_A1 = torch.logsumexp(scaled_AV, dim=-1, keepdim=True)
     policy_AV = scaled_AV
     if masked_tokens is not None:

@@ -70,7 +70,7 @@ from dapo.dist import fsdp
 from dapo.extras import pip_install
 from dapo.models import lora
 from dapo.rollout import vllm_lora, vllm_process
-from dapo.rollout.base import Prompts, Rollout, encode_prompts, finish_rollout
+from dapo.rollout.base import Prompts, Rollout, check_request, encode_prompts, finish_rollout
 from dapo.run.seeding import derive_seed
 
 CPU_KV_CACHE_GIB = 1.0
@@ -294,6 +294,7 @@ class VLLMEngine:
     ) -> Rollout:
         """See :class:`dapo.rollout.base.Engine`. With one ``seed``, prompt i's seed is derived
         from (seed, "prompt", i)."""
+        check_request(prompts, group_size, max_new_tokens, temperature, top_p, greedy)
         if isinstance(seed, int):
             seeds = [derive_seed(seed, "prompt", i) for i in range(len(prompts))]
         else:
