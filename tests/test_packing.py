@@ -73,6 +73,24 @@ def test_packed_log_probs_are_the_padded_ones(tiny_model, with_entropy):
             assert (have[~real] == 0).all()
 
 
+def test_empty_responses_pack_and_share_their_prompt(tiny_model):
+    # A custom rollout may give a response of no token: the packed collate raised (arange
+    # from start to start - 1) and a micro-batch of empty responses broke the shared prompt.
+    eps = groups()
+    eps[1] = episode(eps[1].prompt_ids, 0, seed=99, advantage=0.5)
+    padded, packed = collate(eps, pad_id=0), collate(eps, pad_id=0, packed=True)
+    assert packed.packing.groups[0] == (3, (13, 0, 6))
+    with torch.no_grad():
+        want, _ = batch_logprobs(tiny_model, padded)
+        use_packing(tiny_model)
+        got, _ = batch_logprobs(tiny_model, packed, temperature=1.0)
+        real = padded.response_mask_BT
+        torch.testing.assert_close(got[real], want[real], rtol=0, atol=2e-6)
+        empty = [episode(eps[0].prompt_ids, 0, seed=s, advantage=0.5) for s in (1, 2)]
+        logp, _ = batch_logprobs(tiny_model, collate(empty, pad_id=0))
+    assert logp.shape == (2, 0)
+
+
 def test_a_row_sees_only_itself():
     """Changing one row's tokens changes no other row's log-probs (a Llama with a tied head:
     the chunked head; and its logits path through ``logits_to_keep``)."""

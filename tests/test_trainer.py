@@ -330,3 +330,21 @@ def test_dual_clip_reaches_the_update_metrics(tiny_model, tokenizer):
     out = update(state, eps, lr=1e-3)
     negative = sum(e.length for e in eps if e.advantage < 0) / sum(e.length for e in eps)
     assert out["clip/dual_frac"] == pytest.approx(negative)
+
+
+def test_a_step_that_trains_no_token_reports_no_entropy(tiny_model, tokenizer):
+    # Every row overlong-filtered: no token trained. The entropy, mean token probability and
+    # loss were 0.0, which reads as a collapsed entropy; they are NaN (null in metrics.jsonl).
+    eps = _grouped_episodes()
+    for e in eps:
+        e.trainable = False
+    state = build_state(_cfg(), tiny_model, tokenizer, [Problem("p", (), "1")])
+    state.cfg.train.recompute_old_logprobs = False  # the episodes' made-up pi_old as it is
+    state.sampler_logprobs_checked = True
+    out = update(state, eps, lr=1e-3)
+    assert out["train/updates"] == 0.0 and out["train/tokens"] == 0.0
+    for name in ("train/entropy", "train/token_prob_mean", "train/loss"):
+        assert out[name] != out[name], name  # NaN
+    eps[0].trainable = True  # one row trained: figures again
+    out = update(state, eps, lr=1e-3)
+    assert out["train/tokens"] == eps[0].length and 0 < out["train/entropy"] < 10

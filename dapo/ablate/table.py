@@ -15,6 +15,7 @@ import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -29,6 +30,11 @@ from dapo.eval.intervals import (
 )
 
 COLUMNS = ("accuracy", "gen_tokens", "seconds", "tokens_per_kept_group", "entropy", "truncated")
+
+
+def _number(value: Any) -> float:
+    """A metric as logged: null (a NaN: nothing trained that step) or absent is NaN."""
+    return math.nan if value is None else float(value)
 
 
 def read_result(run_dir: Path) -> dict:
@@ -55,7 +61,7 @@ def read_result(run_dir: Path) -> dict:
         # (the run's wall time, train_seconds, adds evaluations, checkpoints and the export).
         "seconds": summary.get("step_seconds", seconds),
         "tokens_per_kept_group": sum(kept) / len(kept) if kept else math.nan,
-        "entropy": last.get("train/entropy", math.nan),
+        "entropy": _number(last.get("train/entropy")),
         "truncated": last.get("rollout/truncated_frac", math.nan),
         "curve": curve,
     }

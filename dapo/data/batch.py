@@ -164,8 +164,9 @@ def packing_of(
             index.append(torch.arange(b * width + width_p, b * width + width_p + t))
             positions.append(torch.arange(p, p + t))
             # Token 0 is predicted by the prompt's last position, token t by response t - 1.
+            # An empty response (a custom rollout's) predicts nothing: no state at all.
             states[b] = torch.cat(
-                [torch.tensor([last_prompt]), torch.arange(start, start + t - 1)]
+                [torch.tensor([last_prompt]), torch.arange(start, start + max(t - 1, 0))]
             )[:t]
             response[b] = torch.arange(b * width_t, b * width_t + t)
             start += t

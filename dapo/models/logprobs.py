@@ -183,7 +183,7 @@ def _logprobs(
     args = (model, head, prompt_ids_BP, prompt_mask_BP, response_ids_BT, response_mask_BT)
     sharded = fsdp.is_sharded(module)
     shared = None
-    if share_prompts:
+    if share_prompts and response_ids_BT.shape[1]:  # responses all empty: nothing to share
         shared = _shared_prompt_pass(*args[:4], sharded=sharded, prompts=prompts)
     if shared is None:  # no prompt repeats, or a cache that cannot be sliced by row
         return _full_forward(*args, temperature=temperature, with_entropy=with_entropy)

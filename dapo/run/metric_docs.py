@@ -59,7 +59,10 @@ METRICS: dict[str, str] = {
     "right).",
     # train
     "train/loss": "Mean policy loss over the step's updates (-J, plus the KL term for GRPO).",
-    "train/entropy": "Mean entropy of the policy's token distribution per trained token.",
+    "train/entropy": (
+        "Mean entropy of the policy's token distribution per trained token (null in a step "
+        "that trained no token: loss and token_prob_mean too)."
+    ),
     "train/token_prob_mean": "Mean pi_old probability of the trained tokens.",
     "train/grad_norm": "Mean gradient norm over the updates, before clipping.",
     "train/lr": "Learning rate of the step (after warm-up).",

@@ -141,10 +141,13 @@ def _step_or_skip(state: TrainState, sums: dict[str, float], norm: float) -> dic
 def _update_metrics(sums: dict[str, float], epochs: int, *, lr: float, with_kl: bool):
     updates = max(sums.get("updates", 0.0), 1.0)
     tokens = max(sums.get("tokens", 0.0), 1.0)
+    # No token trained (every row overlong-filtered): no figure of the policy, not a 0 that
+    # reads as a collapsed entropy (NaN: null in metrics.jsonl).
+    seen = 1.0 if sums.get("tokens") else math.nan
     out = {
-        "train/loss": sums.get("loss", 0.0) / updates,
-        "train/entropy": sums.get("entropy_sum", 0.0) / tokens,
-        "train/token_prob_mean": sums.get("prob_sum", 0.0) / tokens,
+        "train/loss": seen * sums.get("loss", 0.0) / updates,
+        "train/entropy": seen * sums.get("entropy_sum", 0.0) / tokens,
+        "train/token_prob_mean": seen * sums.get("prob_sum", 0.0) / tokens,
         "train/grad_norm": sums.get("grad_norm", 0.0) / updates,
         "train/updates": sums.get("updates", 0.0),
         "train/skipped_updates": sums.get("skipped", 0.0),
