@@ -96,12 +96,19 @@ def compile_layers(model: torch.nn.Module, backend: str = BACKEND) -> int:
 def is_compiled(layer: torch.nn.Module) -> bool:
     """Whether :func:`compile_layers` wrapped ``layer`` (under activation checkpointing's
     wrapper or not)."""
-    forward = layer.__dict__.get("forward")
+    wrappers, _ = unwrapped(layer.__dict__.get("forward"))
+    return any(wrapper.func is layer_forward for wrapper in wrappers)
+
+
+def unwrapped(forward: Any) -> tuple[list[functools.partial], Any]:
+    """The :func:`functools.partial` wrappers around a layer's ``forward``, outermost first
+    (each wrapping its first argument: activation checkpointing's ``recomputed`` wraps the
+    forward, :func:`layer_forward` the compiled function), and what the innermost wraps."""
+    wrappers = []
     while isinstance(forward, functools.partial):
-        if forward.func is layer_forward:
-            return True
-        forward = next((a for a in forward.args if isinstance(a, functools.partial)), None)
-    return False
+        wrappers.append(forward)
+        forward = forward.args[0] if forward.args else None
+    return wrappers, forward
 
 
 def layer_forward(fn: CompiledForward, layer: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:

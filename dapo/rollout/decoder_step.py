@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from dapo.dist.fsdp import holds_dtensors, recomputed
 from dapo.models import lora
-from dapo.models.compiled_layers import layer_forward
+from dapo.models.compiled_layers import layer_forward, unwrapped
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 """Decoders whose layer is this step's: pre-norm attention with rotary embeddings, a gated
@@ -91,13 +91,12 @@ def computes_as_before(module: torch.nn.Module) -> bool:
     """Whether ``module``'s replaced forward is dapo's own wrapping of its class's: activation
     checkpointing (``fsdp.recomputed``) or a compiled layer (``layer_forward``), nested in any
     order. Both compute what the layer computed, so the step may read its weights."""
-    forward = vars(module)["forward"]
-    while isinstance(forward, functools.partial):
-        if forward.func is layer_forward:
-            return forward.args[1:2] == (module,)
-        if forward.func is not recomputed or not forward.args:
+    wrappers, forward = unwrapped(vars(module)["forward"])
+    for wrapper in wrappers:
+        if wrapper.func is layer_forward:
+            return wrapper.args[1:2] == (module,)
+        if wrapper.func is not recomputed:
             return False
-        forward = forward.args[0]
     bound = getattr(forward, "__self__", None) is module
     return bound and getattr(forward, "__func__", None) is type(module).forward
 
