@@ -104,7 +104,7 @@ def test_expand_gives_every_row_at_every_seed_with_the_budget_and_overrides_last
 
 def test_a_run_is_done_for_the_budget_its_summary_records(tmp_path):
     job = expand("successors", seeds=1, budget="tokens=5000")[0]
-    assert job_limits(job) == {"max_gen_tokens": 5000, "steps": 1_000_000}
+    assert job_limits(job) == {"max_gen_tokens": 5000, "steps": 1_000_000, "max_seconds": 0.0}
     run = tmp_path / "r"
     run.mkdir()
     limits = {"steps": 1_000_000, "max_gen_tokens": 5000, "max_seconds": 0.0}
@@ -116,7 +116,7 @@ def test_a_run_is_done_for_the_budget_its_summary_records(tmp_path):
     assert state(run, {"max_gen_tokens": 9000}) == "resume"  # a larger budget goes on
     # A summary from before budgets were recorded: its steps count.
     (run / "summary.json").write_text(json.dumps({"steps": 7}))
-    assert state(run, {"steps": 7}) == "done" and state(run, {}) == "done"
+    assert state(run, {"steps": 7}) == state(run, {"steps": 7, "max_seconds": 9}) == "done"
     assert state(run, {"steps": 8}) == state(run, job_limits(job)) == "resume"
 
 
@@ -136,6 +136,7 @@ def test_finished_runs_are_skipped_and_stopped_ones_resumed(tmp_path):
         return 3 if "run.preset=cispo" in cmd else 0
 
     recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("train:\n  steps: 9\n")  # the budget's steps=2 overrides it
     failed = run_jobs(jobs, tmp_path, parallel=1, cores=2, config=recipe, launcher=launcher)
     assert failed == [jobs[3].name]
     names = [next(a for a in c if a.startswith("run.name=")) for c in launched]
@@ -144,6 +145,29 @@ def test_finished_runs_are_skipped_and_stopped_ones_resumed(tmp_path):
     assert resume[resume.index("--resume") + 1] == str(stopped)
     assert "--overwrite" in launched[1] and "--overwrite" in launched[2]
     assert all("run.threads=2" in c and c[c.index("--config") + 1] == str(recipe) for c in launched)
+
+
+def test_a_recipe_edited_since_a_run_finished_runs_it_on(tmp_path):
+    """With no --budget, how long a job goes on is the recipe's train.steps: a run finished
+    at 2 steps is done for a recipe of 2 and resumed when the recipe says 3."""
+    job = expand("successors", seeds=1)[0]
+    recipe, run = tmp_path / "recipe.yaml", tmp_path / "runs" / job.name
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "latest").write_text("step_000002\n")
+    limits = {"steps": 2, "max_gen_tokens": 0, "max_seconds": 0.0}
+    (run / "summary.json").write_text(json.dumps({"steps": 2, "limits": limits}))
+    recipe.write_text("train:\n  steps: 2\n")
+    assert job_limits(job, recipe) == limits and state(run, job_limits(job, recipe)) == "done"
+    recipe.write_text("train:\n  steps: 3\n")
+    assert state(run, job_limits(job, recipe)) == "resume"
+    launched = []
+
+    def launcher(cmd, log):
+        launched.append(cmd)
+        return 0
+
+    assert run_jobs([job], run.parent, cores=1, config=recipe, launcher=launcher) == []
+    assert launched and launched[0][launched[0].index("--resume") + 1] == str(run)
 
 
 def results(**per_row):

@@ -28,12 +28,15 @@ LIMITS = {"steps": int, "max_gen_tokens": int, "max_seconds": float}
 
 
 def state(run_dir: Path, limits: dict[str, float]) -> str:
-    """``done`` (summary.json, for these ``limits`` when it records them), ``resume`` (a
-    checkpoint: a stopped run, or a finished one given a larger budget) or ``new``."""
+    """``done`` (summary.json, for these ``limits``), ``resume`` (a checkpoint: a stopped run,
+    or a finished one given a larger budget) or ``new``. A summary from before budgets were
+    recorded is read for its steps alone."""
     summary = run_dir / "summary.json"
     if summary.is_file():
         done = json.loads(summary.read_text())
-        recorded = done.get("limits", {"steps": done.get("steps")})
+        recorded = done.get("limits")
+        if recorded is None:
+            recorded, limits = {"steps": done.get("steps")}, {"steps": limits.get("steps")}
         if all(recorded.get(k) == v for k, v in limits.items()):
             return "done"
     if (run_dir / "checkpoints" / "latest").is_file():
@@ -41,16 +44,14 @@ def state(run_dir: Path, limits: dict[str, float]) -> str:
     return "new"
 
 
-def job_limits(job: Job) -> dict[str, float]:
-    """The ``train.steps`` / ``train.max_gen_tokens`` / ``train.max_seconds`` overrides of
-    ``job`` (the last of each wins); the ones it does not set are left out."""
-    limits: dict[str, float] = {}
-    for o in job.overrides:
-        key, _, value = o.partition("=")
-        name = key.removeprefix("train.")
-        if key.startswith("train.") and name in LIMITS:
-            limits[name] = LIMITS[name](value)
-    return limits
+def job_limits(job: Job, config: Path | None = None) -> dict[str, float]:
+    """How long ``job`` goes on: ``train.steps``, ``train.max_gen_tokens`` and
+    ``train.max_seconds`` of its configuration (the YAML ``config``, or the default, under
+    the job's overrides), so that a recipe edited since a run finished counts too."""
+    from dapo.config import load_config
+
+    train = load_config(config, list(job.overrides)).train
+    return {name: kind(getattr(train, name)) for name, kind in LIMITS.items()}
 
 
 def command(
@@ -124,7 +125,7 @@ def run_jobs(
         )
         parallel = len(gpus)
     threads = max(1, (cores or os.cpu_count() or 1) // max(parallel, 1))
-    todo = [(j, state(out_dir / j.name, job_limits(j))) for j in jobs]
+    todo = [(j, state(out_dir / j.name, job_limits(j, config))) for j in jobs]
     todo = [(j, how) for j, how in todo if how != "done"]
     print(
         f"ablate: {len(jobs)} runs, {len(jobs) - len(todo)} done already, {len(todo)} to run "

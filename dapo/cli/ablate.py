@@ -76,7 +76,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
         load_config(args.config, list(job.overrides))
     out = args.out or Path("runs") / f"ablate-{args.plan}"
     failed = run_jobs(jobs, out, parallel=args.parallel, config=args.config)
-    done = [j for j in jobs if state(out / j.name, job_limits(j)) == "done"]
+    done = [j for j in jobs if state(out / j.name, job_limits(j, args.config)) == "done"]
     results: dict = {}
     for job in done:
         results.setdefault(job.row.name, {})[job.seed] = read_result(out / job.name)
