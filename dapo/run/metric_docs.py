@@ -70,8 +70,9 @@ METRICS: dict[str, str] = {
     "train/skipped_updates": "Updates skipped for a non-finite loss or gradient norm.",
     "train/tokens": "Response tokens trained on per epoch (the token-level loss's divisor "
     "summed over mini-batches).",
-    "train/kl": "k3 estimate of KL(pi_theta || pi_ref) per token; only with a reference model "
-    "(algo.kl_coef > 0, the GRPO baseline).",
+    "train/kl": "k3 estimate of KL(pi_theta || pi_ref), averaged as the loss aggregates its "
+    "KL term (algo.loss_agg): per token under token-mean, a mean of per-sequence means under "
+    "seq-mean-token-mean (the GRPO baseline); only with a reference model (algo.kl_coef > 0).",
     "train/sampler_logprob_gap": "Largest gap between the sampler's log-probs and a forward "
     "pass, checked on a process's first step when train.recompute_old_logprobs=false.",
     "train/scaler_overflows": "float16 only: updates skipped because the scaled gradient "
