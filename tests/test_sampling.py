@@ -180,3 +180,25 @@ def test_metrics_count_all_right_all_wrong_and_the_groups_that_carry_a_gradient(
     assert metrics["sampling/all_wrong_frac"] == 1 / 6
     assert metrics["sampling/groups_with_gradient"] == 3.0
     assert metrics["sampling/groups_mixed"] == 3.0 and metrics["sampling/groups_surplus"] == 0.0
+
+
+def test_the_budget_line_counts_an_oversampled_round():
+    """With oversampling a round may draw up to 4 x N prompts, and the printed budget says so;
+    without it a round draws prompts_per_round (the demo's 40)."""
+    from dapo.config import load_config
+    from dapo.training.inputs import describe_budget
+
+    lengths = {"train_prompt_tokens_mean": 40.0}
+    line = describe_budget(load_config(None, ["train.prompts_per_step=32"]), lengths)
+    # 128 prompts x 16 responses x (40 + 28) tokens = 139,264
+    assert (
+        line.startswith("tokens per step: at most 128 prompts x 16 responses") and "0.14M" in line
+    )
+    plain = [
+        "train.prompts_per_step=32",
+        "sampling.oversample=false",
+        "sampling.prompts_per_round=40",
+    ]
+    assert "at most 40 prompts x 16" in describe_budget(load_config(None, plain), lengths)
+    no_dynamic = ["train.prompts_per_step=32", "sampling.dynamic=false"]
+    assert "at most 32 prompts x 16" in describe_budget(load_config(None, no_dynamic), lengths)

@@ -18,6 +18,7 @@ from dapo.data.prompts import render_prompt
 from dapo.extras import pip_install
 from dapo.models.policy import context_length, model_dir
 from dapo.reward import custom, tasks
+from dapo.training import gpu_memory
 
 
 @dataclass
@@ -196,8 +197,7 @@ def check_context(cfg: Config, data: RunData, tokenizer: Any) -> dict[str, float
 def describe_budget(cfg: Config, stats: dict[str, float]) -> str:
     """Upper bound of tokens one step generates and trains on, before dynamic sampling."""
     t, r = cfg.train, cfg.rollout
-    prompts = cfg.sampling.prompts_per_round if cfg.sampling.dynamic else t.prompts_per_step
-    prompts = prompts or t.prompts_per_step
+    prompts = gpu_memory.round_prompts(cfg)  # with oversample, up to 4 x N prompts a round
     per_response = stats["train_prompt_tokens_mean"] + r.max_new_tokens
     total = prompts * r.group_size * per_response
     return (
