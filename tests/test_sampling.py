@@ -180,6 +180,11 @@ def test_metrics_count_all_right_all_wrong_and_the_groups_that_carry_a_gradient(
     assert metrics["sampling/all_wrong_frac"] == 1 / 6
     assert metrics["sampling/groups_with_gradient"] == 3.0
     assert metrics["sampling/groups_mixed"] == 3.0 and metrics["sampling/groups_surplus"] == 0.0
+    # Overlong filtering masks a response out of the loss: a group whose nonzero advantages
+    # are all on masked responses carries no gradient (it counted as one).
+    for e in res.groups[0].episodes:
+        e.trainable = e.advantage == 0.0
+    assert rollout_metrics(res)["sampling/groups_with_gradient"] == 2.0
 
 
 def test_the_budget_line_counts_an_oversampled_round():

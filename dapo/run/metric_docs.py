@@ -54,7 +54,8 @@ METRICS: dict[str, str] = {
     "all correct: zero advantage, no gradient.",
     "sampling/all_wrong_frac": "Share of the step's groups (all rounds) whose responses are all "
     "wrong: zero advantage unless shaping separates them.",
-    "sampling/groups_with_gradient": "Trained groups with a nonzero advantage somewhere: the "
+    "sampling/groups_with_gradient": "Trained groups with a nonzero advantage on a response "
+    "the loss keeps (not masked by overlong filtering): the "
     "effective batch (groups_kept with dynamic sampling; fewer without it as groups become all "
     "right).",
     # train

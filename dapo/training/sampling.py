@@ -164,7 +164,10 @@ def rollout_metrics(result: SamplingResult) -> dict[str, float]:
     # shrinks. Advantages are assigned before the metrics are taken.
     all_correct = sum(all(g.correct) for g in result.generated)
     all_wrong = sum(not any(g.correct) for g in result.generated)
-    with_gradient = sum(any(e.advantage != 0.0 for e in g.episodes) for g in result.groups)
+    # A response overlong filtering masked out (not trainable) gives no gradient.
+    with_gradient = sum(
+        any(e.trainable and e.advantage != 0.0 for e in g.episodes) for g in result.groups
+    )
     return {
         "rollout/accuracy": sum(e.correct for e in eps) / len(eps),
         "rollout/reward_mean": sum(e.reward for e in eps) / len(eps),
