@@ -345,6 +345,33 @@ def test_a_step_that_trains_no_token_reports_no_entropy(tiny_model, tokenizer):
     assert out["train/updates"] == 0.0 and out["train/tokens"] == 0.0
     for name in ("train/entropy", "train/token_prob_mean", "train/loss"):
         assert out[name] != out[name], name  # NaN
+    assert out["perf/train_padding_frac"] != out["perf/train_padding_frac"]  # it read 1.0
     eps[0].trainable = True  # one row trained: figures again
     out = update(state, eps, lr=1e-3)
     assert out["train/tokens"] == eps[0].length and 0 < out["train/entropy"] < 10
+
+
+def test_a_step_that_keeps_no_group_logs_the_same_train_keys(tiny_model, tokenizer):
+    """sampling.on_max_rounds=train with no mixed group (an answer no response gives): the
+    step trains nothing and logs every train/* key a trained step does (it logged none)."""
+    cfg = _cfg(
+        *("rollout.group_size=2", "rollout.max_new_tokens=4", "algo.l_cache=2"),
+        *("train.prompts_per_step=2", "sampling.prompts_per_round=2", "sampling.oversample=false"),
+        *("sampling.max_rounds=1", "sampling.on_max_rounds=train", "reward.workers=0"),
+    )
+    question = ({"role": "user", "content": "What is the word?"},)
+    problem = Problem("p", question, "a phrase four tokens of a random model never spell")
+    state = build_state(cfg, tiny_model, tokenizer, [problem])
+    before = {k: v.clone() for k, v in tiny_model.state_dict().items()}
+    metrics = trainer.train_step(state)
+    assert metrics["sampling/groups_kept"] == 0.0 and metrics["sampling/prompts_drawn"] == 2.0
+    assert all(torch.equal(v, tiny_model.state_dict()[k]) for k, v in before.items())
+    assert (metrics["train/updates"], metrics["train/tokens"], metrics["train/lr"]) == (
+        0.0, 0.0, lr_at(cfg.optim, 0))  # fmt: skip
+    for name in ("train/loss", "train/entropy", "perf/train_padding_frac"):
+        assert metrics[name] != metrics[name], name  # NaN: null in metrics.jsonl
+    eps = _grouped_episodes()
+    state.cfg.train.recompute_old_logprobs = False
+    state.sampler_logprobs_checked = True
+    keys = {k for k in update(state, eps, lr=1e-3) if k.startswith(("train/", "clip/"))}
+    assert keys == {k for k in metrics if k.startswith(("train/", "clip/"))}

@@ -130,7 +130,8 @@ METRICS: dict[str, str] = {
     "perf/gen_tokens_per_s": "Generated tokens per second of generation.",
     "perf/train_tokens_per_s": "Trained tokens per second of training.",
     "perf/gen_padding_frac": "Share of generation slots computed after their response ended.",
-    "perf/train_padding_frac": "Share of micro-batch positions that are padding.",
+    "perf/train_padding_frac": "Share of micro-batch positions that are padding (null when "
+    "the step computed none).",
     "perf/weight_sync_s": "Seconds giving the engine the new weights (vllm; the gathered "
     "copy under FSDP).",
     "perf/trainer_idle_s": "Drawn ahead only: seconds the trainer waited for this step's rollouts.",

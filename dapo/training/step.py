@@ -29,7 +29,7 @@ from dapo.training.perf import step_perf
 from dapo.training.sampling import Group
 from dapo.training.sources import InTurn, RolloutSource
 from dapo.training.state import TrainState
-from dapo.training.update import update
+from dapo.training.update import untrained_metrics, update
 
 
 def train_step(state: TrainState, source: RolloutSource | None = None) -> dict[str, float]:
@@ -50,9 +50,10 @@ def train_step(state: TrainState, source: RolloutSource | None = None) -> dict[s
     episodes = source.episodes(rollouts, plan)
     lr = lr_at(cfg.optim, state.step)
     on_policy = rollouts.sampler_is_policy
-    metrics = {}
     if episodes:
         metrics = update(state, episodes, lr=lr, plan=plan, sampler_is_policy=on_policy)
+    else:  # no group kept (sampling.on_max_rounds=train)
+        metrics = untrained_metrics(state, lr)
     if metrics.get("train/updates"):
         source.weights_changed(state)
     t_train = time.perf_counter() - t1

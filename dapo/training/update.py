@@ -138,6 +138,17 @@ def _step_or_skip(state: TrainState, sums: dict[str, float], norm: float) -> dic
     return sums | {"grad_norm": norm, "updates": 1.0}
 
 
+def untrained_metrics(state: TrainState, lr: float) -> dict[str, float]:
+    """:func:`update`'s figures for a step that kept no group (``sampling.on_max_rounds=
+    train``): no update, no token, and no figure of the policy (NaN: null in metrics.jsonl),
+    so that every step logs the same ``train/*`` keys."""
+    out = _update_metrics({}, state.cfg.train.epochs, lr=lr, with_kl=state.has_reference)
+    if state.scaler is not None:
+        out["train/scaler_overflows"] = 0.0
+        out["train/loss_scale"] = state.scaler.get_scale()
+    return out
+
+
 def _update_metrics(sums: dict[str, float], epochs: int, *, lr: float, with_kl: bool):
     updates = max(sums.get("updates", 0.0), 1.0)
     tokens = max(sums.get("tokens", 0.0), 1.0)
@@ -153,7 +164,10 @@ def _update_metrics(sums: dict[str, float], epochs: int, *, lr: float, with_kl: 
         "train/skipped_updates": sums.get("skipped", 0.0),
         "train/lr": lr,
         "train/tokens": sums.get("tokens", 0.0) / epochs,
-        "perf/train_padding_frac": 1.0 - sums.get("real", 0.0) / max(sums.get("slots", 0.0), 1.0),
+        # No position computed: no share of padding (it read 1.0, all padding).
+        "perf/train_padding_frac": 1.0 - sums["real"] / sums["slots"]
+        if sums.get("slots")
+        else math.nan,
         "clip/low_frac": sums.get("clip_low", 0.0) / tokens,
         "clip/high_frac": sums.get("clip_high", 0.0) / tokens,
         "clip/dual_frac": sums.get("clip_dual", 0.0) / tokens,
