@@ -208,3 +208,24 @@ def test_load_policy_puts_the_model_on_the_device_in_the_dtype(tmp_path, dtype):
     assert {p.dtype for p in model.parameters()} == {getattr(torch, dtype)}
     assert {p.device.type for p in model.parameters()} == {"cpu"}
     assert tok.padding_side == "left" and tok.pad_token is not None
+
+
+def test_a_tokenizer_with_ids_the_model_cannot_embed_is_refused(tmp_path):
+    """Tokens added to the tokenizer without resizing the model: the first such id in a
+    prompt was an IndexError inside the embedding; the load names both sizes and the fix."""
+    from dapo.config import load_config
+    from dapo.models.policy import load_policy, load_tokenizer
+
+    model_dir = save_model(tmp_path / "m", "qwen2")
+    cfg = load_config(None, [f"model.path={model_dir}", "model.device=cpu"])
+    tok = load_tokenizer(cfg)
+    rows = len(tok)
+    tok.add_tokens(["<extra_1>", "<extra_2>"])
+    tok.save_pretrained(model_dir)
+    with pytest.raises(ValueError) as err:
+        load_policy(cfg)
+    message = str(err.value)
+    assert f"the tokenizer has {rows + 2:,} tokens but the model embeds only {rows:,}" in message
+    assert "resize_token_embeddings(len(tokenizer))" in message and str(model_dir) in message
+    model, _ = load_policy(cfg, tokenizer=build_tokenizer())  # the model's own: loads
+    assert model.get_input_embeddings().num_embeddings == rows

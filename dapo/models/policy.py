@@ -209,11 +209,14 @@ def load_policy(
 
         model = sharded_load.load(cfg, check_model_path(cfg), device, log)
         if model is not None:
-            return model, tokenizer or load_tokenizer(cfg)
+            tokenizer = tokenizer or load_tokenizer(cfg)
+            check_vocabulary(model, tokenizer, cfg.model.path)
+            return model, tokenizer
     if cfg.model.path == "embedded":
         model, tokenizer = _embedded(cfg, warmup_pairs, log)
     else:
         model, tokenizer = _pretrained(cfg, tokenizer, dtype)
+        check_vocabulary(model, tokenizer, cfg.model.path)
     model = model.to(device, dtype=dtype)
     if cfg.model.lora.rank:
         from dapo.models import lora
@@ -221,6 +224,20 @@ def load_policy(
         lora.apply(model, cfg.model.lora, seed=cfg.train.seed)
         log(lora.describe(model))
     return model, tokenizer
+
+
+def check_vocabulary(model: torch.nn.Module, tokenizer: Any, path: str | Path) -> None:
+    """Refuse a tokenizer with ids the model has no embedding for (a tokenizer from another
+    model, or tokens added without resizing the model): the first such id in a prompt or an
+    observation would stop the run with an IndexError deep in the forward pass."""
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > rows:
+        raise ValueError(
+            f"model.path={path}: the tokenizer has {len(tokenizer):,} tokens but the model "
+            f"embeds only {rows:,} (ids {rows:,} and up have no embedding); use the tokenizer "
+            "saved with this model, or, after adding tokens, model.resize_token_embeddings("
+            "len(tokenizer)) and save both"
+        )
 
 
 def _embedded(cfg: Config, warmup_pairs: Sequence[tuple[Problem, str]], log):
