@@ -185,3 +185,22 @@ def test_greedy_logprobs_are_at_the_temperature_given(tiny_model, tokenizer, eng
         at_half, _ = response_logprobs(tiny_model, *args, temperature=0.5)
     mask = ro.response_mask_BT
     torch.testing.assert_close(ro.logprobs_BT[mask], at_half[mask], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("engine", ["dapo", "hf"])
+def test_a_rollout_leaves_the_global_random_stream_where_it_was(tiny_model, tokenizer, engine):
+    """The hf engine seeds torch's global generator for generate(); it reseeded it for good,
+    so a caller's later draws depended on the last rollout's seed. Its tokens are the same
+    seeded draw as before."""
+    torch.manual_seed(123)
+    want = torch.rand(4)
+    torch.manual_seed(123)
+    a = generate(
+        tiny_model, tokenizer, PROMPTS, group_size=2, max_new_tokens=6, seed=5, engine=engine
+    )
+    assert torch.equal(torch.rand(4), want)
+    torch.manual_seed(999)
+    b = generate(
+        tiny_model, tokenizer, PROMPTS, group_size=2, max_new_tokens=6, seed=5, engine=engine
+    )
+    assert torch.equal(a.response_ids_BT, b.response_ids_BT)

@@ -132,8 +132,14 @@ class HFEngine(LiveModelEngine):
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         if ignore_eos:  # benchmarks: stop tokens masked until max_new_tokens, fixing the work
             kwargs["min_new_tokens"] = max_new_tokens
-        torch.manual_seed(seed)
-        with autocast(model, self.compute_dtype, self.device):
+        # generate draws from the global generators: seeded for this call, then put back, so
+        # that a rollout leaves the caller's random stream where it was.
+        devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+        with (
+            torch.random.fork_rng(devices=devices),
+            autocast(model, self.compute_dtype, self.device),
+        ):
+            torch.manual_seed(seed)
             out = model.generate(
                 input_ids=prompt_ids_BP,
                 attention_mask=prompt_mask_BP,
