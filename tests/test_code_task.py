@@ -307,3 +307,17 @@ def test_the_runs_warnings_are_kept_in_its_summary(tmp_path, tiny_model, tokeniz
     cfg, train, val, run_dir, _ = setup_run(tmp_path, tiny_model, "train.steps=1")
     loop.fit(cfg, tiny_model, tokenizer, train, val, run_dir=run_dir, warnings=["a warning"])
     assert json.loads((run_dir / "summary.json").read_text())["warnings"] == ["a warning"]
+
+
+@pytest.mark.parametrize("mode", [m for m in every_mode() if m.values[0] != "bwrap"])
+def test_a_response_that_fills_the_disk_is_graded_disk_limit(mode):
+    """In unshare and process modes the working directory is on the host's disk: a program
+    that fills it past tmp_bytes is killed and graded ``disk_limit`` (bwrap's tmpfs refuses
+    the write: the program raises)."""
+    from test_sandbox import FILL_DISK
+
+    from dapo.reward.sandbox import SandboxLimits
+
+    limits = SandboxLimits(wall_s=4.0, tmp_bytes=8 * 2**20)
+    score = grade_code(fenced(RIGHT + FILL_DISK), ADD, limits=limits, mode=mode)
+    assert score == wrong("disk_limit")

@@ -29,6 +29,7 @@ from dapo.reward.sandbox import (
     SandboxLimits,
     SandboxUnavailable,
     available_modes,
+    disk_used,
     forget_probes,
     kernel_layers,
     pick_mode,
@@ -325,6 +326,43 @@ def test_the_limits_end_the_run_not_the_caller(mode):
     result = run_python(loop, mode=mode, limits=SandboxLimits(cpu_s=1))
     assert result.returncode != 0 and not result.timed_out
     assert 0.9 <= float(result.stdout.split()[-1]) < 1.5
+
+
+# Files of 1 MiB, each announced once written, up to 400 MiB, then a wait for the wall clock.
+FILL_DISK = (
+    "import time\nfor i in range(400):\n    with open(f'f{i}', 'wb') as f:\n"
+    "        f.write(b'x' * 2**20)\n    print(i + 1, flush=True)\ntime.sleep(60)\n"
+)
+
+
+@pytest.mark.parametrize("mode", every_mode())
+def test_the_files_a_run_writes_are_bounded_in_total(mode):
+    """tmp_bytes bounds the disk a run fills in every mode: bwrap's tmpfs refuses the write;
+    in unshare and process modes the working directory is on the host's disk, measured every
+    DISK_POLL_S, and the run is killed past it (it filled 400 MiB here, and 707 MiB in 1.5 s
+    when measured, within file_bytes per file)."""
+    limits = SandboxLimits(wall_s=4.0, tmp_bytes=16 * 2**20)
+    result = run_python(FILL_DISK, mode=mode, limits=limits)
+    written = int(result.stdout.split()[-1]) if result.stdout.split() else 0
+    if mode == "bwrap":
+        assert result.stderr.endswith(b"OSError: [Errno 28] No space left on device\n")
+        assert written <= 16 and not result.disk_exceeded
+    else:
+        assert result.disk_exceeded and not result.timed_out and result.returncode < 0
+        assert 16 <= written < 200, written  # past 16 MiB, stopped within a few polls
+    assert result.elapsed_s < limits.wall_s + MARGIN_S
+
+
+def test_disk_used_counts_allocated_blocks_and_refuses_a_directory_it_cannot_count(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a").write_bytes(b"x" * 8192)
+    with open(tmp_path / "sparse", "wb") as f:
+        f.truncate(2**30)  # 1 GiB long, no block written
+    used = disk_used(str(tmp_path))
+    assert 8192 <= used < 64 * 1024  # the file's blocks and the directory's own
+    for i in range(10_001):
+        (tmp_path / "d" / str(i)).touch()
+    assert disk_used(str(tmp_path)) == float("inf")  # too many files to count: over
 
 
 @pytest.mark.parametrize("mode", every_mode(root=MODES))

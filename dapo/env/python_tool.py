@@ -189,6 +189,10 @@ class MathTool(Environment):
             note = f"(stopped: the code ran past {self.limits.wall_s:g} s)"
         elif result.output_exceeded:
             note = "(stopped: the code printed too much)"
+        elif result.disk_exceeded:
+            note = (
+                f"(stopped: the code wrote more than {self.limits.tmp_bytes // 2**20} MiB of files)"
+            )
         elif result.returncode not in (0, 1):
             note = f"(stopped: exit status {result.returncode}; a limit was hit)"
         text = output_block(

@@ -88,7 +88,9 @@ class SandboxLimits:
     """Open file descriptors per process (RLIMIT_NOFILE)."""
     tmp_bytes: int = 64 * 2**20
     """Size of each private tmpfs of bwrap mode: /tmp (which holds the working directory),
-    /var/tmp and /dev/shm."""
+    /var/tmp and /dev/shm. In the other modes, the most the working directory may hold on
+    the host's disk: it is measured every ``DISK_POLL_S`` and the run killed past it
+    (``disk_exceeded``)."""
 
     def __post_init__(self) -> None:
         for field in fields(self):
@@ -110,8 +112,15 @@ class RunResult:
     output_exceeded: bool
     elapsed_s: float
     mode: str
+    disk_exceeded: bool = False
+    """Killed for filling its working directory past ``tmp_bytes`` (unshare and process
+    modes; bwrap's tmpfs refuses the write instead)."""
 
 
+DISK_POLL_S = 0.05
+"""How often the working directory of an unshare or process run is measured: a run may go past
+``tmp_bytes`` by what it writes in this time (each file within ``file_bytes``)."""
+_MAX_ENTRIES = 10_000  # more files than this in the working directory end the run as over
 _SLOTS = itertools.count()
 _ROOT = hasattr(os, "geteuid") and os.geteuid() == 0  # only root can give a run its own uid
 
@@ -314,29 +323,33 @@ def run_python(
                 shutil.rmtree(workdir, ignore_errors=True)
             raise
     with proc:
-        out, err, timed_out, exceeded = _watch(proc, limits, uid, workdir)
+        out, err, timed_out, exceeded, full = _watch(proc, limits, uid, workdir)
     elapsed = time.monotonic() - start
-    return RunResult(proc.returncode, out, err, timed_out, exceeded, elapsed, mode)
+    return RunResult(proc.returncode, out, err, timed_out, exceeded, elapsed, mode, full)
 
 
 def _watch(
     proc: subprocess.Popen, limits: SandboxLimits, uid: int | None, workdir: str | None
-) -> tuple[bytes, bytes, bool, bool]:
-    """Read ``proc``'s output until it ends, overruns ``wall_s`` or writes more than
-    ``output_bytes``; clean up everything of the run; read what is left (at most 1 s)."""
+) -> tuple[bytes, bytes, bool, bool, bool]:
+    """Read ``proc``'s output until it ends, overruns ``wall_s``, writes more than
+    ``output_bytes`` or fills ``workdir`` past ``tmp_bytes``; clean up everything of the run;
+    read what is left (at most 1 s)."""
     buffers = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
     out, err = buffers.values()
-    total, timed_out, cleaned = 0, False, False
+    total, timed_out, cleaned, full = 0, False, False, False
     deadline = time.monotonic() + limits.wall_s
+    measured = time.monotonic()
     with selectors.DefaultSelector() as selector:
         for fd in buffers:
             selector.register(fd, selectors.EVENT_READ)
         try:
             while (selector.get_map() or not cleaned) and total <= limits.output_bytes:
                 now = time.monotonic()
-                if not cleaned and (proc.poll() is not None or now >= deadline):
+                if not cleaned and workdir is not None and now - measured >= DISK_POLL_S:
+                    measured, full = now, disk_used(workdir) > limits.tmp_bytes
+                if not cleaned and (proc.poll() is not None or now >= deadline or full):
                     # Ended, or out of time: whatever still holds the pipes dies now.
-                    timed_out, cleaned = proc.returncode is None, True
+                    timed_out, cleaned = proc.returncode is None and not full, True
                     clean_up(proc, uid, workdir)
                     deadline = now + 1.0
                 elif cleaned and now >= deadline:
@@ -356,4 +369,28 @@ def _watch(
         finally:
             if not cleaned:
                 clean_up(proc, uid, workdir)
-    return bytes(out[: limits.output_bytes]), bytes(err), timed_out, total > limits.output_bytes
+    exceeded = total > limits.output_bytes
+    return bytes(out[: limits.output_bytes]), bytes(err), timed_out, exceeded, full
+
+
+def disk_used(path: str) -> float:
+    """Bytes of disk the files under ``path`` hold (their allocated blocks); infinite when it
+    holds more than ``_MAX_ENTRIES`` entries or a directory that cannot be read (a program
+    that hides its files from the count is over the limit)."""
+    used, entries, todo = 0, 0, [path]
+    while todo:
+        try:
+            with os.scandir(todo.pop()) as listing:
+                for entry in listing:
+                    entries += 1
+                    if entries > _MAX_ENTRIES:
+                        return math.inf
+                    with contextlib.suppress(FileNotFoundError):  # removed since listed
+                        used += entry.stat(follow_symlinks=False).st_blocks * 512
+                        if entry.is_dir(follow_symlinks=False):
+                            todo.append(entry.path)
+        except FileNotFoundError:  # removed since listed
+            continue
+        except OSError:
+            return math.inf
+    return used

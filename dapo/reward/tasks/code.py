@@ -37,7 +37,7 @@ checks what the tests check.
 ``Score.pred`` is the outcome: ``passed``, ``failed`` (a test failed), ``error`` (the
 program raised, SyntaxError included), ``memory`` (MemoryError), ``no_entry_point``,
 ``exited_early`` (exit status 0 without the nonce), ``killed`` (a signal or another exit
-status), ``timeout``, ``output_limit``, ``no_code``, ``too_long``.
+status), ``timeout``, ``output_limit``, ``disk_limit``, ``no_code``, ``too_long``.
 """
 
 from __future__ import annotations
@@ -251,6 +251,8 @@ def grade_code(
         pred = "timeout"
     elif result.output_exceeded:
         pred = "output_limit"
+    elif result.disk_exceeded:
+        pred = "disk_limit"
     else:
         pred = _outcome(result.returncode, result.stdout, nonce)
     correct = pred == "passed"
