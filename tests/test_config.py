@@ -155,6 +155,44 @@ def test_a_text_field_keeps_the_text_written(tmp_path):
     assert load_config(path).optim.lr == 1e-6
 
 
+def test_text_after_a_hash_a_dash_or_a_colon_is_kept_and_integers_are_decimal():
+    # YAML cut "You are helpful. #1 rule" at the comment, read "# Instructions" as null, "-"
+    # (subtraction only) as a list and "Format: x" as a mapping; 010 was an octal 8, 1:30 90.
+    prompts = ("You are helpful. #1 rule: be brief", "# Instructions", "Format: end with it")
+    for text in prompts:
+        assert load_config(None, [f"data.system_prompt={text}"]).data.system_prompt == text
+    assert load_config(None, ["model.path=/ckpt/run #3/model"]).model.path == "/ckpt/run #3/model"
+    assert load_config(None, ["arith.operators=-"]).arith.operators == "-"
+    assert load_config(None, ["data.system_prompt=null"]).data.system_prompt is None
+    assert load_config(None, ["data.system_prompt='a # b'"]).data.system_prompt == "a # b"
+    assert load_config(None, ["train.steps=010"]).train.steps == 10
+    assert load_config(None, ["train.steps=1_000"]).train.steps == 1000
+    for text in ("1:30", "0x10"):
+        with pytest.raises(ValueError, match=f"train.steps: write a decimal integer, got '{text}'"):
+            load_config(None, [f"train.steps={text}"])
+
+
+def test_a_number_that_is_not_finite_is_refused_wherever_it_comes_from(tmp_path):
+    # NaN passed every "x < 0" check and then made the loss NaN (eps_high=nan: the policy
+    # loss of a test batch was nan where 0.28 gives 0.1844).
+    with pytest.raises(ValueError) as err:
+        load_config(None, ["algo.eps_high=nan", "optim.lr=inf", "model.lora.alpha=-inf"])
+    for line in ("algo.eps_high must be a finite number, got nan",
+                 "optim.lr must be a finite number, got inf",
+                 "model.lora.alpha must be a finite number, got -inf"):  # fmt: skip
+        assert line in str(err.value)
+    path = tmp_path / "run.yaml"
+    path.write_text("algo:\n  kl_coef: .nan\n")
+    with pytest.raises(ValueError, match="algo.kl_coef must be a finite number, got nan"):
+        load_config(path)
+    cfg = load_config(None, [])
+    cfg.optim.weight_decay = float("nan")  # set in code, then validated
+    with pytest.raises(ValueError, match="optim.weight_decay must be a finite number"):
+        dapo.config.validate(cfg)
+    with pytest.raises(ValueError, match="algo.adv_eps must be >= 0, got -1.0"):
+        load_config(None, ["algo.adv_eps=-1"])
+
+
 def test_preset_comes_from_the_most_specific_source(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("preset: grpo\nbase: demo\n")

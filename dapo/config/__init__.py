@@ -9,7 +9,8 @@ Resolution order, each layer overriding the one before:
 
 The sections (one dataclass each, every field with a docstring, each section checking its own
 values) are in :mod:`dapo.config.sections`; the presets of 1 and 2 in :mod:`dapo.config.presets`;
-reading, overriding, validating and the resume rules in :mod:`dapo.config.loading`.
+reading, overriding and the resume rules in :mod:`dapo.config.loading`, validating in
+:mod:`dapo.config.validation`.
 """
 
 from dapo.config.loading import (

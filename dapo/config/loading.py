@@ -8,8 +8,10 @@ Keys that moved since a run was saved (the embedded task's and model's fields le
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import re
 import sys
 import types
 import typing
@@ -20,6 +22,8 @@ import yaml
 
 from dapo.config import presets
 from dapo.config.sections import Config, attr_of, field_types, is_subsection, leaves
+from dapo.config.validation import config_warnings as config_warnings
+from dapo.config.validation import validate
 
 MOVED_KEYS = {
     "data.num_train": "arith.num_train",
@@ -54,16 +58,17 @@ def _coerce(value: Any, typ: Any, where: str, text: str | None = None) -> Any:
     A ``Literal`` field takes a string here; whether it is one of the choices is checked with
     everything else in ``validate``, so that every bad value is reported at once.
     """
-    origin = typing.get_origin(typ)
-    if origin in (typing.Union, types.UnionType):
+    optional = False
+    if typing.get_origin(typ) in (typing.Union, types.UnionType):
         args = typing.get_args(typ)
-        if value is None and type(None) in args:
-            return None
+        optional = type(None) in args
         typ = next(a for a in args if a is not type(None))
     if typing.get_origin(typ) is Literal:
         typ = str
-    if typ is str and text is not None and not isinstance(value, str | list | dict | None):
-        return text  # a number, a bool or a date to YAML
+    if text is not None and typ in (str, int):
+        return _as_written(value, text, typ, optional, where)
+    if value is None and optional:
+        return None
     if typ is float and isinstance(value, str):
         try:
             value = float(value)
@@ -88,6 +93,28 @@ def _coerce(value: Any, typ: Any, where: str, text: str | None = None) -> Any:
             return str(value)
     name = getattr(typ, "__name__", str(typ))
     raise ValueError(f"{where}: expected {name}, got {value!r} ({type(value).__name__})")
+
+
+_NULLS = ("null", "Null", "NULL", "~")
+_DECIMAL = re.compile(r"[+-]?[0-9][0-9_]*")
+
+
+def _as_written(value: Any, text: str, typ: type, optional: bool, where: str) -> Any:
+    """A text or integer field's value from the command line's ``text``. YAML would cut text
+    at `` #`` (a comment), read ``-`` as a list and ``a: b`` as a mapping, and read ``010`` as
+    an octal 8 and ``1:30`` as 90: text is kept as written unless quoted (then YAML's reading
+    of the quotes) or null on a field that may be None, and an integer is read in decimal."""
+    if optional and text in _NULLS:
+        return None
+    if typ is int:
+        if _DECIMAL.fullmatch(text):
+            with contextlib.suppress(ValueError):  # 1__0: not a number
+                return int(text)
+        if isinstance(value, int) and not isinstance(value, bool):
+            raise ValueError(f"{where}: write a decimal integer, got {text!r}")
+        return _coerce(value, int, where)
+    quoted = len(text) >= 2 and text[0] == text[-1] and text[0] in "'\""
+    return value if quoted and isinstance(value, str) else text
 
 
 def set_value(cfg: Config, dotted: str, value: Any, text: str | None = None) -> None:
@@ -257,89 +284,6 @@ def read_hardware(path: str | Path) -> dict[str, Any]:
 def _pick(parsed: list[tuple[str, Any]], key: str) -> Any:
     values = [v for k, v in parsed if k == key]
     return values[-1] if values else None
-
-
-def _choice_errors(name: str, section: Any) -> list[str]:
-    """A field typed ``Literal[...]`` must hold one of its values (in subsections too)."""
-    errors = []
-    for key, typ in field_types(section).items():
-        value = getattr(section, attr_of(key))
-        if is_subsection(typ):
-            errors += _choice_errors(f"{name}.{key}", value)
-        elif typing.get_origin(typ) is Literal and value not in typing.get_args(typ):
-            errors.append(f"{name}.{key} must be one of {typing.get_args(typ)}, got {value!r}")
-    return errors
-
-
-def _preset_errors(run: Any) -> list[str]:
-    errors = []
-    if run.preset not in presets.ALGORITHMS:
-        errors.append(f"run.preset must be one of {tuple(presets.ALGORITHMS)}")
-    if run.base not in presets.BASES:
-        errors.append(f"run.base must be one of {tuple(presets.BASES)}")
-    return errors
-
-
-def validate(cfg: Config) -> None:
-    """Reject values that cannot work, all at once, naming each field and what is allowed:
-    each section's own checks, then the rules that span sections."""
-    errors = []
-    for f in dataclasses.fields(cfg):
-        section = getattr(cfg, f.name)
-        errors += _choice_errors(f.name, section) + section.check()
-        if f.name == "run":  # names of the presets (which set fields of every section)
-            errors += _preset_errors(section)
-    a, r, m = cfg.algo, cfg.rollout, cfg.model
-    if a.overlong_shaping and not 0 < a.l_cache <= r.max_new_tokens:
-        errors.append(
-            f"algo.l_cache must be in (0, rollout.max_new_tokens={r.max_new_tokens}] when "
-            f"algo.overlong_shaping is on, got {a.l_cache}"
-        )
-    if not (cfg.train.recompute_old_logprobs or m.param_dtype == m.compute_dtype == "float32"):
-        errors.append(
-            "train.recompute_old_logprobs=false needs model.param_dtype and model.compute_dtype "
-            f"float32 (got {m.param_dtype}, {m.compute_dtype}): in bfloat16 or float16 the "
-            "sampler's log-probs differ from a forward pass's; set "
-            "train.recompute_old_logprobs=true"
-        )
-    k = cfg.train.async_staleness
-    if k > 0 and r.engine != "dapo" and not cfg.dist.rollout_ranks:
-        why = {
-            "hf": "its sampling draws from torch's global generator, which evaluation shares",
-            "vllm": "its weights live in vLLM, not in a copy the generator thread owns",
-        }[r.engine]
-        errors.append(
-            f"train.async_staleness={k} generates in a thread beside training, and rollout."
-            f"engine={r.engine} cannot ({why}): use rollout.engine=dapo, or "
-            "train.async_staleness=0 (or generate on ranks of their own: dist.rollout_ranks)"
-        )
-    if m.param_dtype != "float32" and m.compute_dtype != m.param_dtype:
-        errors.append(
-            f"model.compute_dtype={m.compute_dtype} with model.param_dtype={m.param_dtype}: "
-            "autocast computes in a dtype narrower than float32 weights, not wider or other "
-            f"than the weights; set model.compute_dtype={m.param_dtype}"
-        )
-    if cfg.data.train_file and m.path == "embedded":
-        errors.append(
-            "data.train_file needs a real model: the embedded model only knows the arith "
-            "task's words; set model.path to a Hugging Face model directory"
-        )
-    if errors:
-        raise ValueError("invalid config:\n  " + "\n  ".join(errors))
-
-
-def config_warnings(cfg: Config) -> list[str]:
-    """Settings that work but cost what a user may not expect, one line each."""
-    m = cfg.model
-    if m.param_dtype == "float32" or m.lora.rank:  # LoRA's adapters stay float32
-        return []
-    return [
-        f"model.param_dtype={m.param_dtype}: AdamW steps {m.param_dtype} weights, whose "
-        "spacing is ~0.4% of their size, so small updates round away (at lr 1e-6 almost all "
-        "do: one update on a tiny Qwen2 changed 2.6% of its bf16 weights). Keep "
-        "param_dtype=float32 and set "
-        f"compute_dtype={m.param_dtype} to compute in it."
-    ]
 
 
 def dump_yaml(cfg: Config) -> str:

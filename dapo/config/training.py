@@ -141,6 +141,8 @@ class AlgoConfig:
             errors.append(f"algo.kl_coef must be >= 0, got {self.kl_coef}")
         if self.overlong_factor < 0:
             errors.append("algo.overlong_factor must be >= 0")
+        if self.adv_eps < 0:
+            errors.append(f"algo.adv_eps must be >= 0, got {self.adv_eps}")
         if not self.rollout_correction_threshold > 1:
             errors.append(
                 "algo.rollout_correction_threshold must be > 1, got "

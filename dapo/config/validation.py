@@ -1,0 +1,110 @@
+"""Validating a config: each section's own checks, the choices of ``Literal`` fields, finite
+numbers, and the rules that span sections; and the settings that work but cost what a user may
+not expect."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from typing import Any, Literal
+
+from dapo.config import presets
+from dapo.config.sections import Config, attr_of, field_types, is_subsection
+
+
+def _choice_errors(name: str, section: Any) -> list[str]:
+    """A field typed ``Literal[...]`` must hold one of its values (in subsections too)."""
+    errors = []
+    for key, typ in field_types(section).items():
+        value = getattr(section, attr_of(key))
+        if is_subsection(typ):
+            errors += _choice_errors(f"{name}.{key}", value)
+        elif typing.get_origin(typ) is Literal and value not in typing.get_args(typ):
+            errors.append(f"{name}.{key} must be one of {typing.get_args(typ)}, got {value!r}")
+    return errors
+
+
+def _finite_errors(name: str, section: Any) -> list[str]:
+    """A number field must hold a finite number: a NaN passes every ``x < 0`` check and then
+    poisons the loss, and no field means anything by infinity."""
+    errors = []
+    for key, typ in field_types(section).items():
+        value = getattr(section, attr_of(key))
+        if is_subsection(typ):
+            errors += _finite_errors(f"{name}.{key}", value)
+        elif isinstance(value, float) and not math.isfinite(value):
+            errors.append(f"{name}.{key} must be a finite number, got {value}")
+    return errors
+
+
+def _preset_errors(run: Any) -> list[str]:
+    errors = []
+    if run.preset not in presets.ALGORITHMS:
+        errors.append(f"run.preset must be one of {tuple(presets.ALGORITHMS)}")
+    if run.base not in presets.BASES:
+        errors.append(f"run.base must be one of {tuple(presets.BASES)}")
+    return errors
+
+
+def validate(cfg: Config) -> None:
+    """Reject values that cannot work, all at once, naming each field and what is allowed:
+    each section's own checks, then the rules that span sections."""
+    errors = []
+    for f in dataclasses.fields(cfg):
+        section = getattr(cfg, f.name)
+        errors += _choice_errors(f.name, section) + _finite_errors(f.name, section)
+        errors += section.check()
+        if f.name == "run":  # names of the presets (which set fields of every section)
+            errors += _preset_errors(section)
+    a, r, m = cfg.algo, cfg.rollout, cfg.model
+    if a.overlong_shaping and not 0 < a.l_cache <= r.max_new_tokens:
+        errors.append(
+            f"algo.l_cache must be in (0, rollout.max_new_tokens={r.max_new_tokens}] when "
+            f"algo.overlong_shaping is on, got {a.l_cache}"
+        )
+    if not (cfg.train.recompute_old_logprobs or m.param_dtype == m.compute_dtype == "float32"):
+        errors.append(
+            "train.recompute_old_logprobs=false needs model.param_dtype and model.compute_dtype "
+            f"float32 (got {m.param_dtype}, {m.compute_dtype}): in bfloat16 or float16 the "
+            "sampler's log-probs differ from a forward pass's; set "
+            "train.recompute_old_logprobs=true"
+        )
+    k = cfg.train.async_staleness
+    if k > 0 and r.engine != "dapo" and not cfg.dist.rollout_ranks:
+        why = {
+            "hf": "its sampling draws from torch's global generator, which evaluation shares",
+            "vllm": "its weights live in vLLM, not in a copy the generator thread owns",
+        }[r.engine]
+        errors.append(
+            f"train.async_staleness={k} generates in a thread beside training, and rollout."
+            f"engine={r.engine} cannot ({why}): use rollout.engine=dapo, or "
+            "train.async_staleness=0 (or generate on ranks of their own: dist.rollout_ranks)"
+        )
+    if m.param_dtype != "float32" and m.compute_dtype != m.param_dtype:
+        errors.append(
+            f"model.compute_dtype={m.compute_dtype} with model.param_dtype={m.param_dtype}: "
+            "autocast computes in a dtype narrower than float32 weights, not wider or other "
+            f"than the weights; set model.compute_dtype={m.param_dtype}"
+        )
+    if cfg.data.train_file and m.path == "embedded":
+        errors.append(
+            "data.train_file needs a real model: the embedded model only knows the arith "
+            "task's words; set model.path to a Hugging Face model directory"
+        )
+    if errors:
+        raise ValueError("invalid config:\n  " + "\n  ".join(errors))
+
+
+def config_warnings(cfg: Config) -> list[str]:
+    """Settings that work but cost what a user may not expect, one line each."""
+    m = cfg.model
+    if m.param_dtype == "float32" or m.lora.rank:  # LoRA's adapters stay float32
+        return []
+    return [
+        f"model.param_dtype={m.param_dtype}: AdamW steps {m.param_dtype} weights, whose "
+        "spacing is ~0.4% of their size, so small updates round away (at lr 1e-6 almost all "
+        "do: one update on a tiny Qwen2 changed 2.6% of its bf16 weights). Keep "
+        "param_dtype=float32 and set "
+        f"compute_dtype={m.param_dtype} to compute in it."
+    ]
