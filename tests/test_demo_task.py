@@ -1,5 +1,7 @@
 from pathlib import Path
 
+import pytest
+
 from dapo.config import load_config
 from dapo.data.problems import PromptSampler
 from dapo.data.prompts import PROMPT_PREFIX, PROMPT_SUFFIX, render_prompt
@@ -57,6 +59,31 @@ def test_sampler_epochs_are_permutations_and_resumable():
     s2 = PromptSampler(problems, seed=3)
     s2.load_state_dict(state)
     assert [p.uid for p in s2.next(9)] == [p.uid for p in rest]
+
+
+def test_a_cursor_saved_over_other_problems_is_refused():
+    """A resume after the train file changed: fewer problems made the cursor point past the
+    list (IndexError after the model loaded); as many other problems silently drew other
+    prompts than the run it continued."""
+    import dataclasses
+
+    train, _, _ = make_splits(10, 1, seed=0)
+    problems = [p for p, _ in train]
+    s = PromptSampler(problems, seed=3)
+    s.next(15)
+    state = s.state_dict()
+    assert (state["epoch"], state["pos"], state["problems"]) == (1, 5, 10)
+    with pytest.raises(ValueError, match="saved drawing from 10 training problems .* reads 4"):
+        PromptSampler(problems[:4], seed=3).load_state_dict(state)
+    edited = [*problems[:9], dataclasses.replace(problems[9], answer="another")]
+    with pytest.raises(ValueError, match="data.train_file changed since"):
+        PromptSampler(edited, seed=3).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"position 11\) is not within the 10"):
+        PromptSampler(problems, seed=3).load_state_dict({"epoch": 0, "pos": 11})
+    old = {"epoch": 1, "pos": 5}  # a checkpoint from before the count and digest were saved
+    s2 = PromptSampler(problems, seed=3)
+    s2.load_state_dict(old)
+    assert [p.uid for p in s2.next(3)] == [p.uid for p in s.next(3)]
 
 
 def test_a_system_prompt_goes_first_unless_the_problem_has_one(tokenizer):

@@ -7,6 +7,8 @@ integer-or-string ground truth and the ``data_source`` that picks the verifier.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 from dataclasses import dataclass
 
@@ -34,6 +36,7 @@ class PromptSampler:
         self.epoch = 0
         self.pos = 0
         self._order = self._permutation(0)
+        self.digest = problems_digest(problems)
 
     def _permutation(self, epoch: int) -> list[int]:
         order = list(range(len(self.problems)))
@@ -51,9 +54,40 @@ class PromptSampler:
             self.pos += 1
         return out
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "pos": self.pos}
+    def state_dict(self) -> dict[str, int | str]:
+        """The cursor, and the problems it points into (their count and digest)."""
+        return {
+            "epoch": self.epoch,
+            "pos": self.pos,
+            "problems": len(self.problems),
+            "digest": self.digest,
+        }
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
+    def load_state_dict(self, state: dict[str, int | str]) -> None:
+        """Go on from ``state``, refused when it was saved over other problems: the same cursor
+        would then draw other prompts than the run it continues (or none at all)."""
+        count, digest = state.get("problems", len(self.problems)), state.get("digest", self.digest)
+        if count != len(self.problems) or digest != self.digest:
+            raise ValueError(
+                f"the run was saved drawing from {count} training problems (digest "
+                f"{str(digest)[:12]}), and this run reads {len(self.problems)} (digest "
+                f"{self.digest[:12]}): data.train_file changed since; resume with the file the "
+                "run started with, or start a new run from its weights"
+            )
+        epoch, pos = int(state["epoch"]), int(state["pos"])
+        if epoch < 0 or not 0 <= pos <= len(self.problems):
+            raise ValueError(
+                f"the saved prompt cursor (epoch {epoch}, position {pos}) is not within the "
+                f"{len(self.problems)} training problems: the checkpoint is damaged"
+            )
+        self.epoch, self.pos = epoch, pos
         self._order = self._permutation(self.epoch)
+
+
+def problems_digest(problems: list[Problem]) -> str:
+    """SHA-256 of the problems in order: their uids, messages, answers and data sources."""
+    h = hashlib.sha256()
+    for p in problems:
+        row = [p.uid, list(p.messages), p.answer, p.data_source]
+        h.update(json.dumps(row, sort_keys=True, ensure_ascii=True).encode() + b"\n")
+    return h.hexdigest()
