@@ -372,3 +372,64 @@ def test_permutation_pvalue_is_exact_over_few_seeds():
     # Beyond resamples patterns (14 pairs > 10,000 / 2^14): random flips, never exactly 0.
     p = paired_permutation_pvalue([0.0] * 14, [1.0] * 14)
     assert p == pytest.approx(1 / 10_001, abs=3 / 10_001)
+
+
+def test_permutation_pvalue_of_large_values_counts_the_observed_pattern():
+    # Lengths in the thousands: summed in another order, the observed pattern rounds a few
+    # 1e-12 away from mean(d); it (and its mirror) must still count as "as extreme".
+    a = [1910.9, 1402.2, 3389.1, 9796.2, 4727.9, 17643.4]
+    b = [6204.1, 5029.9, 16401.1, 19425.4, 16683.2, 19684.3]
+    assert paired_permutation_pvalue(a, b) == 2 / 64
+    # Random flips (14 pairs > 4000 / 2^14): the same draws count the same patterns as for
+    # the values scaled down by 2^14 (exactly, so rounding scales with them).
+    a = [5036.8, 10465.6, 4492.3, 19866.1, 9787.9, 19026.4, 8986.2]
+    a += [11837.7, 8646.8, 4261.3, 11735.1, 6468.9, 9724.5, 11307.9]
+    b = [7372.3, 14491.7, 6581.8, 24332.5, 10019.3, 23433.0, 9933.0]
+    b += [15754.2, 9835.9, 6593.700000000001, 14695.5, 9372.599999999999, 13685.0, 12665.6]
+    scale = 2.0**-14
+    small = paired_permutation_pvalue([x * scale for x in a], [x * scale for x in b], **_R)
+    assert paired_permutation_pvalue(a, b, **_R) == small == 2 / 4001
+
+
+_R = {"resamples": 4000, "seed": 115}
+
+
+def test_majority_vote_passes_over_math_dapo_no_answer_marker():
+    from dapo.reward.tasks.math_dapo import math_score
+
+    # Three responses ran out of tokens (math_dapo's pred "[INVALID]"); "34" wins 2 to 1.
+    responses = ["long reasoning that ran out of tokens ..."] * 3
+    responses += ["so\nAnswer: 34", "so\nAnswer: 34", "so\nAnswer: 12"]
+    scores = [math_score(r, "34") for r in responses]
+    preds, correct = [s.pred for s in scores], [s.correct for s in scores]
+    assert preds[:3] == ["[INVALID]"] * 3
+    assert majority_vote(preds, correct) == ("34", True)
+    metrics = problem_metrics(correct, preds, [10] * 6, [True] * 3 + [False] * 3, responses, ks=[1])
+    assert metrics["maj@k"] == 1.0
+    assert majority_vote(["[INVALID]", "[INVALID]"], [False, False]) == (None, False)
+
+
+def test_majority_is_left_out_when_no_response_of_the_evaluation_voted():
+    from dapo.eval.evaluate import val_metrics
+    from dapo.eval.metrics import without_unvoted_majority
+
+    # A reward function returning a bool gives pred "": every response right, none voted.
+    records = [{"answers": ["", ""]}, {"answers": ["", ""]}]
+    shared = {"avg@k": 1.0, "pass@2": 1.0, "len_mean": 4.0, "truncated_frac": 0.0}
+    per_problem = [{**shared, "maj@k": 0.0}] * 2
+    kept = without_unvoted_majority(per_problem, records)
+    assert kept == [shared] * 2
+    val = val_metrics(summarize(kept, resamples=100), 2, 2, 0)
+    assert "val/maj@k" not in val and val["val/accuracy"] == 1.0
+    # One answer anywhere (here a problem whose majority is wrong): maj@k stays, 0 included.
+    voted = [{"answers": ["", ""]}, {"answers": ["", "7"]}]
+    assert without_unvoted_majority(per_problem, voted) == per_problem
+    assert val_metrics(summarize(per_problem, resamples=100), 2, 2, 0)["val/maj@k"] == 0.0
+
+
+def test_values_that_are_not_floats_are_refused_naming_them():
+    for bad in ([10**400, 1.0], ["x"], [[1.0], [1.0, 2.0]]):
+        with pytest.raises(ValueError, match="avg@k must be numbers"):
+            bootstrap_ci(bad, name="avg@k")
+    with pytest.raises(ValueError, match="b must be numbers"):
+        paired_permutation_pvalue([1.0], [10**400])

@@ -224,3 +224,79 @@ def test_a_run_with_a_tool_shows_its_tool_call_rate_beside_accuracy(tmp_path: Pa
     assert "<th>tool-call rate start</th><th>tool-call rate end</th>" in html
     assert '<td class="num">0.250</td><td class="num">0.950</td>' in html
     assert '<td class="num">—</td><td class="num">—</td></tr>' in html  # the run without one
+
+
+def test_links_in_the_report_directory_are_refused_not_written_through(tmp_path: Path) -> None:
+    from dapo.run.nofollow import LinkRefused
+
+    run = _write_run(tmp_path, "from-elsewhere", _config(name="from-elsewhere"))
+    victim, elsewhere = tmp_path / "victim.txt", tmp_path / "elsewhere"
+    victim.write_text("keep me\n")
+    elsewhere.mkdir()
+    (run / "report").symlink_to(elsewhere)  # the whole report/ a link: refused at once
+    with pytest.raises(LinkRefused, match="report is a symbolic link"):
+        make_report([run], run / "report")
+    assert list(elsewhere.iterdir()) == []
+    (run / "report").unlink()
+    (run / "report").mkdir()
+    for name in ("report.html", FIGURES[0]):  # a page or a figure in a link's place
+        (run / "report" / name).unlink(missing_ok=True)  # the figures drawn before the page
+        (run / "report" / name).symlink_to(victim)
+        with pytest.raises(LinkRefused, match=f"{name} is a symbolic link"):
+            make_report([run], run / "report")
+        assert victim.read_text() == "keep me\n"
+        (run / "report" / name).unlink()
+
+
+def test_hostile_lines_are_skipped_not_raised(tmp_path: Path) -> None:
+    from dapo.report.runs import is_number, series
+
+    run = tmp_path / "hostile"
+    run.mkdir()
+    lines = [
+        '{"step": 1, "val/accuracy": 0.5}',
+        '{"step": 2, "x": 1' + "0" * 5000 + "}",  # too long for int(): ValueError
+        "[" * 100_000 + "]" * 100_000,  # deeper than the parser recurses
+        '{"step": 1' + "0" * 400 + ', "val/accuracy": 0.7}',  # a step beyond a float
+    ]
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    (run / "summary.json").write_text("[" * 100_000)
+    good = {"response": "ok", "step": 1}
+    (run / "samples.jsonl").write_text("[" * 100_000 + "\n" + json.dumps(good) + "\n")
+    got = read_run(run)
+    assert got.skipped == 2 and len(got.rows) == 2
+    assert series(got, "val/accuracy") == ([1.0], [0.5]) and got.last_step == 1
+    assert got.summary == {} and got.samples == [good]
+    assert not is_number(10**400) and is_number(10**300) and not is_number(True)
+
+
+def test_a_config_with_aliases_or_deep_nesting_is_refused_naming_it(tmp_path: Path) -> None:
+    laughs = ["a0: &a0 {x: 1}"]
+    for i in range(1, 4):  # 10^3 keys from 300 bytes; 9 levels would be 10^9
+        refs = ", ".join(f"k{j}: *a{i - 1}" for j in range(10))
+        laughs.append(f"a{i}: &a{i} {{{refs}}}")
+    for text, why in (("\n".join(laughs), "aliases"), ("[" * 100_000, "recursion")):
+        run = _write_run(tmp_path, f"bad-{why}", {})
+        (run / "config.yaml").write_text(text + "\n")
+        with pytest.raises(ValueError, match=rf"bad-{why}/config.yaml: not a readable config.*"):
+            read_run(run)
+    (run / "config.yaml").write_text("a: &a {x: 1}\nb: {y: 2}\n")  # an anchor alone is harmless
+    assert read_run(run).config == {"a": {"x": 1}, "b": {"y": 2}}
+
+
+def test_runs_named_alike_are_told_apart_and_never_seeds_of_each_other(tmp_path: Path) -> None:
+    from dapo.report import read_runs
+
+    a, b = (tmp_path / side for side in ("A", "B"))
+    a.mkdir()
+    b.mkdir()
+    one, other = _write_run(a, "dapo", _config()), _write_run(b, "dapo", _config())
+    runs = read_runs([one, other, tmp_path / "A" / ".." / "A" / "dapo"])  # the first one again
+    assert [r.name for r in runs] == ["A/dapo", "B/dapo"]
+    groups = configurations(runs)
+    assert {name: len(members) for name, members in groups.items()} == {"A/dapo": 1, "B/dapo": 1}
+    # Seeds of one configuration in different directories stay its seeds.
+    seeds = [_write_run(a, "cfg-seed0", _config()), _write_run(b, "cfg-seed1", _config())]
+    runs = read_runs(seeds)
+    assert [r.name for r in runs] == ["cfg-seed0", "cfg-seed1"]
+    assert [len(members) for members in configurations(runs).values()] == [2]

@@ -144,7 +144,7 @@ def run(req: EvalRequest, *, reward_fn: Callable[..., Any] | None = None) -> Eva
             episodes=runner_for(settings, engine, tokenizer),  # the run's env.class
         )
     before_batch(len(problems), len(problems))
-    per_problem = {r["uid"]: _record_metrics(r, ks, phrases) for r in records}
+    per_problem = _per_problem(records, ks, phrases)
     summary = summarize(list(per_problem.values()), resamples=req.resamples, seed=req.seed)
     protocol = _save(req, out, records, per_problem, summary, seconds=time.perf_counter() - t0)
     journal.finish()
@@ -159,12 +159,17 @@ def run(req: EvalRequest, *, reward_fn: Callable[..., Any] | None = None) -> Eva
 
 
 def _check(req: EvalRequest, reward_fn: Callable[..., Any] | None) -> None:
+    from dapo.eval.intervals import check_resampling
     from dapo.reward import custom
 
     if not req.model or not req.data:
         raise ValueError("dapo eval needs MODEL_DIR and --data FILE (or --compare A B)")
     if req.k < 1:
         raise ValueError(f"--k must be >= 1, got {req.k}")
+    if req.num_problems < 0:
+        raise ValueError(f"--num-problems must be >= 0 (0 = all), got {req.num_problems}")
+    # Before the model loads and every problem is sampled, not when the intervals are drawn.
+    check_resampling(req.resamples)
     if req.threads < 0:
         raise ValueError(f"--threads must be >= 0 (0 = auto), got {req.threads}")
     if req.config and not Path(req.config).is_file():
@@ -283,15 +288,22 @@ def _model(req: EvalRequest) -> tuple[Any, Any]:
     return policy.load_policy(cfg, warmup, tokenizer, log=log)
 
 
-def _record_metrics(record: dict, ks: list[int], phrases: tuple[str, ...]) -> dict[str, float]:
-    from dapo.eval.metrics import record_metrics
+def _per_problem(records: list[dict], ks: list[int], phrases: tuple[str, ...]) -> dict[str, dict]:
+    """uid -> the problem's metrics; without maj@k when no response of any had an answer."""
+    from dapo.eval.metrics import record_metrics, without_unvoted_majority
 
-    return record_metrics(record, ks=ks, phrases=phrases)
+    metrics = [record_metrics(r, ks=ks, phrases=phrases) for r in records]
+    metrics = without_unvoted_majority(metrics, records)
+    return {r["uid"]: m for r, m in zip(records, metrics, strict=True)}
 
 
 def _table(summary: dict, title: str) -> str:
+    from dapo.eval.metrics import MAJORITY
+
     lines = [title, f"{'metric':<18} mean [95% bootstrap interval over problems]"]
     lines += [f"{name:<18} {iv}" for name, iv in summary.items()]
+    if MAJORITY not in summary:  # a grader without a pred: nothing voted, maj@k is undefined
+        lines.append(f"{MAJORITY:<18} - (no response had an extracted answer (pred) to vote with)")
     return "\n".join(lines)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -158,19 +159,46 @@ def _is_model(path: Path) -> bool:
 def _read_problems(path: Path) -> dict[str, dict[str, float]]:
     path = path / "problems.jsonl" if path.is_dir() else path
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError as exc:
         raise ValueError(f"--compare: cannot read {path}: {exc.strerror}") from None
     out = {}
     for i, line in enumerate(lines):
-        try:
-            record = json.loads(line)
-            out[record["uid"]] = record["metrics"]
-        except (ValueError, KeyError, TypeError):
+        if not line.strip():
+            continue  # a blank line (an editor's last newline) holds no record
+        record = _record(line)
+        if record is None:
             raise ValueError(
-                f"--compare: {path} line {i + 1} is not a dapo eval record (uid, metrics)"
-            ) from None
+                f"--compare: {path} line {i + 1} is not a dapo eval record (a uid, and metrics "
+                "whose values are finite numbers)"
+            )
+        out[record[0]] = record[1]
     return out
+
+
+def _record(line: str) -> tuple[str, dict[str, float]] | None:
+    """(uid, metrics) of one problems.jsonl line, or None for anything else. Files compared may
+    come from elsewhere: a 5000-digit int, nesting deeper than the parser recurses and a number
+    beyond a float's range are named as a bad line here, not met as a traceback later."""
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("metrics"), dict):
+        return None
+    uid, metrics = record.get("uid"), record["metrics"]
+    if not isinstance(uid, str) or not all(_finite(v) for v in metrics.values()):
+        return None
+    return uid, {str(k): float(v) for k, v in metrics.items()}
+
+
+def _finite(value: Any) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond a float's range
+        return False
 
 
 def cmd_compare(args: argparse.Namespace) -> int:

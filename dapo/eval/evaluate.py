@@ -13,7 +13,7 @@ from typing import Any
 from dapo import dist
 from dapo.data.problems import Problem
 from dapo.data.prompts import render_prompt
-from dapo.eval.metrics import record_metrics, summarize
+from dapo.eval.metrics import MAJORITY, record_metrics, summarize, without_unvoted_majority
 from dapo.reward.pool import RewardPool, grading_job
 from dapo.rollout import Engine, Rollout
 from dapo.rollout.episodes import EpisodeRunner, environment_score
@@ -46,9 +46,10 @@ def evaluate(
 
     ``val/accuracy`` is avg@k (the mean correctness over k samples of every problem), with a
     95% bootstrap interval over problems (``val/accuracy_low``, ``val/accuracy_high``);
-    also pass@k, maj@k, length and truncation. Seeded per problem, so the same weights give the
-    same figures. ``pool`` grades (default: in-process), with ``reward_mode`` for every row or
-    else each row's data_source; a response the verifier fails on counts as incorrect and in
+    also pass@k, maj@k (not when no response had an answer to vote with), length and
+    truncation. Seeded per problem, so the same weights give the same figures. ``pool``
+    grades (default: in-process), with ``reward_mode`` for every row or else each row's
+    data_source; a response the verifier fails on counts as incorrect and in
     ``val/reward_faults``. ``records_out``, when given, receives the per-problem records;
     ``before_batch`` is ``sample_records``'. A batch holds ``prompts_per_batch`` problems'
     k samples, or fewer problems when ``rows_per_generate`` (> 0) bounds the responses
@@ -80,11 +81,12 @@ def evaluate(
     per_problem, everyone = _exchange(records, k, tp_mesh)
     if records_out is not None:
         records_out[:] = everyone[: share.start] + records + everyone[share.stop :]
+    per_problem = without_unvoted_majority(per_problem, everyone)
     summary = summarize(per_problem, resamples=resamples, seed=seed % 2**32)
-    return _val_metrics(summary, k, len(problems), sum(r["faults"] for r in everyone))
+    return val_metrics(summary, k, len(problems), sum(r["faults"] for r in everyone))
 
 
-def _val_metrics(summary: dict, k: int, num_problems: int, faults: int) -> dict[str, float]:
+def val_metrics(summary: dict, k: int, num_problems: int, faults: int) -> dict[str, float]:
     """The val/* figures of an evaluation's ``summary`` (intervals per metric)."""
     acc = summary["avg@k"]
     out = {
@@ -92,13 +94,14 @@ def _val_metrics(summary: dict, k: int, num_problems: int, faults: int) -> dict[
         "val/accuracy_low": acc.low,
         "val/accuracy_high": acc.high,
         f"val/pass@{k}": summary[f"pass@{k}"].mean,
-        "val/maj@k": summary["maj@k"].mean,
         "val/response_len_mean": summary["len_mean"].mean,
         "val/truncated_frac": summary["truncated_frac"].mean,
         "val/num_problems": float(num_problems),
         "val/num_samples": float(k),
         "val/reward_faults": float(faults),
     }
+    if MAJORITY in summary:  # not when no response had a pred to vote with (custom rewards)
+        out["val/maj@k"] = summary[MAJORITY].mean
     if "tool_call_frac" in summary:  # episodes of an environment (env.class)
         out["val/tool_call_frac"] = summary["tool_call_frac"].mean
     return out

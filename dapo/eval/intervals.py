@@ -16,8 +16,10 @@ import numpy as np
 # the gathered values), so 10k resamples of 1000 problems never materialise 80 MB at once.
 _CHUNK_ELEMENTS = 1 << 22
 # Sign-flip statistics are compared with a little slack so that the flip equal to the observed
-# one (or its mirror) counts as "at least as extreme" despite a different summation order.
-_PERMUTATION_ATOL = 1e-12
+# one (or its mirror) counts as "at least as extreme" despite a different summation order. The
+# slack is relative to the mean |difference|: rounding in a sum grows with the values' size, so
+# a fixed one is swamped for lengths in the thousands (eps * n * mean|d| at worst).
+_PERMUTATION_RTOL = 1e-9
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,12 @@ class Interval:
 
 
 def _as_values(values: Sequence[float], name: str = "values") -> np.ndarray:
-    array = np.asarray(values, dtype=np.float64)
+    try:
+        array = np.asarray(values, dtype=np.float64)
+    except (OverflowError, TypeError, ValueError) as exc:
+        # An int beyond a float's range, a string, a ragged list: a ValueError that names the
+        # values, as for every other bad input, not numpy's error from deep inside.
+        raise ValueError(f"{name} must be numbers: {exc}") from None
     if array.ndim != 1:
         raise ValueError(f"{name} must be one-dimensional, got shape {array.shape}")
     if array.size == 0:
@@ -164,7 +171,9 @@ def paired_permutation_pvalue(
     if not np.any(d):
         return 1.0
     n = d.size
-    observed = abs(float(d.mean())) - _PERMUTATION_ATOL
+    # The observed statistic is the all-plus pattern, summed as the flipped ones are.
+    observed = abs(float(np.ones(n) @ d)) / n
+    observed -= _PERMUTATION_RTOL * float(np.abs(d).sum()) / n
     if 2**n <= resamples:  # few pairs (seeds): every sign pattern, the exact p-value
         bits = (np.arange(2**n)[:, None] >> np.arange(n)) & 1
         signs = bits.astype(np.float64) * 2.0 - 1.0

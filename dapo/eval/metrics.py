@@ -26,6 +26,9 @@ from dapo.eval.intervals import (
     paired_bootstrap_ci,
     paired_permutation_pvalue,
 )
+from dapo.reward.tasks.base import gave_answer
+
+MAJORITY = "maj@k"
 
 REFLECTIVE_PHRASES: tuple[str, ...] = (
     "wait",
@@ -63,7 +66,8 @@ def majority_vote(
 ) -> tuple[str | None, bool]:
     """The most frequent extracted answer and whether it was graded correct.
 
-    ``None`` and ``""`` (no answer extracted) do not vote. Answers are compared exactly as
+    ``None``, ``""`` and math_dapo's ``"[INVALID]"`` (no answer extracted:
+    :data:`dapo.reward.tasks.base.NO_ANSWER_PREDS`) do not vote. Answers are compared exactly as
     given; normalisation is the verifier's job. Ties in vote count go to the tied answer whose
     *first occurrence comes earliest* in ``answers``, which keeps the result deterministic and
     independent of hashing. The flag is True when any response giving the winning answer was
@@ -76,7 +80,7 @@ def majority_vote(
     winner_correct: dict[str, bool] = {}
     # dicts keep insertion order, i.e. order of first occurrence, which max() uses on ties
     for answer, ok in zip(answers, correct, strict=True):
-        if answer is None or answer == "":
+        if not gave_answer(answer):
             continue
         counts[answer] = counts.get(answer, 0) + 1
         winner_correct[answer] = winner_correct.get(answer, False) or bool(ok)
@@ -127,7 +131,9 @@ def problem_metrics(
     with different n line up), ``"pass@{k}"`` for each k in ``ks``, ``"maj@k"`` (1.0 when the
     majority answer is correct), ``"len_mean"``, ``"len_max"``, ``"truncated_frac"``,
     ``"reflections"`` (mean :func:`reflection_count` per response) and ``"reflective_frac"``
-    (fraction of responses with at least one reflective phrase).
+    (fraction of responses with at least one reflective phrase). A problem where no response
+    gave an answer has ``"maj@k"`` 0.0; an evaluation where none did drops it
+    (:func:`without_unvoted_majority`).
     """
     n = len(correct)
     sizes = {
@@ -151,13 +157,25 @@ def problem_metrics(
     metrics: dict[str, float] = {"avg@k": n_correct / n}
     for k in ks:
         metrics[f"pass@{k}"] = pass_at_k(n, n_correct, k)
-    metrics["maj@k"] = 1.0 if maj_correct else 0.0
+    metrics[MAJORITY] = 1.0 if maj_correct else 0.0
     metrics["len_mean"] = sum(lengths) / n
     metrics["len_max"] = float(max(lengths))
     metrics["truncated_frac"] = sum(bool(t) for t in truncated) / n
     metrics["reflections"] = sum(reflections) / n
     metrics["reflective_frac"] = sum(r > 0 for r in reflections) / n
     return metrics
+
+
+def without_unvoted_majority(
+    per_problem: Sequence[dict[str, float]], records: Sequence[Mapping[str, Any]]
+) -> list[dict[str, float]]:
+    """``per_problem`` (the metrics of ``records``, the whole evaluation's) without ``"maj@k"``
+    when no response of any record gave an answer: a grader without a ``pred`` (a reward
+    function returning a bool or a float) lets nothing vote, and maj@k would read 0 however
+    right the responses were. Unchanged when any response voted."""
+    if any(gave_answer(a) for record in records for a in record.get("answers", ())):
+        return list(per_problem)
+    return [{k: v for k, v in metrics.items() if k != MAJORITY} for metrics in per_problem]
 
 
 def summarize(

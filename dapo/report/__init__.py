@@ -15,19 +15,25 @@ from pathlib import Path
 
 from dapo.report.figures import FIGURES, write_figures
 from dapo.report.page import render_html
-from dapo.report.runs import Run, config_differences, read_run
+from dapo.report.runs import Run, config_differences, read_run, read_runs
+from dapo.run.nofollow import no_link, write_atomic
 
-__all__ = ["FIGURES", "Run", "config_differences", "make_report", "read_run"]
+__all__ = ["FIGURES", "Run", "config_differences", "make_report", "read_run", "read_runs"]
 
 
 def make_report(run_dirs: Sequence[Path | str], out_dir: Path | str) -> Path:
-    """Write the five figures and ``report.html`` into ``out_dir``; return the HTML path."""
+    """Write the five figures and ``report.html`` into ``out_dir``; return the HTML path.
+
+    ``out_dir`` (by default a run directory's ``report/``, and run directories come from
+    elsewhere) is refused when it is a symbolic link, and every file is written with
+    ``O_NOFOLLOW``: a link in a file's place is refused, naming it, never written through."""
     if not run_dirs:
         raise ValueError("no run directories given")
-    runs = [read_run(d) for d in run_dirs]
-    out = Path(out_dir)
+    runs = read_runs(run_dirs)
+    out = no_link(Path(out_dir))
     out.mkdir(parents=True, exist_ok=True)
+    no_link(out)  # made a link between the check and mkdir: refused all the same
     figures = write_figures(runs, out)
     html_path = out / "report.html"
-    html_path.write_text(render_html(runs, figures), encoding="utf-8")
+    write_atomic(html_path, render_html(runs, figures))
     return html_path

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from dapo.report.mechanisms import MECHANISMS_FIGURE, write_mechanisms
 from dapo.report.runs import Run, is_number, kept_frac, series
-from dapo.report.style import finish_panel, legend_label, run_colours
+from dapo.report.style import finish_panel, legend_label, run_colours, save_figure
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -77,7 +77,7 @@ def _grid_figure(
     # Leave room at the top for the figure legend, more when it wraps onto several rows.
     legend_rows = _figure_legend(fig, runs, colours, styles)
     fig.tight_layout(rect=(0, 0, 1, 1 - (0.05 + 0.035 * legend_rows) / rows))
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
 
 
@@ -126,7 +126,7 @@ def _accuracy_figure(runs: Sequence[Run], path: Path) -> None:
         max_cols=2,
     )
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.04 - 0.045 * legend_rows))
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
 
 

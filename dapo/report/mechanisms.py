@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dapo.report.runs import Run, series
-from dapo.report.style import finish_panel, legend_label, run_colours
+from dapo.report.style import finish_panel, legend_label, run_colours, save_figure
 
 MECHANISMS_FIGURE = "mechanisms.png"
 
@@ -37,7 +37,9 @@ _SEED = re.compile(r"-seed\d+$")
 
 
 def configurations(runs: Sequence[Run]) -> dict[str, list[Run]]:
-    """Runs grouped by their name without a ``-seed<N>`` suffix, in first-seen order."""
+    """Runs grouped by their name without a ``-seed<N>`` suffix, in first-seen order. Names
+    are :func:`~dapo.report.runs.read_runs`': runs whose directories share a name are named
+    by their parents too, so two different runs of one name are never one's seeds."""
     groups: dict[str, list[Run]] = {}
     for run in runs:
         groups.setdefault(_SEED.sub("", run.name), []).append(run)
@@ -86,6 +88,6 @@ def write_mechanisms(runs: Sequence[Run], path: Path) -> Path:
     rows = -(-len(labels) // 3) if labels else 0
     fig.suptitle("mean over seeds; band: lowest to highest seed", y=0.005, va="bottom", fontsize=9)
     fig.tight_layout(rect=(0, 0.02, 1, 1 - 0.045 * rows))
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
     return path

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from dapo.config import MOVED_KEYS
 
 # Per-run fields that always differ between runs and say nothing about the experiment.
@@ -36,6 +38,28 @@ class Run:
         return int(max(steps)) if steps else None
 
 
+def read_runs(run_dirs: Sequence[Path | str]) -> list[Run]:
+    """Read run directories, each once (a directory given twice is not two seeds), and name
+    them apart: runs whose directories share a name (``A/dapo``, ``B/dapo``) are called by as
+    many trailing path components as tell them apart, so no two are grouped as one."""
+    runs: dict[Path, Run] = {}
+    for run_dir in run_dirs:
+        run = read_run(run_dir)
+        runs.setdefault(run.path.resolve(), run)
+    for path, run in runs.items():
+        run.name = _distinct_name(path, [other for other in runs if other != path])
+    return list(runs.values())
+
+
+def _distinct_name(path: Path, others: Sequence[Path]) -> str:
+    """The fewest trailing components of ``path`` that none of ``others`` ends with."""
+    for depth in range(1, len(path.parts) + 1):
+        name = Path(*path.parts[-depth:])
+        if not any(Path(*other.parts[-depth:]) == name for other in others):
+            break
+    return str(name)
+
+
 def read_run(run_dir: Path | str) -> Run:
     """Read a run directory; unreadable metrics lines are counted in ``skipped``, not raised."""
     path = Path(run_dir)
@@ -54,18 +78,46 @@ def read_run(run_dir: Path | str) -> Run:
     )
 
 
-def _read_config(config_path: Path) -> dict[str, Any]:
-    import yaml
+class _NoAliasLoader(yaml.SafeLoader):
+    """YAML without aliases: a config.yaml of a few hundred bytes of nested aliases (a
+    "billion laughs") expands to billions of keys when flattened. dapo never writes one."""
 
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent):
+            raise yaml.composer.ComposerError(
+                None, None, "an alias (*name): dapo report refuses YAML aliases", event.start_mark
+            )
+        return super().compose_node(parent, index)
+
+
+def _read_config(config_path: Path) -> dict[str, Any]:
     config: dict[str, Any] = {}
     if config_path.is_file():
         try:
-            loaded = yaml.safe_load(config_path.read_text(encoding="utf-8"))
-        except yaml.YAMLError as exc:
-            raise ValueError(f"{config_path}: not valid YAML: {exc}") from exc
+            text = config_path.read_text(encoding="utf-8")
+            loaded = yaml.load(text, Loader=_NoAliasLoader)  # a SafeLoader: no tags run code
+        except (yaml.YAMLError, ValueError, RecursionError) as exc:
+            # ValueError: not UTF-8, or an int too long to convert; RecursionError: nesting
+            # deeper than the parser recurses.
+            raise ValueError(f"{config_path}: not a readable config: {exc}") from None
         if isinstance(loaded, dict):
             config = loaded
     return config
+
+
+_BAD = object()
+"""What :func:`_json` gives for text that is not JSON it can read."""
+
+
+def _json(text: str) -> Any:
+    """``text`` parsed, else ``_BAD``: run directories come from elsewhere, and besides broken
+    JSON a line may hold a 5000-digit int (ValueError) or nesting deeper than the parser
+    recurses (RecursionError); such a line is skipped like any other garbage."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return _BAD
 
 
 def _read_rows(metrics_path: Path) -> tuple[list[dict[str, Any]], int]:
@@ -77,12 +129,8 @@ def _read_rows(metrics_path: Path) -> tuple[list[dict[str, Any]], int]:
         for line in fh:
             if not line.strip():
                 continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                skipped += 1
-                continue
-            if not isinstance(row, dict):
+            row = _json(line)
+            if not isinstance(row, dict):  # _BAD included
                 skipped += 1
                 continue
             rows.append(row)
@@ -92,11 +140,8 @@ def _read_rows(metrics_path: Path) -> tuple[list[dict[str, Any]], int]:
 def _read_summary(summary_path: Path) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     if summary_path.is_file():
-        try:
-            loaded_summary = json.loads(summary_path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            # A run that crashed before finishing has no usable summary; the curves still count.
-            loaded_summary = {}
+        # A run that crashed before finishing has no usable summary; the curves still count.
+        loaded_summary = _json(summary_path.read_text(encoding="utf-8", errors="replace"))
         if isinstance(loaded_summary, dict):
             summary = loaded_summary
     return summary
@@ -106,10 +151,7 @@ def _read_samples(samples_path: Path) -> list[Any]:
     samples = []
     if samples_path.is_file():
         for line in samples_path.read_text(encoding="utf-8", errors="replace").splitlines():
-            try:
-                sample = json.loads(line)
-            except json.JSONDecodeError:
-                continue
+            sample = _json(line)
             if isinstance(sample, dict) and "response" in sample:
                 samples.append(sample)
     return samples
@@ -152,7 +194,13 @@ def config_differences(runs: Sequence[Run]) -> list[tuple[str, list[Any]]]:
 
 
 def is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite int or float (not a bool) that converts to a float: a 400-digit int does not."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond a float's range
+        return False
 
 
 def series(run: Run, key: str | Callable[[dict[str, Any]], Any]) -> Series:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from dapo.run.nofollow import open_binary
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 
 def run_colours(n: int) -> list[Any]:
@@ -42,3 +46,11 @@ def finish_panel(ax: Axes, title: str, ylabel: str, drawn: bool) -> None:
     ax.grid(True, alpha=0.3)
     if not drawn:
         no_data(ax)
+
+
+def save_figure(fig: Figure, path: Path) -> None:
+    """``fig`` as a PNG at ``path``, opened with ``O_NOFOLLOW``: the report directory may sit in
+    a run directory from elsewhere, and a PNG's name there may be a link leading anywhere
+    (docs/security.md)."""
+    with open_binary(path) as f:
+        fig.savefig(f, format="png", dpi=110)

@@ -29,6 +29,18 @@ return in bounded time and memory on any string (model outputs are untrusted).""
 NO_ANSWER = Score(score=-1.0, correct=False, pred="")
 """The verdict on a response without an answer, or on a row without a usable ground truth."""
 
+INVALID_PRED = "[INVALID]"
+"""The ``pred`` of math_dapo (the reference's placeholder) for a response without an answer
+line: no answer either, though the verdict is otherwise graded as usual."""
+
+NO_ANSWER_PREDS = frozenset({NO_ANSWER.pred, INVALID_PRED})
+"""Every ``pred`` that means "no answer was found": such a response casts no vote in maj@k."""
+
+
+def gave_answer(pred: object) -> bool:
+    """Whether ``pred`` (a Score's, or None) is an extracted answer, not a no-answer marker."""
+    return isinstance(pred, str) and pred not in NO_ANSWER_PREDS
+
 
 def ground_truth_text(response: object, ground_truth: object) -> str | None:
     """The ground truth as text, or None when the pair cannot be graded: a response that is

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import re
 
-from dapo.reward.tasks.base import NO_ANSWER, Score, Task, ground_truth_text
+from dapo.reward.tasks.base import INVALID_PRED, NO_ANSWER, Score, Task, ground_truth_text
 
 __all__ = ["BOX_TAIL_CHARS", "TAIL_CHARS", "TASKS", "math_score", "math_score_boxed", "normalize"]
 
@@ -47,7 +47,7 @@ BOX_TAIL_CHARS = 100
 # Python's \s and IGNORECASE are Unicode-aware here, as in the reference: an answer line
 # may be separated by any whitespace, newlines included.
 _ANSWER_LINE = re.compile(r"Answer\s*:\s*([^\n]+)", re.IGNORECASE)
-_NO_ANSWER_LINE = "[INVALID]"  # what the reference extracts without an answer line
+_NO_ANSWER_LINE = INVALID_PRED  # what the reference extracts without an answer line
 
 # Plain replacements, applied in this order (spaces go, "mbox" becomes "text", ...).
 SUBSTITUTIONS = (
