@@ -151,6 +151,13 @@ class DataConfig:
                 "data.train_file and data.val_file go together: give both (e.g. DAPO-Math-17k "
                 "and AIME 2024), or neither for the embedded task"
             )
+        # One column read as two fields would make every question its own answer (and
+        # `dapo data convert --to flat` would overwrite the questions).
+        if len({self.question_key, self.answer_key, "data_source"}) < 3:
+            errors.append(
+                f"data.question_key ({self.question_key!r}), data.answer_key "
+                f"({self.answer_key!r}) and 'data_source' must be three different columns"
+            )
         return errors
 
 
@@ -346,7 +353,7 @@ class RunConfig:
 
     def check(self) -> list[str]:
         errors = []
-        # run.preset and run.base name presets: dapo.config.loading.validate checks them.
+        # run.preset and run.base name presets: dapo.config.validation.validate checks them.
         if self.threads < 0:
             errors.append("run.threads must be >= 0 (0 = torch's default)")
         if self.name in (".", "..") or "/" in self.name or "\\" in self.name:

@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dapo.data.problems import Problem
-from dapo.data.rows import BadRow, Row, json_type, parse_rows
+from dapo.data.rows import BadRow, Row, check_keys, json_type, parse_rows
 
 FORMATS = ("dapo", "flat")
 ON_BAD_ROW = ("error", "skip")
@@ -181,6 +181,7 @@ def resolve_format(
     """The format to read ``table`` as, and the columns every row needs for it."""
     if fmt not in ("auto", *FORMATS):
         raise ValueError(f"data format must be one of auto, {', '.join(FORMATS)}; got {fmt!r}")
+    check_keys(question_key, answer_key)
     columns = set(table.columns)
     if fmt == "auto":
         # A chat prompt without a question column is a DAPO file, whatever else it lacks:
@@ -222,12 +223,13 @@ def load_problems(
         fmt: "dapo", "flat", or "auto": dapo when the file has ``prompt`` and ``reward_model``
             columns, flat otherwise.
         question_key, answer_key: the flat format's columns.
-        data_source: for rows that name none (flat files without the column, or a null).
+        data_source: for rows that name none (flat files without the column, a null or "").
         wrap_template: wrap each problem (flat: the question; dapo: the last user message) in
             the DAPO instruction template, unless it already starts with it.
         dedup: rows with the same ``extra_info.index`` or the same prompt messages are one
-            problem; ``copies`` counts them. With False every row is its own Problem, uid
-            suffixed ``#k`` (the k-th copy, from 0), for users who want repeats to weigh more.
+            problem; ``copies`` counts them (an index two prompts share: a bad row). With
+            False every row is its own Problem, uid suffixed ``#k`` (the k-th copy, from 0),
+            for users who want repeats to weigh more.
         on_bad_row: "error" raises DataError at the first bad row; "skip" skips each one and
             records it in ``skipped``.
 
@@ -269,12 +271,22 @@ class _Repeats:
         self.seen: Counter[str] = Counter()  # uid -> rows so far
         self._by_index: dict[str, str] = {}
         self._by_prompt: dict[tuple[tuple[str, str], ...], str] = {}
+        self._prompts: dict[str, tuple[tuple[str, str], ...]] = {}  # uid -> first prompt
 
     def identify(self, r: Row) -> str | BadRow:
         """Count row ``r`` under its problem's uid and return the uid; a BadRow instead when it
-        repeats a problem with another answer."""
+        repeats a problem with another answer, or shares an index with another prompt."""
         key = tuple((m["role"], m["content"]) for m in r.messages)
         uid = self._by_index.get(r.index) if r.index is not None else None
+        if uid is not None and key != self._prompts[uid]:
+            # Two files concatenated, each indexed 0..N-1: the index alone would silently
+            # merge two different problems (and blame the second one's answer).
+            return BadRow(
+                r.row,
+                "extra_info.index",
+                f"index {r.index} is also row {self.first_row[uid]}'s, whose prompt differs; "
+                "give each problem its own index",
+            )
         if uid is None:
             uid = self._by_prompt.get(key)
         if uid is not None and r.answer.strip() != self.answers[uid].strip():
@@ -288,6 +300,7 @@ class _Repeats:
             uid = r.index if r.index is not None else _prompt_hash(r.raw_messages)
             self.answers[uid] = r.answer
             self.first_row[uid] = r.row
+            self._prompts[uid] = key
         if r.index is not None:
             self._by_index.setdefault(r.index, uid)
         self._by_prompt.setdefault(key, uid)

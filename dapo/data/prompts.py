@@ -45,5 +45,17 @@ def render_prompt(
     if system_prompt is not None and not (messages and messages[0]["role"] == "system"):
         messages.insert(0, {"role": "system", "content": system_prompt})
     if chat_template and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        from jinja2 import TemplateError  # transformers renders chat templates with jinja2
+
+        try:
+            return tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
+        except TemplateError as exc:  # Gemma's refuses a system message, as a traceback
+            raise ValueError(
+                f"problem {problem.uid}: the tokenizer's chat template refused its messages "
+                f"({', '.join(m['role'] for m in messages)}): {exc}; set data.system_prompt=null "
+                "when the template takes no system message, or data.apply_chat_template=false "
+                "to prompt with the messages raw"
+            ) from None
     return "\n\n".join(m["content"] for m in messages)

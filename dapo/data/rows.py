@@ -122,7 +122,8 @@ def _messages(value: Any) -> tuple[dict[str, str], ...]:
 
 
 def _data_source(value: Any, default: str) -> str:
-    if value is None:
+    # An empty one is missing (the docs' promise, as for extra_info.index): data.data_source.
+    if value is None or value == "":
         return default
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"must be a non-empty string, got {_short(value)}")
@@ -140,6 +141,17 @@ def _index(extra_info: Any) -> str | None:
     if isinstance(index, bool) or not isinstance(index, (str, int)):
         raise ValueError(f"index must be an integer or a string, got {_short(index)}")
     return _text(str(index))
+
+
+def check_keys(question_key: str, answer_key: str) -> None:
+    """Refuse flat column names that collide: one column read (or written, by ``convert --to
+    flat``) as two fields would make every question its own answer, or its verifier."""
+    if len({question_key, answer_key, "data_source"}) < 3:
+        raise ValueError(
+            f"the question key ({question_key!r}), the answer key ({answer_key!r}) and "
+            "'data_source' must be three different columns; name them with --question-key/"
+            "--answer-key (data.question_key/answer_key)"
+        )
 
 
 def parse_row(

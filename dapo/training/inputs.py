@@ -57,9 +57,9 @@ def load_run_data(cfg: Config) -> RunData:
         )
         return RunData([p for p, _ in train], [p for p, _ in val], warmup)
 
-    from dapo.data.files import DataError, load_problems
+    from dapo.data.files import DataError, LoadedData, load_problems
 
-    def load(path: str):
+    def load(path: str, dedup: bool) -> LoadedData:
         return load_problems(
             path,
             fmt=d.format,
@@ -67,11 +67,13 @@ def load_run_data(cfg: Config) -> RunData:
             answer_key=d.answer_key,
             data_source=d.data_source,
             wrap_template=d.wrap_template,
-            dedup=d.dedup,
+            dedup=dedup,
             on_bad_row=d.on_bad_row,
         )
 
-    train, val = load(d.train_file), load(d.val_file)
+    # The val file is always merged: evaluation samples k responses per distinct problem,
+    # so AIME's 32 copies of a problem must be one problem x 32, whatever data.dedup says.
+    train, val = load(d.train_file, d.dedup), load(d.val_file, True)
     for data in (train, val):
         if not data.problems:  # every row skipped (data.on_bad_row=skip)
             first = data.skipped[0]
@@ -86,7 +88,7 @@ def load_run_data(cfg: Config) -> RunData:
     for name, data in (("train", train), ("val", val)):
         repeats = sum(data.copies.values()) - len(data.copies)
         line = f"{name}: {data.path}: {data.rows} rows, {len(data.problems)} problems"
-        line += f" ({repeats} repeated rows merged)" if d.dedup and repeats else ""
+        line += f" ({repeats} repeated rows merged)" if repeats else ""  # 0 without dedup
         line += f", {len(data.skipped)} bad rows skipped" if data.skipped else ""
         notes.append(line)
     return RunData(train.problems, val.problems, [], val_copies, notes)
@@ -98,7 +100,8 @@ def check_verifiers(cfg: Config, data: RunData) -> None:
         return  # it grades every row, whatever its data_source (check_reward_function)
     sources = {cfg.reward.mode} if cfg.reward.mode else {p.data_source for p in data.train}
     names = {tasks.get_task(cfg.reward.mode or source).name for source in sources}
-    names |= {tasks.get_task(p.data_source).name for p in data.val if p.data_source}
+    if not cfg.reward.mode:  # with a mode, evaluation grades val rows by it too
+        names |= {tasks.get_task(p.data_source).name for p in data.val if p.data_source}
     if "code" in names and check_code_sandbox(cfg) == "process":
         from dapo.reward.sandbox import process_mode_warning
 
