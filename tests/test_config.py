@@ -193,6 +193,17 @@ def test_a_number_that_is_not_finite_is_refused_wherever_it_comes_from(tmp_path)
         load_config(None, ["algo.adv_eps=-1"])
 
 
+def test_rounds_that_can_never_keep_n_groups_are_refused():
+    # Each round keeps at most one group per prompt: 2 rounds of 10 can never keep 32, and
+    # with on_max_rounds=error every step stopped, after generating its rounds.
+    rounds = ["train.prompts_per_step=32", "sampling.oversample=false", "sampling.max_rounds=2"]
+    with pytest.raises(ValueError, match="keep at most 20 groups, fewer than train.prompts_per"):
+        load_config(None, [*rounds, "sampling.prompts_per_round=10"])
+    load_config(None, [*rounds, "sampling.prompts_per_round=16"])  # 32: enough when all mix
+    load_config(None, [*rounds, "sampling.prompts_per_round=10", "sampling.on_max_rounds=train"])
+    load_config(None, [*rounds, "sampling.prompts_per_round=10", "sampling.max_rounds=0"])
+
+
 def test_preset_comes_from_the_most_specific_source(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("preset: grpo\nbase: demo\n")

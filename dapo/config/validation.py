@@ -92,8 +92,26 @@ def validate(cfg: Config) -> None:
             "data.train_file needs a real model: the embedded model only knows the arith "
             "task's words; set model.path to a Hugging Face model directory"
         )
+    errors += _sampling_errors(cfg)
     if errors:
         raise ValueError("invalid config:\n  " + "\n  ".join(errors))
+
+
+def _sampling_errors(cfg: Config) -> list[str]:
+    """Rounds that can never keep N groups (a round keeps at most one group per prompt it
+    draws): with ``on_max_rounds=error`` every step would stop, after generating."""
+    s, n = cfg.sampling, cfg.train.prompts_per_step
+    per_round = s.prompts_per_round or n
+    if not (s.dynamic and not s.oversample and s.max_rounds and s.on_max_rounds == "error"):
+        return []
+    if s.max_rounds * per_round >= n:
+        return []
+    return [
+        f"sampling.max_rounds={s.max_rounds} rounds of sampling.prompts_per_round={per_round} "
+        f"prompts keep at most {s.max_rounds * per_round} groups, fewer than "
+        f"train.prompts_per_step={n}: every step would stop; draw more (max_rounds, "
+        "prompts_per_round or sampling.oversample=true) or set sampling.on_max_rounds=train"
+    ]
 
 
 def config_warnings(cfg: Config) -> list[str]:
