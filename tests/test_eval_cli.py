@@ -252,3 +252,23 @@ def test_compare_names_a_hostile_line_instead_of_a_traceback(tmp_path, capsys):
         assert (
             f"--compare: {bad} line 2 is not a dapo eval record" in err and "Traceback" not in err
         )
+
+
+def test_compare_says_where_the_two_protocols_differ(tmp_path, capsys):
+    """maj@k of k = 4 against k = 32, or two temperatures, are not one measure: the table
+    printed them side by side without a word. Each side's summary.json is read."""
+    sides = {}
+    for side, k, temperature in (("A", 4, 1.0), ("B", 32, 0.6)):
+        out = tmp_path / side
+        out.mkdir()
+        _records(out / "problems.jsonl", [0.5] * 5)
+        protocol = {"k": k, "temperature": temperature, "top_p": 1.0, "data": f"{side}.parquet"}
+        (out / "summary.json").write_text(json.dumps({"protocol": protocol, "metrics": {}}))
+        sides[side] = out
+    assert main(["eval", "--compare", str(sides["A"]), str(sides["B"]), "--resamples", "50"]) == 0
+    out = capsys.readouterr().out
+    assert "the two evaluations differ in protocol" in out
+    assert "  k: 4 (A) vs 32 (B)" in out and "  temperature: 1.0 (A) vs 0.6 (B)" in out
+    assert "top_p" not in out and "data:" not in out  # the same, or not a sampling setting
+    assert main(["eval", "--compare", str(sides["A"]), str(sides["A"] / "problems.jsonl")]) == 0
+    assert "differ in protocol" not in capsys.readouterr().out

@@ -226,6 +226,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     print(f"A = {a_path}\nB = {b_path}\n{len(common)} problems in both", end="")
     dropped = len(a) + len(b) - 2 * len(common)
     print(f" ({dropped} only in one, left out)" if dropped else "")
+    for line in protocol_differences(a_path, b_path):
+        print(line)
     print(f"{'metric':<18} {'A':<24} {'B':<24} {'B - A [95% paired]':<26} p (permutation)")
     for name, row in result.items():
         if name == "changed":
@@ -238,3 +240,40 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if len(changed) > 10:
         print(f"  ... and {len(changed) - 10} more")
     return 0
+
+
+SAMPLING = ("k", "temperature", "top_p", "max_new_tokens", "greedy", "system_prompt")
+SAMPLING += ("stop_token_ids", "reward_mode", "reward_function", "engine", "dtype")
+"""What two evaluations' summary.json must share for their rows to measure the same thing."""
+
+
+def protocol_differences(a_path: Path, b_path: Path) -> list[str]:
+    """One line per sampling or grading setting the two evaluations' summary.json files (beside
+    their problems.jsonl) disagree on: maj@k of k = 4 against k = 32, or two temperatures,
+    are not the same measure, and the table alone would not say so. Nothing when either side
+    has no readable summary."""
+    protocols = [_protocol(p) for p in (a_path, b_path)]
+    if None in protocols:
+        return []
+    a, b = protocols
+    lines = [
+        f"  {key}: {a.get(key)!r} (A) vs {b.get(key)!r} (B)"
+        for key in SAMPLING
+        if a.get(key) != b.get(key)
+    ]
+    return (
+        ["the two evaluations differ in protocol (rows below compare unlike measures):"] + lines
+        if lines
+        else []
+    )
+
+
+def _protocol(path: Path) -> dict[str, Any] | None:
+    if not path.is_dir() and path.name != "problems.jsonl":
+        return None  # a records file of its own: no summary of its protocol beside it
+    summary = (path if path.is_dir() else path.parent) / "summary.json"
+    try:
+        protocol = json.loads(summary.read_text(encoding="utf-8")).get("protocol")
+    except (OSError, ValueError, RecursionError, AttributeError):
+        return None
+    return protocol if isinstance(protocol, dict) else None
