@@ -235,6 +235,32 @@ def test_an_episodes_reward_takes_the_verifiers_place(tokenizer, reward, score):
     assert environment_score(a.trace, verified) == Score(score, score > 0, "4")
 
 
+def test_a_numpy_or_torch_reward_is_kept_as_a_float_that_saves(tokenizer):
+    """A numpy or torch scalar passed the reward's check but stayed in the trace, and the JSON
+    of the rollouts an async run saves or sends raised (TypeError: float32)."""
+    import json
+
+    import numpy as np
+
+    for reward in (np.float32(0.5), torch.tensor(0.5)):
+        runner, _ = _runner(tokenizer, " 2 + 3 =", Ends(reward), max_abs=1000)
+        (a,) = runner.generate(
+            [PROBLEM], ["x"], group_size=1, max_new_tokens=20, seed=[1]
+        ).samples()
+        assert type(a.trace.reward) is float and a.trace.reward == 0.5
+        assert json.loads(json.dumps(dataclasses.asdict(a.trace)))["reward"] == 0.5
+
+
+def test_an_observation_that_spells_a_special_token_gives_plain_text(tokenizer):
+    """A tool printing the EOS token's text (or <|im_end|>) made the real special token: an end
+    or a chat turn the model never wrote, hidden from the transcript."""
+    eos = tokenizer.convert_ids_to_tokens(tokenizer.eos_token_id)
+    runner, _ = _runner(tokenizer, " 2 + 3 =", Says(f" {eos} 5"))
+    ids = runner.observation_ids(f" {eos} 5")
+    assert tokenizer.eos_token_id not in ids and ids[-1] == tokenizer(" 5")["input_ids"][-1]
+    assert tokenizer.eos_token_id in tokenizer(f" {eos} 5", add_special_tokens=False)["input_ids"]
+
+
 @pytest.mark.parametrize("reward", [math.nan, math.inf, -math.inf, 1000.5, "high", [1.0]])
 def test_a_reward_that_would_poison_the_advantages_stops_the_run_naming_the_row(tokenizer, reward):
     # A verifier's NaN or 1e200 is a fault; an environment's reward replaces the verifier's,

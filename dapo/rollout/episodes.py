@@ -22,6 +22,7 @@ in its call or on other ranks.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -240,18 +241,20 @@ class EpisodeRunner:
                 "dapo.env.Observation"
             )
         if answer.done and answer.reward is not None:
-            self._check_reward(answer.reward, history)
+            # A Python float from here on: a numpy or torch scalar passed the check but broke
+            # the JSON of rollouts saved or sent (async runs, generator ranks).
+            answer = dataclasses.replace(answer, reward=self._check_reward(answer.reward, history))
         return answer
 
-    def _check_reward(self, reward: Any, history: History) -> None:
+    def _check_reward(self, reward: Any, history: History) -> float:
         """A finished episode's reward takes the verifier's place, so it is held to what a
-        verifier's score is: a finite number within ``reward.max_abs``."""
+        verifier's score is: a finite number within ``reward.max_abs``; returned as a float."""
         try:
             value = float(reward) if not isinstance(reward, str | bytes) else math.nan
         except (TypeError, ValueError):
             value = math.nan
         if math.isfinite(value) and abs(value) <= self.max_abs:
-            return
+            return value
         raise ValueError(
             f"env.class: {type(self.env).__name__}.step ended row {history.problem.uid} "
             f"(turn {history.turns}) with reward {reward!r}; an episode's reward must be None "
@@ -283,14 +286,22 @@ class EpisodeRunner:
 
     def observation_ids(self, text: str) -> list[int]:
         """``text``'s tokens, cut to ``max_observation_tokens`` with :data:`CUT_MARKER`."""
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+        ids = self._plain_ids(text) if text else []
         limit = self.max_observation_tokens
         if len(ids) <= limit:
             return ids
-        marker = self.tokenizer(CUT_MARKER, add_special_tokens=False)["input_ids"]
+        marker = self._plain_ids(CUT_MARKER)
         if len(marker) >= limit:
             return ids[:limit]
         return ids[: limit - len(marker)] + marker
+
+    def _plain_ids(self, text: str) -> list[int]:
+        """``text``'s tokens as plain text: a tool that prints ``<|im_end|>`` or the EOS token's
+        text gives those characters' tokens, never the special token (which would forge a turn
+        of the chat or an end the model never wrote)."""
+        return self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)[
+            "input_ids"
+        ]
 
     def _continue(
         self, rows: list[_Row], pending: list[int], max_new_tokens: int, sampling: dict
