@@ -175,3 +175,37 @@ def test_a_run_killed_with_sigkill_resumes_into_the_uninterrupted_run(tmp_path, 
     assert metrics == ref_metrics
     assert weights.keys() == ref_weights.keys()
     assert all(torch.equal(weights[k], ref_weights[k]) for k in weights)
+
+
+def test_rollouts_drawn_ahead_are_resumed_only_where_they_belong(tmp_path):
+    """A checkpoint's steps drawn ahead go on at the step it stopped at, drawn from weights no
+    staler than train.async_staleness; a run that draws in turn (dist.rollout_ranks dropped at
+    k = 0, a resume-safe field) passed over them, their prompts never trained: refused."""
+    from safetensors.torch import save_file
+
+    from dapo.data.batch import Episode
+    from dapo.training.rollout_files import restore_ahead
+    from dapo.training.sampling import Group, SamplingResult
+    from dapo.training.sources import StepRollouts
+
+    def step(s, version):
+        e = Episode(torch.tensor([1]), torch.tensor([5, 6]), torch.zeros(2), False, True, 1.0)
+        g = Group(f"g{s}", [e], version=version)
+        return StepRollouts(s, version, SamplingResult([g], rounds=1, generated=[g]), {}, 0.0, 0.0)
+
+    meta, tensors = rollouts_to_files([step(4, 3), step(5, 4)])
+    save_file(tensors, tmp_path / "rollouts.safetensors")
+    info = {"ahead": {"rollouts": meta, "prior": [3, 8]}}
+    drawn, prior = restore_ahead(info, tmp_path, step=4, staleness=1, consumed=True)
+    assert [d.step for d in drawn] == [4, 5] and prior == (3, 8)
+    with pytest.raises(CheckpointError, match="drawn in turn would pass over"):
+        restore_ahead(info, tmp_path, step=4, staleness=0, consumed=False)
+    for where, k in ((5, 1), (3, 1), (4, 0)):  # another step, or staler than k allows
+        with pytest.raises(CheckpointError, match=r"for steps \[4, 5\]"):
+            restore_ahead(info, tmp_path, step=where, staleness=k, consumed=True)
+    bad_prior = {"ahead": {"rollouts": meta, "prior": [3, -1]}}
+    with pytest.raises(CheckpointError, match="kept fraction"):
+        restore_ahead(bad_prior, tmp_path, step=4, staleness=1, consumed=True)
+    assert restore_ahead({}, tmp_path, step=4, staleness=0, consumed=False) is None
+    empty = {"ahead": {"rollouts": [], "prior": [1, 2]}}
+    assert restore_ahead(empty, tmp_path, step=4, staleness=1, consumed=True) == ([], (1, 2))

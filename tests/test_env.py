@@ -498,3 +498,48 @@ def test_a_checkpoints_episodes_keep_their_masks_and_a_mismatch_is_refused():
     meta[0]["groups"][0]["episodes"][0]["trace"]["env_tokens"] = 0  # the count, tampered with
     with pytest.raises(CheckpointError, match="does not match"):
         rollouts_from_files(meta, tensors, "file")
+
+
+def test_a_tampered_rollouts_file_is_refused_never_a_wrong_rollout():
+    """Each of these was restored as it was: observations trained without their trace, one
+    episode's log-probs shifted against its tokens, a NaN reward, a "no" for correct, and a
+    group kept twice."""
+    import copy
+
+    from dapo.run.checkpoint import CheckpointError
+    from dapo.training.rollout_files import rollouts_from_files, rollouts_to_files
+    from dapo.training.sampling import Group, SamplingResult
+    from dapo.training.sources import StepRollouts
+
+    mask = torch.tensor([False, False, True, True, False])
+    trace = Trace(turns=2, env_tokens=2, tool_calls=1, transcript="x")
+    first = Episode(
+        torch.tensor([1, 2]), torch.tensor([5, 6, 7, 8, 9]), torch.zeros(5), False, True, 1.0,
+        env_mask=mask, trace=trace,
+    )  # fmt: skip
+    second = Episode(
+        torch.tensor([1, 2]), torch.tensor([5, 6, 7]), -torch.ones(3), False, False, -1.0
+    )
+    group = Group("g", [first, second])
+    drawn = StepRollouts(0, 0, SamplingResult([group], rounds=1, generated=[group]), {}, 0.0, 0.0)
+    meta, tensors = rollouts_to_files([drawn])
+
+    def tampered(edit_meta=None, edit_tensors=None):
+        m, t = copy.deepcopy(meta), {k: v.clone() for k, v in tensors.items()}
+        if edit_meta:
+            edit_meta(m[0])
+        if edit_tensors:
+            edit_tensors(t)
+        with pytest.raises(CheckpointError, match="does not match"):
+            rollouts_from_files(m, t, "file")
+
+    episodes = lambda m: m["groups"][0]["episodes"]  # noqa: E731
+    tampered(lambda m: episodes(m)[0].pop("trace"))  # the mask would be dropped
+    tampered(edit_tensors=lambda t: t["sampler_logprobs_lengths"].copy_(torch.tensor([4, 4])))
+    tampered(edit_tensors=lambda t: t.update(response_ids=t["response_ids"].float()))
+    tampered(lambda m: episodes(m)[1].update(reward=float("nan")))
+    tampered(lambda m: episodes(m)[1].update(correct="no"))
+    tampered(lambda m: m.update(kept=[0, 0]))
+    tampered(lambda m: m.update(kept=[-1]))
+    (back,) = rollouts_from_files(meta, tensors, "file")  # the file as written: as it was
+    assert back.result.generated[0].episodes[1].sampler_logprobs.tolist() == [-1.0] * 3

@@ -34,7 +34,7 @@ from dapo.run.seeding import derive_seed
 from dapo.run.threads import ThreadGovernor
 from dapo.training.generator_ranks import GeneratorRanks
 from dapo.training.generator_thread import GeneratorThread
-from dapo.training.rollout_files import rollouts_from_files
+from dapo.training.rollout_files import restore_ahead
 from dapo.training.sampling import DynamicSamplingExhausted
 from dapo.training.sources import InTurn, RolloutSource, StepRollouts
 from dapo.training.state import TrainState, build_state, reward_pool
@@ -315,11 +315,9 @@ class _Loop:
             raise checkpoint.CheckpointError(wrong)
         state.load_state_dict(info)
         state.sync_engine()
-        if "ahead" in info and (state.cfg.train.async_staleness or roles.roles()):
-            tensors = checkpoint.load_rollouts(ckpt)
-            path = ckpt / checkpoint.ROLLOUTS_FILE
-            drawn = rollouts_from_files(info["ahead"]["rollouts"], tensors, path)
-            self.restored = drawn, tuple(info["ahead"]["prior"])
+        k = state.cfg.train.async_staleness
+        consumed = bool(k or roles.roles())
+        self.restored = restore_ahead(info, ckpt, step=state.step, staleness=k, consumed=consumed)
         if self.on_resume is not None:
             self.on_resume()
         self.val_start, self.val_last = info["val_start"], info["val_last"]

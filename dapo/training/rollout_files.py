@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,7 +20,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from dapo.data.batch import Episode, Trace
-from dapo.run.checkpoint import CheckpointError
+from dapo.run.checkpoint import ROLLOUTS_FILE, CheckpointError, load_rollouts
 from dapo.training.sampling import Group, SamplingResult
 from dapo.training.sources import StepRollouts
 
@@ -103,8 +105,11 @@ def rollouts_from_files(
                     episodes_g.append(_episode(split, n, fields))
                     n += 1
                 groups.append(Group(str(g["uid"]), episodes_g, version=int(m["version"])))
+            kept = m["kept"]
+            if sorted(set(kept)) != kept or not set(kept) <= set(range(len(groups))):
+                raise ValueError(f"step {m['step']}: kept groups {kept} of {len(groups)}")
             result = SamplingResult(
-                groups=[groups[i] for i in m["kept"]],
+                groups=[groups[i] for i in kept],
                 rounds=int(m["rounds"]),
                 prompts_drawn=int(m["prompts_drawn"]),
                 groups_mixed=int(m["groups_mixed"]),
@@ -123,19 +128,41 @@ def rollouts_from_files(
 
 
 def _episode(split: dict[str, list[torch.Tensor]], n: int, fields: dict) -> Episode:
-    """Episode ``n`` of a file: its tensors from ``split``, the rest from its JSON."""
+    """Episode ``n`` of a file: its tensors from ``split``, the rest from its JSON, each
+    checked against what an episode is (a file's lengths moved by one would shift every
+    later episode's log-probs against its tokens)."""
     tensors = {name: split[name][n].clone() for name in _TENSORS}
+    ids, logprobs = tensors["response_ids"], tensors["sampler_logprobs"]
+    if tensors["prompt_ids"].is_floating_point() or ids.is_floating_point():
+        raise ValueError(f"episode {n}: token ids that are not integers")
+    if not logprobs.is_floating_point() or logprobs.numel() != ids.numel():
+        raise ValueError(f"episode {n}: {logprobs.numel()} log-probs for {ids.numel()} tokens")
     trace = fields.get("trace")
     trace = None if trace is None else Trace(**trace)
-    env_mask = None
-    if trace is not None and _ENV_MASK in split:
-        env_mask = split[_ENV_MASK][n].bool()
-        if env_mask.numel() != tensors["response_ids"].numel():
-            raise ValueError(f"episode {n}: its env_mask and its response differ in length")
+    env_mask = split[_ENV_MASK][n].bool() if _ENV_MASK in split else None
+    if env_mask is not None and env_mask.numel() != ids.numel():
+        raise ValueError(f"episode {n}: its env_mask and its response differ in length")
+    if trace is None and env_mask is not None and bool(env_mask.any()):
+        # Without the trace the mask would be dropped and the observations trained on.
+        raise ValueError(f"episode {n}: its env_mask marks observations, but it has no trace")
+    env_mask = env_mask if trace is not None else None
     if trace is not None and trace.env_tokens != (0 if env_mask is None else int(env_mask.sum())):
         # The mask is what training reads, the trace what is counted: they must agree.
         raise ValueError(f"episode {n}: its trace and its env_mask count other tokens")
-    return Episode(**tensors, **{f: fields[f] for f in _FIELDS}, env_mask=env_mask, trace=trace)
+    return Episode(**tensors, **_checked_fields(fields, n), env_mask=env_mask, trace=trace)
+
+
+def _checked_fields(fields: dict, n: int) -> dict[str, Any]:
+    """An episode's JSON fields, with the types an episode has: a NaN reward or a "no" for
+    ``correct`` would pass into the advantages as they are."""
+    out = {f: fields[f] for f in _FIELDS}
+    flags, texts = ("truncated", "correct", "trainable"), ("text", "reward_fault")
+    if not all(type(out[f]) is bool for f in flags) or not all(type(out[f]) is str for f in texts):
+        raise ValueError(f"episode {n}: a flag that is not true or false, or a text not text")
+    reward = out["reward"]
+    if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
+        raise ValueError(f"episode {n}: reward {reward!r} is not a finite number")
+    return out
 
 
 def encode(drawn: StepRollouts, extra: dict[str, Any]) -> torch.Tensor:
@@ -155,3 +182,38 @@ def decode(buffer: torch.Tensor) -> tuple[StepRollouts, dict[str, Any]]:
     message = json.loads(data[8 : 8 + n])
     (drawn,) = rollouts_from_files(message.pop("rollouts"), st_load(data[8 + n :]), "a message")
     return drawn, message
+
+
+def restore_ahead(
+    info: dict[str, Any], ckpt: Path, *, step: int, staleness: int, consumed: bool
+) -> tuple[list[StepRollouts], tuple[int, int]] | None:
+    """The steps a checkpoint holds drawn ahead (``info["ahead"]``, from trainer.json) and
+    their drawer's kept fraction, checked: consecutive from ``step`` (the next to train), each
+    drawn from weights no older than ``staleness`` steps. None when it holds none. ``consumed``:
+    whether this run's rollout source takes them; one drawing in turn would pass over their
+    prompts (never trained), so that resume is refused."""
+    ahead = info.get("ahead")
+    if ahead is None or not (consumed or ahead.get("rollouts")):
+        return None
+    if not consumed:
+        raise CheckpointError(
+            f"{ckpt}: it holds {len(ahead['rollouts'])} step(s) of rollouts drawn ahead (by "
+            "generator ranks or a generator thread), which rollouts drawn in turn would pass "
+            "over, their prompts never trained; resume with the dist.rollout_ranks and "
+            "train.async_staleness the run was saved with"
+        )
+    path = ckpt / ROLLOUTS_FILE
+    drawn = rollouts_from_files(ahead.get("rollouts") or [], load_rollouts(ckpt), path)
+    steps = [d.step for d in drawn]
+    stale = [d.step for d in drawn if not max(0, d.step - staleness) <= d.version <= d.step]
+    prior = ahead.get("prior")
+    good_prior = isinstance(prior, list) and len(prior) == 2
+    good_prior = good_prior and all(type(v) is int and v >= 0 for v in prior)
+    if steps != list(range(step, step + len(drawn))) or stale or not good_prior:
+        raise CheckpointError(
+            f"{path}: the rollouts drawn ahead are for steps {steps} (weights of steps "
+            f"{[d.version for d in drawn]}, kept fraction {prior!r}), where the run goes on at "
+            f"step {step} with train.async_staleness={staleness}: the checkpoint is damaged; "
+            "resume from an earlier one (delete this step's directory)"
+        )
+    return drawn, (prior[0], prior[1])
