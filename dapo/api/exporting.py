@@ -47,6 +47,13 @@ a directory that has one."""
 SHARD_BYTES = 5 * 2**30
 """Weights per safetensors file of an export of DCP shards (``save_pretrained``'s 5 GB)."""
 WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json")
+EXPORT_FILES = {
+    MARKER, "config.json", "generation_config.json", "model.safetensors.index.json",
+    "adapter_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "added_tokens.json", "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt",
+    "tokenizer.model",
+}  # fmt: skip
+"""The files besides its weights that an export whose marker lists none may hold."""
 
 
 @dataclass(frozen=True)
@@ -117,6 +124,7 @@ def export(
             "dtype": dtype or "as stored",
             "stop_token_ids": list(stops),
             "dapo_version": __version__,
+            "files": sorted([f.name for f in tmp.iterdir()] + [MARKER]),
         }
         (tmp / MARKER).write_text(json.dumps(provenance, indent=1) + "\n")
         checkpoint.fsync_tree(tmp)
@@ -162,15 +170,47 @@ def _prepare(out: Path, overwrite: bool) -> Path:
     no_link(out)
     if out.exists() and not overwrite:
         raise FileExistsError(f"--out {out} exists; choose another or pass --overwrite")
-    if out.exists() and not (out / MARKER).is_file():
-        raise FileExistsError(
-            f"--out {out} exists and was not written by dapo export (no {MARKER}); it is "
-            "left as it is: remove it yourself or choose another --out"
-        )
+    if out.exists():
+        _check_replaceable(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = no_link(out.with_name(f".{out.name}.tmp-{os.getpid()}"))
     shutil.rmtree(tmp, ignore_errors=True)
     return tmp
+
+
+def _check_replaceable(out: Path) -> None:
+    """``out`` refused unless it holds only what ``dapo export`` wrote there: the files its
+    ``dapo-export.json`` lists, or (an export from before that list) only the files an export
+    writes, no directory."""
+    keep = "it is left as it is: remove it yourself or choose another --out"
+    marker = out / MARKER
+    if not marker.is_file() or marker.is_symlink():
+        raise FileExistsError(
+            f"--out {out} exists and was not written by dapo export (no {MARKER}); {keep}"
+        )
+    try:
+        listed = json.loads(marker.read_text()).get("files")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise FileExistsError(f"--out {out}: {marker} is unreadable ({exc}); {keep}") from None
+    mine = set(map(str, listed)) if isinstance(listed, list) else None
+    foreign = sorted(
+        e.name
+        for e in out.iterdir()
+        if e.is_symlink()
+        or not e.is_file()
+        or not (_exported(e.name) if mine is None else e.name in mine)
+    )
+    if foreign:
+        raise FileExistsError(
+            f"--out {out} holds what dapo export did not write: {', '.join(foreign[:10])}; "
+            f"--overwrite replaces only an export's own files: {keep}"
+        )
+
+
+def _exported(name: str) -> bool:
+    """Whether an export from before ``dapo-export.json`` listed its files writes ``name``."""
+    weights = name.endswith(".safetensors") and name.startswith(("model", "adapter_model"))
+    return weights or name in EXPORT_FILES
 
 
 def _publish(tmp: Path, out: Path) -> None:
@@ -184,11 +224,15 @@ def _publish(tmp: Path, out: Path) -> None:
 
 
 def _copy_weights(src: Path, tmp: Path, dtype: str | None, log) -> tuple[int, int]:
-    """One process's checkpoint: ``save_pretrained``'s weight files, converted when asked."""
-    files = sorted(f for f in src.iterdir() if f.name.endswith(".safetensors"))
+    """One process's checkpoint: ``save_pretrained``'s weight files, converted when asked;
+    their index (when ``src`` has one) rebuilt from their own headers, never read."""
+    files = src.is_dir() and sorted(
+        f for f in src.iterdir() if f.name.endswith(".safetensors") and f.is_file()
+    )
     if not files:
-        raise CheckpointError(f"{src} holds no .safetensors weights")
+        raise CheckpointError(f"{src} holds no .safetensors weights: the checkpoint is damaged")
     parameters = size = 0
+    weight_map: dict[str, str] = {}
     for i, f in enumerate(files, 1):
         if dtype is None:
             shutil.copyfile(f, tmp / f.name)
@@ -199,13 +243,13 @@ def _copy_weights(src: Path, tmp: Path, dtype: str | None, log) -> tuple[int, in
             with safe_open(tmp / f.name, framework="pt") as written:
                 for key in written.keys():  # noqa: SIM118 - safe_open is no mapping
                     parameters += math.prod(written.get_slice(key).get_shape())
+                    weight_map[key] = f.name
         except SafetensorError as exc:  # copied as it is: a garbled file is read here first
             raise unreadable_file(f, exc) from None
         size += (tmp / f.name).stat().st_size
         log(f"export: weights {i}/{len(files)} ({_size(size)})")
-    index = src / "model.safetensors.index.json"
-    if index.is_file():
-        _write_index(tmp, json.loads(index.read_text())["weight_map"])
+    if len(files) > 1 or (src / "model.safetensors.index.json").exists():
+        _write_index(tmp, weight_map)
     return parameters, size
 
 
@@ -293,6 +337,19 @@ def _write_index(tmp: Path, weight_map: dict[str, str]) -> None:
     (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
+def _read_config(src: Path, copied: Path) -> dict:
+    """The object of ``config.json`` (``copied`` from ``src``), else a CheckpointError."""
+    fix = "the checkpoint is damaged; export another step (--step) or the run's final model/"
+    try:
+        config = json.loads(copied.read_text())
+    except (OSError, ValueError) as exc:
+        why = getattr(exc, "strerror", None) or exc
+        raise CheckpointError(f"{src} is missing or unreadable ({why}): {fix}") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{src} holds a {type(config).__name__}, not a model config: {fix}")
+    return config
+
+
 def _extra_stops(run_dir: Path) -> list[int]:
     """``rollout.stop_token_ids`` of the run (its ``config.yaml``)."""
     try:
@@ -319,7 +376,7 @@ def _write_configs(
     for f in sorted(src.iterdir()):
         if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES):
             shutil.copyfile(f, tmp / f.name)
-    config = json.loads((tmp / "config.json").read_text())
+    config = _read_config(src / "config.json", tmp / "config.json")
     if dtype is not None:
         for key in ("dtype", "torch_dtype"):
             if key in config or key == "dtype":

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -165,7 +166,41 @@ class SafeReader(HuggingFaceStorageReader):
                 )
         if not metadata.state_dict_metadata:
             raise UnsafeCheckpointError(f"{where}: no checkpoint shards (*.safetensors)")
+        for name, info in metadata.state_dict_metadata.items():
+            gap = _uncovered(info) if hasattr(info, "chunks") else None
+            if gap:
+                raise UnsafeCheckpointError(
+                    f"{where}: the shards of tensor {name!r} {gap}: the checkpoint is damaged "
+                    "or incomplete (a rank's shard missing); use another checkpoint"
+                )
         return metadata
+
+
+def _uncovered(info: Any) -> str | None:
+    """Why the chunks the shards hold of one tensor (``info``: DCP's metadata of it) do not
+    cover it exactly once, or None when they do: a part left out would be read as whatever
+    memory held before."""
+    size = tuple(info.size)
+    boxes = [(tuple(c.offsets), tuple(c.sizes)) for c in info.chunks]
+    for offsets, sizes in boxes:
+        inside = len(offsets) == len(sizes) == len(size) and all(
+            o >= 0 and n >= 0 and o + n <= whole
+            for o, n, whole in zip(offsets, sizes, size, strict=True)
+        )
+        if not inside:
+            where = f"offsets {list(offsets)}, sizes {list(sizes)}"
+            return f"hold a part ({where}) outside its shape {list(size)}"
+    for i, (a_off, a_size) in enumerate(boxes):
+        for b_off, b_size in boxes[i + 1 :]:
+            if all(
+                max(ao, bo) < min(ao + an, bo + bn)
+                for ao, an, bo, bn in zip(a_off, a_size, b_off, b_size, strict=True)
+            ):
+                return f"overlap (parts at offsets {list(a_off)} and {list(b_off)})"
+    held = sum(math.prod(sizes) for _, sizes in boxes)
+    if held != math.prod(size):
+        return f"hold {held} of its {math.prod(size)} elements"
+    return None
 
 
 def check_format(path: Path) -> None:
@@ -331,6 +366,7 @@ def read_tensors(
     """The whole tensors ``wanted`` (name: shape and dtype, as :func:`stored_tensors` gives
     them) of a checkpoint written at any world size, gathered from every rank's shards in this
     one process, into the CPU memory: a part of the checkpoint at a time."""
+    SafeReader(str(path)).read_metadata()  # refused with its own message, not DCP's report
     state = {name: torch.empty(size, dtype=dtype) for name, (size, dtype) in wanted.items()}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

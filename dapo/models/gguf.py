@@ -91,18 +91,41 @@ def gguf_metadata(path: Path) -> tuple[str, int | None]:
     """A GGUF file's ``general.architecture`` and ``tokenizer.ggml.eos_token_id`` (None when
     it has none), from one read: gguf's reader parses every field on opening, the whole
     vocabulary too (about 2.5 s for SmolLM2's 49k tokens on one core of this project's CPU)."""
-    from gguf import GGUFReader
+    from gguf import GGUFReader, GGUFValueType
 
+    ints = {GGUFValueType[t] for t in ("UINT8", "INT8", "UINT16", "INT16", "UINT32", "INT32")}
+    ints |= {GGUFValueType.UINT64, GGUFValueType.INT64}
     try:
         fields = GGUFReader(path).fields
         field = fields["general.architecture"]
+        if field.types != [GGUFValueType.STRING]:
+            raise ValueError(f"general.architecture is of type {field.types}, not a string")
+        architecture = bytes(field.parts[field.data[0]]).decode("utf-8")
+        eos = fields.get("tokenizer.ggml.eos_token_id")
+        if eos is not None and (len(eos.types) != 1 or eos.types[0] not in ints):
+            raise ValueError(f"tokenizer.ggml.eos_token_id is of type {eos.types}, not an integer")
+        eos_id = None if eos is None else int(eos.parts[eos.data[0]][0])
+        if eos_id is not None and eos_id < 0:
+            raise ValueError(f"tokenizer.ggml.eos_token_id is {eos_id}, not a token id")
     except KeyError:
         raise ValueError(f"{path}: no general.architecture field in its metadata") from None
-    except (ValueError, OSError) as exc:
-        raise ValueError(f"{path}: unreadable GGUF file ({exc})") from None
-    eos = fields.get("tokenizer.ggml.eos_token_id")
-    eos_id = None if eos is None else int(eos.parts[eos.data[0]][0])
-    return bytes(field.parts[field.data[0]]).decode("utf-8"), eos_id
+    except (ValueError, OSError, IndexError) as exc:  # UnicodeDecodeError is a ValueError
+        raise ValueError(
+            f"{path}: unreadable GGUF file ({exc}); give a GGUF file written by llama.cpp's "
+            "tools or the gguf package (a damaged download: fetch it again)"
+        ) from None
+    return architecture, eos_id
+
+
+def _loaded(path: Path, what: str, load: Callable[[], Any]) -> Any:
+    """``load()`` (transformers reading ``path``), its error a ValueError naming the file."""
+    try:
+        return load()
+    except Exception as exc:  # transformers raises many kinds over a malformed file
+        raise ValueError(
+            f"{path}: transformers could not read its {what} ({type(exc).__name__}: {exc}); the "
+            "GGUF file is damaged or not a model transformers imports: give another file"
+        ) from None
 
 
 def check_architecture(path: Path, architecture: str) -> None:
@@ -131,10 +154,10 @@ def import_gguf(source: str, out_dir: Path, *, log: Callable[[str], None] = prin
     check_architecture(path, architecture)
     log(f"importing {path} ({path.stat().st_size / 1e6:.0f} MB, {architecture})")
 
-    tokenizer = _load_tokenizer(path, eos)
+    tokenizer = _loaded(path, "tokenizer", lambda: _load_tokenizer(path, eos))
     log(f"  tokenizer: {len(tokenizer)} tokens, chat template: {bool(tokenizer.chat_template)}")
     log("  dequantizing the weights ...")
-    model = _load_model(path)
+    model = _loaded(path, "weights", lambda: _load_model(path))
     # The run's rule (the tokenizer's EOS and the generation config's), plus the end tokens.
     stops = stop_token_ids(model, tokenizer, extra=end_token_ids(tokenizer))
     model.generation_config.eos_token_id = list(stops)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,12 @@ def verify(ckpt: Path, *, digests: bool | tuple[int, int] = False) -> str | None
     files = manifest_files(ckpt)
     if isinstance(files, str):
         return files
+    link = _first_link(ckpt)
+    if link is not None:
+        return (
+            f"{link} is a link: a checkpoint holds only plain files and directories (a link "
+            "could lead outside it); copy the checkpoint with the files the links point to"
+        )
     extra = sorted(
         str(p.relative_to(ckpt))
         for p in ckpt.rglob("*")
@@ -80,4 +87,13 @@ def verify(ckpt: Path, *, digests: bool | tuple[int, int] = False) -> str | None
                 f"{path} is not the file that was written (its SHA-256 differs from the "
                 "manifest's): it was altered or damaged since"
             )
+    return None
+
+
+def _first_link(ckpt: Path) -> Path | None:
+    """The first link under ``ckpt`` (to a file or a directory; none followed), or None."""
+    for top, dirs, names in os.walk(ckpt, followlinks=False):
+        for name in sorted(dirs) + sorted(names):
+            if os.path.islink(os.path.join(top, name)):
+                return Path(top) / name
     return None
