@@ -323,7 +323,9 @@ def _late_rollouts_rank(rank: int, port: int, delay_s: float) -> None:
 
     env = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": 2, "MASTER_PORT": port}
     os.environ.update({k: str(v) for k, v in env.items()}, MASTER_ADDR="127.0.0.1")
-    dist.init_from_env(timeout_s=1.0, wait_timeout_s=60.0)
+    # dist.timeout_s also bounds the two processes' rendezvous: 4 s, so that a loaded machine
+    # starting the second one late does not time out before the test begins.
+    dist.init_from_env(timeout_s=4.0, wait_timeout_s=60.0)
     try:
         got = roles.split(1, wait_timeout_s=60.0)
         assert got is not None and got.generates(1)
@@ -341,11 +343,11 @@ def _late_rollouts_rank(rank: int, port: int, delay_s: float) -> None:
 
 def test_a_trainer_waits_for_rollouts_longer_than_the_collective_timeout():
     """The rollouts of a step reach the trainers after a whole round of generation: the
-    trainer's receive waits up to dist.wait_timeout_s, not dist.timeout_s (1 s here, while
-    the generator takes 3 s)."""
+    trainer's receive waits up to dist.wait_timeout_s, not dist.timeout_s (4 s here, while
+    the generator takes 7 s)."""
     from helpers import spawn_ranks
 
-    spawn_ranks(_late_rollouts_rank, 3.0)
+    spawn_ranks(_late_rollouts_rank, 7.0)
 
 
 def test_a_failing_run_stops_its_source_without_waiting_on_the_generators():
