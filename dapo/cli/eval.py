@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -187,18 +186,11 @@ def _record(line: str) -> tuple[str, dict[str, float]] | None:
     if not isinstance(record, dict) or not isinstance(record.get("metrics"), dict):
         return None
     uid, metrics = record.get("uid"), record["metrics"]
-    if not isinstance(uid, str) or not all(_finite(v) for v in metrics.values()):
+    from dapo.report.runs import is_number
+
+    if not isinstance(uid, str) or not all(is_number(v) for v in metrics.values()):
         return None
     return uid, {str(k): float(v) for k, v in metrics.items()}
-
-
-def _finite(value: Any) -> bool:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # an int beyond a float's range
-        return False
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
