@@ -29,7 +29,13 @@ from dapo.models.logprobs import batch_logprobs
 from dapo.reward import sandbox
 from dapo.reward.tasks import Score
 from dapo.rollout import Rollout, make_engine
-from dapo.rollout.episodes import CUT_MARKER, EpisodeRunner, environment_score, with_turn_ends
+from dapo.rollout.episodes import (
+    CUT_MARKER,
+    PAUSES_PER_TURN,
+    EpisodeRunner,
+    environment_score,
+    with_turn_ends,
+)
 from dapo.training.old_logprobs import fill_logprobs
 from dapo.training.rounds import shape_group
 from dapo.training.state import build_state
@@ -123,9 +129,11 @@ class FixedTurns:
     def __init__(self, turn: list[int], stops: list[int], pad: int) -> None:
         self.turn, self.stop_token_ids, self.pad = turn, tuple(stops), pad
         self.contexts: list[list[int]] = []
+        self.seeds: list[int] = []
 
     def generate(self, prompts, *, group_size, max_new_tokens, seed=0, **_):
         rows = len(prompts) * group_size
+        self.seeds += [seed] if isinstance(seed, int) else list(seed)
         ids = self.turn[:max_new_tokens]
         stopped = ids[-1] in self.stop_token_ids
         if not isinstance(prompts[0], str):
@@ -195,6 +203,56 @@ def test_an_episode_stops_at_l_max_counting_the_observations(tokenizer):
     runner, _ = _runner(tokenizer, " 2 + 3 =", Says(" 5 5 5 5 5"), max_turns=8)
     (b,) = runner.generate([PROBLEM], ["x"], group_size=1, max_new_tokens=7, seed=[1]).samples()
     assert b.env_mask.tolist() == [False] * 4 + [True] * 3 and b.truncated
+
+
+def test_a_turn_end_at_l_max_runs_no_tool(tokenizer):
+    """The model's turn fills L_max and ends at a turn end: there is no room for an answer,
+    so the tool does not run (it ran, took its time and counted as a call)."""
+    runner, turn = _runner(tokenizer, " 2 + 3 =", Says(), max_turns=8)
+    (a,) = runner.generate([PROBLEM], ["x"], group_size=1, max_new_tokens=4, seed=[1]).samples()
+    assert a.response_ids.tolist() == turn and a.truncated
+    assert a.trace == Trace(turns=1, env_tokens=0, tool_calls=0, transcript=" 2 + 3 =")
+
+
+class PausesThenSays(Environment):
+    """Answers nothing to every other stop (as the Python tool answers an opening fence),
+    and `` 5 ?`` to the others."""
+
+    turn_ends = ("=",)
+
+    def step(self, history: History) -> Observation:
+        if history.finished:
+            return Observation(done=True)
+        if history.model_text.count("=") % 2:
+            return Observation()
+        return Observation(" 5 ?", tool_call=True)
+
+
+def test_a_stop_answered_with_nothing_is_a_pause_not_a_turn(tokenizer):
+    """A python block's opening fence stops the model and the tool answers nothing: that cost
+    a turn, so each block took two of env.max_turns."""
+    runner, turn = _runner(tokenizer, " 2 + 3 =", PausesThenSays(), max_turns=2)
+    (a,) = runner.generate([PROBLEM], ["x"], group_size=1, max_new_tokens=100, seed=[1]).samples()
+    obs = tokenizer(" 5 ?", add_special_tokens=False)["input_ids"]
+    assert a.response_ids.tolist() == turn + turn + obs + turn
+    assert (a.trace.turns, a.trace.tool_calls, a.truncated) == (2, 1, False)
+    # Each draw has a seed of its own: the rest of a paused turn does not repeat its draws.
+    assert len(set(runner.engine.seeds)) == len(runner.engine.seeds) == 3
+
+
+def test_pauses_are_bounded(tokenizer):
+    """A model that stops at fence after fence would cost a generate call per stop up to
+    L_max: an episode pauses at most PAUSES_PER_TURN x max_turns times."""
+
+    class Silent(Says):
+        def step(self, history: History) -> Observation:
+            return Observation(done=history.finished)
+
+    runner, turn = _runner(tokenizer, " 2 + 3 =", Silent(), max_turns=2)
+    (a,) = runner.generate([PROBLEM], ["x"], group_size=1, max_new_tokens=1000, seed=[1]).samples()
+    draws = PAUSES_PER_TURN * 2 + 1
+    assert a.response_ids.tolist() == turn * draws and not a.truncated
+    assert a.trace.turns == 1 and len(runner.engine.seeds) == draws
 
 
 def test_a_long_observation_is_cut_with_a_marker(tokenizer):

@@ -17,8 +17,10 @@ class EnvConfig:
     ``PATH.py:NAME`` or ``package.module:NAME`` (a subclass of ``dapo.env.Environment`` of
     your own), or empty: single-turn."""
     max_turns: int = 8
-    """Model turns an episode may take (each ends at a tool call, a turn-end text of the
-    environment, or the end of the message); the episode ends after the last."""
+    """Model turns an episode may take (each ends at an observation: a tool call, the text an
+    environment answers; or at the end of the message); the episode ends after the last. A
+    stop the environment answers with nothing (a code block's opening fence) is a pause, not a
+    turn; an episode pauses at most 4 x ``max_turns`` times."""
     max_observation_tokens: int = 256
     """Tokens one observation (a tool's output) may add; a longer one is cut, with a marker.
     The whole episode, model and environment tokens together, stays within

@@ -32,7 +32,8 @@ class History:
     transcript: str
     """The response so far, the observations in their places."""
     turns: int
-    """Model turns so far (this one included)."""
+    """Model turns so far (this one included). A stop answered with nothing (an empty,
+    unfinished :class:`Observation`) is a pause: the turn goes on, and is counted once."""
     finished: bool
     """The last turn ended at a stop token of the policy (the end of its message), not at
     one of the environment's ``turn_ends``."""
@@ -44,7 +45,8 @@ class Observation:
 
     text: str = ""
     """Appended to the episode after the model's turn, as context (no loss, no advantage);
-    empty with ``done`` False: the model goes on with nothing added."""
+    empty with ``done`` and ``tool_call`` False: a pause, the model goes on in the same turn
+    with nothing added."""
     done: bool = False
     """The episode ends here; ``text`` is then ignored."""
     reward: float | None = None

@@ -11,13 +11,18 @@ tokens are the sampled ones). The native engine continues a row from the KV cach
 turn left (:mod:`dapo.rollout.parking`: only the turn-end token and the observation are
 prefilled); vLLM's prefix cache finds the episode's prefix; the hf engine computes it again.
 
-Bounds: ``max_turns`` model turns; each observation within ``max_observation_tokens`` (cut,
-with a marker); the whole response, model and environment tokens together, within the call's
-``max_new_tokens`` (L_max). A row that reaches L_max is truncated.
+A stop that the environment answers with nothing (no text, no tool, not the end: the opening
+fence of a code block) is a pause, not the end of a turn: the model goes on in the same turn.
 
-Seeds: turn 1 draws from the prompt's seed, as a single-turn rollout does; turn t > 1 of row
-g of prompt i from (that seed, g, t): a row's episode does not depend on the rows beside it,
-in its call or on other ranks.
+Bounds: ``max_turns`` model turns (a pause is not one, and the last turn's stops end the
+episode); at most ``PAUSES_PER_TURN`` x ``max_turns`` pauses; each observation within
+``max_observation_tokens`` (cut, with a marker); the whole response, model and environment
+tokens together, within the call's ``max_new_tokens`` (L_max). A row that reaches L_max is
+truncated, and a turn that ends there is not answered: no tool runs for it.
+
+Seeds: turn 1 draws from the prompt's seed, as a single-turn rollout does; the t-th draw
+(t > 1: a turn, or the rest of a turn after a pause) of row g of prompt i from (that seed, g,
+t): a row's episode does not depend on the rows beside it, in its call or on other ranks.
 """
 
 from __future__ import annotations
@@ -41,6 +46,10 @@ from dapo.run.seeding import derive_seed
 
 CUT_MARKER = "\n... (cut)\n"
 """Ends an observation cut to ``env.max_observation_tokens``."""
+PAUSES_PER_TURN = 4
+"""An episode may pause (stop at a turn end the environment answers with nothing) this many
+times per ``env.max_turns``: a model that writes fence after fence would otherwise cost a
+``generate`` call per token, up to L_max. Past it, the episode ends."""
 
 
 def with_turn_ends(stops: Sequence[int], tokenizer: Any, env: Environment | None) -> list[int]:
@@ -71,6 +80,12 @@ class _Row:
     segments: list[tuple[str, bool]] = field(default_factory=list)
     """Each turn's and observation's text, and whether the environment wrote it."""
     turns: int = 0
+    draws: int = 0
+    """``generate`` calls that wrote this row's tokens: its turns and the rests of its paused
+    turns (the index of the next one's seed)."""
+    pauses: int = 0
+    paused: bool = False
+    """The last stop was a pause: the next draw goes on with the same turn."""
     truncated: bool = False
     calls: int = 0
     errors: int = 0
@@ -194,11 +209,18 @@ class EpisodeRunner:
         ended = not bool(out.truncated_B[j])
         if len(ids) > room:
             ids, logp, ended = ids[:room], logp[:room], False
-        row.turns += 1
+        row.turns += not row.paused
+        row.draws += 1
+        row.paused = False
         row.tokens += ids
         row.logprobs += logp
         row.env += [False] * len(ids)
         row.segments.append((self.tokenizer.decode(ids, skip_special_tokens=True), False))
+        if ended and ids and ids[-1] in self.turn_ends and len(row.tokens) >= max_new_tokens:
+            # A turn end at L_max: no room for an answer. A tool that ran would cost its time
+            # and count as a call the model never saw. (The end of the message at L_max is
+            # not truncated, and its environment still scores it.)
+            ended = False
         row.truncated = not ended  # L_max came before the turn's end
         row.parked = out.parked[j] if out.parked is not None and ended else None
         return ended
@@ -273,6 +295,10 @@ class EpisodeRunner:
             return False
         if row.turns >= self.max_turns:
             return False
+        if not answer.text and not answer.tool_call:  # a pause: the turn goes on
+            row.pauses += 1
+            row.paused = row.pauses <= PAUSES_PER_TURN * self.max_turns
+            return row.paused
         ids = self.observation_ids(answer.text)
         room = max_new_tokens - len(row.tokens)
         if len(ids) >= room:  # no room left for the model to answer: L_max reached
@@ -322,7 +348,7 @@ class EpisodeRunner:
         self, rows: list[_Row], pending: list[int], max_new_tokens: int, sampling: dict
     ) -> Rollout:
         contexts = [rows[b].prompt + rows[b].tokens for b in pending]
-        seeds = [derive_seed(rows[b].seed, "turn", rows[b].turns + 1) for b in pending]
+        seeds = [derive_seed(rows[b].seed, "turn", rows[b].draws + 1) for b in pending]
         room = max(max_new_tokens - len(rows[b].tokens) for b in pending)
         extra = dict(self.parking)
         if extra:
