@@ -66,6 +66,11 @@ def test_python_blocks_finds_closed_blocks_and_a_call_at_the_end():
     assert python_blocks("```python\nprint(1)\n```\nAnswer: 1") == (["print(1)"], False)
     # An opening fence alone (the model continues writing the block).
     assert python_blocks("Let me see: ```") == ([], False)
+    # A fence inside a line of code is no closing fence: a closing fence is a line of its own.
+    literal = '```python\nfence = "```"\nprint(len(fence))\n```'
+    assert python_blocks(literal) == (['fence = "```"\nprint(len(fence))'], True)
+    assert python_blocks('```python\nfence = "```') == ([], False)
+    assert python_blocks("```python\nprint(1)\n  ```  \n") == (["print(1)"], True)
 
 
 @needs_sandbox

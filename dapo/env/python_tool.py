@@ -39,7 +39,11 @@ INSTRUCTION = (
 """Added to the first user message, so that a model that was never shown the tool may use it."""
 MAX_OUTPUT_CHARS = 2000
 """A tool's output beyond this is cut (env.max_observation_tokens then bounds the tokens)."""
-_FENCE_RE = re.compile(r"```([A-Za-z0-9_+-]*)")
+_OPENING_RE = re.compile(r"```([A-Za-z0-9_+-]*)")
+_CLOSING_RE = re.compile(r"(?m)^[ \t]*```[ \t]*$")
+"""A closing fence is a line of its own, as in Markdown: a fence inside a line of code (a
+string literal that holds one) does not close the block."""
+
 
 # Runs the earlier blocks with their output discarded, then the last one; an exception of the
 # last block shows its last line only (the type and message), as a notebook's cell would.
@@ -65,16 +69,15 @@ except BaseException as exc:
 def python_blocks(text: str) -> tuple[list[str], bool]:
     """The closed ```python blocks of ``text``, in order, and whether ``text`` ends (but for
     whitespace) with the closing fence of the last of them: a tool call."""
-    fences = list(_FENCE_RE.finditer(text))
-    blocks, ends_with_call = [], False
-    for opening, closing in zip(fences[0::2], fences[1::2], strict=False):
+    blocks, ends_with_call, at = [], False, 0
+    while opening := _OPENING_RE.search(text, at):
+        closing = _CLOSING_RE.search(text, opening.end())
+        if closing is None:  # an opened block is not closed yet
+            return blocks, False
         if opening.group(1) == "python":
             blocks.append(text[opening.end() : closing.start()].strip("\n"))
-            ends_with_call = closing.end() == len(text.rstrip()) and closing.group(1) == ""
-        else:
-            ends_with_call = False
-    if len(fences) % 2:  # an opened block is not closed yet
-        ends_with_call = False
+        ends_with_call = opening.group(1) == "python" and closing.end() >= len(text.rstrip())
+        at = closing.end()
     return blocks, ends_with_call
 
 
