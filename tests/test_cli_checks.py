@@ -135,6 +135,21 @@ def test_resume_refuses_a_changed_run_and_lists_the_fields(tmp_path, capsys):
     assert "lr: 0.0003" in (run / "config.before-resume-1.yaml").read_text()
 
 
+def test_a_preset_on_resume_changes_the_algorithm_and_a_base_is_refused(tmp_path, capsys):
+    """The saved config.yaml lists every field: --preset grpo on --resume renamed the run
+    and left DAPO's switches (eps_high 0.28, token-mean, no KL, dynamic sampling) in place."""
+    run = _a_run_with_a_checkpoint(tmp_path)
+    assert cli.main(["train", "--resume", str(run), "--preset", "grpo"]) == 2
+    err = _error(capsys)
+    assert "algo.eps_high: 0.28 -> 0.2" in err and "sampling.dynamic: True -> False" in err
+    with pytest.raises(ModelLoaded):
+        cli.main(["train", "--resume", str(run), "--preset", "grpo", "--force"])
+    saved = (run / "config.yaml").read_text()
+    assert "preset: grpo" in saved and "eps_high: 0.2\n" in saved and "dynamic: false" in saved
+    assert cli.main(["train", "--resume", str(run), "--base", "paper", "--force"]) == 2
+    assert "run.base 'demo' -> 'paper' would change the run's label only" in _error(capsys)
+
+
 def test_resume_needs_a_run_with_a_checkpoint(tmp_path, capsys):
     assert cli.main(["train", "--resume", str(tmp_path)]) == 2
     assert "not a dapo run directory (no config.yaml)" in _error(capsys)

@@ -356,3 +356,28 @@ def test_overrides_of_a_given_config_follow_renamed_keys_and_leave_it_unchanged(
     assert (cfg.arith.num_val, cfg.optim.lr) == (load_config(None, []).arith.num_val, 3e-4)
     with pytest.raises(ValueError, match="optim.lr must be > 0"):
         apply_overrides(cfg, ["optim.lr=-1"])
+
+
+def test_a_preset_asked_for_over_a_recipe_sets_its_switches_over_the_files():
+    """The 1.5B recipe writes eps_high 0.28: under run.preset=grpo (dapo ablate's naive GRPO
+    row) it stayed, so the GRPO row had Clip-Higher and "+ clip-higher" changed nothing."""
+    recipe = ROOT / "recipes" / "dapo-qwen2.5-math-1.5b.yaml"
+    grpo = load_config(recipe, ["run.preset=grpo"])
+    assert (grpo.algo.eps_low, grpo.algo.eps_high, grpo.algo.kl_coef) == (0.2, 0.2, 0.001)
+    assert (grpo.algo.loss_agg, grpo.sampling.dynamic) == ("seq-mean-token-mean", False)
+    # The file's other fields stay, and the command line's overrides still win, in any order.
+    assert (grpo.algo.clip_ratio_c, grpo.algo.l_cache, grpo.optim.lr) == (10.0, 512, 1e-6)
+    assert load_config(recipe, ["algo.eps_high=0.3", "run.preset=grpo"]).algo.eps_high == 0.3
+    assert load_config(recipe, preset="gspo").algo.eps_high == 4e-4
+    # The file's own preset, asked for again, leaves the file's fields as written.
+    assert load_config(recipe, ["run.preset=dapo"]) == load_config(recipe)
+
+
+def test_the_ablation_chain_on_a_recipe_adds_one_technique_a_row():
+    from dapo.ablate.plans import table1
+
+    recipe = ROOT / "recipes" / "dapo-qwen2.5-math-1.5b.yaml"
+    rows = [load_config(recipe, list(r.overrides)).algo for r in table1()]
+    assert [a.eps_high for a in rows] == [0.2, 0.2, 0.28, 0.28, 0.28, 0.28]
+    assert [a.overlong_filter for a in rows] == [False, True, True, False, False, False]
+    assert [a.kl_coef for a in rows] == [0.001] * 5 + [0.0]

@@ -72,6 +72,12 @@ def resolve_config(
             file=sys.stderr,
         )
     cfg = load_config(config or saved_path, overrides, base=base, preset=preset)
+    if config is None and cfg.run.base != saved.run.base:
+        raise ValueError(
+            f"--resume {run_dir}: run.base {saved.run.base!r} -> {cfg.run.base!r} would change "
+            "the run's label only: its config.yaml sets every field a base sets. Give the "
+            "fields to change as overrides (with --force), or start a new run"
+        )
     differences = run_changing_differences(saved, cfg)
     if differences and not force:
         listing = "\n  ".join(differences)

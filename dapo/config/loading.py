@@ -224,7 +224,9 @@ def load_config(
     base: str | None = None,
     preset: str | None = None,
 ) -> Config:
-    """Resolve base -> preset -> YAML file -> dotted overrides, then validate."""
+    """Resolve base -> preset -> YAML file -> dotted overrides, then validate. A preset
+    given here (``preset`` or a ``run.preset`` override) that differs from the file's is
+    applied again after the file: its switches win over the file's."""
     tree = _read_yaml(Path(path)) if path is not None else {}
     parsed = [parse_override(o) for o in overrides]
     written = [(k, v, _text(o)) for (k, v), o in zip(parsed, overrides, strict=True)]
@@ -236,7 +238,8 @@ def load_config(
     tree.pop("hardware", None)  # what a recipe is written for: read_hardware, not the run
     base = base or _pick(parsed, "run.base") or file_base
     base = base or ("paper" if path is not None else "demo")
-    preset = preset or _pick(parsed, "run.preset") or file_preset or "dapo"
+    asked = preset or _pick(parsed, "run.preset")
+    preset = asked or file_preset or "dapo"
     if base not in presets.BASES:
         raise ValueError(f"run.base: unknown base {base!r}; choose one of {tuple(presets.BASES)}")
     if preset not in presets.ALGORITHMS:
@@ -244,7 +247,17 @@ def load_config(
             f"run.preset: unknown preset {preset!r}; choose one of {tuple(presets.ALGORITHMS)}"
         )
     cfg = presets.ALGORITHMS[preset](presets.BASES[base](Config()))
-    for key, value, text in _moved([(k, v, None) for k, v in _flatten(tree, str(path))] + written):
+    from_file = [(k, v, None) for k, v in _flatten(tree, str(path))]
+    for key, value, text in _moved(from_file):
+        if key not in ("run.base", "run.preset"):
+            set_value(cfg, key, value, text)
+    if asked and path is not None and asked != (file_preset or "dapo"):
+        # An algorithm asked for over a file of another's: its switches win over the file's
+        # (a recipe's eps_high 0.28 under --preset grpo was Clip-Higher in the GRPO run, and
+        # a saved config.yaml, which lists every field, left nothing of the preset but its
+        # name on --resume).
+        presets.ALGORITHMS[preset](cfg)
+    for key, value, text in _moved(written):
         if key not in ("run.base", "run.preset"):
             set_value(cfg, key, value, text)
     validate(cfg)
