@@ -93,3 +93,27 @@ def test_seq_mis_drops_a_response_but_not_its_share_of_the_divisor():
     kw = dict(eps_low=0.2, eps_high=0.28)
     kept_only = algo.policy_loss(logp, OLD, adv, MASK & (w > 0), num_tokens=5, **kw)
     assert torch.equal(algo.policy_loss(logp, OLD, adv, MASK, weights=w, **kw), kept_only)
+
+
+def test_mismatch_metrics_count_the_trained_tokens_only():
+    """A response overlong filtering drops is never trained: its gap between the sampler and
+    pi_old (1.5 a token here) counted in mismatch/*, documented per trained token."""
+    from types import SimpleNamespace
+
+    from dapo.config import load_config
+    from dapo.data.batch import Episode
+    from dapo.training.old_logprobs import set_loss_weights
+
+    cfg = load_config(None, ["algo.overlong_filter=true", "algo.overlong_shaping=false"])
+    state = SimpleNamespace(cfg=cfg, engine=SimpleNamespace(exact_logprobs=False))
+
+    def episode(gap: float, trainable: bool) -> Episode:
+        ids = torch.ones(4, dtype=torch.long)
+        e = Episode(ids[:3], ids, torch.zeros(4), truncated=True, correct=False, reward=-1.0)
+        e.old_logprobs, e.trainable = torch.full((4,), gap), trainable
+        return e
+
+    kept, dropped = episode(0.25, True), episode(1.5, False)
+    metrics = set_loss_weights(state, [kept, dropped], [0, 1], [0, 1], sampler_is_policy=False)
+    assert metrics["mismatch/abs_log_ratio"] == pytest.approx(0.25)
+    assert metrics["mismatch/corrected_frac"] == 0.0

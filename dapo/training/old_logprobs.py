@@ -172,11 +172,14 @@ def _correct(state: TrainState, episodes: list[Episode], mode: str, sums: dict) 
         chunk = episodes[start : start + CORRECTION_CHUNK]
         old_BT = pad_sequence([e.old_logprobs for e in chunk], batch_first=True)
         rollout_BT = pad_sequence([e.sampler_logprobs for e in chunk], batch_first=True)
-        model_BT = pad_sequence([e.model_mask() for e in chunk], batch_first=True)
+        # The tokens the loss keeps: an environment's tokens, and the responses overlong
+        # filtering drops, are neither corrected nor counted ("per trained token").
+        masks = [e.model_mask() & e.trainable for e in chunk]
+        model_BT = pad_sequence(masks, batch_first=True)
         weights_BT, stats = algo.rollout_correction(
             old_BT,
             rollout_BT,
-            model_BT,  # an environment's tokens are neither corrected nor counted
+            model_BT,
             mode=mode,
             threshold=state.cfg.algo.rollout_correction_threshold,
         )
