@@ -368,7 +368,9 @@ def test_a_step_that_keeps_no_group_logs_the_same_train_keys(tiny_model, tokeniz
     assert all(torch.equal(v, tiny_model.state_dict()[k]) for k, v in before.items())
     assert (metrics["train/updates"], metrics["train/tokens"], metrics["train/lr"]) == (
         0.0, 0.0, lr_at(cfg.optim, 0))  # fmt: skip
-    for name in ("train/loss", "train/entropy", "perf/train_padding_frac"):
+    nulls = ("train/loss", "train/entropy", "perf/train_padding_frac", "train/grad_norm")
+    nulls += ("clip/low_frac", "clip/high_frac", "clip/dual_frac", "clip/high_prob_mean")
+    for name in (*nulls, "sampling/tokens_per_kept_group"):  # grad_norm, clip/* read 0.0
         assert metrics[name] != metrics[name], name  # NaN: null in metrics.jsonl
     eps = _grouped_episodes()
     state.cfg.train.recompute_old_logprobs = False

@@ -47,7 +47,9 @@ def read_result(run_dir: Path) -> dict:
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in lines if "sampling/tokens_generated" in m]
     last = steps[-1] if steps else {}
-    kept = [m["sampling/tokens_per_kept_group"] for m in steps]
+    # The steps that kept a group (a step that kept none logs null).
+    kept = [_number(m["sampling/tokens_per_kept_group"]) for m in steps]
+    kept = [k for k in kept if math.isfinite(k)]
     curve, tokens, seconds = [], 0.0, 0.0
     for m in lines:
         tokens += m.get("sampling/tokens_generated", 0.0)

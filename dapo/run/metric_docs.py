@@ -49,7 +49,8 @@ METRICS: dict[str, str] = {
     "(with sampling.on_max_rounds=train), else 0.",
     "sampling/tokens_generated": "Tokens generated this step, every response counted (the "
     "model's: an environment's observations are not generated).",
-    "sampling/tokens_per_kept_group": "tokens_generated / groups_kept: what a kept group cost.",
+    "sampling/tokens_per_kept_group": "tokens_generated / groups_kept: what a kept group cost "
+    "(null when none was kept).",
     "sampling/all_correct_frac": "Share of the step's groups (all rounds) whose responses are "
     "all correct: zero advantage, no gradient.",
     "sampling/all_wrong_frac": "Share of the step's groups (all rounds) whose responses are all "
@@ -62,10 +63,11 @@ METRICS: dict[str, str] = {
     "train/loss": "Mean policy loss over the step's updates (-J, plus the KL term for GRPO).",
     "train/entropy": (
         "Mean entropy of the policy's token distribution per trained token (null in a step "
-        "that trained no token: loss and token_prob_mean too)."
+        "that trained no token: loss, token_prob_mean, kl and clip/* too)."
     ),
     "train/token_prob_mean": "Mean pi_old probability of the trained tokens.",
-    "train/grad_norm": "Mean gradient norm over the updates, before clipping.",
+    "train/grad_norm": "Mean gradient norm over the updates applied, before clipping (null "
+    "when none was).",
     "train/lr": "Learning rate of the step (after warm-up).",
     "train/updates": "Optimizer updates applied this step.",
     "train/skipped_updates": "Updates skipped for a non-finite loss or gradient norm.",

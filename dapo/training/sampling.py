@@ -181,7 +181,7 @@ def rollout_metrics(result: SamplingResult) -> dict[str, float]:
         "sampling/groups_kept": float(kept),
         "sampling/kept_frac": kept / max(result.prompts_drawn, 1),
         "sampling/tokens_generated": float(result.tokens_generated),
-        "sampling/tokens_per_kept_group": result.tokens_generated / max(kept, 1),
+        "sampling/tokens_per_kept_group": result.tokens_generated / kept if kept else math.nan,
         # Without dynamic sampling every group is kept, the mixed ones among them: none dropped.
         "sampling/groups_surplus": float(max(result.groups_mixed - kept, 0)),
         "sampling/exhausted": float(result.exhausted),

@@ -159,7 +159,10 @@ def _update_metrics(sums: dict[str, float], epochs: int, *, lr: float, with_kl: 
         "train/loss": seen * sums.get("loss", 0.0) / updates,
         "train/entropy": seen * sums.get("entropy_sum", 0.0) / tokens,
         "train/token_prob_mean": seen * sums.get("prob_sum", 0.0) / tokens,
-        "train/grad_norm": sums.get("grad_norm", 0.0) / updates,
+        # A mean over no applied update is no figure (it read 0.0).
+        "train/grad_norm": sums.get("grad_norm", 0.0) / updates
+        if sums.get("updates")
+        else math.nan,
         "train/updates": sums.get("updates", 0.0),
         "train/skipped_updates": sums.get("skipped", 0.0),
         "train/lr": lr,
@@ -168,14 +171,16 @@ def _update_metrics(sums: dict[str, float], epochs: int, *, lr: float, with_kl: 
         "perf/train_padding_frac": 1.0 - sums["real"] / sums["slots"]
         if sums.get("slots")
         else math.nan,
-        "clip/low_frac": sums.get("clip_low", 0.0) / tokens,
-        "clip/high_frac": sums.get("clip_high", 0.0) / tokens,
-        "clip/dual_frac": sums.get("clip_dual", 0.0) / tokens,
-        "clip/high_prob_mean": sums.get("clip_high_prob_sum", 0.0)
+        "clip/low_frac": seen * sums.get("clip_low", 0.0) / tokens,
+        "clip/high_frac": seen * sums.get("clip_high", 0.0) / tokens,
+        "clip/dual_frac": seen * sums.get("clip_dual", 0.0) / tokens,
+        "clip/high_prob_mean": seen
+        * sums.get("clip_high_prob_sum", 0.0)
         / max(sums.get("num_clip_high", 0.0), 1.0),
     }
     if with_kl:
-        out["train/kl"] = sums.get("kl_sum", 0.0) / max(sums.get("kl_den", 0.0), 1.0)
+        kl_den = sums.get("kl_den", 0.0)
+        out["train/kl"] = sums.get("kl_sum", 0.0) / kl_den if kl_den else math.nan
     return out
 
 
