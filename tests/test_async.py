@@ -82,6 +82,11 @@ def test_step_t_samples_from_the_weights_after_update_t_minus_k(eager_eos_model,
             fill_logprobs(probe.model, episodes, "ref_logprobs", probe)
             gaps.append(max((e.ref_logprobs - e.sampler_logprobs).abs().max() for e in episodes))
         assert gaps[0] < 1e-5 < 1e-3 < gaps[1], (t, gaps)
+    for m, d in zip(metrics, drawn, strict=True):
+        # The trainer's phases add up to its step; generate and reward are the generator's.
+        phases = ("trainer_idle_s", "logprobs_s", "train_s", "other_s")
+        assert sum(m[f"perf/{p}"] for p in phases) == pytest.approx(m["perf/step_s"], rel=1e-9)
+        assert m["perf/reward_s"] == d.timers["reward"] > 0  # it read the trainer's: 0
     # The correction sees the stale sampler: no mismatch while it is the policy (step 0).
     assert metrics[0]["mismatch/kl"] < 1e-9 < 1e-4 < metrics[-1]["mismatch/kl"]
 

@@ -125,9 +125,11 @@ METRICS: dict[str, str] = {
     "episode/env_tokens": "Tokens the environment wrote per response (observations: context, "
     "never trained, outside the loss's divisor and the overlong shaping's length).",
     # perf
-    "perf/step_s": "Seconds of the step; the phases below add up to it.",
-    "perf/generate_s": "Seconds generating (every round).",
-    "perf/reward_s": "Seconds grading the responses.",
+    "perf/step_s": "Seconds of the step; the phases below add up to it. Drawn ahead "
+    "(train.async_staleness > 0, dist.rollout_ranks), trainer_idle_s, logprobs_s, train_s and "
+    "other_s add up to it, and generate_s and reward_s are the generator's, overlapped.",
+    "perf/generate_s": "Seconds generating (every round); drawn ahead, the generator's.",
+    "perf/reward_s": "Seconds grading the responses; drawn ahead, the generator's.",
     "perf/logprobs_s": "Seconds of the pi_old / pi_ref forward passes.",
     "perf/train_s": "Seconds of the updates (forward, backward, optimizer).",
     "perf/other_s": "Seconds of the rest of the step.",

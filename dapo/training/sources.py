@@ -156,8 +156,9 @@ def drawn_ahead_metrics(
     state: TrainState, rollouts: StepRollouts, waited: float
 ) -> dict[str, float]:
     """The metrics of a step trained on rollouts drawn ahead of it: how stale its groups are,
-    the seconds each side waited, and its generation figures as the generator measured them
-    (``waited``: the trainer's seconds waiting for the rollouts)."""
+    the seconds each side waited, and its generation and grading figures as the generator
+    measured them (``waited``: the trainer's seconds waiting for the rollouts, which with
+    its logprobs, train and other seconds add up to the step's)."""
     generate_s = rollouts.seconds - rollouts.timers.get("reward", 0.0)
     versions = [g.version for g in rollouts.result.groups] or [rollouts.version]
     staleness = [float(state.step - v) for v in versions]
@@ -167,5 +168,6 @@ def drawn_ahead_metrics(
         "perf/trainer_idle_s": waited,
         "perf/generator_idle_s": rollouts.idle,
         "perf/generate_s": generate_s,
+        "perf/reward_s": rollouts.timers.get("reward", 0.0),
         "perf/gen_tokens_per_s": rollouts.result.tokens_generated / max(generate_s, 1e-9),
     }
