@@ -159,3 +159,19 @@ def test_resume_needs_a_run_with_a_checkpoint(tmp_path, capsys):
     assert "no complete checkpoint there" in _error(capsys)
     assert cli.main(["train", "--resume", str(tmp_path / "r"), "--overwrite"]) == 2
     assert "give one" in _error(capsys)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--world-size", "4"], "--world-size plans memory with --dry-run only"),
+        (["--force"], "--force accepts config changes on --resume only"),
+        (["--print-config", "--dry-run"], "--print-config prints the config and exits"),
+    ],
+)
+def test_a_flag_that_would_do_nothing_is_refused(tmp_path, capsys, flags, message):
+    """--world-size without --dry-run, --force without --resume and --dry-run beside
+    --print-config were silently ignored (a run of 1 process; no dry run)."""
+    assert _train(tmp_path, *flags) == 2
+    assert message in _error(capsys)
+    assert not (tmp_path / "r").exists()

@@ -73,9 +73,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     train.set_defaults(func=cmd_train)
 
 
+def _refuse_flags_that_would_do_nothing(args: argparse.Namespace) -> None:
+    if args.world_size is not None and not args.dry_run:
+        raise ValueError(
+            "--world-size plans memory with --dry-run only; a run's ranks are torchrun's "
+            "(torchrun --nproc-per-node N -m dapo train ...)"
+        )
+    if args.force and not args.resume:
+        raise ValueError("--force accepts config changes on --resume only; drop it")
+    if args.print_config and args.dry_run:
+        raise ValueError(
+            "--print-config prints the config and exits, --dry-run checks the run: give one"
+        )
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from dapo.api import training
 
+    _refuse_flags_that_would_do_nothing(args)
     cfg, resume_dir = training.resolve_config(
         args.config,
         args.overrides,
