@@ -29,6 +29,7 @@ import torch
 from helpers import spawn_ranks
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from dapo.data.problems import Problem
 from dapo.dist import tensor_parallel as tp
 from dapo.models.demo import TinyModelSpec, build_tokenizer, tiny_qwen2
 from dapo.rollout.native import NativeEngine
@@ -39,6 +40,7 @@ SEEDS = [5, 7, 11]
 GROUP = 4
 NEW = 24
 CPU = torch.device("cpu")
+PROBLEM = Problem("p", ({"role": "user", "content": "1 + 2"},), "3")
 NAMES = ["qwen2", "llama", "qwen3"]
 # SmolLM2-135M's shape: 9 heads, 3 key-value heads; tp 2 splits neither.
 SMOLLM2 = dict(
@@ -167,7 +169,45 @@ def _local_shards(model) -> dict[str, torch.Tensor]:
     }
 
 
-def _rank_checks(rank: int) -> dict:
+RANK_ENV = """\
+import torch.distributed
+from dapo.env import Environment, Observation
+
+class RankEnv(Environment):
+    # Answers with its rank: a tool whose output differs between the ranks of a group.
+    turn_ends = ("=",)
+    calls = 0
+
+    def step(self, history):
+        RankEnv.calls += 1
+        rank = torch.distributed.get_rank()
+        if history.finished:
+            return Observation(done=True, reward=float(rank))
+        return Observation(f" {rank} +")
+"""
+
+
+def _episodes(model, tok, mesh, env_file: Path) -> dict:
+    """Episodes of an environment that answers each rank differently, through the run's
+    runner (state.runner_for): the group's first rank answers for both."""
+    from dapo.config import load_config
+    from dapo.env import load_environment
+    from dapo.rollout.episodes import with_turn_ends
+    from dapo.training.state import runner_for
+
+    cfg = load_config(None, [f"env.class={env_file}:RankEnv", "env.max_turns=3"])
+    stops = with_turn_ends([tok.eos_token_id], tok, load_environment(cfg.env.class_, cfg.env))
+    runner = runner_for(cfg, NativeEngine(model, tok, stop_token_ids=stops), tok, mesh)
+    r = runner.generate([PROBLEM] * 3, PROMPTS, group_size=GROUP, max_new_tokens=NEW, seed=SEEDS)
+    return {
+        "ids": r.response_ids_BT.tolist(),
+        "env": r.env_mask_BT.tolist(),
+        "rewards": [t.reward for t in r.traces],
+        "calls": type(runner.env).calls,
+    }
+
+
+def _rank_checks(rank: int, out: Path) -> dict:
     """What one rank of the 2-rank group sees; saved for the tests to compare."""
     tok = build_tokenizer()
     mesh = tp.tp_mesh(2, "cpu")
@@ -203,6 +243,8 @@ def _rank_checks(rank: int) -> dict:
         seen[f"{name}_bf16_equal"] = all(
             c[k].dtype == torch.bfloat16 and torch.equal(c[k], a[k].bfloat16()) for k in a
         )
+        if name == "qwen2":
+            seen["episodes"] = _episodes(copy_tp, tok, mesh, out / "rank_env.py")
     adapted = _adapted(_models(tok)["qwen2"])
     if adapted is not None:  # a LoRA policy: its TP copy filled with the merged weights
         copy_tp = tp.tp_generation_copy(adapted, mesh, dtype=torch.float32, device=CPU)
@@ -227,7 +269,7 @@ def _rank(rank: int, port: int, out: Path) -> None:
     )
     torch.set_num_threads(1)
     try:
-        torch.save(_rank_checks(rank), out / f"rank_{rank}.pt")
+        torch.save(_rank_checks(rank, out), out / f"rank_{rank}.pt")
     finally:
         torch.distributed.destroy_process_group()
 
@@ -235,6 +277,7 @@ def _rank(rank: int, port: int, out: Path) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> dict[int, dict]:
     out = tmp_path_factory.mktemp("tp")
+    (out / "rank_env.py").write_text(RANK_ENV)
     spawn_ranks(_rank, out)
     return {r: torch.load(out / f"rank_{r}.pt", weights_only=False) for r in range(2)}
 
@@ -315,6 +358,18 @@ def test_each_rank_holds_about_half_the_weights(ranks, one_process, name):
     for r in (0, 1):
         # 1/2 of every split weight (an odd vocabulary splits one row unevenly), whole norms.
         assert ranks[r][f"{name}_shard_bytes"] <= (whole - norms) / 2 + norms + 64 * 4 * 2
+
+
+def test_a_groups_episodes_see_its_first_ranks_observations(ranks):
+    """Each rank ran its environment: a tool whose output differs between them (a set's
+    order, a deadline) forked the group's episodes, and the lockstep collectives combined
+    partial sums of different sequences. The first rank answers for the group."""
+    first, second = ranks[0]["episodes"], ranks[1]["episodes"]
+    assert first == second | {"calls": first["calls"]}  # ids, masks, rewards: the same
+    assert first["calls"] > 0 and second["calls"] == 0  # the second rank ran no tool
+    # Rank 0's answers (rank 1 would score 1.0; None: cut by L_max or max_turns, unscored).
+    assert 0.0 in first["rewards"] and set(first["rewards"]) <= {0.0, None}
+    assert any(any(row) for row in first["env"])  # observations were added
 
 
 def test_groups_share_a_round_and_contribute_once(ranks):

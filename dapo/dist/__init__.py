@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -266,6 +267,15 @@ def broadcast(value: Any, *, patient: bool = False) -> Any:
     box = [value]
     group = wait_group() if patient else _group
     torch_dist.broadcast_object_list(box, src=_global(0), group=group)
+    return box[0]
+
+
+def from_first_of(group: Any, compute: Callable[[], Any]) -> Any:
+    """``compute()``, run on ``group``'s first rank alone, on every rank of ``group`` (a
+    picklable object): what the ranks of a tensor-parallel group must all see the same."""
+    first = torch_dist.get_global_rank(group, 0)
+    box = [compute() if torch_dist.get_rank() == first else None]
+    torch_dist.broadcast_object_list(box, src=first, group=group)
     return box[0]
 
 

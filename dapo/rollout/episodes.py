@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -130,8 +130,13 @@ class EpisodeRunner:
         max_observation_tokens: int = 256,
         workers: int = 4,
         max_abs: float = MAX_ABS_SCORE,
+        agree: Callable[[Callable[[], list[Observation]]], list[Observation]] | None = None,
     ) -> None:
         self.engine, self.tokenizer, self.env = engine, tokenizer, env
+        # The ranks of a tensor-parallel group decode in lockstep: a tool whose output differs
+        # between them (a set's order, a deadline) would fork their episodes, so one rank
+        # answers for the group (dapo.dist.from_first_of).
+        self.agree = agree or (lambda compute: compute())
         self.max_abs = max_abs  # reward.max_abs: the largest |reward| an episode may end with
         self.turn_ends = frozenset(turn_end_ids(tokenizer, env.turn_ends))
         stops = set(getattr(engine, "stop_token_ids", ()) or ())
@@ -238,8 +243,7 @@ class EpisodeRunner:
         if not asking:
             return []
         histories = [rows[b].history(finished[b]) for b in asking]
-        with ThreadPoolExecutor(max_workers=self.workers) as pool:
-            answers = list(pool.map(self._step, histories))
+        answers = self.agree(lambda: self._answers(histories))
         going_on = []
         for b, answer in zip(asking, answers, strict=True):
             if self._add_observation(rows[b], answer, max_new_tokens):
@@ -247,6 +251,10 @@ class EpisodeRunner:
         for b in set(asking) - set(going_on):
             rows[b].parked = None
         return going_on
+
+    def _answers(self, histories: list[History]) -> list[Observation]:
+        with ThreadPoolExecutor(max_workers=self.workers) as pool:
+            return list(pool.map(self._step, histories))
 
     def _step(self, history: History) -> Observation:
         try:

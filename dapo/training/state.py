@@ -11,6 +11,7 @@ and its update (:mod:`dapo.training.update`) read the config sections they need 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 
+from dapo import dist
 from dapo.config import Config
 from dapo.config.env import EnvConfig
 from dapo.data.problems import Problem, PromptSampler
@@ -155,18 +157,25 @@ def drawer_for(cfg: Config, **objects: Any) -> Drawer:
     t = cfg.train
     sections = (cfg.rollout, cfg.sampling, cfg.algo, cfg.data, cfg.reward.grader)
     if "episodes" not in objects:  # a drawer of its own engine: a runner of its own too
-        objects["episodes"] = runner_for(cfg, objects["engine"], objects["tokenizer"])
+        objects["episodes"] = runner_for(
+            cfg, objects["engine"], objects["tokenizer"], objects.get("tp_mesh")
+        )
     return Drawer(*sections, t.seed, t.prompts_per_step, **objects)
 
 
-def runner_for(cfg: Config, engine: Engine, tokenizer: Any) -> EpisodeRunner | None:
+def runner_for(
+    cfg: Config, engine: Engine, tokenizer: Any, tp_mesh: Any = None
+) -> EpisodeRunner | None:
     """The runner of the environment the run's ``env`` section names, on ``engine``, its
-    episodes' rewards within ``reward.max_abs``; None for single-turn rollouts (no
-    ``env.class``)."""
+    episodes' rewards within ``reward.max_abs``, the first rank of each ``tp_mesh`` group
+    answering for the group; None for single-turn rollouts (no ``env.class``)."""
     settings = cfg.env
     env = load_environment(settings.class_, settings)
     if env is None:
         return None
+    agree = None
+    if tp_mesh is not None:
+        agree = functools.partial(dist.from_first_of, tp_mesh.get_group("tp"))
     return EpisodeRunner(
         engine,
         tokenizer,
@@ -175,6 +184,7 @@ def runner_for(cfg: Config, engine: Engine, tokenizer: Any) -> EpisodeRunner | N
         max_observation_tokens=settings.max_observation_tokens,
         workers=settings.workers,
         max_abs=cfg.reward.max_abs,
+        agree=agree,
     )
 
 
@@ -274,5 +284,5 @@ def build_state(
         device=device,
         gen_model=gen_model,
         tp_mesh=tp_mesh,
-        episodes=runner_for(cfg, engine, tokenizer),
+        episodes=runner_for(cfg, engine, tokenizer, tp_mesh),
     )
