@@ -11,6 +11,7 @@ from transformers import TopPLogitsWarper
 from dapo.models.logprobs import response_logprobs
 from dapo.rollout import make_engine
 from dapo.rollout.native import decode, sample_from_logits, sampling_cdf
+from dapo.rollout.sampling import draw_tokens
 
 PROMPTS = ["User: What is 2 + 3?\nAssistant:\n", "Compute 7 + 1 + 4.\n", "Hi"]
 
@@ -112,7 +113,12 @@ def test_greedy_decoding_equals_transformers_generate(tiny_model, tokenizer, dro
     assert (ref[:, got.shape[1] :] == tokenizer.pad_token_id).all()
 
 
-def test_ignore_eos_fixes_the_length_and_logs_the_unmasked_logprob(eager_eos_model, tokenizer):
+@pytest.mark.parametrize("engine", ["dapo", "hf"])
+def test_ignore_eos_fixes_the_length_and_logs_the_unmasked_logprob(
+    eager_eos_model, tokenizer, engine
+):
+    # Before, hf masked the stop tokens (min_new_tokens) before it recorded the log-probs:
+    # they were normalised without the stop tokens' mass (off by up to 0.14 here).
     ro = generate(
         eager_eos_model,
         tokenizer,
@@ -121,6 +127,7 @@ def test_ignore_eos_fixes_the_length_and_logs_the_unmasked_logprob(eager_eos_mod
         max_new_tokens=16,
         seed=2,
         ignore_eos=True,
+        engine=engine,
     )
     assert (ro.lengths_B == 16).all() and ro.truncated_B.all()
     assert not (ro.response_ids_BT == tokenizer.eos_token_id).any()
@@ -198,6 +205,20 @@ def test_non_finite_logits_stop_sampling_instead_of_drawing_the_last_token():
         sample_from_logits(logits, torch.tensor([0.5, 0.5]))
     with pytest.raises(FloatingPointError):
         sample_from_logits(torch.tensor([[float("inf"), 0.0]]), torch.tensor([0.5]))
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+def test_non_finite_logits_stop_greedy_decoding_as_they_stop_sampling(greedy):
+    # Before: greedy took the argmax of a NaN row (an arbitrary token, a NaN log-prob).
+    u = torch.tensor([0.5], dtype=torch.float64)
+    draw = dict(temperature=1.0, top_p=1.0, greedy=greedy, masked_tokens=None)
+    for bad in (float("nan"), float("inf")):
+        logits = torch.tensor([[0.0, 1.0, bad]])
+        with pytest.raises(FloatingPointError, match="NaN or \\+inf"):
+            draw_tokens(logits, u, **draw)
+        draw_tokens(logits, u, **draw, check=False)  # the static path checks on the device
+    masked = torch.tensor([[0.0, 1.0, float("-inf")]])  # -inf alone is a mask
+    assert draw_tokens(masked, u, **draw)[0].item() in (0, 1)
 
 
 def test_a_cache_that_cannot_be_sliced_by_row(monkeypatch, tiny_model, tokenizer):

@@ -79,8 +79,9 @@ READS_FORWARD = {"_ignore_causal_mask_sdpa": False}
 # The mini-batch's metrics and gradient norm, read back in one transfer; the host's prompt
 # ranks of the micro-batch order (all equal here); AdamW's step counters (host tensors).
 READS_UPDATE = {"read": 1.0, "length_sorted": 0, "_step_or_skip": 1}
-# Half the rows finish at the first step: RowCache.keep (dapo/rollout/kv_cache.py) keeps 2 of 4.
-READS_DECODE = {"sample_from_logits": True, "retire": True, "keep": 2}
+# The logits' NaN check (sampled or greedy). Half the rows finish at the first step:
+# RowCache.keep (dapo/rollout/kv_cache.py) keeps 2 of 4.
+READS_DECODE = {"check_finite": True, "retire": True, "keep": 2}
 
 
 def mixed_devices():

@@ -33,8 +33,9 @@ def test_shapes_masks_and_lengths_agree(tiny_model, tokenizer):
 @pytest.mark.parametrize("engine", ["dapo", "hf"])
 def test_sampler_logprobs_equal_a_fresh_forward_pass(tiny_model, tokenizer, engine):
     """pi_old from the sampler is the model's own distribution at the sampling temperature,
-    whichever engine sampled it (the forward pass shares each group's prompt)."""
-    for temperature in (1.0, 0.7):
+    whichever engine sampled it (the forward pass shares each group's prompt); with top-p < 1,
+    the whole distribution, before the top-p cut (verl's convention)."""
+    for temperature, top_p in ((1.0, 1.0), (0.7, 1.0), (0.7, 0.8)):
         ro = generate(
             tiny_model,
             tokenizer,
@@ -42,6 +43,7 @@ def test_sampler_logprobs_equal_a_fresh_forward_pass(tiny_model, tokenizer, engi
             group_size=4,
             max_new_tokens=16,
             temperature=temperature,
+            top_p=top_p,
             seed=1,
             engine=engine,
         )
@@ -155,6 +157,16 @@ def test_bad_requests_are_refused_naming_the_argument(tiny_model, tokenizer, eng
         eng.generate([], group_size=2, max_new_tokens=4)
     ro = eng.generate(PROMPTS, group_size=1, max_new_tokens=4, temperature=0.0, greedy=True)
     assert ro.response_ids_BT.shape == (2, 4)  # greedy needs no temperature
+
+
+@pytest.mark.parametrize("engine", ["dapo", "hf"])
+def test_an_empty_prompt_is_refused_naming_it(tiny_model, tokenizer, engine):
+    # Before: the native engine sampled its rows from a fully masked row, hf raised IndexError.
+    eng = make_engine(engine, tiny_model, tokenizer)
+    ids = tokenizer(PROMPTS[1], add_special_tokens=False)["input_ids"]
+    for prompts in ([ids, []], [PROMPTS[0], ""]):
+        with pytest.raises(ValueError, match="prompt 1 has no tokens.*at least one token"):
+            eng.generate(prompts, group_size=2, max_new_tokens=4, seed=[1, 2])
 
 
 @pytest.mark.parametrize("engine", ["dapo", "hf"])

@@ -123,6 +123,25 @@ def test_small_blocks_and_buckets_refill_uniforms_and_shrink_the_batch(monkeypat
     assert sizes and sizes == sorted(sizes, reverse=True) and set(sizes) <= {8, 4, 2, 1}
 
 
+def test_slots_count_every_row_the_batch_computes(monkeypatch):
+    """Slots are the (row, step) positions computed, as the eager loop counts them: the static
+    loop counts its whole batch at each step, finished rows and padding copies included (the
+    batch shrinks to 8 slots for 6 running rows, then to 4 and 1)."""
+    sizes: list[int] = []
+    real = static_decode.Runner.run
+    monkeypatch.setattr(
+        static_decode.Runner,
+        "run",
+        lambda self, size, width: (sizes.append(size), real(self, size, width)),
+    )
+    eager, static = both(model_of("qwen2"), new_tokens=60, seed=[4, 5, 6])
+    assert static[2] == 12 + sum(sizes)  # step 0 samples all 12 rows after the prefill
+    assert min(sizes) < 12  # it shrank
+    # The same computation is counted the same: no row finishes, none leaves either batch.
+    eager, static = both(model_of("qwen2"), new_tokens=20, ignore_eos=True)
+    assert eager[2] == static[2] == 12 * 20
+
+
 @pytest.mark.parametrize("width_step", [16, 48])
 def test_attention_widths_in_other_steps_draw_the_same(width_step):
     """``width_step``: attention over more or fewer unfilled (masked) columns changes nothing

@@ -23,7 +23,8 @@ class RolloutConfig:
     """Nucleus sampling for training rollouts (paper: 1.0)."""
     ignore_eos: bool = False
     """Benchmarks only: every response runs to max_new_tokens, so two systems do equal work.
-    The hf engine then records the EOS-masked log-probs, so it needs recompute_old_logprobs."""
+    The stop tokens are masked for the draw only: the native and hf engines still record the
+    policy's own log-probs (with the stop tokens' mass)."""
     rows_per_generate: int = 0
     """Responses generated at once (0 = a whole round): bounds generation memory, as a round
     of n prompts runs in ceil(n G / this) calls, each seeded from the round's seed."""

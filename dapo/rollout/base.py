@@ -44,13 +44,17 @@ class Rollout:
     response_mask_BT: torch.Tensor
     """True for generated tokens up to and including EOS."""
     logprobs_BT: torch.Tensor
-    """log pi_old of each sampled token at the sampling temperature (0 where masked)."""
+    """log pi_old of each sampled token at the sampling temperature (0 where masked). With
+    top_p < 1 the native and hf engines record it under the temperature-scaled policy before
+    the top-p cut (verl's convention: top-p is a sampling device, the policy is the whole
+    distribution); vLLM's are of the truncated distribution (``exact_logprobs`` False)."""
     lengths_B: torch.Tensor
     truncated_B: torch.Tensor
     """True where no EOS came within max_new_tokens."""
     texts: list[str]
     slots: int = 0
-    """(row, step) positions the engine computed: generated tokens plus any padding after EOS."""
+    """(row, step) positions the engine computed: generated tokens plus any padding after EOS
+    (finished rows still in the batch, and the static loop's padding copies)."""
     env_mask_BT: torch.Tensor | None = None
     """Multi-turn episodes (:mod:`dapo.rollout.episodes`): True at the response tokens the
     environment wrote, whose ``logprobs_BT`` are 0; ``texts`` are then the model's text
@@ -189,11 +193,18 @@ def check_request(
     top_p: float,
     greedy: bool,
 ) -> None:
-    """Refuse what no engine can draw, naming the argument: no prompts, no rows, no tokens;
-    sampling at a temperature that is not a positive number (0 is ``greedy=True``) or with a
-    top-p outside (0, 1] (top-p 0 kept no token, and the draw then took the least likely)."""
+    """Refuse what no engine can draw, naming the argument: no prompts, an empty prompt (no
+    token to continue from), no rows, no tokens; sampling at a temperature that is not a
+    positive number (0 is ``greedy=True``) or with a top-p outside (0, 1] (top-p 0 kept no
+    token, and the draw then took the least likely)."""
     if not len(prompts):
         raise ValueError("generate() needs at least one prompt, got none")
+    for i, prompt in enumerate(prompts):
+        if not len(prompt):
+            raise ValueError(
+                f"prompt {i} has no tokens, so the model has nothing to continue from: drop "
+                "it, or give it at least one token (e.g. the tokenizer's BOS token)"
+            )
     if group_size < 1 or max_new_tokens < 1:
         raise ValueError(
             f"group_size and max_new_tokens must be >= 1, got {group_size} and {max_new_tokens}"

@@ -49,6 +49,18 @@ class _SampledLogprobs(LogitsProcessor):
         return torch.stack(self.steps, dim=1)
 
 
+class _MaskTokens(LogitsProcessor):
+    """``ignore_eos``: the stop tokens never drawn, masked after ``_SampledLogprobs`` recorded
+    the policy with them (``min_new_tokens`` would mask them before any custom processor)."""
+
+    def __init__(self, token_ids: Sequence[int]) -> None:
+        self.token_ids = list(token_ids)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        ids = torch.tensor(self.token_ids, dtype=torch.long, device=scores.device)
+        return scores.index_fill(1, ids, float("-inf"))
+
+
 def sampling_kwargs(*, max_new_tokens: int, temperature: float, top_p: float) -> dict:
     """Every sampling knob set explicitly: a checkpoint's generation_config.json (Qwen2.5 ships
     top_k=20 and repetition_penalty=1.05) must not silently change the sampling distribution."""
@@ -130,8 +142,9 @@ class HFEngine(LiveModelEngine):
         )
         if greedy:  # argmax decoding (evaluation only): the warpers above are then unused
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        processors = [recorder]
         if ignore_eos:  # benchmarks: stop tokens masked until max_new_tokens, fixing the work
-            kwargs["min_new_tokens"] = max_new_tokens
+            processors.append(_MaskTokens(self.stop_token_ids))
         # generate draws from the global generators: seeded for this call, then put back, so
         # that a rollout leaves the caller's random stream where it was.
         devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
@@ -143,7 +156,7 @@ class HFEngine(LiveModelEngine):
             out = model.generate(
                 input_ids=prompt_ids_BP,
                 attention_mask=prompt_mask_BP,
-                logits_processor=LogitsProcessorList([recorder]),
+                logits_processor=LogitsProcessorList(processors),
                 pad_token_id=tokenizer.pad_token_id,
                 eos_token_id=list(self.stop_token_ids),
                 **kwargs,

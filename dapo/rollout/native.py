@@ -12,14 +12,16 @@ changes what is sampled:
 - each row draws one uniform number per step (from a generator seeded for the whole batch, or,
   with one seed per prompt, from that prompt's own stream, so that a prompt's samples do not
   depend on the prompts batched with it: ranks split a round and still draw what one process
-  draws), and turns it into a token by inverting the CDF (float64 throughout: the exact softmax,
-  up to a total variation below 1e-11 on a 152k vocabulary; 8e-13 measured on a long tail). Row
-  b's token at step t depends only on its own logits and ``u[t, b]``, never on which other rows
-  are still running: removing finished rows gives the same tokens as keeping them
-  (``drop_finished=False``, tested), up to float rounding (a smaller batch may round a logit
-  differently, and a ``u`` within that rounding of a CDF boundary would then pick the neighbouring
-  token). A rerun repeats the same batch shapes, so a seed's tokens are reproducible, resumes
-  included.
+  draws), and turns it into a token by inverting the CDF (float64 throughout: the exact
+  softmax, up to a total variation below 1e-11 on a 152k vocabulary; 8e-13 measured on a long
+  tail). Row b's token at step t depends only on its own logits and ``u[t, b]``, never on
+  which other rows are still running or batched: removing finished rows gives the same tokens
+  as keeping them (``drop_finished=False``, tested), and a prompt alone the same as in a batch.
+  That is exact in float32 (tested); in bf16 it holds up to rounding: a batch of another shape
+  may round a logit differently, and a ``u`` within that rounding of a CDF boundary then picks
+  the neighbouring token (3 of 80 rows of a tiny model's 60 tokens differed alone and
+  batched). A rerun repeats the same batch shapes, so a seed's tokens are reproducible,
+  resumes included.
 
 The log-prob recorded for each token is that of the temperature-scaled distribution before
 top-p truncation and with EOS unmasked: the policy's own probability, the one the objective's

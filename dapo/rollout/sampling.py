@@ -128,9 +128,8 @@ def sample_from_logits(
     kernels; the CUDA-graph path's choice) instead of one running sum over the vocabulary
     (fewer kernels: the eager loop's, and faster on a CPU).
     """
-    if check and not torch.isfinite(logits_AV.amax(dim=-1)).all():
-        # NaN, or +inf (fp16 overflow): no distribution to draw from (-inf alone is a mask).
-        raise FloatingPointError(NONFINITE_LOGITS)
+    if check:
+        check_finite(logits_AV)
     vocab = logits_AV.shape[-1]
     rows = max(1, CDF_CHUNK_ELEMENTS // vocab)
     out = []
@@ -150,6 +149,13 @@ def sample_from_logits(
     return torch.cat(out)
 
 
+def check_finite(logits_AV: torch.Tensor) -> None:
+    """Raise ``FloatingPointError`` where a row holds NaN or +inf (fp16 overflow): no
+    distribution to draw from (-inf alone is a mask). A read on the host."""
+    if not torch.isfinite(logits_AV.amax(dim=-1)).all():
+        raise FloatingPointError(NONFINITE_LOGITS)
+
+
 def draw_tokens(
     logits_AV: torch.Tensor,
     u_A: torch.Tensor,
@@ -162,7 +168,8 @@ def draw_tokens(
     by_blocks: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each running row's next token and its log-prob under the temperature-scaled policy
-    (before top-p, and with ``masked_tokens`` unmasked: the policy's own probability)."""
+    (before top-p, and with ``masked_tokens`` unmasked: the policy's own probability).
+    ``check``: NaN or +inf logits raise ``FloatingPointError``, greedy or sampled."""
     # Dividing by 1 changes nothing: skipped, a pass over [A, V] less a step. Greedy rows
     # record their log-prob at the temperature too (as the hf engine does), unless it is <= 0.
     scale = temperature != 1.0 and temperature > 0
@@ -174,6 +181,8 @@ def draw_tokens(
         # (which a CUDA graph cannot capture).
         policy_AV = scaled_AV.clone().index_fill_(1, masked_tokens, float("-inf"))
     if greedy:
+        if check:  # as sampling does: the argmax of a NaN row is any index
+            check_finite(policy_AV)
         token_A = policy_AV.argmax(dim=-1)
     else:
         token_A = sample_from_logits(policy_AV, u_A, top_p=top_p, check=check, by_blocks=by_blocks)

@@ -250,14 +250,14 @@ def _loop(
     rows (unless it starts below); (steps any row drew at, slots computed). The rows to park
     are handed to ``parking`` as they leave the batch, or at the end."""
     sizes = batch_sizes(state.rows, smallest)
-    size = members = slots = state.rows
+    size = slots = state.rows  # step 0 (after the prefill) samples every row
     t, idle = 1, 0
     while t < state.steps:
         if t % UNIFORM_BLOCK == 0:
             _fill_uniforms(state, uniforms, t)
         width = min(state.width, -(-(state.prompt + t) // state.width_step) * state.width_step)
         runner.run(size, width)
-        slots += members
+        slots += size  # every slot of the bucket: finished rows and padding copies too
         t += 1
         if t % CHECK_EVERY and t < state.steps:
             continue
@@ -274,7 +274,7 @@ def _loop(
         if smaller < size:
             _park(state, parking, parked, state.prompt + t)  # before they are overwritten
             state.compact(running, smaller, filled=state.prompt + t)
-            size, members = smaller, len(running)
+            size = smaller
     if parking is not None:  # the rows to park that are still in the batch
         parked = [slot for slot, park in enumerate(read_back(state.park_S[:size])) if park]
         _park(state, parking, parked, state.prompt + t)
