@@ -238,7 +238,8 @@ class DistConfig:
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping them:
     activation memory of about one layer per micro-batch, for one more forward pass. In one
-    process too (there it turns the shared-prompt forward off, as FSDP does)."""
+    process too. The shared-prompt forward stays on: a recomputed layer reuses the prompt
+    pass's keys and values."""
     cpu_offload: bool = False
     """Keep the sharded float32 weights, gradients and optimizer state in CPU memory (FSDP2's
     CPUOffloadPolicy; the optimizer step then runs on the CPU): for a model whose states do not

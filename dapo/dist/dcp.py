@@ -29,6 +29,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceSt
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
@@ -233,6 +234,15 @@ def tied_aliases(model_sd: dict[str, Any]) -> dict[str, str]:
     return aliases
 
 
+def _unstepped(optimizer: torch.optim.Optimizer) -> None:
+    """Empty again the state of an optimizer that had none (it has not stepped yet): torch's
+    ``get_state_dict`` and ``set_state_dict`` give it a made-up one (``_init_optim_state``:
+    a step of zero gradients at learning rate 0, leaving AdamW's step count at 1 and its
+    moments at zero), and its first real update would take the bias correction of step 2
+    (about 0.74x as large) rather than of step 1, unlike the one-process run's."""
+    optimizer.state.clear()
+
+
 def _options(model: torch.nn.Module) -> StateDictOptions:
     """Frozen parameters (LoRA's base) are neither saved nor loaded: they never change, and
     the base model's own files hold them."""
@@ -255,8 +265,13 @@ def _without_frozen(model: torch.nn.Module, model_sd: dict[str, Any]) -> dict[st
 def save(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Write the model's and the optimizer's tensors (each rank its shards, safetensors; a
     tied weight once; no frozen parameter) under ``path``, and the optimizer's other values
-    as JSON (rank 0)."""
+    as JSON (rank 0). An optimizer that has not stepped yet is saved, and left, without state
+    (as the one-process checkpoint keeps it): see :func:`_unstepped`."""
+    unstepped = not optimizer.state
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
+    if unstepped:
+        _unstepped(optimizer)
+        optim_sd = {**optim_sd, "state": {}}  # no tensors: load reads "not stepped yet"
     model_sd = _without_frozen(model, model_sd)
     for alias in tied_aliases(model_sd):
         del model_sd[alias]
@@ -276,12 +291,15 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
     check_format(path)
     # Read here first, so that a bad directory is refused with its own message rather than
     # inside DCP's collective error report (the reader checks again as DCP reads).
-    SafeReader(str(path)).read_metadata()
+    metadata = SafeReader(str(path)).read_metadata()
     options = _options(model)
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    if any(name.startswith("optim.") for name in metadata.state_dict_metadata):
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+        optim_tensors, _ = split_optimizer_state(optim_sd)  # where the saved state goes
+    else:  # saved before the optimizer's first step: none to read, nor to make up
+        model_sd, optim_tensors = get_model_state_dict(model, options=options), {"state": {}}
     model_sd = _without_frozen(model, model_sd)
     aliases = tied_aliases(model_sd)
-    optim_tensors, _ = split_optimizer_state(optim_sd)
     state = {"model": {k: v for k, v in model_sd.items() if k not in aliases}}
     state["optim"] = optim_tensors
     with warnings.catch_warnings():
@@ -311,6 +329,8 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
             optim_state_dict=optim,
             options=options,
         )
+    if not optim["state"]:  # none saved: none made up here either
+        _unstepped(optimizer)
 
 
 def load_full(
@@ -333,13 +353,13 @@ def load_full(
     }
     with kernels_kept(optimizer):
         set_optimizer_state_dict(model, optimizer, by_name, options=options)
+    if not by_name["state"]:  # saved before the first step: the made-up state is not kept
+        _unstepped(optimizer)
 
 
 def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The whole weights on rank 0, in the CPU memory (empty on the other ranks), for an
     export in the Hugging Face format."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return get_model_state_dict(model, options=options)
 
