@@ -12,6 +12,11 @@ them alike; the figure is the median over repetitions of generated tokens per se
 processing included, as in a rollout). Engines: ``dapo`` (the native engine), ``hf``
 (transformers ``generate``), ``vllm`` when it is installed (skipped, with a note, when not).
 
+On a CPU every engine samples from the float32 model (``--compute-dtype`` to change it); with
+``--device cuda`` in bfloat16 by default, as a run does there, and each length is preceded by
+one untimed call identical to the timed ones for every engine (a first call at new widths
+pays some 20% more on a GPU: kernels chosen, CUDA graphs captured, attention plans built).
+
 Prints a line per measurement and a table; with ``--json`` the last line is a JSON list of
 ``{"engine", "rows", "new_tokens", "tokens_per_s"}`` objects (and the repetitions' figures).
 """
@@ -105,6 +110,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--reps", type=int, default=2, help="repetitions per length (default 2)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    ap.add_argument(
+        "--compute-dtype",
+        default="",
+        choices=["", "float32", "bfloat16", "float16"],
+        help="the engines' compute dtype (default: bfloat16 on cuda, the float32 model's on cpu)",
+    )
     ap.add_argument("--json", action="store_true", help="end with one JSON line")
     args = ap.parse_args(argv)
     if args.rows % args.group:
@@ -124,20 +135,31 @@ def prepare(args: argparse.Namespace):
     return device, model.to(device), tokenizer
 
 
+def compute_dtype(args: argparse.Namespace) -> torch.dtype | None:
+    """``--compute-dtype``, or bfloat16 on CUDA; None (the float32 model's own) on a CPU."""
+    if args.compute_dtype:
+        return getattr(torch, args.compute_dtype)
+    return torch.bfloat16 if torch.device(args.device).type == "cuda" else None
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     device, model, tokenizer = prepare(args)
     prompts = prompts_for(tokenizer, args.rows // args.group, chat=bool(args.model))
     names = available(args.engines)
+    dtype = compute_dtype(args)
+    stop = (tokenizer.eos_token_id,)
     engines = {
-        name: make_engine(name, model, tokenizer, (tokenizer.eos_token_id,), device=device)
-        for name in names
+        name: make_engine(name, model, tokenizer, stop, dtype, device=device) for name in names
     }
     for engine in engines.values():  # kernels chosen and loaded before any timing
         engine.generate(prompts, group_size=args.group, max_new_tokens=4, ignore_eos=True)
     rows = []
     for new_tokens in args.new_tokens:
         figures: dict[str, list[float]] = {name: [] for name in names}
+        if device.type == "cuda":  # untimed, the timed call itself: widths new to every engine
+            for name in names:
+                time_one(engines[name], prompts, args.group, new_tokens, seed=0)
         for rep in range(args.reps):
             order = names if rep % 2 == 0 else names[::-1]
             for name in order:
@@ -164,11 +186,12 @@ def report(rows: list[dict], args: argparse.Namespace, model) -> None:
     import transformers
 
     params = sum(p.numel() for p in model.parameters())
+    dtype = str(compute_dtype(args) or next(model.parameters()).dtype).removeprefix("torch.")
     print(
         f"model {args.model or 'embedded demo'} ({params / 1e6:.1f}M parameters), {args.rows} "
         f"rows ({args.rows // args.group} prompts x {args.group}), EOS ignored, {args.reps} "
         f"reps; threads {torch.get_num_threads()}, torch {torch.__version__}, transformers "
-        f"{transformers.__version__}, device {args.device}"
+        f"{transformers.__version__}, device {args.device}, compute {dtype}"
     )
     print(f"{'engine':>6} {'tokens':>6} {'tokens/s':>10} {'vs hf':>6}")
     for r in rows:

@@ -46,3 +46,34 @@ def test_fixed_length_bench_runs_every_response_to_the_limit(tmp_path, capsys):
     shares = sum(p["share"] for p in result["phases"].values())
     assert shares == pytest.approx(1.0)  # one step: the phases add up to it exactly
     assert result["peak_rss_mb"] > 0 and result["fixed_length"] is True
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_the_cuda_peak_covers_the_timed_steps_alone(monkeypatch, device):
+    # Stubs for the run (no model, no GPU): what matters is when the peak is reset.
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    import torch
+
+    from dapo.config import load_config
+    from dapo.training import bench
+
+    events = []
+    state = SimpleNamespace(device=torch.device(device), pool=None)
+    data = SimpleNamespace(warmup_pairs=[], train=[])
+    monkeypatch.setattr(bench.inputs, "load_run_data", lambda cfg: data)
+    monkeypatch.setattr(bench.policy, "load_tokenizer", lambda cfg: None)
+    monkeypatch.setattr(bench.policy, "load_policy", lambda *args, log: (None, None))
+    monkeypatch.setattr(bench, "build_state", lambda *args: state)
+    monkeypatch.setattr(bench, "reward_pool", lambda cfg: nullcontext())
+    monkeypatch.setattr(bench, "train_step", lambda s: events.append("step") or {"perf/step_s": 1})
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d: events.append("reset"))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: 3 * 2**20)
+    out = bench.bench_steps(load_config(None, []), steps=2, warmup=2, log=lambda m: None)
+    if device == "cuda":  # model load and warm-up steps left out
+        assert events == ["step", "step", "reset", "step", "step"]
+        assert out["peak_cuda_mb"] == 3 and "timed steps" in out["peak_cuda_covers"]
+    else:  # the CPU path as it was: the process's peak RSS alone
+        assert events == ["step"] * 4
+        assert "peak_cuda_mb" not in out and out["peak_rss_mb"] > 0

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 from dapo import cli
 from dapo.algo.logits import token_logprobs_from_hidden
 from dapo.config import load_config
+from dapo.dist.fsdp import checkpoint_layers
 from dapo.models import policy
 from dapo.training import gpu_memory, memory_table
 from dapo.training.gpu_memory import (
@@ -274,6 +275,59 @@ def test_activation_checkpointing_keeps_layer_inputs_and_one_layer():
     plan = plan_memory(shape, replace(HAND_SETTINGS, activation_checkpointing=True))
     one_layer = activation_bytes(shape, tokens=100, compute=2, checkpointing=False) // 2
     assert plan.activations == 100 * 2 * 64 * 2 + one_layer
+
+
+def _kept_bytes(layers: int, tokens: int, weights: torch.dtype, autocast: bool):
+    """Bytes a forward pass of a real Qwen2 decoder, its layers checkpointed as one process
+    checkpoints them, leaves alive for the backward (no KV cache, as training calls it)."""
+    config = Qwen2Config(
+        vocab_size=64,
+        hidden_size=128,
+        intermediate_size=704,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(weights)
+    checkpoint_layers(model)
+    ids = torch.randint(64, (1, tokens))
+    with LiveBytes() as live:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
+        held = sum(live.live.values())
+    del hidden
+    return held, ModelShape.from_hf_config(config.to_dict())
+
+
+@pytest.mark.parametrize(
+    ("weights", "autocast", "world_size"),
+    [
+        (torch.float32, True, 1),  # one process: float32 weights under bf16 autocast
+        (torch.bfloat16, False, 2),  # FSDP: bf16 weights gathered, a bf16 residual stream
+    ],
+    ids=["one-process-autocast", "fsdp-bf16"],
+)
+def test_checkpointed_layers_keep_inputs_in_the_residual_streams_dtype(
+    weights, autocast, world_size
+):
+    # Autocast computes the projections in bf16 but leaves the embedding's output and the
+    # residual adds in the weights' dtype: in one process each layer's kept input is float32.
+    # Differences over layers and tokens leave the kept inputs alone (weights, autocast's
+    # copies of them, the embedding's output and rotary tables do not grow with both).
+    runs = {(n, t): _kept_bytes(n, t, weights, autocast) for n in (3, 1) for t in (256, 128)}
+    held = {key: bytes_ for key, (bytes_, _) in runs.items()}
+    measured = ((held[3, 256] - held[1, 256]) - (held[3, 128] - held[1, 128])) / 128 / 2
+    settings = PlanSettings(world_size=world_size, activation_checkpointing=True)
+    planned = {
+        key: plan_memory(shape, replace(settings, microbatch_tokens=key[1])).activations
+        for key, (_, shape) in runs.items()
+    }
+    modelled = ((planned[3, 256] - planned[1, 256]) - (planned[3, 128] - planned[1, 128])) / 256
+    stream = 4 if world_size == 1 else 2
+    assert measured == pytest.approx(stream * 128, rel=0.05), measured  # H = 128
+    assert modelled == pytest.approx(measured, rel=0.05), (modelled, measured)
 
 
 def _saved_bytes(layers: int, tokens: int, weights: torch.dtype, autocast: bool):

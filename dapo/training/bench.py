@@ -1,6 +1,7 @@
 """Where a training step's time goes: W untimed steps, then N timed ones of a configured run,
 writing nothing; medians per phase (generate, reward, logprobs = the pi_old / pi_ref forward
-passes, train, other), tokens/s, padding, peak memory. The command is ``dapo bench``
+passes, train, other), tokens/s, padding, peak memory (the process's peak RSS over its whole
+life; on CUDA, PyTorch's peak allocation over the timed steps alone). The command is ``dapo bench``
 (:mod:`dapo.cli.bench`).
 """
 
@@ -45,12 +46,18 @@ def summarize_steps(steps: list[dict[str, float]]) -> dict:
     }
 
 
-def peak_memory() -> dict[str, float]:
+def peak_memory(device: torch.device) -> dict[str, float | str]:
+    """The process's peak RSS (its whole life: loading and the warm-up steps too) and, when
+    ``device`` is a GPU, the most PyTorch allocated there since its peak was last reset
+    (:func:`bench_steps` resets it after the warm-up: the timed steps alone)."""
     import resource
 
-    out = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-    if torch.cuda.is_available():
-        out["peak_cuda_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    out: dict[str, float | str] = {
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    }
+    if device.type == "cuda":
+        out["peak_cuda_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+        out["peak_cuda_covers"] = "the timed steps (reset after the model load and warm-up)"
     return out
 
 
@@ -66,13 +73,15 @@ def bench_steps(cfg: Config, *, steps: int, warmup: int, log: Callable[[str], No
     with reward_pool(cfg) as pool:
         state.pool = pool
         for i in range(warmup + steps):
+            if i == warmup and state.device.type == "cuda":  # the timed steps' peak alone
+                torch.cuda.reset_peak_memory_stats(state.device)
             metrics = train_step(state)
             if i >= warmup:
                 timed.append(metrics)
             log(f"bench step {i + 1}/{warmup + steps}: {metrics['perf/step_s']:.2f} s")
     return {
         **summarize_steps(timed),
-        **peak_memory(),
+        **peak_memory(state.device),
         "threads": torch.get_num_threads(),
         "device": str(state.device),
         "responses_per_step": cfg.responses_per_step,

@@ -57,7 +57,7 @@ class MemoryPlan:
     gradients: int
     optimizer: int
     accumulated_gradients: int
-    """The unsharded float32 gradient of ``dist.grad_sync=minibatch`` (training only)."""
+    """The unsharded float32 (FSDP2's reduce dtype) gradient of ``dist.grad_sync=minibatch``."""
     generation_copy: int
     gathered_layers: int
     activations: int
@@ -69,7 +69,7 @@ class MemoryPlan:
     load_host: int
     """Host memory per rank while the model loads (not on the GPU, not in the peaks)."""
     ahead: int = 0
-    """The generator's own copy and up to k clones of new weights (``train.async_staleness``)."""
+    """The generator's copy and up to k clones of what moves (``train.async_staleness``)."""
     runtime: int = 0
     """The CUDA runtime and NCCL's buffers (outside PyTorch's counters: :mod:`fixed_memory`)."""
     allocator_slack: int = 0
@@ -112,17 +112,20 @@ class MemoryPlan:
         return max(self.generation_peak, self.training_peak)
 
 
-def activation_bytes(shape: ModelShape, *, tokens: int, compute: int, checkpointing: bool) -> int:
+def activation_bytes(
+    shape: ModelShape, *, tokens: int, compute: int, checkpointing: bool, residual: int = 0
+) -> int:
     """What autograd keeps for one micro-batch of ``tokens``, roughly. Per token and layer:
     ``compute x (6 H + 2 kv + 4 I)`` bytes (norm outputs and projection inputs, q, the
     attention output, k, v; the MLP's gate, up, activation and product) and ``16 H`` bytes of
     the RMSNorms' float32; attention is fused (sdpa), so no tokens^2 term. Checkpointed, a
-    layer keeps only its input (``compute x H``) and one layer is recomputed at a time."""
+    layer keeps its input, ``residual x H`` (the residual stream: FSDP's ``compute``; one
+    process's weights' dtype under autocast), and one layer is recomputed at a time."""
     per_token_layer = compute * (6 * shape.hidden + 2 * shape.kv_dim + 4 * shape.intermediate)
     per_token_layer += 16 * shape.hidden
     if not checkpointing:
         return tokens * shape.layers * per_token_layer
-    return tokens * (shape.layers * shape.hidden * compute + per_token_layer)
+    return tokens * (shape.layers * shape.hidden * (residual or compute) + per_token_layer)
 
 
 def output_head_bytes(shape: ModelShape, s: PlanSettings, *, compute: int) -> int:
@@ -159,8 +162,7 @@ def decode_workspace_bytes(shape: ModelShape, s: PlanSettings, *, compute: int) 
       and values at prompt + L_max positions, copied to every query head by transformers
       before 5.23 (``repeat_kv``), else the old buffer of a layer whose cache grows
       (:mod:`dapo.rollout.kv_cache`), at most its key-value heads; 1/tp of the heads per rank
-      either way.
-    """
+      either way."""
     rows, vocab = s.rows, shape.vocab
     block = min(rows, max(1, CDF_CHUNK_ELEMENTS // vocab))
     draw = 8 * rows * vocab + (33 if s.top_p else 16) * block * vocab
@@ -228,10 +230,10 @@ def plan_memory(shape: ModelShape, settings: PlanSettings) -> MemoryPlan:
     s.check(shape)
     p, w = shape.num_parameters, s.world_size
     master, compute = DTYPE_BYTES[s.param_dtype], DTYPE_BYTES[s.compute_dtype]
-    # Frozen copies (generation, reference) are bf16 when that computes, else the weights'
-    # dtype (dapo.training.step).
+    # Frozen copies (generation, reference): bf16 when that computes, else the weights' dtype.
     frozen = 2 if s.compute_dtype == "bfloat16" else master
     tokens, ckpt = s.microbatch_tokens, s.activation_checkpointing
+    stream = compute if s.sharded else master  # autocast leaves the embedding, residual adds
     gathered = 0
     if s.sharded:  # two layers (one prefetched; every layer without resharding after
         # forward) and the root's embedding/head in the compute dtype, and one layer's
@@ -247,7 +249,9 @@ def plan_memory(shape: ModelShape, settings: PlanSettings) -> MemoryPlan:
     if a and s.sharded:
         gathered += (a // shape.layers - shape.layer_parameters) * 4  # one layer's gradient
     moving = a * frozen if a else p * frozen
-    activations = activation_bytes(shape, tokens=tokens, compute=compute, checkpointing=ckpt)
+    activations = activation_bytes(
+        shape, tokens=tokens, compute=compute, checkpointing=ckpt, residual=stream
+    )
     if s.packing:  # rows of the plan's lengths: each copies its prompt's q, k, v and output
         copies = tokens * s.prompt_tokens // (s.prompt_tokens + s.max_new_tokens)
         per_copy = (2 * shape.hidden + 2 * shape.kv_dim) * compute
@@ -262,7 +266,6 @@ def plan_memory(shape: ModelShape, settings: PlanSettings) -> MemoryPlan:
         weights=math.ceil((p * master + 4 * a) / w),
         gradients=math.ceil(trained / w),
         optimizer=math.ceil(2 * trained / w),
-        # FSDP2 accumulates in its reduce dtype, float32, whatever param_dtype is.
         accumulated_gradients=(4 * a or 4 * p) if s.sharded and s.grad_sync == "minibatch" else 0,
         generation_copy=generation_copy_bytes(shape, s, frozen=frozen) + 4 * a,
         gathered_layers=gathered,
@@ -274,9 +277,7 @@ def plan_memory(shape: ModelShape, settings: PlanSettings) -> MemoryPlan:
         decode_workspace=native * decode_workspace_bytes(shape, s, compute=compute),
         reference=math.ceil(p * frozen / w) if s.reference and not a else 0,
         load_host=load_host_bytes(shape, s),
-        # Whole copies kept to generate ahead: in one process the generator's and up to k
-        # clones of what moves. With generator ranks the versions sent and not yet taken
-        # wait in trainer rank 0's host memory (dapo.dist.weight_sync): none on the GPU.
+        # With generator ranks, the versions not yet taken wait in rank 0's host memory.
         ahead=0 if s.generators else (p * frozen + k * moving if k else 0),
         runtime=fixed_memory.runtime_bytes(s),
         allocator_slack=math.ceil(slack) if s.device == "cuda" else 0,
