@@ -214,3 +214,26 @@ def test_gguf_metadata_of_the_wrong_type_is_named(tmp_path):
     with pytest.raises(ValueError, match=f"{empty}: transformers could not read"):
         import_gguf(str(empty), tmp_path / "out", log=lambda m: None)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_gguf_import_never_writes_through_a_planted_partial_link(
+    tmp_path, monkeypatch, tiny_model, tokenizer
+):
+    """The import wrote into ``.OUT.partial`` beside the target: a link planted there was
+    written through (the model's files landed in the link's target), and renamed to OUT."""
+    from dapo.models import gguf as gguf_mod
+
+    source = _gguf(tmp_path / "m.gguf", **{"tokenizer.ggml.eos_token_id": 2})
+    monkeypatch.setattr(gguf_mod, "load_model", lambda path: tiny_model)
+    monkeypatch.setattr(gguf_mod, "load_tokenizer", lambda path, eos: tokenizer)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / ".out.partial").symlink_to(elsewhere)
+    out = tmp_path / "models" / "out"
+    gguf_mod.import_gguf(str(source), out, log=lambda m: None)
+    assert not any(elsewhere.iterdir())  # nothing written through the link
+    assert out.is_dir() and not out.is_symlink() and (out / "config.json").is_file()
+    assert (tmp_path / "models" / ".out.partial").is_symlink()  # not dapo's: left alone
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [".out.partial", "out"]
+    assert oct(out.stat().st_mode & 0o777) != oct(0o700)  # not mkdtemp's private mode

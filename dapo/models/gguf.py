@@ -16,6 +16,7 @@ import importlib.util
 import json
 import os
 import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -154,10 +155,10 @@ def import_gguf(source: str, out_dir: Path, *, log: Callable[[str], None] = prin
     check_architecture(path, architecture)
     log(f"importing {path} ({path.stat().st_size / 1e6:.0f} MB, {architecture})")
 
-    tokenizer = _loaded(path, "tokenizer", lambda: _load_tokenizer(path, eos))
+    tokenizer = _loaded(path, "tokenizer", lambda: load_tokenizer(path, eos))
     log(f"  tokenizer: {len(tokenizer)} tokens, chat template: {bool(tokenizer.chat_template)}")
     log("  dequantizing the weights ...")
-    model = _loaded(path, "weights", lambda: _load_model(path))
+    model = _loaded(path, "weights", lambda: load_model(path))
     # The run's rule (the tokenizer's EOS and the generation config's), plus the end tokens.
     stops = stop_token_ids(model, tokenizer, extra=end_token_ids(tokenizer))
     model.generation_config.eos_token_id = list(stops)
@@ -165,8 +166,7 @@ def import_gguf(source: str, out_dir: Path, *, log: Callable[[str], None] = prin
     parameters = sum(p.numel() for p in model.parameters())
     log(f"  {parameters / 1e6:.1f}M parameters in {time.perf_counter() - started:.1f} s")
 
-    partial = out_dir.with_name(f".{out_dir.name}.partial")
-    shutil.rmtree(partial, ignore_errors=True)
+    partial = _fresh_partial(out_dir)
     try:
         model.save_pretrained(partial)
         tokenizer.save_pretrained(partial)
@@ -181,6 +181,20 @@ def import_gguf(source: str, out_dir: Path, *, log: Callable[[str], None] = prin
     seconds = time.perf_counter() - started
     log(f"  wrote {out_dir} in {seconds:.1f} s (stop tokens {list(stops)})")
     return ImportSummary(out_dir, architecture, parameters, model.config.vocab_size, stops, seconds)
+
+
+def _fresh_partial(out_dir: Path) -> Path:
+    """A new, empty directory beside ``out_dir`` to write the import into (renamed to
+    ``out_dir`` once complete): made here, so never a link or a directory someone else left
+    (a planted ``.OUT.partial`` link was written through), and the only thing removed."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(
+        tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent)
+    )
+    umask = os.umask(0)
+    os.umask(umask)
+    partial.chmod(0o777 & ~umask)  # mkdtemp's 0700 would follow the model directory
+    return partial
 
 
 def _fsync_files(directory: Path, *, files: bool = True) -> None:
@@ -204,7 +218,7 @@ def end_token_ids(tokenizer: Any) -> list[int]:
     return [tokenizer.convert_tokens_to_ids(t) for t in END_TOKENS if t in special]
 
 
-def _load_tokenizer(path: Path, eos: int | None) -> Any:
+def load_tokenizer(path: Path, eos: int | None) -> Any:
     """The tokenizer, its EOS the file's own ``tokenizer.ggml.eos_token_id`` (``eos``):
     transformers 4.56 makes SmolLM2's EOS ``<|im_start|>`` (its BOS), so that every response
     would stop where a new turn starts and the end of a turn would be missed (5.x reads the
@@ -217,7 +231,7 @@ def _load_tokenizer(path: Path, eos: int | None) -> Any:
     return tokenizer
 
 
-def _load_model(path: Path) -> Any:
+def load_model(path: Path) -> Any:
     """The dequantized weights in a fresh (unquantized) model of the same config, float32."""
     import copy
 
