@@ -256,3 +256,17 @@ def test_metrics_log_truncates_to_a_checkpoint_offset(tmp_path):
     with pytest.raises(ValueError, match="was cut or edited"):
         log.truncate(10**6)
     log.close()
+
+
+def test_a_damaged_checkpoint_does_not_count_among_those_kept(tmp_path, tokenizer):
+    """Pruning counted by step number: with the newest checkpoint but one damaged, keep=2
+    deleted the complete one before it and left one complete checkpoint where two were asked."""
+    model, opt = _trained(tokenizer, seed=0)
+    for step in range(1, 4):
+        _save(tmp_path, model, tokenizer, opt, step=step, keep=2)
+    root = tmp_path / "checkpoints"
+    (root / "step_000003" / "trainer.json").write_text("{}")  # its size no longer matches
+    _save(tmp_path, model, tokenizer, opt, step=4, keep=2)
+    names = sorted(p.name for p in root.iterdir())
+    assert names == ["latest", "step_000002", "step_000003", "step_000004"]
+    assert checkpoint.verify(root / "step_000002") is None

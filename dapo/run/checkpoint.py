@@ -206,9 +206,10 @@ def publish(tmp: Path, final: Path, step: int, digests: dict[str, str] | None = 
 
 
 def prune(root: Path, *, keep: int, protect: str) -> None:
-    """Delete all but the newest ``keep`` complete checkpoints, and stale temporaries."""
+    """Delete what precedes the newest ``keep`` complete checkpoints, and stale temporaries."""
     steps = step_dirs(root)
-    for old in steps[:-keep]:
+    complete = [i for i, d in enumerate(steps) if d.name == protect or verify(d) is None]
+    for old in steps[: complete[-keep] if len(complete) >= keep else 0]:
         if old.name != protect:
             shutil.rmtree(old, ignore_errors=True)
     for stale in root.glob(".tmp-*"):
@@ -281,8 +282,7 @@ def load(
     trainer = read_trainer_state(ckpt, digests=not verified)
     model_files.load(model, ckpt / "model")
     try:
-        # load_state_dict moves each state tensor to its parameter's device; the step
-        # counters go where this process's AdamW keeps them (kernels_kept).
+        # State tensors go to their parameters' devices, step counters where AdamW keeps them.
         with kernels_kept(optimizer):
             optimizer.load_state_dict(state_files.load_optimizer(ckpt / "optimizer"))
         restore_rng(state_files.load_rng(ckpt / "rng"), device)
