@@ -203,6 +203,36 @@ def test_a_journal_left_under_another_config_is_not_resumed(
     assert protocol["config"]["path"] == str(config) and len(protocol["config"]["sha256"]) == 64
 
 
+def test_a_journal_of_a_model_rewritten_at_the_same_path_is_not_resumed(
+    tmp_path, model_and_data, capsys, monkeypatch
+):
+    """The journal named the model by its path: a run's model/ saved again between an
+    interrupted evaluation and its resumption mixed two models' records in one result."""
+    import os
+    import shutil
+
+    from dapo.eval.journal import NAME, Journal
+
+    model_dir = shutil.copytree(model_and_data[0], tmp_path / "model")
+    args = ("--k", "64", "--num-problems", "6")
+    real_append = Journal.append
+
+    def killed_after_the_first_batch(self, records):
+        real_append(self, records)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Journal, "append", killed_after_the_first_batch)
+    with pytest.raises(KeyboardInterrupt):
+        _eval(model_dir, "arith", tmp_path / "e", *args)
+    monkeypatch.setattr(Journal, "append", real_append)
+    weights = next(model_dir.glob("*.safetensors"))
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    capsys.readouterr()
+    assert _eval(model_dir, "arith", tmp_path / "e", *args) == 0
+    assert "resuming" not in capsys.readouterr().out
+    assert not (tmp_path / "e" / NAME).exists()
+
+
 def test_bad_counts_are_refused_before_the_model_loads(tmp_path, model_and_data, capsys):
     model_dir, data = model_and_data
     # A negative count once dropped problems from the end; --resamples 0 once failed only

@@ -98,7 +98,7 @@ def run(req: EvalRequest, *, reward_fn: Callable[..., Any] | None = None) -> Eva
     """Sample, grade, summarise and write ``req``'s evaluation; a journal left by an
     interrupted one with the same protocol is continued."""
     from dapo.eval.evaluate import sample_records
-    from dapo.eval.journal import Journal
+    from dapo.eval.journal import Journal, fingerprint
     from dapo.eval.metrics import summarize
     from dapo.models.policy import stop_token_ids
     from dapo.reward.custom import make_resolver
@@ -111,15 +111,15 @@ def run(req: EvalRequest, *, reward_fn: Callable[..., Any] | None = None) -> Eva
     problems = _problems(req)
     out = out_dir(req)
     out.mkdir(parents=True, exist_ok=True)
-    journal = Journal(out, _protocol(req, len(problems)))
+    identity = [*fingerprint([req.model, req.data]), req.device]  # what a path's files hold
+    journal = Journal(out, _protocol(req, len(problems)), identity)
     done = journal.resume([p.uid for p in problems])
     if done:
         print(f"resuming: {len(done)} of {len(problems)} problems already in {journal.path}")
     model, tokenizer = _model(req)
     model.eval()
     extra = _ids(req.stop_token_ids, "--stop-token-ids")
-    t0 = time.perf_counter()
-    before_batch = _progress(req, t0)
+    before_batch = _progress(req, t0 := time.perf_counter())
     resolve = make_resolver(req.reward_function, reward_fn, _code_section(req))
     settings = _run_config(req)
     stops = engine_stops(stop_token_ids(model, tokenizer, extra), tokenizer, settings.env)

@@ -19,10 +19,33 @@ from typing import Any
 NAME = "problems.partial.jsonl"
 
 
+def fingerprint(names: Sequence[str]) -> list[Any]:
+    """What each local path holds, cheaply: every file under it (a model directory) or it
+    (a data file) with its size and modification time in ns; a name that is no local path
+    (a Hub id, ``embedded``) as it is. A model rewritten at the same path between a run and
+    its resumption would otherwise mix two models' records in one evaluation."""
+    out: list[Any] = []
+    for name in names:
+        path = Path(name)
+        if not path.exists():
+            out.append(name)
+            continue
+        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+        out.append([[str(p.relative_to(path)), *_size_and_time(p)] for p in files])
+    return out
+
+
+def _size_and_time(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_size, st.st_mtime_ns
+
+
 class Journal:
-    def __init__(self, out_dir: Path, protocol: dict[str, Any]) -> None:
+    def __init__(self, out_dir: Path, protocol: dict[str, Any], identity: Any = None) -> None:
+        """``identity``: what else must be the same to continue (the files' fingerprint, the
+        device), kept in the journal only, not in the evaluation's protocol."""
         self.path = Path(out_dir) / NAME
-        self.protocol = protocol
+        self.protocol = protocol if identity is None else {**protocol, "identity": identity}
         self._file: Any = None
 
     def resume(self, uids: Sequence[str]) -> list[dict[str, Any]]:
