@@ -395,6 +395,24 @@ def test_short_rollouts_end_where_the_eager_loop_ends(new_tokens):
     assert torch.equal(static[0], eager[0])
 
 
+def test_folded_matrices_are_built_a_block_of_rows_at_a_time(monkeypatch):
+    """The fused copy was folded whole in float32 (the head: two V x H float32 temporaries,
+    1.9 GB for 1.5B); block by block it is the same matrix, bit for bit."""
+    from dapo.rollout import decoder_step
+
+    model = model_of("qwen2")
+    whole = DecoderStep(model, torch.bfloat16)
+    monkeypatch.setattr(decoder_step, "FOLD_ROWS", 7)  # blocks that split every matrix
+    blocks = DecoderStep(model, torch.bfloat16)
+    head = model.get_output_embeddings().weight
+    folded = (head.float() * model.model.norm.weight.float()).bfloat16()
+    assert torch.equal(blocks.head[0][0], folded) and torch.equal(whole.head[0][0], folded)
+    for a, b in zip(whole.layers, blocks.layers, strict=True):
+        for name in ("qkv", "gate_up"):
+            for x, y in zip(a[name][0], b[name][0], strict=True):  # weight, bias (or None)
+                assert (x is None and y is None) or torch.equal(x, y)
+
+
 def test_weights_in_the_compute_dtype_are_not_copied():
     model = model_of("qwen2")
     own = DecoderStep(model, torch.float32)  # float32 weights, float32 compute

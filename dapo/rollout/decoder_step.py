@@ -51,6 +51,8 @@ layer, whose weights are not one matrix)."""
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 """Rotary embeddings whose frequencies are fixed at load (``dynamic`` and ``longrope`` change
 them with the sequence length, a read on the host)."""
+FOLD_ROWS = 8192
+"""Rows of a fused matrix folded at a time, in float32 (48 MiB at H = 1536)."""
 
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
@@ -204,12 +206,20 @@ class DecoderStep:
         pairs = [linear_weight(m) for m in modules]
         if not self.fuse:
             return pairs
-        # Folded in float32, then cast once (bf16 weights and norms would round twice).
-        weight = torch.cat([w.float() for w, _ in pairs]) * norm_weight.detach().float()
+        # Folded in float32, then cast once (bf16 weights and norms would round twice), a
+        # block of rows at a time: the whole head in float32 was two V x H temporaries.
+        norm = norm_weight.detach().float()
+        rows = sum(w.shape[0] for w, _ in pairs)
+        weight = torch.empty((rows, norm.shape[0]), dtype=self.compute_dtype, device=norm.device)
+        at = 0
+        for w, _ in pairs:
+            for part in w.detach().split(FOLD_ROWS):
+                weight[at : at + part.shape[0]] = part.float() * norm
+                at += part.shape[0]
         if all(b is None for _, b in pairs):
-            return [(self._cast(weight), None)]
+            return [(weight, None)]
         biases = [w.new_zeros(w.shape[0]) if b is None else b for w, b in pairs]
-        return [(self._cast(weight), self._cast(torch.cat(biases)))]
+        return [(weight, self._cast(torch.cat(biases)))]
 
     def _layer(self, layer: torch.nn.Module) -> dict:
         """One layer's tensors: its matrices (fused when copied), norms (their weight None when
