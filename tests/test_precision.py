@@ -163,6 +163,33 @@ def test_the_grpo_reference_is_held_in_the_compute_dtype(tokenizer):
     state = build_state(cfg, model, tokenizer, [Problem("p", (), "1")])
     assert {p.dtype for p in state.ref_model.parameters()} == {torch.bfloat16}
     assert {p.dtype for p in model.parameters()} == {torch.float32}
+    # Its rotary table stays float32, as the policy's: Module.to(bf16) rounded it, and the
+    # KL between the two was not ~0 at step 0 (6.6e-4 against 1.2e-5 at positions 768-1536).
+    for m in (model, state.ref_model):
+        assert m.model.rotary_emb.inv_freq.dtype == torch.float32
+    assert torch.equal(state.ref_model.model.rotary_emb.inv_freq, model.model.rotary_emb.inv_freq)
+
+
+def test_a_bf16_policy_keeps_the_rotary_table_from_pretrained_keeps(tmp_path):
+    """model.param_dtype=bfloat16: load_policy's cast rounded inv_freq to bf16, unlike
+    from_pretrained(dtype=bfloat16), and the policy's log-probs drifted from the
+    pretrained model's with the position."""
+    from helpers import save_model
+    from transformers import AutoModelForCausalLM
+
+    from dapo.models.policy import load_policy
+
+    path = save_model(tmp_path / "m", "qwen2", context=2048)
+    overrides = [f"model.path={path}", "model.param_dtype=bfloat16", "model.device=cpu"]
+    cfg = load_config(
+        None, [*overrides, "model.compute_dtype=bfloat16", "train.recompute_old_logprobs=true"]
+    )
+    model, _ = load_policy(cfg, log=lambda _: None)
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+    ids = torch.arange(1, 1500).remainder(model.config.vocab_size)[None]
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
 
 
 def test_a_non_finite_loss_under_the_scaler_is_skipped_and_training_goes_on(tokenizer):
@@ -288,3 +315,14 @@ def test_a_checkpoint_resumes_with_this_processs_adamw(
     assert updates >= 1.0
     after = [float(s["step"]) for s in resumed.optimizer.state.values()]
     assert after == [b + updates for b in before]
+
+
+def test_an_empty_model_for_a_sharded_load_keeps_a_float32_rotary_table(tokenizer):
+    """The sharded load and the FSDP generation copy start from empty_model: its bf16 cast
+    rounded inv_freq, and the generation copy sampled with bf16 rotary angles."""
+    from dapo.models.sharded_load import empty_model
+
+    config = tiny_qwen2(tokenizer, SPEC, seed=0).config
+    model = empty_model(config, torch.bfloat16)
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}

@@ -36,6 +36,7 @@ from safetensors import safe_open
 from dapo.config import Config
 from dapo.dist import fsdp
 from dapo.models import compiled_layers, lora
+from dapo.models.policy import cast_weights
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -164,14 +165,14 @@ def copies(
 def empty_model(config: Any, dtype: torch.dtype) -> torch.nn.Module:
     """The causal LM of ``config`` in evaluation mode (as ``from_pretrained`` returns it),
     its parameters on the meta device in ``dtype``, its buffers computed on the CPU by the
-    model's own code and cast to ``dtype`` (as :func:`dapo.models.policy.load_policy` casts a
-    loaded model)."""
+    model's own code, kept in their dtype as :func:`dapo.models.policy.cast_weights` keeps a
+    loaded model's)."""
     from transformers import AutoModelForCausalLM
 
     with _parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.config.dtype = dtype  # the loaded weights' dtype, as from_pretrained records it
-    return model.to(dtype).eval()
+    return cast_weights(model, dtype).eval()
 
 
 def materialise(
@@ -290,7 +291,7 @@ def _empty_copy(policy: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     parameters on the meta device in ``dtype``: what ``copy.deepcopy(policy).to(dtype)``
     would be, before any weight is in it."""
     weights = next(policy.parameters()).dtype
-    model = empty_model(copy.deepcopy(policy.config), weights).to(dtype)
+    model = cast_weights(empty_model(copy.deepcopy(policy.config), weights), dtype)
     model.generation_config = copy.deepcopy(policy.generation_config)
     return model.requires_grad_(False)
 

@@ -18,6 +18,7 @@ from dapo import dist
 from dapo.config import Config
 from dapo.dist import fsdp, tensor_parallel
 from dapo.models import compiled_layers, lora, sharded_load
+from dapo.models.policy import cast_weights
 
 
 def frozen_dtype(model: torch.nn.Module, compute: torch.dtype) -> torch.dtype:
@@ -74,10 +75,10 @@ def _copies_then_shards(
     # The naive-GRPO KL anchor: a frozen copy of the starting policy (with LoRA, the policy
     # with its adapters off: TrainState.reference).
     if cfg.algo.kl_coef > 0 and not lora.enabled(model):
-        ref_model = copy.deepcopy(model).to(held).eval().requires_grad_(False)
+        ref_model = cast_weights(copy.deepcopy(model), held).eval().requires_grad_(False)
     options = sharded_load.shard_options(cfg) if dist.active() else {}  # refuses float16
     if dist.active() and whole_copy:
-        gen_model = copy.deepcopy(model).to(held).eval().requires_grad_(False)
+        gen_model = cast_weights(copy.deepcopy(model), held).eval().requires_grad_(False)
     if cfg.train.compile:  # after the copies, before checkpointing (which recomputes it)
         compiled_layers.compile_layers(model)
     if not dist.active() and cfg.dist.activation_checkpointing:
