@@ -20,6 +20,7 @@ import torch
 from dapo import dist
 from dapo.config import Config, ModelConfig, choices
 from dapo.data.problems import Problem
+from dapo.models.casting import cast_weights
 
 DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name) for name in choices(ModelConfig, "param_dtype")
@@ -224,22 +225,6 @@ def load_policy(
         lora.apply(model, cfg.model.lora, seed=cfg.train.seed)
         log(lora.describe(model))
     return model, tokenizer
-
-
-def cast_weights(
-    model: torch.nn.Module, dtype: torch.dtype, device: torch.device | None = None
-) -> torch.nn.Module:
-    """``model.to(device, dtype)``, its buffers kept in their own dtype (on ``device``): the
-    rotary table (``inv_freq``) is float32 in a bf16 model as ``from_pretrained`` builds it,
-    and ``Module.to`` rounded it to bf16 too, an angle error that grows with the position
-    (0.6 rad at 512 for head size 128): log-probs unlike the pretrained model's."""
-    kept = {name: b for name, b in model.named_buffers() if b.is_floating_point()}
-    model.to(device=device, dtype=dtype)
-    for name, buffer in kept.items():
-        owner, _, leaf = name.rpartition(".")
-        module = model.get_submodule(owner)
-        setattr(module, leaf, buffer.to(getattr(module, leaf).device))
-    return model
 
 
 def check_vocabulary(model: torch.nn.Module, tokenizer: Any, path: str | Path) -> None:

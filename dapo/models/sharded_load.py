@@ -36,7 +36,7 @@ from safetensors import safe_open
 from dapo.config import Config
 from dapo.dist import fsdp
 from dapo.models import compiled_layers, lora
-from dapo.models.policy import cast_weights
+from dapo.models.casting import cast_weights
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -165,7 +165,7 @@ def copies(
 def empty_model(config: Any, dtype: torch.dtype) -> torch.nn.Module:
     """The causal LM of ``config`` in evaluation mode (as ``from_pretrained`` returns it),
     its parameters on the meta device in ``dtype``, its buffers computed on the CPU by the
-    model's own code, kept in their dtype as :func:`dapo.models.policy.cast_weights` keeps a
+    model's own code, kept in their dtype as :func:`dapo.models.casting.cast_weights` keeps a
     loaded model's)."""
     from transformers import AutoModelForCausalLM
 

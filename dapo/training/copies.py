@@ -18,7 +18,7 @@ from dapo import dist
 from dapo.config import Config
 from dapo.dist import fsdp, tensor_parallel
 from dapo.models import compiled_layers, lora, sharded_load
-from dapo.models.policy import cast_weights
+from dapo.models.casting import cast_weights
 
 
 def frozen_dtype(model: torch.nn.Module, compute: torch.dtype) -> torch.dtype:
