@@ -14,7 +14,7 @@ from test_hf_models import files, train_args  # noqa: F401 (a fixture)
 from dapo.cli import main
 from dapo.config import load_config
 from dapo.models import hub
-from dapo.models.policy import check_model_path, load_policy, model_dir
+from dapo.models.policy import check_model_path, load_policy, load_tokenizer, model_dir
 
 
 def lay_out(cache: Path, repo: str, model: Path, *, ref: str = "main") -> Path:
@@ -155,3 +155,83 @@ def test_eval_and_data_check_take_a_hub_id(tmp_path, files, offline_cache, capsy
     assert "prompt tokens: min " in capsys.readouterr().out
     assert main(["eval", "org/absent", *args]) == 2
     assert "MODEL=org/absent: no such local directory" in capsys.readouterr().err
+
+
+def test_a_download_brings_the_chat_templates(tmp_path, monkeypatch):
+    """What recent transformers saves a chat template as (``chat_template.jinja``, more in
+    ``additional_chat_templates/``) comes with the download, and the tokenizer renders with it;
+    the download stand-in keeps only what ``allow_patterns`` matches, as huggingface_hub's."""
+    import huggingface_hub
+    from huggingface_hub import constants
+    from huggingface_hub.utils import filter_repo_objects
+    from transformers import AutoTokenizer
+
+    from dapo.data.problems import Problem
+    from dapo.data.prompts import render_prompt
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    saved = save_model(tmp_path / "m", "qwen2")
+    (saved / "additional_chat_templates").mkdir()
+    (saved / "additional_chat_templates" / "terse.jinja").write_text("{{ messages[0].content }}")
+    (saved / "model.bin").write_bytes(b"pickled")
+    assert (saved / "chat_template.jinja").is_file()
+
+    def fetch(repo, *, allow_patterns, **kwargs):
+        folder = tmp_path / "snapshot"
+        names = [str(f.relative_to(saved)) for f in saved.rglob("*") if f.is_file()]
+        for name in filter_repo_objects(names, allow_patterns=allow_patterns):
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(saved / name, folder / name)
+        return str(folder)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fetch)
+    path = hub.resolve("org/templated", None, log=lambda _: None)
+    assert (path / "chat_template.jinja").is_file() and not (path / "model.bin").exists()
+    got, want = AutoTokenizer.from_pretrained(path), AutoTokenizer.from_pretrained(saved)
+    assert got.chat_template and got.chat_template == want.chat_template
+    problem = Problem(uid="p", messages=({"role": "user", "content": "1+1?"},), answer="2")
+    assert render_prompt(got, problem) == render_prompt(want, problem) != "1+1?"
+
+
+def test_the_docs_download_what_dapo_downloads():
+    docs = Path(__file__).parent.parent / "docs"
+    commands = [
+        line.strip()
+        for page in docs.rglob("*.md")
+        for line in page.read_text().splitlines()
+        if line.startswith("hf download") and "--include" in line
+    ]
+    assert commands
+    for command in commands:
+        repo = command.split()[2]
+        assert command == hub.download_command(repo), command
+
+
+def test_a_tokenizer_without_a_chat_template_is_warned_of_once(tmp_path, files, capsys):  # noqa: F811
+    saved = save_model(tmp_path / "m", "qwen2")
+    (saved / "chat_template.jinja").unlink()
+    assert main([*train_args(tmp_path, saved, files), "--dry-run"]) == 0
+    warned = [x for x in capsys.readouterr().err.splitlines() if "chat template" in x]
+    assert len(warned) == 1
+    assert f"model.path={saved} has no chat template" in warned[0]
+    assert "data.apply_chat_template=false" in warned[0]
+    args = [*train_args(tmp_path, saved, files), "data.apply_chat_template=false", "--dry-run"]
+    assert main(args) == 0
+    assert "chat template" not in capsys.readouterr().err
+
+
+def test_a_hub_model_cached_without_its_template_names_the_download(tmp_path, offline_cache):
+    from dapo.training.inputs import missing_chat_template
+
+    saved = save_model(tmp_path / "m", "qwen2")
+    (saved / "chat_template.jinja").unlink()
+    lay_out(offline_cache, "org/plain", saved, ref="v1")
+    cfg = load_config(None, ["model.path=org/plain", "model.revision=v1"])
+    warning = missing_chat_template(cfg, load_tokenizer(cfg))
+    assert "model.path=org/plain (model.revision=v1) has no chat template" in warning
+    assert hub.download_command("org/plain", "v1") in warning and "'*.jinja'" in warning
+    with_template = save_model(tmp_path / "t", "qwen2")
+    lay_out(offline_cache, "org/templated", with_template)
+    cfg = load_config(None, ["model.path=org/templated"])
+    assert missing_chat_template(cfg, load_tokenizer(cfg)) is None

@@ -133,6 +133,22 @@ def lora_run(tmp_path_factory, demo_cache):
     return root, root / "base"
 
 
+@pytest.mark.parametrize("revision", [None, "v1.2"])
+def test_an_exported_adapter_names_its_base_at_the_run_revision(tmp_path, revision):
+    from peft import PeftConfig
+
+    from dapo.api.adapters import adapter_files
+
+    pinned = [f"model.revision={revision}"] if revision else []
+    cfg = load_config(None, ["model.lora.rank=4", "model.path=org/base", *pinned])
+    trained = {"model.layers.0.self_attn.q_proj.lora_A.default.weight": torch.zeros(4, 8)}
+    tensors, config = adapter_files(cfg, trained)
+    assert list(tensors) == ["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"]
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    read = PeftConfig.from_pretrained(tmp_path)  # what peft fetches the base model by
+    assert (read.base_model_name_or_path, read.revision) == ("org/base", revision)
+
+
 def test_a_checkpoint_holds_the_adapters_and_names_its_base(lora_run):
     root, base = lora_run
     ckpt = root / "whole" / "checkpoints" / "step_000003"

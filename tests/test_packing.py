@@ -14,7 +14,7 @@ from dapo.config import load_config
 from dapo.data.batch import Episode, collate, split_microbatches
 from dapo.data.problems import Problem
 from dapo.models.logprobs import batch_logprobs
-from dapo.models.packing import PACKED_ATTENTION, use_packing
+from dapo.models.packing import PACKED_ATTENTION, packing_refusal, use_packing
 from dapo.training.gpu_memory import PlanSettings, plan_memory
 from dapo.training.model_shape import ModelShape
 from dapo.training.state import build_state
@@ -178,6 +178,78 @@ def test_only_an_sdpa_model_without_windows_packs():
     )
     with pytest.raises(ValueError, match="sliding-window"):
         use_packing(windowed)
+
+
+def mistral(window: int | None) -> torch.nn.Module:
+    """A tiny Mistral (its window in ``sliding_window`` alone, no switch) with a context of 64,
+    its weights scaled up so that a dropped window shows in the log-probs."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        sliding_window=window,
+    )
+    model = MistralForCausalLM._from_config(config, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0 if p.dim() > 1 else 1.0)
+    return model
+
+
+def test_a_mistral_window_is_refused_and_the_model_left_as_it_was():
+    model = mistral(4)  # a window shorter than the rows: packing would drop it
+    eps = groups()
+    with torch.no_grad():
+        before = batch_logprobs(model, collate(eps, pad_id=0), share_prompts=False)[0]
+        with pytest.raises(ValueError) as refused:
+            use_packing(model)
+        after = batch_logprobs(model, collate(eps, pad_id=0), share_prompts=False)[0]
+    message = str(refused.value)
+    assert "(mistral)" in message and "sliding_window=4" in message
+    assert message.endswith("set train.packing=false")
+    assert model.config._attn_implementation == "sdpa"
+    assert torch.equal(before, after)
+
+
+@pytest.mark.parametrize("window", [None, 64, 4096])
+def test_a_mistral_whose_window_cannot_bind_packs_exactly(window):
+    model = mistral(window)  # none, or none shorter than the context of 64
+    eps = groups()
+    padded = collate(eps, pad_id=0)
+    with torch.no_grad():
+        want = batch_logprobs(model, padded, share_prompts=False)[0]
+        use_packing(model)
+        have = batch_logprobs(model, collate(eps, pad_id=0, packed=True))[0]
+    real = padded.response_mask_BT
+    torch.testing.assert_close(have[real], want[real], rtol=0, atol=2e-5)
+
+
+def test_which_configs_pack():
+    from types import SimpleNamespace as Config
+
+    def refusal(**fields):
+        return packing_refusal(Config(model_type="m", max_position_embeddings=4096, **fields))
+
+    # Qwen2 carries a window it does not use; Phi3-128k's is longer than its context.
+    assert refusal(use_sliding_window=False, sliding_window=4096) is None
+    assert refusal(use_sliding_window=False, sliding_window=None) is None
+    assert refusal(sliding_window=262144) is None and refusal(sliding_window=None) is None
+    assert refusal(layer_types=["full_attention"] * 2) is None
+    assert "use_sliding_window=true, sliding_window=8" in refusal(
+        use_sliding_window=True, sliding_window=8
+    )
+    assert "(m) has sliding-window attention (sliding_window=2047" in refusal(sliding_window=2047)
+    assert "layer_types: sliding_attention" in refusal(
+        layer_types=["full_attention", "sliding_attention"]
+    )
+    assert "layer_types: linear_attention" in refusal(layer_types=["linear_attention"])
 
 
 def test_the_memory_plan_counts_the_prompt_copies():

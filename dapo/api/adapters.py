@@ -46,7 +46,7 @@ def adapter_files(cfg: Config, trained: dict[str, torch.Tensor]) -> tuple[dict, 
     if any(lora.ADAPTER not in name for name in trained):
         raise CheckpointError("the checkpoint holds trained weights that are not LoRA adapters")
     tensors = {lora.peft_name(name): t for name, t in trained.items()}
-    return tensors, lora.peft_config(cfg.model.lora, base=cfg.model.path)
+    return tensors, lora.peft_config(cfg.model.lora, cfg.model.path, cfg.model.revision)
 
 
 def merged(

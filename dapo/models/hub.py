@@ -4,8 +4,8 @@ snapshot in the Hub cache, the one ``from_pretrained`` would read.
 A path that is an existing directory is a local model. Anything else shaped like a Hub id
 (``Qwen/Qwen2.5-Math-1.5B``) is looked up with ``huggingface_hub``: in its cache
 (``HF_HOME``, ``HF_HUB_CACHE``) and, unless ``HF_HUB_OFFLINE=1``, downloaded there first. Only
-what dapo reads is fetched: safetensors weights, JSON configs and the tokenizer's files, never
-pickled ``*.bin`` weights or code.
+what dapo reads is fetched: safetensors weights, JSON configs and the tokenizer's files (its
+chat templates included), never pickled ``*.bin`` weights or code.
 """
 
 from __future__ import annotations
@@ -13,9 +13,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-ALLOW_PATTERNS = ("*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken")
+ALLOW_PATTERNS = ("*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja")
 """The files of a Hub model dapo reads: configs, weights, tokenizer (sentencepiece,
-merges/vocab, tiktoken). Pickled weights (``*.bin``, ``*.pt``) and code stay on the Hub."""
+merges/vocab, tiktoken) and its chat templates (``chat_template.jinja``, what recent
+transformers writes, ``additional_chat_templates/*.jinja``, the older ``chat_template.json``;
+a pattern matches in folders too). Pickled weights (``*.bin``, ``*.pt``) and code stay on
+the Hub."""
+
+
+def download_command(repo: str, revision: str | None = None) -> str:
+    """The ``hf download`` command that fetches into the Hub cache what :func:`resolve` does."""
+    at = f" --revision {revision}" if revision else ""
+    return f"hf download {repo}{at} --include " + " ".join(f"'{p}'" for p in ALLOW_PATTERNS)
 
 
 class HubModelError(ValueError):
@@ -120,7 +129,7 @@ def _snapshot(
         raise HubModelError(
             f"{where}: no such local directory, and the Hub model is not in the Hugging Face "
             f"cache ({cache_root()}) while {why}. Fetch it where there is network: "
-            f"hf download {repo}{f' --revision {revision}' if revision else ''} (same HF_HOME), "
+            f"{download_command(repo, revision)} (same HF_HOME), "
             "or download it to a directory and give that path"
         ) from None
     return Path(folder)

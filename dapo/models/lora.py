@@ -343,8 +343,11 @@ def peft_name(name: str) -> str:
     return PEFT_PREFIX + name
 
 
-def peft_config(lora: LoraConfig, base: str) -> dict[str, Any]:
-    """The ``adapter_config.json`` of a peft adapter directory for these adapters."""
+def peft_config(lora: LoraConfig, base: str, revision: str | None = None) -> dict[str, Any]:
+    """The ``adapter_config.json`` of a peft adapter directory for these adapters, on the base
+    model ``base`` at ``revision`` (``model.revision``; None: the Hub's ``main``), which peft
+    loads the base from."""
     LoraSettings, _ = _peft()
-    config = _settings(LoraSettings, lora, base_model_name_or_path=base, task_type="CAUSAL_LM")
+    more = dict(base_model_name_or_path=base, revision=revision, task_type="CAUSAL_LM")
+    config = _settings(LoraSettings, lora, **more)
     return json.loads(json.dumps(config.to_dict(), default=list))

@@ -271,11 +271,45 @@ def packed_mask(**kwargs: Any) -> torch.Tensor | None:
     return sdpa_mask(**kwargs)
 
 
+FULL_LAYERS = frozenset({"full_attention", "attention", "dense", "sparse", "moe"})
+"""``layer_types`` entries that attend to the whole row, or are no attention at all."""
+
+
+def packing_refusal(config: Any) -> str | None:
+    """Why a model of this transformers config cannot pack (the message, with the model type,
+    the field and the fix), or None. :func:`packed_attention` attends to each whole row, so a
+    sliding window that can bind (one shorter than ``max_position_embeddings``, switched on by
+    ``use_sliding_window`` where the config has that switch: Qwen2's carries a window it does
+    not use) would be lost, and so would any layer not of full attention (``layer_types``:
+    windowed, chunked, recurrent)."""
+    kind = getattr(config, "model_type", None) or type(config).__name__
+    fix = "; set train.packing=false"
+    window = getattr(config, "sliding_window", None)
+    switch = getattr(config, "use_sliding_window", True)
+    longest = getattr(config, "max_position_embeddings", None)
+    if isinstance(window, int) and switch and (longest is None or window < longest):
+        field = "use_sliding_window=true, " if hasattr(config, "use_sliding_window") else ""
+        return (
+            f"train.packing=true attends to each whole row, and this model ({kind}) has "
+            f"sliding-window attention ({field}sliding_window={window}, shorter than its "
+            f"max_position_embeddings={longest}){fix}"
+        )
+    other = sorted(set(getattr(config, "layer_types", None) or ()) - FULL_LAYERS)
+    if other:
+        return (
+            f"train.packing=true attends to each whole row, and this model ({kind}) has "
+            f"layers that do not attend to the whole row (layer_types: {', '.join(other)}): "
+            f"packed, a window would be lost or a recurrent state would cross rows{fix}"
+        )
+    return None
+
+
 def use_packing(model: torch.nn.Module) -> None:
     """Makes ``model`` attend through :func:`packed_attention` (registered with transformers
-    once). Only from SDPA, and without sliding windows: another implementation (eager,
-    flash) would change the model's unpacked calls, and a window would be lost, so these are
-    refused with the fix."""
+    once). Only from SDPA, and without sliding windows (:func:`packing_refusal`): another
+    implementation (eager, flash) would change the model's unpacked calls, and a window would
+    be lost, packed and in unpadded unpacked calls (:func:`packed_mask` builds no mask there),
+    so these are refused with the fix, before anything changes."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -288,12 +322,11 @@ def use_packing(model: torch.nn.Module) -> None:
             f"train.packing=true runs attention through PyTorch's SDPA, and this model was "
             f"loaded with attn_implementation={current!r}; set train.packing=false"
         )
-    windowed = getattr(config, "use_sliding_window", False) and config.sliding_window
-    if windowed or "sliding_attention" in (getattr(config, "layer_types", None) or ()):
-        raise ValueError(
-            "train.packing=true attends to each whole row, and this model has sliding-window "
-            "attention layers; set train.packing=false"
-        )
+    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None))}
+    for sub in configs.values():  # a VLM's text model has a config of its own
+        why = packing_refusal(sub)
+        if why:
+            raise ValueError(why)
     AttentionInterface.register(PACKED_ATTENTION, packed_attention)
     AttentionMaskInterface.register(PACKED_ATTENTION, packed_mask)
     for module in model.modules():  # sub-models (a VLM's text config) keep their own

@@ -10,6 +10,7 @@ import dataclasses
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from dapo.config import Config, RewardConfig
@@ -169,12 +170,35 @@ def prompt_lengths(cfg: Config, tokenizer: Any, problems: list[Problem]) -> list
     return [len(x) for x in ids]
 
 
+def missing_chat_template(cfg: Config, tokenizer: Any) -> str | None:
+    """The warning for ``data.apply_chat_template=true`` with a tokenizer that has no chat
+    template (prompts would then be the messages' raw text), naming the model and the fix."""
+    if not cfg.data.apply_chat_template or getattr(tokenizer, "chat_template", None):
+        return None
+    from dapo.models import hub
+
+    path, revision = cfg.model.path, cfg.model.revision
+    where = f"model.path={path}{f' (model.revision={revision})' if revision else ''}"
+    fetch = "put the model's chat template in its directory (chat_template.jinja)"
+    if path != "embedded" and not Path(path).expanduser().is_dir() and hub.looks_like_hub_id(path):
+        fetch = f"fetch its chat template with {hub.download_command(path, revision)}"
+    return (
+        f"data.apply_chat_template=true, but the tokenizer of {where} has no chat template, "
+        "so every prompt is its messages' raw text; if the model has one, "
+        f"{fetch}, else set data.apply_chat_template=false"
+    )
+
+
 def check_context(cfg: Config, data: RunData, tokenizer: Any) -> dict[str, float]:
-    """Refuse prompts that, with ``rollout.max_new_tokens``, overrun the model's context.
+    """Refuse prompts that, with ``rollout.max_new_tokens``, overrun the model's context
+    (and warn, in ``data.warnings``, of a chat template that is missing).
 
     Returns prompt-length statistics (tokens) for the log and ``--dry-run``.
     """
     problems = data.train + data.val
+    missing = missing_chat_template(cfg, tokenizer)
+    if missing:
+        data.warnings.append(missing)
     lengths = prompt_lengths(cfg, tokenizer, problems)
     limit = context_length(cfg)
     longest = max(range(len(lengths)), key=lengths.__getitem__)
