@@ -92,6 +92,21 @@ def _chatty(response: str, answer: str) -> Score:
     return Score(score=1.0, correct=True, pred="1")
 
 
+def _bytes_out(response: str, answer: str) -> Score:
+    sys.stdout.write(b"raw bytes")  # type: ignore[arg-type]  # a text stream refuses bytes
+    return Score(score=1.0, correct=True, pred="1")
+
+
+def _str_correct(response: str, answer: str) -> Score:
+    return Score(score=-1.0, correct="False", pred="")  # type: ignore[arg-type]  # truthy
+
+
+def _numpy_correct(response: str, answer: str) -> Score:
+    import numpy as np  # only here: the other verifiers' workers load no numpy
+
+    return Score(score=1.0, correct=np.isclose(1.0, 1.0), pred="1")  # numpy.bool_: a bool
+
+
 def _probe(response: str, answer: str) -> Score:
     # Reports where and with what it ran: "<pid> <torch imported?>".
     return Score(score=1.0, correct=True, pred=f"{os.getpid()} {'torch' in sys.modules}")
@@ -116,6 +131,9 @@ VERIFIERS: dict[str, RewardFn] = {
     "huge": _huge_score,
     "chatty": _chatty,
     "probe": _probe,
+    "bytes_out": _bytes_out,
+    "str_correct": _str_correct,
+    "numpy_correct": _numpy_correct,
 }
 
 

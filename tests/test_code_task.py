@@ -321,3 +321,15 @@ def test_a_response_that_fills_the_disk_is_graded_disk_limit(mode):
     limits = SandboxLimits(wall_s=4.0, tmp_bytes=8 * 2**20)
     score = grade_code(fenced(RIGHT + FILL_DISK), ADD, limits=limits, mode=mode)
     assert score == wrong("disk_limit")
+
+
+@pytest.mark.parametrize("mode", every_mode())
+def test_a_busy_loop_stopped_by_the_cpu_limit_is_a_timeout(mode):
+    """cpu_s below wall_s (as code.wall_s - 1 is): a loop with a core of its own spends its
+    CPU seconds first and is SIGKILLed (unshare reports it as exit 1); still an infinite loop,
+    so ``timeout``, not ``killed`` nor ``failed``."""
+    from dapo.reward.sandbox import SandboxLimits
+
+    limits = SandboxLimits(wall_s=5.0, cpu_s=1.0)  # the CPU limit first, even on a loaded machine
+    loop = fenced("def add(a, b):\n    while True:\n        pass\n")
+    assert grade_code(loop, ADD, limits=limits, mode=mode) == wrong("timeout")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -49,10 +50,27 @@ TINY = [x for x in SMALL if not x.startswith("reward.workers")] + [
         ({"score": 0.5, "correct": False, "pred": "x"}, Score(0.5, False, "x")),
         ({"score": -1, "pred": 7}, Score(-1.0, False, "")),  # a pred that is no string: dropped
         (Score(1.0, False, "kept"), Score(1.0, False, "kept")),
+        (np.True_, Score(1.0, True, "")),  # numpy's bool is a bool: np.isclose(...) returns one
+        (np.isclose(1.0, 2.0), Score(-1.0, False, "")),
+        ({"score": 1.0, "correct": np.True_}, Score(1.0, True, "")),
     ],
 )
 def test_returned_values_become_scores(value, expected) -> None:
-    assert custom.to_score(value) == expected
+    score = custom.to_score(value)
+    assert score == expected and type(score.correct) is bool
+
+
+@pytest.mark.parametrize(
+    ("value", "named"),
+    [
+        (np.array(1.0), "returned numpy.ndarray;"),
+        ({"score": np.True_}, "its 'score' is numpy.bool"),
+        ({"score": 1.0, "correct": np.float64(1.0)}, "its 'correct' is numpy.float64, not a bool"),
+    ],
+)
+def test_a_refused_value_is_named_with_its_module(value, named) -> None:
+    with pytest.raises(TypeError, match=named):
+        custom.to_score(value)
 
 
 @pytest.mark.parametrize(
@@ -151,6 +169,38 @@ def test_the_workers_grade_with_the_users_function_and_count_its_failures() -> N
         assert [f.kind for f in result.faults] == [kind], name
     assert "return a float, a bool, a Score" in _detail("as_list")
     assert "the user's reward failed" in _detail("raises")
+
+
+def test_the_users_file_is_imported_as_a_worker_starts_not_in_a_deadline(tmp_path) -> None:
+    # A slow import (torch, a model) is start-up time: no response's deadline pays for it.
+    slow = tmp_path / "slow_reward.py"
+    slow.write_text("import time\ntime.sleep(1.5)\ndef score(r, g):\n    return 1.0\n")
+    with RewardPool(workers=1, timeout_s=1.0, resolve=custom.CustomReward(f"{slow}:score")) as pool:
+        result = pool.grade([Job("x", "a", "1"), Job("x", "b", "1")])
+    assert result.faults == [] and [s.score for s in result.scores] == [1.0, 1.0]
+
+
+def test_a_users_file_that_cannot_load_stops_the_pool_naming_it(tmp_path, monkeypatch) -> None:
+    from dapo.reward import pool as reward_pool
+
+    broken = tmp_path / "broken_reward.py"
+    broken.write_text("1 / 0\ndef score(r, g):\n    return 1.0\n")
+    with RewardPool(workers=1, resolve=custom.CustomReward(f"{broken}:score")) as pool:
+        with pytest.raises(
+            RuntimeError, match=re.escape(f"importing {broken} raised ZeroDivisionError")
+        ):
+            pool.grade([Job("x", "a", "1")])
+    # An import past the start-up allowance: the file is named, not a timeout fault per response.
+    monkeypatch.setattr(reward_pool, "STARTUP_TIMEOUT_S", 1.0)
+    stuck = tmp_path / "stuck_reward.py"
+    stuck.write_text("import time\ntime.sleep(30)\ndef score(r, g):\n    return 1.0\n")
+    with RewardPool(
+        workers=1, timeout_s=0.5, resolve=custom.CustomReward(f"{stuck}:score")
+    ) as pool:
+        with pytest.raises(
+            RuntimeError, match=r"did not start within 1 s .*" + re.escape(f"{stuck}:score")
+        ):
+            pool.grade([Job("x", "a", "1")])
 
 
 def _detail(name: str) -> str:

@@ -302,3 +302,26 @@ def test_compare_says_where_the_two_protocols_differ(tmp_path, capsys):
     assert "top_p" not in out and "data:" not in out  # the same, or not a sampling setting
     assert main(["eval", "--compare", str(sides["A"]), str(sides["A"] / "problems.jsonl")]) == 0
     assert "differ in protocol" not in capsys.readouterr().out
+
+
+def test_eval_grades_under_the_run_configs_reward_bounds(tmp_path, model_and_data, monkeypatch):
+    """--config's reward.* reach the pool: a program the run gives 30 s is no timeout fault in
+    eval under the pool's 10 s default."""
+    from dapo.reward.pool import RewardPool
+
+    built, real_init = [], RewardPool.__init__
+
+    def recording(self, **kwargs):
+        built.append(kwargs)
+        real_init(self, **kwargs)
+
+    monkeypatch.setattr(RewardPool, "__init__", recording)
+    model_dir, _ = model_and_data
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        "reward:\n  timeout_s: 30.0\n  memory_mb: 1000\n  batch_timeout_s: 77.0\n  workers: 2\n"
+    )
+    args = ("--num-problems", "2", "--config", str(config))
+    assert _eval(model_dir, "arith", tmp_path / "e", *args) == 0
+    bounds = [(b["workers"], b["timeout_s"], b["memory_mb"], b["batch_timeout_s"]) for b in built]
+    assert bounds == [(2, 30.0, 1000, 77.0)]

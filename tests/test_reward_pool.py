@@ -14,6 +14,7 @@ from dapo.reward import tasks
 from dapo.reward.pool import FAULT_KINDS, FAULT_SCORE, Fault, Job, RewardPool
 from dapo.reward.tasks.base import Score
 from dapo.reward.tasks.math_dapo import math_score
+from dapo.reward.worker import CappedText
 
 # Deadline for the misbehaving verifiers; the grade() calls that meet one must
 # return in well under HUNG_CALL_LIMIT_S.
@@ -224,6 +225,17 @@ def test_dead_worker_is_a_crash_fault(verifier, how):
         ("sys_exit", "verifier 'sys_exit' raised SystemExit: 0"),
         ("recurse", "verifier 'recurse' raised RecursionError: maximum recursion depth exceeded"),
         ("unknown", "verifier 'unknown' raised ValueError: no verifier 'unknown'"),
+        # Bytes to a text stream: the verifier's TypeError, not a worker crash.
+        (
+            "bytes_out",
+            "verifier 'bytes_out' raised TypeError: write() argument must be str, not bytes",
+        ),
+        # A verdict must be a bool: "False" is truthy and would be graded correct.
+        (
+            "str_correct",
+            "verifier 'str_correct' returned a malformed Score: "
+            "TypeError: correct is str, not bool",
+        ),
     ],
 )
 def test_bad_verdicts_are_error_faults(verifier, detail):
@@ -232,6 +244,22 @@ def test_bad_verdicts_are_error_faults(verifier, detail):
         result = reward_pool.grade(jobs)
     assert result.faults == [Fault(index=2, kind="error", detail=detail)]
     assert_others_graded(jobs, result.scores, {2})
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_numpy_bool_verdict_is_a_bool(workers):
+    with pool(workers=workers) as reward_pool:
+        result = reward_pool.grade([Job("numpy_correct", "x", "1")])
+    assert result.faults == [] and result.scores == [Score(score=1.0, correct=True, pred="1")]
+    assert type(result.scores[0].correct) is bool
+
+
+def test_a_text_stream_refuses_bytes_as_a_real_one_does():
+    sink = CappedText()
+    with pytest.raises(TypeError, match="must be str, not bytes"):
+        sink.write(b"raw")  # type: ignore[arg-type]
+    sink.write("kept")
+    assert sink.take() == ("kept", 0)
 
 
 def test_unknown_data_source_with_the_real_registry():

@@ -444,6 +444,17 @@ def test_process_mode_has_the_hosts_network_and_only_the_kernels_filter_refuses_
         assert result.returncode == 0 and trap.escaped() == ["connected to the test server"]
 
 
+@pytest.mark.parametrize("mode", every_mode())
+def test_the_filter_refuses_memory_files_that_no_limit_counts(mode):
+    # A memfd's pages are in no address space (RLIMIT_AS), no tmpfs (tmp_bytes) and no working
+    # directory (the disk poll): with the hook off, the kernel's filter refuses the call.
+    if not SECCOMP:
+        pytest.skip("no seccomp filter here: only the audit hook refuses memfd_create")
+    program = "import os\nos.memfd_create('m')\nprint('made a memory file')\n"
+    result = run_python(program, mode=mode, limits=FAST, audit=False)
+    assert result.returncode == 1 and b"Operation not permitted" in result.stderr, result
+
+
 @pytest.mark.parametrize("name", PAST_THE_HOOK)
 @pytest.mark.parametrize("mode", every_mode())
 def test_what_goes_around_the_hook_meets_the_kernels_layers(name, mode, trap):
@@ -509,6 +520,8 @@ REFUSED = {
     "import os; os.open('/var/tmp', os.O_RDONLY)": "writes outside the working directory",
     "import os; os.mkdir('../escape')": "os.mkdir outside the working directory",
     "import os; open(f'/proc/{os.getpid() + 1}/environ')": "other processes are not readable",
+    "import os; os.memfd_create('m')": "os.memfd_create is not allowed",
+    "import posix; posix.memfd_create('m')": "os.memfd_create is not allowed",
 }
 
 

@@ -101,10 +101,8 @@ def run(req: EvalRequest, *, reward_fn: Callable[..., Any] | None = None) -> Eva
     from dapo.eval.journal import Journal, fingerprint
     from dapo.eval.metrics import summarize
     from dapo.models.policy import stop_token_ids
-    from dapo.reward.custom import make_resolver
-    from dapo.reward.pool import RewardPool
     from dapo.rollout import make_engine
-    from dapo.training.state import engine_stops, runner_for
+    from dapo.training.state import engine_stops, reward_pool, runner_for
 
     _check(req, reward_fn)
     ks, phrases = _ks(req.pass_k, req.k), _phrases(req.phrases)
@@ -120,11 +118,11 @@ def run(req: EvalRequest, *, reward_fn: Callable[..., Any] | None = None) -> Eva
     model.eval()
     extra = _ids(req.stop_token_ids, "--stop-token-ids")
     before_batch = _progress(req, t0 := time.perf_counter())
-    resolve = make_resolver(req.reward_function, reward_fn, _code_section(req))
     settings = _run_config(req)
+    settings.reward.function = req.reward_function  # the command's (a config's grades no eval)
     stops = engine_stops(stop_token_ids(model, tokenizer, extra), tokenizer, settings.env)
     engine = make_engine(req.engine, model, tokenizer, stops)
-    with RewardPool(workers=1, resolve=resolve, max_abs=settings.reward.max_abs) as pool:
+    with reward_pool(settings, reward_fn) as pool:  # graded as the run grades: reward.*, code.*
         records = done + sample_records(
             engine,
             tokenizer,

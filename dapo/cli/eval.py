@@ -123,7 +123,9 @@ def _add_setting_args(ev: argparse.ArgumentParser) -> None:
     ev.add_argument(
         "--config",
         help="a run's YAML (a recipe, a run's config.yaml): its arith section shapes --data "
-        "arith, and its env section (env.class) makes each sample an episode with the tool",
+        "arith, its env section (env.class) makes each sample an episode with the tool, and "
+        "its reward and code sections grade as the run does (reward.workers, timeout_s, "
+        "memory_mb, batch_timeout_s; code.*)",
     )
     ev.add_argument(
         "--threads",

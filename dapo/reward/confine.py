@@ -16,8 +16,10 @@ mode, ``process`` included, wherever the kernel offers them.
   ``clone`` without ``CLONE_THREAD``, ``fork``, ``vfork`` and ``execve`` fail), no signal to a
   process but itself or its own process group, no ``ptrace`` or reading another process's
   memory, no mount, namespace, BPF, key ring, kernel module or reboot calls, no io_uring
-  (whose ``IORING_OP_SOCKET`` makes a socket without the ``socket`` call). A syscall of
-  another ABI (x86's 32-bit ``int 0x80``) kills the process.
+  (whose ``IORING_OP_SOCKET`` makes a socket without the ``socket`` call), no ``memfd_create``
+  (a memory file's pages are in no address space, no tmpfs and no working directory: they
+  would escape ``RLIMIT_AS``, ``tmp_bytes`` and the disk poll). A syscall of another ABI
+  (x86's 32-bit ``int 0x80``) kills the process.
 
 Both need ``PR_SET_NO_NEW_PRIVS``, which :func:`confine` sets first. Pure standard library,
 for any Python from 3.8: the sandboxed interpreter may be the system's, not the trainer's.
@@ -139,7 +141,7 @@ _ARCH = {  # machine -> (AUDIT_ARCH_*, syscall numbers)
             swapoff=168, iopl=172, ioperm=173, userfaultfd=323, open_by_handle_at=304,
             name_to_handle_at=303, quotactl=179, mount_setattr=442, move_mount=429,
             open_tree=428, fsopen=430, fsconfig=431, fsmount=432, fspick=433,
-            io_uring_setup=425, io_uring_enter=426, io_uring_register=427,
+            io_uring_setup=425, io_uring_enter=426, io_uring_register=427, memfd_create=319,
         ),
     ),
     "aarch64": (
@@ -155,7 +157,7 @@ _ARCH = {  # machine -> (AUDIT_ARCH_*, syscall numbers)
             swapoff=225, userfaultfd=282, open_by_handle_at=265, name_to_handle_at=264,
             quotactl=60, mount_setattr=442, move_mount=429, open_tree=428, fsopen=430,
             fsconfig=431, fsmount=432, fspick=433, io_uring_setup=425, io_uring_enter=426,
-            io_uring_register=427,
+            io_uring_register=427, memfd_create=279,
         ),
     ),
 }  # fmt: skip
@@ -172,6 +174,7 @@ _DENIED = (
     "swapon", "swapoff", "iopl", "ioperm", "userfaultfd", "open_by_handle_at",
     "name_to_handle_at", "quotactl", "mount_setattr", "move_mount", "open_tree", "fsopen",
     "fsconfig", "fsmount", "fspick", "io_uring_setup", "io_uring_enter", "io_uring_register",
+    "memfd_create",
 )  # fmt: skip
 
 

@@ -11,9 +11,10 @@ the verifier that the row's ``data_source`` would pick, and may return:
 
 "Correct" is what dynamic sampling filters on (a group all correct or all wrong teaches
 nothing) and what accuracy counts. The function runs in the reward workers like every
-verifier (:mod:`dapo.reward.pool`): a deadline and a memory limit per response; whatever it
-raises or returns wrongly is a fault (``reward/faults``), graded incorrect, and training goes
-on. Standard library only at module level: workers import this.
+verifier (:mod:`dapo.reward.pool`): a deadline and a memory limit per response (its file is
+imported as a worker starts, under neither); whatever it raises or returns wrongly is a
+fault (``reward/faults``), graded incorrect, and training goes on. Standard library only at
+module level: workers import this.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 
 from dapo.reward.tasks import RewardFn, Score, get_verifier
 from dapo.reward.tasks.code import CodeConfig, CodeSettings
+from dapo.reward.worker import is_bool, type_name
 
 FIX = (
     "give reward.function as PATH.py:NAME (a Python file and a function in it) or "
@@ -191,23 +193,24 @@ def to_score(value: Any) -> Score:
     """What a user's function returned, as a Score; TypeError for anything else."""
     if isinstance(value, Score):
         return value
-    if isinstance(value, bool):
-        return Score(score=1.0 if value else -1.0, correct=value, pred="")
+    if is_bool(value):  # numpy's too: what np.isclose and comparisons of numpy values give
+        correct = bool(value)
+        return Score(score=1.0 if correct else -1.0, correct=correct, pred="")
     if isinstance(value, numbers.Real):
         score = float(value)
         return Score(score=score, correct=score > 0, pred="")
     if isinstance(value, dict) and "score" in value:
         score = value["score"]
-        if isinstance(score, bool) or not isinstance(score, numbers.Real):
-            raise TypeError(f"its 'score' is {type(score).__name__}, not a number")
+        if is_bool(score) or not isinstance(score, numbers.Real):
+            raise TypeError(f"its 'score' is {type_name(score)}, not a number")
         correct = value.get("correct", float(score) > 0)
-        if not isinstance(correct, bool):
-            raise TypeError(f"its 'correct' is {type(correct).__name__}, not a bool")
+        if not is_bool(correct):
+            raise TypeError(f"its 'correct' is {type_name(correct)}, not a bool")
         pred = value.get("pred", "")
         pred = pred if isinstance(pred, str) else ""
-        return Score(score=float(score), correct=correct, pred=pred)
+        return Score(score=float(score), correct=bool(correct), pred=pred)
     raise TypeError(
-        f"a reward function returned {type(value).__name__}; return a float, a bool, a Score "
+        f"a reward function returned {type_name(value)}; return a float, a bool, a Score "
         "or a dict with 'score' (and optionally 'correct')"
     )
 
@@ -216,7 +219,8 @@ class CustomReward:
     """The reward pool's ``resolve`` for a user's function: every data_source gets it.
 
     Pickled to the workers as its spec (and the function, when one was given in Python:
-    pickle sends that by its module and name), each worker imports the function once.
+    pickle sends that by its module and name), each worker imports the function once, in
+    :meth:`prepare`, as it starts: a slow import is start-up time, not a response's deadline.
     """
 
     def __init__(self, spec: str, fn: Callable[..., Any] | None = None) -> None:
@@ -233,8 +237,15 @@ class CustomReward:
     def __repr__(self) -> str:
         return f"CustomReward({self.spec!r})"
 
-    def __call__(self, data_source: str) -> RewardFn:
+    def prepare(self) -> None:
+        """Import the function now; ValueError naming its file when that fails. A reward
+        worker calls this before it reports ready (:func:`dapo.reward.worker.worker_main`)."""
         if self._loaded is None:
+            check_spec(self.spec)
+            self._loaded = load_function(self.spec)  # imported by check_spec: no second run
+
+    def __call__(self, data_source: str) -> RewardFn:
+        if self._loaded is None:  # graded in this process (workers=0): nothing prepared it
             self._loaded = load_function(self.spec)
         fn = self._loaded
         return lambda response, ground_truth: to_score(fn(response, ground_truth))

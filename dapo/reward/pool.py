@@ -11,13 +11,11 @@ trainer can count and log, and ``grade`` always returns one ``Score`` per job.
 Workers come from the "forkserver" start method (a fresh, small interpreter, so they
 neither inherit the trainer's threads, CUDA state and address space nor start
 slowly), or "spawn" where forkserver does not exist. This module (and the worker side,
-``dapo.reward.worker``) imports only the standard library and ``dapo.reward.tasks``, so it loads no
-torch into a worker. But
-multiprocessing runs a ``__main__`` *script* again in every child it starts (the
-forkserver's own preload of it never happens on Python 3.11): that is why
-``dapo.cli``, which the ``dapo`` console script imports, imports nothing heavy at
-module level. A script of your own that imports torch at the top makes every worker
-start cost seconds.
+``dapo.reward.worker``) imports only the standard library and ``dapo.reward.tasks``, so it loads
+no torch into a worker. But multiprocessing runs a ``__main__`` *script* again in every child
+it starts (the forkserver's own preload of it never happens on Python 3.11): that is why
+``dapo.cli``, which the ``dapo`` console script imports, imports nothing heavy at module level.
+A script of your own that imports torch at the top makes every worker start cost seconds.
 """
 
 from __future__ import annotations
@@ -54,9 +52,9 @@ from dapo.reward.worker import (
 
 __all__ = ["FAULT_KINDS", "FAULT_SCORE", "Fault", "GradeResult", "Job", "RewardPool", "grading_job"]
 
-# Starting a worker is not the verifier's time. It takes milliseconds, or seconds
-# where the __main__ script imports torch (see above); allow far more than that
-# before calling the setup broken.
+# Starting a worker is not the verifier's time. It takes milliseconds, or seconds where the
+# __main__ script or a user's reward file imports torch (see above and worker.prepare); allow
+# far more than that before calling the setup broken.
 STARTUP_TIMEOUT_S = 120.0
 
 # A SIGKILLed process is gone within milliseconds; only one stuck in the kernel
@@ -286,8 +284,7 @@ class RewardPool:
             daemon=True,  # killed at interpreter exit if close() was never called
         )
         process.start()
-        # Our copy of the child's end must go, or the pipe never reports EOF when the
-        # child dies.
+        # Our copy of the child's end must go, or the pipe never reports EOF when it dies.
         child_conn.close()
         slot.process, slot.conn, slot.ready = process, parent_conn, False
         slot.deadline = time.monotonic() + max(STARTUP_TIMEOUT_S, self._timeout_s)
@@ -326,6 +323,9 @@ class RewardPool:
             if message[0] == "ready":
                 slot.ready = True
                 self._send_pending(slot)
+            elif message[0] == "failed":  # resolve could not load: no job could be graded
+                self._stop(slot)
+                raise RuntimeError(f"reward worker {slot.name} could not start: {message[1]}")
             elif message[0] == "output":  # what grading the next result printed
                 self._printed.note(str(message[2]), int(message[3]))
             else:
@@ -374,7 +374,7 @@ class RewardPool:
             self._stop(slot)
             raise RuntimeError(
                 f"reward worker {slot.name} did not start within "
-                f"{max(STARTUP_TIMEOUT_S, self._timeout_s):g} s"
+                f"{max(STARTUP_TIMEOUT_S, self._timeout_s):g} s (loading {self._resolve!r})"
             )
         index, job = slot.pending.popleft()
         detail = f"verifier {job.data_source!r} ran past {self._timeout_s:g} s"

@@ -42,6 +42,12 @@ def _guard(os, root):
         elif event in paths and not all(inside(p) for p in args[: paths[event]]):
             raise PermissionError("sandbox: %s outside the working directory" % event)
     sys.addaudithook(hook)
+    import posix
+    def memfd_create(*args, **kwargs):  # raises no audit event: refused by replacing it
+        raise PermissionError("sandbox: os.memfd_create is not allowed")
+    for module in (os, posix):
+        if hasattr(module, "memfd_create"):
+            module.memfd_create = memfd_create
 import os
 _source, _audit, _landlock, _seccomp, _confine = sys.argv[1:6]
 del sys.argv[1:]

@@ -40,6 +40,8 @@ class CappedText(io.TextIOBase):
         return True
 
     def write(self, text: str) -> int:
+        if not isinstance(text, str):  # as a real text stream: the verifier's error, not ours
+            raise TypeError(f"write() argument must be str, not {type(text).__name__}")
         keep = text[: max(0, self.limit - self.size)]
         self.parts.append(keep)
         self.size += len(keep)
@@ -64,6 +66,23 @@ def one_line(text: str, limit: int = MAX_DETAIL_CHARS) -> str:
     # multi-line an exception message (which may quote the response) is.
     flat = " ".join(text[: 4 * limit].split())
     return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+def is_bool(value: Any) -> bool:
+    """Whether ``value`` is a bool: Python's or numpy's (``numpy.bool_``, told by its type's
+    module and name, so that numpy need not be imported)."""
+    kind = type(value)
+    numpy_bool = kind.__module__ == "numpy" and kind.__name__ in ("bool_", "bool")
+    return isinstance(value, bool) or numpy_bool
+
+
+def type_name(value: Any) -> str:
+    """``value``'s type for a message, with its module unless a builtin: ``str``,
+    ``numpy.bool``, ``numpy.ndarray``."""
+    kind = type(value)
+    module = getattr(kind, "__module__", None)
+    name = getattr(kind, "__qualname__", kind.__name__)
+    return name if module in (None, "builtins") else f"{module}.{name}"
 
 
 def exception_text(exc: BaseException) -> str:
@@ -104,17 +123,19 @@ def grade_one(
     if result is _OUT_OF_MEMORY:
         return ("fault", "memory", one_line(f"verifier {data_source!r} raised MemoryError"))
     if not isinstance(result, Score):
-        kind = type(result).__name__
+        kind = type_name(result)
         return ("fault", "error", one_line(f"verifier {data_source!r} returned {kind}, not Score"))
     try:
         score = float(result.score)
+        if not is_bool(result.correct):  # "False" or 0.0 must not pass as a verdict
+            raise TypeError(f"correct is {type_name(result.correct)}, not bool")
         correct = bool(result.correct)
         pred = result.pred
         # A NaN or infinite reward would poison the advantages of the whole group.
         if not math.isfinite(score):
             raise ValueError(f"score is {score}")
         if pred is not None and not isinstance(pred, str):
-            raise TypeError(f"pred is {type(pred).__name__}, not str")
+            raise TypeError(f"pred is {type_name(pred)}, not str")
     except catch as exc:
         detail = f"verifier {data_source!r} returned a malformed Score: {exception_text(exc)}"
         return ("fault", "error", one_line(detail))
@@ -164,6 +185,20 @@ def _silence_descriptors() -> None:
     os.close(null)
 
 
+def prepare(resolve: Callable[[str], RewardFn]) -> str | None:
+    """Load what ``resolve`` needs before the worker reports ready (a user's reward file is
+    imported here, under the pool's start-up allowance and before the address-space limit,
+    so no response's deadline pays for it): None, or why it failed, naming the file."""
+    load = getattr(resolve, "prepare", None)
+    if load is None:
+        return None
+    try:
+        load()
+    except BaseException as exc:  # SystemExit and KeyboardInterrupt in a module too
+        return one_line(exception_text(exc), MAX_PRED_CHARS)
+    return None
+
+
 def worker_main(
     conn: Connection,
     resolve: Callable[[str], RewardFn],
@@ -175,9 +210,15 @@ def worker_main(
     # Ctrl-C reaches the whole process group; only the parent should act on it
     # (and it kills the workers), or workers would report it as a verifier fault.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _limit_address_space(memory_mb)
     _silence_descriptors()
     sink = CappedText()
+    with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+        failure = prepare(resolve)
+    sink.take()  # what loading printed belongs to no response
+    if failure is not None:
+        conn.send(("failed", failure))
+        return
+    _limit_address_space(memory_mb)
     conn.send(("ready", os.getpid()))
     while True:
         try:

@@ -45,12 +45,13 @@ from __future__ import annotations
 import ast
 import functools
 import json
+import math
 import secrets
 import textwrap
 from dataclasses import dataclass
 from typing import Literal
 
-from dapo.reward.sandbox import SandboxLimits, run_python
+from dapo.reward.sandbox import RunResult, SandboxLimits, run_python
 from dapo.reward.tasks.base import NO_ANSWER, RewardFn, Score, Task, ground_truth_text
 
 __all__ = [
@@ -208,6 +209,27 @@ def _calls_check(tests: str) -> bool:
     return any(isinstance(c.func, ast.Name) and c.func.id == "check" for c in calls)
 
 
+# SIGKILL as each mode reports it: process mode's -9, bwrap's 128 + 9; util-linux's unshare
+# cannot re-raise SIGKILL on itself, so it exits 1 saying so on stderr.
+_SIGKILLED = (-9, 128 + 9)
+_UNSHARE_SIGKILLED = b"unshare: sigprocmask unblock failed"
+
+
+def _exit_status(result: RunResult) -> int:
+    """The run's exit status, unshare's SIGKILL read as bwrap's (137)."""
+    if result.returncode == 1 and result.stderr.startswith(_UNSHARE_SIGKILLED):
+        return 128 + 9
+    return result.returncode
+
+
+def _cpu_limit_ended_a_loop(result: RunResult, limits: SandboxLimits) -> bool:
+    """Whether SIGKILL came after at least ``cpu_s`` on the wall clock: the CPU limit ended
+    a busy loop (one thread spends no more CPU time than wall time), which is graded
+    "timeout" as if the wall clock had ended it; threads that spend it faster are "killed"."""
+    killed = _exit_status(result) in _SIGKILLED
+    return killed and result.elapsed_s >= math.ceil(limits.cpu_s)
+
+
 def _outcome(returncode: int, stdout: bytes, nonce: str) -> str:
     if returncode == 0:
         lines = stdout.rstrip(b"\n").split(b"\n")
@@ -253,8 +275,10 @@ def grade_code(
         pred = "output_limit"
     elif result.disk_exceeded:
         pred = "disk_limit"
+    elif _cpu_limit_ended_a_loop(result, limits):
+        pred = "timeout"
     else:
-        pred = _outcome(result.returncode, result.stdout, nonce)
+        pred = _outcome(_exit_status(result), result.stdout, nonce)
     correct = pred == "passed"
     return Score(score=1.0 if correct else -1.0, correct=correct, pred=pred)
 
@@ -281,7 +305,7 @@ class CodeConfig:
         return errors
 
     def limits(self) -> SandboxLimits:
-        cpu_s = max(1.0, self.wall_s - 1.0)  # the wall clock ends a busy loop first
+        cpu_s = max(1.0, self.wall_s - 1.0)  # a busy loop stopped here is graded "timeout"
         return SandboxLimits(wall_s=self.wall_s, cpu_s=cpu_s, memory_mb=self.memory_mb)
 
     def is_default(self) -> bool:
