@@ -448,6 +448,10 @@ def test_convert_refuses_and_creates_nothing_on_error(tmp_path, dapo_file):
         convert_file(dapo_file, tmp_path / "no" / "out.parquet")
     assert sorted(tmp_path.iterdir()) == before  # no output, no temporary file left
     assert pq.read_table(dapo_file).num_rows == 5  # the input is untouched
+    (tmp_path / "evals").mkdir()  # a directory: named as one (it read "unknown file type")
+    with pytest.raises(DataError, match="evals: is a directory; give an output file name"):
+        convert_file(dapo_file, tmp_path / "evals")
+    assert not any((tmp_path / "evals").iterdir())
 
     result = convert_file(bad, tmp_path / "out.parquet", on_bad_row="skip")
     assert result.rows_out == 1 and [b.row for b in result.skipped] == [1]

@@ -74,3 +74,14 @@ def test_the_readme_is_a_front_page_with_the_two_commands():
     # Every link of the README into docs/ points at a page that exists.
     targets = re.findall(r"\]\((docs/[^)#\s]+)", text)
     assert targets and [t for t in targets if not (ROOT / t).exists()] == []
+
+
+def test_the_fields_a_resume_may_change_are_listed_in_troubleshooting():
+    """The page listed "the three dist.* fields" where the code had seven, and left out
+    run.deterministic, reward.batch_timeout_s and rollout.tp_size."""
+    from dapo.config.loading import RESUME_SAFE_FIELDS
+
+    page = (DOCS / "troubleshooting.md").read_text()
+    start = page.index("These fields may change without `--force`:")
+    listed = set(re.findall(r"`([a-z_]+\.[a-z_0-9]+)`", page[start : page.index("\n\n", start)]))
+    assert listed == set(RESUME_SAFE_FIELDS)

@@ -358,6 +358,8 @@ def load_table(
 
 def check_destination(src: Path, dst: Path) -> None:
     """Refuse an output path of ``dapo data convert``/``make`` that cannot be written as asked."""
+    if dst.is_dir():  # before its suffix: a directory has none, and that is not the mistake
+        raise DataError(f"{dst}: is a directory; give an output file name")
     if dst.suffix.lower() not in SUFFIXES:
         raise DataError(
             f"{dst}: unknown output file type {dst.suffix or '(no extension)'!r}; "
@@ -365,8 +367,6 @@ def check_destination(src: Path, dst: Path) -> None:
         )
     if dst.resolve() == src.resolve() or (dst.exists() and src.exists() and dst.samefile(src)):
         raise DataError(f"{dst}: is the input file; write the conversion to another path")
-    if dst.is_dir():
-        raise DataError(f"{dst}: is a directory; give an output file name")
     if not dst.parent.is_dir():
         raise DataError(f"{dst}: directory {dst.parent} does not exist")
 
