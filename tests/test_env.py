@@ -71,6 +71,10 @@ def test_python_blocks_finds_closed_blocks_and_a_call_at_the_end():
     assert python_blocks(literal) == (['fence = "```"\nprint(len(fence))'], True)
     assert python_blocks('```python\nfence = "```') == ([], False)
     assert python_blocks("```python\nprint(1)\n  ```  \n") == (["print(1)"], True)
+    # A fence after code that leaves no string open closes the block: small models write it.
+    assert python_blocks("```python\nprint(37 * 48)```") == (["print(37 * 48)"], True)
+    assert python_blocks("```python\nprint(1)  # it's```") == (["print(1)  # it's"], True)
+    assert python_blocks("```python\nprint(len('```')) ```") == (["print(len('```'))"], True)
 
 
 @needs_sandbox

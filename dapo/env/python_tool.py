@@ -17,12 +17,14 @@ leak from one response to another. The cost is the earlier blocks' time again, b
 
 from __future__ import annotations
 
+import io
 import multiprocessing
 import os
 import re
 import select
 import threading
 import time
+import tokenize
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
@@ -40,9 +42,11 @@ INSTRUCTION = (
 MAX_OUTPUT_CHARS = 2000
 """A tool's output beyond this is cut (env.max_observation_tokens then bounds the tokens)."""
 _OPENING_RE = re.compile(r"```([A-Za-z0-9_+-]*)")
-_CLOSING_RE = re.compile(r"(?m)^[ \t]*```[ \t]*$")
-"""A closing fence is a line of its own, as in Markdown: a fence inside a line of code (a
-string literal that holds one) does not close the block."""
+_CLOSING_RE = re.compile(r"(?m)```[ \t]*$")
+"""A fence that ends its line closes the block when what comes before it on the line is
+blank (a line of its own, as in Markdown) or code with no string left open: ``print(x)```
+closes (small models write it), ``fence = "```"`` does not (the model stops at that fence
+with ``fence = "`` before it, and the string goes on after it)."""
 
 
 # Runs the earlier blocks with their output discarded, then the last one; an exception of the
@@ -71,14 +75,36 @@ def python_blocks(text: str) -> tuple[list[str], bool]:
     whitespace) with the closing fence of the last of them: a tool call."""
     blocks, ends_with_call, at = [], False, 0
     while opening := _OPENING_RE.search(text, at):
-        closing = _CLOSING_RE.search(text, opening.end())
+        closing = _closing_fence(text, opening.end())
         if closing is None:  # an opened block is not closed yet
             return blocks, False
+        code_end, at = closing
         if opening.group(1) == "python":
-            blocks.append(text[opening.end() : closing.start()].strip("\n"))
-        ends_with_call = opening.group(1) == "python" and closing.end() >= len(text.rstrip())
-        at = closing.end()
+            blocks.append(text[opening.end() : code_end].strip("\n"))
+        ends_with_call = opening.group(1) == "python" and at >= len(text.rstrip())
     return blocks, ends_with_call
+
+
+def _closing_fence(text: str, start: int) -> tuple[int, int] | None:
+    """Where the first fence after ``start`` that closes a block (:data:`_CLOSING_RE`) is:
+    (the end of the code before it, the end of the fence's line)."""
+    for fence in _CLOSING_RE.finditer(text, start):
+        line_start = max(start, text.rfind("\n", start, fence.start()) + 1)
+        line = text[line_start : fence.start()]
+        if not line.strip():
+            return line_start, fence.end()
+        if not _leaves_a_string_open(line):
+            return line_start + len(line.rstrip(" \t")), fence.end()
+    return None
+
+
+def _leaves_a_string_open(code: str) -> bool:
+    """Whether ``code`` (one line) ends inside a string literal or a bracket."""
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(code + "\n").readline))
+    except (tokenize.TokenError, SyntaxError):  # Python >= 3.12: an open string raises
+        return True
+    return any(t.type == tokenize.ERRORTOKEN and t.string[:1] in "\"'" for t in tokens)
 
 
 def output_block(stdout: str, stderr: str, note: str = "") -> str:
