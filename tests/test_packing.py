@@ -278,3 +278,33 @@ def test_the_memory_plan_counts_the_prompt_copies():
     assert (
         extra - plan_memory(shape, ckpt).activations == 31 * (2 * 64 + 2 * 16) * 2
     )  # one layer at a time
+
+
+def test_packing_is_refused_from_config_json_before_any_model_loads(tmp_path, capsys):
+    """The refusal came when the training state was built, after the weights had loaded:
+    --dry-run passed a Mistral whose window packing would lose."""
+    from transformers import MistralConfig, Qwen2Config
+
+    from dapo.config import load_config
+    from dapo.training.inputs import check_packing
+
+    small = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, vocab_size=50)
+    MistralConfig(**small, sliding_window=4, max_position_embeddings=64).save_pretrained(
+        tmp_path / "mistral"
+    )
+    Qwen2Config(**small, sliding_window=4, use_sliding_window=False).save_pretrained(
+        tmp_path / "qwen2"
+    )
+    for name, refused in (("mistral", True), ("qwen2", False)):
+        cfg = load_config(None, [f"model.path={tmp_path / name}", "train.packing=true"])
+        if refused:
+            with pytest.raises(ValueError, match=r"\(mistral\).*set train.packing=false"):
+                check_packing(cfg)
+        else:
+            check_packing(cfg)
+        check_packing(load_config(None, [f"model.path={tmp_path / name}", "train.packing=false"]))
+    from dapo.cli import main
+
+    dry = ["train", "--dry-run", f"model.path={tmp_path / 'mistral'}", "train.packing=true"]
+    assert main(dry) == 2  # before the tokenizer (there is none) and the weights
+    assert "sliding-window attention" in capsys.readouterr().err

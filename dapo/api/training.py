@@ -219,6 +219,7 @@ def _checked_inputs(
     if cfg.model.path != "embedded":
         policy.check_model_path(cfg)
     inputs.check_tensor_parallel(cfg, world_size)
+    inputs.check_packing(cfg)
     inputs.check_lora(cfg)
     inputs.check_async(cfg, world_size)
     if cfg.run.wandb and importlib.util.find_spec("wandb") is None:

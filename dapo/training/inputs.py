@@ -260,6 +260,19 @@ def check_tensor_parallel(cfg: Config, world_size: int) -> None:
     require_tp_size(k, world_size, _model_config(cfg))
 
 
+def check_packing(cfg: Config) -> None:
+    """``train.packing`` against the model's attention, from config.json alone, before any
+    model loads: a sliding window or a layer not of full attention is refused
+    (:func:`dapo.models.packing.packing_refusal`) at ``--dry-run`` too."""
+    if not cfg.train.packing or cfg.model.path == "embedded":
+        return
+    from dapo.models.packing import packing_refusal
+
+    why = packing_refusal(_model_config(cfg))
+    if why:
+        raise ValueError(why)
+
+
 def check_lora(cfg: Config) -> None:
     """``model.lora``: peft installed."""
     if not cfg.model.lora.rank:
