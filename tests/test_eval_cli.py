@@ -325,3 +325,17 @@ def test_eval_grades_under_the_run_configs_reward_bounds(tmp_path, model_and_dat
     assert _eval(model_dir, "arith", tmp_path / "e", *args) == 0
     bounds = [(b["workers"], b["timeout_s"], b["memory_mb"], b["batch_timeout_s"]) for b in built]
     assert bounds == [(2, 30.0, 1000, 77.0)]
+
+
+def test_compare_takes_a_hub_model_id_for_a_model(tmp_path, capsys, monkeypatch):
+    """A Hub id was read as the path of a problems.jsonl ("cannot read Org/name"), where
+    dapo eval and dapo train take it for a model."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    a = _records(tmp_path / "a.jsonl", [1.0, 0.0])
+    assert main(["eval", "--compare", str(a), "Org/no-such-model"]) == 2
+    assert "--compare with a model directory needs --data" in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)
+    assert main(["eval", "--compare", str(a), "Org/no-such-model", "--data", "arith"]) == 2
+    err = capsys.readouterr().err
+    assert "Org/no-such-model" in err and "Hugging Face cache" in err and "cannot read" not in err

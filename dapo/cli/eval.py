@@ -154,7 +154,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _is_model(path: Path) -> bool:
-    return str(path) == "embedded" or (path / "config.json").is_file()
+    """A model to evaluate: ``embedded``, a model directory, or a Hub id (``org/name``, no
+    such local path), which ``dapo eval`` reads from the Hub cache as training does."""
+    if str(path) == "embedded" or (path / "config.json").is_file():
+        return True
+    from dapo.models.hub import looks_like_hub_id
+
+    return not path.exists() and "/" in str(path) and looks_like_hub_id(str(path))
 
 
 def _read_problems(path: Path) -> dict[str, dict[str, float]]:
