@@ -175,26 +175,33 @@ def test_a_killed_evaluation_resumes_to_the_uninterrupted_result(
     assert "resuming" not in capsys.readouterr().out
 
 
+def _killed_after_the_first_batch(monkeypatch, model_dir, out, *args) -> None:
+    """An evaluation of arith interrupted once its first batch is in the journal."""
+    from dapo.eval.journal import Journal
+
+    real_append = Journal.append
+
+    def killed(self, records):
+        real_append(self, records)
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Journal, "append", killed)
+        with pytest.raises(KeyboardInterrupt):
+            _eval(model_dir, "arith", out, *args)
+
+
 def test_a_journal_left_under_another_config_is_not_resumed(
     tmp_path, model_and_data, capsys, monkeypatch
 ):
-    from dapo.eval.journal import NAME, Journal
+    from dapo.eval.journal import NAME
 
     model_dir, _ = model_and_data
     config = tmp_path / "run.yaml"
     config.write_text("reward:\n  max_abs: 100.0\n")  # a run's settings: they grade the records
     args = ("--k", "64", "--num-problems", "6", "--config", str(config))
-    real_append = Journal.append
-
-    def killed_after_the_first_batch(self, records):
-        real_append(self, records)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(Journal, "append", killed_after_the_first_batch)
-    with pytest.raises(KeyboardInterrupt):
-        _eval(model_dir, "arith", tmp_path / "e", *args)
+    _killed_after_the_first_batch(monkeypatch, model_dir, tmp_path / "e", *args)
     assert (tmp_path / "e" / NAME).is_file()
-    monkeypatch.setattr(Journal, "append", real_append)
     config.write_text("reward:\n  max_abs: 10.0\n")  # the same path, other settings
     capsys.readouterr()
     assert _eval(model_dir, "arith", tmp_path / "e", *args) == 0
@@ -211,20 +218,11 @@ def test_a_journal_of_a_model_rewritten_at_the_same_path_is_not_resumed(
     import os
     import shutil
 
-    from dapo.eval.journal import NAME, Journal
+    from dapo.eval.journal import NAME
 
     model_dir = shutil.copytree(model_and_data[0], tmp_path / "model")
     args = ("--k", "64", "--num-problems", "6")
-    real_append = Journal.append
-
-    def killed_after_the_first_batch(self, records):
-        real_append(self, records)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(Journal, "append", killed_after_the_first_batch)
-    with pytest.raises(KeyboardInterrupt):
-        _eval(model_dir, "arith", tmp_path / "e", *args)
-    monkeypatch.setattr(Journal, "append", real_append)
+    _killed_after_the_first_batch(monkeypatch, model_dir, tmp_path / "e", *args)
     weights = next(model_dir.glob("*.safetensors"))
     os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
     capsys.readouterr()

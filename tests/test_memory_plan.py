@@ -280,17 +280,7 @@ def test_activation_checkpointing_keeps_layer_inputs_and_one_layer():
 def _kept_bytes(layers: int, tokens: int, weights: torch.dtype, autocast: bool):
     """Bytes a forward pass of a real Qwen2 decoder, its layers checkpointed as one process
     checkpoints them, leaves alive for the backward (no KV cache, as training calls it)."""
-    config = Qwen2Config(
-        vocab_size=64,
-        hidden_size=128,
-        intermediate_size=704,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).to(weights)
+    model = _qwen2(layers, weights)
     checkpoint_layers(model)
     ids = torch.randint(64, (1, tokens))
     with LiveBytes() as live:
@@ -298,7 +288,7 @@ def _kept_bytes(layers: int, tokens: int, weights: torch.dtype, autocast: bool):
             hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
         held = sum(live.live.values())
     del hidden
-    return held, ModelShape.from_hf_config(config.to_dict())
+    return held, ModelShape.from_hf_config(model.config.to_dict())
 
 
 @pytest.mark.parametrize(
@@ -330,8 +320,8 @@ def test_checkpointed_layers_keep_inputs_in_the_residual_streams_dtype(
     assert modelled == pytest.approx(measured, rel=0.05), (modelled, measured)
 
 
-def _saved_bytes(layers: int, tokens: int, weights: torch.dtype, autocast: bool):
-    """Bytes of the tensors autograd saves in a forward pass of a real Qwen2 decoder."""
+def _qwen2(layers: int, weights: torch.dtype) -> torch.nn.Module:
+    """A small real Qwen2 decoder (H 128, I 704, 4 heads, 2 key-value heads) in ``weights``."""
     config = Qwen2Config(
         vocab_size=64,
         hidden_size=128,
@@ -342,7 +332,12 @@ def _saved_bytes(layers: int, tokens: int, weights: torch.dtype, autocast: bool)
         attn_implementation="sdpa",
     )
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).to(weights)
+    return AutoModelForCausalLM.from_config(config).to(weights)
+
+
+def _saved_bytes(layers: int, tokens: int, weights: torch.dtype, autocast: bool):
+    """Bytes of the tensors autograd saves in a forward pass of a real Qwen2 decoder."""
+    model = _qwen2(layers, weights)
     storages: dict[int, int] = {}  # the graph keeps every saved tensor alive: no reuse
 
     def pack(t):
@@ -353,7 +348,7 @@ def _saved_bytes(layers: int, tokens: int, weights: torch.dtype, autocast: bool)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             hidden = model.get_decoder()(input_ids=torch.randint(64, (1, tokens)))
     del hidden
-    return sum(storages.values()), ModelShape.from_hf_config(config.to_dict())
+    return sum(storages.values()), ModelShape.from_hf_config(model.config.to_dict())
 
 
 @pytest.mark.parametrize(("weights", "autocast"), [(torch.bfloat16, False), (torch.float32, True)])
