@@ -44,6 +44,11 @@ def looks_like_hub_id(path: str) -> bool:
     return True
 
 
+def is_hub_id(path: str) -> bool:
+    """Whether a model path names a Hub model: no local directory, and shaped like an id."""
+    return not Path(path).expanduser().is_dir() and looks_like_hub_id(path)
+
+
 def offline() -> bool:
     """``HF_HUB_OFFLINE`` as huggingface_hub reads it."""
     from huggingface_hub import constants
@@ -70,7 +75,7 @@ def resolve(
     directory, else the snapshot of the Hub id ``path`` at ``revision`` (default ``main``) in
     the cache, downloaded first unless offline or not ``download``."""
     local = Path(path).expanduser()
-    if local.is_dir() or not looks_like_hub_id(path):
+    if not is_hub_id(path):
         if revision:
             raise HubModelError(
                 f"model.revision={revision} is set, but {setting}={path} is a local path, not a "

@@ -10,7 +10,6 @@ import dataclasses
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from dapo.config import Config, RewardConfig
@@ -180,7 +179,7 @@ def missing_chat_template(cfg: Config, tokenizer: Any) -> str | None:
     path, revision = cfg.model.path, cfg.model.revision
     where = f"model.path={path}{f' (model.revision={revision})' if revision else ''}"
     fetch = "put the model's chat template in its directory (chat_template.jinja)"
-    if path != "embedded" and not Path(path).expanduser().is_dir() and hub.looks_like_hub_id(path):
+    if path != "embedded" and hub.is_hub_id(path):
         fetch = f"fetch its chat template with {hub.download_command(path, revision)}"
     return (
         f"data.apply_chat_template=true, but the tokenizer of {where} has no chat template, "
