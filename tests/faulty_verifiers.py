@@ -101,6 +101,10 @@ def _str_correct(response: str, answer: str) -> Score:
     return Score(score=-1.0, correct="False", pred="")  # type: ignore[arg-type]  # truthy
 
 
+def _int_vote(response: str, answer: str) -> Score:
+    return Score(score=1.0, correct=True, pred="1", vote=1)  # type: ignore[arg-type]
+
+
 def _numpy_correct(response: str, answer: str) -> Score:
     import numpy as np  # only here: the other verifiers' workers load no numpy
 
@@ -134,6 +138,7 @@ VERIFIERS: dict[str, RewardFn] = {
     "bytes_out": _bytes_out,
     "str_correct": _str_correct,
     "numpy_correct": _numpy_correct,
+    "int_vote": _int_vote,
 }
 
 

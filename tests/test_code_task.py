@@ -28,7 +28,7 @@ HUMANEVAL = json.dumps(
     }
 )
 RIGHT = "def add(a, b):\n    return a + b\n"
-PASSED = Score(score=1.0, correct=True, pred="passed")
+PASSED = Score(score=1.0, correct=True, pred="passed", vote="")
 
 
 def fenced(code: str, tag: str = "python") -> str:
@@ -36,7 +36,7 @@ def fenced(code: str, tag: str = "python") -> str:
 
 
 def wrong(pred: str) -> Score:
-    return Score(score=-1.0, correct=False, pred=pred)
+    return Score(score=-1.0, correct=False, pred=pred, vote="")
 
 
 @pytest.fixture

@@ -49,6 +49,8 @@ TINY = [x for x in SMALL if not x.startswith("reward.workers")] + [
         ({"score": 0.5}, Score(0.5, True, "")),
         ({"score": 0.5, "correct": False, "pred": "x"}, Score(0.5, False, "x")),
         ({"score": -1, "pred": 7}, Score(-1.0, False, "")),  # a pred that is no string: dropped
+        ({"score": 1, "pred": "0.5", "vote": "1/2"}, Score(1.0, True, "0.5", vote="1/2")),
+        (Score(1.0, True, "passed", vote=""), Score(1.0, True, "passed", vote="")),
         (Score(1.0, False, "kept"), Score(1.0, False, "kept")),
         (np.True_, Score(1.0, True, "")),  # numpy's bool is a bool: np.isclose(...) returns one
         (np.isclose(1.0, 2.0), Score(-1.0, False, "")),
@@ -66,6 +68,7 @@ def test_returned_values_become_scores(value, expected) -> None:
         (np.array(1.0), "returned numpy.ndarray;"),
         ({"score": np.True_}, "its 'score' is numpy.bool"),
         ({"score": 1.0, "correct": np.float64(1.0)}, "its 'correct' is numpy.float64, not a bool"),
+        ({"score": 1.0, "vote": 2}, "its 'vote' is int, not a str"),
     ],
 )
 def test_a_refused_value_is_named_with_its_module(value, named) -> None:

@@ -267,3 +267,60 @@ def test_faults_mid_batch_cost_only_their_own_responses():
     assert result.scores == [expected[0], FAULT_SCORE, expected[1], FAULT_SCORE, expected[2]]
     assert [fault.index for fault in result.faults] == [1, 3]
     assert all(fault.kind in ("timeout", "memory") for fault in result.faults)
+
+
+# maj@k votes with what an answer means, not how it is written -----------------------------
+
+
+@pytest.mark.parametrize("answer", [r"$\frac{1}{2}$", "1/2", "0.5", r"\dfrac12", r"\frac{2}{4}"])
+def test_equal_answers_written_differently_share_a_vote(answer):
+    score = math_verify_score(f"Answer: {answer}", "1/2")
+    assert (score.correct, score.pred, score.vote) == (True, answer.strip(), "1/2")
+    assert math_verify_score("Answer: 3", "1/2").vote == "3"
+    assert math_verify_score("no answer here", "1/2").vote is None
+
+
+class Writes:
+    """An engine whose k rows of a prompt write ``texts`` (the tokens are placeholders)."""
+
+    exact_logprobs = True
+    stop_token_ids = (0,)
+
+    def __init__(self, texts: list[str]) -> None:
+        self.texts = texts
+
+    def generate(self, prompts, *, group_size, **_):
+        import torch
+
+        from dapo.rollout import Rollout
+
+        rows = len(prompts) * group_size
+        ids = torch.ones((rows, 1), dtype=torch.long)
+        return Rollout(
+            prompt_ids_BP=ids, prompt_mask_BP=torch.ones_like(ids), response_ids_BT=ids,
+            response_mask_BT=torch.ones_like(ids, dtype=torch.bool),
+            logprobs_BT=torch.zeros((rows, 1)), lengths_B=torch.ones(rows, dtype=torch.long),
+            truncated_B=torch.zeros(rows, dtype=torch.bool), texts=self.texts * len(prompts),
+            slots=rows,
+        )  # fmt: skip
+
+
+def test_maj_at_k_of_an_evaluation_counts_equal_answers_as_one():
+    """Three responses write 1/2 three ways, two write 3: the majority means 1/2 (maj@k 1),
+    where a vote on the text would pick 3 (maj@k 0). Graded by a worker process, so the
+    vote also crosses the pool's pipe."""
+    from dapo.data.problems import Problem
+    from dapo.eval.evaluate import evaluate
+
+    texts = [rf"Answer: {a}" for a in (r"\frac{1}{2}", "3", "1/2", "3", "0.5")]
+    problem = Problem("p", ({"role": "user", "content": "half?"},), "1/2", "math")
+    records: list[dict] = []
+    with RewardPool(workers=1, timeout_s=60) as pool:
+        out = evaluate(
+            Writes(texts), None, [problem], num_samples=5, temperature=1.0, top_p=1.0,
+            max_new_tokens=1, seed=0, pool=pool, reward_mode=MODE_NAME, resamples=10,
+            records_out=records, chat_template=False,
+        )  # fmt: skip
+    assert records[0]["votes"] == ["1/2", "3", "1/2", "3", "1/2"]
+    assert records[0]["answers"] == [r"\frac{1}{2}", "3", "1/2", "3", "0.5"]
+    assert out["val/maj@k"] == 1.0 and out["val/accuracy"] == pytest.approx(0.6)

@@ -236,6 +236,11 @@ def test_dead_worker_is_a_crash_fault(verifier, how):
             "verifier 'str_correct' returned a malformed Score: "
             "TypeError: correct is str, not bool",
         ),
+        # maj@k compares votes as text: a vote of 1 would never meet a vote of "1".
+        (
+            "int_vote",
+            "verifier 'int_vote' returned a malformed Score: TypeError: vote is int, not str",
+        ),
     ],
 )
 def test_bad_verdicts_are_error_faults(verifier, detail):

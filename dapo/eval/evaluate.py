@@ -15,6 +15,7 @@ from dapo.data.problems import Problem
 from dapo.data.prompts import render_prompt
 from dapo.eval.metrics import MAJORITY, record_metrics, summarize, without_unvoted_majority
 from dapo.reward.pool import RewardPool, grading_job
+from dapo.reward.tasks.base import vote_key
 from dapo.rollout import Engine, Rollout
 from dapo.rollout.episodes import EpisodeRunner, environment_score
 from dapo.run.seeding import derive_seed
@@ -229,6 +230,7 @@ def _records(chunk, ro: Rollout, graded, k: int, greedy_correct) -> list[dict]:
             "ground_truth": p.answer,
             "responses": [ro.texts[b] for b in rows],
             "answers": [graded.scores[b].pred for b in rows],
+            "votes": [vote_key(graded.scores[b]) for b in rows],
             "correct": [bool(graded.scores[b].correct) for b in rows],
             "lengths": [int(ro.lengths_B[b]) - _env_tokens(ro, b) for b in rows],
             "truncated": [bool(ro.truncated_B[b]) for b in rows],

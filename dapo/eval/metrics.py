@@ -173,7 +173,7 @@ def without_unvoted_majority(
     when no response of any record gave an answer: a grader without a ``pred`` (a reward
     function returning a bool or a float) lets nothing vote, and maj@k would read 0 however
     right the responses were. Unchanged when any response voted."""
-    if any(gave_answer(a) for record in records for a in record.get("answers", ())):
+    if any(gave_answer(a) for record in records for a in votes(record)):
         return list(per_problem)
     return [{k: v for k, v in metrics.items() if k != MAJORITY} for metrics in per_problem]
 
@@ -293,6 +293,13 @@ def pick_samples(
     return out
 
 
+def votes(record: Mapping[str, Any]) -> Sequence[str | None]:
+    """What each response of an evaluation record votes with in maj@k: its ``"votes"``
+    (:func:`dapo.reward.tasks.base.vote_key`), else, in records written before votes were,
+    its ``"answers"``."""
+    return record.get("votes", record.get("answers", ()))
+
+
 def record_metrics(
     record: Mapping[str, Any], *, ks: Sequence[int], phrases: Sequence[str] = REFLECTIVE_PHRASES
 ) -> dict[str, float]:
@@ -301,7 +308,7 @@ def record_metrics(
     of its samples that called a tool) when its samples are episodes with a tool."""
     out = problem_metrics(
         record["correct"],
-        record["answers"],
+        votes(record),
         record["lengths"],
         record["truncated"],
         record["responses"],

@@ -208,10 +208,13 @@ def to_score(value: Any) -> Score:
             raise TypeError(f"its 'correct' is {type_name(correct)}, not a bool")
         pred = value.get("pred", "")
         pred = pred if isinstance(pred, str) else ""
-        return Score(score=float(score), correct=bool(correct), pred=pred)
+        vote = value.get("vote")
+        if vote is not None and not isinstance(vote, str):
+            raise TypeError(f"its 'vote' is {type_name(vote)}, not a str")
+        return Score(score=float(score), correct=bool(correct), pred=pred, vote=vote)
     raise TypeError(
         f"a reward function returned {type_name(value)}; return a float, a bool, a Score "
-        "or a dict with 'score' (and optionally 'correct')"
+        "or a dict with 'score' (and optionally 'correct', 'pred', 'vote')"
     )
 
 

@@ -97,7 +97,7 @@ def exception_text(exc: BaseException) -> str:
 # Marks a MemoryError seen inside the except clause (see grade_one).
 _OUT_OF_MEMORY = object()
 
-# A result message: ("ok", score, correct, pred) or ("fault", kind, detail).
+# A result message: ("ok", score, correct, pred, vote) or ("fault", kind, detail).
 Outcome = tuple[Any, ...]
 
 
@@ -130,12 +130,14 @@ def grade_one(
         if not is_bool(result.correct):  # "False" or 0.0 must not pass as a verdict
             raise TypeError(f"correct is {type_name(result.correct)}, not bool")
         correct = bool(result.correct)
-        pred = result.pred
+        pred, vote = result.pred, result.vote
         # A NaN or infinite reward would poison the advantages of the whole group.
         if not math.isfinite(score):
             raise ValueError(f"score is {score}")
         if pred is not None and not isinstance(pred, str):
             raise TypeError(f"pred is {type_name(pred)}, not str")
+        if vote is not None and not isinstance(vote, str):
+            raise TypeError(f"vote is {type_name(vote)}, not str")
     except catch as exc:
         detail = f"verifier {data_source!r} returned a malformed Score: {exception_text(exc)}"
         return ("fault", "error", one_line(detail))
@@ -146,11 +148,12 @@ def grade_one(
             "advantages); scale the reward, or raise reward.max_abs"
         )
         return ("fault", "out_of_bounds", one_line(detail))
-    return ("ok", score, correct, None if pred is None else pred[:MAX_PRED_CHARS])
+    pred, vote = (None if v is None else v[:MAX_PRED_CHARS] for v in (pred, vote))
+    return ("ok", score, correct, pred, vote)
 
 
 def to_score(outcome: Outcome) -> Score:
-    return Score(score=outcome[1], correct=outcome[2], pred=outcome[3])
+    return Score(score=outcome[1], correct=outcome[2], pred=outcome[3], vote=outcome[4])
 
 
 def _mapped_bytes() -> int:

@@ -64,7 +64,7 @@ def environment_score(trace: Trace | None, verified: Score) -> Score:
     if trace is None or trace.reward is None:
         return verified
     reward = float(trace.reward)
-    return Score(score=reward, correct=reward > 0, pred=verified.pred)
+    return Score(score=reward, correct=reward > 0, pred=verified.pred, vote=verified.vote)
 
 
 @dataclass

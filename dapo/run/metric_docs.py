@@ -104,9 +104,9 @@ METRICS: dict[str, str] = {
     "val/accuracy_high": "Upper end of val/accuracy's 95% bootstrap interval over problems.",
     "val/pass@{k}": "Held-out pass@k (unbiased estimator, Chen et al. 2021), k = "
     "eval.num_samples: the metric's name carries the number, val/pass@4 on the demo.",
-    "val/maj@k": "Held-out majority vote over the k extracted answers (a response without one "
-    "does not vote; absent when no response had one, e.g. a reward function returning a bool "
-    "or a float).",
+    "val/maj@k": "Held-out majority vote over the k extracted answers, equal answers as one "
+    "vote under math_verify (a response without one does not vote; absent when no response "
+    "had one, e.g. a reward function returning a bool or a float, or the code task).",
     "val/response_len_mean": "Mean held-out response length in tokens.",
     "val/truncated_frac": "Share of held-out responses truncated at eval.max_new_tokens.",
     "val/num_problems": "Distinct held-out problems evaluated.",

@@ -15,11 +15,16 @@ class Score:
         correct: whether the extracted answer equals the ground truth; dynamic
             sampling filters on this, not on the shaped reward.
         pred: the extracted, normalised answer; "" when none was found.
+        vote: what the response votes with in maj@k, where answers that mean the same
+            must vote together (math_verify: SymPy's form of the parsed answer, so
+            ``\\frac12``, ``1/2`` and ``0.5`` are one vote); ``None`` votes with ``pred``,
+            and ``""`` casts no vote (the code task, whose ``pred`` is an outcome label).
     """
 
     score: float
     correct: bool
     pred: str
+    vote: str | None = None
 
 
 RewardFn = Callable[[str, str], Score]
@@ -35,6 +40,11 @@ line: no answer either, though the verdict is otherwise graded as usual."""
 
 NO_ANSWER_PREDS = frozenset({NO_ANSWER.pred, INVALID_PRED})
 """Every ``pred`` that means "no answer was found": such a response casts no vote in maj@k."""
+
+
+def vote_key(score: Score) -> str | None:
+    """What ``score``'s response votes with in maj@k: its ``vote``, else its ``pred``."""
+    return score.pred if score.vote is None else score.vote
 
 
 def gave_answer(pred: object) -> bool:

@@ -37,7 +37,9 @@ checks what the tests check.
 ``Score.pred`` is the outcome: ``passed``, ``failed`` (a test failed), ``error`` (the
 program raised, SyntaxError included), ``memory`` (MemoryError), ``no_entry_point``,
 ``exited_early`` (exit status 0 without the nonce), ``killed`` (a signal or another exit
-status), ``timeout``, ``output_limit``, ``disk_limit``, ``no_code``, ``too_long``.
+status), ``timeout``, ``output_limit``, ``disk_limit``, ``no_code``, ``too_long``. An
+outcome is not an answer, so no response votes (``vote=""``): a majority of labels would
+read as maj@k without being one, and evaluations of code leave maj@k out.
 """
 
 from __future__ import annotations
@@ -253,16 +255,16 @@ def grade_code(
     Example:
         >>> truth = '{"entry_point": "add", "tests": "assert add(2, 3) == 5"}'
         >>> grade_code("```python\\ndef add(a, b):\\n    return a + b\\n```", truth)
-        Score(score=1.0, correct=True, pred='passed')
+        Score(score=1.0, correct=True, pred='passed', vote='')
     """
     row = _parse_ground_truth(response, ground_truth)
     if row is None:
         return NO_ANSWER
     program = extract_code(response)
     if not program.strip():
-        return Score(score=-1.0, correct=False, pred="no_code")
+        return Score(score=-1.0, correct=False, pred="no_code", vote="")
     if len(program.encode("utf-8", "surrogatepass")) > MAX_PROGRAM_BYTES:
-        return Score(score=-1.0, correct=False, pred="too_long")
+        return Score(score=-1.0, correct=False, pred="too_long", vote="")
     nonce = secrets.token_hex(16)
     # ensure_ascii: lone surrogates and NULs travel as escapes, and come back as written.
     payload = {**row, "program": program, "nonce": nonce}
@@ -280,7 +282,7 @@ def grade_code(
     else:
         pred = _outcome(_exit_status(result), result.stdout, nonce)
     correct = pred == "passed"
-    return Score(score=1.0 if correct else -1.0, correct=correct, pred=pred)
+    return Score(score=1.0 if correct else -1.0, correct=correct, pred=pred, vote="")
 
 
 @dataclass

@@ -207,7 +207,8 @@ def math_verify_score(response: str, ground_truth: str) -> Score:
         ``Answer:`` line in the final ``TAIL_CHARS`` characters, else the last
         ``\boxed{}`` there) equal to the ground truth, else ``Score(-1.0, False,
         pred)``. ``pred`` is the extracted answer as written, stripped (at most
-        ``TAIL_CHARS`` characters), or ``""`` when none was found.
+        ``TAIL_CHARS`` characters), or ``""`` when none was found; ``vote`` is SymPy's
+        form of it, which equal answers written differently share in maj@k.
 
     Raises:
         MemoryError: let through so that ``RewardPool`` counts a "memory" fault.
@@ -215,7 +216,7 @@ def math_verify_score(response: str, ground_truth: str) -> Score:
 
     Example:
         >>> math_verify_score("so x = 1/2.\nAnswer: $\\frac{1}{2}$", "0.5")
-        Score(score=1.0, correct=True, pred='$\\frac{1}{2}$')
+        Score(score=1.0, correct=True, pred='$\\frac{1}{2}$', vote='1/2')
     """
     truth_text = ground_truth_text(response, ground_truth)
     if truth_text is None:
@@ -224,9 +225,23 @@ def math_verify_score(response: str, ground_truth: str) -> Score:
     if pred is None:
         return NO_ANSWER
     gold = parse_gold(truth_text.strip())
+    parsed = _parse(pred)
     # An unparseable ground truth (empty, garbage) matches nothing.
-    correct = bool(gold) and _equal(gold, _parse(pred))
-    return Score(score=1.0 if correct else -1.0, correct=correct, pred=pred)
+    correct = bool(gold) and _equal(gold, parsed)
+    return Score(score=1.0 if correct else -1.0, correct=correct, pred=pred, vote=_vote(parsed))
+
+
+def _vote(parsed: tuple[Any, ...]) -> str | None:
+    r"""SymPy's printed form of a parsed answer, which ``rac12``, ``1/2`` and ``0.5`` share
+    (so they vote together in maj@k); None (vote with ``pred``) when nothing parsed."""
+    if not parsed:
+        return None
+    try:
+        return str(parsed[0])
+    except MemoryError:
+        raise
+    except Exception:
+        return None
 
 
 def resolve(data_source: str) -> RewardFn:
