@@ -9,8 +9,8 @@ runs whatever a crafted shard asks for. Here the shards are safetensors files (D
 Face storage: tensors and a JSON header, each shard's offsets in it), there is no
 ``.metadata`` (the reader rebuilds it from the shards' headers), every value that is not a
 tensor is JSON (``optimizer.json``), and the load planner refuses any item that is not a
-tensor. A directory in the pickled format of dapo before 0.3 is refused before anything in it
-is read.
+tensor. A directory in the pickled format (dapo before commit 96772cf) is refused before
+anything in it is read.
 """
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ def check_format(path: Path) -> None:
     """Refuse a directory of DCP's pickled format before anything in it is read."""
     if (Path(path) / _PICKLED).exists():
         raise UnsafeCheckpointError(
-            f"{path} holds a pickled checkpoint ({_PICKLED}: written by dapo before 0.3, or "
+            f"{path} holds a pickled checkpoint ({_PICKLED}: by dapo before commit 96772cf, or "
             "not by dapo), which dapo does not read: a pickle can run code. Resume it with the "
             "dapo that wrote it, or start the run again"
         )

@@ -47,7 +47,7 @@ from dapo.run.nofollow import fsync_dir, no_link, write_atomic
 
 FORMAT_VERSION = 2
 """2: nothing pickled (the optimizer's state and the generators' as safetensors and JSON, DCP
-shards as safetensors) and a SHA-256 per file in the manifest; 1: dapo before 0.3."""
+shards as safetensors) and a SHA-256 per file in the manifest; 1: dapo before commit 96772cf."""
 CKPT_DIR = "checkpoints"
 LATEST = "latest"
 _STEP_RE = re.compile(r"^step_(\d{6,})$")
@@ -304,9 +304,9 @@ def read_trainer_state(ckpt: Path, *, digests: bool | tuple[int, int] = True) ->
         raise CheckpointError(f"{ckpt / 'trainer.json'} is unreadable: {exc!r}") from None
     if version == 1:
         raise CheckpointError(
-            f"{ckpt} was written by dapo before 0.3 (checkpoint format 1), whose optimizer "
-            "and generator states are pickled; this dapo reads no pickle from a checkpoint. "
-            "Resume it with the dapo that wrote it, or start the run again"
+            f"{ckpt} was written by an older dapo (checkpoint format 1, before commit 96772cf), "
+            "whose optimizer and generator states are pickled; this dapo reads no pickle from a "
+            "checkpoint. Resume it with the dapo that wrote it, or start the run again"
         )
     if version != FORMAT_VERSION:
         raise CheckpointError(
