@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 from dapo.api import exporting as export_mod
 from dapo.cli import main
 from dapo.dist import dcp
-from dapo.run import checkpoint, manifest
+from dapo.models import policy
+from dapo.run import checkpoint, manifest, trainer_file
 from dapo.run.checkpoint import CheckpointError
 
 STEP = "step_000002"
@@ -93,17 +94,19 @@ def test_a_mistyped_trainer_json_is_named(run, tmp_path, capsys, changes, says):
     assert not (tmp_path / "x").exists()
 
 
-def test_resuming_a_trainer_json_without_a_key_names_it(run, tmp_path, capsys):
+def test_resuming_a_trainer_json_without_a_key_names_it_before_a_model_loads(
+    run, tmp_path, capsys, monkeypatch
+):
     copy, ckpt = _copy(run, tmp_path)
     _edit_trainer(ckpt, consecutive_skips=None)
-    state = checkpoint.read_trainer_state(ckpt)
-    with pytest.raises(CheckpointError, match="trainer.json has no 'val_last'"):
-        del state["val_last"]
-        state["val_last"]  # noqa: B018 - what resuming reads
+    with pytest.raises(CheckpointError, match="trainer.json has no 'consecutive_skips'"):
+        trainer_file.check_resumable(checkpoint.read_trainer_state(ckpt))
+    loads: list[object] = []
+    monkeypatch.setattr(policy, "load_policy", lambda *a, **k: loads.append(a))
     assert main(["train", "--quiet", "--resume", str(copy), "train.steps=3"]) == 1
     err = capsys.readouterr().err
     assert f"{ckpt / 'trainer.json'} has no 'consecutive_skips'" in err
-    assert "Traceback" not in err
+    assert "Traceback" not in err and loads == []
 
 
 @pytest.mark.parametrize(

@@ -310,17 +310,20 @@ def _train(
 def _checked_run_dir(cfg: Config, resume_dir: Path | None, overwrite: bool) -> None:
     """What a dry run can tell of the run directory without changing anything: a new run's
     would be refused, or a resumed one has no checkpoint or no room."""
-    from dapo.run import checkpoint, rundir
+    from dapo.run import checkpoint, rundir, trainer_file
 
     if resume_dir is None:
         rundir.plan_new_run(cfg, overwrite=overwrite)
         return
-    if checkpoint.find_latest(resume_dir) is None:
+    found = checkpoint.find_latest(resume_dir)
+    if found is None:
         why = checkpoint.unreadable(resume_dir)
         raise ValueError(
             f"--resume {resume_dir}: no complete checkpoint there: "
             + (why or "it stopped before its first one; start it again with --overwrite")
         )
+    # Its counters, before a model loads (find_latest has checked every file's digest).
+    trainer_file.check_resumable(checkpoint.read_trainer_state(found, digests=False))
     rundir.check_writable(resume_dir)
     rundir.check_space(resume_dir, cfg, _weights_dir(cfg))
 

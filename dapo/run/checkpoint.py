@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import errno
 import json
-import math
 import os
 import random
 import re
@@ -44,6 +43,7 @@ from dapo.run import manifest, model_files, state_files
 from dapo.run.manifest import verify  # also checkpoint.verify, as callers have named it
 from dapo.run.model_files import CheckpointError
 from dapo.run.nofollow import fsync_dir, no_link, write_atomic
+from dapo.run.trainer_file import checked_trainer
 
 FORMAT_VERSION = 2
 """2: nothing pickled (the optimizer's state and the generators' as safetensors and JSON, DCP
@@ -312,62 +312,7 @@ def read_trainer_state(ckpt: Path, *, digests: bool | tuple[int, int] = True) ->
         raise CheckpointError(
             f"{ckpt} has checkpoint format {version}, this dapo reads format {FORMAT_VERSION}"
         )
-    return _checked_trainer(trainer, ckpt / "trainer.json")
-
-
-def _number(v: Any, least: float = -math.inf) -> bool:
-    """Whether ``v`` is a number (not a bool; NaN too, as a metric may be), >= ``least``."""
-    return isinstance(v, int | float) and not isinstance(v, bool) and (v != v or v >= least)
-
-
-def _numbers(v: Any, n: int | None = None) -> bool:
-    """Whether ``v`` is an object (``n`` None) or a list of ``n``, of numbers."""
-    ok = isinstance(v, dict) if n is None else isinstance(v, list) and len(v) == n
-    return ok and all(_number(x) for x in (v.values() if n is None else v))
-
-
-_COUNT = (lambda v: isinstance(v, int) and _number(v, 0), "a whole number >= 0")
-_TRAINER_FIELDS = {
-    **dict.fromkeys(("step", "consecutive_skips", "metrics_bytes"), _COUNT),
-    **dict.fromkeys(("val_start", "val_last", "spent"), (_numbers, "an object of numbers")),
-    "train_seconds": (lambda v: _number(v, 0), "a number >= 0"),
-    "sampling_prior": (lambda v: _numbers(v, 2), "a list of 2 numbers"),
-    "sampler": (
-        lambda v: isinstance(v, dict) and all(_COUNT[0](v.get(k)) for k in ("epoch", "pos")),
-        "{epoch, pos}",
-    ),
-    "ahead": (lambda v: isinstance(v, dict), "an object"),
-}
-"""What resuming and exporting read of ``trainer.json``: each key's check and its type."""
-
-
-class TrainerState(dict):
-    """``trainer.json``'s object, whose missing key is a :class:`CheckpointError` naming it."""
-
-    def __missing__(self, key: str) -> Any:
-        raise CheckpointError(
-            f"{self.path} has no {key!r}, which resuming reads: the file is damaged or was "
-            "not written by dapo; resume from another checkpoint or start the run again"
-        )
-
-
-def _checked_trainer(trainer: Any, path: Path) -> TrainerState:
-    """``trainer`` (the object of ``path``) with ``step`` there and every key of
-    :data:`_TRAINER_FIELDS` it holds of its type; else a :class:`CheckpointError`."""
-    if not isinstance(trainer, dict) or "step" not in trainer:
-        raise CheckpointError(
-            f"{path} holds no step: the file is damaged or was not written by dapo; use "
-            "another checkpoint or start the run again"
-        )
-    for key, (ok, kind) in _TRAINER_FIELDS.items():
-        if key in trainer and not ok(trainer[key]):
-            raise CheckpointError(
-                f"{path}: {key} is {str(trainer[key])[:80]!r}, not {kind}: the file is damaged "
-                "or was not written by dapo; use another checkpoint or start the run again"
-            )
-    checked = TrainerState(trainer)
-    checked.path = path
-    return checked
+    return checked_trainer(trainer, ckpt / "trainer.json")
 
 
 def load_rollouts(ckpt: Path) -> dict[str, torch.Tensor]:
