@@ -198,6 +198,48 @@ def test_the_run_model_is_merged_and_exports_both_ways(lora_run, tmp_path):
     assert main(["eval", str(tmp_path / "m"), *args, "--out", str(tmp_path / "e")]) == 0
 
 
+def test_an_earlier_step_exports_with_the_lora_settings_it_was_trained_with(
+    lora_run, tmp_path, capsys
+):
+    """A resume with --force model.lora.alpha=64 leaves step 3's adapters trained at 32: its
+    merge must scale them by 32 / r (merged at 64, the logits were off by several units)."""
+    import shutil
+
+    root, _ = lora_run
+    run = tmp_path / "run"
+    shutil.copytree(root / "whole", run)
+    args = ["--resume", str(run), "--force", "train.steps=4", "model.lora.alpha=64"]
+    assert main(["train", "--quiet", *args]) == 0
+    capsys.readouterr()
+    assert main(["export", str(run), "--step", "3", "--out", str(tmp_path / "m"), "--merge"]) == 0
+    assert "trained with model.lora alpha=32.0 (config.yaml: 64.0): used" in capsys.readouterr().err
+    final = AutoModelForCausalLM.from_pretrained(root / "whole" / "model")  # step 3's policy
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    torch.testing.assert_close(_logits(merged), _logits(final), rtol=0, atol=1e-6)
+    assert main(["export", str(run), "--step", "3", "--out", str(tmp_path / "a")]) == 0
+    assert json.loads((tmp_path / "a" / "adapter_config.json").read_text())["lora_alpha"] == 32
+    step4 = json.loads((run / "checkpoints" / "step_000004" / "trainer.json").read_text())
+    assert step4["base_model"]["lora"]["alpha"] == 64.0
+
+
+@pytest.mark.parametrize(
+    ("lora_record", "says"),
+    [
+        ({"rank": 4}, "base_model.lora is not {rank, alpha, dropout, target_modules}"),
+        ({"rank": "4", "alpha": 32.0, "dropout": 0.0, "target_modules": ["q_proj"]}, "rank"),
+        ({"rank": 4, "alpha": -1.0, "dropout": 0.0, "target_modules": ["q_proj"]}, "alpha"),
+    ],
+)
+def test_a_crafted_lora_record_is_refused(lora_record, says, tmp_path):
+    from dapo.api.adapters import with_trained_settings
+    from dapo.run.model_files import CheckpointError
+
+    cfg = load_config(None, ["model.lora.rank=4"])
+    with pytest.raises(CheckpointError, match="base_model.lora") as info:
+        with_trained_settings(cfg, {"lora": lora_record}, tmp_path, print)
+    assert says in str(info.value)
+
+
 def test_a_resume_on_another_base_is_refused(lora_run, tmp_path, capsys):
     import shutil
 

@@ -3,8 +3,9 @@ directory names them, or merged into the base model's weights (``--merge``).
 
 A LoRA checkpoint holds the adapters alone (one process's ``model/trained.safetensors``, or
 ``torchrun``'s DCP shards) and names its base in ``trainer.json`` (``base_model``: path,
-revision, digest). Merging loads that base as the run did (its ``config.yaml``), checks its
-digest against the checkpoint's, puts the adapters in, and computes ``W + (alpha / r) B A``.
+revision, digest, and the ``model.lora`` settings the adapters were trained with). Merging
+loads that base as the run did (its ``config.yaml``), checks its digest against the
+checkpoint's, puts the adapters in, and computes ``W + (alpha / r) B A``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 
 from dapo.config import Config, load_config
+from dapo.config.loading import set_value
 from dapo.dist import dcp
 from dapo.models import lora
 from dapo.run import model_files
@@ -27,6 +29,36 @@ def run_config(run_dir: Path) -> Config:
     if not path.is_file():
         raise ValueError(f"{run_dir}: no config.yaml; give the directory of a dapo run")
     return load_config(path)
+
+
+def with_trained_settings(cfg: Config, saved_base: Any, ckpt: Path, log) -> Config:
+    """``cfg`` with the ``model.lora`` settings the checkpoint's adapters were trained with
+    (recorded beside ``base_model``): a resume with ``--force`` may have changed
+    ``config.yaml``'s since, and a merge with another alpha scales the update wrongly.
+    A checkpoint that records none (dapo before this record) keeps ``config.yaml``'s."""
+    if not isinstance(saved_base, dict):
+        raise CheckpointError(f"{ckpt}: trainer.json's base_model is not an object: damaged")
+    saved = saved_base.get("lora")
+    if saved is None:
+        return cfg
+    if not isinstance(saved, dict) or set(saved) != set(lora.TRAINED_SETTINGS):
+        raise CheckpointError(
+            f"{ckpt}: trainer.json's base_model.lora is not {{{', '.join(lora.TRAINED_SETTINGS)}}}:"
+            " the file is damaged or was not written by dapo"
+        )
+    now = lora.trained_settings(cfg.model.lora)
+    try:
+        for name, value in saved.items():
+            set_value(cfg, f"model.lora.{name}", value)
+    except ValueError as exc:
+        raise CheckpointError(f"{ckpt}: trainer.json's base_model.lora: {exc}") from None
+    errors = cfg.model.lora.check()
+    if errors:
+        raise CheckpointError(f"{ckpt}: trainer.json's base_model.lora: {'; '.join(errors)}")
+    changed = [f"{n}={saved[n]!r} (config.yaml: {now[n]!r})" for n in saved if saved[n] != now[n]]
+    if changed:
+        log(f"export: the adapters were trained with model.lora {', '.join(changed)}: used")
+    return cfg
 
 
 def trained_tensors(ckpt: Path) -> dict[str, torch.Tensor]:

@@ -103,7 +103,9 @@ def export(
     try:
         tmp.mkdir()
         if adapted:
-            cfg, trained = adapters.run_config(run_dir), adapters.trained_tensors(ckpt)
+            cfg = adapters.run_config(run_dir)
+            cfg = adapters.with_trained_settings(cfg, trainer["base_model"], ckpt, log)
+            trained = adapters.trained_tensors(ckpt)
             if merge:
                 weights = adapters.merged(cfg, trained, trainer["base_model"], ckpt, log)
                 parameters, size = _write_merged(weights, tmp, dtype, log)

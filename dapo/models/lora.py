@@ -351,3 +351,12 @@ def peft_config(lora: LoraConfig, base: str, revision: str | None = None) -> dic
     more = dict(base_model_name_or_path=base, revision=revision, task_type="CAUSAL_LM")
     config = _settings(LoraSettings, lora, **more)
     return json.loads(json.dumps(config.to_dict(), default=list))
+
+
+TRAINED_SETTINGS = ("rank", "alpha", "dropout", "target_modules")
+"""The fields of ``model.lora`` that shape and scale the adapters a checkpoint holds."""
+
+
+def trained_settings(lora: LoraConfig) -> dict[str, Any]:
+    """``lora``'s :data:`TRAINED_SETTINGS`, as a checkpoint records them (JSON)."""
+    return {name: copy.deepcopy(getattr(lora, name)) for name in TRAINED_SETTINGS}

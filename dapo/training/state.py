@@ -148,7 +148,10 @@ def _base_model(cfg: Config, model: torch.nn.Module) -> dict[str, Any] | None:
     if not lora.enabled(model):
         return None
     where = None if cfg.model.path == "embedded" else model_dir(cfg)
-    return model_files.base_reference(cfg.model.path, cfg.model.revision, where, model)
+    base = model_files.base_reference(cfg.model.path, cfg.model.revision, where, model)
+    # The adapters' shape and scale as trained: a resume may change model.lora (--force),
+    # and an export of an earlier step must merge with the settings of that step.
+    return {**base, "lora": lora.trained_settings(cfg.model.lora)}
 
 
 def drawer_for(cfg: Config, **objects: Any) -> Drawer:
