@@ -182,35 +182,66 @@ def test_a_run_killed_with_sigkill_resumes_into_the_uninterrupted_run(tmp_path, 
     assert all(torch.equal(weights[k], ref_weights[k]) for k in weights)
 
 
+def _drawn(s: int, version: int):
+    """Step ``s``'s rollouts, one group of one episode, drawn from the weights of ``version``."""
+    from dapo.data.batch import Episode
+    from dapo.training.sampling import Group, SamplingResult
+    from dapo.training.sources import StepRollouts
+
+    e = Episode(torch.tensor([1]), torch.tensor([5, 6]), torch.zeros(2), False, True, 1.0)
+    g = Group(f"g{s}", [e], version=version)
+    return StepRollouts(s, version, SamplingResult([g], rounds=1, generated=[g]), {}, 0.0, 0.0)
+
+
 def test_rollouts_drawn_ahead_are_resumed_only_where_they_belong(tmp_path):
     """A checkpoint's steps drawn ahead go on at the step it stopped at, drawn from weights no
     staler than train.async_staleness; a run that draws in turn (dist.rollout_ranks dropped at
     k = 0, a resume-safe field) passed over them, their prompts never trained: refused."""
     from safetensors.torch import save_file
 
-    from dapo.data.batch import Episode
     from dapo.training.rollout_files import restore_ahead
-    from dapo.training.sampling import Group, SamplingResult
-    from dapo.training.sources import StepRollouts
 
-    def step(s, version):
-        e = Episode(torch.tensor([1]), torch.tensor([5, 6]), torch.zeros(2), False, True, 1.0)
-        g = Group(f"g{s}", [e], version=version)
-        return StepRollouts(s, version, SamplingResult([g], rounds=1, generated=[g]), {}, 0.0, 0.0)
-
-    meta, tensors = rollouts_to_files([step(4, 3), step(5, 4)])
+    meta, tensors = rollouts_to_files([_drawn(4, 3), _drawn(5, 4)])
     save_file(tensors, tmp_path / "rollouts.safetensors")
     info = {"ahead": {"rollouts": meta, "prior": [3, 8]}}
     drawn, prior = restore_ahead(info, tmp_path, step=4, staleness=1, consumed=True)
     assert [d.step for d in drawn] == [4, 5] and prior == (3, 8)
     with pytest.raises(CheckpointError, match="drawn in turn would pass over"):
         restore_ahead(info, tmp_path, step=4, staleness=0, consumed=False)
-    for where, k in ((5, 1), (3, 1), (4, 0)):  # another step, or staler than k allows
-        with pytest.raises(CheckpointError, match=r"for steps \[4, 5\]"):
-            restore_ahead(info, tmp_path, step=where, staleness=k, consumed=True)
+    for where in (5, 3):  # another step
+        with pytest.raises(CheckpointError, match=r"for steps \[4, 5\].*is damaged"):
+            restore_ahead(info, tmp_path, step=where, staleness=1, consumed=True)
     bad_prior = {"ahead": {"rollouts": meta, "prior": [3, -1]}}
     with pytest.raises(CheckpointError, match="kept fraction"):
         restore_ahead(bad_prior, tmp_path, step=4, staleness=1, consumed=True)
     assert restore_ahead({}, tmp_path, step=4, staleness=0, consumed=False) is None
     empty = {"ahead": {"rollouts": [], "prior": [1, 2]}}
     assert restore_ahead(empty, tmp_path, step=4, staleness=1, consumed=True) == ([], (1, 2))
+    meta, tensors = rollouts_to_files([_drawn(4, 5)])  # from weights not trained yet
+    save_file(tensors, tmp_path / "rollouts.safetensors")
+    future = {"ahead": {"rollouts": meta, "prior": [3, 8]}}
+    with pytest.raises(CheckpointError, match=r"weights of steps \[5\].*is damaged"):
+        restore_ahead(future, tmp_path, step=4, staleness=1, consumed=True)
+
+
+def test_resuming_with_a_smaller_staleness_names_the_saved_one_not_damage(tmp_path):
+    """A sound checkpoint drawn at train.async_staleness=2, resumed (--force) at 1 or 0: the
+    error names the field and the value to resume with; the checkpoint is not called damaged,
+    nor is its directory to be deleted (every checkpoint of the run would fail alike)."""
+    from safetensors.torch import save_file
+
+    from dapo.training.rollout_files import restore_ahead
+
+    drawn = [_drawn(4, 2), _drawn(5, 3), _drawn(6, 4)]  # k = 2: steps 4 to 6
+    meta, tensors = rollouts_to_files(drawn)
+    save_file(tensors, tmp_path / "rollouts.safetensors")
+    info = {"ahead": {"rollouts": meta, "prior": [3, 8]}}
+    for k in (1, 0):
+        with pytest.raises(CheckpointError) as err:
+            restore_ahead(info, tmp_path, step=4, staleness=k, consumed=True)
+        message = str(err.value)
+        assert "resume with train.async_staleness=2" in message
+        assert f"resumes with train.async_staleness={k}" in message
+        assert "damaged" not in message and "delete" not in message
+    assert len(restore_ahead(info, tmp_path, step=4, staleness=2, consumed=True)[0]) == 3
+    assert len(restore_ahead(info, tmp_path, step=4, staleness=3, consumed=True)[0]) == 3

@@ -119,6 +119,10 @@ class _StandInLLM:
         self.cuda, self.calls = cuda, []
         _StandInLLM.built.append({**kwargs, "LOCAL_RANK": os.environ.get("LOCAL_RANK")})
         cuda.current = 0
+        self.llm_engine = SimpleNamespace(
+            add_lora=lambda request: self.calls.append(f"add_lora({request.lora_int_id})"),
+            remove_lora=lambda lora_id: self.calls.append(f"remove_lora({lora_id})"),
+        )
 
     def collective_rpc(self, method, kwargs):
         list(kwargs["weights_iterator"])
@@ -133,7 +137,9 @@ class _StandInLLM:
     def wake_up(self, tags):
         self.calls.append(f"wake_up({','.join(tags)}) after {self.cuda.emptied} empty_cache")
 
-    def generate(self, requests, params, use_tqdm):
+    def generate(self, requests, params, use_tqdm, lora_request=None):
+        if lora_request is not None:
+            self.calls.append(f"generate(lora {lora_request.lora_int_id})")
         eos = params[0].stop_token_ids[0]
         done = [
             SimpleNamespace(
@@ -219,6 +225,55 @@ def test_the_engine_sleeps_without_copying_weights_and_wakes_on_freed_memory(
         "reload_weights",
         "reset_prefix_cache",
     ]
+
+
+def test_with_lora_the_engine_sleeps_in_host_memory_and_syncs_the_adapters_alone(
+    monkeypatch, tiny_model, tokenizer
+):
+    """LoRA with vllm.sleep (one process, or a generator rank): the frozen base goes to vLLM
+    once. A level-2 sleep would drop it, and every sync and wake-up would send the whole base
+    again; at level 1 it waits in host memory, and each sync after the first is the adapters'
+    bytes alone (add_lora, remove_lora), with no reload_weights."""
+    from dapo.config import LoraConfig
+    from dapo.models import lora
+
+    def made(name, lora_int_id, lora_path):
+        return SimpleNamespace(lora_int_id=lora_int_id, lora_path=lora_path)
+
+    request = SimpleNamespace(LoRARequest=made)
+    monkeypatch.setitem(sys.modules, "vllm.lora", SimpleNamespace(request=request))
+    monkeypatch.setitem(sys.modules, "vllm.lora.request", request)
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    model = lora.apply(tiny_model, LoraConfig(rank=4))
+    engine, cuda = _engine(monkeypatch, model, tokenizer, torch.device("cuda", 0))
+    llm = engine.llm
+    assert llm.calls == ["reload_weights", "add_lora(1)", "reset_prefix_cache"]  # the base once
+    moving = lora.moving_names(model)
+    adapters = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n in moving)
+    assert 0 < adapters < engine.last_sync_bytes / 4
+    kwargs = dict(group_size=2, max_new_tokens=4, seed=[7])
+    for step in (1, 2):
+        del llm.calls[:]
+        cuda.emptied = 0
+        engine.generate(["1 + 1 ="], **kwargs)  # the step's rollout
+        engine.generate(["2 + 2 ="], **kwargs)  # its next round, or an evaluation
+        engine.sync_weights(model)  # after the update
+        # The KV cache stays asleep through a sync: the next rollout wakes it alone.
+        kv = ["wake_up(kv_cache) after 1 empty_cache"] if step == 2 else []
+        assert llm.calls == [
+            *kv,
+            f"generate(lora {step})",
+            "sleep(1)",
+            f"wake_up(kv_cache,weights) after {len(kv) + 1} empty_cache",  # no reload
+            f"generate(lora {step})",
+            "sleep(1)",
+            f"wake_up(weights) after {len(kv) + 2} empty_cache",
+            f"add_lora({step + 1})",
+            f"remove_lora({step})",
+            "reset_prefix_cache",
+        ], step
+        assert engine.last_sync_bytes == adapters
 
 
 def test_a_tensor_parallel_engine_on_shards_sleeps_in_host_memory(

@@ -6,6 +6,7 @@ are refused before any model loads."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -362,3 +363,71 @@ def test_a_failing_run_stops_its_source_without_waiting_on_the_generators():
     GeneratorRanks.close(SimpleNamespace(), failed=True)
     with pytest.raises(AttributeError):
         GeneratorRanks.close(SimpleNamespace())  # a run that ends well stops them first
+
+
+@pytest.mark.parametrize("signals", [1, 2], ids=["stopped-after-a-save", "step-aborted"])
+def test_a_stop_signal_closes_the_source_as_a_run_that_ends(
+    signals, tmp_path, tiny_model, tokenizer, monkeypatch
+):
+    """A first SIGTERM: the step ends, the checkpoint is saved on every rank, and the run stops
+    as cleanly as after its last step: the source is closed with failed=False (generator
+    ranks are sent the stop and drained; closed as failing, they waited for weights until
+    torchrun killed them), and so is the engine under torchrun. A second signal aborts the
+    step, nothing saved: a failure, closed as one."""
+    from helpers import setup_run
+
+    from dapo import dist
+    from dapo.run.interrupt import RunStopped
+    from dapo.training import loop
+    from dapo.training.sources import InTurn
+
+    closed = []
+
+    class Recorded(InTurn):
+        def close(self, *, failed: bool = False) -> None:
+            closed.append(("source", failed))
+
+    real_step = loop.train_step
+
+    def step(state, source):
+        if state.step == 1:
+            for _ in range(signals):
+                os.kill(os.getpid(), signal.SIGTERM)
+        return real_step(state, source)
+
+    monkeypatch.setattr(loop, "rollout_source", lambda state, **kw: Recorded())
+    monkeypatch.setattr(loop, "train_step", step)
+    monkeypatch.setattr(loop, "close_engine", lambda e, failed: closed.append(("engine", failed)))
+    monkeypatch.setattr(dist, "launched", lambda: True)
+    cfg, train, val, run_dir, _ = setup_run(tmp_path, tiny_model, "train.save_every=0")
+    with pytest.raises(RunStopped, match="stopped by SIGTERM" if signals == 1 else "twice"):
+        loop.fit(cfg, tiny_model, tokenizer, train, val, run_dir=run_dir, stream=io.StringIO())
+    assert closed == [("source", signals == 2), ("engine", signals == 2)]
+
+
+def test_a_stop_signal_to_the_trainer_stops_the_generator_rank(demo_cache, tmp_path):
+    """SIGTERM to the trainer after its first checkpoint: it finishes the step, saves, and
+    stops the generator, which ends without an error within seconds. Not stopped, the
+    generator waited for weights until the trainer's exit broke its connection (an error
+    on the generator rank) or torchrun killed it."""
+    args = ["dist.rollout_ranks=1", "train.async_staleness=1", "train.steps=40"]
+    args += ["run.name=stopped", f"embedded.cache_dir={demo_cache}"]
+    proc = dapo_train(2, *TORCHRUN_DEMO, *args, out_dir=tmp_path, wait=False)
+    latest = tmp_path / "stopped" / "checkpoints" / "latest"
+    deadline = time.monotonic() + 240
+    while not latest.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    assert latest.exists(), "no checkpoint within 4 minutes"
+    children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True)
+    ranks = {}
+    for pid in children.stdout.split():
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        ranks[next(v for v in env if v.startswith(b"RANK="))] = int(pid)
+    t0 = time.monotonic()
+    os.kill(ranks[b"RANK=0"], signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    seconds = time.monotonic() - t0
+    assert "stopped by SIGTERM after step" in err, err[-3000:]
+    assert "rank 1 of 2 failed" not in err, err[-3000:]  # the generator ended well
+    assert "forcefully exiting" not in err, err[-3000:]  # torchrun's SIGKILL after 30 s
+    assert seconds < 25, seconds

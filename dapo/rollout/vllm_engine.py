@@ -36,8 +36,9 @@ sets, is put back and checked. Between rollouts it sleeps at level 2 (weights an
 released, nothing copied to host memory: the weights are reloaded anyway, after every
 update, or from the trainer's module when it wakes without one) when its source is a whole
 module (one process, or a generator rank's copy under ``torchrun``), and at level 1 (the
-weights kept in host memory) when its source is FSDP-sharded. ``torch.cuda.empty_cache()``
-hands the trainer's cached blocks back before it wakes.
+weights kept in host memory) when its source is FSDP-sharded or has LoRA adapters (the
+frozen base then stays loaded, and each sync moves the adapters alone).
+``torch.cuda.empty_cache()`` hands the trainer's cached blocks back before it wakes.
 
 Under ``torchrun`` the weights come straight from the FSDP2 shards, one whole tensor at a time
 (:func:`dapo.dist.fsdp.whole_state`): the engine's copy is the only generation copy a rank
@@ -153,8 +154,9 @@ class VLLMEngine:
         self.tp_size = tensor_parallel_size
         # A sharded source is reloaded by gathers that every rank joins in step, which the
         # wake-up before each generate call (as many as a rank's share of prompts needs)
-        # cannot promise: its weights sleep in host memory instead of being dropped.
-        self.sleep_level = 1 if fsdp.is_sharded(model) else 2
+        # cannot promise; and with LoRA a dropped base would go to vLLM again at every sync,
+        # where the adapters alone move. Either way the weights sleep in host memory.
+        self.sleep_level = 1 if fsdp.is_sharded(model) or lora.enabled(model) else 2
         self._asleep: set[str] = set()
         self._source: torch.nn.Module = model
         """The module whose weights the engine holds (reloaded after a level-2 sleep)."""
@@ -275,9 +277,9 @@ class VLLMEngine:
         self.llm.wake_up(tags=sorted(wanted))
         self._asleep -= wanted
         if "weights" in wanted and self.sleep_level == 2:
-            self._base_loaded = False  # dropped by the sleep
-        if reload and "weights" in wanted and self.sleep_level == 2:
-            self._load(self._source)
+            self._base_loaded = False  # dropped (level 1 keeps base and adapter in host memory)
+            if reload:
+                self._load(self._source)
 
     @torch.inference_mode()
     def generate(
@@ -323,7 +325,8 @@ class VLLMEngine:
         outputs = self.llm.generate(requests, params, use_tqdm=False, **adapter)
         if self.sleeps:  # give the memory back to the trainer until the next rollout
             # Level 2: the weights are dropped, not copied to host memory (level 1): they are
-            # reloaded after the update anyway (level 1 for a sharded source: see __init__).
+            # reloaded after the update anyway (level 1 for a sharded source or LoRA's frozen
+            # base: see __init__).
             self.llm.sleep(level=self.sleep_level)
             self._asleep = {"weights", "kv_cache"}
         rows = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]

@@ -1,7 +1,8 @@
 """LoRA adapters on the ``vllm`` engine, through vLLM's LoRA support.
 
 The frozen base weights are loaded into vLLM once (:func:`base_weights`, the adapted layers'
-``base_layer`` weights under their base-model names); after each update only the adapters
+``base_layer`` weights under their base-model names; a sleeping engine keeps them in host
+memory, at sleep level 1, rather than dropping them); after each update only the adapters
 move (:class:`AdapterSlot`): written as a peft adapter directory (a few MB where the model is
 GBs) and added under a new adapter id, the previous one removed with its files, and every
 request names the current one. vLLM computes ``x W^T + (alpha / r) (x A^T) B^T`` as peft does;

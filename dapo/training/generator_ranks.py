@@ -18,6 +18,9 @@ run repeats itself and a resumed run continues exactly; at k = 0 the two roles t
 - **Checkpoints.** Before a save at step s the trainers take every step the generators can
   draw (through s + k) and save them with the generators' sampler position, as the
   generator thread does; a resumed run tells the generators where to go on.
+
+:func:`rollout_source` builds the run's source: these ranks, a generator thread
+(:mod:`dapo.training.generator_thread`) or drawing in turn (``InTurn``); the loop calls it.
 """
 
 from __future__ import annotations
@@ -36,17 +39,38 @@ from dapo.data.problems import Problem, PromptSampler
 from dapo.dist import roles, weight_sync
 from dapo.models import lora
 from dapo.models.policy import DTYPES, compute_device, stop_token_ids
+from dapo.reward.pool import RewardPool
 from dapo.rollout import make_engine
 from dapo.rollout.base import close_engine
 from dapo.training.copies import frozen_dtype
 from dapo.training.exchange import LocalGroups, MiniBatch
+from dapo.training.generator_thread import GeneratorThread
 from dapo.training.rollout_files import decode, encode, rollouts_to_files
 from dapo.training.rounds import Drawer, draw_step
 from dapo.training.sampling import SamplingResult
-from dapo.training.sources import StepRollouts, drawn_ahead_metrics
+from dapo.training.sources import InTurn, RolloutSource, StepRollouts, drawn_ahead_metrics
 from dapo.training.state import TrainState, drawer_for, engine_options, engine_stops, reward_pool
 
 # ----------------------------------------------------------------------------- the trainers
+
+
+def rollout_source(
+    state: TrainState,
+    *,
+    make_pool: Callable[[], RewardPool] | None,
+    threads: int,
+    restored: tuple[list[StepRollouts], tuple[int, int]] | None,
+) -> RolloutSource:
+    """The rollout source the config asks for, built once for the run: generator ranks
+    (``dist.rollout_ranks``), a generator thread of ``threads`` threads and a reward pool of
+    its own (``train.async_staleness``), or drawn in turn; ``restored``: the steps a resumed
+    checkpoint holds drawn ahead, and the kept fraction their drawer had."""
+    if roles.roles() is not None:  # dist.rollout_ranks: the generators are other ranks
+        return GeneratorRanks(state, restored=restored)
+    if not state.cfg.train.async_staleness:
+        return InTurn()
+    pool = make_pool() if make_pool else None
+    return GeneratorThread(state, pool=pool, threads=threads, restored=restored)
 
 
 class GeneratorRanks:

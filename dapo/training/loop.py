@@ -32,8 +32,7 @@ from dapo.run.metrics import MetricsLogger, NullLogger, open_wandb
 from dapo.run.progress import LiveProgress
 from dapo.run.seeding import derive_seed
 from dapo.run.threads import ThreadGovernor
-from dapo.training.generator_ranks import GeneratorRanks
-from dapo.training.generator_thread import GeneratorThread
+from dapo.training.generator_ranks import rollout_source
 from dapo.training.rollout_files import restore_ahead
 from dapo.training.sampling import DynamicSamplingExhausted
 from dapo.training.sources import InTurn, RolloutSource, StepRollouts
@@ -78,6 +77,9 @@ def fit(
         loop.warnings, loop.on_resume = list(warnings or []), on_resume
         summary, failed = loop.train(resume=resume), False
         return summary
+    except RunStopped:  # stopped after a save on every rank: the engine closes as at the end
+        failed = loop.failed
+        raise
     except (NonFiniteError, DynamicSamplingExhausted) as exc:
         nan = isinstance(exc, NonFiniteError)
         fix = "optim.lr=<lower>" if nan else "sampling.max_rounds=<more>"
@@ -88,25 +90,6 @@ def fit(
     finally:
         state.pool.close()
         close_engine(state.engine, failed=failed)
-
-
-def rollout_source(
-    state: TrainState,
-    *,
-    make_pool: Callable[[], RewardPool] | None,
-    threads: int,
-    restored: tuple[list[StepRollouts], tuple[int, int]] | None,
-) -> RolloutSource:
-    """The rollout source the config asks for, built once for the run: generator ranks
-    (``dist.rollout_ranks``), a generator thread of ``threads`` threads and a reward pool of
-    its own (``train.async_staleness``), or drawn in turn; ``restored``: the steps a resumed
-    checkpoint holds drawn ahead, and the kept fraction their drawer had."""
-    if roles.roles() is not None:  # dist.rollout_ranks: the generators are other ranks
-        return GeneratorRanks(state, restored=restored)
-    if not state.cfg.train.async_staleness:
-        return InTurn()
-    pool = make_pool() if make_pool else None
-    return GeneratorThread(state, pool=pool, threads=threads, restored=restored)
 
 
 class _Loop:
@@ -165,6 +148,7 @@ class _Loop:
             torch.set_num_threads(most)
         self.threads = ThreadGovernor(most) if cfg.run.threads == 0 else None
         self.base = state.base_model  # LoRA's frozen base, named in every checkpoint
+        self.failed = True  # until the steps end, or stop after a save: see train
 
     def train(self, *, resume: bool) -> dict[str, Any]:
         state, cfg = self.state, self.state.cfg
@@ -176,7 +160,7 @@ class _Loop:
         if self.live:
             self.progress = LiveProgress(total=cfg.train.steps, done=state.step, stream=self.stream)
             state.on_phase = self.progress.phase
-        stop, failed = GracefulStop(), True  # failed until the steps end: the source stops
+        stop = GracefulStop()
         try:
             with stop:
                 if not resume:
@@ -187,7 +171,13 @@ class _Loop:
                         f"(avg@{cfg.eval.num_samples} over {len(self.val_problems)} problems)"
                     )
                 self.steps(stop)
-            failed = False
+            self.failed = False
+        except RunStopped:
+            # Raised by steps() after the save, on every rank alike: as clean an end as the
+            # last step's, so the generator ranks are told to stop and their rollouts taken
+            # (closed as failing, they would wait for weights until torchrun killed them).
+            self.failed = False
+            raise
         except StepAborted:
             ckpt = checkpoint.read_pointer(self.run_dir)
             where = f"the last checkpoint is {ckpt.name}" if ckpt else "no checkpoint was written"
@@ -197,7 +187,7 @@ class _Loop:
                 stop.signum or 2,
             ) from None
         finally:
-            self.source.close(failed=failed)
+            self.source.close(failed=self.failed)
             self.logger.close()
             if self.progress is not None:
                 self.progress.close()

@@ -204,16 +204,33 @@ def restore_ahead(
         )
     path = ckpt / ROLLOUTS_FILE
     drawn = rollouts_from_files(ahead.get("rollouts") or [], load_rollouts(ckpt), path)
-    steps = [d.step for d in drawn]
-    stale = [d.step for d in drawn if not max(0, d.step - staleness) <= d.version <= d.step]
+    steps, versions = [d.step for d in drawn], [d.version for d in drawn]
+    unborn = [d.step for d in drawn if not 0 <= d.version <= d.step]
     prior = ahead.get("prior")
     good_prior = isinstance(prior, list) and len(prior) == 2
     good_prior = good_prior and all(type(v) is int and v >= 0 for v in prior)
-    if steps != list(range(step, step + len(drawn))) or stale or not good_prior:
+    if steps != list(range(step, step + len(drawn))) or unborn or not good_prior:
         raise CheckpointError(
             f"{path}: the rollouts drawn ahead are for steps {steps} (weights of steps "
-            f"{[d.version for d in drawn]}, kept fraction {prior!r}), where the run goes on at "
-            f"step {step} with train.async_staleness={staleness}: the checkpoint is damaged; "
-            "resume from an earlier one (delete this step's directory)"
+            f"{versions}, kept fraction {prior!r}), where the run goes on at step {step} with "
+            f"train.async_staleness={staleness}: the checkpoint is damaged; resume from an "
+            "earlier one (delete this step's directory)"
         )
+    if any(d.version < d.step - staleness for d in drawn):
+        raise _staler_than(drawn, path, staleness)
     return drawn, (prior[0], prior[1])
+
+
+def _staler_than(drawn: list[StepRollouts], path: Path, staleness: int) -> CheckpointError:
+    """Sound rollouts drawn further behind than ``staleness`` allows: the run was saved with a
+    larger ``train.async_staleness``, at least the one its rollouts show (a step trains
+    k updates behind, and the steps through step + k are saved)."""
+    saved = max(max(d.step - d.version for d in drawn), len(drawn) - 1)
+    return CheckpointError(
+        f"{path}: the rollouts drawn ahead for steps {[d.step for d in drawn]} come from the "
+        f"weights of steps {[d.version for d in drawn]}, drawn with train.async_staleness="
+        f"{saved} (or more), and this run resumes with train.async_staleness={staleness}: "
+        "those steps would train on staler rollouts than it allows. The checkpoint is sound; "
+        f"resume with train.async_staleness={saved} (every checkpoint of the run holds such "
+        "rollouts: a smaller staleness needs a new run)"
+    )
