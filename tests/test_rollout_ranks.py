@@ -428,6 +428,6 @@ def test_a_stop_signal_to_the_trainer_stops_the_generator_rank(demo_cache, tmp_p
     _, err = proc.communicate(timeout=120)
     seconds = time.monotonic() - t0
     assert "stopped by SIGTERM after step" in err, err[-3000:]
-    assert "rank 1 of 2 failed" not in err, err[-3000:]  # the generator ended well
+    assert "of 2 failed" not in err, err[-3000:]  # the generator ended well; no rank failed
     assert "forcefully exiting" not in err, err[-3000:]  # torchrun's SIGKILL after 30 s
     assert seconds < 25, seconds

@@ -150,6 +150,7 @@ def run_rank(
     still reach standard error, naming the rank)."""
     from dapo import dist
     from dapo.dist import roles
+    from dapo.run.interrupt import RunStopped
     from dapo.run.launcher import watch_launcher
 
     d = cfg.dist
@@ -166,8 +167,9 @@ def run_rank(
         if roles.generating():
             return generator_rank(cfg, reward_fn)
         return _train(cfg, resume_dir, overwrite, False, None, reward_fn)
-    except Exception:
-        if dist.job_size() > 1:
+    except Exception as exc:
+        # A stop signal after a save is no failure: the run says it stopped, and how to resume.
+        if dist.job_size() > 1 and not isinstance(exc, RunStopped):
             print(f"dapo: rank {dist.global_rank()} of {dist.job_size()} failed:", file=sys.stderr)
         raise
 

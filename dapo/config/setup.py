@@ -304,8 +304,9 @@ class VLLMConfig:
     """GPU: release the KV cache and the engine's weights while the trainer updates (vLLM's
     sleep mode), and take them back before the next rollout: level 2 (the weights dropped,
     reloaded from the trainer's module) for a whole model, level 1 (the weights kept in host
-    memory) when the policy is FSDP-sharded under torchrun. vLLM has no sleep mode on a CPU:
-    there this does nothing."""
+    memory) when the policy is FSDP-sharded under torchrun or has LoRA adapters (the frozen
+    base stays loaded, and each sync moves the adapters alone). vLLM has no sleep mode on a
+    CPU: there this does nothing."""
 
     def check(self) -> list[str]:
         errors = []
