@@ -12,9 +12,9 @@ import pytest
 from dapo import cli
 from dapo.ablate import PLANS, expand
 from dapo.ablate.plans import interaction_2x2
-from dapo.ablate.runs import job_limits, run_jobs, state
+from dapo.ablate.runs import job_config, job_limits, run_jobs, state
 from dapo.ablate.table import ablation_table, contrast, contrast_line, markdown, to_target
-from dapo.config import load_config
+from dapo.config import dump_yaml, load_config
 from dapo.eval.intervals import (
     bootstrap_ci,
     crossed_bootstrap_ci,
@@ -120,11 +120,19 @@ def test_a_run_is_done_for_the_budget_its_summary_records(tmp_path):
     assert state(run, {"steps": 8}) == state(run, job_limits(job)) == "resume"
 
 
+def save_config(run_dir, job, recipe=None) -> None:
+    """The config.yaml ``dapo train`` writes for ``job``'s run (on the YAML ``recipe``)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(dump_yaml(job_config(job, recipe)))
+
+
 def test_finished_runs_are_skipped_and_stopped_ones_resumed(tmp_path):
     jobs = expand("successors", seeds=1, budget="steps=2")
     done, stopped, finished_shorter = (tmp_path / j.name for j in jobs[:3])
-    for d in (done, finished_shorter):
-        d.mkdir()
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("train:\n  steps: 9\n")  # the budget's steps=2 overrides it
+    for d, job in zip((done, stopped, finished_shorter), jobs, strict=False):
+        save_config(d, job, recipe)
     (done / "summary.json").write_text(json.dumps({"steps": 2}))
     (finished_shorter / "summary.json").write_text(json.dumps({"steps": 1}))
     (stopped / "checkpoints").mkdir(parents=True)
@@ -135,8 +143,6 @@ def test_finished_runs_are_skipped_and_stopped_ones_resumed(tmp_path):
         launched.append(cmd)
         return 3 if "run.preset=cispo" in cmd else 0
 
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text("train:\n  steps: 9\n")  # the budget's steps=2 overrides it
     failed = run_jobs(jobs, tmp_path, parallel=1, cores=2, config=recipe, launcher=launcher)
     assert failed == [jobs[3].name]
     names = [next(a for a in c if a.startswith("run.name=")) for c in launched]
@@ -152,6 +158,8 @@ def test_a_recipe_edited_since_a_run_finished_runs_it_on(tmp_path):
     at 2 steps is done for a recipe of 2 and resumed when the recipe says 3."""
     job = expand("successors", seeds=1)[0]
     recipe, run = tmp_path / "recipe.yaml", tmp_path / "runs" / job.name
+    recipe.write_text("train:\n  steps: 2\n")
+    save_config(run, job, recipe)
     (run / "checkpoints").mkdir(parents=True)
     (run / "checkpoints" / "latest").write_text("step_000002\n")
     limits = {"steps": 2, "max_gen_tokens": 0, "max_seconds": 0.0}
@@ -354,7 +362,7 @@ def test_a_runs_seconds_are_its_steps_as_the_budget_and_the_target_count_them(tm
     lines[-1]["train/entropy"] = None  # a step that trained no token logs null
     lines[2]["sampling/tokens_per_kept_group"] = None  # a step that kept no group, as well
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
-    summary = {"val/accuracy_end": 0.5, "train_seconds": 100.0, "step_seconds": 40.0}
+    summary = {"steps": 4, "val/accuracy_end": 0.5, "train_seconds": 100.0, "step_seconds": 40.0}
     (tmp_path / "summary.json").write_text(json.dumps(summary))
     result = read_result(tmp_path)
     assert result["seconds"] == 40.0 and result["curve"][-1] == (4, 0.5, 400.0, 40.0)

@@ -295,8 +295,13 @@ def test_runs_named_alike_are_told_apart_and_never_seeds_of_each_other(tmp_path:
     assert [r.name for r in runs] == ["A/dapo", "B/dapo"]
     groups = configurations(runs)
     assert {name: len(members) for name, members in groups.items()} == {"A/dapo": 1, "B/dapo": 1}
-    # Seeds of one configuration in different directories stay its seeds.
+    # Runs of one name in two ablations' directories (perhaps of other settings, other seed
+    # counts) are two configurations, never one's seeds, and are labelled apart.
     seeds = [_write_run(a, "cfg-seed0", _config()), _write_run(b, "cfg-seed1", _config())]
+    seeds.append(_write_run(a, "cfg-seed1", _config()))
     runs = read_runs(seeds)
-    assert [r.name for r in runs] == ["cfg-seed0", "cfg-seed1"]
-    assert [len(members) for members in configurations(runs).values()] == [2]
+    groups = configurations(runs)
+    assert {name: [r.path for r in members] for name, members in groups.items()} == {
+        "A/cfg": [seeds[0], seeds[2]],
+        "B/cfg": [seeds[1]],
+    }

@@ -187,12 +187,15 @@ def parse_budget(budget: str | None) -> tuple[str, ...]:
 
 def expand(plan: str, *, seeds: int, budget: str | None = None, extra: tuple[str, ...] = ()):
     """Every (row, seed) of ``plan`` as a :class:`Job`: the row's overrides, then the budget,
-    then the seed (``train.seed``), then ``extra`` (the command's own overrides, last)."""
+    then the seed (``train.seed``), then ``extra`` (the command's own overrides, last; one
+    that would undo the plan is refused: :func:`check_extra`)."""
     if plan not in PLANS:
         raise ValueError(f"--plan {plan!r}: choose one of {', '.join(PLANS)}")
     if seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {seeds}")
     limit = parse_budget(budget)
+    rows = PLANS[plan]()
+    check_extra(plan, rows, budget, extra)
     return [
         Job(
             row,
@@ -200,6 +203,42 @@ def expand(plan: str, *, seeds: int, budget: str | None = None, extra: tuple[str
             f"{slug(row.name)}-seed{seed}",
             (*row.overrides, *limit, f"train.seed={seed}", *extra),
         )
-        for row in PLANS[plan]()
+        for row in rows
         for seed in range(seeds)
     ]
+
+
+def override_key(override: str) -> str:
+    """The config key an override sets, as ``load_config`` reads it: spaces around it
+    dropped, and a key renamed since dapo 0.1 at its new place."""
+    from dapo.config import MOVED_KEYS
+
+    key = override.partition("=")[0].strip()
+    return MOVED_KEYS.get(key, key)
+
+
+def check_extra(plan: str, rows: list[Row], budget: str | None, extra: tuple[str, ...]) -> None:
+    """Refuse an override of ``extra`` that the plan's jobs set themselves: coming last, it
+    would win over every row's own (rows alike, labelled apart), every seed (one run counted
+    as many, and p-values from it) or the budget (a length other than ``--budget``'s)."""
+    varied = {override_key(o) for row in rows for o in row.overrides}
+    for override in extra:
+        key = override_key(override)
+        if key == "train.seed":
+            why = "each run's seed is its own (train.seed 0 to N-1 under --seeds N); drop it"
+        elif key == "run.preset" or key in varied:
+            why = (
+                f"the plan's rows set {key} themselves, and an override for every run would "
+                "make them one configuration under different names; drop it (to train one "
+                "configuration alone, use dapo train)"
+            )
+        elif budget is not None and key in BUDGET_KEYS:
+            why = f"--budget {budget} sets how long every run goes on; drop it, or change --budget"
+        else:
+            continue
+        raise ValueError(f"dapo ablate --plan {plan}: the override {override!r}: {why}")
+
+
+BUDGET_KEYS = frozenset({"train.steps", "train.max_gen_tokens", "train.max_seconds"})
+"""The fields a ``--budget`` is made of (:func:`parse_budget`); with one given, an override
+of any of them would end the runs at another length than the budget's."""

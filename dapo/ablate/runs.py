@@ -19,39 +19,173 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from dapo.ablate.plans import Job
+from dapo.run.nofollow import open_binary
+
+if TYPE_CHECKING:
+    from dapo.config import Config
 
 LIMITS = {"steps": int, "max_gen_tokens": int, "max_seconds": float}
 """The ``train`` fields that say how long a run goes on, as summary.json records them."""
 
+REACHED = {"steps": "steps", "max_gen_tokens": "gen_tokens", "max_seconds": "step_seconds"}
+"""Per limit, the summary.json field that says how far a run went (0 as a limit: none)."""
 
-def state(run_dir: Path, limits: dict[str, float]) -> str:
-    """``done`` (summary.json, for these ``limits``), ``resume`` (a checkpoint: a stopped run,
-    or a finished one given a larger budget) or ``new``. A summary from before budgets were
-    recorded is read for its steps alone."""
-    summary = run_dir / "summary.json"
-    if summary.is_file():
-        done = json.loads(summary.read_text())
-        recorded = done.get("limits")
+
+def _remove_or_resume(run_dir: Path) -> str:
+    return (
+        f"remove {run_dir} (ablate then runs it again), or write it anew with "
+        f"dapo train --resume {run_dir}"
+    )
+
+
+def read_summary(run_dir: Path) -> dict[str, Any] | None:
+    """``summary.json`` of ``run_dir`` (None when absent), checked: an object whose
+    ``steps`` is a whole number, ``limits`` an object, and numbers numbers."""
+    path = run_dir / "summary.json"
+    if not path.is_file():
+        return None
+    try:
+        summary = json.loads(path.read_bytes().decode("utf-8"))
+    except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, too deep
+        raise ValueError(
+            f"{path} is not readable JSON ({str(exc)[:80]}): it is damaged, or was not written "
+            f"by dapo; {_remove_or_resume(run_dir)}"
+        ) from None
+    wrong = _summary_problem(summary)
+    if wrong:
+        raise ValueError(
+            f"{path}: {wrong}: it is damaged, or was not written by dapo; "
+            f"{_remove_or_resume(run_dir)}"
+        )
+    return summary
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _summary_problem(summary: Any) -> str:
+    """What is wrong with a summary.json's object ("" when nothing)."""
+    if not isinstance(summary, dict):
+        return f"not an object but {type(summary).__name__}"
+    steps = summary.get("steps")
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+        return f"steps is {str(steps)[:40]!r}, not a whole number >= 0"
+    limits = summary.get("limits", {})
+    if not isinstance(limits, dict) or not all(_is_number(v) for v in limits.values()):
+        return f"limits is {str(limits)[:80]!r}, not an object of numbers"
+    for key in ("val/accuracy_end", "gen_tokens", "step_seconds"):
+        if key in summary and not _is_number(summary[key]):
+            return f"{key} is {str(summary[key])[:40]!r}, not a number"
+    return ""
+
+
+def state(run_dir: Path, limits: dict[str, float], want: Config | None = None) -> str:
+    """``done`` (summary.json, for these ``limits``, its steps within them), ``resume`` (a
+    checkpoint: a stopped run, or a finished one given a larger budget) or ``new``. A summary
+    from before budgets were recorded is read for its steps alone.
+
+    Refused (ValueError): a run already past ``limits`` (it would not be the run of this
+    budget), and, given ``want`` (the job's config), a run of another configuration."""
+    summary = read_summary(run_dir)
+    resumable = (run_dir / "checkpoints" / "latest").is_file()
+    if want is not None and (summary is not None or resumable):
+        check_config(run_dir, want)
+    if summary is not None:
+        recorded, wanted = summary.get("limits"), limits
         if recorded is None:
-            recorded, limits = {"steps": done.get("steps")}, {"steps": limits.get("steps")}
-        if all(recorded.get(k) == v for k, v in limits.items()):
+            recorded, wanted = {"steps": summary["steps"]}, {"steps": limits.get("steps")}
+        if all(recorded.get(k) == v for k, v in wanted.items()):
+            _refuse_past(run_dir, {"steps": summary["steps"]}, limits)
             return "done"
-    if (run_dir / "checkpoints" / "latest").is_file():
+    if resumable:
+        _refuse_past(run_dir, reached(run_dir, summary), limits)
         return "resume"
     return "new"
+
+
+def reached(run_dir: Path, summary: dict[str, Any] | None) -> dict[str, float]:
+    """How far the run went, per limit: what its latest checkpoint (the one a resume goes on
+    from) counted, else what its summary says; a limit neither tells is left out."""
+    from dapo.run import checkpoint
+
+    try:
+        ckpt = checkpoint.find_latest(run_dir)
+        trainer = checkpoint.read_trainer_state(ckpt, digests=False) if ckpt else None
+    except checkpoint.CheckpointError:
+        trainer = None  # the resumed run names what is wrong with it
+    if trainer is not None:
+        spent = trainer.get("spent", {})
+        counted = {"steps": trainer["step"], **spent}
+    else:
+        counted = summary or {}
+    return {k: counted[field] for k, field in REACHED.items() if field in counted}
+
+
+def _refuse_past(run_dir: Path, went: dict[str, float], limits: dict[str, float]) -> None:
+    """A run that went past a limit: resumed or counted as done, it would stand in the table
+    for a budget it exceeded (a resume at or past its limit ends at once, at its own length)."""
+    over = [
+        f"{key} {went[key]:g} > {limit:g}"
+        for key, limit in limits.items()
+        if limit and key in went and went[key] > limit
+    ]
+    if over:
+        raise ValueError(
+            f"{run_dir} has already gone past this budget ({', '.join(over)}): it is not a "
+            "run of this budget, and a run is never cut back. Give another --out for this "
+            f"budget, or remove {run_dir} to run it again"
+        )
+
+
+def check_config(run_dir: Path, want: Config) -> None:
+    """Refuse a run whose config.yaml differs from ``want`` in a field that changes the run
+    (the check of ``dapo train --resume``): it is another configuration's run."""
+    from dapo.config import load_config, run_changing_differences
+
+    try:
+        saved = load_config(run_dir / "config.yaml")
+    except ValueError as exc:
+        raise ValueError(
+            f"{run_dir}: its config.yaml is unreadable ({exc}); remove {run_dir} to run it again"
+        ) from None
+    differences = run_changing_differences(saved, want)
+    if differences:
+        listing = "\n  ".join(differences)
+        raise ValueError(
+            f"{run_dir} was run with another configuration than this job's (saved -> "
+            f"wanted):\n  {listing}\nit is not this job's run. Give another --out for this "
+            f"ablation, or remove {run_dir} to run it again"
+        )
+
+
+def job_config(job: Job, config: Path | None = None) -> Config:
+    """The configuration of ``job``: the YAML ``config`` (or the default) under its
+    overrides."""
+    from dapo.config import load_config
+
+    return load_config(config, list(job.overrides))
+
+
+def limits_of(cfg: Config) -> dict[str, float]:
+    """``train.steps``, ``train.max_gen_tokens`` and ``train.max_seconds`` of ``cfg``."""
+    return {name: kind(getattr(cfg.train, name)) for name, kind in LIMITS.items()}
 
 
 def job_limits(job: Job, config: Path | None = None) -> dict[str, float]:
     """How long ``job`` goes on: ``train.steps``, ``train.max_gen_tokens`` and
     ``train.max_seconds`` of its configuration (the YAML ``config``, or the default, under
     the job's overrides), so that a recipe edited since a run finished counts too."""
-    from dapo.config import load_config
+    return limits_of(job_config(job, config))
 
-    train = load_config(config, list(job.overrides)).train
-    return {name: kind(getattr(train, name)) for name, kind in LIMITS.items()}
+
+def job_state(job: Job, out_dir: Path, config: Path | None = None) -> str:
+    """:func:`state` of ``job``'s run under ``out_dir``, its config checked."""
+    cfg = job_config(job, config)
+    return state(out_dir / job.name, limits_of(cfg), cfg)
 
 
 def command(
@@ -93,7 +227,7 @@ def visible_gpus() -> list[str]:
 def launch(cmd: list[str], log: Path, extra_env: dict[str, str] | None = None) -> int:
     """Run ``cmd`` with its output in ``log`` (and ``extra_env`` set); its exit code."""
     env = {**run_environment(dict(os.environ)), **(extra_env or {})}
-    with open(log, "w") as out:
+    with open_binary(log) as out:  # a link in the log's place is refused, not written through
         return subprocess.run(
             cmd, stdout=out, stderr=subprocess.STDOUT, check=False, env=env
         ).returncode
@@ -125,7 +259,7 @@ def run_jobs(
         )
         parallel = len(gpus)
     threads = max(1, (cores or os.cpu_count() or 1) // max(parallel, 1))
-    todo = [(j, state(out_dir / j.name, job_limits(j, config))) for j in jobs]
+    todo = [(j, job_state(j, out_dir, config)) for j in jobs]
     todo = [(j, how) for j, how in todo if how != "done"]
     print(
         f"ablate: {len(jobs)} runs, {len(jobs) - len(todo)} done already, {len(todo)} to run "

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from dapo.ablate.plans import Row
+from dapo.ablate.runs import read_summary
 from dapo.eval.intervals import (
     Interval,
     bootstrap_ci,
@@ -33,8 +34,17 @@ COLUMNS = ("accuracy", "gen_tokens", "seconds", "tokens_per_kept_group", "entrop
 
 
 def _number(value: Any) -> float:
-    """A metric as logged: null (a NaN: nothing trained that step) or absent is NaN."""
-    return math.nan if value is None else float(value)
+    """A metric as logged: null (a NaN: nothing trained that step) or absent is NaN, and so
+    is anything else that is not a number."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return math.nan
+    return float(value)
+
+
+def _count(value: Any) -> float:
+    """A step's share of a sum: absent (a line that is not a step's) or not a number is 0."""
+    number = _number(value)
+    return number if math.isfinite(number) else 0.0
 
 
 def read_result(run_dir: Path) -> dict:
@@ -42,37 +52,102 @@ def read_result(run_dir: Path) -> dict:
     training steps in all, dynamic sampling's generated tokens per kept group (mean over steps), the
     last step's entropy and truncated fraction; ``problems`` (uid -> accuracy at the end, when
     the run wrote ``val_problems.json``) and ``curve``: (step, held-out accuracy, generated
-    tokens and training seconds up to that step) at every evaluation."""
-    summary = json.loads((run_dir / "summary.json").read_text())
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    tokens and training seconds up to that step) at every evaluation.
+
+    Only the steps summary.json counts are read (a later, stopped extension of the run logged
+    more), each once (its last line). A file that is not what dapo writes is a ValueError
+    naming it."""
+    summary = read_summary(run_dir)
+    if summary is None or "val/accuracy_end" not in summary:
+        raise ValueError(
+            f"{run_dir / 'summary.json'}: no held-out accuracy at the end (val/accuracy_end): "
+            f"the run did not finish; remove {run_dir}, or finish it with dapo train --resume "
+            f"{run_dir}"
+        )
+    lines = metrics_lines(run_dir, summary["steps"])
     steps = [m for m in lines if "sampling/tokens_generated" in m]
     last = steps[-1] if steps else {}
     # The steps that kept a group (a step that kept none logs null).
-    kept = [_number(m["sampling/tokens_per_kept_group"]) for m in steps]
+    kept = [_number(m.get("sampling/tokens_per_kept_group")) for m in steps]
     kept = [k for k in kept if math.isfinite(k)]
     curve, tokens, seconds = [], 0.0, 0.0
     for m in lines:
-        tokens += m.get("sampling/tokens_generated", 0.0)
-        seconds += m.get("perf/step_s", 0.0)
+        tokens += _count(m.get("sampling/tokens_generated"))
+        seconds += _count(m.get("perf/step_s"))
         if "val/accuracy" in m:
-            curve.append((m["step"], m["val/accuracy"], tokens, seconds))
+            curve.append((m["step"], _number(m["val/accuracy"]), tokens, seconds))
     result = {
         "accuracy": summary["val/accuracy_end"],
-        "gen_tokens": tokens,
+        # What the trainer counted against a tokens=N budget (its lines' sum if not written).
+        "gen_tokens": summary.get("gen_tokens", tokens),
         # The seconds of its steps, as a seconds=S budget and the cost to a target count them
         # (the run's wall time, train_seconds, adds evaluations, checkpoints and the export).
         "seconds": summary.get("step_seconds", seconds),
         "tokens_per_kept_group": sum(kept) / len(kept) if kept else math.nan,
         "entropy": _number(last.get("train/entropy")),
-        "truncated": last.get("rollout/truncated_frac", math.nan),
+        "truncated": _number(last.get("rollout/truncated_frac")),
         "curve": curve,
     }
-    per_problem = run_dir / "val_problems.json"
-    if per_problem.is_file():
-        doc = json.loads(per_problem.read_text())
-        if doc.get("step") == summary["steps"]:
-            result["problems"] = dict(zip(doc["uid"], doc["accuracy"], strict=True))
+    problems = _read_problems(run_dir, summary["steps"])
+    if problems is not None:
+        result["problems"] = problems
     return result
+
+
+def metrics_lines(run_dir: Path, last_step: int) -> list[dict]:
+    """``metrics.jsonl``'s lines of steps 0 to ``last_step``, the last line of each step, in
+    step order. A half-written last line (a run killed mid-write) is skipped; any other line
+    that is not an object with a whole-number step is a ValueError naming the file."""
+    path = run_dir / "metrics.jsonl"
+    fix = f"remove {run_dir} (ablate then runs it again)"
+    try:
+        text = path.read_bytes().decode("utf-8", errors="replace")
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot be read ({exc.strerror}); {fix}") from None
+    by_step: dict[int, dict] = {}
+    raw = text.split("\n")
+    for number, line in enumerate(raw, 1):
+        if not line.strip():
+            continue
+        try:
+            m = json.loads(line)
+        except (ValueError, RecursionError):
+            if number == len(raw):  # no newline after it: cut off mid-write
+                continue
+            raise ValueError(f"{path}, line {number}: not JSON; {fix}") from None
+        step = m.get("step") if isinstance(m, dict) else None
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise ValueError(f"{path}, line {number}: not a metrics line with a step; {fix}")
+        if step <= last_step:
+            by_step[step] = m
+    return [by_step[step] for step in sorted(by_step)]
+
+
+def _read_problems(run_dir: Path, last_step: int) -> dict | None:
+    """``val_problems.json``'s uid -> accuracy, when it is of the run's last step."""
+    path = run_dir / "val_problems.json"
+    if not path.is_file():
+        return None
+    try:
+        doc = json.loads(path.read_bytes().decode("utf-8"))
+    except (ValueError, RecursionError):
+        doc = None
+    uids, accs = (doc.get("uid"), doc.get("accuracy")) if isinstance(doc, dict) else (0, 0)
+    if not (isinstance(uids, list) and isinstance(accs, list) and len(uids) == len(accs)):
+        raise ValueError(
+            f"{path} is not an object of equally long uid and accuracy lists: it is damaged; "
+            f"remove it (the table's intervals are then over seeds alone), or remove {run_dir}"
+        )
+    if doc.get("step") != last_step:
+        return None
+    if not all(math.isfinite(_number(a)) for a in accs) or not all(
+        isinstance(u, str | int) for u in uids
+    ):
+        raise ValueError(
+            f"{path}: a uid that is not text or an accuracy that is not a number; remove it "
+            f"(the table's intervals are then over seeds alone), or remove {run_dir}"
+        )
+    return dict(zip(uids, accs, strict=True))
 
 
 def _problem_matrices(*groups: Sequence[dict]) -> list[np.ndarray] | None:

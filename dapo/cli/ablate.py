@@ -56,7 +56,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def cmd_ablate(args: argparse.Namespace) -> int:
     from dapo.ablate import PLANS, expand
     from dapo.ablate.plans import CONTRASTS
-    from dapo.ablate.runs import job_limits, run_jobs, state
+    from dapo.ablate.runs import job_state, run_jobs
     from dapo.ablate.table import (
         ablation_table,
         as_json,
@@ -66,6 +66,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
         read_result,
     )
     from dapo.config import load_config
+    from dapo.run.nofollow import write_atomic
 
     if args.parallel < 1:
         raise ValueError(f"--parallel must be >= 1, got {args.parallel}")
@@ -76,7 +77,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
         load_config(args.config, list(job.overrides))
     out = args.out or Path("runs") / f"ablate-{args.plan}"
     failed = run_jobs(jobs, out, parallel=args.parallel, config=args.config)
-    done = [j for j in jobs if state(out / j.name, job_limits(j, args.config)) == "done"]
+    done = [j for j in jobs if job_state(j, out, args.config) == "done"]
     results: dict = {}
     for job in done:
         results.setdefault(job.row.name, {})[job.seed] = read_result(out / job.name)
@@ -87,9 +88,10 @@ def cmd_ablate(args: argparse.Namespace) -> int:
         found = contrast(results, weights)
         if found is not None:
             text += "\n" + contrast_line(name, weights, found)
-            (out / f"{name}.json").write_text(as_json([found]))
-    (out / "table.md").write_text(text)
-    (out / "table.json").write_text(as_json(table))
+            write_atomic(out / f"{name}.json", as_json([found]))
+    # Never through a link: the ablation's directory may be a copy from elsewhere.
+    write_atomic(out / "table.md", text)
+    write_atomic(out / "table.json", as_json(table))
     if done:
         from dapo.report import make_report
 

@@ -1,8 +1,9 @@
 """The mechanisms figure: what the paper's techniques act on, per configuration over its seeds.
 
-Runs named ``<configuration>-seed<N>`` (as ``dapo ablate`` names them) are one configuration;
-each panel draws, per configuration, the mean over its seeds at every step that two or more
-seeds logged (one seed: its own line) and a band from the lowest to the highest seed:
+Runs named ``<configuration>-seed<N>`` in one directory (as ``dapo ablate`` lays them out) are
+one configuration; each panel draws, per configuration, the mean over its seeds at every step
+that two or more seeds logged (one seed: its own line) and a band from the lowest to the
+highest seed:
 
 - entropy: the paper finds it collapses under a symmetric clip, not under Clip-Higher
   (DAPO §3.1);
@@ -37,13 +38,29 @@ _SEED = re.compile(r"-seed\d+$")
 
 
 def configurations(runs: Sequence[Run]) -> dict[str, list[Run]]:
-    """Runs grouped by their name without a ``-seed<N>`` suffix, in first-seen order. Names
-    are :func:`~dapo.report.runs.read_runs`': runs whose directories share a name are named
-    by their parents too, so two different runs of one name are never one's seeds."""
-    groups: dict[str, list[Run]] = {}
+    """Runs grouped by configuration, in first-seen order: by the directory that holds them
+    and their own directory's name without a ``-seed<N>`` suffix (``dapo ablate`` writes
+    ``OUT/<configuration>-seed<N>``). Runs of one name under two directories (two ablations,
+    perhaps of other settings) are two configurations, labelled apart by as many of their
+    directories' trailing components as tell them apart (``A/x``, ``B/x``)."""
+    groups: dict[tuple[Path, str], list[Run]] = {}
     for run in runs:
-        groups.setdefault(_SEED.sub("", run.name), []).append(run)
-    return groups
+        path = run.path.resolve()
+        groups.setdefault((path.parent, _SEED.sub("", path.name)), []).append(run)
+    return {
+        _label(parent, name, list(groups)): members for (parent, name), members in groups.items()
+    }
+
+
+def _label(parent: Path, name: str, groups: Sequence[tuple[Path, str]]) -> str:
+    """``name``, after the fewest trailing components of ``parent`` that no other group of
+    that name has."""
+    others = [other for other, same in groups if same == name and other != parent]
+    for depth in range(len(parent.parts) + 1):
+        tail = parent.parts[len(parent.parts) - depth :]
+        if all(other.parts[len(other.parts) - depth :] != tail for other in others):
+            return str(Path(*tail, name))
+    return str(parent / name)  # not reached: two groups of one name have two parents
 
 
 def across_seeds(runs: Sequence[Run], key: str) -> tuple[list[float], ...]:
