@@ -139,7 +139,9 @@ def _argument_rows(parser: argparse.ArgumentParser) -> list[str]:
             name = str(action.metavar or action.dest)
             name += " ..." if action.nargs in ("*", "+") else ""
         default = ""
-        if action.default not in (None, False, [], argparse.SUPPRESS) and action.nargs != 0:
+        # Identity, not `in (None, False, ...)`: 0 == False, and a default of 0 is one to show.
+        unset = action.default is None or action.default is False or action.default == []
+        if not unset and action.default is not argparse.SUPPRESS and action.nargs != 0:
             default = _value(action.default)
         what = action.help or ""
         if action.choices:

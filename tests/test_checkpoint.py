@@ -160,7 +160,7 @@ def test_a_stray_file_is_named_and_never_called_a_run_without_checkpoints(tmp_pa
     assert "remove a file added since" in why
     # --resume and export say so; neither advises --overwrite (it would delete every one).
     with pytest.raises(ValueError, match=r"is not whole: .*\.DS_Store") as err:
-        exporting.find_checkpoint(tmp_path, None)
+        exporting.find_checkpoint(tmp_path, None, print)
     assert "--overwrite" not in str(err.value)
     assert checkpoint.unreadable(tmp_path / "checkpoints") == ""  # no checkpoint written there
 

@@ -77,6 +77,35 @@ def test_a_humaneval_file_with_a_missing_field_is_refused_naming_the_line(tmp_pa
             code_rows.humaneval_rows(bad)
 
 
+def test_a_parquet_humaneval_converts_as_its_jsonl_does_and_checks_clean(tmp_path, capsys):
+    # The Hub's openai_humaneval is Parquet: it was found by its columns, then read as JSON.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    row = {
+        "task_id": "HumanEval/0",
+        "prompt": 'def add(a, b):\n    """Add."""\n',
+        "canonical_solution": "    return a + b\n",
+        "test": "def check(candidate):\n    assert candidate(1, 2) == 3\n",
+        "entry_point": "add",
+    }
+    jsonl, parquet = tmp_path / "he.jsonl", tmp_path / "he.parquet"
+    jsonl.write_text(json.dumps(row) + "\n")
+    pq.write_table(pa.Table.from_pylist([row]), parquet)
+    want = tmp_path / "from-jsonl.jsonl"
+    assert main(["data", "convert", str(jsonl), str(want)]) == 0
+    for flags in ([], ["--format", "humaneval"]):
+        got = tmp_path / f"from-parquet{len(flags)}.jsonl"
+        assert main(["data", "convert", str(parquet), str(got), *flags]) == 0
+        assert got.read_text() == want.read_text()
+        assert main(["data", "check", str(parquet), *flags]) == 0
+        report = capsys.readouterr().out
+        assert "format: humaneval" in report and "bad rows: 0" in report
+    pq.write_table(pa.Table.from_pylist([row, {**row, "test": ""}]), parquet)
+    with pytest.raises(DataError, match=r"he.parquet: row 1 lacks test as text"):
+        code_rows.humaneval_rows(parquet)
+
+
 def test_code_easy_is_deterministic_unique_and_split_without_overlap(tmp_path):
     train, val = tmp_path / "train.jsonl", tmp_path / "val.jsonl"
     assert main(["data", "make", "code-easy", str(train), "--count", "200", "--seed", "3"]) == 0

@@ -35,6 +35,16 @@ def test_generated_reference_pages_match_the_code():
     )
 
 
+def test_a_default_of_zero_is_shown_in_the_cli_reference():
+    # 0 == False: a membership test against (None, False, ...) left these cells blank.
+    cli = _generator().render_cli()
+    make = cli.split("## dapo data make", 1)[1].split("\n#", 1)[0]
+    assert "| `--seed SEED` | `0` |" in make and "| `--skip SKIP` | `0` |" in make
+    evaluate = cli.split("## dapo eval", 1)[1].split("\n#", 1)[0]
+    assert "| `--num-problems NUM_PROBLEMS` | `0` |" in evaluate
+    assert "| `--overwrite` |  |" in cli  # a flag's False default is still left blank
+
+
 def test_every_config_field_appears_in_the_docs():
     text = "\n".join(p.read_text(encoding="utf-8") for p in DOCS.rglob("*.md"))
     config = Config()

@@ -66,6 +66,16 @@ def test_eval_errors_name_the_fix(tmp_path, model_and_data, capsys):
     assert "not a saved model directory" in capsys.readouterr().err
 
 
+def test_a_lora_adapter_directory_is_named_with_the_export_that_makes_a_model(tmp_path, capsys):
+    adapter = tmp_path / "adapter"  # what `dapo export` writes of a LoRA run without --merge
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    assert main(["eval", str(adapter), "--data", str(tmp_path / "val.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert f"{adapter} is a LoRA adapter directory (adapter_config.json, no config.json)" in err
+    assert "`dapo export RUN --merge --out DIR`" in err
+
+
 def test_bad_flags_are_refused_before_anything_is_written(tmp_path, model_and_data, capsys):
     model_dir, data = model_and_data
     assert _eval(model_dir, data, tmp_path / "a", "--seed", "-1") == 2

@@ -126,6 +126,48 @@ def test_an_altered_checkpoint_is_named_and_nothing_written(one_process, tmp_pat
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".x")]
 
 
+def test_a_damaged_newest_checkpoint_is_passed_over_with_a_warning(one_process, tmp_path, capsys):
+    import shutil
+
+    run = tmp_path / "copy"
+    shutil.copytree(one_process, run)
+    added = run / "checkpoints" / "step_000002" / "model" / ".DS_Store"
+    added.write_bytes(b"x")  # a file browser's stray file: the checkpoint is not whole
+    assert main(["export", str(run), "--out", str(tmp_path / "x")]) == 0
+    err = capsys.readouterr().err
+    assert "dapo: warning: export: step_000002, the newest, was passed over: " in err
+    assert f"{added} is not in the manifest" in err and "exporting step_000001" in err
+    assert json.loads((tmp_path / "x" / export_mod.MARKER).read_text())["step"] == 1
+    assert main(["export", str(run), "--out", str(tmp_path / "y"), "--step", "1"]) == 0
+    assert "warning" not in capsys.readouterr().err  # the step asked for: nothing passed over
+
+
+def test_out_dot_from_inside_an_earlier_export_replaces_it(one_process, tmp_path, monkeypatch):
+    earlier = tmp_path / "earlier"
+    assert main(["export", str(one_process), "--out", str(earlier), "--step", "1"]) == 0
+    monkeypatch.chdir(earlier)  # `--out .` had an empty name to build its siblings' from
+    result = dapo.export(one_process, ".", overwrite=True, log=lambda m: None)
+    assert result.out_dir.resolve() == earlier.resolve() and result.step == 2
+    assert json.loads((earlier / export_mod.MARKER).read_text())["step"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["earlier"]  # no temporaries left
+
+
+def test_the_api_wrapper_and_the_guide_name_every_option_of_export():
+    import inspect
+
+    options = [
+        name
+        for name, p in inspect.signature(export_mod.export).parameters.items()
+        if p.kind is p.KEYWORD_ONLY
+    ]
+    assert {"step", "merge", "log"} <= set(options)
+    guide = (Path(__file__).parents[1] / "docs" / "guides" / "your-task.md").read_text()
+    assert "- `dapo.export(run_dir, out, *, " in guide
+    for name in options:
+        assert f"``{name}``" in dapo.export.__doc__, name
+        assert f"{name}=" in guide.split("- `dapo.export(", 1)[1].split("\n- ", 1)[0], name
+
+
 def test_a_two_rank_dcp_checkpoint_exports_in_one_process(tmp_path, monkeypatch, demo_cache):
     """torchrun writes DCP shards, each rank its half; one process gathers them into the
     weights the run itself gathered for model/ at its end, in one file or in several."""

@@ -177,11 +177,16 @@ def _check(req: EvalRequest, reward_fn: Callable[..., Any] | None) -> None:
     if req.model != "embedded":
         from dapo.models import hub
 
-        if not (hub.resolve(req.model, setting="MODEL") / "config.json").is_file():
-            raise ValueError(
-                f"{req.model} is not a saved model directory (no config.json), nor a Hub model "
-                "id in the cache"
-            )
+        found = hub.resolve(req.model, setting="MODEL")
+        if not (found / "config.json").is_file():
+            why = "not a saved model directory (no config.json), nor a Hub model id in the cache"
+            if (found / "adapter_config.json").is_file():  # what `dapo export` of LoRA writes
+                why = (
+                    "a LoRA adapter directory (adapter_config.json, no config.json), not a "
+                    "model: export the run merged, `dapo export RUN --merge --out DIR`, and "
+                    "evaluate DIR"
+                )
+            raise ValueError(f"{req.model} is {why}")
     if reward_fn is not None:
         req.reward_function = custom.spec_for(reward_fn, req.reward_function)
     if req.reward_function:

@@ -86,11 +86,10 @@ def export(
     becomes a peft adapter directory, or with ``merge`` a model of the base's shape with the
     adapters merged in."""
     started = time.perf_counter()
-    run_dir, out = Path(run_dir), Path(out)
+    run_dir, out = Path(run_dir), Path(os.path.abspath(out))  # "." named; a link kept, not followed
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
-    ckpt = find_checkpoint(run_dir, step)
-    tmp = _prepare(out, overwrite)
+    ckpt, tmp = find_checkpoint(run_dir, step, log), _prepare(out, overwrite)
     log(f"export: checking {ckpt} against its manifest (SHA-256 of every file)")
     trainer = checkpoint.read_trainer_state(ckpt, digests=True)
     sharded = (ckpt / "state").is_dir()
@@ -142,8 +141,8 @@ def _size(nbytes: int) -> str:
     return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.2f} MB"
 
 
-def find_checkpoint(run_dir: Path, step: int | None) -> Path:
-    """The checkpoint of ``step`` in ``run_dir``, or the latest complete one."""
+def find_checkpoint(run_dir: Path, step: int | None, log: Callable[[str], None]) -> Path:
+    """The checkpoint of ``step`` in ``run_dir``, or the latest whole one, logging any skipped."""
     root = run_dir / checkpoint.CKPT_DIR
     if not root.is_dir():
         raise ValueError(
@@ -155,6 +154,8 @@ def find_checkpoint(run_dir: Path, step: int | None) -> Path:
         if found is None:
             why = checkpoint.unreadable(run_dir) or "none was written"
             raise ValueError(f"{run_dir}: no complete checkpoint in {root}: {why}")
+        if skipped := checkpoint.passed_over(run_dir, found):  # an older step, unsaid, misleads
+            log(f"dapo: warning: export: {skipped}; exporting {found.name} (or --step N)")
         return found
     ckpt = root / checkpoint.step_dir_name(step)
     if not ckpt.is_dir():

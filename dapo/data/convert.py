@@ -92,7 +92,7 @@ def convert_file(
         return write_code_rows(code_rows.humaneval_rows(src), dst, to, "humaneval")
     table = read_table(src)
     if fmt == "auto" and code_rows.is_humaneval(table.columns):
-        return write_code_rows(code_rows.humaneval_rows(src), dst, to, "humaneval")
+        return write_code_rows(code_rows.humaneval_rows(src, table), dst, to, "humaneval")
     src_fmt, _ = resolve_format(table, fmt, question_key=question_key, answer_key=answer_key)
     to = to or ("flat" if src_fmt == "dapo" else "dapo")
     rows = list(

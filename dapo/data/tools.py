@@ -17,6 +17,7 @@ from dapo.data.convert import ConvertResult, convert_file, make_file, write_code
 from dapo.data.files import (
     DEFAULT_DATA_SOURCE,
     INTEGER_RE,
+    Table,
     load_table,
     read_table,
 )
@@ -85,7 +86,7 @@ def check_file(
     humaneval = fmt == "humaneval" or (fmt == "auto" and str(path).endswith(".gz"))
     table = None if humaneval else read_table(path)
     if humaneval or (fmt == "auto" and code_rows.is_humaneval(table.columns)):
-        return _check_humaneval(Path(path), tokenizer)
+        return _check_humaneval(Path(path), table, tokenizer)
     data = load_table(
         table,
         fmt=fmt,
@@ -133,11 +134,14 @@ def check_file(
     return stats
 
 
-def _check_humaneval(path: Path, tokenizer: str | os.PathLike[str] | None) -> CheckStats:
-    """:func:`check_file` of the code rows ``dapo data convert`` makes of HumanEval ``path``."""
+def _check_humaneval(
+    path: Path, table: Table | None, tokenizer: str | os.PathLike[str] | None
+) -> CheckStats:
+    """:func:`check_file` of the code rows ``dapo data convert`` makes of HumanEval ``path``
+    (``table``: its records, when already read)."""
     with tempfile.TemporaryDirectory() as tmp:
         rows = Path(tmp) / "code-rows.jsonl"
-        write_code_rows(code_rows.humaneval_rows(path), rows, "dapo", "humaneval")
+        write_code_rows(code_rows.humaneval_rows(path, table), rows, "dapo", "humaneval")
         stats = check_file(rows, tokenizer=tokenizer)
     return dataclasses.replace(stats, path=path, fmt="humaneval")
 
