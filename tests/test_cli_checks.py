@@ -99,6 +99,15 @@ def test_missing_model_directory_is_refused_before_loading(tmp_path, capsys):
     assert "is not a Hugging Face model directory (no config.json)" in _error(capsys)
 
 
+def test_a_lora_adapter_directory_as_model_path_names_the_merged_export(tmp_path, capsys):
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    assert _train(tmp_path, f"model.path={adapter}") == 2
+    assert "is a LoRA adapter directory" in (err := _error(capsys))
+    assert "dapo export RUN --merge --out DIR" in err
+
+
 def test_the_vllm_engine_without_vllm_is_refused_before_loading(tmp_path, capsys, monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(

@@ -152,6 +152,39 @@ def test_out_dot_from_inside_an_earlier_export_replaces_it(one_process, tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["earlier"]  # no temporaries left
 
 
+def test_the_tokenizers_named_chat_templates_are_exported(one_process, tmp_path):
+    """``save_pretrained`` writes a tokenizer's named chat templates (tool_use, ...) into
+    ``additional_chat_templates/``: the export carries them, lists them in its marker, and
+    replaces such an export with --overwrite unless something else sits in that directory."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from dapo.run import checkpoint, manifest
+
+    run = tmp_path / "run"
+    shutil.copytree(one_process, run)
+    (run / ".dapo-lock").unlink(missing_ok=True)
+    ckpt = run / "checkpoints" / "step_000002"
+    (ckpt / "model" / "additional_chat_templates").mkdir()
+    (ckpt / "model" / "additional_chat_templates" / "tool_use.jinja").write_text("TOOLS {{ 1 }}")
+    (ckpt / manifest.MANIFEST).unlink()  # the run as a tokenizer with two templates saves it
+    manifest.write(ckpt, checkpoint.FORMAT_VERSION, 2, None)
+    out = tmp_path / "hf"
+    dapo.export(run, out, log=lambda m: None)
+    templates = AutoTokenizer.from_pretrained(out).chat_template
+    assert isinstance(templates, dict) and templates["tool_use"] == "TOOLS {{ 1 }}"
+    listed = json.loads((out / export_mod.MARKER).read_text())["files"]
+    assert "additional_chat_templates/tool_use.jinja" in listed
+    dapo.export(run, out, step=1, overwrite=True, log=lambda m: None)  # its own: replaced
+    assert json.loads((out / export_mod.MARKER).read_text())["step"] == 1
+    dapo.export(run, out, overwrite=True, log=lambda m: None)
+    (out / "additional_chat_templates" / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="did not write: additional_chat_templates"):
+        dapo.export(run, out, step=1, overwrite=True, log=lambda m: None)
+    assert (out / "additional_chat_templates" / "notes.txt").read_text() == "mine"
+
+
 def test_the_api_wrapper_and_the_guide_name_every_option_of_export():
     import inspect
 

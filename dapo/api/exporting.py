@@ -34,26 +34,16 @@ from safetensors.torch import save_file
 
 from dapo import __version__
 from dapo.api import adapters
+from dapo.api.export_dir import MARKER, TEMPLATES_DIR, prepare, publish, written_files
 from dapo.dist import dcp
 from dapo.models.policy import DTYPES, generation_stop_ids, tokenizer_from_dir
 from dapo.run import checkpoint, manifest
 from dapo.run.checkpoint import CheckpointError
 from dapo.run.model_files import read_tensors, unreadable_file
-from dapo.run.nofollow import fsync_dir, no_link
 
-MARKER = "dapo-export.json"
-"""What an export holds besides the model: where it came from; ``--overwrite`` replaces only
-a directory that has one."""
 SHARD_BYTES = 5 * 2**30
 """Weights per safetensors file of an export of DCP shards (``save_pretrained``'s 5 GB)."""
 WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json")
-EXPORT_FILES = {
-    MARKER, "config.json", "generation_config.json", "model.safetensors.index.json",
-    "adapter_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-    "added_tokens.json", "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt",
-    "tokenizer.model",
-}  # fmt: skip
-"""The files besides its weights that an export whose marker lists none may hold."""
 
 
 @dataclass(frozen=True)
@@ -89,7 +79,7 @@ def export(
     run_dir, out = Path(run_dir), Path(os.path.abspath(out))  # "." named; a link kept, not followed
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
-    ckpt, tmp = find_checkpoint(run_dir, step, log), _prepare(out, overwrite)
+    ckpt, tmp = find_checkpoint(run_dir, step, log), prepare(out, overwrite)
     log(f"export: checking {ckpt} against its manifest (SHA-256 of every file)")
     trainer = checkpoint.read_trainer_state(ckpt, digests=True)
     sharded = (ckpt / "state").is_dir()
@@ -125,11 +115,11 @@ def export(
             "dtype": dtype or "as stored",
             "stop_token_ids": list(stops),
             "dapo_version": __version__,
-            "files": sorted([f.name for f in tmp.iterdir()] + [MARKER]),
+            "files": written_files(tmp),
         }
         (tmp / MARKER).write_text(json.dumps(provenance, indent=1) + "\n")
         checkpoint.fsync_tree(tmp)
-        _publish(tmp, out)
+        publish(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     seconds = time.perf_counter() - started
@@ -165,65 +155,6 @@ def find_checkpoint(run_dir: Path, step: int | None, log: Callable[[str], None])
             f"(train.keep_checkpoints keeps the newest)"
         )
     return ckpt
-
-
-def _prepare(out: Path, overwrite: bool) -> Path:
-    """The temporary directory the export is written into, beside ``out``; ``out`` checked
-    to be absent, or (``overwrite``) a directory ``dapo export`` wrote."""
-    no_link(out)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"--out {out} exists; choose another or pass --overwrite")
-    if out.exists():
-        _check_replaceable(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = no_link(out.with_name(f".{out.name}.tmp-{os.getpid()}"))
-    shutil.rmtree(tmp, ignore_errors=True)
-    return tmp
-
-
-def _check_replaceable(out: Path) -> None:
-    """``out`` refused unless it holds only what ``dapo export`` wrote there: the files its
-    ``dapo-export.json`` lists, or (an export from before that list) only the files an export
-    writes, no directory."""
-    keep = "it is left as it is: remove it yourself or choose another --out"
-    marker = out / MARKER
-    if not marker.is_file() or marker.is_symlink():
-        raise FileExistsError(
-            f"--out {out} exists and was not written by dapo export (no {MARKER}); {keep}"
-        )
-    try:
-        listed = json.loads(marker.read_text()).get("files")
-    except (OSError, ValueError, AttributeError) as exc:
-        raise FileExistsError(f"--out {out}: {marker} is unreadable ({exc}); {keep}") from None
-    mine = set(map(str, listed)) if isinstance(listed, list) else None
-    foreign = sorted(
-        e.name
-        for e in out.iterdir()
-        if e.is_symlink()
-        or not e.is_file()
-        or not (_exported(e.name) if mine is None else e.name in mine)
-    )
-    if foreign:
-        raise FileExistsError(
-            f"--out {out} holds what dapo export did not write: {', '.join(foreign[:10])}; "
-            f"--overwrite replaces only an export's own files: {keep}"
-        )
-
-
-def _exported(name: str) -> bool:
-    """Whether an export from before ``dapo-export.json`` listed its files writes ``name``."""
-    weights = name.endswith(".safetensors") and name.startswith(("model", "adapter_model"))
-    return weights or name in EXPORT_FILES
-
-
-def _publish(tmp: Path, out: Path) -> None:
-    """``tmp`` renamed to ``out``; an earlier export there replaced whole."""
-    old = out.with_name(f".{out.name}.old-{os.getpid()}")
-    if out.exists():
-        os.rename(out, no_link(old))
-    os.rename(tmp, out)
-    fsync_dir(out.parent)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def _copy_weights(src: Path, tmp: Path, dtype: str | None, log) -> tuple[int, int]:
@@ -379,6 +310,12 @@ def _write_configs(
     for f in sorted(src.iterdir()):
         if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES):
             shutil.copyfile(f, tmp / f.name)
+    templates = src / TEMPLATES_DIR  # the tokenizer's named chat templates (tool_use, ...)
+    if templates.is_dir() and not templates.is_symlink():
+        (tmp / TEMPLATES_DIR).mkdir()
+        for f in sorted(templates.glob("*.jinja")):
+            if f.is_file() and not f.is_symlink():
+                shutil.copyfile(f, tmp / TEMPLATES_DIR / f.name)
     config = _read_config(src / "config.json", tmp / "config.json")
     if dtype is not None:
         for key in ("dtype", "torch_dtype"):

@@ -85,6 +85,12 @@ def check_model_path(cfg: Config) -> Path:
     if not (path / "config.json").is_file():
         from_hub = str(path) != cfg.model.path
         hint = f" (the Hub model {cfg.model.path}'s snapshot)" if from_hub else ""
+        if (path / "adapter_config.json").is_file():  # what `dapo export` of LoRA writes
+            raise ValueError(
+                f"model.path={path} is a LoRA adapter directory (adapter_config.json, no "
+                "config.json), not a model: export the run merged, `dapo export RUN --merge "
+                "--out DIR`, and give model.path=DIR"
+            )
         raise ValueError(
             f"model.path={path}{hint} is not a Hugging Face model directory (no config.json); "
             "give a directory written by save_pretrained, a Hub model id (Qwen/Qwen2.5-0.5B), "

@@ -1,0 +1,102 @@
+"""Where ``dapo export`` writes: a temporary directory beside ``--out``, renamed over it when
+whole; an earlier export there replaced only when it holds nothing but what dapo export
+wrote (its ``dapo-export.json`` lists every file), so that ``--overwrite`` deletes no
+user's files."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from dapo.run.nofollow import fsync_dir, no_link
+
+MARKER = "dapo-export.json"
+"""What an export holds besides the model: where it came from; ``--overwrite`` replaces only
+a directory that has one."""
+EXPORT_FILES = {
+    MARKER, "config.json", "generation_config.json", "model.safetensors.index.json",
+    "adapter_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "added_tokens.json", "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt",
+    "tokenizer.model",
+}  # fmt: skip
+"""The files besides its weights that an export whose marker lists none may hold."""
+
+TEMPLATES_DIR = "additional_chat_templates"
+"""The one directory an export holds: the tokenizer's named chat templates beside its default
+(``*.jinja``, as ``save_pretrained`` writes them)."""
+
+
+def prepare(out: Path, overwrite: bool) -> Path:
+    """The temporary directory the export is written into, beside ``out``; ``out`` checked
+    to be absent, or (``overwrite``) a directory ``dapo export`` wrote."""
+    no_link(out)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"--out {out} exists; choose another or pass --overwrite")
+    if out.exists():
+        check_replaceable(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = no_link(out.with_name(f".{out.name}.tmp-{os.getpid()}"))
+    shutil.rmtree(tmp, ignore_errors=True)
+    return tmp
+
+
+def check_replaceable(out: Path) -> None:
+    """``out`` refused unless it holds only what ``dapo export`` wrote there: the files its
+    ``dapo-export.json`` lists, or (an export from before that list) only the files an export
+    writes, no directory."""
+    keep = "it is left as it is: remove it yourself or choose another --out"
+    marker = out / MARKER
+    if not marker.is_file() or marker.is_symlink():
+        raise FileExistsError(
+            f"--out {out} exists and was not written by dapo export (no {MARKER}); {keep}"
+        )
+    try:
+        listed = json.loads(marker.read_text()).get("files")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise FileExistsError(f"--out {out}: {marker} is unreadable ({exc}); {keep}") from None
+    mine = set(map(str, listed)) if isinstance(listed, list) else None
+    foreign = sorted(e.name for e in out.iterdir() if not _written(e, mine))
+    if foreign:
+        raise FileExistsError(
+            f"--out {out} holds what dapo export did not write: {', '.join(foreign[:10])}; "
+            f"--overwrite replaces only an export's own files: {keep}"
+        )
+
+
+def _written(entry: Path, mine: set[str] | None) -> bool:
+    """Whether ``dapo export`` wrote ``entry`` (a file, or the templates' directory of files),
+    by its marker's list ``mine`` (None: an export from before the list, of files alone)."""
+    if entry.is_symlink():
+        return False
+    if entry.is_file():
+        return _exported(entry.name) if mine is None else entry.name in mine
+    if mine is None or entry.name != TEMPLATES_DIR or not entry.is_dir():
+        return False
+    return all(
+        f.is_file() and not f.is_symlink() and f"{TEMPLATES_DIR}/{f.name}" in mine
+        for f in entry.iterdir()
+    )
+
+
+def written_files(tmp: Path) -> list[str]:
+    """Every file of the export being written in ``tmp``, by its path there, and the marker."""
+    files = [str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file()]
+    return sorted([*files, MARKER])
+
+
+def _exported(name: str) -> bool:
+    """Whether an export from before ``dapo-export.json`` listed its files writes ``name``."""
+    weights = name.endswith(".safetensors") and name.startswith(("model", "adapter_model"))
+    return weights or name in EXPORT_FILES
+
+
+def publish(tmp: Path, out: Path) -> None:
+    """``tmp`` renamed to ``out``; an earlier export there replaced whole."""
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    if out.exists():
+        os.rename(out, no_link(old))
+    os.rename(tmp, out)
+    fsync_dir(out.parent)
+    shutil.rmtree(old, ignore_errors=True)
