@@ -89,6 +89,24 @@ def load_script(relative: str):
     return module
 
 
+def fake_checkpoint(run: Path) -> Path:
+    """A step-1 checkpoint of ``run`` that is whole and whose counters resume (no weights): for
+    the checks made before a model loads. The ``latest`` pointer names it."""
+    import json
+
+    from dapo.run import checkpoint, manifest, trainer_file
+
+    ckpt = run / "checkpoints" / "step_000001"
+    ckpt.mkdir(parents=True)
+    trainer = dict.fromkeys(trainer_file.RESUMED, 0)
+    trainer.update(step=1, format_version=checkpoint.FORMAT_VERSION, sampler={"epoch": 0, "pos": 0})
+    trainer.update(val_start={}, val_last={})
+    (ckpt / "trainer.json").write_text(json.dumps(trainer))
+    manifest.write(ckpt, checkpoint.FORMAT_VERSION, 1, None)
+    (run / "checkpoints" / "latest").write_text("step_000001\n")
+    return ckpt
+
+
 def spawn_ranks(fn, *args, nprocs: int = 2) -> None:
     """``fn(rank, port, *args)`` in ``nprocs`` spawned processes, ``port`` a free local port
     for their process group (``init_method=f"tcp://127.0.0.1:{port}"``); returns when all

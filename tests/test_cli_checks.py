@@ -7,6 +7,7 @@ import shutil
 from collections import namedtuple
 
 import pytest
+from helpers import fake_checkpoint
 
 from dapo import cli
 from dapo.extras import pip_install
@@ -122,10 +123,7 @@ def _a_run_with_a_checkpoint(tmp_path):
     with pytest.raises(ModelLoaded):
         _train(tmp_path)
     run = tmp_path / "r"
-    ckpt = run / "checkpoints" / "step_000001"
-    ckpt.mkdir(parents=True)
-    (ckpt / "manifest.json").write_text('{"format_version": 1, "step": 1, "files": {}}')
-    (run / "checkpoints" / "latest").write_text("step_000001\n")
+    fake_checkpoint(run)
     return run
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import save_model
+from helpers import fake_checkpoint, save_model
 from test_scale_out import TINY
 
 from dapo import cli
@@ -192,10 +192,7 @@ def test_flags_and_overrides_mix_in_any_order(tmp_path, no_training):
 
 def test_a_run_directory_in_use_is_refused_naming_the_process(tmp_path, capsys, no_training):
     run = _a_run(tmp_path)
-    ckpt = run / "checkpoints" / "step_000001"
-    ckpt.mkdir(parents=True)
-    (ckpt / "manifest.json").write_text('{"format_version": 1, "step": 1, "files": {}}')
-    (run / "checkpoints" / "latest").write_text("step_000001\n")
+    fake_checkpoint(run)
     with RunLock(run):
         assert cli.main(["train", "--resume", str(run)]) == 2
         err = _error(capsys)

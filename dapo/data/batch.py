@@ -225,12 +225,15 @@ def _moved(value: torch.Tensor | Packing | None, device: torch.device | str):
     return value.to(device) if isinstance(value, Packing) else to_device(value, device)
 
 
-def collate(episodes: Sequence[Episode], *, pad_id: int, packed: bool = False) -> Batch:
-    """Left-pad prompts and right-pad responses so that every response starts at column P;
-    ``packed``: with the :class:`Packing` that lays the rows end to end."""
+def collate(
+    episodes: Sequence[Episode], *, pad_id: int, packed: bool = False, min_width: int = 0
+) -> Batch:
+    """Left-pad prompts and right-pad responses so that every response starts at column P,
+    at least ``min_width`` columns of them; ``packed``: with the :class:`Packing` that lays
+    the rows end to end."""
     num = len(episodes)
     width_p = max(e.prompt_ids.numel() for e in episodes)
-    width_t = max(e.length for e in episodes)
+    width_t = max(min_width, *(e.length for e in episodes))
     prompt_ids = torch.full((num, width_p), pad_id, dtype=torch.long)
     prompt_mask = torch.zeros((num, width_p), dtype=torch.long)
     response_ids = torch.full((num, width_t), pad_id, dtype=torch.long)
@@ -249,6 +252,10 @@ def collate(episodes: Sequence[Episode], *, pad_id: int, packed: bool = False) -
     rows_NP, index_B = torch.unique(
         torch.cat([prompt_ids, prompt_mask], dim=1), dim=0, return_inverse=True
     )
+    packing = None
+    if packed:
+        sizes = [e.prompt_ids.numel() for e in episodes], [e.length for e in episodes]
+        packing = packing_of(index_B.tolist(), *sizes, width_p, width_t)
     return Batch(
         prompt_ids_BP=prompt_ids,
         prompt_mask_BP=prompt_mask,
@@ -263,15 +270,7 @@ def collate(episodes: Sequence[Episode], *, pad_id: int, packed: bool = False) -
         prompt_mask_NP=rows_NP[:, width_p:],
         prompt_index_B=index_B,
         loss_index_N=loss_mask.flatten().nonzero().squeeze(1),
-        packing=packing_of(
-            index_B.tolist(),
-            [e.prompt_ids.numel() for e in episodes],
-            [e.length for e in episodes],
-            width_p,
-            width_t,
-        )
-        if packed
-        else None,
+        packing=packing,
     )
 
 

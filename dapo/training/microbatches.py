@@ -61,10 +61,13 @@ def micro_batches(
     order = length_sorted(episodes, share)
     chunks = split_microbatches(episodes, order, max_tokens=max_tokens, packed=packed)
     passes = dist.all_reduce_max(len(chunks))
+    # Ranks make the same collective calls only if no micro-batch is 0 columns wide (rows
+    # whose responses are all empty skip the shared-prompt pass): one masked column then.
+    width = 1 if dist.world_size() > 1 and not packed else 0
     for n in range(passes):
         rows = chunks[n] if n < len(chunks) else []
         members = [episodes[i] for i in rows] or [idle_row(pad_id)]
-        batch = collate(members, pad_id=pad_id, packed=packed).to(device)
+        batch = collate(members, pad_id=pad_id, packed=packed, min_width=width).to(device)
         yield MicroBatch(rows, batch, last=n == passes - 1)
 
 
