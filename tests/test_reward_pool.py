@@ -402,6 +402,35 @@ def test_a_score_beyond_max_abs_is_a_fault_not_a_reward(workers):
         RewardPool(max_abs=0)
 
 
+def test_grading_in_process_keeps_only_its_own_threads_output(capsys):
+    """reward.workers=0 in a generator thread: what the main thread prints while a verifier
+    runs reaches the console (a process-wide redirect swallowed it into the verifier's
+    output), and the verifier's own print is still captured."""
+    import threading
+
+    from dapo.reward.worker import CappedText, captured
+
+    started, release = threading.Event(), threading.Event()
+
+    def grade():
+        print("verifier")
+        started.set()
+        release.wait(10)
+        return ("ok", 1.0, True, "1", None)
+
+    sink = CappedText()
+    thread = threading.Thread(target=captured, args=(sink, grade))
+    thread.start()
+    assert started.wait(10)
+    print("step 3: loss 0.25")  # the main thread, meanwhile
+    release.set()
+    thread.join(10)
+    assert sink.take()[0] == "verifier\n"
+    assert capsys.readouterr().out == "step 3: loss 0.25\n"
+    print("after")  # the streams are the originals again
+    assert capsys.readouterr().out == "after\n"
+
+
 @pytest.mark.parametrize("workers", [0, 1])
 def test_what_verifiers_print_is_capped_and_counted_never_written_out(workers, capfd):
     from dapo.reward.jobs import MAX_SHOWN_OUTPUT

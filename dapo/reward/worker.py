@@ -11,6 +11,8 @@ import io
 import math
 import os
 import signal
+import sys
+import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
@@ -55,10 +57,50 @@ class CappedText(io.TextIOBase):
         return text, dropped
 
 
+class _ByThread:
+    """A standard stream that sends what a grading thread writes to that thread's sink and
+    what any other thread writes to the stream it stands in for: grading in the trainer's
+    process (``reward.workers=0``, a generator thread's pool) must not swallow the lines the
+    main thread prints meanwhile, as a process-wide redirect did."""
+
+    def __init__(self, original: Any) -> None:
+        self._original = original
+
+    def _target(self) -> Any:
+        return _SINKS.get(threading.get_ident(), self._original)
+
+    def write(self, text: str) -> int:
+        return self._target().write(text)
+
+    def flush(self) -> None:
+        self._target().flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._target(), name)
+
+
+_SINKS: dict[int, CappedText] = {}
+"""The sink of each thread grading now, by thread id; the streams stand in while any does."""
+_ROUTING = threading.Lock()
+_ORIGINALS: list[Any] = []
+
+
 def captured(sink: CappedText, grade: Callable[[], Outcome]) -> Outcome:
-    """``grade()`` with Python's standard output and error going to ``sink``."""
-    with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+    """``grade()`` with what this thread writes to Python's standard output and error going
+    to ``sink``; other threads' writes reach the streams as before."""
+    me = threading.get_ident()
+    with _ROUTING:
+        if not _SINKS:
+            _ORIGINALS[:] = [sys.stdout, sys.stderr]
+            sys.stdout, sys.stderr = _ByThread(sys.stdout), _ByThread(sys.stderr)
+        _SINKS[me] = sink
+    try:
         return grade()
+    finally:
+        with _ROUTING:
+            del _SINKS[me]
+            if not _SINKS:
+                sys.stdout, sys.stderr = _ORIGINALS
 
 
 def one_line(text: str, limit: int = MAX_DETAIL_CHARS) -> str:
