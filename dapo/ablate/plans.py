@@ -23,7 +23,8 @@ class Row:
 
     name: str
     overrides: tuple[str, ...]
-    """``section.field=value`` overrides that make it, applied on the command's own."""
+    """``section.field=value`` overrides that make it, applied first: the command's own come
+    last, and one that would undo the plan is refused (:func:`check_extra`)."""
     compare_to: str | None = None
     """The row its paired difference is taken against (None: none)."""
     expect: int | None = None

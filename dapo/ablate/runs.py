@@ -2,7 +2,8 @@
 the ablation's, K at a time, with the machine's cores split between them.
 
 Resumable: a job whose run directory holds a ``summary.json`` for its budget is done and
-skipped; one that stopped after a checkpoint is resumed from it (``dapo train --resume``);
+skipped; a run of another configuration (its config.yaml) or one already past the budget is
+refused; one that stopped after a checkpoint is resumed from it (``dapo train --resume``);
 anything else starts over (``--overwrite``). Each job's output goes to ``<name>.log`` beside
 its run directory, so a failed one can be read; the others go on, and the command fails at the
 end naming them.

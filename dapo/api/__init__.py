@@ -1,4 +1,5 @@
-"""The Python API: what ``dapo train`` and ``dapo eval`` run, callable from a script.
+"""The Python API: what ``dapo train``, ``dapo eval`` and ``dapo export`` run, callable from
+a script.
 
     import dapo
 

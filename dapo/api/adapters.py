@@ -105,7 +105,8 @@ def merged(
     params = dict(model.named_parameters())
     if set(trained) != set(lora.moving_names(model) or ()):
         raise CheckpointError(
-            f"{ckpt}: its adapters do not fit the run's model.lora settings (config.yaml)"
+            f"{ckpt}: its adapters do not fit the model.lora settings they were recorded with"
+            " (trainer.json's base_model.lora, else config.yaml)"
         )
     with torch.no_grad():
         for name, tensor in trained.items():

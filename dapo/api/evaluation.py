@@ -305,8 +305,9 @@ def _table(summary: dict, title: str) -> str:
 
     lines = [title, f"{'metric':<18} mean [95% bootstrap interval over problems]"]
     lines += [f"{name:<18} {iv}" for name, iv in summary.items()]
-    if MAJORITY not in summary:  # a grader without a pred: nothing voted, maj@k is undefined
-        lines.append(f"{MAJORITY:<18} - (no response had an extracted answer (pred) to vote with)")
+    if MAJORITY not in summary:  # nothing voted (no pred, or no vote cast): maj@k is undefined
+        why = "none had an extracted answer, or its verifier casts none, as the code task does"
+        lines.append(f"{MAJORITY:<18} - (no response cast a vote: {why})")
     return "\n".join(lines)
 
 

@@ -8,11 +8,14 @@ and written as safetensors shards with their index). Every file of the checkpoin
 against its manifest's SHA-256 before anything is read; nothing in it is unpickled or run.
 
 The directory gets the weights (in their stored dtype, or ``--dtype``), ``config.json``, the
-tokenizer, a ``generation_config.json`` whose ``eos_token_id`` lists every token the run
-stopped a response on (the tokenizer's EOS, the model's, ``rollout.stop_token_ids``), and
-``dapo-export.json`` (the run, the step, the checkpoint manifest's SHA-256). It is written
-beside ``--out`` and renamed into place; an existing ``--out`` is refused unless
-``--overwrite``, which replaces only a directory that ``dapo export`` wrote.
+tokenizer (with its named chat templates, ``additional_chat_templates/*.jinja``), a
+``generation_config.json`` whose ``eos_token_id`` lists every token the run stopped a
+response on (the tokenizer's EOS, the model's, ``rollout.stop_token_ids``), and
+``dapo-export.json`` (the run, the step, the checkpoint manifest's SHA-256, every file it
+wrote). It is written beside ``--out`` and renamed into place; an existing ``--out`` is
+refused unless ``--overwrite``, which replaces only a directory that ``dapo export`` wrote.
+Without ``--step``, a newest checkpoint that is not whole is passed over with a
+``dapo: warning:`` naming it.
 """
 
 from __future__ import annotations

@@ -311,7 +311,8 @@ def _train(
 
 def _checked_run_dir(cfg: Config, resume_dir: Path | None, overwrite: bool) -> None:
     """What a dry run can tell of the run directory without changing anything: a new run's
-    would be refused, or a resumed one has no checkpoint or no room."""
+    would be refused, or a resumed one has no checkpoint, a checkpoint whose trainer.json
+    lacks a key resuming reads, or no room."""
     from dapo.run import checkpoint, rundir, trainer_file
 
     if resume_dir is None:

@@ -5,7 +5,9 @@ run under one directory, then print the table as markdown, with a verdict per ro
 paper's claim (Holm-Bonferroni over the table's p-values).
 
 Finished runs are skipped and stopped ones resumed, so the same command continues an
-interrupted ablation. Beside the runs it writes ``table.md``, ``table.json`` and the overlaid
+interrupted ablation; a run of another configuration, or one already past the budget, is
+refused, and so is an override of a field the plan sets (train.seed, run.preset, a row's
+field, or the budget's). Beside the runs it writes ``table.md``, ``table.json`` and the overlaid
 ``dapo report`` of all runs (``report/report.html``).
 """
 
@@ -49,7 +51,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--config", type=Path, help="YAML file every run starts from (a recipe)")
     p.add_argument("--out", type=Path, help="the ablation's directory (default runs/ablate-PLAN)")
-    p.add_argument("overrides", nargs="*", metavar="section.field=value", help="for every run")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="section.field=value",
+        help="for every run (one of a field the plan sets is refused)",
+    )
     p.set_defaults(func=cmd_ablate)
 
 

@@ -5,8 +5,9 @@
     dapo eval --compare A.jsonl B.jsonl          (or eval directories, or two models + --data)
 
 MODEL_DIR is any saved causal LM (a run's ``model/``, a checkpoint exported with ``dapo
-export``), a Hugging Face Hub model id, or ``embedded`` for the demo's starting policy;
-``--data arith`` is the demo's held-out split.
+export`` (a LoRA run's with ``--merge``: an adapter directory is refused, naming that fix)),
+a Hugging Face Hub model id, or ``embedded`` for the demo's starting policy; ``--data
+arith`` is the demo's held-out split.
 """
 
 # Only the standard library at module level (see dapo.cli).

@@ -23,7 +23,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     export.add_argument("run", type=Path, metavar="RUN", help="a run directory (runs/NAME)")
     export.add_argument(
-        "--step", type=int, metavar="N", help="the checkpoint of step N (default: the latest)"
+        "--step",
+        type=int,
+        metavar="N",
+        help="the checkpoint of step N (default: the latest whole one; a newer one passed over "
+        "is named in a warning)",
     )
     export.add_argument("--out", type=Path, required=True, metavar="DIR", help="new directory")
     export.add_argument(

@@ -2,8 +2,12 @@
 
 Reads each run's ``config.yaml``, ``metrics.jsonl`` and ``summary.json``, draws the paper's
 training-dynamics panels, clipping, dynamic-sampling cost and held-out accuracy (several runs
-overlaid, one colour per run), and writes the PNGs and ``report.html`` (images embedded, so the
-page opens offline and can be mailed as one file).
+overlaid, one colour per run) and the mechanisms figure (``mechanisms.png``: entropy,
+all-correct groups, groups with a gradient, response length, truncated responses and the
+upper clip's share, per configuration as the mean over its seeds with a band from the lowest
+to the highest; runs named ``<configuration>-seed<N>`` in one directory, as ``dapo ablate``
+writes them, are one configuration), and writes the PNGs and ``report.html`` (images
+embedded, so the page opens offline and can be mailed as one file).
 """
 
 from __future__ import annotations

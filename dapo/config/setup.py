@@ -184,7 +184,8 @@ class RewardConfig:
     """A reward function of your own for every row, in place of the verifiers:
     ``PATH.py:NAME`` or ``package.module:NAME``, called as NAME(response, ground_truth) in the
     reward workers (same limits) and returning a float (correct when > 0), a bool, a Score or
-    a dict with ``score`` (and ``correct``). Empty = the verifiers (reward.mode, data_source)."""
+    a dict with ``score`` (and optionally ``correct``, ``pred``, ``vote``). Empty = the
+    verifiers (reward.mode, data_source)."""
     function_sha256: str = ""
     """Set by dapo when the run starts: the SHA-256 of reward.function's file, so that a resume
     can warn when the file changed since. Leave it empty."""

@@ -64,7 +64,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def majority_vote(
     answers: Sequence[str | None], correct: Sequence[bool]
 ) -> tuple[str | None, bool]:
-    """The most frequent extracted answer and whether it was graded correct.
+    """The most frequent vote (a verifier's ``Score.vote``, else its extracted answer) and
+    whether it was graded correct.
 
     ``None``, ``""`` and math_dapo's ``"[INVALID]"`` (no answer extracted:
     :data:`dapo.reward.tasks.base.NO_ANSWER_PREDS`) do not vote. Answers are compared exactly as
@@ -170,9 +171,10 @@ def without_unvoted_majority(
     per_problem: Sequence[dict[str, float]], records: Sequence[Mapping[str, Any]]
 ) -> list[dict[str, float]]:
     """``per_problem`` (the metrics of ``records``, the whole evaluation's) without ``"maj@k"``
-    when no response of any record gave an answer: a grader without a ``pred`` (a reward
-    function returning a bool or a float) lets nothing vote, and maj@k would read 0 however
-    right the responses were. Unchanged when any response voted."""
+    when no response of any record cast a vote: a grader without a ``pred`` (a reward
+    function returning a bool or a float), or the code task, whose responses vote ``""``,
+    lets nothing vote, and maj@k would read 0 however right the responses were. Unchanged
+    when any response voted."""
     if any(gave_answer(a) for record in records for a in votes(record)):
         return list(per_problem)
     return [{k: v for k, v in metrics.items() if k != MAJORITY} for metrics in per_problem]

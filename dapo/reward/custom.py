@@ -6,8 +6,9 @@ the verifier that the row's ``data_source`` would pick, and may return:
 - a ``float`` (or ``int``): the score; the response counts as correct when it is > 0;
 - a ``bool``: +1.0 and correct, or -1.0 and incorrect (the paper's R_correct);
 - a :class:`~dapo.reward.tasks.base.Score`, as it is;
-- a ``dict`` with ``score`` and optionally ``correct`` (a bool; default score > 0) and
-  ``pred`` (a string shown in samples).
+- a ``dict`` with ``score`` and optionally ``correct`` (a bool; default score > 0), ``pred``
+  (the extracted answer: shown in samples, and what maj@k votes with) and ``vote`` (a string
+  maj@k votes with instead of ``pred``; ``""`` casts no vote).
 
 "Correct" is what dynamic sampling filters on (a group all correct or all wrong teaches
 nothing) and what accuracy counts. The function runs in the reward workers like every

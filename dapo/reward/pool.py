@@ -123,7 +123,7 @@ class RewardPool:
     Example:
         >>> with RewardPool(workers=0) as pool:
         ...     pool.grade([Job("math_dapo", "Answer: 34", "34")]).scores
-        [Score(score=1.0, correct=True, pred='34')]
+        [Score(score=1.0, correct=True, pred='34', vote=None)]
     """
 
     def __init__(

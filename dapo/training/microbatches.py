@@ -57,7 +57,8 @@ def micro_batches(
 ) -> Iterator[MicroBatch]:
     """This rank's micro-batches of ``episodes[share]``, then idle passes up to the most any
     rank has; each collated on ``device`` (``packed``: ``train.packing``, their rows laid end
-    to end, ``max_tokens`` real tokens)."""
+    to end, ``max_tokens`` real tokens), and under ``torchrun`` (unpacked) at least one masked
+    response column wide, so that every rank makes the shared-prompt pass."""
     order = length_sorted(episodes, share)
     chunks = split_microbatches(episodes, order, max_tokens=max_tokens, packed=packed)
     passes = dist.all_reduce_max(len(chunks))

@@ -172,7 +172,7 @@ def math_score(response: str, ground_truth: str) -> Score:
 
     Example:
         >>> math_score("so 5 * 7 - 1 = 34.\\nAnswer:\\n$34$", "34")
-        Score(score=1.0, correct=True, pred='34')
+        Score(score=1.0, correct=True, pred='34', vote=None)
     """
     return _graded(response, ground_truth, boxed=False)
 
@@ -183,7 +183,7 @@ def math_score_boxed(response: str, ground_truth: str) -> Score:
 
     Example:
         >>> math_score_boxed("The answer is \\\\boxed{9}.", "9")
-        Score(score=1.0, correct=True, pred='9')
+        Score(score=1.0, correct=True, pred='9', vote=None)
     """
     return _graded(response, ground_truth, boxed=True)
 

@@ -271,7 +271,7 @@ def lenient_score(response: str, ground_truth: str) -> Score:
 
     Example:
         >>> lenient_score("so 5 * 7 - 1 = 34.\\nAnswer: $34$", "34")
-        Score(score=1.0, correct=True, pred='34')
+        Score(score=1.0, correct=True, pred='34', vote=None)
     """
     truth_text = ground_truth_text(response, ground_truth)
     if truth_text is None:

@@ -232,7 +232,7 @@ def math_verify_score(response: str, ground_truth: str) -> Score:
 
 
 def _vote(parsed: tuple[Any, ...]) -> str | None:
-    r"""SymPy's printed form of a parsed answer, which ``rac12``, ``1/2`` and ``0.5`` share
+    r"""SymPy's printed form of a parsed answer, which ``\frac12``, ``1/2`` and ``0.5`` share
     (so they vote together in maj@k); None (vote with ``pred``) when nothing parsed."""
     if not parsed:
         return None
