@@ -331,7 +331,10 @@ class RunConfig:
     ``..``); empty = <preset>-<timestamp>."""
     preset: str = "dapo"
     """Algorithm preset applied before the YAML file and overrides: dapo, grpo, or one of
-    DAPO's successors, dr_grpo, gspo and cispo (`dapo/config/presets.py`)."""
+    DAPO's successors, dr_grpo, gspo and cispo (`dapo/config/presets.py`). A preset's values
+    are set once, then the file and the overrides change what they name: grpo's symmetric
+    clip is eps_high = eps_low as it applies, so with it ``algo.eps_low=0.1`` alone clips to
+    [0.9, 1.2]; give ``algo.eps_high=0.1`` too."""
     base: str = "paper"
     """Scale the config started from: paper or demo."""
     threads: int = 0
