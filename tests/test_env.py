@@ -23,6 +23,7 @@ from dapo.config import load_config
 from dapo.data.batch import Episode, Trace, collate
 from dapo.data.problems import Problem
 from dapo.env import Environment, History, MathTool, Observation, load_environment
+from dapo.env.base import model_text_of
 from dapo.env.python_tool import python_blocks
 from dapo.eval.metrics import record_metrics
 from dapo.models.logprobs import batch_logprobs
@@ -75,6 +76,31 @@ def test_python_blocks_finds_closed_blocks_and_a_call_at_the_end():
     assert python_blocks("```python\nprint(37 * 48)```") == (["print(37 * 48)"], True)
     assert python_blocks("```python\nprint(1)  # it's```") == (["print(1)  # it's"], True)
     assert python_blocks("```python\nprint(len('```')) ```") == (["print(len('```'))"], True)
+
+
+def test_a_turn_after_an_observation_that_ends_its_line_starts_a_line():
+    """The model saw its second turn start on a fresh line (the observation ended one): in
+    the model's text it does too. Glued to the first block's closing fence, that fence no
+    longer closed a block, and the second call ran both blocks and the prose between them."""
+    segments = [
+        ("```python\nprint(6 * 7)\n```", False),
+        ("\n```output\n42\n```\n", True),
+        ("Answer: 42\n```python\nprint(42 * 1)\n```", False),
+    ]
+    text = model_text_of(segments)
+    assert text == "```python\nprint(6 * 7)\n```\nAnswer: 42\n```python\nprint(42 * 1)\n```"
+    assert python_blocks(text) == (["print(6 * 7)", "print(42 * 1)"], True)
+    # An observation that leaves its line open, or a turn that ended one: nothing added.
+    assert model_text_of([(" 2 =", False), (" 5 ?", True), (" 3", False)]) == " 2 = 3"
+    assert model_text_of([("a\n", False), ("b\n", True), ("c", False)]) == "a\nc"
+
+
+def test_turn_ends_that_match_no_token_are_refused(tokenizer):
+    class Typo(Environment):
+        turn_ends = ("<<call>>",)
+
+    with pytest.raises(ValueError, match=r"turn_ends \['<<call>>'\] match no token"):
+        with_turn_ends([tokenizer.eos_token_id], tokenizer, Typo())
 
 
 @needs_sandbox

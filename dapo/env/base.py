@@ -28,7 +28,8 @@ class History:
 
     problem: Problem
     model_text: str
-    """Every model turn so far, joined; the observations left out."""
+    """Every model turn so far, joined; the observations left out, except that a turn after
+    an observation that ended its line starts a line here too."""
     transcript: str
     """The response so far, the observations in their places."""
     turns: int
@@ -82,9 +83,26 @@ class Environment:
         return Observation(done=True)
 
 
+def model_text_of(segments: list[tuple[str, bool]]) -> str:
+    """:attr:`History.model_text` of an episode's ``segments`` (each turn's or observation's
+    text, and whether the environment wrote it)."""
+    parts: list[str] = []
+    after_line = False  # the last segment was an observation that ended its line
+    for text, by_env in segments:
+        if not by_env:
+            # The turn starts a line, as the model saw it: glued to the last turn's closing
+            # fence, it would keep that fence from closing its block (the Python tool's).
+            if after_line and parts and not parts[-1].endswith("\n"):
+                parts.append("\n")
+            parts.append(text)
+        after_line = by_env and text.endswith("\n")
+    return "".join(parts)
+
+
 def turn_end_ids(tokenizer: Any, texts: tuple[str, ...]) -> list[int]:
     """The ids of every vocabulary token whose text, stripped of whitespace, is one of
-    ``texts`` (for "```": the fence alone and with a newline or a space around it)."""
+    ``texts`` (for "```": the fence alone and with a newline or a space around it); a
+    ValueError when ``texts`` name some and no token is one of them."""
     if not texts:
         return []
     wanted = set(texts)
@@ -92,4 +110,10 @@ def turn_end_ids(tokenizer: Any, texts: tuple[str, ...]) -> list[int]:
     for token, i in tokenizer.get_vocab().items():
         if tokenizer.convert_tokens_to_string([token]).strip() in wanted:
             ids.append(i)
+    if not ids:
+        # Then no turn would ever end early, and no tool would run, without a word.
+        raise ValueError(
+            f"env.class: turn_ends {sorted(wanted)} match no token of the tokenizer: each must "
+            "be the text of one token (a string the tokenizer splits never ends a turn)"
+        )
     return sorted(ids)

@@ -39,6 +39,7 @@ import torch
 from dapo.data.batch import Trace
 from dapo.data.problems import Problem
 from dapo.env import Environment, History, Observation, turn_end_ids
+from dapo.env.base import model_text_of
 from dapo.reward.jobs import MAX_ABS_SCORE
 from dapo.reward.tasks import Score
 from dapo.rollout.base import Engine, Rollout, concat_rollouts
@@ -95,7 +96,7 @@ class _Row:
     """The engine's KV cache of the row after its last turn, while the episode goes on."""
 
     def history(self, finished: bool) -> History:
-        model_text = "".join(t for t, env in self.segments if not env)
+        model_text = model_text_of(self.segments)
         transcript = "".join(t for t, _ in self.segments)
         return History(self.problem, model_text, transcript, self.turns, finished)
 
