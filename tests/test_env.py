@@ -453,27 +453,28 @@ def test_observation_tokens_get_no_gradient_and_no_share_of_the_divisor(tiny_mod
         torch.testing.assert_close(a, h, rtol=1e-4, atol=1e-7)
 
 
-def test_overlong_shaping_counts_the_models_tokens_only():
+def test_overlong_shaping_counts_the_models_tokens_and_a_truncated_episode_is_past_l_max():
     cfg = load_config(None, ["rollout.max_new_tokens=20", "algo.l_cache=4"])
     g = torch.Generator().manual_seed(0)
 
-    def episode(model: int, env: int) -> Episode:
+    def episode(model: int, env: int, truncated: bool = False) -> Episode:
         mask = torch.tensor([False] * model + [True] * env)
         ids = torch.randint(5, 60, (model + env,), generator=g)
         return Episode(
-            torch.tensor([1, 2]), ids, torch.zeros(model + env), False, True, 1.0,
+            torch.tensor([1, 2]), ids, torch.zeros(model + env), truncated, True, 1.0,
             env_mask=mask, trace=Trace(turns=2, env_tokens=env),
         )  # fmt: skip
 
     # 14 model tokens and 6 of the environment's reach L_max = 20; the soft punishment
-    # counts 14 (free up to 16). 18 model tokens: -1/4 per token past 16.
-    eps = [episode(14, 6), episode(18, 2)]
+    # counts 14 (free up to 16). 18 model tokens: -1/4 per token past 16. Truncated at L_max
+    # with 8 of the model's: past L_max, -1 as a truncated response (it scored +1: free).
+    eps = [episode(14, 6), episode(18, 2), episode(8, 12, truncated=True)]
     shape_group(eps, cfg.algo, l_max=20)
-    assert [e.reward for e in eps] == [1.0, 0.5]
+    assert [e.reward for e in eps] == [1.0, 0.5, 0.0]
     b = collate(eps, pad_id=0)
-    assert b.loss_mask_BT.sum(dim=1).tolist() == [14, 18]
-    assert b.response_mask_BT.sum(dim=1).tolist() == [20, 20]
-    assert [e.num_loss_tokens for e in eps] == [14, 18]
+    assert b.loss_mask_BT.sum(dim=1).tolist() == [14, 18, 8]
+    assert b.response_mask_BT.sum(dim=1).tolist() == [20, 20, 20]
+    assert [e.num_loss_tokens for e in eps] == [14, 18, 8]
 
 
 # The command line ------------------------------------------------------------------------

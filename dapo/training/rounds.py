@@ -227,11 +227,13 @@ def shape_group(episodes: Sequence[Episode], shaping: AlgoConfig, *, l_max: int)
     with neither technique on, a truncated response scores a hard -1 and is incorrect (the
     naive baseline). ``l_max``: ``rollout.max_new_tokens``. A response's length is the
     model's tokens: an environment's observations count toward L_max (they end an episode
-    there) but not in the soft punishment, which shapes what the model writes."""
+    there) but not in the soft punishment, which shapes what the model writes; an episode
+    truncated at L_max is past it, as a truncated response is, whoever filled it."""
+    lengths = [max(e.model_tokens, l_max) if e.truncated else e.model_tokens for e in episodes]
     rewards_B, correct_B, trainable_B = algo.shape_rewards(
         torch.tensor([e.reward for e in episodes], dtype=torch.float64),
         torch.tensor([e.correct for e in episodes]),
-        torch.tensor([e.model_tokens for e in episodes]),
+        torch.tensor(lengths),
         torch.tensor([e.truncated for e in episodes]),
         l_max=l_max,
         l_cache=shaping.l_cache,
