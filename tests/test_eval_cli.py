@@ -26,6 +26,31 @@ def model_and_data(tmp_path_factory):
     return model_dir, root / "val.jsonl"
 
 
+def test_a_row_without_a_verifier_is_refused_before_the_model_loads(
+    tmp_path, model_and_data, capsys, monkeypatch
+):
+    """A data_source no task grades (AIME's copies say aime24), or a misspelt --reward-mode:
+    refused, naming the fix; every response was graded wrong as a fault, and the table said
+    avg@k 0.000."""
+    from dapo.models import policy
+
+    model_dir, data = model_and_data
+    row = {
+        "data_source": "aime24", "prompt": [{"role": "user", "content": "1 + 1?"}],
+        "reward_model": {"style": "rule", "ground_truth": "2"}, "extra_info": {"index": 0},
+    }  # fmt: skip
+    aime = tmp_path / "aime.jsonl"
+    aime.write_text(json.dumps(row) + "\n")
+    loads: list = []
+    monkeypatch.setattr(policy, "load_policy", lambda *a, **k: loads.append(a))
+    assert _eval(model_dir, aime, tmp_path / "a") == 2
+    err = capsys.readouterr().err
+    assert "no reward function for data_source 'aime24'" in err and "--reward-mode dapo" in err
+    assert _eval(model_dir, data, tmp_path / "b", "--reward-mode", "bogus") == 2
+    assert "no reward function for data_source 'bogus'" in capsys.readouterr().err
+    assert loads == [] and not (tmp_path / "a").exists()
+
+
 def _eval(model_dir, data, out, *extra):
     args = ["eval", str(model_dir), "--data", str(data), "--k", "4", "--max-new-tokens", "12"]
     return main([*args, "--resamples", "200", "--out", str(out), *extra])

@@ -227,22 +227,21 @@ def _problems(req: EvalRequest) -> list:
     problems = _read_problems(req)
     from dapo.reward import tasks
 
-    task_of = lambda p: tasks.REGISTRY.get(req.reward_mode or p.data_source)  # noqa: E731
-    if not req.reward_function and any(getattr(task_of(p), "name", "") == "code" for p in problems):
+    # Every row's verifier, before the model loads: one missing graded every response wrong.
+    graded = [] if req.reward_function else problems  # a reward function grades every row
+    try:
+        names = {tasks.get_task(req.reward_mode or p.data_source).name for p in graded}
+    except ValueError as exc:
+        raise ValueError(f"--data {req.data}: {exc} (dapo eval: --reward-mode dapo)") from None
+    if "code" in names:
         from dapo.reward import sandbox
 
         # Before the model loads: a machine without a sandbox fails here, naming the fix.
-        mode = sandbox.pick_mode(_code_section(req).sandbox)
+        mode = sandbox.pick_mode(_run_config(req).code.sandbox)
         print(f"code rows: graded in the {mode} sandbox", file=sys.stderr)
         if mode == "process":
             print(f"dapo: warning: {sandbox.process_mode_warning()}", file=sys.stderr)
     return problems
-
-
-def _code_section(req: EvalRequest) -> Any:
-    """The ``code`` section of ``--config`` (the sandbox a run's config asks for), else the
-    defaults."""
-    return _run_config(req).code
 
 
 def _run_config(req: EvalRequest) -> Any:

@@ -36,7 +36,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     _add_sampling_args(ev)
     ev.add_argument("--greedy", action="store_true", help="also report greedy accuracy")
     ev.add_argument("--num-problems", type=int, default=0, help="only the first N (0 = all)")
-    ev.add_argument("--reward-mode", default="", help="dapo, lenient or math_verify for every row")
+    ev.add_argument(
+        "--reward-mode",
+        default="",
+        help="one verifier for every row: dapo, math_dapo_boxed, lenient, math_verify or any "
+        "task name (default: each row's data_source)",
+    )
     ev.add_argument(
         "--reward-function",
         default="",
