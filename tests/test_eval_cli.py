@@ -130,6 +130,26 @@ def _records(path, values):
     return path
 
 
+def test_compare_refuses_problems_of_one_uid_and_other_ground_truths(tmp_path, capsys):
+    """AIME's two copies number their 30 problems 0-29 in different orders: paired by uid,
+    every pair was two different problems, and the table looked like any other."""
+
+    def records(path, truths):
+        lines = [{"uid": f"p{i}", "ground_truth": t, "metrics": {"avg@k": 0.5}} for i, t in truths]
+        path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+        return path
+
+    a = records(tmp_path / "a.jsonl", [(0, "45"), (1, "204"), (2, "7")])
+    b = records(tmp_path / "b.jsonl", [(0, "204"), (1, "45"), (2, "7")])
+    assert main(["eval", "--compare", str(a), str(b), "--resamples", "50"]) == 2
+    err = capsys.readouterr().err
+    assert "2 problems of the same uid have other ground truths in A and B" in err
+    assert "(uid p0: '45' vs '204')" in err
+    same = records(tmp_path / "c.jsonl", [(0, "45"), (1, "204"), (3, "9")])
+    assert main(["eval", "--compare", str(a), str(same), "--resamples", "50"]) == 0
+    assert "2 problems in both (2 only in one, left out)" in capsys.readouterr().out
+
+
 def test_compare_identical_and_clearly_better(tmp_path, capsys):
     base = [0.0] * 60 + [1.0] * 40
     better = [1.0] * 30 + [0.0] * 30 + [1.0] * 40  # 30 problems flipped from wrong to right

@@ -169,13 +169,14 @@ def _is_model(path: Path) -> bool:
     return not path.exists() and "/" in str(path) and looks_like_hub_id(str(path))
 
 
-def _read_problems(path: Path) -> dict[str, dict[str, float]]:
+def _read_problems(path: Path) -> tuple[dict[str, dict[str, float]], dict[str, str]]:
+    """Each problem's metrics and ground truth (where its record has one), by uid."""
     path = path / "problems.jsonl" if path.is_dir() else path
     try:
         lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError as exc:
         raise ValueError(f"--compare: cannot read {path}: {exc.strerror}") from None
-    out = {}
+    out, truths = {}, {}
     for i, line in enumerate(lines):
         if not line.strip():
             continue  # a blank line (an editor's last newline) holds no record
@@ -186,10 +187,25 @@ def _read_problems(path: Path) -> dict[str, dict[str, float]]:
                 "whose values are finite numbers)"
             )
         out[record[0]] = record[1]
-    return out
+        if record[2] is not None:
+            truths[record[0]] = record[2]
+    return out, truths
 
 
-def _record(line: str) -> tuple[str, dict[str, float]] | None:
+def _same_problems(a: dict[str, str], b: dict[str, str]) -> None:
+    """Refuse to pair problems whose ground truths differ: two files may number their
+    problems alike (AIME's copies use 0-29 in different orders)."""
+    differ = sorted(uid for uid in a.keys() & b.keys() if a[uid] != b[uid])
+    if differ:
+        uid = differ[0]
+        raise ValueError(
+            f"--compare: {len(differ)} problems of the same uid have other ground truths in A "
+            f"and B (uid {uid}: {a[uid][:40]!r} vs {b[uid][:40]!r}): the evaluations are of "
+            "different data; compare two evaluations of one file"
+        )
+
+
+def _record(line: str) -> tuple[str, dict[str, float], str | None] | None:
     """(uid, metrics) of one problems.jsonl line, or None for anything else. Files compared may
     come from elsewhere: a 5000-digit int, nesting deeper than the parser recurses and a number
     beyond a float's range are named as a bad line here, not met as a traceback later."""
@@ -204,7 +220,9 @@ def _record(line: str) -> tuple[str, dict[str, float]] | None:
 
     if not isinstance(uid, str) or not all(is_number(v) for v in metrics.values()):
         return None
-    return uid, {str(k): float(v) for k, v in metrics.items()}
+    truth = record.get("ground_truth")
+    truth = str(truth) if isinstance(truth, str | int) and not isinstance(truth, bool) else None
+    return uid, {str(k): float(v) for k, v in metrics.items()}, truth
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -226,7 +244,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
                 path = out_dir(_request(one))
             evaluated.append(path)
         a_path, b_path = evaluated
-    a, b = _read_problems(a_path), _read_problems(b_path)
+    (a, truths_a), (b, truths_b) = _read_problems(a_path), _read_problems(b_path)
+    _same_problems(truths_a, truths_b)
     common = a.keys() & b.keys()
     result = compare(a, b, resamples=args.resamples, seed=args.seed)
     print(f"A = {a_path}\nB = {b_path}\n{len(common)} problems in both", end="")
