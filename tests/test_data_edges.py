@@ -21,7 +21,7 @@ from dapo.config import load_config
 from dapo.config.setup import DataConfig
 from dapo.data.files import DataError, load_problems
 from dapo.data.problems import Problem
-from dapo.data.prompts import render_prompt
+from dapo.data.prompts import dapo_prompt, render_prompt
 from dapo.data.rows import BadRow
 from dapo.data.tools import convert_file
 from dapo.models.demo import build_tokenizer
@@ -60,6 +60,27 @@ def test_reward_mode_needs_no_verifier_for_the_val_rows_data_sources():
     with pytest.raises(ValueError, match="aime24"):  # without a mode, the row's own is needed
         check_verifiers(load_config(None, []), RunData(train, val))
     check_verifiers(load_config(None, ["reward.mode=dapo"]), RunData(train, val))
+
+
+def test_problems_that_never_ask_for_an_answer_line_are_named_under_math_dapo():
+    """DAPO-Math-17k's shared copy lost the template: math_dapo grades by an `Answer:` line
+    no prompt then asks for, and every response scores -1 unless the model guesses it."""
+    bare = [Problem("t", ({"role": "user", "content": "1+1?"},), "2", "math_dapo")]
+    val = [Problem("v", ({"role": "user", "content": "2+2?"},), "4", "math_dapo")]
+    data = RunData(bare, val)
+    check_verifiers(load_config(None, []), data)
+    assert (
+        len(data.warnings) == 1
+        and "none of its 1 problems asks for an `Answer:` line" in (data.warnings[0])
+    )
+    assert "data.wrap_template=true" in data.warnings[0]
+    asked = RunData([Problem("t", ({"role": "user", "content": dapo_prompt("1+1?")},), "2")], val)
+    check_verifiers(load_config(None, []), asked)
+    told = RunData(bare, val)
+    check_verifiers(load_config(None, ['data.system_prompt="End with Answer: N"']), told)
+    graded = RunData(bare, val)  # math_verify finds a boxed answer too: no warning
+    check_verifiers(load_config(None, ["reward.mode=math_verify"]), graded)
+    assert asked.warnings == told.warnings == graded.warnings == []
 
 
 @pytest.mark.skipif(not AIME_DEDUP30.is_file(), reason="../shared/data is absent")

@@ -106,6 +106,19 @@ def check_verifiers(cfg: Config, data: RunData) -> None:
         from dapo.reward.sandbox import process_mode_warning
 
         data.warnings.append(process_mode_warning())
+    if names == {"math_dapo"} and not _asks_for_answer_line(cfg, data.train):
+        data.warnings.append(
+            f"train: none of its {len(data.train)} problems asks for an `Answer:` line, which "
+            "math_dapo grades by (a response without one scores -1): a copy of a file that lost "
+            "the DAPO template? data.wrap_template=true wraps the problems in it"
+        )
+
+
+def _asks_for_answer_line(cfg: Config, problems: list[Problem]) -> bool:
+    """Whether the system prompt or any problem's messages ask for the ``Answer:`` line."""
+    said = [cfg.data.system_prompt or ""]
+    said += [m.get("content", "") for p in problems for m in p.messages]
+    return any("Answer:" in text for text in said)
 
 
 def check_code_sandbox(cfg: Config) -> str:
