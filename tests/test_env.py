@@ -249,6 +249,34 @@ def test_a_turn_end_at_l_max_runs_no_tool(tokenizer):
     assert a.trace == Trace(turns=1, env_tokens=0, tool_calls=0, transcript=" 2 + 3 =")
 
 
+class Hangs(Environment):
+    """Its step never returns on row "slow" (a regex that backtracks on the model's text), and
+    raises on row "bad"."""
+
+    turn_ends = ("=",)
+
+    def step(self, history: History) -> Observation:
+        if history.problem.uid == "bad":
+            raise KeyError("boom")
+        if history.problem.uid == "slow":
+            time.sleep(30)
+        return Observation(" 5 ?")
+
+
+def test_a_step_past_its_deadline_or_raising_stops_the_run_naming_the_row(tokenizer):
+    runner, _ = _runner(tokenizer, " 2 + 3 =", Hangs(), max_turns=3, step_timeout_s=0.5)
+    slow = dataclasses.replace(PROBLEM, uid="slow")
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"Hangs.step ran past env.step_timeout_s=0.5 s"):
+        runner.generate([PROBLEM, slow], ["x", "y"], group_size=2, max_new_tokens=50, seed=[1, 2])
+    assert time.monotonic() - started < 5  # the thread is left behind, a daemon
+    bad = dataclasses.replace(PROBLEM, uid="bad")
+    with pytest.raises(RuntimeError, match=r"Hangs.step raised on row bad \(turn 1\): KeyError"):
+        runner.generate([PROBLEM, bad], ["x", "y"], group_size=2, max_new_tokens=50, seed=[1, 2])
+    with pytest.raises(ValueError, match="env.step_timeout_s=2 must be above env.tool_wall_s=3"):
+        load_config(None, ["env.step_timeout_s=2", "env.tool_wall_s=3"])
+
+
 class PausesThenSays(Environment):
     """Answers nothing to every other stop (as the Python tool answers an opening fence),
     and `` 5 ?`` to the others."""

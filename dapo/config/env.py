@@ -30,6 +30,11 @@ class EnvConfig:
     turn ended at the same time call their tools concurrently."""
     tool_wall_s: float = 3.0
     """Seconds one call of the Python tool may run (its earlier blocks, replayed, included)."""
+    step_timeout_s: float = 60.0
+    """Seconds an environment's ``step`` may take for one row (a tool call included); past
+    it the run stops, naming the row and the turn: a ``step`` that hangs on the model's text
+    (a regex that backtracks, a loop) would hang the run without a word. Above
+    ``tool_wall_s``."""
     tool_memory_mb: int = 512
     """Address space of the Python tool's process, MiB."""
     tool_instruction: bool = True
@@ -51,4 +56,9 @@ class EnvConfig:
             errors.append(f"env.workers must be >= 1, got {self.workers}")
         if not self.tool_wall_s > 0 or self.tool_memory_mb < 64:
             errors.append("env.tool_wall_s must be > 0 and env.tool_memory_mb >= 64")
+        if not self.step_timeout_s > self.tool_wall_s:
+            errors.append(
+                f"env.step_timeout_s={self.step_timeout_s:g} must be above env.tool_wall_s="
+                f"{self.tool_wall_s:g}: a tool call at its limit must still be answered"
+            )
         return errors

@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -43,6 +42,7 @@ from dapo.env.base import model_text_of
 from dapo.reward.jobs import MAX_ABS_SCORE
 from dapo.reward.tasks import Score
 from dapo.rollout.base import Engine, Rollout, concat_rollouts
+from dapo.rollout.env_steps import run_steps
 from dapo.run.seeding import derive_seed
 
 CUT_MARKER = "\n... (cut)\n"
@@ -130,6 +130,7 @@ class EpisodeRunner:
         max_turns: int = 8,
         max_observation_tokens: int = 256,
         workers: int = 4,
+        step_timeout_s: float = 60.0,
         max_abs: float = MAX_ABS_SCORE,
         agree: Callable[[Callable[[], list[Observation]]], list[Observation]] | None = None,
     ) -> None:
@@ -148,7 +149,7 @@ class EpisodeRunner:
                 "dapo.rollout.episodes.with_turn_ends"
             )
         self.max_turns, self.max_observation_tokens = max_turns, max_observation_tokens
-        self.workers = workers
+        self.workers, self.step_timeout_s = workers, step_timeout_s
         self.parking = (
             {"park_at": sorted(self.turn_ends)}
             if getattr(engine, "continues_from_cache", False)
@@ -254,8 +255,8 @@ class EpisodeRunner:
         return going_on
 
     def _answers(self, histories: list[History]) -> list[Observation]:
-        with ThreadPoolExecutor(max_workers=self.workers) as pool:
-            return list(pool.map(self._step, histories))
+        bounds = dict(workers=self.workers, timeout_s=self.step_timeout_s)
+        return run_steps(self._step, histories, name=type(self.env).__name__, **bounds)
 
     def _step(self, history: History) -> Observation:
         try:

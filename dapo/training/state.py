@@ -186,6 +186,7 @@ def runner_for(
         max_turns=settings.max_turns,
         max_observation_tokens=settings.max_observation_tokens,
         workers=settings.workers,
+        step_timeout_s=settings.step_timeout_s,
         max_abs=cfg.reward.max_abs,
         agree=agree,
     )
