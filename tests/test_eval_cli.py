@@ -51,6 +51,37 @@ def test_a_row_without_a_verifier_is_refused_before_the_model_loads(
     assert loads == [] and not (tmp_path / "a").exists()
 
 
+def test_eval_reads_a_file_as_dapo_data_does(tmp_path, model_and_data, capsys):
+    """Its own column names, a bad row skipped, the template added: the flags of `dapo data`,
+    where the errors pointed to data.* settings dapo eval had no way to take."""
+    model_dir, data = model_and_data
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    renamed = tmp_path / "renamed.jsonl"
+    lines = [{"problem": r["question"], "solution": r["answer"]} for r in rows]
+    lines.insert(1, {"problem": "no answer here"})  # row 1: unusable
+    renamed.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert _eval(model_dir, renamed, tmp_path / "a") == 2
+    assert "--question-key/--answer-key" in capsys.readouterr().err
+    keys = ["--question-key", "problem", "--answer-key", "solution"]
+    assert _eval(model_dir, renamed, tmp_path / "b", *keys) == 2
+    assert "(--on-bad-row skip)" in capsys.readouterr().err
+    flags = [*keys, "--on-bad-row", "skip", "--wrap-template"]
+    assert _eval(model_dir, renamed, tmp_path / "c", *flags, "--num-problems", "2") == 0
+    assert "1 bad rows skipped (--on-bad-row skip); the first: row 1" in capsys.readouterr().err
+    summary = json.loads((tmp_path / "c" / "summary.json").read_text())
+    assert summary["protocol"]["problems"] == 2
+    assert summary["protocol"]["data_options"] == {
+        "question_key": "problem", "answer_key": "solution", "wrap_template": True,
+        "on_bad_row": "skip",
+    }  # fmt: skip
+    records = [
+        json.loads(x) for x in (tmp_path / "c" / "problems.jsonl").read_text().split("\n") if x
+    ]
+    assert [r["ground_truth"] for r in records] == [rows[0]["answer"], rows[1]["answer"]]
+    assert main(["eval", "embedded", "--data", "arith", "--wrap-template"]) == 2
+    assert "--data arith is generated, not read: --wrap-template" in capsys.readouterr().err
+
+
 def _eval(model_dir, data, out, *extra):
     args = ["eval", str(model_dir), "--data", str(data), "--k", "4", "--max-new-tokens", "12"]
     return main([*args, "--resamples", "200", "--out", str(out), *extra])

@@ -14,35 +14,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from dapo.api.eval_inputs import EvalRequest, data_options, problems_of, run_config
+
 DEFAULT_OUT = "evals"
-
-
-@dataclass
-class EvalRequest:
-    """One evaluation's settings; the names are ``dapo eval``'s flags."""
-
-    model: str
-    data: str
-    k: int = 32
-    pass_k: str = ""
-    temperature: float = 1.0
-    top_p: float = 0.7
-    max_new_tokens: int = 20480
-    seed: int = 0
-    greedy: bool = False
-    num_problems: int = 0
-    reward_mode: str = ""
-    reward_function: str = ""
-    stop_token_ids: str = ""
-    system_prompt: str | None = None
-    resamples: int = 10_000
-    phrases: str = ""
-    out: Path | None = None
-    device: str = "auto"
-    engine: str = "dapo"
-    dtype: str = "float32"
-    config: str | None = None
-    threads: int = 0
 
 
 @dataclass(frozen=True)
@@ -78,7 +52,8 @@ def evaluate(
     """Evaluate ``model_dir`` (a saved causal LM, or ``"embedded"``) on ``data`` (a problem
     file, or ``"arith"``) as ``dapo eval`` does; ``settings`` are its other flags by their
     names (temperature, top_p, max_new_tokens, seed, greedy, num_problems, reward_mode,
-    reward_function, system_prompt, resamples, out, device, engine, dtype, config, threads).
+    reward_function, system_prompt, resamples, out, device, engine, dtype, config, threads;
+    how the file is read: format, question_key, answer_key, wrap_template, on_bad_row).
     ``reward_fn`` grades every response in place of the verifiers, as ``reward.function``."""
     request = EvalRequest(
         model=str(model_dir),
@@ -106,7 +81,7 @@ def run(req: EvalRequest, *, reward_fn: Callable[..., Any] | None = None) -> Eva
 
     _check(req, reward_fn)
     ks, phrases = _ks(req.pass_k, req.k), _phrases(req.phrases)
-    problems = _problems(req)
+    problems = problems_of(req)
     out = out_dir(req)
     out.mkdir(parents=True, exist_ok=True)
     identity = [*fingerprint([req.model, req.data]), req.device]  # what a path's files hold
@@ -118,7 +93,7 @@ def run(req: EvalRequest, *, reward_fn: Callable[..., Any] | None = None) -> Eva
     model.eval()
     extra = _ids(req.stop_token_ids, "--stop-token-ids")
     before_batch = _progress(req, t0 := time.perf_counter())
-    settings = _run_config(req)
+    settings = run_config(req)
     settings.reward.function = req.reward_function  # the command's (a config's grades no eval)
     stops = engine_stops(stop_token_ids(model, tokenizer, extra), tokenizer, settings.env)
     engine = make_engine(req.engine, model, tokenizer, stops)
@@ -223,51 +198,6 @@ def _phrases(text: str) -> tuple[str, ...]:
     return tuple(p.strip() for p in text.split(",") if p.strip()) or REFLECTIVE_PHRASES
 
 
-def _problems(req: EvalRequest) -> list:
-    problems = _read_problems(req)
-    from dapo.reward import tasks
-
-    # Every row's verifier, before the model loads: one missing graded every response wrong.
-    graded = [] if req.reward_function else problems  # a reward function grades every row
-    try:
-        names = {tasks.get_task(req.reward_mode or p.data_source).name for p in graded}
-    except ValueError as exc:
-        raise ValueError(f"--data {req.data}: {exc} (dapo eval: --reward-mode dapo)") from None
-    if "code" in names:
-        from dapo.reward import sandbox
-
-        # Before the model loads: a machine without a sandbox fails here, naming the fix.
-        mode = sandbox.pick_mode(_run_config(req).code.sandbox)
-        print(f"code rows: graded in the {mode} sandbox", file=sys.stderr)
-        if mode == "process":
-            print(f"dapo: warning: {sandbox.process_mode_warning()}", file=sys.stderr)
-    return problems
-
-
-def _run_config(req: EvalRequest) -> Any:
-    """``--config`` (a run's settings: its sandbox, its reward bound), else the defaults."""
-    from dapo.config import load_config
-
-    return load_config(req.config) if req.config else load_config(None, [])
-
-
-def _read_problems(req: EvalRequest) -> list:
-    if req.data == "arith":
-        from dapo.config import load_config
-        from dapo.training.inputs import load_run_data
-
-        # The held-out split `dapo train` evaluates on (with --config: that run's arith task).
-        cfg = load_config(req.config, ["data.train_file=", "data.val_file="])
-        problems = load_run_data(cfg).val
-    else:
-        from dapo.data.files import load_problems
-
-        if req.config:
-            raise ValueError("--config shapes --data arith only; a data file is read as it is")
-        problems = load_problems(req.data).problems
-    return problems[: req.num_problems] if req.num_problems else problems
-
-
 def _model(req: EvalRequest) -> tuple[Any, Any]:
     """The policy to evaluate on ``req.device`` in ``req.dtype``, and its tokenizer."""
     from dapo.config import load_config
@@ -357,6 +287,8 @@ def _protocol(req: EvalRequest, problems: int) -> dict[str, Any]:
     }
     if req.reward_function:
         protocol["reward_function"] = req.reward_function
+    if data_options(req):  # how the file was read, where not as dapo reads it by default
+        protocol["data_options"] = data_options(req)
     if req.config:  # its env, code and reward settings shape the records too
         digest = hashlib.sha256(Path(req.config).read_bytes()).hexdigest()
         protocol["config"] = {"path": str(req.config), "sha256": digest}

@@ -37,7 +37,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     check.add_argument("file", type=Path, metavar="FILE", help=".parquet, .jsonl or .json lines")
-    _add_format_args(check)
+    add_format_args(check)
     check.add_argument(
         "--tokenizer",
         type=Path,
@@ -61,7 +61,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     convert.add_argument(
         "--to", choices=("dapo", "flat"), help="output format (default: the other one than IN's)"
     )
-    _add_format_args(convert)
+    add_format_args(convert)
     convert.add_argument(
         "--data-source",
         metavar="NAME",
@@ -103,7 +103,9 @@ def _add_make_parser(sub: argparse._SubParsersAction) -> None:
     make.set_defaults(func=cmd_make)
 
 
-def _add_format_args(parser: argparse.ArgumentParser) -> None:
+def add_format_args(parser: argparse.ArgumentParser) -> None:
+    """``--format``, ``--question-key`` and ``--answer-key``: how a problem file is read
+    (``dapo data check``, ``convert`` and ``dapo eval``)."""
     parser.add_argument(
         "--format",
         choices=("auto", "dapo", "flat", "humaneval"),

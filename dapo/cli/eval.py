@@ -19,6 +19,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from dapo.cli.data import add_format_args
+
 DEFAULT_OUT = "evals"  # dapo.api.evaluation.DEFAULT_OUT (not imported here: see dapo.cli)
 
 
@@ -126,6 +128,20 @@ def _add_engine_args(ev: argparse.ArgumentParser) -> None:
 
 
 def _add_setting_args(ev: argparse.ArgumentParser) -> None:
+    add_format_args(ev)
+    ev.add_argument(
+        "--wrap-template",
+        action="store_true",
+        help="wrap each problem in the DAPO instruction template, unless it starts with it (a "
+        "copy that lost it: the shared DAPO-Math-17k)",
+    )
+    ev.add_argument(
+        "--on-bad-row",
+        choices=("error", "skip"),
+        default="error",
+        help="error: stop at the first unusable row; skip: leave such rows out and say how "
+        "many (default error)",
+    )
     ev.add_argument(
         "--config",
         help="a run's YAML (a recipe, a run's config.yaml): its arith section shapes --data "

@@ -38,7 +38,7 @@ ON_BAD_ROW = ("error", "skip")
 # ".json" is read as JSON Lines too (one object per line), as Hugging Face datasets write it.
 SUFFIXES = (".parquet", ".jsonl", ".json")
 DEFAULT_DATA_SOURCE = "math_dapo"
-SKIP_HINT = "pass data.on_bad_row=skip to skip and count such rows"
+SKIP_HINT = "pass data.on_bad_row=skip (--on-bad-row skip) to skip and count such rows"
 # DAPO-Math-17k's answers all match this (its SOURCE.md); anything else is graded only
 # as well as the verifier's normalisation allows, so ``check`` counts it.
 INTEGER_RE = re.compile(r"-?[0-9]+")

@@ -1,0 +1,122 @@
+"""An evaluation's settings (:class:`EvalRequest`), and what ``dapo eval`` reads before its
+model loads: the problems of ``--data`` (read as its flags say, every row's verifier found,
+the code sandbox picked) and the settings of ``--config``."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class EvalRequest:
+    """One evaluation's settings; the names are ``dapo eval``'s flags."""
+
+    model: str
+    data: str
+    k: int = 32
+    pass_k: str = ""
+    temperature: float = 1.0
+    top_p: float = 0.7
+    max_new_tokens: int = 20480
+    seed: int = 0
+    greedy: bool = False
+    num_problems: int = 0
+    reward_mode: str = ""
+    reward_function: str = ""
+    stop_token_ids: str = ""
+    system_prompt: str | None = None
+    resamples: int = 10_000
+    phrases: str = ""
+    out: Path | None = None
+    device: str = "auto"
+    engine: str = "dapo"
+    dtype: str = "float32"
+    config: str | None = None
+    threads: int = 0
+    format: str = "auto"
+    question_key: str = "question"
+    answer_key: str = "answer"
+    wrap_template: bool = False
+    on_bad_row: str = "error"
+
+
+DATA_DEFAULTS: dict[str, Any] = {
+    "format": "auto",
+    "question_key": "question",
+    "answer_key": "answer",
+    "wrap_template": False,
+    "on_bad_row": "error",
+}
+"""How ``dapo eval`` reads a data file unless its flags say otherwise (``dapo data``'s
+flags, by the same names)."""
+
+
+def data_options(req: EvalRequest) -> dict[str, Any]:
+    """``req``'s data-reading flags that differ from :data:`DATA_DEFAULTS`."""
+    return {k: getattr(req, k) for k, v in DATA_DEFAULTS.items() if getattr(req, k) != v}
+
+
+def problems_of(req: EvalRequest) -> list:
+    """``req``'s problems (the first ``num_problems``), each with a verifier; a code row's
+    sandbox picked (a machine without one fails here, naming the fix)."""
+    problems = _read(req)
+    from dapo.reward import tasks
+
+    # Every row's verifier, before the model loads: one missing graded every response wrong.
+    graded = [] if req.reward_function else problems  # a reward function grades every row
+    try:
+        names = {tasks.get_task(req.reward_mode or p.data_source).name for p in graded}
+    except ValueError as exc:
+        raise ValueError(f"--data {req.data}: {exc} (dapo eval: --reward-mode dapo)") from None
+    if "code" in names:
+        from dapo.reward import sandbox
+
+        mode = sandbox.pick_mode(run_config(req).code.sandbox)
+        print(f"code rows: graded in the {mode} sandbox", file=sys.stderr)
+        if mode == "process":
+            print(f"dapo: warning: {sandbox.process_mode_warning()}", file=sys.stderr)
+    return problems
+
+
+def run_config(req: EvalRequest) -> Any:
+    """``--config`` (a run's settings: its sandbox, its reward bound), else the defaults."""
+    from dapo.config import load_config
+
+    return load_config(req.config) if req.config else load_config(None, [])
+
+
+def _read(req: EvalRequest) -> list:
+    if req.data == "arith":
+        from dapo.config import load_config
+        from dapo.training.inputs import load_run_data
+
+        if data_options(req):
+            flags = ", ".join(f"--{k.replace('_', '-')}" for k in data_options(req))
+            raise ValueError(f"--data arith is generated, not read: {flags} shape files only")
+        # The held-out split `dapo train` evaluates on (with --config: that run's arith task).
+        cfg = load_config(req.config, ["data.train_file=", "data.val_file="])
+        problems = load_run_data(cfg).val
+    else:
+        from dapo.data.files import load_problems
+
+        if req.config:
+            raise ValueError("--config shapes --data arith only; a data file is read as it is")
+        loaded = load_problems(
+            req.data,
+            fmt=req.format,
+            question_key=req.question_key,
+            answer_key=req.answer_key,
+            wrap_template=req.wrap_template,
+            on_bad_row=req.on_bad_row,
+        )
+        if loaded.skipped:
+            print(
+                f"{req.data}: {len(loaded.skipped)} bad rows skipped (--on-bad-row skip); the "
+                f"first: {loaded.skipped[0]}",
+                file=sys.stderr,
+            )
+        problems = loaded.problems
+    return problems[: req.num_problems] if req.num_problems else problems
