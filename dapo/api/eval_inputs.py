@@ -5,7 +5,7 @@ the code sandbox picked) and the settings of ``--config``."""
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -43,20 +43,15 @@ class EvalRequest:
     on_bad_row: str = "error"
 
 
-DATA_DEFAULTS: dict[str, Any] = {
-    "format": "auto",
-    "question_key": "question",
-    "answer_key": "answer",
-    "wrap_template": False,
-    "on_bad_row": "error",
-}
-"""How ``dapo eval`` reads a data file unless its flags say otherwise (``dapo data``'s
+DATA_FLAGS = ("format", "question_key", "answer_key", "wrap_template", "on_bad_row")
+"""The fields of :class:`EvalRequest` that say how a data file is read (``dapo data``'s
 flags, by the same names)."""
 
 
 def data_options(req: EvalRequest) -> dict[str, Any]:
-    """``req``'s data-reading flags that differ from :data:`DATA_DEFAULTS`."""
-    return {k: getattr(req, k) for k, v in DATA_DEFAULTS.items() if getattr(req, k) != v}
+    """``req``'s :data:`DATA_FLAGS` that differ from their defaults (as ``dapo data`` reads)."""
+    defaults = {f.name: f.default for f in fields(EvalRequest)}
+    return {k: getattr(req, k) for k in DATA_FLAGS if getattr(req, k) != defaults[k]}
 
 
 def problems_of(req: EvalRequest) -> list:

@@ -65,7 +65,7 @@ def environment_score(trace: Trace | None, verified: Score) -> Score:
     if trace is None or trace.reward is None:
         return verified
     reward = float(trace.reward)
-    return Score(score=reward, correct=reward > 0, pred=verified.pred, vote=verified.vote)
+    return replace(verified, score=reward, correct=reward > 0)
 
 
 @dataclass
