@@ -423,3 +423,33 @@ def test_compare_takes_a_hub_model_id_for_a_model(tmp_path, capsys, monkeypatch)
     assert main(["eval", "--compare", str(a), "Org/no-such-model", "--data", "arith"]) == 2
     err = capsys.readouterr().err
     assert "Org/no-such-model" in err and "Hugging Face cache" in err and "cannot read" not in err
+
+
+def test_faults_are_named_on_stderr_under_the_table(tmp_path, model_and_data, capsys):
+    """A reward function that raises on some responses: the table alone read as a weak model.
+    Each batch names its first fault and what the function printed; a line under the table
+    counts them."""
+    model_dir, data = model_and_data
+    fn = tmp_path / "picky.py"
+    second = json.loads(data.read_text().splitlines()[1])["answer"]
+    fn.write_text(
+        "def picky(response, ground_truth):\n"
+        "    print('grading', ground_truth)\n"
+        f"    if ground_truth == {second!r}:\n"
+        "        raise ValueError('no grade for this one')\n"
+        "    return True\n"
+    )
+    out = tmp_path / "a"
+    flags = ("--num-problems", "3", "--k", "2", "--reward-function", f"{fn}:picky")
+    assert _eval(model_dir, data, out, *flags) == 0
+    err = capsys.readouterr().err
+    assert (
+        "evaluation, problems 1-3: the verifier failed on 2 response(s), graded incorrect; " in err
+    )
+    records = [json.loads(x) for x in (out / "problems.jsonl").read_text().splitlines()]
+    assert [r["faults"] for r in records] == [0, 2, 0]
+    assert f"first (row {records[1]['uid']}): error: verifier " in err
+    assert "raised ValueError: no grade for this one" in err
+    assert "the verifiers printed:\ngrading " in err
+    assert "2 of 6 responses could not be graded (reward faults, counted wrong)" in err
+    assert json.loads((out / "summary.json").read_text())["protocol"]["reward_faults"] == 2

@@ -121,12 +121,7 @@ def run(req: EvalRequest, *, reward_fn: Callable[..., Any] | None = None) -> Eva
     summary = summarize(list(per_problem.values()), resamples=req.resamples, seed=req.seed)
     protocol = _save(req, out, records, per_problem, summary, seconds=time.perf_counter() - t0)
     journal.finish()
-    title = (
-        f"{req.model} on {req.data}: {len(problems)} problems x {req.k} samples "
-        f"(T {req.temperature}, top_p {req.top_p}, seed {req.seed})"
-    )
-    print(_table(summary, title))
-    print(f"wrote {out / 'summary.json'} and {out / 'problems.jsonl'}")
+    _print_result(req, summary, protocol, out)
     metrics = {name: asdict(iv) for name, iv in summary.items()}
     return EvalResult(out_dir=out, metrics=metrics, protocol=protocol)
 
@@ -227,6 +222,24 @@ def _per_problem(records: list[dict], ks: list[int], phrases: tuple[str, ...]) -
     metrics = [record_metrics(r, ks=ks, phrases=phrases) for r in records]
     metrics = without_unvoted_majority(metrics, records)
     return {r["uid"]: m for r, m in zip(records, metrics, strict=True)}
+
+
+def _print_result(req: EvalRequest, summary: dict, protocol: dict[str, Any], out: Path) -> None:
+    """The table on stdout, and under it (on stderr) how many responses were not graded."""
+    title = (
+        f"{req.model} on {req.data}: {protocol['problems']} problems x {req.k} samples "
+        f"(T {req.temperature}, top_p {req.top_p}, seed {req.seed})"
+    )
+    print(_table(summary, title))
+    if protocol["reward_faults"]:
+        print(
+            f"dapo: warning: {protocol['reward_faults']} of {protocol['problems'] * req.k} "
+            "responses could not be graded (reward faults, counted wrong): the table "
+            "understates the model; problems.jsonl's `faults` counts them per problem, and "
+            "the warnings above say why",
+            file=sys.stderr,
+        )
+    print(f"wrote {out / 'summary.json'} and {out / 'problems.jsonl'}")
 
 
 def _table(summary: dict, title: str) -> str:

@@ -6,6 +6,7 @@ Samples are drawn by the run's rollout engine; the caller puts the model in eval
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -194,21 +195,31 @@ def sample_records(
             seed=[derive_seed(seed, "problem", first_index + start + j) for j in range(len(chunk))],
         )
         jobs = [grading_job(chunk[i // k], text, reward_mode) for i, text in enumerate(ro.texts)]
-        graded = _with_environment(pool.grade(jobs), ro)
+        where = f"evaluation, problems {first_index + start + 1}-{first_index + start + len(chunk)}"
+        uids = [p.uid for p in chunk]
+        graded = _graded(pool, jobs, ro, where, [uid for uid in uids for _ in range(k)])
         greedy_correct = None
         if greedy:
             g = generate(prompts, group_size=1, max_new_tokens=max_new_tokens, greedy=True)
             greedy_jobs = [
                 grading_job(p, text, reward_mode) for p, text in zip(chunk, g.texts, strict=True)
             ]
-            greedy_correct = [
-                s.correct for s in _with_environment(pool.grade(greedy_jobs), g).scores
-            ]
+            greedy_graded = _graded(pool, greedy_jobs, g, f"{where}, greedy", uids)
+            greedy_correct = [s.correct for s in greedy_graded.scores]
         batch = _records(chunk, ro, graded, k, greedy_correct)
         if after_batch is not None:
             after_batch(batch)
         records += batch
     return records
+
+
+def _graded(pool: RewardPool, jobs: list, ro: Rollout, where: str, uids: list[str]) -> Any:
+    """``jobs`` graded (environment scores in place), with the faults and what the verifiers
+    printed on stderr, each job named by ``uids[its index]``."""
+    graded = _with_environment(pool.grade(jobs), ro)
+    for line in graded.warnings(where, uids.__getitem__):
+        print(line, file=sys.stderr)
+    return graded
 
 
 def _with_environment(graded: Any, ro: Rollout) -> Any:

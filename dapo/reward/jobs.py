@@ -3,6 +3,7 @@ a fault for each job whose verifier failed (:mod:`dapo.reward.pool` runs them)."
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -63,6 +64,23 @@ class GradeResult:
     characters (their output is never written to the trainer's streams)."""
     output_dropped: int = 0
     """Characters of that output dropped past the caps (per response, then per batch)."""
+
+    def warnings(self, where: str, uid_of: Callable[[int], str]) -> list[str]:
+        """What went wrong grading the batch, for stderr: the faults (the first named by its
+        row's uid, ``uid_of(job index)``) and what the verifiers printed (capped)."""
+        lines = []
+        if self.faults:
+            first = self.faults[0]
+            lines.append(
+                f"dapo: warning: {where}: the verifier failed on {len(self.faults)} "
+                f"response(s), graded incorrect; first (row {uid_of(first.index)}): "
+                f"{first.kind}: {first.detail}"
+            )
+        if self.output or self.output_dropped:
+            dropped = self.output_dropped
+            more = f" ({dropped} more characters dropped)" if dropped else ""
+            lines.append(f"dapo: {where}: the verifiers printed{more}:\n{self.output.rstrip()}")
+        return lines
 
 
 MAX_SHOWN_OUTPUT = 4096

@@ -165,7 +165,7 @@ def rollout_round(
     t_reward = time.perf_counter()
     graded = (drawer.pool or RewardPool(workers=0)).grade(jobs)
     accumulate(drawer.timers, "reward", time.perf_counter() - t_reward)
-    _warn_faults(step, graded, [problems[f.index // G].uid for f in graded.faults[:1]])
+    _warn_faults(step, graded, problems, G)
     fault_of = {f.index: f.kind for f in graded.faults}
     groups = []
     for i, problem in enumerate(problems):
@@ -246,21 +246,8 @@ def shape_group(episodes: Sequence[Episode], shaping: AlgoConfig, *, l_max: int)
         e.reward, e.correct, e.trainable = reward, correct, keep
 
 
-def _warn_faults(step: int, graded: GradeResult, first_uid: list[str]) -> None:
+def _warn_faults(step: int, graded: GradeResult, problems: list[Problem], G: int) -> None:
     """Say what went wrong grading a round (the first fault, naming its row's uid), and what
     the verifiers printed (capped: dapo.reward.pool)."""
-    if graded.faults:
-        first = graded.faults[0]
-        print(
-            f"dapo: warning: step {step + 1}: the verifier failed on "
-            f"{len(graded.faults)} response(s), graded incorrect; first (row {first_uid[0]}): "
-            f"{first.kind}: {first.detail}",
-            file=sys.stderr,
-        )
-    if graded.output or graded.output_dropped:
-        dropped = graded.output_dropped
-        more = f" ({dropped} more characters dropped)" if dropped else ""
-        print(
-            f"dapo: step {step + 1}: the verifiers printed{more}:\n{graded.output.rstrip()}",
-            file=sys.stderr,
-        )
+    for line in graded.warnings(f"step {step + 1}", lambda index: problems[index // G].uid):
+        print(line, file=sys.stderr)
