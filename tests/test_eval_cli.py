@@ -210,6 +210,13 @@ def test_compare_two_model_directories_evaluates_both_on_the_same_problems(
     # last avg@k line; each evaluation printed its own table first).
     row = [x for x in out.splitlines() if x.startswith("avg@k")][-1]
     assert row.split()[-1] == "1.0000"
+    # Each side's column is its own evaluation's interval, drawn in its file's problem order as
+    # summary.json's was (uid order resampled other problems: len_mean's bounds moved).
+    summary = json.loads((tmp_path / "A" / "summary.json").read_text())["metrics"]
+    table = out[out.rindex("B - A [95% paired]") :].splitlines()[1:]
+    columns = {line.split()[0]: line[19:43].strip() for line in table if line[:1].strip()}
+    for name, iv in summary.items():
+        assert columns[name] == f"{iv['mean']:.3f} [{iv['low']:.3f}, {iv['high']:.3f}]", name
     assert (tmp_path / "A" / "problems.jsonl").is_file() and (
         tmp_path / "B" / "summary.json"
     ).is_file()

@@ -223,7 +223,10 @@ def compare(
     to report how many were dropped. Problems are taken in sorted uid order so the result does
     not depend on mapping order. For each metric key present in every shared record of both,
     the entry is ``{"a": Interval, "b": Interval, "diff": Interval, "p": float}`` with ``diff``
-    the paired interval of b - a and ``p`` the paired sign-flip p-value. ``"changed"`` lists
+    the paired interval of b - a and ``p`` the paired sign-flip p-value. ``a`` and ``b``
+    resample each side's shared problems in its mapping's order: where no problem is left
+    out, a side read from ``dapo eval``'s problems.jsonl gets its summary.json's interval
+    (same seed and resamples), not one drawn anew in uid order. ``"changed"`` lists
     ``(uid, a_value, b_value)`` for every problem whose ``"avg@k"`` differs, largest
     improvement first (ties by uid).
     """
@@ -239,13 +242,19 @@ def compare(
         if all(key in record for record in records_a) and all(key in r for r in records_b)
     ]
 
+    in_order_a = [record for uid, record in a.items() if uid in b]
+    in_order_b = [record for uid, record in b.items() if uid in a]
     result: dict[str, Any] = {}
     for key in keys:
         values_a = [record[key] for record in records_a]
         values_b = [record[key] for record in records_b]
         result[key] = {
-            "a": bootstrap_ci(values_a, resamples=resamples, seed=seed, level=level),
-            "b": bootstrap_ci(values_b, resamples=resamples, seed=seed, level=level),
+            "a": bootstrap_ci(
+                [r[key] for r in in_order_a], resamples=resamples, seed=seed, level=level
+            ),
+            "b": bootstrap_ci(
+                [r[key] for r in in_order_b], resamples=resamples, seed=seed, level=level
+            ),
             "diff": paired_bootstrap_ci(
                 values_a, values_b, resamples=resamples, seed=seed, level=level
             ),
