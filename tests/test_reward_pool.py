@@ -447,3 +447,63 @@ def test_what_verifiers_print_is_capped_and_counted_never_written_out(workers, c
     assert "x" * 100 not in out + err
     if workers:  # in-process, a descriptor write is the caller's own stdout
         assert "y" * 100 not in out + err
+
+
+def _dead_or_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_workers_stuck_in_a_verifier_die_with_a_trainer_killed_by_sigkill(tmp_path):
+    """Nothing kills a hung worker once its pool's process is SIGKILLed (the OOM killer, a
+    preemption): it spun at 100% CPU for good, its forkserver parent kept alive by it."""
+    import signal
+    import subprocess
+
+    script = tmp_path / "owner.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+        "import faulty_verifiers\n"
+        "from dapo.reward.pool import Job, RewardPool\n"
+        "if __name__ == '__main__':\n"
+        "    pool = RewardPool(workers=2, timeout_s=120, resolve=faulty_verifiers.resolve)\n"
+        "    probes = pool.grade([Job('probe', '', ''), Job('probe', '', '')]).scores\n"
+        "    print(*(s.pred.split()[0] for s in probes), flush=True)\n"
+        "    pool.grade([Job('hang', '', '1'), Job('hang', '', '1')])\n"
+    )
+    owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    pids = [int(p) for p in owner.stdout.readline().split()]
+    assert len(pids) == 2 and not any(_dead_or_zombie(pid) for pid in pids)
+    time.sleep(1.0)  # both workers are in the verifier's loop by now
+    owner.send_signal(signal.SIGKILL)
+    owner.wait()
+    deadline = time.monotonic() + 10
+    while not all(_dead_or_zombie(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = [pid for pid in pids if not _dead_or_zombie(pid)]
+    for pid in alive:  # leave nothing spinning behind a failed assertion
+        os.kill(pid, signal.SIGKILL)
+    assert not alive
+
+
+def test_a_worker_that_died_idle_is_replaced_without_faulting_the_next_batch():
+    """The OOM killer took a worker between two batches: the next batch's first response was
+    faulted as a crash that no verifier ever saw."""
+    import signal
+
+    with pool(workers=1) as reward_pool:
+        (probe,) = reward_pool.grade([Job("probe", "", "")]).scores
+        os.kill(pid_of(probe), signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while not _dead_or_zombie(pid_of(probe)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)  # the forkserver reports the exit status
+        jobs = ok_jobs(3)
+        result = reward_pool.grade(jobs)
+    assert result.faults == []
+    assert_others_graded(jobs, result.scores, set())

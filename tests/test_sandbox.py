@@ -503,6 +503,46 @@ def test_an_ordinary_users_runs_are_contained_too(name, trap):
         assert trap.escaped(result["output"].encode("latin-1")) == [], (mode, result)
 
 
+CHANGE_THE_PARENT = """import os, resource
+own = os.sched_getaffinity(0)
+resource.prlimit(0, resource.RLIMIT_CORE, (0, 0))
+os.sched_setaffinity(0, own)
+os.setpriority(os.PRIO_PROCESS, 0, os.getpriority(os.PRIO_PROCESS, 0) + 1)
+print('changed itself')
+parent = os.getppid()
+calls = {
+    'prlimit': lambda: resource.prlimit(parent, resource.RLIMIT_CORE, (0, 0)),
+    'affinity': lambda: os.sched_setaffinity(parent, own),
+    'priority': lambda: os.setpriority(
+        os.PRIO_PROCESS, parent, os.getpriority(os.PRIO_PROCESS, parent)),
+    'user priority': lambda: os.setpriority(
+        os.PRIO_USER, 0, os.getpriority(os.PRIO_USER, 0)),
+}
+for name, call in calls.items() if parent > 1 else ():
+    try:
+        call()
+        print(name, 'changed the parent')
+    except OSError as e:
+        print(name, e)
+"""
+"""Harmless values (a core limit of 0, the affinity and priority it has), but each call that
+succeeds could as well cap the parent's CPU time (then SIGKILL) or pin it to one core."""
+
+
+@pytest.mark.skipif(not ROOT or not os.path.exists(SYSTEM_PYTHON), reason="needs root")
+def test_an_ordinary_users_program_changes_itself_but_no_process_of_its_user():
+    """Without root the program has the trainer's uid: in process mode the kernel let it set
+    the limits, affinity and priority of the trainer's processes (prlimit64 and friends)."""
+    if not SECCOMP:
+        pytest.skip("no seccomp filter here: an ordinary user's process mode is weaker")
+    results = as_ordinary_user(CHANGE_THE_PARENT, audit=False)
+    assert "process" in results, results
+    for mode, result in results.items():
+        assert "changed itself" in result["output"], (mode, result)
+        assert "changed the parent" not in result["output"], (mode, result)
+    assert results["process"]["output"].count("Operation not permitted") == 4, results
+
+
 # --- the audit hook ----------------------------------------------------------------------------
 
 REFUSED = {

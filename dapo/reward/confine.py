@@ -14,12 +14,14 @@ mode, ``process`` included, wherever the kernel offers them.
   outside it.
 - **seccomp** (x86-64 and AArch64): no socket but ``AF_UNIX``, no new process (threads only:
   ``clone`` without ``CLONE_THREAD``, ``fork``, ``vfork`` and ``execve`` fail), no signal to a
-  process but itself or its own process group, no ``ptrace`` or reading another process's
-  memory, no mount, namespace, BPF, key ring, kernel module or reboot calls, no io_uring
-  (whose ``IORING_OP_SOCKET`` makes a socket without the ``socket`` call), no ``memfd_create``
-  (a memory file's pages are in no address space, no tmpfs and no working directory: they
-  would escape ``RLIMIT_AS``, ``tmp_bytes`` and the disk poll). A syscall of another ABI
-  (x86's 32-bit ``int 0x80``) kills the process.
+  process but itself or its own process group, no change to another process's limits, CPU
+  affinity, scheduling, priority or pages (``prlimit64``, ``sched_setaffinity``,
+  ``setpriority``...: without root the program has the trainer's uid), no ``ptrace``, ``kcmp``
+  or reading another process's memory, no mount, namespace, BPF, key ring, kernel module or
+  reboot calls, no io_uring (whose ``IORING_OP_SOCKET`` makes a socket without the ``socket``
+  call), no ``memfd_create`` (a memory file's pages are in no address space, no tmpfs and no
+  working directory: they would escape ``RLIMIT_AS``, ``tmp_bytes`` and the disk poll). A
+  syscall of another ABI (x86's 32-bit ``int 0x80``) kills the process.
 
 Both need ``PR_SET_NO_NEW_PRIVS``, which :func:`confine` sets first. Pure standard library,
 for any Python from 3.8: the sandboxed interpreter may be the system's, not the trainer's.
@@ -142,6 +144,9 @@ _ARCH = {  # machine -> (AUDIT_ARCH_*, syscall numbers)
             name_to_handle_at=303, quotactl=179, mount_setattr=442, move_mount=429,
             open_tree=428, fsopen=430, fsconfig=431, fsmount=432, fspick=433,
             io_uring_setup=425, io_uring_enter=426, io_uring_register=427, memfd_create=319,
+            prlimit64=302, sched_setaffinity=203, sched_setparam=142, sched_setscheduler=144,
+            sched_setattr=314, setpriority=141, ioprio_set=251, migrate_pages=256,
+            move_pages=279, kcmp=312,
         ),
     ),
     "aarch64": (
@@ -157,14 +162,16 @@ _ARCH = {  # machine -> (AUDIT_ARCH_*, syscall numbers)
             swapoff=225, userfaultfd=282, open_by_handle_at=265, name_to_handle_at=264,
             quotactl=60, mount_setattr=442, move_mount=429, open_tree=428, fsopen=430,
             fsconfig=431, fsmount=432, fspick=433, io_uring_setup=425, io_uring_enter=426,
-            io_uring_register=427, memfd_create=279,
+            io_uring_register=427, memfd_create=279, prlimit64=261, sched_setaffinity=122,
+            sched_setparam=118, sched_setscheduler=119, sched_setattr=274, setpriority=140,
+            ioprio_set=30, migrate_pages=238, move_pages=239, kcmp=272,
         ),
     ),
 }  # fmt: skip
 _ALLOW, _KILL = 0x7FFF0000, 0x80000000  # SECCOMP_RET_ALLOW, SECCOMP_RET_KILL_PROCESS
 _EPERM, _ENOSYS = 0x00050000 | 1, 0x00050000 | 38  # SECCOMP_RET_ERRNO | errno
 _LD, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|..|K, RET
-_NR, _ARCH_OFFSET, _ARG0 = 0, 4, 16  # offsets in struct seccomp_data (arg 0's low 32 bits)
+_NR, _ARCH_OFFSET, _ARG0, _ARG1 = 0, 4, 16, 24  # offsets in struct seccomp_data (low 32 bits)
 _AF_UNIX, _CLONE_THREAD = 1, 0x10000
 _DENIED = (
     "fork", "vfork", "execve", "execveat", "ptrace", "pidfd_send_signal", "pidfd_open",
@@ -174,7 +181,14 @@ _DENIED = (
     "swapon", "swapoff", "iopl", "ioperm", "userfaultfd", "open_by_handle_at",
     "name_to_handle_at", "quotactl", "mount_setattr", "move_mount", "open_tree", "fsopen",
     "fsconfig", "fsmount", "fspick", "io_uring_setup", "io_uring_enter", "io_uring_register",
-    "memfd_create",
+    "memfd_create", "kcmp",
+)  # fmt: skip
+# Calls that change another process named by pid (0: the caller). Without root the program
+# keeps the trainer's uid, and the kernel lets it cap the trainer's CPU time (prlimit64: then
+# SIGKILL), pin or deprioritise it: allowed on the program itself only.
+_OWN_PID = (
+    "prlimit64", "sched_setaffinity", "sched_setparam", "sched_setscheduler", "sched_setattr",
+    "migrate_pages", "move_pages",
 )  # fmt: skip
 
 
@@ -200,10 +214,16 @@ def _program(arch, numbers, pid, pgid):
             (_JEQ, "allow", "deny", (-pgid) & 0xFFFFFFFF),
         ],
         "self": [(_LD, None, None, _ARG0), (_JEQ, "allow", "deny", pid)],
+        "own": [(_LD, None, None, _ARG0), (_JEQ, "allow", None, 0), (_JEQ, "allow", "deny", pid)],
+        # which (arg 0) must be one process, PRIO_PROCESS or IOPRIO_WHO_PROCESS; then who.
+        "priority": [(_LD, None, None, _ARG0), (_JEQ, "who", "deny", 0)],
+        "ioprio": [(_LD, None, None, _ARG0), (_JEQ, "who", "deny", 1)],
+        "who": [(_LD, None, None, _ARG1), (_JEQ, "allow", None, 0), (_JEQ, "allow", "deny", pid)],
     }
     route = {"socket": "socket", "socketpair": "socket", "clone": "clone", "clone3": "clone3"}
     route.update(kill="signal", rt_sigqueueinfo="signal", tkill="self", tgkill="self")
-    route.update(rt_tgsigqueueinfo="self")
+    route.update(rt_tgsigqueueinfo="self", setpriority="priority", ioprio_set="ioprio")
+    route.update((name, "own") for name in _OWN_PID)
     route.update((name, "deny") for name in _DENIED)
     for name, target in route.items():
         if name in numbers:

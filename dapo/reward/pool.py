@@ -1,21 +1,20 @@
 """Grade untrusted model outputs in worker processes, in bounded time and memory.
 
-Model outputs are untrusted input: handed an adversarial response, a verifier may
-raise, loop forever or allocate without limit, and a bug in a new verifier does the
-same on ordinary responses. ``RewardPool`` runs verifiers in worker processes with
-an address-space limit and a deadline per response, and the parent kills and
-replaces a worker that overruns either. Whatever goes wrong costs only the response
-being graded: it gets ``FAULT_SCORE`` (graded incorrect) and a ``Fault`` that the
-trainer can count and log, and ``grade`` always returns one ``Score`` per job.
+Model outputs are untrusted input: handed an adversarial response, a verifier may raise, loop
+forever or allocate without limit, and a bug in a new verifier does the same on ordinary responses.
+``RewardPool`` runs verifiers in worker processes with an address-space limit and a deadline per
+response, and the parent kills and replaces a worker that overruns either. Whatever goes wrong
+costs only the response being graded: it gets ``FAULT_SCORE`` (graded incorrect) and a ``Fault``
+that the trainer can count and log, and ``grade`` always returns one ``Score`` per job.
 
-Workers come from the "forkserver" start method (a fresh, small interpreter, so they
-neither inherit the trainer's threads, CUDA state and address space nor start
-slowly), or "spawn" where forkserver does not exist. This module (and the worker side,
-``dapo.reward.worker``) imports only the standard library and ``dapo.reward.tasks``, so it loads
-no torch into a worker. But multiprocessing runs a ``__main__`` *script* again in every child
-it starts (the forkserver's own preload of it never happens on Python 3.11): that is why
-``dapo.cli``, which the ``dapo`` console script imports, imports nothing heavy at module level.
-A script of your own that imports torch at the top makes every worker start cost seconds.
+Workers come from the "forkserver" start method (a fresh, small interpreter, so they neither
+inherit the trainer's threads, CUDA state and address space nor start slowly), or "spawn" where
+forkserver does not exist. This module (and the worker side, ``dapo.reward.worker``) imports only
+the standard library and ``dapo.reward.tasks``, so it loads no torch into a worker. But
+multiprocessing runs a ``__main__`` *script* again in every child it starts (the forkserver's own
+preload of it never happens on Python 3.11): that is why ``dapo.cli``, which the ``dapo`` console
+script imports, imports nothing heavy at module level. A script of your own that imports torch at
+the top makes every worker start cost seconds.
 """
 
 from __future__ import annotations
@@ -57,8 +56,7 @@ __all__ = ["FAULT_KINDS", "FAULT_SCORE", "Fault", "GradeResult", "Job", "RewardP
 # far more than that before calling the setup broken.
 STARTUP_TIMEOUT_S = 120.0
 
-# A SIGKILLed process is gone within milliseconds; only one stuck in the kernel
-# (uninterruptible I/O) outlives this, and we stop waiting for it rather than hang.
+# A SIGKILLed process is gone in milliseconds; one stuck in uninterruptible I/O is not waited for.
 JOIN_TIMEOUT_S = 5.0
 
 
@@ -237,6 +235,8 @@ class RewardPool:
             if not chunk:
                 continue
             slot.pending.extend(chunk)
+            if slot.process is not None and slot.process.exitcode is not None:
+                self._stop(slot)  # it died idle (say the OOM killer): no job of this batch's fault
             if slot.process is None:
                 self._start(slot)  # the chunk follows its "ready" message
             else:

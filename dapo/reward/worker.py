@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+import multiprocessing
 import os
 import signal
 import sys
@@ -251,10 +252,11 @@ def worker_main(
     max_abs: float = MAX_ABS_SCORE,
 ) -> None:
     """Worker loop: receive a chunk of jobs, send one result message per job (preceded by
-    ``("output", index, text, dropped)`` when grading it printed)."""
+    ``("output", index, text, dropped)`` when grading it printed); it ends with its parent."""
     # Ctrl-C reaches the whole process group; only the parent should act on it
     # (and it kills the workers), or workers would report it as a verifier fault.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    exit_with_parent()
     _silence_descriptors()
     sink = CappedText()
     with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
@@ -280,6 +282,24 @@ def worker_main(
             if text or dropped:
                 conn.send(("output", index, text, dropped))
             conn.send((index, *outcome))
+
+
+def exit_with_parent() -> None:
+    """End this worker when the process that started it ends. A worker stuck in a verifier
+    reads no pipe, and the pool that would kill it at its deadline died with a trainer killed
+    by SIGKILL (the OOM killer, a preemption): it spun on, and its forkserver parent (held
+    open by the workers themselves) never exited to take it along. A daemon thread waits on
+    multiprocessing's sentinel of the starting process; it needs the GIL, which a verifier's
+    Python code yields every few milliseconds."""
+    parent = multiprocessing.parent_process()
+    if parent is None:  # not started by multiprocessing: nothing to watch
+        return
+
+    def watch() -> None:
+        parent.join()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="dapo-parent-watch", daemon=True).start()
 
 
 def describe_exit(code: int | None) -> str:
