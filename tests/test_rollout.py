@@ -79,6 +79,26 @@ def test_checkpoint_generation_config_does_not_leak_into_sampling(tiny_model, to
     assert torch.equal(ref.response_ids_BT, got.response_ids_BT)
 
 
+def test_the_hf_engine_reads_no_other_setting_of_the_checkpoints_generation_config(
+    tiny_model, tokenizer
+):
+    """generate filled every setting it was not given from the checkpoint: min_new_tokens
+    held EOS back, suppress_tokens / bad_words_ids never drew a token, and the log-probs
+    recorded were still the plain policy's; return_dict_in_generate crashed the engine."""
+    engine = make_engine("hf", tiny_model, tokenizer)
+    args = dict(group_size=2, max_new_tokens=10, seed=[3, 4])
+    ref = engine.generate(PROMPTS, **args)
+    drawn = int(ref.response_ids_BT[0, 0])
+    config = tiny_model.generation_config
+    config.min_new_tokens, config.suppress_tokens = 10, [drawn]
+    config.bad_words_ids, config.return_dict_in_generate = [[drawn]], True
+    config.sequence_bias = {(drawn,): -100.0}
+    got = engine.generate(PROMPTS, **args)
+    assert torch.equal(ref.response_ids_BT, got.response_ids_BT)
+    assert torch.equal(ref.logprobs_BT, got.logprobs_BT)
+    assert tiny_model.generation_config is config and config.min_new_tokens == 10  # put back
+
+
 def test_every_engine_follows_the_protocol(tiny_model, tokenizer):
     for name in ("dapo", "hf"):  # the vllm engine: tests/test_vllm_engine.py
         engine = make_engine(name, tiny_model, tokenizer)

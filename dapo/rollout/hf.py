@@ -6,10 +6,11 @@ Shapes: see :mod:`dapo.rollout.base`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from dapo.models.logprobs import autocast
 from dapo.rollout.base import (
@@ -63,7 +64,8 @@ class _MaskTokens(LogitsProcessor):
 
 def sampling_kwargs(*, max_new_tokens: int, temperature: float, top_p: float) -> dict:
     """Every sampling knob set explicitly: a checkpoint's generation_config.json (Qwen2.5 ships
-    top_k=20 and repetition_penalty=1.05) must not silently change the sampling distribution."""
+    top_k=20 and repetition_penalty=1.05) must not silently change the sampling distribution
+    (nor may the settings it has and these are not: :func:`checkpoint_settings_off`)."""
     return {
         "max_new_tokens": max_new_tokens,
         "do_sample": True,
@@ -76,6 +78,26 @@ def sampling_kwargs(*, max_new_tokens: int, temperature: float, top_p: float) ->
         "no_repeat_ngram_size": 0,
         "num_beams": 1,
     }
+
+
+@contextmanager
+def checkpoint_settings_off(model: torch.nn.Module) -> Iterator[None]:
+    """``model.generate`` in the block reads none of the model's generation_config but its
+    BOS id and cache kind. generate fills every setting it is not given from the checkpoint's
+    generation_config.json: ``min_new_tokens``, ``suppress_tokens``, ``bad_words_ids``,
+    ``sequence_bias``, ``forced_eos_token_id`` or ``epsilon_cutoff`` there changed the
+    distribution the tokens were drawn from, and the recorded log-probs described another."""
+    own = getattr(model, "generation_config", None)
+    if own is None:
+        yield
+        return
+    model.generation_config = GenerationConfig(
+        bos_token_id=own.bos_token_id, cache_implementation=own.cache_implementation
+    )
+    try:
+        yield
+    finally:
+        model.generation_config = own
 
 
 class HFEngine(LiveModelEngine):
@@ -151,6 +173,7 @@ class HFEngine(LiveModelEngine):
         with (
             torch.random.fork_rng(devices=devices),
             autocast(model, self.compute_dtype, self.device),
+            checkpoint_settings_off(model),
         ):
             torch.manual_seed(seed)
             out = model.generate(
