@@ -240,3 +240,38 @@ def test_a_gguf_import_never_writes_through_a_planted_partial_link(
     assert (tmp_path / "models" / ".out.partial").is_symlink()  # not dapo's: left alone
     assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [".out.partial", "out"]
     assert oct(out.stat().st_mode & 0o777) != oct(0o700)  # not mkdtemp's private mode
+
+
+def _with_code(model_dir: Path, marker: Path) -> None:
+    """config.json of a model type transformers lacks, mapped to code beside it that would
+    leave ``marker``: transformers asked on the terminal whether to run it, and a `y` piped
+    to dapo (``yes |``) ran it."""
+    config = json.loads((model_dir / "config.json").read_text())
+    config.pop("model_type")
+    config["auto_map"] = {"AutoConfig": "evil.Config", "AutoModelForCausalLM": "evil.Model"}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    (model_dir / "evil.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n")
+
+
+def test_code_that_comes_with_a_checkpoint_or_model_is_never_run(
+    run, tmp_path, capsys, monkeypatch
+):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("y\n" * 10))  # yes | dapo ...
+    marker = tmp_path / "ran"
+    copy, ckpt = _copy(run, tmp_path)
+    _with_code(ckpt / "model", marker)
+    (ckpt / "model" / "generation_config.json").unlink()  # export builds one from the config
+    _reseal(ckpt)
+    rc, err = _export(copy, tmp_path / "x", capsys, "--step", "2")
+    config = ckpt / "model" / "config.json"
+    assert rc == 1 and f"{config} asks for code of its own (auto_map)" in err, err
+    assert not (tmp_path / "x").exists()
+    model_dir = tmp_path / "model"
+    shutil.copytree(run / "model", model_dir)
+    _with_code(model_dir, marker)
+    rc = main(["eval", str(model_dir), "--data", "arith", "--k", "1", "--num-problems", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "contains custom code which must be executed" in err, err
+    assert not marker.exists()

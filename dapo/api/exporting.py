@@ -39,6 +39,7 @@ from dapo import __version__
 from dapo.api import adapters
 from dapo.api.export_dir import MARKER, TEMPLATES_DIR, prepare, publish, written_files
 from dapo.dist import dcp
+from dapo.models import hub
 from dapo.models.policy import DTYPES, generation_stop_ids, tokenizer_from_dir
 from dapo.run import checkpoint, manifest
 from dapo.run.checkpoint import CheckpointError
@@ -284,6 +285,12 @@ def _read_config(src: Path, copied: Path) -> dict:
         raise CheckpointError(f"{src} is missing or unreadable ({why}): {fix}") from None
     if not isinstance(config, dict):
         raise CheckpointError(f"{src} holds a {type(config).__name__}, not a model config: {fix}")
+    if "auto_map" in config and not hub.known_model_type(config.get("model_type")):
+        raise CheckpointError(
+            f"{src} asks for code of its own (auto_map) for a model type transformers does not "
+            f"have ({config.get('model_type')!r}); dapo runs no code that comes with a "
+            f"checkpoint, and wrote none: {fix}"
+        )
     return config
 
 
@@ -328,7 +335,9 @@ def _write_configs(
     if (src / "generation_config.json").is_file():
         generation = GenerationConfig.from_pretrained(src)
     else:
-        generation = GenerationConfig.from_model_config(AutoConfig.from_pretrained(tmp))
+        generation = GenerationConfig.from_model_config(
+            AutoConfig.from_pretrained(tmp, trust_remote_code=False)
+        )
     tokenizer = tokenizer_from_dir(tmp, setting="the checkpoint's model/")
     stops = generation_stop_ids(generation, tokenizer, extra)
     generation.eos_token_id = list(stops)

@@ -225,7 +225,9 @@ def load_tokenizer(path: Path, eos: int | None) -> Any:
     file's)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    tokenizer = AutoTokenizer.from_pretrained(
+        path.parent, gguf_file=path.name, trust_remote_code=False
+    )
     if eos is not None and eos < len(tokenizer) and tokenizer.eos_token_id != eos:
         tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos)
     return tokenizer
@@ -239,7 +241,7 @@ def load_model(path: Path) -> Any:
     from transformers import AutoModelForCausalLM
 
     quantized = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
+        path.parent, gguf_file=path.name, dtype=torch.float32, trust_remote_code=False
     )
     config = copy.deepcopy(quantized.config)
     for key in ("quantization_config", "_name_or_path"):

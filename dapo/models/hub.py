@@ -138,3 +138,11 @@ def _snapshot(
             "or download it to a directory and give that path"
         ) from None
     return Path(folder)
+
+
+def known_model_type(model_type: object) -> bool:
+    """Whether transformers has the architecture of ``model_type`` (a config.json's): a
+    config with ``auto_map`` for one it has not can load only by running the code beside it."""
+    from transformers import CONFIG_MAPPING
+
+    return isinstance(model_type, str) and model_type in CONFIG_MAPPING

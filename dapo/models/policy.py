@@ -128,7 +128,7 @@ def tokenizer_from_dir(path: Path, *, setting: str = "model.path") -> Any:
         # Qwen2Tokenizer), which tokenizes the same text differently.
         from transformers import PreTrainedTokenizerFast as loader
     try:
-        tokenizer = loader.from_pretrained(path, padding_side="left")
+        tokenizer = loader.from_pretrained(path, padding_side="left", trust_remote_code=False)
     except (OSError, ValueError, KeyError) as exc:
         raise ValueError(
             f"{setting}={path}: no usable tokenizer there ({str(exc).splitlines()[0]}); {fix}"
@@ -156,7 +156,7 @@ def context_length(cfg: Config) -> int | None:
         return TinyModelSpec().max_positions
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model_dir(cfg))
+    config = AutoConfig.from_pretrained(model_dir(cfg), trust_remote_code=False)
     return getattr(config, "max_position_embeddings", None)
 
 
@@ -282,7 +282,7 @@ def _pretrained(cfg: Config, tokenizer: Any, dtype: torch.dtype):
     path = check_model_path(cfg)
     tokenizer = tokenizer or load_tokenizer(cfg)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False)
     except (OSError, ValueError) as exc:
         raise ValueError(
             f"model.path={path}: not a causal language model transformers can load "

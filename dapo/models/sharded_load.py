@@ -99,7 +99,7 @@ def load(
             "trains on the CPU already: drop dist.cpu_offload"
         )
     try:
-        config = AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
         if getattr(config, "quantization_config", None) is not None:
             log(f"note: model.path={path} is quantized: {note} (transformers dequantizes it)")
             return None

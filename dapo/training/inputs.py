@@ -336,4 +336,4 @@ def _model_config(cfg: Config) -> Any:
         }
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(model_dir(cfg))
+    return AutoConfig.from_pretrained(model_dir(cfg), trust_remote_code=False)
