@@ -102,6 +102,13 @@ def test_turn_ends_that_match_no_token_are_refused(tokenizer):
     with pytest.raises(ValueError, match=r"turn_ends \['<<call>>'\] match no token"):
         with_turn_ends([tokenizer.eos_token_id], tokenizer, Typo())
 
+    class OneOfTwo(Environment):  # "?" ends turns; the typo was dropped without a word
+        turn_ends = ("?", "<<call>>")
+
+    assert tokenizer.convert_tokens_to_string(tokenizer.tokenize("?")).strip() == "?"
+    with pytest.raises(ValueError, match=r"turn_ends \['<<call>>'\] match no token"):
+        with_turn_ends([tokenizer.eos_token_id], tokenizer, OneOfTwo())
+
 
 @needs_sandbox
 def test_the_tool_runs_a_call_keeps_state_by_replay_and_reports_errors():

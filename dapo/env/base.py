@@ -102,18 +102,20 @@ def model_text_of(segments: list[tuple[str, bool]]) -> str:
 def turn_end_ids(tokenizer: Any, texts: tuple[str, ...]) -> list[int]:
     """The ids of every vocabulary token whose text, stripped of whitespace, is one of
     ``texts`` (for "```": the fence alone and with a newline or a space around it); a
-    ValueError when ``texts`` name some and no token is one of them."""
+    ValueError naming each of ``texts`` that no token is."""
     if not texts:
         return []
     wanted = set(texts)
-    ids = []
+    ids, found = [], set()
     for token, i in tokenizer.get_vocab().items():
-        if tokenizer.convert_tokens_to_string([token]).strip() in wanted:
+        text = tokenizer.convert_tokens_to_string([token]).strip()
+        if text in wanted:
             ids.append(i)
-    if not ids:
-        # Then no turn would ever end early, and no tool would run, without a word.
+            found.add(text)
+    if missing := sorted(wanted - found):
+        # Then that text would never end a turn (nor run a tool), without a word.
         raise ValueError(
-            f"env.class: turn_ends {sorted(wanted)} match no token of the tokenizer: each must "
-            "be the text of one token (a string the tokenizer splits never ends a turn)"
+            f"env.class: turn_ends {missing} match no token of the tokenizer: each must be "
+            "the text of one token (a string the tokenizer splits never ends a turn)"
         )
     return sorted(ids)
