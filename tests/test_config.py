@@ -204,6 +204,20 @@ def test_rounds_that_can_never_keep_n_groups_are_refused():
     load_config(None, [*rounds, "sampling.prompts_per_round=10", "sampling.max_rounds=0"])
 
 
+def test_rows_per_generate_below_a_group_is_refused_and_the_plan_counts_whole_groups():
+    """A group's responses are generated together: 4 rows a call with G = 8 held 8, twice
+    what the memory plan counted."""
+    from dapo.training.gpu_memory import rows_per_rank
+
+    with pytest.raises(ValueError, match="rows_per_generate=4 is below rollout.group_size=8"):
+        load_config(None, ["rollout.group_size=8", "rollout.rows_per_generate=4"])
+    for limit, rows in ((8, 8), (12, 8), (20, 16), (0, 8 * 16)):
+        cfg = load_config(None, ["rollout.group_size=8", f"rollout.rows_per_generate={limit}"])
+        cfg.train.prompts_per_step = 16
+        cfg.sampling.dynamic = False
+        assert rows_per_rank(cfg, world_size=1) == rows, limit
+
+
 def test_preset_comes_from_the_most_specific_source(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("preset: grpo\nbase: demo\n")

@@ -316,11 +316,11 @@ def round_prompts(cfg: Config) -> int:
 def rows_per_rank(cfg: Config, world_size: int, tp_size: int = 1) -> int:
     """Responses one rank generates at once: its tensor-parallel group's share of a whole
     round (``world_size / tp_size`` groups, every rank of a group holding all its rows), or
-    fewer by ``rollout.rows_per_generate``."""
+    fewer by ``rollout.rows_per_generate`` (whole groups: a call holds floor(it / G) of them)."""
     groups = max(1, world_size // tp_size)
     share = math.ceil(round_prompts(cfg) * cfg.rollout.group_size / groups)
-    limit = cfg.rollout.rows_per_generate
-    return min(limit, share) if limit > 0 else share
+    G, limit = cfg.rollout.group_size, cfg.rollout.rows_per_generate
+    return min(max(G, limit // G * G), share) if limit > 0 else share
 
 
 def settings_from_config(
