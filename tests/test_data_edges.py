@@ -228,3 +228,21 @@ def test_converting_a_file_of_only_bad_rows_is_an_error_and_writes_nothing(tmp_p
         convert_file(src, dst, to="flat", on_bad_row="skip")
     assert str(err.value).startswith(f"{src}: none of its 2 rows is usable (2 bad; the first: ")
     assert not dst.exists() and list(tmp_path.iterdir()) == [src]
+
+
+def test_converting_a_problem_repeated_with_another_answer_is_a_bad_row(tmp_path):
+    """`dapo data check` called the later copy bad, and training refused it; convert wrote it
+    as one more row."""
+    rows = [row("2+2?", "4"), row("2+2?", "5"), row("3+3?", "6"), row("2+2?", "4")]
+    src = jsonl(tmp_path / "repeats.jsonl", rows)
+    dst = tmp_path / "out.parquet"
+    with pytest.raises(
+        DataError, match="row 1, field 'reward_model.ground_truth': ground truth '5' "
+    ):
+        convert_file(src, dst, to="dapo")
+    assert not dst.exists()
+    result = convert_file(src, dst, to="dapo", on_bad_row="skip")
+    assert (result.rows_in, result.rows_out) == (4, 3)  # the same answer again is no conflict
+    assert [b.row for b in result.skipped] == [1]
+    answers = [r["reward_model"]["ground_truth"] for r in pq.read_table(dst).to_pylist()]
+    assert answers == ["4", "6", "4"]

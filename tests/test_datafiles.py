@@ -511,11 +511,20 @@ def test_check_dapo_math_17k():
 def test_convert_dapo_math_17k_rebuilds_official_prompts(tmp_path, capsys):
     src = need(DAPO_17K)
     out = tmp_path / "dapo-math-17k.parquet"
-    assert run_cli(["data", "convert", str(src), str(out), "--to", "dapo"]) == 0
-    assert "wrote 17,917 of 17,917 rows" in capsys.readouterr().out
-    original = pq.read_table(src).to_pylist()
+    # Its 11 rows that repeat a problem with another answer are bad rows, as check says.
+    with pytest.raises(DataError) as refused:
+        run_cli(["data", "convert", str(src), str(out), "--to", "dapo"])
+    assert "row 179, field 'reward_model.ground_truth': ground truth '6' differs from row 35" in (
+        str(refused.value)
+    )
+    assert not out.exists() and "pass --on-bad-row skip" in str(refused.value)
+    skip = ["--on-bad-row", "skip"]
+    assert run_cli(["data", "convert", str(src), str(out), "--to", "dapo", *skip]) == 0
+    assert "wrote 17,906 of 17,917 rows" in capsys.readouterr().out
+    skipped = {b.row for b in check_file(src).bad_rows}
+    original = [r for i, r in enumerate(pq.read_table(src).to_pylist()) if i not in skipped]
     converted = pq.read_table(out).to_pylist()
-    assert len(converted) == len(original)
+    assert len(converted) == len(original) == 17_906
     for old, new in zip(original, converted, strict=True):
         raw = old["prompt"][0]["content"]
         assert new["prompt"] == [{"content": PROMPT_PREFIX + raw + PROMPT_SUFFIX, "role": "user"}]

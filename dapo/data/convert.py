@@ -17,6 +17,7 @@ from dapo.data.files import (
     INTEGER_RE,
     ON_BAD_ROW,
     DataError,
+    Repeats,
     bad_row_error,
     check_destination,
     read_table,
@@ -134,8 +135,10 @@ def _convert_rows(
     # A row without an index gets its row number, unless a row's own index is that number
     # (the two would then read as one problem): then "row-N".
     taken = {r.index for r in rows if not isinstance(r, BadRow) and r.index is not None}
+    repeats = Repeats()  # a problem repeated with another answer: a bad row, as check says
     for r in rows:
-        out = r if isinstance(r, BadRow) else _convert_row(r, to, question_key, answer_key)
+        seen = r if isinstance(r, BadRow) else repeats.identify(r)
+        out = seen if isinstance(seen, BadRow) else _convert_row(r, to, question_key, answer_key)
         if isinstance(out, BadRow):
             if on_bad_row == "error":
                 raise bad_row_error(src, out, "pass --on-bad-row skip to leave such rows out")

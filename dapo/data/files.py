@@ -262,7 +262,7 @@ def _prompt_hash(messages: tuple[dict[str, str], ...]) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
-class _Repeats:
+class Repeats:
     """Which rows hold the same problem: the same ``extra_info.index``, else the same prompt."""
 
     def __init__(self) -> None:
@@ -326,7 +326,7 @@ def load_table(
         raise DataError(f"{table.path}: holds no rows (an empty file?); give a file of problems")
     fmt, _ = resolve_format(table, fmt, question_key=question_key, answer_key=answer_key)
     out = LoadedData(path=table.path, fmt=fmt, problems=[], copies={}, rows=len(table.records))
-    repeats = _Repeats()
+    repeats = Repeats()
     rows = parse_rows(
         table.records,
         fmt,
