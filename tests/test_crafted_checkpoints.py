@@ -271,7 +271,9 @@ def test_code_that_comes_with_a_checkpoint_or_model_is_never_run(
     model_dir = tmp_path / "model"
     shutil.copytree(run / "model", model_dir)
     _with_code(model_dir, marker)
-    rc = main(["eval", str(model_dir), "--data", "arith", "--k", "1", "--num-problems", "1"])
+    out = tmp_path / "eval"
+    args = ["--data", "arith", "--k", "1", "--num-problems", "1", "--out", str(out)]
+    rc = main(["eval", str(model_dir), *args])
     err = capsys.readouterr().err
     assert rc == 2 and "contains custom code which must be executed" in err, err
-    assert not marker.exists()
+    assert not marker.exists() and not out.exists()  # nothing written for a model never loaded

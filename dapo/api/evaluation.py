@@ -82,6 +82,7 @@ def run(req: EvalRequest, *, reward_fn: Callable[..., Any] | None = None) -> Eva
     _check(req, reward_fn)
     ks, phrases = _ks(req.pass_k, req.k), _phrases(req.phrases)
     problems = problems_of(req)
+    model, tokenizer = _model(req)  # a model that does not load leaves no directory behind
     out = out_dir(req)
     out.mkdir(parents=True, exist_ok=True)
     identity = [*fingerprint([req.model, req.data]), req.device]  # what a path's files hold
@@ -89,7 +90,6 @@ def run(req: EvalRequest, *, reward_fn: Callable[..., Any] | None = None) -> Eva
     done = journal.resume([p.uid for p in problems])
     if done:
         print(f"resuming: {len(done)} of {len(problems)} problems already in {journal.path}")
-    model, tokenizer = _model(req)
     model.eval()
     extra = _ids(req.stop_token_ids, "--stop-token-ids")
     before_batch = _progress(req, t0 := time.perf_counter())
