@@ -304,7 +304,10 @@ def dump_yaml(cfg: Config) -> str:
 
 
 # Fields a resume may change without changing the trajectory it continues: where things are
-# written, how often, how long the run goes on, and how verifier processes are run.
+# written, how often, how long the run goes on, and how verifier processes are run. Two more
+# conditions are checked once the run directory is open (dapo.training.resume): run.out_dir
+# and run.name may only name the directory resumed (the run stays in it), and a train.steps
+# below the checkpoint's step is refused; RESUME_INEXACT_FIELDS are warned of.
 RESUME_SAFE_FIELDS = frozenset(
     {
         "run.out_dir",
@@ -341,6 +344,15 @@ RESUME_SAFE_FIELDS = frozenset(
         "vllm.sleep",
     }
 )
+
+
+RESUME_INEXACT_FIELDS = {
+    "run.threads": "CPU kernels then sum in another order",
+    "rollout.tp_size": "the engine then splits its sums over another number of GPUs",
+}
+"""Fields of RESUME_SAFE_FIELDS that keep the run going but change its last bits, and why:
+a resume that changes one warns that the run is no longer bit-identical to an uninterrupted
+one."""
 
 
 def run_changing_differences(saved: Config, new: Config) -> list[str]:

@@ -32,6 +32,7 @@ from dapo.run.metrics import MetricsLogger, NullLogger, open_wandb
 from dapo.run.progress import LiveProgress
 from dapo.run.seeding import derive_seed
 from dapo.run.threads import ThreadGovernor
+from dapo.training import resume as resume_checks
 from dapo.training.generator_ranks import rollout_source
 from dapo.training.rollout_files import restore_ahead
 from dapo.training.sampling import DynamicSamplingExhausted
@@ -132,6 +133,7 @@ class _Loop:
         self.records: list[dict] = []  # of the latest evaluation, for samples.jsonl
         self.val_start: dict[str, float] = {}
         self.val_last: dict[str, float] = {}
+        self.val_step = 0  # the step val_last is of: a resume with no step left evaluates anew
         self.seconds_before = 0.0
         self.spent = {"gen_tokens": 0.0, "step_seconds": 0.0}  # against train.max_*
         self.t_start = time.perf_counter()
@@ -198,6 +200,14 @@ class _Loop:
         state, t, e = self.state, self.state.cfg.train, self.state.cfg.eval
         # Checked once per step: under torchrun, budget_spent is a collective.
         done = state.step >= t.steps or self.budget_spent()
+        if done and self.val_step < state.step:
+            # A resume with no step left, not evaluated there: the run ends evaluated at it.
+            self.say(f"no step left after step {state.step}: evaluating its policy to end the run")
+            self.val_last = self.validate()
+            if self.records and dist.is_main():
+                self.write_records()
+            again = resume_checks.logged_again(self.run_dir, state.step, self.val_last)
+            self.logger.log(state.step, again)  # its step again, the figures added
         while not done and not self.stopping(stop):
             self.adjust_threads()
             metrics = train_step(state, self.source)
@@ -267,6 +277,7 @@ class _Loop:
         """The held-out evaluation, seeded the same every time (same weights, same figures)."""
         state, cfg = self.state, self.state.cfg
         state.on_phase("eval")
+        self.val_step = state.step
         if state.engine_behind:
             state.sync_engine()
         state.model.eval()
@@ -297,6 +308,7 @@ class _Loop:
         if ckpt is None:
             why = checkpoint.unreadable(self.run_dir) or "start again with --overwrite"
             raise checkpoint.CheckpointError(f"{self.run_dir}: no checkpoint to resume; {why}")
+        resume_checks.check_resume(state.cfg, self.run_dir, ckpt)
         info = sharded_checkpoint.load(
             ckpt, model=state.model, optimizer=state.optimizer, device=state.device
         )
@@ -311,14 +323,13 @@ class _Loop:
         if self.on_resume is not None:
             self.on_resume()
         self.val_start, self.val_last = info["val_start"], info["val_last"]
+        self.val_step = resume_checks.evaluated_at(info, state.step)
         self.seconds_before = info["train_seconds"]
         self.spent = dict(info.get("spent", self.spent))
         self.logger.truncate(info["metrics_bytes"])
         self.logger.purge_step = state.step + 1
         self.saved_at = state.step
-        skipped = checkpoint.passed_over(self.run_dir, ckpt)
-        note = f"; {skipped}" if skipped else ""
-        print(f"resumed from {ckpt} at step {state.step}{note}", file=self.stream)
+        print(resume_checks.resumed_from(self.run_dir, ckpt, state.step), file=self.stream)
 
     def save(self) -> Path:
         state = self.state
@@ -339,6 +350,7 @@ class _Loop:
                 **state.state_dict(),
                 "val_start": self.val_start,
                 "val_last": self.val_last,
+                "val_step": self.val_step,
                 "train_seconds": self.seconds(),
                 "spent": self.spent,
                 "metrics_bytes": self.logger.sync(),
