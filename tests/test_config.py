@@ -387,6 +387,21 @@ def test_a_preset_asked_for_over_a_recipe_sets_its_switches_over_the_files():
     assert load_config(recipe, ["run.preset=dapo"]) == load_config(recipe)
 
 
+@pytest.mark.parametrize("before", ["cispo", "gspo", "dr_grpo"])
+def test_grpo_over_a_saved_config_of_another_algorithm_is_grpo(tmp_path, before):
+    """A run's config.yaml lists every field: --preset grpo over one of a cispo run kept
+    loss_fn cispo and eps 1.0 / 1.0 under the label grpo."""
+    saved = tmp_path / "config.yaml"
+    from dapo.config import dump_yaml
+
+    saved.write_text(dump_yaml(load_config(None, preset=before)))
+    algo = load_config(saved, preset="grpo").algo
+    plain = load_config(None, preset="grpo").algo
+    assert algo == plain
+    assert (algo.loss_fn, algo.ratio_level, algo.adv_norm) == ("clip", "token", "group")
+    assert (algo.eps_low, algo.eps_high, algo.loss_agg) == (0.2, 0.2, "seq-mean-token-mean")
+
+
 def test_the_ablation_chain_on_a_recipe_adds_one_technique_a_row():
     from dapo.ablate.plans import table1
 

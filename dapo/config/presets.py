@@ -72,7 +72,10 @@ def grpo(cfg: Config) -> Config:
     """The spec's naive baseline: symmetric clip, sample-level loss, a KL penalty to a frozen
     reference, hard -1 for truncated responses, no dynamic sampling."""
     cfg.run.preset = "grpo"
-    cfg.algo.eps_high = cfg.algo.eps_low
+    # Every field another preset sets: over a saved config.yaml (which lists them all) of a
+    # cispo or gspo run, grpo kept its loss_fn, ratio_level and eps_low.
+    cfg.algo.eps_low = cfg.algo.eps_high = type(cfg.algo)().eps_low
+    cfg.algo.adv_norm, cfg.algo.ratio_level, cfg.algo.loss_fn = "group", "token", "clip"
     cfg.algo.loss_agg = "seq-mean-token-mean"
     cfg.algo.kl_coef = 0.001  # verl's GRPO default kl_loss_coef
     cfg.algo.overlong_shaping = False
