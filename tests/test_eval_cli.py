@@ -1,5 +1,6 @@
 """`dapo eval` end to end on a tiny saved model, and `--compare` on hand-made result files."""
 
+import importlib.util
 import json
 
 import pytest
@@ -138,7 +139,17 @@ def test_bad_flags_are_refused_before_anything_is_written(tmp_path, model_and_da
     assert "--seed must be a non-negative integer" in capsys.readouterr().err
     assert _eval(model_dir, data, tmp_path / "a", "--config", str(tmp_path / "no.yaml")) == 2
     assert "no.yaml: no such file" in capsys.readouterr().err
+    # These were read once the output directory and its journal existed (exit 2 promises
+    # nothing written), the vllm one as a traceback after the model had loaded.
+    assert _eval(model_dir, data, tmp_path / "a", "--stop-token-ids", "abc") == 2
+    assert "--stop-token-ids 'abc': give comma-separated token ids" in capsys.readouterr().err
+    if importlib.util.find_spec("vllm") is None:
+        assert _eval(model_dir, data, tmp_path / "a", "--engine", "vllm") == 2
+        assert "--engine vllm needs vLLM (Python >= 3.11)" in capsys.readouterr().err
     assert not (tmp_path / "a").exists()
+    compare = ["eval", str(model_dir), "--compare", str(tmp_path / "x"), str(tmp_path / "y")]
+    assert main(compare) == 2
+    assert f"MODEL ({model_dir}) would not be used" in capsys.readouterr().err
 
 
 def test_default_directories_are_one_per_model_path(tmp_path):

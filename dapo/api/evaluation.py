@@ -5,6 +5,7 @@ written to ``summary.json`` and ``problems.jsonl`` and resumable from its journa
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import sys
@@ -142,6 +143,11 @@ def _check(req: EvalRequest, reward_fn: Callable[..., Any] | None) -> None:
         raise ValueError(f"--threads must be >= 0 (0 = auto), got {req.threads}")
     if req.config and not Path(req.config).is_file():
         raise ValueError(f"--config {req.config}: no such file")
+    _ids(req.stop_token_ids, "--stop-token-ids")  # refused before anything loads or is written
+    if req.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        from dapo.rollout.vllm_engine import install_hint
+
+        raise ValueError(install_hint("--engine vllm"))
     if not 0 <= req.seed < 2**63:
         raise ValueError(f"--seed must be a non-negative integer below 2**63, got {req.seed}")
     if req.model != "embedded":

@@ -246,6 +246,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from dapo.eval.metrics import compare
 
     a_path, b_path = args.compare
+    if args.model:
+        raise ValueError(
+            f"--compare A B compares two evaluations or models; MODEL ({args.model}) would not "
+            "be used: drop it, or give it as A or B"
+        )
     if _is_model(a_path) or _is_model(b_path):
         # Two models (or a model and a saved evaluation): evaluate each model first, with the
         # same data, k and seed, so that both sides see the same problems.

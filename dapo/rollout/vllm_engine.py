@@ -112,10 +112,11 @@ def _vllm():
     return vllm
 
 
-def install_hint() -> str:
-    """What to run when vLLM is missing (the command fits how dapo was installed)."""
+def install_hint(setting: str = "rollout.engine=vllm") -> str:
+    """What to run when vLLM is missing (the command fits how dapo was installed), for the
+    ``setting`` that asked for it."""
     return (
-        f"rollout.engine=vllm needs vLLM (Python >= 3.11): {pip_install('vllm')}; on a "
+        f"{setting} needs vLLM (Python >= 3.11): {pip_install('vllm')}; on a "
         "machine without a GPU, the CPU install lines are in docs/guides/rollout-engines.md"
     )
 
