@@ -170,6 +170,12 @@ def test_text_after_a_hash_a_dash_or_a_colon_is_kept_and_integers_are_decimal():
     for text in ("1:30", "0x10"):
         with pytest.raises(ValueError, match=f"train.steps: write a decimal integer, got '{text}'"):
             load_config(None, [f"train.steps={text}"])
+    # Floats too: max_seconds=1:30 (meant as 1 h 30) was 90 s, 010 an octal 8, 0x10 was 16.
+    assert load_config(None, ["reward.timeout_s=010"]).reward.timeout_s == 10.0
+    assert load_config(None, ["optim.lr='3e-4'", "train.max_seconds=1_000"]).optim.lr == 3e-4
+    for text in ("1:30", "0x10"):
+        with pytest.raises(ValueError, match=f"max_seconds: write a decimal number, got '{text}'"):
+            load_config(None, [f"train.max_seconds={text}"])
 
 
 def test_a_number_that_is_not_finite_is_refused_wherever_it_comes_from(tmp_path):

@@ -51,9 +51,9 @@ def _coerce(value: Any, typ: Any, where: str, text: str | None = None) -> Any:
     """Check ``value`` against the field type; ints are accepted where floats are expected,
     and text that reads as a number (YAML 1.1's ``1e-5``) where floats are.
 
-    ``text``: what was written on the command line, for a text field: YAML reads ``0612`` as
-    an octal 394, ``12:30`` as 750 and ``2e91830`` (a revision) as a float; a name or a
-    revision is the text as written.
+    ``text``: what was written on the command line, for a text or number field: YAML reads
+    ``0612`` as an octal 394, ``12:30`` as 750 and ``2e91830`` (a revision) as a float; a name
+    or a revision is the text as written, a number is read in decimal.
 
     A ``Literal`` field takes a string here; whether it is one of the choices is checked with
     everything else in ``validate``, so that every bad value is reported at once.
@@ -67,6 +67,13 @@ def _coerce(value: Any, typ: Any, where: str, text: str | None = None) -> Any:
         typ = str
     if text is not None and typ in (str, int):
         return _as_written(value, text, typ, optional, where)
+    if text is not None and typ is float and not (optional and text in _NULLS):
+        text = text[1:-1] if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"" else text
+        with contextlib.suppress(ValueError):  # decimal, as written: 010 is 10.0, not octal 8
+            return float(text)
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if number and (isinstance(value, int) or ":" in text):  # 0x10, 1:30 (YAML's .inf: on)
+            raise ValueError(f"{where}: write a decimal number, got {text!r}")
     if value is None and optional:
         return None
     if typ is float and isinstance(value, str):
