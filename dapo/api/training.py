@@ -311,8 +311,10 @@ def _train(
 
 def _checked_run_dir(cfg: Config, resume_dir: Path | None, overwrite: bool) -> None:
     """What a dry run can tell of the run directory without changing anything: a new run's
-    would be refused, or a resumed one has no checkpoint, a checkpoint whose trainer.json
-    lacks a key resuming reads, or no room."""
+    would be refused, or a resumed one has no checkpoint, a link where its checkpoints are, a
+    checkpoint altered since it was written or whose trainer.json lacks a key resuming reads,
+    or no room."""
+    from dapo import dist
     from dapo.run import checkpoint, rundir, trainer_file
 
     if resume_dir is None:
@@ -325,8 +327,11 @@ def _checked_run_dir(cfg: Config, resume_dir: Path | None, overwrite: bool) -> N
             f"--resume {resume_dir}: no complete checkpoint there: "
             + (why or "it stopped before its first one; start it again with --overwrite")
         )
-    # Its counters, before a model loads (find_latest has checked every file's digest).
-    trainer_file.check_resumable(checkpoint.read_trainer_state(found, digests=False))
+    # Every file's digest and the counters, before a model loads (find_latest checked sizes):
+    # a damaged file is named with its fix now, not after minutes of loading. Under torchrun
+    # the ranks wait on rank 0 here, and hash a share each as they load the checkpoint.
+    digests = dist.job_size() == 1
+    trainer_file.check_resumable(checkpoint.read_trainer_state(found, digests=digests))
     rundir.check_writable(resume_dir)
     rundir.check_space(resume_dir, cfg, _weights_dir(cfg))
 

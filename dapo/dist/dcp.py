@@ -15,11 +15,9 @@ anything in it is read.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from dapo import dist
+from dapo.dist.optim_groups import kernels_kept
 
 OPTIMIZER_JSON = "optimizer.json"
 """The optimizer's values that are not tensors (each group's settings), beside the shards."""
@@ -106,30 +105,6 @@ def join_optimizer_state(
     for param, entries in from_json(rest_json["state"]).items():
         state.setdefault(param, {}).update(entries)
     return {"state": state, "param_groups": from_json(rest_json["param_groups"])}
-
-
-@contextlib.contextmanager
-def kernels_kept(optimizer: torch.optim.Optimizer) -> Iterator[None]:
-    """Loading an optimizer's state replaces its parameter groups with the saved ones, its
-    implementation among them (AdamW's ``fused``, ``foreach``): a checkpoint written on a GPU
-    would step a CPU run with the fused kernel, one written on a CPU a GPU run without it. The
-    block's load keeps the implementation this process chose
-    (:func:`dapo.training.state.adamw`), and each step counter goes where that implementation
-    keeps it: on the parameter's device for the fused kernel, on the host otherwise."""
-    kept = [{k: group.get(k) for k in KERNEL_KEYS} for group in optimizer.param_groups]
-    yield
-    for group, kernel in zip(optimizer.param_groups, kept, strict=True):
-        group.update(kernel)
-        on_device = bool(kernel["fused"] or group.get("capturable"))
-        for param in group["params"]:
-            step = optimizer.state.get(param, {}).get("step")
-            if isinstance(step, torch.Tensor):
-                where = param.device if on_device else torch.device("cpu")
-                optimizer.state[param]["step"] = step.to(dtype=torch.float32, device=where)
-
-
-KERNEL_KEYS = ("fused", "foreach")
-"""An optimizer's parameter-group settings that pick its implementation, not its maths."""
 
 
 # ----------------------------------------------------------------------------- reading safely

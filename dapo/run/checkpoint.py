@@ -27,22 +27,21 @@ from __future__ import annotations
 import errno
 import json
 import os
-import random
 import re
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from dapo.dist.dcp import kernels_kept
+from dapo.dist.optim_groups import kernels_kept
 from dapo.run import manifest, model_files, state_files
 from dapo.run.manifest import verify  # also checkpoint.verify, as callers have named it
 from dapo.run.model_files import CheckpointError
 from dapo.run.nofollow import fsync_dir, no_link, write_atomic
+from dapo.run.rng_state import capture_rng, restore_rng  # also checkpoint.*, as callers name them
 from dapo.run.trainer_file import checked_trainer
 
 FORMAT_VERSION = 2
@@ -66,57 +65,6 @@ def step_dirs(root: Path) -> list[Path]:
     grow a digit, and step_1000000 sorts before step_999999 as a string."""
     found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_RE.match(p.name))]
     return [p for _, p in sorted(found)]
-
-
-# ----------------------------------------------------------------------------- RNG
-
-
-def capture_rng(device: torch.device | None = None) -> dict[str, Any]:
-    """This process's generators: Python's, numpy's, torch's CPU one and, when it computes
-    on a GPU, that one GPU's (``cuda_rank``) - not every visible GPU's, which would tie the
-    checkpoint to the number of GPUs of the machine that wrote it."""
-    version, internal, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {
-        "python": [version, list(internal), gauss],
-        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
-        "torch": torch.get_rng_state(),
-    }
-    if device is not None and device.type == "cuda":
-        state["cuda_rank"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def restore_rng(state: dict[str, Any], device: torch.device | None = None) -> None:
-    """Set the generators :func:`capture_rng` saved; the GPU one on ``device``. A checkpoint
-    from other hardware resumes: with no GPU here, or a GPU state from a checkpoint of
-    before, only the GPU's generator (dropout, none in dapo's sampling, which draws on the
-    CPU) differs from the uninterrupted run's, and a warning says so."""
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    gpu = device is not None and device.type == "cuda"
-    saved = state.get("cuda_rank")
-    if saved is None and state.get("cuda"):  # dapo <= 0.2: every visible GPU's state
-        index = (device.index or 0) if gpu else 0
-        saved = state["cuda"][index] if gpu and index < len(state["cuda"]) else None
-        if saved is None:
-            _warn_gpu_stream(f"{len(state['cuda'])} GPU generator states")
-    if saved is not None and gpu:
-        torch.cuda.set_rng_state(saved, device)
-    elif saved is not None:
-        _warn_gpu_stream("a GPU generator state")
-
-
-def _warn_gpu_stream(what: str) -> None:
-    warnings.warn(
-        f"the checkpoint holds {what}, which this process cannot use (another number of GPUs, "
-        "or none): resumed here, only the GPU generator's draws differ from the uninterrupted "
-        "run (dapo samples with CPU generators)",
-        stacklevel=3,
-    )
 
 
 # ----------------------------------------------------------------------------- writing
@@ -178,18 +126,32 @@ def save(
         trainer = {"format_version": FORMAT_VERSION, "step": step, **trainer_state}
         (tmp / "trainer.json").write_text(json.dumps(trainer, indent=1) + "\n")
         publish(tmp, final, step)
-    except OSError as exc:
+    except (OSError, SafetensorError) as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        why = "the disk is full" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
-        previous = read_pointer(run_dir)
-        kept = f"the previous checkpoint {previous} is intact" if previous else "no checkpoint yet"
-        raise CheckpointError(
-            f"could not write the checkpoint of step {step} under {root}: {why}; {kept}. Free "
-            "space (or lower train.keep_checkpoints) and resume with: "
-            f"dapo train --resume {run_dir}"
-        ) from exc
+        raise CheckpointError(write_failed(run_dir, step, exc)) from exc
     prune(root, keep=keep, protect=name)
     return final
+
+
+def write_failure(exc: Exception) -> str:
+    """Why a write failed, in words: "the disk is full" for ENOSPC, which safetensors (whose
+    SafetensorError is no OSError) reports only in its message, as "(os error 28)"."""
+    if isinstance(exc, OSError):
+        full = exc.errno == errno.ENOSPC
+        return "the disk is full" if full else (exc.strerror or str(exc))
+    return "the disk is full" if f"(os error {errno.ENOSPC})" in str(exc) else str(exc)
+
+
+def write_failed(run_dir: Path, step: int, exc: Exception) -> str:
+    """The message of a checkpoint that could not be written (``exc``: why): the checkpoint
+    left as it was, and the fix."""
+    previous = read_pointer(run_dir)
+    kept = f"the previous checkpoint {previous} is intact" if previous else "no checkpoint yet"
+    return (
+        f"could not write the checkpoint of step {step} under {Path(run_dir) / CKPT_DIR}: "
+        f"{write_failure(exc)}; {kept}. Free space (or lower train.keep_checkpoints) and "
+        f"resume with: dapo train --resume {run_dir}"
+    )
 
 
 def publish(tmp: Path, final: Path, step: int, digests: dict[str, str] | None = None) -> None:
@@ -219,8 +181,40 @@ def prune(root: Path, *, keep: int, protect: str) -> None:
 # ----------------------------------------------------------------------------- reading
 
 
+def refuse_links(path: Path) -> None:
+    """Refuse a checkpoint's directory, ``checkpoints/`` or ``latest`` (``path``: any entry of
+    ``checkpoints/``) when it, or the ``checkpoints/`` holding it, is a symbolic link: what a
+    link leads to is another directory's (another run's, anyone's), and the next save there
+    would be refused (:mod:`dapo.run.nofollow`). The error names the link and the fix."""
+    root = path.parent
+    if root.name == CKPT_DIR and root.is_symlink():
+        link, fix = root, f"put the directory it leads to in its place: {_put_back(root)}"
+    elif path.is_symlink() and path.name == LATEST:
+        link, fix = path, f"remove it (rm {path}): the newest whole checkpoint is then used"
+    elif path.is_symlink():
+        link = path
+        fix = (
+            f"put the directory it leads to in its place ({_put_back(path)}), or move the "
+            f"link out of {root} to use the checkpoint before it"
+        )
+    else:
+        return
+    raise CheckpointError(
+        f"{link} is a symbolic link: dapo reads no checkpoint through a link (it could lead "
+        f"outside the run); {fix}"
+    )
+
+
+def _put_back(link: Path) -> str:
+    """The commands that put the directory ``link`` leads to in its place."""
+    return f"rm {link} && mv {link.resolve()} {link}"
+
+
 def read_pointer(run_dir: Path) -> Path | None:
+    """The checkpoint ``latest`` names, None without one; a link for ``checkpoints/`` or
+    ``latest`` is refused (:func:`refuse_links`): followed, it would read another run's."""
     pointer = Path(run_dir) / CKPT_DIR / LATEST
+    refuse_links(pointer)
     if not pointer.is_file():
         return None
     name = pointer.read_text().strip()
@@ -229,14 +223,18 @@ def read_pointer(run_dir: Path) -> Path | None:
 
 
 def find_latest(run_dir: Path) -> Path | None:
-    """The checkpoint ``latest`` points to; if that one is damaged, the newest complete one."""
+    """The checkpoint ``latest`` points to; if that one is not whole (sizes checked, not
+    digests), the newest complete one. A link for ``checkpoints/``, ``latest`` or a step's
+    directory is refused, naming it (:func:`refuse_links`)."""
     root = Path(run_dir) / CKPT_DIR
+    pointed = read_pointer(run_dir)
     if not root.is_dir():
         return None
-    pointed = read_pointer(run_dir)
+    steps = step_dirs(root)
+    for step in steps:
+        refuse_links(step)
     if pointed is not None and pointed.is_dir() and verify(pointed) is None:
         return pointed
-    steps = step_dirs(root)
     for ckpt in reversed(steps):
         if verify(ckpt) is None:
             return ckpt
@@ -281,22 +279,59 @@ def load(
     caller has (``verified``)."""
     trainer = read_trainer_state(ckpt, digests=not verified)
     model_files.load(model, ckpt / "model")
+    stem = ckpt / "optimizer"
     try:
-        # State tensors go to their parameters' devices, step counters where AdamW keeps them.
+        optim = state_files.load_optimizer(stem)
+        # State tensors go to their parameters' devices, step counters where AdamW keeps them;
+        # the run's config's betas and weight decay stay (kernels_kept).
         with kernels_kept(optimizer):
-            optimizer.load_state_dict(state_files.load_optimizer(ckpt / "optimizer"))
-        restore_rng(state_files.load_rng(ckpt / "rng"), device)
+            optimizer.load_state_dict(optim)
     except state_files.StateFileError as exc:
         raise CheckpointError(str(exc)) from None
+    except (ValueError, KeyError, TypeError, IndexError) as exc:  # torch's, naming no file
+        raise damaged(ckpt, state_files.unfit(stem, exc, "this run's optimizer")) from None
+    restore_rng_file(ckpt, ckpt / "rng", device)
     return trainer
+
+
+def restore_rng_file(ckpt: Path, stem: Path, device: torch.device | None = None) -> None:
+    """:func:`restore_rng` of the states :func:`state_files.save_rng` wrote as ``stem.*`` in
+    the checkpoint ``ckpt``; a state the generators refuse (a list cut short) is an error
+    naming the files and the fix, not the generator's own ("state vector is the wrong size")."""
+    try:
+        state = state_files.load_rng(stem)
+    except state_files.StateFileError as exc:
+        raise CheckpointError(str(exc)) from None
+    try:
+        restore_rng(state, device)
+    except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as exc:
+        raise damaged(ckpt, state_files.unfit(stem, exc, "the generators")) from None
+
+
+def damaged(ckpt: Path, problem: str) -> CheckpointError:
+    """The error for a checkpoint that cannot be used (``problem``: what is wrong, naming the
+    file), with the fix: its directory moved aside, the newest whole one before it is used."""
+    ckpt = Path(ckpt)
+    step = _STEP_RE.match(ckpt.name)
+    steps = step_dirs(ckpt.parent) if step and ckpt.parent.is_dir() else []
+    number = int(step.group(1)) if step else 0
+    earlier = [d for d in steps if int(d.name[5:]) < number and verify(d) is None]
+    fix = (
+        f"Move {ckpt.name} out of {ckpt.parent} to use {earlier[-1].name}, the newest whole "
+        "checkpoint before it"
+        if earlier
+        else "Restore it from a copy of the run: no whole checkpoint precedes it"
+    )
+    return CheckpointError(f"checkpoint {ckpt} is incomplete or altered: {problem}. {fix}")
 
 
 def read_trainer_state(ckpt: Path, *, digests: bool | tuple[int, int] = True) -> dict:
     """``trainer.json`` of a checkpoint whose every file is the one written (``digests``: as
     :func:`verify` takes it), in this format."""
+    refuse_links(Path(ckpt))
     problem = verify(ckpt, digests=digests)
     if problem is not None:
-        raise CheckpointError(f"checkpoint {ckpt} is incomplete or altered: {problem}")
+        raise damaged(ckpt, problem)
     try:
         trainer = json.loads((ckpt / "trainer.json").read_text())
         version = trainer.get("format_version")
@@ -336,10 +371,25 @@ def export_model(
     no_link(dest)
     tmp = no_link(dest.with_name(f".{dest.name}.tmp"))
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    fsync_tree(tmp)
+    try:
+        model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        fsync_tree(tmp)
+    except (OSError, SafetensorError) as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(export_failed(dest, exc)) from exc
     if dest.exists():
         shutil.rmtree(dest)
     os.rename(tmp, dest)
     fsync_dir(dest.parent)
+
+
+def export_failed(dest: Path, exc: Exception) -> str:
+    """The message of a run's ``model/`` (``dest``) that could not be written: nothing
+    half-written is left, and the checkpoints (the last one written before) are whole."""
+    return (
+        f"could not write the model {dest}: {write_failure(exc)}; nothing was left there, and "
+        "the run's checkpoints are as they were. Free space and finish the run with: dapo "
+        f"train --resume {dest.parent} (or export its last checkpoint: dapo export "
+        f"{dest.parent} --out {dest})"
+    )

@@ -56,7 +56,13 @@ def manifest_files(ckpt: Path) -> dict[str, dict[str, Any]] | str:
 def verify(ckpt: Path, *, digests: bool | tuple[int, int] = False) -> str | None:
     """None if ``ckpt`` is complete (every manifest file present at its size, and with
     ``digests`` of its SHA-256), else why not. ``digests=(k, n)``: only every n-th file from
-    the k-th has its digest checked (each of n ranks takes a share)."""
+    the k-th has its digest checked (each of n ranks takes a share). Files whose every digest
+    matched in this process, unchanged since (:func:`_unchanged`), are not hashed again."""
+    if Path(ckpt).is_symlink():
+        return (
+            f"{ckpt} is a link: a checkpoint is a directory of the run, never a link to one "
+            "(it could lead outside the run); put the directory it leads to in its place"
+        )
     files = manifest_files(ckpt)
     if isinstance(files, str):
         return files
@@ -73,7 +79,7 @@ def verify(ckpt: Path, *, digests: bool | tuple[int, int] = False) -> str | None
     )
     if extra:
         return f"{ckpt / extra[0]} is not in the manifest: it was added after the checkpoint"
-    for i, (rel, entry) in enumerate(sorted(files.items())):
+    for rel, entry in sorted(files.items()):
         path = ckpt / rel
         if not path.resolve().is_relative_to(ckpt.resolve()) or path.is_symlink():
             return f"{path} lies outside the checkpoint (a link, or '..' in the manifest)"
@@ -81,13 +87,42 @@ def verify(ckpt: Path, *, digests: bool | tuple[int, int] = False) -> str | None
             return f"{path} is missing"
         if path.stat().st_size != entry.get("bytes"):
             return f"{path} is {path.stat().st_size} bytes, the manifest says {entry.get('bytes')}"
-        mine = digests is True or (digests and i % digests[1] == digests[0])
-        if mine and sha256(path) != entry.get("sha256"):
+    return _check_digests(ckpt, files, digests) if digests else None
+
+
+_hashed: dict[Path, tuple] = {}
+"""The checkpoints whose every file's SHA-256 matched in this process, with what
+:func:`_unchanged` saw of their files then: resuming in one process checks every digest
+before the model loads, and again as it reads the checkpoint; hashing a large one twice
+would cost minutes."""
+
+
+def _check_digests(
+    ckpt: Path, files: dict[str, Any], digests: bool | tuple[int, int]
+) -> str | None:
+    """Why a file of ``ckpt`` (its share: ``digests``, as :func:`verify` takes it) is not the
+    one written, or None."""
+    key, seen = Path(ckpt).resolve(), _unchanged(ckpt, files)
+    if _hashed.get(key) == seen:
+        return None
+    for i, (rel, entry) in enumerate(sorted(files.items())):
+        mine = digests is True or i % digests[1] == digests[0]
+        if mine and sha256(ckpt / rel) != entry.get("sha256"):
             return (
-                f"{path} is not the file that was written (its SHA-256 differs from the "
+                f"{ckpt / rel} is not the file that was written (its SHA-256 differs from the "
                 "manifest's): it was altered or damaged since"
             )
+    if digests is True:
+        _hashed[key] = seen
     return None
+
+
+def _unchanged(ckpt: Path, files: dict[str, Any]) -> tuple:
+    """What tells a file rewritten or replaced since: each file's (and the manifest's)
+    inode, size and modification and change times (a write moves the change time, which no
+    program sets back)."""
+    stats = [(rel, os.stat(ckpt / rel)) for rel in sorted({*files, MANIFEST})]
+    return tuple((r, s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns) for r, s in stats)
 
 
 def _first_link(ckpt: Path) -> Path | None:

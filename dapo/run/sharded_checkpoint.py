@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from dapo import dist
@@ -76,9 +77,10 @@ def save(
     if dist.is_main():
         try:
             _finish(tmp, root / name, step, model, tokenizer, trainer_state, rollouts, digests)
-        except OSError as exc:
+        except (OSError, SafetensorError) as exc:  # safetensors' own error is no OSError
             shutil.rmtree(tmp, ignore_errors=True)
-            problem = f"could not write the checkpoint of step {step} under {root}: {exc}"
+            why = checkpoint.write_failure(exc)
+            problem = f"could not write the checkpoint of step {step} under {root}: {why}"
         else:
             checkpoint.prune(root, keep=keep, protect=name)
     problem = dist.broadcast(problem, patient=True)  # after rank 0's writes, syncs, deletes
@@ -127,7 +129,7 @@ def load(
     problem = checkpoint.verify(ckpt, digests=(dist.rank(), dist.world_size()))
     problems = [p for p in dist.gather_lists([problem], patient=True) if p is not None]
     if problems:
-        raise CheckpointError(f"checkpoint {ckpt} is incomplete or altered: {problems[0]}")
+        raise checkpoint.damaged(ckpt, problems[0])
     trainer = checkpoint.read_trainer_state(ckpt, digests=False)  # hashed just above
     try:
         if (ckpt / "state").is_dir():
@@ -147,9 +149,9 @@ def load(
             return checkpoint.load(
                 ckpt, model=model, optimizer=optimizer, device=device, verified=True
             )
-        checkpoint.restore_rng(state_files.load_rng(rng), device)
     except (state_files.StateFileError, dcp.UnsafeCheckpointError) as exc:
         raise CheckpointError(str(exc)) from None
+    checkpoint.restore_rng_file(ckpt, rng, device)
     return trainer
 
 
@@ -194,13 +196,22 @@ def export_model(
     tied = _tied_keys(model)
     if tied is not None:
         weights.pop(tied[0], None)  # stored once, as save_pretrained stores it
+    problem = None
     if dist.is_main():
         shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        checkpoint.fsync_tree(tmp)
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.rename(tmp, dest)
-        checkpoint.fsync_dir(dest.parent)
-    dist.wait_for_all()  # rank 0 alone writes the whole model
+        try:
+            model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            checkpoint.fsync_tree(tmp)
+        except (OSError, SafetensorError) as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            problem = checkpoint.export_failed(dest, exc)
+        else:
+            if dest.exists():
+                shutil.rmtree(dest)
+            os.rename(tmp, dest)
+            checkpoint.fsync_dir(dest.parent)
+    # Rank 0 alone writes the whole model; every rank stops when it could not, not rank 0 alone.
+    problem = dist.broadcast(problem, patient=True)
+    if problem is not None:
+        raise CheckpointError(problem)

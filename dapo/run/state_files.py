@@ -82,6 +82,15 @@ def load_rng(stem: Path) -> dict[str, Any]:
     return state
 
 
+def unfit(stem: Path, exc: Exception, what: str) -> str:
+    """Why the state read from ``stem.*`` could not be set into ``what`` (``exc``: the error
+    torch or Python raised, which names no file)."""
+    return (
+        f"{stem}.json / {stem.name}.safetensors hold a state that does not fit {what} "
+        f"({type(exc).__name__}: {exc})"
+    )
+
+
 def _damaged(stem: Path, exc: Exception) -> StateFileError:
     return StateFileError(
         f"{stem}.safetensors / {stem.name}.json are missing or unreadable ({exc!r}): the "
