@@ -81,6 +81,7 @@ def test_a_linked_directory_in_a_checkpoint_is_refused(run, tmp_path, capsys):
         ({"val_start": [1]}, "val_start is '[1]', not an object of numbers"),
         ({"metrics_bytes": -3}, "metrics_bytes is '-3'"),
         ({"sampler": {"epoch": 0}}, "sampler is"),
+        ({"val_step": "2"}, "val_step is '2', not a whole number"),
     ],
 )
 def test_a_mistyped_trainer_json_is_named(run, tmp_path, capsys, changes, says):
@@ -107,6 +108,19 @@ def test_resuming_a_trainer_json_without_a_key_names_it_before_a_model_loads(
     err = capsys.readouterr().err
     assert f"{ckpt / 'trainer.json'} has no 'consecutive_skips'" in err
     assert "Traceback" not in err and loads == []
+
+
+def test_fewer_steps_than_the_checkpoint_are_refused_before_a_model_loads(
+    run, tmp_path, capsys, monkeypatch
+):
+    copy, _ = _copy(run, tmp_path)
+    loads: list[object] = []
+    monkeypatch.setattr(policy, "load_policy", lambda *a, **k: loads.append(a))
+    for dry in ([], ["--dry-run"]):
+        assert main(["train", "--quiet", "--resume", str(copy), "train.steps=1", *dry]) == 2
+        err = capsys.readouterr().err
+        assert f"--resume {copy}: train.steps=1 is below 2, the step of its checkpoint" in err
+    assert loads == []
 
 
 @pytest.mark.parametrize(

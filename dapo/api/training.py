@@ -313,9 +313,10 @@ def _checked_run_dir(cfg: Config, resume_dir: Path | None, overwrite: bool) -> N
     """What a dry run can tell of the run directory without changing anything: a new run's
     would be refused, or a resumed one has no checkpoint, a link where its checkpoints are, a
     checkpoint altered since it was written or whose trainer.json lacks a key resuming reads,
-    or no room."""
+    overrides it refuses (dapo.training.resume), or no room."""
     from dapo import dist
     from dapo.run import checkpoint, rundir, trainer_file
+    from dapo.training import resume
 
     if resume_dir is None:
         rundir.plan_new_run(cfg, overwrite=overwrite)
@@ -332,6 +333,7 @@ def _checked_run_dir(cfg: Config, resume_dir: Path | None, overwrite: bool) -> N
     # the ranks wait on rank 0 here, and hash a share each as they load the checkpoint.
     digests = dist.job_size() == 1
     trainer_file.check_resumable(checkpoint.read_trainer_state(found, digests=digests))
+    resume.check_resume(cfg, resume_dir, found, warn=False)  # warned once, as the run resumes
     rundir.check_writable(resume_dir)
     rundir.check_space(resume_dir, cfg, _weights_dir(cfg))
 

@@ -23,7 +23,7 @@ def _numbers(v: Any, n: int | None = None) -> bool:
 
 _COUNT = (lambda v: isinstance(v, int) and _number(v, 0), "a whole number >= 0")
 TRAINER_FIELDS = {
-    **dict.fromkeys(("step", "consecutive_skips", "metrics_bytes"), _COUNT),
+    **dict.fromkeys(("step", "consecutive_skips", "metrics_bytes", "val_step"), _COUNT),
     **dict.fromkeys(("val_start", "val_last", "spent"), (_numbers, "an object of numbers")),
     "train_seconds": (lambda v: _number(v, 0), "a number >= 0"),
     "sampling_prior": (lambda v: _numbers(v, 2), "a list of 2 numbers"),

@@ -25,10 +25,10 @@ from dapo.run import checkpoint
 from dapo.run.nofollow import open_fd
 
 
-def check_resume(cfg: Config, run_dir: Path, ckpt: Path) -> None:
+def check_resume(cfg: Config, run_dir: Path, ckpt: Path, *, warn: bool = True) -> None:
     """Refuse a resume of ``ckpt`` (in ``run_dir``) that would cut the run back or name
-    another run directory; on the main process, warn on stderr of the changes that leave it
-    no longer bit-identical. Reads only trainer.json and config.yaml."""
+    another run directory; with ``warn``, on the main process, warn on stderr of the changes
+    that leave it no longer bit-identical. Reads only trainer.json and config.yaml."""
     step = checkpoint.read_trainer_state(ckpt, digests=False)["step"]
     if cfg.train.steps < step:
         raise ValueError(
@@ -42,7 +42,7 @@ def check_resume(cfg: Config, run_dir: Path, ckpt: Path) -> None:
         return
     saved = load_config(saved_path)
     _check_place(cfg, saved, run_dir)
-    for key, why in RESUME_INEXACT_FIELDS.items() if dist.is_main() else ():
+    for key, why in RESUME_INEXACT_FIELDS.items() if warn and dist.is_main() else ():
         section, field = key.split(".")
         old, new = getattr(getattr(saved, section), field), getattr(getattr(cfg, section), field)
         if old != new:
