@@ -333,3 +333,23 @@ def test_scores_beyond_max_abs_are_counted_faults_and_training_stays_finite(tmp_
     err = capsys.readouterr().err
     assert "out_of_bounds: verifier" in err and "beyond reward.max_abs=1e+06" in err
     assert "first (row " in err
+
+
+def test_eval_refuses_code_that_came_with_the_run_directory_of_its_config(tmp_path, capsys):
+    """`dapo eval --config RUN/config.yaml` (as its help invites) imported the env.class that
+    config named inside RUN: code that came with a directory from elsewhere."""
+    from dapo.config import dump_yaml
+
+    run_dir = tmp_path / "foreign"
+    run_dir.mkdir()
+    marker = tmp_path / "ran"
+    planted = run_dir / "planted.py"
+    planted.write_text(f"import pathlib\npathlib.Path({str(marker)!r}).touch()\nclass Env: pass\n")
+    (run_dir / "metrics.jsonl").write_text("")
+    cfg = load_config(None, [f"env.class={planted}:Env"])
+    (run_dir / "config.yaml").write_text(dump_yaml(cfg))
+    args = ["--data", "arith", "--k", "1", "--num-problems", "1", "--out", str(tmp_path / "e")]
+    assert main(["eval", "embedded", *args, "--config", str(run_dir / "config.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert f"env.class={planted}:Env is a file inside the run directory {run_dir}" in err
+    assert not marker.exists() and not (tmp_path / "e").exists()

@@ -77,10 +77,28 @@ def problems_of(req: EvalRequest) -> list:
 
 
 def run_config(req: EvalRequest) -> Any:
-    """``--config`` (a run's settings: its sandbox, its reward bound), else the defaults."""
+    """``--config`` (a run's settings: its sandbox, its reward bound), else the defaults. A
+    run directory's config.yaml may not name code inside that directory (its env.class):
+    the directory may come from elsewhere, and dapo runs no code that came with one."""
     from dapo.config import load_config
+    from dapo.reward import custom
+    from dapo.run import rundir
 
-    return load_config(req.config) if req.config else load_config(None, [])
+    if not req.config:
+        return load_config(None, [])
+    cfg = load_config(req.config)
+    home = Path(req.config).resolve().parent
+    specs = {"reward.function": cfg.reward.function, "env.class": cfg.env.class_}
+    # What dapo wrote there says it is a run's (a config.yaml alone may be the user's own).
+    written = any((home / name).exists() for name in (rundir.MARK, "metrics.jsonl", "checkpoints"))
+    if written and (found := custom.file_inside(home, specs)):
+        key, spec = found
+        raise ValueError(
+            f"--config {req.config}: {key}={spec} is a file inside the run directory {home}, "
+            "and dapo runs no code that came with a run directory; copy it elsewhere, read "
+            f"it, and give a config whose {key} names the copy"
+        )
+    return cfg
 
 
 def _read(req: EvalRequest) -> list:

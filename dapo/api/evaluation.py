@@ -143,6 +143,8 @@ def _check(req: EvalRequest, reward_fn: Callable[..., Any] | None) -> None:
         raise ValueError(f"--threads must be >= 0 (0 = auto), got {req.threads}")
     if req.config and not Path(req.config).is_file():
         raise ValueError(f"--config {req.config}: no such file")
+    if req.config:
+        run_config(req)  # its refusals (code inside a run directory) before anything is written
     _ids(req.stop_token_ids, "--stop-token-ids")  # refused before anything loads or is written
     if req.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         from dapo.rollout.vllm_engine import install_hint

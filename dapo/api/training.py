@@ -97,18 +97,14 @@ def _refuse_code_from(run_dir: Path, cfg: Config) -> None:
     came with the directory)."""
     from dapo.reward import custom
 
-    for key, spec in (("reward.function", cfg.reward.function), ("env.class", cfg.env.class_)):
-        if ":" not in spec:
-            continue  # empty, or a built-in name
-        target, _ = custom.split_spec(spec, key)
-        if custom.is_path_spec(target):
-            path = Path(target).expanduser().resolve()
-            if path.is_relative_to(run_dir.resolve()):
-                raise ValueError(
-                    f"--resume {run_dir}: {key}={spec} is a file inside the run directory, "
-                    "and dapo runs no code that came with a run directory; copy it elsewhere, "
-                    f"read it, and resume with {key}=THAT.py:NAME --force"
-                )
+    specs = {"reward.function": cfg.reward.function, "env.class": cfg.env.class_}
+    if found := custom.file_inside(run_dir, specs):
+        key, spec = found
+        raise ValueError(
+            f"--resume {run_dir}: {key}={spec} is a file inside the run directory, "
+            "and dapo runs no code that came with a run directory; copy it elsewhere, "
+            f"read it, and resume with {key}=THAT.py:NAME --force"
+        )
 
 
 def run(

@@ -45,6 +45,20 @@ def is_path_spec(target: str) -> bool:
     return target.endswith(".py") or "/" in target or "\\" in target
 
 
+def file_inside(directory: Path, specs: dict[str, str]) -> tuple[str, str] | None:
+    """The first (setting, spec) of ``specs`` whose code is a file inside ``directory`` (a run
+    directory, perhaps from elsewhere: code that came with it is never run), else None."""
+    for key, spec in specs.items():
+        if ":" not in spec:
+            continue  # empty, or a built-in name
+        target, _ = split_spec(spec, key)
+        if is_path_spec(target):
+            path = Path(target).expanduser().resolve()
+            if path.is_relative_to(Path(directory).resolve()):
+                return key, spec
+    return None
+
+
 def split_spec(spec: str, key: str = "reward.function", fix: str = FIX) -> tuple[str, str]:
     """``PATH.py:NAME`` or ``module:NAME`` -> (target, name); ValueError naming the fix.
     ``key`` and ``fix``: the config field that holds ``spec``, and how to write it."""
