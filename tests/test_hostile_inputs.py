@@ -180,6 +180,16 @@ def test_a_symlinked_run_directory_is_refused(tmp_path, capsys, no_training):
     assert (elsewhere / "metrics.jsonl").is_file()
 
 
+@pytest.mark.parametrize("out", ["afile", "afile/x"])
+def test_an_out_dir_under_a_file_is_refused_by_the_dry_run_too(tmp_path, capsys, out):
+    """The dry run called such a run valid; the run then failed with "File exists"."""
+    (tmp_path / "afile").write_text("mine")
+    for dry in (["--dry-run"], []):
+        assert cli.main(["train", f"run.out_dir={tmp_path / out}", *dry]) == 2
+        assert f"{tmp_path / 'afile'} is a file, not a directory" in _error(capsys)
+    assert (tmp_path / "afile").read_text() == "mine"
+
+
 def test_flags_and_overrides_mix_in_any_order(tmp_path, no_training):
     _a_run(tmp_path)
     with pytest.raises(Started):

@@ -82,6 +82,12 @@ def plan_new_run(cfg: Config, *, overwrite: bool = False) -> NewRun:
         raise ValueError(f"run directory {run_dir} is a symbolic link; choose another run.name")
     if run_dir.exists() and not run_dir.is_dir():
         raise ValueError(f"run directory {run_dir} is a file; choose another run.name")
+    above = next((p for p in run_dir.parents if p.exists() or p.is_symlink()), None)
+    if above is not None and not above.is_dir():  # the run could never be created there
+        raise ValueError(
+            f"run.out_dir={cfg.run.out_dir}: {above} is a file, not a directory; choose "
+            "another run.out_dir"
+        )
     entries = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
     if not entries:
         return NewRun(run_dir)
