@@ -92,7 +92,7 @@ def test_unwritable_run_directory_is_refused(tmp_path, capsys, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("")
     assert cli.main(["train", f"run.out_dir={blocker}", "run.name=r"]) == 2
-    assert "cannot create run directory" in _error(capsys)
+    assert f"{blocker} is a file, not a directory; choose another run.out_dir" in _error(capsys)
 
 
 def test_missing_model_directory_is_refused_before_loading(tmp_path, capsys):
