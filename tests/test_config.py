@@ -11,6 +11,7 @@ from dapo.config import (
     Config,
     ModelConfig,
     RolloutConfig,
+    apply_overrides,
     choices,
     load_config,
     parse_override,
@@ -208,6 +209,23 @@ def test_rounds_that_can_never_keep_n_groups_are_refused():
     load_config(None, [*rounds, "sampling.prompts_per_round=16"])  # 32: enough when all mix
     load_config(None, [*rounds, "sampling.prompts_per_round=10", "sampling.on_max_rounds=train"])
     load_config(None, [*rounds, "sampling.prompts_per_round=10", "sampling.max_rounds=0"])
+
+
+def test_every_bad_value_is_reported_at_once_wrong_types_included(tmp_path):
+    """The help promises every bad value at once: a wrong type stopped at the first one."""
+    overrides = ["optim.lr=abc", "train.steps=x", "sampling.max_rounds=-1"]
+    with pytest.raises(ValueError) as err:
+        load_config(None, overrides)
+    assert str(err.value) == (
+        "invalid config:\n  optim.lr: expected float, got 'abc' (str)\n  train.steps: "
+        "expected int, got 'x' (str)\n  sampling.max_rounds must be >= 0 (0 = unbounded)"
+    )
+    path = tmp_path / "run.yaml"
+    path.write_text("optim:\n  lr: fast\n")
+    with pytest.raises(ValueError, match="optim.lr: expected float, got 'fast'.*\n  train.steps"):
+        load_config(path, ["train.steps=x"])
+    with pytest.raises(ValueError, match="^optim.lr: expected float, got 'abc' \\(str\\)$"):
+        apply_overrides(load_config(None, []), ["optim.lr=abc"])  # one alone: its own words
 
 
 def test_rows_per_generate_below_a_group_is_refused_and_the_plan_counts_whole_groups():

@@ -255,29 +255,51 @@ def load_config(
         )
     cfg = presets.ALGORITHMS[preset](presets.BASES[base](Config()))
     from_file = [(k, v, None) for k, v in _flatten(tree, str(path))]
-    for key, value, text in _moved(from_file):
-        if key not in ("run.base", "run.preset"):
-            set_value(cfg, key, value, text)
+    errors = _set_each(cfg, from_file)
     if asked and path is not None and asked != (file_preset or "dapo"):
         # An algorithm asked for over a file of another's: its switches win over the file's
         # (a recipe's eps_high 0.28 under --preset grpo was Clip-Higher in the GRPO run, and
         # a saved config.yaml, which lists every field, left nothing of the preset but its
         # name on --resume).
         presets.ALGORITHMS[preset](cfg)
-    for key, value, text in _moved(written):
-        if key not in ("run.base", "run.preset"):
-            set_value(cfg, key, value, text)
-    validate(cfg)
+    _validate_with(cfg, errors + _set_each(cfg, written))
     return cfg
+
+
+def _set_each(cfg: Config, items: list[tuple[str, Any, str | None]]) -> list[str]:
+    """Set every (key, value, text) of ``items`` (renamed keys followed; base and preset are
+    resolved already); the errors of those that cannot be set, to report with the rest."""
+    errors = []
+    for key, value, text in _moved(items):
+        if key not in ("run.base", "run.preset"):
+            try:
+                set_value(cfg, key, value, text)
+            except ValueError as exc:
+                errors.append(str(exc))
+    return errors
+
+
+def _validate_with(cfg: Config, errors: list[str]) -> None:
+    """:func:`validate`, with the errors of values that could not be set: every bad value at
+    once (one alone keeps its own words)."""
+    if not errors:
+        validate(cfg)
+        return
+    try:
+        validate(cfg)
+    except ValueError as exc:
+        lines = str(exc).splitlines()
+        errors += [x.strip() for x in lines[1:]] if lines[0] == "invalid config:" else lines
+    if len(errors) == 1:
+        raise ValueError(errors[0])
+    raise ValueError("invalid config:\n" + "\n".join(f"  {e}" for e in errors))
 
 
 def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Config:
     """A copy of ``cfg`` under dotted overrides (renamed keys followed, as load_config
     does), validated."""
     cfg = copy.deepcopy(cfg)
-    for key, value, text in _moved([(*parse_override(o), _text(o)) for o in overrides]):
-        set_value(cfg, key, value, text)
-    validate(cfg)
+    _validate_with(cfg, _set_each(cfg, [(*parse_override(o), _text(o)) for o in overrides]))
     return cfg
 
 
