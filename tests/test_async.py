@@ -245,3 +245,34 @@ def test_resuming_with_a_smaller_staleness_names_the_saved_one_not_damage(tmp_pa
         assert "damaged" not in message and "delete" not in message
     assert len(restore_ahead(info, tmp_path, step=4, staleness=2, consumed=True)[0]) == 3
     assert len(restore_ahead(info, tmp_path, step=4, staleness=3, consumed=True)[0]) == 3
+
+
+def test_a_second_ctrl_c_does_not_wait_for_the_generators_round(tmp_path, demo_cache):
+    """The generator thread grading a response that takes an hour (reward.workers=0: in the
+    thread): the second Ctrl-C, which aborts the step, waited for that round to end."""
+    marker = tmp_path / "grading"
+    reward = tmp_path / "slow.py"
+    reward.write_text(
+        "import pathlib, threading, time\n"
+        "def score(response, ground_truth):\n"
+        "    if threading.current_thread() is not threading.main_thread():\n"
+        f"        pathlib.Path({str(marker)!r}).touch()\n"
+        "        time.sleep(3600)\n"
+        "    return 0.0\n"
+    )
+    slow = (f"reward.function={reward}:score", "reward.workers=0")
+    proc = _start(tmp_path, "slow", demo_cache, *slow)
+    deadline = time.monotonic() + 300
+    while not marker.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    try:
+        code, _, err = finish_run(proc, timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise AssertionError("the run waited for the generator's round") from None
+    assert code == 130 and "received twice: step 1 aborted and not saved" in err, err

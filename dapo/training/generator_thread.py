@@ -47,6 +47,9 @@ from dapo.training.rounds import draw_step
 from dapo.training.sources import StepRollouts, drawn_ahead_metrics
 from dapo.training.state import TrainState, drawer_for, engine_options, engine_stops
 
+FAILED_CLOSE_S = 5.0
+"""How long a failing run waits for the generator thread's round in flight."""
+
 if TYPE_CHECKING:
     from dapo.reward.pool import RewardPool
 
@@ -226,11 +229,16 @@ class GeneratorThread:
         return {"prior": prior, "rollouts": meta}, tensors
 
     def close(self, *, failed: bool = False) -> None:
-        """Stop the thread between two rounds; close its reward pool."""
+        """Stop the thread between two rounds; close its reward pool. A failing run (a second
+        Ctrl-C) waits ``FAILED_CLOSE_S`` at most: the round in flight may take minutes (its
+        generation, grading up to reward.batch_timeout_s), and is left to the daemon thread;
+        the pool it grades with is then not closed here (its workers end with this process)."""
         with self.cond:
             self.closing = True
             self.cond.notify_all()
-        self.thread.join()
+        self.thread.join(FAILED_CLOSE_S if failed else None)
+        if self.thread.is_alive():
+            return
         if self.drawer.pool is not None:
             self.drawer.pool.close()
 
