@@ -90,6 +90,7 @@ def test_a_model_missing_offline_names_the_id_and_the_fix(tmp_path, files, offli
     assert "model.path=org/absent-model: no such local directory" in err
     assert "HF_HUB_OFFLINE=1" in err and str(offline_cache) in err
     assert "hf download org/absent-model" in err
+    assert f"a relative path is read from the working directory, {Path.cwd()}" in err
     assert not (tmp_path / "r").exists()
     with pytest.raises(ValueError, match="hf download org/absent-model --revision v2"):
         model_dir(load_config(None, ["model.path=org/absent-model", "model.revision=v2"]))

@@ -135,7 +135,10 @@ def _snapshot(
             f"{where}: no such local directory, and the Hub model is not in the Hugging Face "
             f"cache ({cache_root()}) while {why}. Fetch it where there is network: "
             f"{download_command(repo, revision)} (same HF_HOME), "
-            "or download it to a directory and give that path"
+            "or download it to a directory and give that path. If it is a directory: a "
+            f"relative path is read from the working directory, {Path.cwd()} (a resumed "
+            "run's config.yaml keeps the path as it was given: resume from where the run "
+            "started)"
         ) from None
     return Path(folder)
 
