@@ -1,4 +1,4 @@
-"""``dapo train [--config FILE] [--preset dapo|grpo] [section.field=value ...]``.
+"""``dapo train [--config FILE] [--preset NAME] [section.field=value ...]``.
 
 The flags become a call of :mod:`dapo.api.training` (what :func:`dapo.train` runs too), which
 checks everything that can be wrong before a model is loaded: the config (every bad value at
