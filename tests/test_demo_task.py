@@ -136,3 +136,19 @@ def test_chat_examples_show_the_tool_on_the_last_of_a_share():
     assert a.rsplit("Answer: ", 1)[1] == b.rsplit("Answer: ", 1)[1]  # the same problem
     assert [p.messages[-1] for p, _ in tools] == [p.messages[-1] for p, _ in plain]
     assert get_verifier("arith")(a, a.rsplit("Answer: ", 1)[1]).correct
+
+
+def test_the_warm_up_says_where_it_is(monkeypatch):
+    """The tools recipe's 600 warm-up steps took minutes on a laptop without a line."""
+    from dapo.models import demo
+
+    tokenizer = demo.build_tokenizer()
+    spec = demo.TinyModelSpec(hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2)
+    model = demo.tiny_qwen2(tokenizer, spec, seed=0)
+    (problem, solution), *_ = make_splits(4, 1, seed=0)[0]
+    examples = [(render_prompt(tokenizer, problem), solution)]
+    lines: list[str] = []
+    monkeypatch.setattr(demo, "PROGRESS_EVERY_S", 0.0)
+    losses = demo.warm_start(model, tokenizer, examples, demo.WarmupSpec(3, 2), lines.append)
+    assert [x.split(",")[0] for x in lines] == ["  warm-up step 1/3", "  warm-up step 2/3"]
+    assert lines[0].split(",")[1] == f" loss {losses[0]:.3f}"

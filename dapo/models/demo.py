@@ -119,10 +119,18 @@ class WarmupSpec:
     seed: int = 0
 
 
-def warm_start(model, tokenizer, examples: list[tuple[str, str]], spec: WarmupSpec) -> list[float]:
+PROGRESS_EVERY_S = 15.0
+"""How often the warm-up says where it is."""
+
+
+def warm_start(
+    model, tokenizer, examples: list[tuple[str, str]], spec: WarmupSpec, log=None
+) -> list[float]:
     """Supervised phase on (prompt text, solution) pairs; returns the loss of every step.
 
-    Only solution tokens (and the final EOS) carry loss, the prompt is context.
+    Only solution tokens (and the final EOS) carry loss, the prompt is context. ``log``, when
+    given, is told the step and loss every ``PROGRESS_EVERY_S`` seconds (the tools recipe's
+    600 steps take minutes on a laptop, in silence otherwise).
     """
     gen = torch.Generator().manual_seed(spec.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0)
@@ -136,7 +144,11 @@ def warm_start(model, tokenizer, examples: list[tuple[str, str]], spec: WarmupSp
         encoded.append((p_ids, s_ids))
     losses = []
     model.train()
-    for _ in range(spec.steps):
+    start = last = time.perf_counter()
+    for step in range(spec.steps):
+        if log is not None and losses and time.perf_counter() - last >= PROGRESS_EVERY_S:
+            last = time.perf_counter()
+            log(f"  warm-up step {step}/{spec.steps}, loss {losses[-1]:.3f}, {last - start:.0f} s")
         idx = torch.randint(len(encoded), (spec.batch_size,), generator=gen).tolist()
         width = max(len(encoded[i][0]) + len(encoded[i][1]) for i in idx)
         ids_BL = torch.full((len(idx), width), tokenizer.pad_token_id)
@@ -194,7 +206,7 @@ def load_embedded(
     start = time.perf_counter()
     model = tiny_qwen2(tokenizer, spec, seed=warmup.seed)
     examples = [(render_prompt(tokenizer, p), solution) for p, solution in pairs]
-    losses = warm_start(model, tokenizer, examples, warmup)
+    losses = warm_start(model, tokenizer, examples, warmup, log)
     log(f"warm-up done in {time.perf_counter() - start:.0f} s, final loss {losses[-1]:.3f}")
     # Write to a temporary sibling and rename, so an interrupted build never leaves a cache
     # entry that looks complete.
