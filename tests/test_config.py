@@ -226,16 +226,18 @@ def test_every_bad_value_is_reported_at_once_wrong_types_included(tmp_path):
         load_config(path, ["train.steps=x"])
     with pytest.raises(ValueError, match="^optim.lr: expected float, got 'abc' \\(str\\)$"):
         apply_overrides(load_config(None, []), ["optim.lr=abc"])  # one alone: its own words
+    # A check naming a field left unset judged its default (eps_high 0.28 < 0.3): left out.
+    with pytest.raises(ValueError, match="^algo.eps_high: expected float, got 'x' \\(str\\)$"):
+        load_config(None, ["algo.eps_high=x", "algo.eps_low=0.3"])
 
 
-def test_rows_per_generate_below_a_group_is_refused_and_the_plan_counts_whole_groups():
+def test_the_plan_counts_the_whole_groups_a_call_of_rows_per_generate_holds():
     """A group's responses are generated together: 4 rows a call with G = 8 held 8, twice
-    what the memory plan counted."""
+    what the memory plan counted (such a value is one group a call, as runs made with it
+    resume)."""
     from dapo.training.gpu_memory import rows_per_rank
 
-    with pytest.raises(ValueError, match="rows_per_generate=4 is below rollout.group_size=8"):
-        load_config(None, ["rollout.group_size=8", "rollout.rows_per_generate=4"])
-    for limit, rows in ((8, 8), (12, 8), (20, 16), (0, 8 * 16)):
+    for limit, rows in ((4, 8), (8, 8), (12, 8), (20, 16), (0, 8 * 16)):
         cfg = load_config(None, ["rollout.group_size=8", f"rollout.rows_per_generate={limit}"])
         cfg.train.prompts_per_step = 16
         cfg.sampling.dynamic = False

@@ -262,34 +262,37 @@ def load_config(
         # a saved config.yaml, which lists every field, left nothing of the preset but its
         # name on --resume).
         presets.ALGORITHMS[preset](cfg)
-    _validate_with(cfg, errors + _set_each(cfg, written))
+    _validate_with(cfg, {**errors, **_set_each(cfg, written)})
     return cfg
 
 
-def _set_each(cfg: Config, items: list[tuple[str, Any, str | None]]) -> list[str]:
+def _set_each(cfg: Config, items: list[tuple[str, Any, str | None]]) -> dict[str, str]:
     """Set every (key, value, text) of ``items`` (renamed keys followed; base and preset are
-    resolved already); the errors of those that cannot be set, to report with the rest."""
-    errors = []
+    resolved already); the error of each key that cannot be set, to report with the rest."""
+    errors = {}
     for key, value, text in _moved(items):
         if key not in ("run.base", "run.preset"):
             try:
                 set_value(cfg, key, value, text)
             except ValueError as exc:
-                errors.append(str(exc))
+                errors[key] = str(exc)
     return errors
 
 
-def _validate_with(cfg: Config, errors: list[str]) -> None:
-    """:func:`validate`, with the errors of values that could not be set: every bad value at
-    once (one alone keeps its own words)."""
-    if not errors:
+def _validate_with(cfg: Config, unset: dict[str, str]) -> None:
+    """:func:`validate`, with the errors of values that could not be set (``unset``): every
+    bad value at once (one alone keeps its own words). A check that names a field left unset
+    is left out: it judged the default, not what was written."""
+    if not unset:
         validate(cfg)
         return
+    errors = list(unset.values())
     try:
         validate(cfg)
     except ValueError as exc:
         lines = str(exc).splitlines()
-        errors += [x.strip() for x in lines[1:]] if lines[0] == "invalid config:" else lines
+        lines = [x.strip() for x in lines[1:]] if lines[0] == "invalid config:" else lines
+        errors += [x for x in lines if not any(re.search(rf"\b{re.escape(k)}\b", x) for k in unset)]
     if len(errors) == 1:
         raise ValueError(errors[0])
     raise ValueError("invalid config:\n" + "\n".join(f"  {e}" for e in errors))

@@ -27,8 +27,8 @@ class RolloutConfig:
     policy's own log-probs (with the stop tokens' mass)."""
     rows_per_generate: int = 0
     """Responses generated at once (0 = a whole round): bounds generation memory, as a round
-    runs in calls of floor(this / G) whole groups, each seeded from the round's seed (at
-    least G)."""
+    runs in calls of floor(this / G) whole groups (one below G), each seeded from the round's
+    seed."""
     stop_token_ids: list[int] = field(default_factory=list)
     """Token ids that end a response besides the tokenizer's EOS and the model's
     generation_config.eos_token_id (instruct models list several, e.g. Qwen2.5's <|im_end|>
@@ -79,12 +79,6 @@ class RolloutConfig:
             errors.append("rollout.top_p must be in (0, 1]")
         if self.rows_per_generate < 0:
             errors.append("rollout.rows_per_generate must be >= 0 (0 = a whole round)")
-        elif 0 < self.rows_per_generate < self.group_size:
-            errors.append(
-                f"rollout.rows_per_generate={self.rows_per_generate} is below "
-                f"rollout.group_size={self.group_size}: a group's responses are generated "
-                "together, so no call holds fewer; give 0 or a multiple of the group size"
-            )
         if any(i < 0 for i in self.stop_token_ids):
             errors.append(
                 f"rollout.stop_token_ids must be token ids >= 0, got {self.stop_token_ids}"

@@ -185,7 +185,9 @@ _DENIED = (
 )  # fmt: skip
 # Calls that change another process named by pid (0: the caller). Without root the program
 # keeps the trainer's uid, and the kernel lets it cap the trainer's CPU time (prlimit64: then
-# SIGKILL), pin or deprioritise it: allowed on the program itself only.
+# SIGKILL), pin or deprioritise it: allowed on the program itself only, by 0 or its pid. A
+# thread named by its own thread id is refused too (a filter cannot tell a thread of the
+# program from another process); a thread changes its own affinity or priority with 0.
 _OWN_PID = (
     "prlimit64", "sched_setaffinity", "sched_setparam", "sched_setscheduler", "sched_setattr",
     "migrate_pages", "move_pages",
