@@ -88,10 +88,7 @@ def run_config(req: EvalRequest) -> Any:
         return load_config(None, [])
     cfg = load_config(req.config)
     home = Path(req.config).resolve().parent
-    specs = {"reward.function": cfg.reward.function, "env.class": cfg.env.class_}
-    # What dapo wrote there says it is a run's (a config.yaml alone may be the user's own).
-    written = any((home / name).exists() for name in (rundir.MARK, "metrics.jsonl", "checkpoints"))
-    if written and (found := custom.file_inside(home, specs)):
+    if rundir.holds_a_run(home) and (found := custom.file_inside(home, cfg)):
         key, spec = found
         raise ValueError(
             f"--config {req.config}: {key}={spec} is a file inside the run directory {home}, "

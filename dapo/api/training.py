@@ -97,8 +97,7 @@ def _refuse_code_from(run_dir: Path, cfg: Config) -> None:
     came with the directory)."""
     from dapo.reward import custom
 
-    specs = {"reward.function": cfg.reward.function, "env.class": cfg.env.class_}
-    if found := custom.file_inside(run_dir, specs):
+    if found := custom.file_inside(run_dir, cfg):
         key, spec = found
         raise ValueError(
             f"--resume {run_dir}: {key}={spec} is a file inside the run directory, "

@@ -45,9 +45,11 @@ def is_path_spec(target: str) -> bool:
     return target.endswith(".py") or "/" in target or "\\" in target
 
 
-def file_inside(directory: Path, specs: dict[str, str]) -> tuple[str, str] | None:
-    """The first (setting, spec) of ``specs`` whose code is a file inside ``directory`` (a run
-    directory, perhaps from elsewhere: code that came with it is never run), else None."""
+def file_inside(directory: Path, cfg: Any) -> tuple[str, str] | None:
+    """The first (setting, spec) of the run config ``cfg`` whose code (its reward function,
+    its environment) is a file inside ``directory`` (a run directory, perhaps from
+    elsewhere: code that came with it is never run), else None."""
+    specs = {"reward.function": cfg.reward.function, "env.class": cfg.env.class_}
     for key, spec in specs.items():
         if ":" not in spec:
             continue  # empty, or a built-in name

@@ -51,6 +51,12 @@ def is_run_dir(path: Path) -> bool:
     return path.is_dir() and any((path / m).exists() for m in (MARK, *RUN_MARKERS))
 
 
+def holds_a_run(path: Path) -> bool:
+    """Whether files only dapo writes are in ``path`` (its mark, metrics.jsonl,
+    checkpoints/): a run's directory, not a folder of the user's holding a config.yaml."""
+    return any((path / m).exists() for m in (MARK, *RUN_MARKERS) if m != "config.yaml")
+
+
 def is_own_entry(name: str) -> bool:
     """Whether dapo writes a top-level entry of this name into a run directory."""
     name = name.removeprefix(".").removesuffix(".tmp") if name.endswith(".tmp") else name
