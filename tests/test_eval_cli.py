@@ -208,6 +208,26 @@ def test_compare_identical_and_clearly_better(tmp_path, capsys):
     assert "problems whose avg@k changed: 30" in out and "p0: 0.000 -> 1.000" in out
 
 
+def test_compare_of_saved_evaluations_refuses_flags_that_shape_an_evaluation(tmp_path, capsys):
+    """Both sides already evaluated: --temperature or --data changed nothing, and the table
+    printed as if it answered for them."""
+    a = _records(tmp_path / "a.jsonl", [0.0, 1.0, 1.0])
+    b = _records(tmp_path / "b.jsonl", [1.0, 1.0, 0.0])
+    flags = ["--temperature", "0.6", "--data", "arith", "--greedy"]
+    assert main(["eval", "--compare", str(a), str(b), *flags]) == 2
+    assert capsys.readouterr().err == (
+        f"dapo: error: --compare {a} {b} compares two evaluations already made; --data, "
+        "--temperature, --greedy would not be used (they shape an evaluation). Drop them, or "
+        "give a model directory as A or B to evaluate it with them\n"
+    )
+    assert main(["eval", "--compare", str(a), str(b), "--k", "8"]) == 2
+    assert "--k would not be used (they shape an evaluation). Drop it," in capsys.readouterr().err
+    # What comparing reads is taken: the bootstrap's resamples and seed, the threads.
+    given = ["--resamples", "50", "--seed", "3", "--threads", "1"]
+    assert main(["eval", "--compare", str(a), str(b), *given]) == 0
+    assert "3 problems in both" in capsys.readouterr().out
+
+
 def test_compare_two_model_directories_evaluates_both_on_the_same_problems(
     tmp_path, model_and_data, capsys
 ):

@@ -221,6 +221,12 @@ def test_threads_or_tensor_parallel_changed_on_a_resume_are_warned_of(runs, tmp_
         "longer bit-identical to an uninterrupted one (the engine then splits its sums over "
         "another number of GPUs); resume with rollout.tp_size=1 for that\n"
     )
+    check_resume(apply_overrides(cfg, ["run.deterministic=true"]), run_dir, ckpt)
+    assert capsys.readouterr().err == (
+        "dapo: warning: run.deterministic False -> True on this resume: the run goes on, but "
+        "is no longer bit-identical to an uninterrupted one (a GPU's kernels then sum in "
+        "another order); resume with run.deterministic=False for that\n"
+    )
     _fit(apply_overrides(cfg, ["run.threads=2"]), start, run_dir, data, resume=True)
     warned = [x for x in capsys.readouterr().err.splitlines() if "warning" in x]
     assert warned == [

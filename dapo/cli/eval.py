@@ -79,6 +79,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     _add_engine_args(ev)
     _add_setting_args(ev)
     ev.set_defaults(func=cmd_eval)
+    ev.set_defaults(eval_defaults=vars(ev.parse_args([])))  # what a flag not given holds
 
 
 def _add_sampling_args(ev: argparse.ArgumentParser) -> None:
@@ -265,6 +266,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
                 path = out_dir(_request(one))
             evaluated.append(path)
         a_path, b_path = evaluated
+    else:
+        _refuse_unused_flags(args)
     (a, truths_a), (b, truths_b) = _read_problems(a_path), _read_problems(b_path)
     _same_problems(truths_a, truths_b)
     common = a.keys() & b.keys()
@@ -286,6 +289,29 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if len(changed) > 10:
         print(f"  ... and {len(changed) - 10} more")
     return 0
+
+
+COMPARE_FLAGS = frozenset({"compare", "resamples", "seed", "threads", "func", "eval_defaults"})
+"""What comparing two saved evaluations reads (``--seed``: the bootstrap's)."""
+
+
+def _refuse_unused_flags(args: argparse.Namespace) -> None:
+    """Refuse the flags that shape an evaluation when both sides of --compare are
+    evaluations already made: a --temperature or --data given there would change nothing
+    while the table seemed to answer for it."""
+    defaults = getattr(args, "eval_defaults", {})
+    given = [
+        f"--{key.replace('_', '-')}"
+        for key, default in defaults.items()
+        if key not in COMPARE_FLAGS and getattr(args, key, default) != default
+    ]
+    if given:
+        raise ValueError(
+            f"--compare {args.compare[0]} {args.compare[1]} compares two evaluations already "
+            f"made; {', '.join(given)} would not be used (they shape an evaluation). Drop "
+            f"{'them' if len(given) > 1 else 'it'}, or give a model directory as A or B to "
+            "evaluate it with them"
+        )
 
 
 SAMPLING = ("k", "temperature", "top_p", "max_new_tokens", "greedy", "system_prompt")

@@ -381,6 +381,7 @@ RESUME_SAFE_FIELDS = frozenset(
 RESUME_INEXACT_FIELDS = {
     "run.threads": "CPU kernels then sum in another order",
     "rollout.tp_size": "the engine then splits its sums over another number of GPUs",
+    "run.deterministic": "a GPU's kernels then sum in another order",
 }
 """Fields of RESUME_SAFE_FIELDS that keep the run going but change its last bits, and why:
 a resume that changes one warns that the run is no longer bit-identical to an uninterrupted
