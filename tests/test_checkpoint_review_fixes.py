@@ -14,7 +14,7 @@ from helpers import TINY_DEMO
 from safetensors import SafetensorError
 
 from dapo.cli import main
-from dapo.dist import dcp
+from dapo.dist import dcp, fsdp
 from dapo.models import policy
 from dapo.models.demo import TinyModelSpec, tiny_qwen2
 from dapo.run import checkpoint, manifest, sharded_checkpoint, state_files
@@ -315,6 +315,29 @@ def test_a_generator_state_cut_short_is_named_with_the_fix(tmp_path, tokenizer):
             f"wrong size). Move step_000002 out of {tmp_path / 'checkpoints'} to use "
             "step_000001, the newest whole checkpoint before it"
         )
+
+
+def test_a_one_process_optimizer_state_that_does_not_fit_a_sharded_model_is_named(
+    tmp_path, tokenizer, monkeypatch
+):
+    """Read into a sharded run (whole tensors, sharded on load), an optimizer state of more
+    parameters than the model trains raised torch's bare IndexError."""
+    model, opt = _trained(tokenizer)
+    _save(tmp_path, model, tokenizer, opt, step=1)
+    ckpt = _save(tmp_path, model, tokenizer, opt, step=2)
+    saved = json.loads((ckpt / "optimizer.json").read_text())
+    saved["param_groups"][0]["params"].append(len(list(model.parameters())))
+    (ckpt / "optimizer.json").write_text(json.dumps(saved))
+    _reseal(ckpt)
+    monkeypatch.setattr(fsdp, "is_sharded", lambda module: True)
+    with pytest.raises(checkpoint.CheckpointError) as info:
+        sharded_checkpoint.load(ckpt, model=model, optimizer=opt)
+    assert str(info.value) == (
+        f"checkpoint {ckpt} is incomplete or altered: {ckpt / 'model'} and "
+        f"{ckpt / 'optimizer'}.json / optimizer.safetensors hold a state that does not fit "
+        "this run's model (IndexError: list index out of range). Move step_000002 out of "
+        f"{tmp_path / 'checkpoints'} to use step_000001, the newest whole checkpoint before it"
+    )
 
 
 def test_optimizer_groups_that_do_not_fit_are_named_with_the_fix(tmp_path, tokenizer):

@@ -143,7 +143,15 @@ def load(
                 weights.update(model_files.read_tensors(shard))
             _add_tied(model, weights)
             optim = state_files.load_optimizer(ckpt / "optimizer")
-            dcp.load_full(model, optimizer, weights, optim)
+            try:
+                dcp.load_full(model, optimizer, weights, optim)
+            except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as exc:
+                # torch's error (an optimizer state of more parameters: IndexError) names no file
+                what = f"{ckpt / 'model'} and {ckpt / 'optimizer'}.json / optimizer.safetensors"
+                why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                raise checkpoint.damaged(
+                    ckpt, f"{what} hold a state that does not fit this run's model ({why})"
+                ) from None
             rng = ckpt / "rng"
         else:
             return checkpoint.load(
