@@ -3,6 +3,7 @@ OSError), optimizer settings changed with --force on resume, links where a run k
 checkpoints, a checkpoint altered at its size, and a generator or optimizer state that does
 not fit."""
 
+import errno
 import json
 import shutil
 from pathlib import Path
@@ -10,9 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 import transformers.modeling_utils
-from helpers import TINY_DEMO
+from helpers import TINY_DEMO, spawn_ranks
 from safetensors import SafetensorError
+from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
+from dapo import dist
 from dapo.cli import main
 from dapo.dist import dcp, fsdp
 from dapo.models import policy
@@ -94,6 +97,60 @@ def test_a_full_disk_in_a_sharded_save_is_named_and_its_temporary_removed(
     )
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names == ["latest", "step_000001"]
+
+
+def test_a_full_disk_while_the_shards_are_written_is_named_and_its_temporary_removed(
+    tmp_path, tokenizer, monkeypatch
+):
+    """DCP reports a rank's failure as a CheckpointException, a BaseException with every
+    rank's traceback: it passed every handler, and .tmp-step_N-PID stayed."""
+
+    def full(self, plan, planner):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    model, opt = _trained(tokenizer)
+    _save(tmp_path, model, tokenizer, opt, 1, sharded_checkpoint.save)
+    monkeypatch.setattr(HuggingFaceStorageWriter, "write_data", full)
+    with pytest.raises(checkpoint.CheckpointError) as err:
+        _save(tmp_path, model, tokenizer, opt, 2, sharded_checkpoint.save)
+    assert str(err.value) == (
+        f"could not write the checkpoint of step 2 under {tmp_path / 'checkpoints'}: the disk "
+        f"is full; resume with: dapo train --resume {tmp_path}"
+    )
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["latest", "step_000001"]
+
+
+def _rank_on_a_full_disk(rank: int, port: int, run_dir: str) -> None:
+    """Rank 1's disk is full while it writes its shards; both ranks return the error."""
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
+    )
+    dist.join_long_waits(60.0)
+    if rank == 1:
+        HuggingFaceStorageWriter.write_data = _full_write
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    try:
+        _save(Path(run_dir), model, None, opt, 1, sharded_checkpoint.save)
+    except checkpoint.CheckpointError as exc:
+        (Path(run_dir) / f"rank_{rank}.txt").write_text(str(exc))
+    finally:
+        dist.shutdown()
+
+
+def _full_write(self, plan, planner):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_on_one_rank_stops_every_rank_with_its_words(tmp_path):
+    spawn_ranks(_rank_on_a_full_disk, str(tmp_path))
+    for rank in (0, 1):
+        assert (tmp_path / f"rank_{rank}.txt").read_text() == (
+            f"could not write the checkpoint of step 1 under {tmp_path / 'checkpoints'}: the "
+            f"disk is full; resume with: dapo train --resume {tmp_path}"
+        )
+    assert list((tmp_path / "checkpoints").iterdir()) == []
 
 
 @pytest.mark.parametrize("export", [checkpoint.export_model, sharded_checkpoint.export_model])

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -255,10 +256,22 @@ def save(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
     writer = HuggingFaceStorageWriter(str(path), save_distributed=True)
     # Coordinated on the patient group: a rank that has written its shards waits there for
     # the slowest writer, for as long as dist.wait_timeout_s, not the collectives' timeout.
-    dcp.save(state, storage_writer=writer, process_group=dist.wait_group())
+    try:
+        dcp.save(state, storage_writer=writer, process_group=dist.wait_group())
+    except CheckpointException as exc:  # on every rank: DCP shares a rank's failure
+        raise first_failure(exc) from None
     if dist.is_main():
         (Path(path) / OPTIMIZER_JSON).write_text(json.dumps(optim_json) + "\n")
     dist.barrier()
+
+
+def first_failure(exc: CheckpointException) -> Exception:
+    """The error of the lowest rank that failed, behind DCP's report of a failed save: an
+    ``OSError`` for a full disk, which the report (a ``BaseException``, not an ``Exception``,
+    with every rank's traceback) would hide from the callers that name it."""
+    failures = exc.failures
+    first = failures[min(failures)][0] if failures else None
+    return first if isinstance(first, Exception) else RuntimeError(str(exc))
 
 
 def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -69,9 +69,14 @@ def save(
     refused = dist.broadcast(refused, patient=True)  # every rank stops, not rank 0 alone
     if refused is not None:
         raise LinkRefused(refused)
-    dcp.save(tmp / "state", model, optimizer)
-    state_files.save_rng(checkpoint.capture_rng(device), tmp / "rng" / f"rank_{dist.rank()}")
-    dist.wait_for_all()  # the ranks' shards are written and synced at their own pace
+    failed = _write_shards(tmp, model, optimizer, device)
+    if failed is not None:
+        if dist.is_main():
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(
+            f"could not write the checkpoint of step {step} under {root}: {failed}; resume "
+            f"with: dapo train --resume {run_dir}"
+        )
     digests = _shared_digests(tmp)
     problem = None
     if dist.is_main():
@@ -87,6 +92,22 @@ def save(
     if problem is not None:
         raise CheckpointError(f"{problem}; resume with: dapo train --resume {run_dir}")
     return root / name
+
+
+def _write_shards(
+    tmp: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Any
+) -> str | None:
+    """Every rank's shards and generators under ``tmp``; why a rank could not write them (a
+    full disk), the same on every rank, or None."""
+    failed = None
+    try:
+        dcp.save(tmp / "state", model, optimizer)
+        state_files.save_rng(checkpoint.capture_rng(device), tmp / "rng" / f"rank_{dist.rank()}")
+    except (OSError, SafetensorError) as exc:  # safetensors' own error is no OSError
+        failed = checkpoint.write_failure(exc)
+    # Also waits for every rank's shards, written and synced at their own pace.
+    failures = [f for f in dist.gather_lists([failed], patient=True) if f is not None]
+    return failures[0] if failures else None
 
 
 def _shared_digests(tmp: Path) -> dict[str, str]:
