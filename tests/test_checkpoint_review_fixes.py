@@ -121,6 +121,33 @@ def test_a_full_disk_while_the_shards_are_written_is_named_and_its_temporary_rem
     assert names == ["latest", "step_000001"]
 
 
+def test_a_shard_that_cannot_be_read_is_named_with_the_fix(tmp_path, monkeypatch):
+    """An I/O error while DCP read the shards came out as its CheckpointException (a
+    BaseException) with a traceback per rank."""
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    dcp.save(tmp_path / "state", model, opt)
+
+    def broken(self, plan, planner):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(dcp.SafeReader, "read_data", broken)
+    wanted = dcp.stored_tensors(tmp_path / "state")
+    for load in (
+        lambda: dcp.load(tmp_path / "state", model, opt),
+        lambda: dcp.read_tensors(tmp_path / "state", wanted),
+    ):
+        with pytest.raises(dcp.UnsafeCheckpointError) as err:
+            load()
+        assert str(err.value) == (
+            f"{tmp_path / 'state'}: the checkpoint shards could not be read (OSError: [Errno 5] "
+            "Input/output error): the checkpoint is damaged; resume from an earlier one (move "
+            "this step's directory out of checkpoints/)"
+        )
+
+
 def _rank_on_a_full_disk(rank: int, port: int, run_dir: str) -> None:
     """Rank 1's disk is full while it writes its shards; both ranks return the error."""
     torch.distributed.init_process_group(

@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from dapo import dist
 from dapo.dist.optim_groups import kernels_kept
+from dapo.dist.state_json import join_optimizer_state, split_optimizer_state
 
 OPTIMIZER_JSON = "optimizer.json"
 """The optimizer's values that are not tensors (each group's settings), beside the shards."""
@@ -45,67 +46,6 @@ _PICKLED = ".metadata"  # DCP's default metadata file: a pickle
 
 class UnsafeCheckpointError(ValueError):
     """A checkpoint holds something that is not tensors and JSON, or points outside itself."""
-
-
-# ----------------------------------------------------------------------------- JSON
-
-
-def to_json(value: Any) -> Any:
-    """``value`` (numbers, strings, None, lists, tuples, dicts with string or integer keys) as
-    JSON that :func:`from_json` turns back into it exactly: a tuple is ``{"__tuple__": [...]}``
-    and a dict with integer keys ``{"__int_keys__": [[k, v], ...]}``. Anything else (a tensor
-    among an optimizer's settings, say) is a TypeError naming it."""
-    if value is None or isinstance(value, bool | int | float | str):
-        return value
-    if isinstance(value, tuple):
-        return {"__tuple__": [to_json(v) for v in value]}
-    if isinstance(value, list):
-        return [to_json(v) for v in value]
-    if isinstance(value, dict):
-        if all(isinstance(k, str) for k in value):
-            return {k: to_json(v) for k, v in value.items()}
-        if all(isinstance(k, int) for k in value):
-            return {"__int_keys__": [[k, to_json(v)] for k, v in value.items()]}
-    raise TypeError(f"{type(value).__name__} {value!r} cannot be saved as JSON")
-
-
-def from_json(value: Any) -> Any:
-    """What :func:`to_json` was given."""
-    if isinstance(value, list):
-        return [from_json(v) for v in value]
-    if isinstance(value, dict):
-        if set(value) == {"__tuple__"}:
-            return tuple(from_json(v) for v in value["__tuple__"])
-        if set(value) == {"__int_keys__"}:
-            return {int(k): from_json(v) for k, v in value["__int_keys__"]}
-        return {k: from_json(v) for k, v in value.items()}
-    return value
-
-
-def split_optimizer_state(
-    optim_sd: dict[str, Any],
-) -> tuple[dict[str, dict[Any, dict[str, torch.Tensor]]], dict[str, Any]]:
-    """An optimizer's state dict as its tensors (``{"state": {param: {name: tensor}}}``) and
-    the rest, as JSON (``param_groups``, and any per-parameter value that is not a tensor)."""
-    tensors: dict[Any, dict[str, torch.Tensor]] = {}
-    others: dict[Any, dict[str, Any]] = {}
-    for param, entries in optim_sd["state"].items():
-        tensors[param] = {k: v for k, v in entries.items() if isinstance(v, torch.Tensor)}
-        rest = {k: v for k, v in entries.items() if not isinstance(v, torch.Tensor)}
-        if rest:
-            others[param] = rest
-    rest_json = {"param_groups": to_json(optim_sd["param_groups"]), "state": to_json(others)}
-    return {"state": tensors}, rest_json
-
-
-def join_optimizer_state(
-    tensors: dict[str, dict[Any, dict[str, torch.Tensor]]], rest_json: dict[str, Any]
-) -> dict[str, Any]:
-    """The state dict :func:`split_optimizer_state` split."""
-    state = {param: dict(entries) for param, entries in tensors["state"].items()}
-    for param, entries in from_json(rest_json["state"]).items():
-        state.setdefault(param, {}).update(entries)
-    return {"state": state, "param_groups": from_json(rest_json["param_groups"])}
 
 
 # ----------------------------------------------------------------------------- reading safely
@@ -274,6 +214,19 @@ def first_failure(exc: CheckpointException) -> Exception:
     return first if isinstance(first, Exception) else RuntimeError(str(exc))
 
 
+def unreadable(path: Path, exc: CheckpointException) -> UnsafeCheckpointError:
+    """The error of a load DCP reports as failed: the planner's refusal as it is, a read
+    error (a shard cut short, an I/O error) naming the directory and the fix."""
+    first = first_failure(exc)
+    if isinstance(first, UnsafeCheckpointError):
+        return first
+    return UnsafeCheckpointError(
+        f"{path}: the checkpoint shards could not be read ({type(first).__name__}: {first}): "
+        "the checkpoint is damaged; resume from an earlier one (move this step's directory "
+        "out of checkpoints/)"
+    )
+
+
 def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Read a checkpoint :func:`save` wrote, at this world size (sharded or one process)."""
     check_format(path)
@@ -293,12 +246,15 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
     with warnings.catch_warnings():
         # One process reading shards is intended here, not a missing process group.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(
-            state,
-            storage_reader=SafeReader(str(path)),
-            planner=TensorsOnlyPlanner(),
-            process_group=dist.wait_group(),  # each rank reads its shards at its own pace
-        )
+        try:
+            dcp.load(
+                state,
+                storage_reader=SafeReader(str(path)),
+                planner=TensorsOnlyPlanner(),
+                process_group=dist.wait_group(),  # each rank reads its shards at its own pace
+            )
+        except CheckpointException as exc:
+            raise unreadable(path, exc) from None
     try:
         optim_json = json.loads((Path(path) / OPTIMIZER_JSON).read_text())
         optim = join_optimizer_state(state["optim"], optim_json)
@@ -378,10 +334,13 @@ def read_tensors(
     state = {name: torch.empty(size, dtype=dtype) for name, (size, dtype) in wanted.items()}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(
-            state,
-            storage_reader=SafeReader(str(path)),
-            planner=TensorsOnlyPlanner(),
-            no_dist=True,
-        )
+        try:
+            dcp.load(
+                state,
+                storage_reader=SafeReader(str(path)),
+                planner=TensorsOnlyPlanner(),
+                no_dist=True,
+            )
+        except CheckpointException as exc:
+            raise unreadable(path, exc) from None
     return state

@@ -16,7 +16,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from dapo.dist.dcp import join_optimizer_state, split_optimizer_state, to_json
+from dapo.dist.state_json import join_optimizer_state, split_optimizer_state, to_json
 
 _SEP = "/"  # between a parameter's index and its state's name in a tensor's key
 
