@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 
 from dapo import cli
 from dapo.algo.logits import token_logprobs_from_hidden
-from dapo.config import load_config
+from dapo.config import apply_overrides, load_config
 from dapo.dist.fsdp import checkpoint_layers
 from dapo.models import policy
 from dapo.training import gpu_memory, memory_table
@@ -436,6 +436,25 @@ def test_a_model_directory_is_read_from_its_config_json(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba"}))
     memory_table.print_plan(cfg, world_size=1, prompt_tokens=10)
     assert "memory plan: not available (model_type 'mamba'" in capsys.readouterr().out
+
+
+def test_a_dry_run_without_cuda_says_what_a_gpus_plan_adds(tmp_path, capsys, monkeypatch):
+    """The docs run a GPU recipe's dry run "on any machine": without CUDA it planned for the
+    CPU, leaving out the card's overheads (6.6 GiB of the 7B recipe's) without a word."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    (tmp_path / "config.json").write_text(json.dumps(KNOWN_SHAPES["qwen2.5-1.5b"]))
+    note = (
+        "  note: planned for this machine's CPU, which has no CUDA; on GPUs a plan adds the "
+        "CUDA runtime, NCCL's buffers and the allocator's reserve: python -m dapo.memory_plan "
+        "--config RECIPE plans a recipe on the GPUs it states\n"
+    )
+    cfg = load_config(RECIPES / "dapo-qwen2.5-math-1.5b.yaml", [f"model.path={tmp_path}"])
+    memory_table.print_plan(cfg, world_size=1, prompt_tokens=10)
+    out = capsys.readouterr().out
+    assert note in out and "CUDA runtime and NCCL buffers" not in out.replace(note, "")
+    for other in (apply_overrides(cfg, ["model.device=cpu"]), load_config(None)):  # no GPU
+        memory_table.print_plan(other, world_size=1, prompt_tokens=10)
+        assert note not in capsys.readouterr().out
 
 
 def test_dry_run_prints_the_plan_for_the_world_size(tmp_path, capsys, monkeypatch):

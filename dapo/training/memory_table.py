@@ -192,6 +192,12 @@ def print_plan(cfg: Config, *, world_size: int, prompt_tokens: int) -> None:
         print(f"  this machine's GPU: {card / GIB:.2f} GiB, {spare:.2f} GiB spare: {verdict}")
     elif device == "cuda":
         print("  no GPU here: python -m dapo.memory_plan --config RECIPE plans a recipe's card")
+    elif cfg.model.device == "auto" and cfg.model.path != "embedded":
+        print(
+            "  note: planned for this machine's CPU, which has no CUDA; on GPUs a plan adds "
+            "the CUDA runtime, NCCL's buffers and the allocator's reserve: python -m "
+            "dapo.memory_plan --config RECIPE plans a recipe on the GPUs it states"
+        )
     packed = plan_memory(plan.shape, replace(settings, gqa_copy=False))
     if (saved := plan.decode_workspace - packed.decode_workspace) > 0:
         print(
