@@ -118,10 +118,12 @@ def test_every_part_of_a_small_plan_by_hand():
     assert plan.gathered_layers == (2 * layer + 64_064) * 2 + layer * 4 == 424_064
     per_token_layer = 2 * (6 * 64 + 2 * 32 + 4 * 128) + 16 * 64
     assert plan.activations == 100 * 2 * per_token_layer == 588_800
-    # The chunked head under FSDP: all 100 tokens fit a chunk (2**26 // 1000 = 67108) of
-    # float32 logits and their bf16 copy; the head's float32 gradient, and a chunk's bf16
-    # [V, H] gradient with its float32 copy (the weight itself is in the gathered root).
-    assert plan.output_head == 100 * 1000 * (4 + 2) + 1000 * 64 * (4 + 2 + 4) == 1_240_000
+    # The chunked head under FSDP: all 100 tokens fit a chunk (2**26 // 1000 = 67108). Its
+    # backward holds the float32 logits and their bf16 copy, the head's float32 gradient, and
+    # a chunk's bf16 [V, H] gradient with its float32 copy (the weight itself is in the
+    # gathered root): 1_240_000; its forward, 16 bytes a logit, more at this narrow H.
+    backward = 100 * 1000 * (4 + 2) + 1000 * 64 * (4 + 2 + 4)
+    assert plan.output_head == max(100 * 1000 * 16, backward) == 1_600_000
     assert plan.kv_cache == 2 * 2 * 32 * 2 * (10 + 22) * 3 == 24_576  # K,V x layers x kv
     assert plan.reference == 138_048 * 2 // 2
     # Loading: the rank's float32 shard and the largest tensor (the embedding) in float32.
@@ -132,7 +134,7 @@ def test_every_part_of_a_small_plan_by_hand():
     # logits), and the rows' 22 tokens and log-probs (tests/test_decode_memory.py).
     assert plan.decode_workspace == (8 + 16) * 3 * 1000 + 12 * 3 * 22 == 72_792
     assert plan.generation_peak == held + 24_576 + 72_792
-    assert plan.training_peak == held + 276_096 + 552_192 + 424_064 + 588_800 + 1_240_000
+    assert plan.training_peak == held + 276_096 + 552_192 + 424_064 + 588_800 + 1_600_000
     assert plan.total == plan.training_peak and plan.host == 0
     text = format_plan(plan)
     assert "world size 2" in text and "1/2 shard" in text
@@ -142,7 +144,7 @@ def test_every_part_of_a_small_plan_by_hand():
     # One process: the same chunk, and the head's weight cast to bf16; no unsharded gradient
     # beside the gradients; loading holds the whole float32 model.
     alone = plan_memory(shape, replace(HAND_SETTINGS, world_size=1))
-    assert alone.output_head == 100 * 1000 * (4 + 2) + 1000 * 64 * (2 + 4 + 2 + 4) == 1_368_000
+    assert alone.output_head == 1_600_000 + 1000 * 64 * 2 == 1_728_000
     assert alone.accumulated_gradients == 0 and alone.load_host == 138_048 * 4
     assert "output head (a logit chunk, the bfloat16 weight, its float32 gradient)" in (
         format_plan(alone)
@@ -365,15 +367,19 @@ def test_the_activation_model_is_near_what_autograd_saves(weights, autocast):
 
 
 @pytest.mark.parametrize(
-    ("weights", "autocast", "world_size"),
+    ("weights", "autocast", "world_size", "lora"),
     [
-        (torch.bfloat16, False, 2),  # FSDP: the head's weight gathered in bf16
-        (torch.float32, True, 1),  # one process: float32 weights under bf16 autocast
-        (torch.float32, False, 2),  # float32 compute (gloo on a CPU)
+        (torch.bfloat16, False, 2, 0),  # FSDP: the head's weight gathered in bf16
+        (torch.float32, True, 1, 0),  # one process: float32 weights under bf16 autocast
+        (torch.float32, False, 2, 0),  # float32 compute (gloo on a CPU)
+        (torch.bfloat16, False, 2, 16),  # LoRA: the head frozen, no weight gradient
+        (torch.float32, True, 1, 16),
     ],
-    ids=["fsdp-bf16", "one-process-autocast", "float32"],
+    ids=["fsdp-bf16", "one-process-autocast", "float32", "lora-fsdp-bf16", "lora-autocast"],
 )
-def test_the_head_model_is_what_the_chunked_head_holds(monkeypatch, weights, autocast, world_size):
+def test_the_head_model_is_what_the_chunked_head_holds(
+    monkeypatch, weights, autocast, world_size, lora
+):
     # dapo.algo.logits's chunked head, forward and backward, 50 positions in chunks of 10, at
     # a vocabulary whose [V, H] tensors dominate as a real model's do (152k x 3584).
     positions, vocab, hidden_size, chunk = 50, 20_000, 64, 10
@@ -383,7 +389,7 @@ def test_the_head_model_is_what_the_chunked_head_holds(monkeypatch, weights, aut
         monkeypatch.setattr(module, "HEAD_CHUNK_ELEMENTS", chunk * vocab)
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(positions, hidden_size, generator=g, dtype=weights, requires_grad=True)
-    weight = torch.randn(vocab, hidden_size, generator=g, dtype=weights, requires_grad=True)
+    weight = torch.randn(vocab, hidden_size, generator=g, dtype=weights, requires_grad=not lora)
     ids = torch.randint(vocab, (positions,), generator=g)
     with LiveBytes(hidden, weight, ids) as live:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
@@ -392,7 +398,9 @@ def test_the_head_model_is_what_the_chunked_head_holds(monkeypatch, weights, aut
     shape = replace(ModelShape.from_hf_config(HAND), vocab=vocab, hidden=hidden_size)
     compute = "bfloat16" if autocast or weights == torch.bfloat16 else "float32"
     master = str(weights).removeprefix("torch.")
-    settings = PlanSettings(world_size=world_size, param_dtype=master, compute_dtype=compute)
+    settings = PlanSettings(
+        world_size=world_size, param_dtype=master, compute_dtype=compute, lora_rank=lora
+    )
     modelled = plan_memory(shape, replace(settings, microbatch_tokens=positions)).output_head
     # Above the model: the hidden states' gradient and the [N] log-probs (1% here).
     assert 1 <= live.peak / modelled < 1.03, (live.peak, modelled)

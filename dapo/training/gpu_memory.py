@@ -129,18 +129,19 @@ def activation_bytes(
 
 
 def output_head_bytes(shape: ModelShape, s: PlanSettings, *, compute: int) -> int:
-    """The chunked head (``dapo.algo.logits``), in one process and under FSDP alike. Backward
-    holds a float32 chunk of ``HEAD_CHUNK_ELEMENTS`` logits (fewer for a shorter micro-batch)
+    """The chunked head (``dapo.algo.logits``), in one process and under FSDP alike: the
+    larger of its forward and its backward. Forward, with the entropy, holds 16 bytes a logit
+    of a chunk of ``HEAD_CHUNK_ELEMENTS`` (fewer for a shorter micro-batch): the float32
+    logits, the softmax and a product (measured on a CPU). Backward holds the float32 chunk
     and its compute-dtype copy, the head's float32 weight gradient accumulated over the
     chunks and, unless the compute dtype is float32, a chunk's ``[V, H]`` gradient in it and
-    its float32 copy; one process adds the head's weight cast to the compute dtype, which
-    FSDP has gathered in it (counted in the gathered root)."""
+    its float32 copy (none with LoRA: the head is frozen). One process adds the weight cast
+    to the compute dtype (FSDP gathers it so: the gathered root)."""
     vocab, weight = shape.vocab, shape.vocab * shape.hidden
-    chunk = min(s.microbatch_tokens, max(1, HEAD_CHUNK_ELEMENTS // vocab))
-    held = 4 * weight + (0 if compute == 4 else (compute + 4) * weight)
-    if not s.sharded and compute != DTYPE_BYTES[s.param_dtype]:
-        held += compute * weight
-    return chunk * vocab * (4 + compute) + held
+    logits = min(s.microbatch_tokens, max(1, HEAD_CHUNK_ELEMENTS // vocab)) * vocab
+    held = 0 if s.lora_rank else 4 * weight + (0 if compute == 4 else (compute + 4) * weight)
+    cast = compute * weight if not s.sharded and compute != DTYPE_BYTES[s.param_dtype] else 0
+    return max(16 * logits, logits * (4 + compute) + held) + cast
 
 
 def kv_cache_bytes(shape: ModelShape, *, tokens: int, rows: int, compute: int, tp: int = 1) -> int:

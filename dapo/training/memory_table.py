@@ -104,6 +104,8 @@ def _part_rows(plan: MemoryPlan) -> list[tuple[str, int, str]]:
     kv += f", 1/{k} of the KV heads" if k > 1 else ""
     kv += ", twice: parked episodes)" if s.episodes and s.engine != "vllm" else ")"
     head = "the weight's" if s.sharded else f"the {compute} weight, its"
+    frozen = "a logit chunk" + ("" if s.sharded else f", the {compute} weight") + "; frozen"
+    head = frozen if s.lora_rank else f"a logit chunk, {head} float32 gradient"
     return [
         (f"weights ({master}, {share})", plan.weights, where + ", always"),
         (f"gradients ({master}, {share})", plan.gradients, where + ", training"),
@@ -113,7 +115,7 @@ def _part_rows(plan: MemoryPlan) -> list[tuple[str, int, str]]:
         (copy, plan.generation_copy, "GPU, always"),
         (f"FSDP gathered layers ({compute})", plan.gathered_layers, "GPU, training"),
         (f"activations ({s.microbatch_tokens} tokens{ckpt})", plan.activations, "GPU, training"),
-        (f"output head (a logit chunk, {head} float32 gradient)", plan.output_head,
+        (f"output head ({head})", plan.output_head,
          "GPU, training"),
         (kv, plan.kv_cache, "GPU, generation"),
         (_workspace(plan), plan.decode_workspace, "GPU, generation"),
