@@ -115,6 +115,47 @@ def test_a_row_sees_only_itself():
     assert changed.tolist() == [i == 2 for i in range(len(eps))]
 
 
+@pytest.mark.parametrize(
+    ("kind", "what"),
+    [
+        # StableLM's decoder layer calls its attention without the keyword arguments: packed,
+        # every row attended to the rows before it (log-probs 0.05 off), without a word.
+        ("stablelm", "does not hand packed_groups to"),
+        # Falcon takes its SDPA branch only by the name "sdpa": packed, it ran its eager path
+        # and failed inside transformers with a TypeError.
+        ("falcon", "does not run attention through"),
+    ],
+)
+def test_a_model_whose_attention_loses_the_packing_is_refused(kind, what):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        kind,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    eps = groups()
+    padded = batch_logprobs(model, collate(eps, pad_id=0))[0]
+    use_packing(model)
+    with pytest.raises(ValueError) as err:
+        batch_logprobs(model, collate(eps, pad_id=0, packed=True))
+    assert str(err.value) == (
+        f"train.packing=true: this model ({kind}) {what} transformers' attention functions "
+        "(dapo's packed attention), so packed rows could not be kept from attending to each "
+        "other; set train.packing=false"
+    )
+    if kind == "stablelm":  # its unpacked passes are as they were (Falcon's are not: the
+        # refusal comes at the first packed pass, before any update, not as the model loads)
+        assert torch.equal(batch_logprobs(model, collate(eps, pad_id=0))[0], padded)
+
+
 def gradients(model, tokenizer, eps, *overrides: str):
     cfg = load_config(None, ["rollout.max_new_tokens=20", *overrides])
     state = build_state(cfg, model, tokenizer, [Problem("p", (), "1")])

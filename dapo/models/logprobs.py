@@ -1,10 +1,9 @@
 """Per-token log-probs and entropy of given responses, with shared-prompt forward passes.
 
 Where the model's output head is a plain bias-free Linear (Llama, Mistral, Qwen2/3, SmolLM:
-``PLAIN_HEAD_MODEL_TYPES``), the log-probs come from the decoder's hidden states through
-``algo.token_logprobs_from_hidden``: the head runs a chunk of tokens at a time, forward and
-backward, so the ``[B, T, V]`` logits never exist. Other heads (a bias, soft-capped or
-scaled logits) take the model's own logits.
+``PLAIN_HEAD_MODEL_TYPES``), the log-probs come from the hidden states through
+``algo.token_logprobs_from_hidden``, a chunk of tokens at a time, forward and backward: the
+``[B, T, V]`` logits never exist. Other heads (a bias, soft-capping) use the model's logits.
 
 Shapes: B = responses, P = prompt tokens (left padded), T = response tokens (right padded),
 H = hidden size, V = vocabulary; X is H or V (hidden states or logits).
@@ -297,15 +296,16 @@ def _packed_forward(model, head, prompt_ids_BP, response_ids_BT, packing, temper
     tokens are scored, and put back at their ``[B, T]`` places."""
     B, T = response_ids_BT.shape
     ids_1N = torch.cat([prompt_ids_BP, response_ids_BT], dim=1).flatten()[packing.index_N][None]
-    states_1RX, _ = _forward(
-        model,
-        head,
-        keep=packing.states_R,
-        input_ids=ids_1N,
-        position_ids=packing.positions_N[None],
-        packed_groups=packed.Layout(packing.groups),
-        use_cache=False,
-    )
+    with packed.packed_pass(ids_1N.shape[1], model):
+        states_1RX, _ = _forward(
+            model,
+            head,
+            keep=packing.states_R,
+            input_ids=ids_1N,
+            position_ids=packing.positions_N[None],
+            packed_groups=packed.Layout(packing.groups),
+            use_cache=False,
+        )
     targets_1R = response_ids_BT.flatten()[packing.response_R][None]
     scored = _scored(states_1RX, targets_1R, head, temperature, entropy)
     place = (packing.response_R,)

@@ -21,10 +21,12 @@ Shapes: N = packed tokens.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import inspect
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +67,7 @@ def packed_attention(
     groups = kwargs.pop("packed_groups", None)
     if isinstance(groups, Layout):
         groups = groups.groups
+    check_routed(module, query, groups)
     if groups is None:
         return sdpa_attention_forward(
             module,
@@ -83,6 +86,64 @@ def packed_attention(
         q, k, v = (x.to(half) for x in (query, key, value))
         return varlen_packed(q, k, v, groups, scale=scaling), None
     return looped_packed(query, key, value, groups, dropout_p=dropout_p, scale=scaling), None
+
+
+class PackingRefused(ValueError):
+    """A model that packed passes cannot keep rows apart in (the message says the fix)."""
+
+
+_PASS: contextvars.ContextVar[tuple[int, list[int]] | None] = contextvars.ContextVar(
+    "dapo_packed_pass", default=None
+)
+"""The packed forward under way in this thread: its token count, and how many attention
+calls were given its groups."""
+
+
+@contextlib.contextmanager
+def packed_pass(tokens: int, model: Any) -> Iterator[None]:
+    """A packed forward of ``tokens`` through ``model`` (or its forward method, as FSDP's
+    :func:`dapo.dist.fsdp.within_forward` hands it), refused (with the fix) when its
+    attention did not come through :func:`packed_attention` with the groups: a model whose
+    attention bypasses transformers' attention functions (Falcon's eager path) fails inside,
+    or not at all, and its rows would attend to each other."""
+    config = getattr(getattr(model, "__self__", model), "config", None)
+    kind = getattr(config, "model_type", None) or "its type unknown"
+    calls = [0]
+    reset = _PASS.set((tokens, calls))
+    try:
+        yield
+    except (TypeError, RuntimeError, ValueError) as exc:
+        if calls[0] or isinstance(exc, PackingRefused):
+            raise
+        raise PackingRefused(_not_routed(kind, "does not run attention through")) from exc
+    else:
+        if not calls[0]:
+            raise PackingRefused(_not_routed(kind, "does not run attention through"))
+    finally:
+        _PASS.reset(reset)
+
+
+def check_routed(module: torch.nn.Module, query: torch.Tensor, groups: Groups | None) -> None:
+    """Count an attention call of the packed pass under way, or refuse one that lost its
+    groups on the way (a decoder layer that drops its keyword arguments: StableLM's), which
+    would attend over the whole packed sequence, every row seeing the rows before it."""
+    active = _PASS.get()
+    if active is None:  # not a packed pass (or backward's recompute of a checkpointed layer)
+        return
+    tokens, calls = active
+    if groups is not None:
+        calls[0] += 1
+    elif query.shape[-2] == tokens:
+        kind = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
+        raise PackingRefused(_not_routed(kind, "does not hand packed_groups to"))
+
+
+def _not_routed(kind: str, what: str) -> str:
+    return (
+        f"train.packing=true: this model ({kind}) {what} transformers' attention functions "
+        "(dapo's packed attention), so packed rows could not be kept from attending to each "
+        "other; set train.packing=false"
+    )
 
 
 outside_graph = torch.compiler.disable(packed_attention)

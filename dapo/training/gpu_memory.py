@@ -129,14 +129,13 @@ def activation_bytes(
 
 
 def output_head_bytes(shape: ModelShape, s: PlanSettings, *, compute: int) -> int:
-    """The chunked head (``dapo.algo.logits``), in one process and under FSDP alike: the
-    larger of its forward and its backward. Forward, with the entropy, holds 16 bytes a logit
-    of a chunk of ``HEAD_CHUNK_ELEMENTS`` (fewer for a shorter micro-batch): the float32
-    logits, the softmax and a product (measured on a CPU). Backward holds the float32 chunk
-    and its compute-dtype copy, the head's float32 weight gradient accumulated over the
-    chunks and, unless the compute dtype is float32, a chunk's ``[V, H]`` gradient in it and
-    its float32 copy (none with LoRA: the head is frozen). One process adds the weight cast
-    to the compute dtype (FSDP gathers it so: the gathered root)."""
+    """The chunked head (``dapo.algo.logits``), one process or FSDP: the larger of forward
+    and backward. Forward, with the entropy, holds 16 bytes a logit of a chunk of
+    ``HEAD_CHUNK_ELEMENTS`` (fewer for a shorter micro-batch): the float32 logits, the softmax
+    and a product (measured on a CPU). Backward holds the float32 chunk and its compute-dtype
+    copy, the head's float32 weight gradient summed over the chunks and, unless computing in
+    float32, a chunk's ``[V, H]`` gradient and its float32 copy (none with LoRA: the head is
+    frozen). One process adds the weight cast to the compute dtype (FSDP: gathered root)."""
     vocab, weight = shape.vocab, shape.vocab * shape.hidden
     logits = min(s.microbatch_tokens, max(1, HEAD_CHUNK_ELEMENTS // vocab)) * vocab
     held = 0 if s.lora_rank else 4 * weight + (0 if compute == 4 else (compute + 4) * weight)
