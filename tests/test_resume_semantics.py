@@ -20,7 +20,7 @@ from dapo.config import RESUME_SAFE_FIELDS, apply_overrides, load_config
 from dapo.config.loading import RESUME_INEXACT_FIELDS
 from dapo.models.demo import TinyModelSpec, build_tokenizer, tiny_qwen2
 from dapo.reward.tasks import arith
-from dapo.run import checkpoint, rundir
+from dapo.run import checkpoint, launcher, rundir
 from dapo.training import loop
 from dapo.training.resume import check_resume
 
@@ -273,3 +273,22 @@ def test_the_docs_list_exactly_the_fields_a_resume_may_change():
     warned = next(x for x in section.split("\n- ") if "no longer bit-identical" in x)
     assert _fields(warned) == set(RESUME_INEXACT_FIELDS) <= RESUME_SAFE_FIELDS
     # troubleshooting.md's list: tests/test_docs.py
+
+
+def test_the_resume_command_is_the_launch_that_made_the_run(monkeypatch):
+    """Under torchrun, "dapo train --resume RUN" started one process, which refuses a job's
+    settings (dist.rollout_ranks): the hint names the launch again."""
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert launcher.resume_command("runs/x") == "dapo train --resume runs/x"
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert launcher.resume_command("runs/x") == (
+        "torchrun --nproc-per-node 8 -m dapo train --resume runs/x"
+    )
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # two nodes
+    assert launcher.resume_command("runs/x") == (
+        "the job's torchrun launch on every node, with -m dapo train --resume runs/x"
+    )

@@ -428,6 +428,30 @@ def test_a_stop_signal_to_the_trainer_stops_the_generator_rank(demo_cache, tmp_p
     _, err = proc.communicate(timeout=120)
     seconds = time.monotonic() - t0
     assert "stopped by SIGTERM after step" in err, err[-3000:]
+    # One process would refuse this job's dist.rollout_ranks: the hint is the launch again.
+    hint = f"Resume with: torchrun --nproc-per-node 2 -m dapo train --resume {tmp_path / 'stopped'}"
+    assert hint in err, err[-3000:]
     assert "of 2 failed" not in err, err[-3000:]  # the generator ended well; no rank failed
     assert "forcefully exiting" not in err, err[-3000:]  # torchrun's SIGKILL after 30 s
     assert seconds < 25, seconds
+
+
+def test_a_failing_generator_rank_ends_the_job_within_seconds(demo_cache, tmp_path):
+    """The generator rank's own error (dynamic sampling giving up): it printed the error,
+    then its exit waited in the destructor of its process groups for the weights receive it
+    had posted, and the trainer for its rollouts, each for dist.wait_timeout_s (2 hours)."""
+    args = ["dist.rollout_ranks=1", "sampling.on_max_rounds=error", "sampling.max_rounds=1"]
+    args += ["train.steps=4", "run.name=failed", f"embedded.cache_dir={demo_cache}"]
+    proc = dapo_train(
+        2, *TORCHRUN_DEMO, *args, "dist.wait_timeout_s=300", out_dir=tmp_path, wait=False
+    )
+    try:
+        _, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        subprocess.run(["pkill", "-KILL", "-P", str(proc.pid)], check=False)
+        proc.kill()
+        pytest.fail("the job was still running 120 s after it started")
+    assert "dapo: rank 1 of 2 failed:\ndapo: error: dynamic sampling kept" in err, err[-3000:]
+    assert proc.returncode != 0
+    reported = err.index("rank 1 of 2 failed")
+    assert "forcefully exiting" not in err[reported:], err[-3000:]  # torchrun's SIGKILL

@@ -13,7 +13,9 @@ a config field, ~60 ms); each command imports everything heavy when it runs.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import traceback
 
 from dapo.cli import ablate, bench, data, export, helptext, model, report, train
 from dapo.cli import eval as eval_
@@ -85,10 +87,34 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (ValueError, FileExistsError) as exc:
         print(f"dapo: error: {exc}", file=sys.stderr)
-        return 2
+        return failed(2)
     except (DynamicSamplingExhausted, CheckpointError, NonFiniteError) as exc:
         print(f"dapo: error: {exc}", file=sys.stderr)
-        return 1
+        return failed(1)
     except RunStopped as exc:
         print(f"dapo: {exc}", file=sys.stderr)
         return exc.exit_code
+    except Exception:
+        if not launched():
+            raise
+        traceback.print_exc()
+        return failed(1)
+
+
+def launched() -> bool:
+    """Whether this process is a rank of a torchrun job."""
+    from dapo import dist
+
+    return dist.launched()
+
+
+def failed(code: int) -> int:
+    """``code``; a rank of a torchrun job that failed leaves at once instead: its exit would
+    destroy its process groups, which waits (up to ``dist.wait_timeout_s``, two hours) for a
+    receive still posted to a rank that is waiting on it (a generator rank's next weights),
+    and torchrun stops the other ranks only once this one has exited."""
+    if launched():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

@@ -38,6 +38,7 @@ from safetensors.torch import save_file
 
 from dapo.dist.optim_groups import kernels_kept
 from dapo.run import manifest, model_files, state_files
+from dapo.run.launcher import resume_command
 from dapo.run.manifest import verify  # also checkpoint.verify, as callers have named it
 from dapo.run.model_files import CheckpointError
 from dapo.run.nofollow import fsync_dir, no_link, write_atomic
@@ -150,7 +151,7 @@ def write_failed(run_dir: Path, step: int, exc: Exception) -> str:
     return (
         f"could not write the checkpoint of step {step} under {Path(run_dir) / CKPT_DIR}: "
         f"{write_failure(exc)}; {kept}. Free space (or lower train.keep_checkpoints) and "
-        f"resume with: dapo train --resume {run_dir}"
+        f"resume with: {resume_command(run_dir)}"
     )
 
 

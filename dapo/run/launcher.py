@@ -15,6 +15,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 
 _watching: list[threading.Thread] = []
 
@@ -39,3 +40,14 @@ def watch_launcher(rank: int, *, poll_s: float = 1.0) -> None:
     thread = threading.Thread(target=watch, name="dapo-launcher-watch", daemon=True)
     thread.start()
     _watching.append(thread)
+
+
+def resume_command(run_dir: Path | str) -> str:
+    """The command that continues the run in ``run_dir``: under torchrun, the job's launch
+    again (one process refuses a job's settings, ``dist.rollout_ranks`` say)."""
+    if not {"RANK", "WORLD_SIZE", "MASTER_ADDR"} <= os.environ.keys():  # dist.launched()
+        return f"dapo train --resume {run_dir}"
+    ranks = os.environ["WORLD_SIZE"]
+    if os.environ.get("LOCAL_WORLD_SIZE", ranks) == ranks:  # one node
+        return f"torchrun --nproc-per-node {ranks} -m dapo train --resume {run_dir}"
+    return f"the job's torchrun launch on every node, with -m dapo train --resume {run_dir}"

@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 
 from dapo import dist
 from dapo.dist import dcp, fsdp
-from dapo.run import checkpoint, manifest, model_files, state_files
+from dapo.run import checkpoint, launcher, manifest, model_files, state_files
 from dapo.run.checkpoint import CheckpointError
 from dapo.run.nofollow import LinkRefused, no_link
 
@@ -75,7 +75,7 @@ def save(
             shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(
             f"could not write the checkpoint of step {step} under {root}: {failed}; resume "
-            f"with: dapo train --resume {run_dir}"
+            f"with: {launcher.resume_command(run_dir)}"
         )
     digests = _shared_digests(tmp)
     problem = None
@@ -90,7 +90,7 @@ def save(
             checkpoint.prune(root, keep=keep, protect=name)
     problem = dist.broadcast(problem, patient=True)  # after rank 0's writes, syncs, deletes
     if problem is not None:
-        raise CheckpointError(f"{problem}; resume with: dapo train --resume {run_dir}")
+        raise CheckpointError(f"{problem}; resume with: {launcher.resume_command(run_dir)}")
     return root / name
 
 

@@ -26,7 +26,7 @@ from dapo.eval.metrics import pick_samples
 from dapo.models import lora
 from dapo.reward.pool import RewardPool
 from dapo.rollout.base import close_engine
-from dapo.run import checkpoint, model_files, rundir, sharded_checkpoint
+from dapo.run import checkpoint, launcher, model_files, rundir, sharded_checkpoint
 from dapo.run.interrupt import GracefulStop, RunStopped, StepAborted
 from dapo.run.metrics import MetricsLogger, NullLogger, open_wandb
 from dapo.run.progress import LiveProgress
@@ -185,7 +185,7 @@ class _Loop:
             where = f"the last checkpoint is {ckpt.name}" if ckpt else "no checkpoint was written"
             raise RunStopped(
                 f"{stop.name} received twice: step {state.step + 1} aborted and not saved; "
-                f"{where}. Resume with: dapo train --resume {self.run_dir}",
+                f"{where}. Resume with: {launcher.resume_command(self.run_dir)}",
                 stop.signum or 2,
             ) from None
         finally:
@@ -230,7 +230,7 @@ class _Loop:
         if not done and self.stopping(stop):  # the same step on every rank
             raise RunStopped(
                 f"stopped by {stop.name} after step {state.step} of {t.steps}; checkpoint "
-                f"saved. Resume with: dapo train --resume {self.run_dir}",
+                f"saved. Resume with: {launcher.resume_command(self.run_dir)}",
                 stop.signum,
             )
         if fsdp.is_sharded(state.model):
