@@ -69,7 +69,10 @@ class ModelConfig:
     param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """The trained weights and the optimizer state. float32 (the default, as the reference
     keeps them): at lr 1e-6 an AdamW step of a bf16 weight rounds away (one update on a tiny
-    Qwen2 changed 2.6% of bf16 weights, every float32 one; tests/test_precision.py)."""
+    Qwen2 changed 2.6% of bf16 weights, every float32 one; tests/test_precision.py).
+    float16 is refused unless ``model.lora.rank`` > 0 (the adapters stay float32): AdamW's
+    state underflows in float16 and the first update makes the weights NaN; for float16
+    compute set ``model.param_dtype=float32 model.compute_dtype=float16``."""
     compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Forward and backward run under autocast in this dtype (bfloat16 on a GPU, as the GPU
     recipes set), and frozen copies (the GRPO reference) are held in it; float16 adds a loss

@@ -81,12 +81,7 @@ def validate(cfg: Config) -> None:
             f"engine={r.engine} cannot ({why}): use rollout.engine=dapo, or "
             "train.async_staleness=0 (or generate on ranks of their own: dist.rollout_ranks)"
         )
-    if m.param_dtype != "float32" and m.compute_dtype != m.param_dtype:
-        errors.append(
-            f"model.compute_dtype={m.compute_dtype} with model.param_dtype={m.param_dtype}: "
-            "autocast computes in a dtype narrower than float32 weights, not wider or other "
-            f"than the weights; set model.compute_dtype={m.param_dtype}"
-        )
+    errors += _dtype_errors(m)
     if cfg.data.train_file and m.path == "embedded":
         errors.append(
             "data.train_file needs a real model: the embedded model only knows the arith "
@@ -95,6 +90,25 @@ def validate(cfg: Config) -> None:
     errors += _sampling_errors(cfg)
     if errors:
         raise ValueError("invalid config:\n  " + "\n  ".join(errors))
+
+
+def _dtype_errors(m: Any) -> list[str]:
+    """The weights' and the computation's dtypes that cannot train (``m``: the model section)."""
+    # Adapters stay float32 whatever the base's dtype: only full fine-tuning steps float16.
+    if m.param_dtype == "float16" and not m.lora.rank:
+        return [
+            "model.param_dtype=float16: AdamW would step float16 weights, whose state "
+            "underflows (its eps, 1e-8, is 0 in float16), so the first update turns the "
+            "weights to NaN or inf; set model.param_dtype=float32 model.compute_dtype=float16 "
+            "(float16 compute on float32 weights, with a loss scaler)"
+        ]
+    if m.param_dtype != "float32" and m.compute_dtype != m.param_dtype:
+        return [
+            f"model.compute_dtype={m.compute_dtype} with model.param_dtype={m.param_dtype}: "
+            "autocast computes in a dtype narrower than float32 weights, not wider or other "
+            f"than the weights; set model.compute_dtype={m.param_dtype}"
+        ]
+    return []
 
 
 def _sampling_errors(cfg: Config) -> list[str]:

@@ -277,15 +277,56 @@ def _embedded(cfg: Config, warmup_pairs: Sequence[tuple[Problem, str]], log):
 
 
 def _pretrained(cfg: Config, tokenizer: Any, dtype: torch.dtype):
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
+
+    from dapo.models import sharded_load
 
     path = check_model_path(cfg)
     tokenizer = tokenizer or load_tokenizer(cfg)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False)
-    except (OSError, ValueError) as exc:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, trust_remote_code=False, output_loading_info=True
+        )
+    except (OSError, ValueError, SafetensorError) as exc:
+        # A truncated or garbled safetensors file (transformers may raise any of these for
+        # it, and SafetensorError names no file): say which, and the fix.
+        sharded_load.check_weight_files(path)
+        if isinstance(exc, SafetensorError):
+            raise sharded_load.damaged_weights(None, path, exc) from None
         raise ValueError(
             f"model.path={path}: not a causal language model transformers can load "
             f"({str(exc).splitlines()[0]})"
         ) from None
+    missing = _untrained_weight(model, info["missing_keys"])
+    if missing is not None:
+        # transformers initialised it at random and says so only in a log table; a sharded
+        # load (dapo.models.sharded_load) refuses the same directory in these words.
+        raise sharded_load.missing_weight(missing, path, _weights_file(path, missing))
     return model, tokenizer
+
+
+def _untrained_weight(model: torch.nn.Module, missing_keys: Sequence[str]) -> str | None:
+    """The first of ``missing_keys`` (what ``from_pretrained`` reports the files lacked) that
+    names a parameter left at its random initialisation, or the first parameter left on the
+    meta device (transformers 4 reports no key that the index names but its file lacks):
+    not a buffer (the constructor's values are the model's own), and not a weight tied to
+    one that was loaded (a tied ``lm_head`` is stored once, as the embedding)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    missing = set(missing_keys) | {name for name, p in params.items() if p.is_meta}
+    loaded = {id(p) for name, p in params.items() if name not in missing}
+    for name in sorted(missing):
+        if name in params and id(params[name]) not in loaded:
+            return name
+    return None
+
+
+def _weights_file(path: Path, name: str) -> Path | None:
+    """The safetensors file of ``path`` that should hold the weight ``name``: the one file,
+    or the one its index names (None: the index names none, or only .bin weights)."""
+    from dapo.models import sharded_load
+
+    if (path / sharded_load.SAFE_INDEX).is_file():
+        return (sharded_load.weight_files(path) or {}).get(name)
+    single = path / sharded_load.SAFE_WEIGHTS
+    return single if single.is_file() else None

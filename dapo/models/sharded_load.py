@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from dapo.config import Config
 from dapo.dist import fsdp
@@ -63,14 +63,51 @@ def shard_options(cfg: Config) -> dict[str, Any]:
 
 def weight_files(path: Path) -> dict[str, Path] | None:
     """Each stored tensor's name and the safetensors file that holds it, from the index or
-    the single file; None when ``path`` has neither (``.bin``/``.pt`` weights, say)."""
+    the single file; None when ``path`` has neither (``.bin``/``.pt`` weights, say). An
+    index or a file that cannot be read is a ValueError naming it and the fix."""
     if (path / SAFE_INDEX).is_file():
-        entries = json.loads((path / SAFE_INDEX).read_text())["weight_map"]
-        return {name: path / file for name, file in entries.items()}
+        try:
+            entries = json.loads((path / SAFE_INDEX).read_text())["weight_map"]
+            return {name: path / file for name, file in entries.items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise damaged_weights(path / SAFE_INDEX, path, exc) from None
     if (path / SAFE_WEIGHTS).is_file():
-        with safe_open(str(path / SAFE_WEIGHTS), framework="pt") as f:
+        with open_weights(path / SAFE_WEIGHTS, path) as f:
             return dict.fromkeys(f.keys(), path / SAFE_WEIGHTS)
     return None
+
+
+@contextlib.contextmanager
+def open_weights(file: Path, path: Path) -> Iterator[Any]:
+    """``safe_open(file)`` of the model directory ``path``: one that is missing, truncated or
+    garbled (its header is checked against its size here) is a ValueError naming it."""
+    try:
+        opened = safe_open(str(file), framework="pt")
+    except (SafetensorError, OSError) as exc:  # SafetensorError is no OSError
+        raise damaged_weights(file, path, exc) from None
+    with opened as f:
+        yield f
+
+
+def check_weight_files(path: Path) -> None:
+    """Open every safetensors file of the model directory ``path`` (their headers: no
+    tensor is read), to name the one a load could not read: a ValueError for it."""
+    for file in sorted(set((weight_files(path) or {}).values())):
+        with open_weights(file, path):
+            pass
+
+
+def damaged_weights(file: Path | None, path: Path, exc: Exception) -> ValueError:
+    """The error for a weights file (or index) of ``path`` that cannot be read: which one
+    (None: not known), what the library said, and how to get whole files."""
+    reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+    what = f"{file.name} cannot be read" if file is not None else "its weights cannot be read"
+    return ValueError(
+        f"model.path={path}: {what} ({reason}); a file is missing, truncated or damaged, "
+        "as an interrupted download or copy leaves it: download the model again "
+        "(a Hub model: delete its snapshot from the Hugging Face cache) or re-save it with "
+        "model.save_pretrained(DIR, safe_serialization=True)"
+    )
 
 
 def load(
@@ -209,15 +246,15 @@ def fill_from_files(model: torch.nn.Module, files: dict[str, Path], path: Path) 
         if stored is None:
             if required:
                 single = None if (path / SAFE_INDEX).is_file() else path / SAFE_WEIGHTS
-                raise _missing(names[0], path, single)
+                raise missing_weight(names[0], path, single)
             continue  # a persistent buffer the files lack keeps its constructed value
         plan.append((files[stored], stored, tensor))
     for file, stored, tensor in plan:
         # One tensor per opening: safe_open maps the whole file, and the pages a read
         # touches stay resident (and count in the rank's memory) until it is closed.
-        with safe_open(str(file), framework="pt") as f:
+        with open_weights(file, path) as f:
             if stored not in f.keys():
-                raise _missing(stored, path, file)
+                raise missing_weight(stored, path, file)
             _read_into(f, stored, tensor, file)
 
 
@@ -269,15 +306,18 @@ def _stored_name(names: list[str], files: dict[str, Path], prefix: str) -> str |
     return None
 
 
-def _missing(name: str, path: Path, file: Path | None) -> ValueError:
-    """The error for a weight of the model that the files lack: where it was looked for,
+def missing_weight(name: str, path: Path, file: Path | None) -> ValueError:
+    """The error for a weight of the model that the files of ``path`` lack: where it was
+    looked for (``file``; None: the index names none, or there are only ``.bin`` weights),
     and how to get files that hold it."""
     if file is not None:
         where = f"{file.name} does not hold it"
         if (path / SAFE_INDEX).is_file():
             where += f" (the file {SAFE_INDEX} names for it)"
-    else:
+    elif (path / SAFE_INDEX).is_file():
         where = f"{SAFE_INDEX} names no file for it"
+    else:
+        where = "its weights files do not hold it"
     return ValueError(
         f"model.path={path}: the model built from its config.json has the weight {name}, "
         f"but {where}; re-save the model with model.save_pretrained(DIR, "

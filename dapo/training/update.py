@@ -16,6 +16,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.nn.utils import get_total_norm
 
 from dapo import algo, dist
 from dapo.config import AlgoConfig
@@ -75,6 +76,12 @@ def update(
         batch = [episodes[i] for i in mb.indices]
         for k, v in minibatch_update(state, batch, mb.shares[dist.rank()]).items():
             accumulate(sums, k, v)
+    # Finite gradients can still step to NaN (an optimizer state that underflows): stop before
+    # the next rollout samples from broken weights. Once a step, not once an update: a
+    # mini-batch's one wait for the device is its metrics' read (a later mini-batch on broken
+    # weights has a NaN loss and is skipped). The ranks agree on `updates`: one collective.
+    if sums.get("updates") and dist.any_rank(not trained_weights_finite(state.optimizer)):
+        raise NonFiniteError(_broken_weights_message(state))
     out = _update_metrics(sums, cfg.train.epochs, lr=lr, with_kl=state.has_reference)
     if state.scaler is not None:
         out["train/scaler_overflows"] = sums.get("scaler_overflows", 0.0)
@@ -119,6 +126,8 @@ def _step_or_skip(state: TrainState, sums: dict[str, float], norm: float) -> dic
                 return {"skipped": 1.0, "scaler_overflows": 1.0}
         state.consecutive_skips += 1
         if state.consecutive_skips >= state.cfg.train.max_consecutive_skips:
+            if dist.any_rank(not trained_weights_finite(state.optimizer)):
+                raise NonFiniteError(_broken_weights_message(state))  # the cause, not the skips
             raise NonFiniteError(
                 f"step {state.step + 1}: {state.consecutive_skips} updates in a row had "
                 f"a non-finite loss or gradient norm (loss {sums['loss']}, grad "
@@ -136,6 +145,42 @@ def _step_or_skip(state: TrainState, sums: dict[str, float], norm: float) -> dic
         scaler.update()
     state.optimizer.zero_grad(set_to_none=True)
     return sums | {"grad_norm": norm, "updates": 1.0}
+
+
+def trained_weights_finite(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether every weight ``optimizer`` steps is finite (this rank's shards only; the caller
+    combines ranks): their largest magnitude, by torch's multi-tensor kernel where there is
+    one, read back once. Exact, unlike a sum, which finite weights could overflow."""
+    weights = [  # a DTensor's own shard (only dapo.dist imports torch.distributed)
+        p.to_local() if hasattr(p, "to_local") else p
+        for group in optimizer.param_groups
+        for p in group["params"]
+    ]
+    # A rank's shard may be empty, and the max-norm of no element is undefined.
+    weights = [w for w in weights if w.numel()]
+    if not weights:
+        return True
+    return bool(torch.isfinite(get_total_norm(weights, norm_type=math.inf)))
+
+
+def _broken_weights_message(state: TrainState) -> str:
+    """What stops a run whose weights an update left NaN or inf, and the fix."""
+    m = state.cfg.model
+    # Only float16 is too narrow for AdamW's state (bfloat16 has float32's range); the config
+    # refuses it, but a Config built in Python may set it after the checks.
+    if m.param_dtype == "float16" and not m.lora.rank:
+        fix = (
+            "AdamW's state in model.param_dtype=float16 underflows; set "
+            "model.param_dtype=float32 model.compute_dtype=float16 (float32 weights and "
+            "state, float16 compute with a loss scaler)"
+        )
+    else:
+        fix = "Try a lower optim.lr or optim.grad_clip > 0, and check the data and the model"
+    return (
+        f"step {state.step + 1}: an optimizer update left weights that are NaN or inf (its "
+        "loss and gradient norm were finite), so training stopped before generating from "
+        f"them. The last checkpoint is untouched. {fix}."
+    )
 
 
 def untrained_metrics(state: TrainState, lr: float) -> dict[str, float]:
