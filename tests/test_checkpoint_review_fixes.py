@@ -148,14 +148,24 @@ def test_a_shard_that_cannot_be_read_is_named_with_the_fix(tmp_path, monkeypatch
         )
 
 
-def _rank_on_a_full_disk(rank: int, port: int, run_dir: str) -> None:
-    """Rank 1's disk is full while it writes its shards; both ranks return the error."""
+def _rank_on_a_full_disk(rank: int, port: int, run_dir: str, where: str) -> None:
+    """Rank 1's disk is full while it writes its shards, or rank 0's as it writes
+    optimizer.json; both ranks return the error."""
     torch.distributed.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
     )
     dist.join_long_waits(60.0)
-    if rank == 1:
+    if rank == 1 and where == "shards":
         HuggingFaceStorageWriter.write_data = _full_write
+    if rank == 0 and where == "json":
+        write_text = Path.write_text
+
+        def full(self, *args, **kwargs):
+            if self.name == dcp.OPTIMIZER_JSON:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return write_text(self, *args, **kwargs)
+
+        Path.write_text = full
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.AdamW(model.parameters())
     try:
@@ -170,8 +180,11 @@ def _full_write(self, plan, planner):
     raise OSError(errno.ENOSPC, "No space left on device")
 
 
-def test_a_full_disk_on_one_rank_stops_every_rank_with_its_words(tmp_path):
-    spawn_ranks(_rank_on_a_full_disk, str(tmp_path))
+@pytest.mark.parametrize("where", ["shards", "json"])
+def test_a_full_disk_on_one_rank_stops_every_rank_with_its_words(tmp_path, where):
+    """Rank 0 failing to write optimizer.json waited for the other rank in a gather while
+    that one waited in a barrier: both for the collectives' timeout, the cause unsaid."""
+    spawn_ranks(_rank_on_a_full_disk, str(tmp_path), where)
     for rank in (0, 1):
         assert (tmp_path / f"rank_{rank}.txt").read_text() == (
             f"could not write the checkpoint of step 1 under {tmp_path / 'checkpoints'}: the "
@@ -422,6 +435,21 @@ def test_a_one_process_optimizer_state_that_does_not_fit_a_sharded_model_is_name
         "this run's model (IndexError: list index out of range). Move step_000002 out of "
         f"{tmp_path / 'checkpoints'} to use step_000001, the newest whole checkpoint before it"
     )
+
+
+def test_running_out_of_memory_while_a_one_process_checkpoint_loads_is_not_called_damage(
+    tmp_path, tokenizer, monkeypatch
+):
+    model, opt = _trained(tokenizer)
+    ckpt = _save(tmp_path, model, tokenizer, opt, step=1)
+    monkeypatch.setattr(fsdp, "is_sharded", lambda module: True)
+
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(dcp, "load_full", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):  # not "move the checkpoint out"
+        sharded_checkpoint.load(ckpt, model=model, optimizer=opt)
 
 
 def test_optimizer_groups_that_do_not_fit_are_named_with_the_fix(tmp_path, tokenizer):

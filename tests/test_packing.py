@@ -146,14 +146,39 @@ def test_a_model_whose_attention_loses_the_packing_is_refused(kind, what):
     use_packing(model)
     with pytest.raises(ValueError) as err:
         batch_logprobs(model, collate(eps, pad_id=0, packed=True))
-    assert str(err.value) == (
+    refused = (
         f"train.packing=true: this model ({kind}) {what} transformers' attention functions "
         "(dapo's packed attention), so packed rows could not be kept from attending to each "
         "other; set train.packing=false"
     )
+    failed = " (it failed: TypeError: unsupported operand type(s) for +: 'Tensor' and 'NoneType')"
+    assert str(err.value) == refused + (failed if kind == "falcon" else "")
     if kind == "stablelm":  # its unpacked passes are as they were (Falcon's are not: the
         # refusal comes at the first packed pass, before any update, not as the model loads)
         assert torch.equal(batch_logprobs(model, collate(eps, pad_id=0))[0], padded)
+
+
+def test_an_error_of_a_packed_pass_that_is_not_the_models_routing_is_its_own():
+    """Out of memory in the first layer, before any attention call: not "set
+    train.packing=false" (a run that had packed for 500 steps would be told it cannot)."""
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+    )
+    model = Qwen2ForCausalLM(config).eval()
+    use_packing(model)
+
+    def out_of_memory(module, args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    model.model.layers[0].self_attn.q_proj.register_forward_pre_hook(out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate 2.00 GiB"):
+        batch_logprobs(model, collate(groups(), pad_id=0, packed=True))
 
 
 def gradients(model, tokenizer, eps, *overrides: str):

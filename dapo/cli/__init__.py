@@ -108,12 +108,21 @@ def launched() -> bool:
     return dist.launched()
 
 
+def before_exit() -> None:
+    """What a rank leaving with ``os._exit`` does first, as no finalizer will: the vllm
+    engine's temporary directory (its config and LoRA adapters) removed."""
+    engine = sys.modules.get("dapo.rollout.vllm_engine")
+    if engine is not None:
+        engine.remove_temporary_dirs()
+
+
 def failed(code: int) -> int:
     """``code``; a rank of a torchrun job that failed leaves at once instead: its exit would
     destroy its process groups, which waits (up to ``dist.wait_timeout_s``, two hours) for a
     receive still posted to a rank that is waiting on it (a generator rank's next weights),
     and torchrun stops the other ranks only once this one has exited."""
     if launched():
+        before_exit()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -37,6 +37,10 @@ def launched() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
+FAILED_COLLECTIVE = torch_dist.DistError
+"""What a collective that failed raises (a rank gone, NCCL's error, a timeout): no fault of
+the data it carried."""
+
 _long_waits: Any = None
 """A gloo group whose barrier waits ``wait_timeout_s``: for ranks idle while rank 0 alone
 builds, loads or saves the model, which may take longer than any training collective should."""

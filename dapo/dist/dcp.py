@@ -200,9 +200,15 @@ def save(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
         dcp.save(state, storage_writer=writer, process_group=dist.wait_group())
     except CheckpointException as exc:  # on every rank: DCP shares a rank's failure
         raise first_failure(exc) from None
+    failed = None
     if dist.is_main():
-        (Path(path) / OPTIMIZER_JSON).write_text(json.dumps(optim_json) + "\n")
-    dist.barrier()
+        try:
+            (Path(path) / OPTIMIZER_JSON).write_text(json.dumps(optim_json) + "\n")
+        except OSError as exc:
+            failed = exc
+    failed = dist.broadcast(failed)  # every rank raises rank 0's failure, none waits on it
+    if failed is not None:
+        raise failed
 
 
 def first_failure(exc: CheckpointException) -> Exception:

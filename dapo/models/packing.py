@@ -112,10 +112,11 @@ def packed_pass(tokens: int, model: Any) -> Iterator[None]:
     reset = _PASS.set((tokens, calls))
     try:
         yield
-    except (TypeError, RuntimeError, ValueError) as exc:
-        if calls[0] or isinstance(exc, PackingRefused):
+    except TypeError as exc:  # Falcon's eager path given no mask; an OOM or NCCL error passes
+        if calls[0]:
             raise
-        raise PackingRefused(_not_routed(kind, "does not run attention through")) from exc
+        why = f" (it failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        raise PackingRefused(_not_routed(kind, "does not run attention through") + why) from exc
     else:
         if not calls[0]:
             raise PackingRefused(_not_routed(kind, "does not run attention through"))

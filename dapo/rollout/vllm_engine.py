@@ -121,6 +121,18 @@ def install_hint(setting: str = "rollout.engine=vllm") -> str:
     )
 
 
+TEMPORARY_DIRS: set[str] = set()
+"""Every engine's temporary directory (its config.json, LoRA adapters) not yet removed."""
+
+
+def remove_temporary_dirs(*dirs: str) -> None:
+    """Remove ``dirs`` (default: every engine's), as an engine's finalizer does: also called
+    by a rank that leaves with ``os._exit``, which runs no finalizer."""
+    for path in dirs or tuple(TEMPORARY_DIRS):
+        shutil.rmtree(path, ignore_errors=True)
+        TEMPORARY_DIRS.discard(path)
+
+
 class VLLMEngine:
     """Samples with a colocated vLLM engine; see the module docstring. It computes in
     ``compute_dtype`` (default: the model's); the keyword options are the run's ``vllm``
@@ -167,7 +179,8 @@ class VLLMEngine:
         """Bytes of the tensors the last :meth:`sync_weights` handed to vLLM."""
         # config.json is all vLLM reads: it starts with dummy weights and takes ours below.
         self._dir = tempfile.mkdtemp(prefix="dapo-vllm-")
-        weakref.finalize(self, shutil.rmtree, self._dir, ignore_errors=True)
+        TEMPORARY_DIRS.add(self._dir)
+        weakref.finalize(self, remove_temporary_dirs, self._dir)
         model.config.save_pretrained(self._dir)
         self.adapters = vllm_lora.AdapterSlot(model, self._dir) if lora.enabled(model) else None
         """The LoRA adapter vLLM serves, when the policy has adapters."""

@@ -167,7 +167,10 @@ def load(
             try:
                 dcp.load_full(model, optimizer, weights, optim)
             except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as exc:
-                # torch's error (an optimizer state of more parameters: IndexError) names no file
+                # torch's error (an optimizer state of more parameters: IndexError) names no
+                # file; running out of memory or a failed collective is no fault of the files
+                if isinstance(exc, torch.OutOfMemoryError | dist.FAILED_COLLECTIVE):
+                    raise
                 what = f"{ckpt / 'model'} and {ckpt / 'optimizer'}.json / optimizer.safetensors"
                 why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                 raise checkpoint.damaged(

@@ -86,7 +86,7 @@ def fit(
         fix = "optim.lr=<lower>" if nan else "sampling.max_rounds=<more>"
         raise type(exc)(
             f"{exc} The run directory is intact; resume from its last checkpoint with a changed "
-            f"config: dapo train --resume {run_dir} {fix} --force"
+            f"config: {launcher.resume_command(run_dir)} {fix} --force"
         ) from None
     finally:
         state.pool.close()
