@@ -67,7 +67,9 @@ def test_training_pass_counts_the_flops_the_pass_computes(roofline):
     expected = 3 * (counts["aten.mm"] + counts["aten.bmm"] - masked)
     args = SimpleNamespace(rows=rows, prompt=prompt, response=response)
     got = roofline.training_pass(model.train(), args)["gflop"] * 1e9
-    assert got == pytest.approx(expected, rel=1e-12)
+    # transformers 4 computes the rotary angles with a small bmm the counter sees too (1.7e-4
+    # of the total here), which the script does not count.
+    assert got == pytest.approx(expected, rel=1e-12 if transformers_5() else 3e-4)
     # The head, 128 x 32 weights, runs on the 80 response positions, not the 92 positions.
     assert roofline.head_params(model) == 128 * 32
 
@@ -101,3 +103,9 @@ def test_decode_check_compares_no_graphs_on_a_cpu(capsys):
     printed = capsys.readouterr().out
     assert "static_vs_graphs_equal: None\n" in printed
     assert "static_vs_graphs_note: not compared: no CUDA graphs on cpu\n" in printed
+
+
+def transformers_5() -> bool:
+    import transformers
+
+    return int(transformers.__version__.split(".")[0]) >= 5

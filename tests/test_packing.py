@@ -120,7 +120,8 @@ def test_a_row_sees_only_itself():
     [
         # StableLM's decoder layer calls its attention without the keyword arguments: packed,
         # every row attended to the rows before it (log-probs 0.05 off), without a word.
-        ("stablelm", "does not hand packed_groups to"),
+        # (transformers 4's StableLM calls SDPA itself: its attention never comes through.)
+        ("stablelm", "does not hand packed_groups to|does not run attention through"),
         # Falcon takes its SDPA branch only by the name "sdpa": packed, it ran its eager path
         # and failed inside transformers with a TypeError.
         ("falcon", "does not run attention through"),
@@ -146,13 +147,15 @@ def test_a_model_whose_attention_loses_the_packing_is_refused(kind, what):
     use_packing(model)
     with pytest.raises(ValueError) as err:
         batch_logprobs(model, collate(eps, pad_id=0, packed=True))
-    refused = (
-        f"train.packing=true: this model ({kind}) {what} transformers' attention functions "
+    refused = [
+        f"train.packing=true: this model ({kind}) {phrase} transformers' attention functions "
         "(dapo's packed attention), so packed rows could not be kept from attending to each "
         "other; set train.packing=false"
-    )
+        for phrase in what.split("|")
+    ]
     failed = " (it failed: TypeError: unsupported operand type(s) for +: 'Tensor' and 'NoneType')"
-    assert str(err.value) == refused + (failed if kind == "falcon" else "")
+    # Falcon fails in transformers 5 (then the refusal says so); in 4 it runs without a call.
+    assert str(err.value) in refused + ([x + failed for x in refused] if kind == "falcon" else [])
     if kind == "stablelm":  # its unpacked passes are as they were (Falcon's are not: the
         # refusal comes at the first packed pass, before any update, not as the model loads)
         assert torch.equal(batch_logprobs(model, collate(eps, pad_id=0))[0], padded)
