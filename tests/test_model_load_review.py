@@ -122,6 +122,26 @@ def test_a_missing_weight_is_refused_as_the_sharded_loader_refuses_it(tmp_path):
     assert str(err.value) == _sharded_loader_error(path)
 
 
+def test_a_weight_of_another_shape_is_named_with_the_fix(tmp_path):
+    """A weight whose shape is not the config's gave transformers' RuntimeError traceback."""
+    path = save_model(tmp_path / "m", "qwen2")
+    weights = load_file(path / "model.safetensors")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    weights[name] = torch.zeros(weights[name].shape[0] + 1, weights[name].shape[1])
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError) as err:
+        _load(path)
+    message = str(err.value)
+    assert message.startswith(
+        f"model.path={path}: a weight in its files has another shape than the model its "
+        "config.json builds ("
+    )
+    assert message.endswith(
+        "); re-save the model with model.save_pretrained(DIR, safe_serialization=True), or "
+        "check that config.json belongs to these weights"
+    )
+
+
 def test_a_weight_the_index_names_a_file_for_but_it_lacks(tmp_path):
     path = _save(tmp_path / "m", "llama", tied=False, files=2)
     file = json.loads((path / INDEX).read_text())["weight_map"]["lm_head.weight"]

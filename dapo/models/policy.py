@@ -298,6 +298,15 @@ def _pretrained(cfg: Config, tokenizer: Any, dtype: torch.dtype):
             f"model.path={path}: not a causal language model transformers can load "
             f"({str(exc).splitlines()[0]})"
         ) from None
+    except RuntimeError as exc:
+        if "mismatch" not in str(exc):  # transformers 5: ignore_mismatched_sizes; 4: size mismatch
+            raise
+        raise ValueError(
+            f"model.path={path}: a weight in its files has another shape than the model its "
+            f"config.json builds ({str(exc).splitlines()[0]}); re-save the model with "
+            "model.save_pretrained(DIR, safe_serialization=True), or check that config.json "
+            "belongs to these weights"
+        ) from None
     missing = _untrained_weight(model, info["missing_keys"])
     if missing is not None:
         # transformers initialised it at random and says so only in a log table; a sharded
