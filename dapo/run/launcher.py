@@ -45,9 +45,7 @@ def watch_launcher(rank: int, *, poll_s: float = 1.0) -> None:
 def resume_command(run_dir: Path | str) -> str:
     """The command that continues the run in ``run_dir``: under torchrun, the job's launch
     again (one process refuses a job's settings, ``dist.rollout_ranks`` say)."""
-    from dapo import dist  # torch, only when a hint is written
-
-    if not dist.launched():
+    if not {"RANK", "WORLD_SIZE", "MASTER_ADDR"} <= os.environ.keys():  # dist.launched()
         return f"dapo train --resume {run_dir}"
     ranks = os.environ["WORLD_SIZE"]
     if os.environ.get("LOCAL_WORLD_SIZE", ranks) == ranks:  # one node
