@@ -9,7 +9,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from dapo.eval.intervals import crossed_bootstrap_ci
+from dapo.eval.intervals import crossed_bootstrap_ci, fraction_ci
 from dapo.eval.metrics import (
     REFLECTIVE_PHRASES,
     Interval,
@@ -207,6 +207,39 @@ def test_bootstrap_chunking_and_edge_cases():
         bootstrap_ci([1.0, float("nan")])
     with pytest.raises(ValueError):
         bootstrap_ci([1.0, 0.0], level=1.0)
+
+
+def test_fraction_interval_keeps_a_width_where_every_problem_scores_the_same():
+    # Wilson's score interval, z = 1.959964 (z^2 = 3.841459): at p = 0 its upper end is
+    # z^2 / (n + z^2), at p = 1 its lower end 1 minus that; the bootstrap's was [0, 0] / [1, 1].
+    z2 = 1.959963984540054**2
+    none = fraction_ci([0.0] * 30, resamples=100)
+    assert (none.mean, none.low) == (0.0, 0.0)
+    assert none.high == pytest.approx(z2 / (30 + z2), rel=1e-12)
+    assert none.high == pytest.approx(0.113513, abs=1e-6)
+    every = fraction_ci([1.0] * 30, resamples=100)
+    assert (every.mean, every.high) == (1.0, 1.0)
+    assert every.low == pytest.approx(30 / (30 + z2), rel=1e-12)
+    # one problem at 0.5: centre 0.5, half width sqrt(z^2 / 4 + z^4 / 4) / (1 + z^2) = 0.445379
+    one = fraction_ci([0.5], resamples=100)
+    assert one.mean == 0.5
+    assert one.low == pytest.approx(0.5 - 0.445379, abs=1e-6)
+    assert one.high == pytest.approx(0.5 + 0.445379, abs=1e-6)
+    # with any spread it is the bootstrap, draw for draw
+    values = [0.0, 0.25, 1.0, 1.0, 0.5]
+    assert fraction_ci(values, resamples=500, seed=3) == bootstrap_ci(values, resamples=500, seed=3)
+    with pytest.raises(ValueError, match=r"avg@k must be fractions in \[0, 1\]"):
+        fraction_ci([0.5, 1.5], name="avg@k")
+
+
+def test_summary_of_an_evaluation_nothing_solved_has_an_interval_of_some_width():
+    records = [{"avg@k": 0.0, "pass@32": 0.0, "len_mean": 12.0} for _ in range(30)]
+    summary = summarize(records, resamples=500, seed=0)
+    assert summary["avg@k"].high == summary["pass@32"].high == pytest.approx(0.113513, abs=1e-6)
+    # a length is no fraction: where every problem has the same, so has the interval
+    assert summary["len_mean"] == Interval(12.0, 12.0, 12.0)
+    both = compare({i: r for i, r in enumerate(records)}, {i: r for i, r in enumerate(records)})
+    assert both["avg@k"]["a"] == summary["avg@k"]
 
 
 def test_summarize_uses_keys_shared_by_all_records():

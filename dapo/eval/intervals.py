@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from statistics import NormalDist
 
 import numpy as np
 
@@ -90,6 +91,39 @@ def bootstrap_ci(
     """
     check_resampling(resamples, level)
     return _bootstrap(_as_values(values, name), resamples, seed, level)
+
+
+def fraction_ci(
+    values: Sequence[float],
+    *,
+    resamples: int = 10_000,
+    seed: int = 0,
+    level: float = 0.95,
+    name: str = "values",
+) -> Interval:
+    """:func:`bootstrap_ci` for per-problem fractions in [0, 1] (accuracy, pass@k, a share).
+
+    Where every problem has the same value (none solved, all solved, or one problem), no
+    resample of the problems can move the mean, and the percentile bootstrap's interval has
+    zero width: certainty that 30 problems do not give. There the interval is Wilson's score
+    interval for that mean over ``len(values)`` problems, each counted as one trial, the
+    widest spread [0, 1] values of that mean can have: none of 30 solved reads
+    0.000 [0.000, 0.114] at 95%.
+    """
+    check_resampling(resamples, level)
+    array = _as_values(values, name)
+    if array.min() < 0.0 or array.max() > 1.0:
+        raise ValueError(f"{name} must be fractions in [0, 1], got {array.min()}..{array.max()}")
+    if array.min() != array.max():
+        return _bootstrap(array, resamples, seed, level)
+    p, n = float(array[0]), array.size
+    z2 = NormalDist().inv_cdf((1.0 + level) / 2.0) ** 2
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = (z2 * p * (1 - p) / n + z2 * z2 / (4 * n * n)) ** 0.5 / (1 + z2 / n)
+    # At p = 0 or 1 the bound on that side is the value itself (not a rounding of it).
+    low = 0.0 if p == 0.0 else max(0.0, centre - half)
+    high = 1.0 if p == 1.0 else min(1.0, centre + half)
+    return Interval(mean=p, low=low, high=high)
 
 
 def _paired_differences(a: Sequence[float], b: Sequence[float]) -> np.ndarray:

@@ -16,19 +16,22 @@ import functools
 import math
 import operator
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from dapo.eval.intervals import (
     Interval,
     bootstrap_ci,
     check_resampling,
+    fraction_ci,
     paired_bootstrap_ci,
     paired_permutation_pvalue,
 )
 from dapo.reward.tasks.base import gave_answer
 
 MAJORITY = "maj@k"
+
+_FRACTIONS = ("avg@k", MAJORITY, "greedy", "truncated_frac", "reflective_frac")
 
 REFLECTIVE_PHRASES: tuple[str, ...] = (
     "wait",
@@ -180,6 +183,13 @@ def without_unvoted_majority(
     return [{k: v for k, v in metrics.items() if k != MAJORITY} for metrics in per_problem]
 
 
+def interval_of(key: str) -> Callable[..., Interval]:
+    """How the metric ``key`` is summarised over problems: :func:`~dapo.eval.intervals.fraction_ci`
+    for the fractions (avg@k, pass@k, maj@k, greedy and the shares), whose interval keeps a width
+    where every problem scores the same, else :func:`~dapo.eval.intervals.bootstrap_ci`."""
+    return fraction_ci if key in _FRACTIONS or key.startswith("pass@") else bootstrap_ci
+
+
 def summarize(
     per_problem: Sequence[dict[str, float]],
     *,
@@ -187,7 +197,8 @@ def summarize(
     seed: int = 0,
     level: float = 0.95,
 ) -> dict[str, Interval]:
-    """Mean over problems with a bootstrap interval, for every key present in all records.
+    """Mean over problems with a bootstrap interval (:func:`interval_of`), for every key present
+    in all records.
 
     The treatment is uniform: every key is averaged over problems, so ``"len_max"`` summarises
     to the mean of the per-problem maxima, not the longest response overall. Keys keep the
@@ -198,7 +209,7 @@ def summarize(
     check_resampling(resamples, level)
     shared = [key for key in per_problem[0] if all(key in record for record in per_problem)]
     return {
-        key: bootstrap_ci(
+        key: interval_of(key)(
             [record[key] for record in per_problem],
             resamples=resamples,
             seed=seed,
@@ -249,10 +260,10 @@ def compare(
         values_a = [record[key] for record in records_a]
         values_b = [record[key] for record in records_b]
         result[key] = {
-            "a": bootstrap_ci(
+            "a": interval_of(key)(
                 [r[key] for r in in_order_a], resamples=resamples, seed=seed, level=level
             ),
-            "b": bootstrap_ci(
+            "b": interval_of(key)(
                 [r[key] for r in in_order_b], resamples=resamples, seed=seed, level=level
             ),
             "diff": paired_bootstrap_ci(

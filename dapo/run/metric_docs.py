@@ -100,7 +100,8 @@ METRICS: dict[str, str] = {
     # val
     "val/accuracy": "Held-out avg@k: the mean over problems of the share of k samples "
     "graded correct (k = eval.num_samples).",
-    "val/accuracy_low": "Lower end of val/accuracy's 95% bootstrap interval over problems.",
+    "val/accuracy_low": "Lower end of val/accuracy's 95% bootstrap interval over problems "
+    "(Wilson's score interval where every problem scores the same).",
     "val/accuracy_high": "Upper end of val/accuracy's 95% bootstrap interval over problems.",
     "val/pass@{k}": "Held-out pass@k (unbiased estimator, Chen et al. 2021), k = "
     "eval.num_samples: the metric's name carries the number, val/pass@4 on the demo.",
