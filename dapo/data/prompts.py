@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+from dapo.data.chat_render import TemplateRefused, render_chats
 from dapo.data.problems import Problem
 
 # The DAPO-Math-17k / AIME instruction, byte for byte as the official Parquet files have it.
@@ -38,24 +40,43 @@ def render_prompt(
     chat_template: bool = True,
     system_prompt: str | None = None,
 ) -> str:
-    """Chat-format problems go through the tokenizer's chat template when it has one (and
-    ``chat_template``); otherwise the message contents, raw. ``system_prompt`` (when not
-    None) is a system message put first, unless the problem has one of its own."""
-    messages = list(problem.messages)
-    if system_prompt is not None and not (messages and messages[0]["role"] == "system"):
-        messages.insert(0, {"role": "system", "content": system_prompt})
-    if chat_template and getattr(tokenizer, "chat_template", None):
-        from jinja2 import TemplateError  # transformers renders chat templates with jinja2
+    """:func:`render_prompts` of one problem."""
+    return render_prompts(
+        tokenizer, [problem], chat_template=chat_template, system_prompt=system_prompt
+    )[0]
 
-        try:
-            return tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
-            )
-        except TemplateError as exc:  # Gemma's refuses a system message, as a traceback
+
+def render_prompts(
+    tokenizer: Any,
+    problems: Sequence[Problem],
+    *,
+    chat_template: bool = True,
+    system_prompt: str | None = None,
+) -> list[str]:
+    """Chat-format problems go through the tokenizer's chat template when it has one (and
+    ``chat_template``), rendered in bounded time and memory (:mod:`dapo.data.chat_render`);
+    otherwise the message contents, raw. ``system_prompt`` (when not None) is a system
+    message put first, unless the problem has one of its own."""
+    conversations = []
+    for problem in problems:
+        messages = list(problem.messages)
+        if system_prompt is not None and not (messages and messages[0]["role"] == "system"):
+            messages.insert(0, {"role": "system", "content": system_prompt})
+        conversations.append(messages)
+    if not (chat_template and getattr(tokenizer, "chat_template", None)):
+        return ["\n\n".join(m["content"] for m in messages) for messages in conversations]
+    try:
+        return render_chats(tokenizer, conversations)
+    except TemplateRefused as exc:
+        problem, messages = problems[exc.index], conversations[exc.index]
+        if not exc.template_error:
             raise ValueError(
-                f"problem {problem.uid}: the tokenizer's chat template refused its messages "
-                f"({', '.join(m['role'] for m in messages)}): {exc}; set data.system_prompt=null "
-                "when the template takes no system message, or data.apply_chat_template=false "
-                "to prompt with the messages raw"
+                f"problem {problem.uid}: the tokenizer's chat template failed on its messages: "
+                f"{exc}; set data.apply_chat_template=false to prompt with the messages raw"
             ) from None
-    return "\n\n".join(m["content"] for m in messages)
+        raise ValueError(  # Gemma's refuses a system message, as a traceback
+            f"problem {problem.uid}: the tokenizer's chat template refused its messages "
+            f"({', '.join(m['role'] for m in messages)}): {exc}; set data.system_prompt=null "
+            "when the template takes no system message, or data.apply_chat_template=false "
+            "to prompt with the messages raw"
+        ) from None

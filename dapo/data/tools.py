@@ -22,7 +22,7 @@ from dapo.data.files import (
     read_table,
 )
 from dapo.data.problems import Problem
-from dapo.data.prompts import PROMPT_PREFIX, render_prompt
+from dapo.data.prompts import PROMPT_PREFIX, render_prompts
 from dapo.data.rows import EMPTY_ANSWER, BadRow, last_user
 from dapo.reward import tasks
 
@@ -176,7 +176,7 @@ def _prompt_token_stats(problems: list[Problem], tokenizer: str) -> dict[str, fl
 
     # The trainer's own tokenizer loading and rendering: the lengths rollout will see.
     tok = tokenizer_from_dir(tokenizer_dir, setting="--tokenizer")
-    texts = [render_prompt(tok, p) for p in problems]
+    texts = render_prompts(tok, problems)
     lengths = sorted(len(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"])
 
     def rank(q: float) -> int:  # nearest-rank percentile

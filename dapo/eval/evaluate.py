@@ -13,7 +13,7 @@ from typing import Any
 
 from dapo import dist
 from dapo.data.problems import Problem
-from dapo.data.prompts import render_prompt
+from dapo.data.prompts import render_prompts
 from dapo.eval.metrics import MAJORITY, record_metrics, summarize, without_unvoted_majority
 from dapo.reward.pool import RewardPool, grading_job
 from dapo.reward.tasks.base import vote_key
@@ -181,10 +181,9 @@ def sample_records(
             before_batch(start, len(problems))
         chunk = problems[start : start + per_batch]
         staged = chunk if episodes is None else [episodes.staged(p) for p in chunk]
-        prompts = [
-            render_prompt(tokenizer, p, chat_template=chat_template, system_prompt=system_prompt)
-            for p in staged
-        ]
+        prompts = render_prompts(
+            tokenizer, staged, chat_template=chat_template, system_prompt=system_prompt
+        )
         generate = engine.generate if episodes is None else partial(episodes.generate, chunk)
         ro = generate(
             prompts,

@@ -22,6 +22,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from dapo.data.chat_render import DEMO_CHAT_TEMPLATE
 from dapo.data.problems import Problem
 from dapo.data.prompts import PROMPT_PREFIX, PROMPT_SUFFIX, render_prompt
 from dapo.reward.tasks import arith
@@ -34,10 +35,7 @@ PIECE_PATTERN = r" ?[A-Za-z]+| ?[0-9]| ?[^\sA-Za-z0-9]|\n|\s"
 TOOL_PIECES = r"```(?:python|output)?|"
 TOOL_CORPUS = "```python\nprint(7 * 8)\n```\n```output\n56\n```\n*"
 SPECIAL_TOKENS = ("<|endoftext|>", "<|pad|>", "<|unk|>")
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}Assistant:\n{% endif %}"
-)
+CHAT_TEMPLATE = DEMO_CHAT_TEMPLATE
 
 
 def _corpus(tools: bool = False) -> str:

@@ -18,13 +18,9 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from dapo.data.limits import limit_address_space
 from dapo.reward.jobs import MAX_ABS_SCORE
 from dapo.reward.tasks import RewardFn, Score
-
-try:
-    import resource
-except ImportError:  # Windows: workers there run without a memory limit
-    resource = None  # type: ignore[assignment]
 
 # Results cross a pipe once per response: keep them small whatever a verifier returns.
 MAX_PRED_CHARS = 1000
@@ -199,29 +195,6 @@ def to_score(outcome: Outcome) -> Score:
     return Score(score=outcome[1], correct=outcome[2], pred=outcome[3], vote=outcome[4])
 
 
-def _mapped_bytes() -> int:
-    """The process's current virtual size (Linux), or 0 where it cannot be read."""
-    try:
-        with open("/proc/self/statm") as f:
-            pages = int(f.read().split()[0])
-        return pages * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def _limit_address_space(memory_mb: int) -> None:
-    if memory_mb <= 0 or resource is None or not hasattr(resource, "RLIMIT_AS"):
-        return
-    # memory_mb is room on top of what the worker maps at start, not an absolute
-    # cap: a worker that inherits a heavy __main__ (importing CPU torch maps 0.6 GB,
-    # CUDA builds more) would otherwise fail every response with "memory".
-    limit = _mapped_bytes() + memory_mb * 2**20
-    _, hard = resource.getrlimit(resource.RLIMIT_AS)
-    if hard != resource.RLIM_INFINITY:
-        limit = min(limit, hard)
-    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
-
-
 def _silence_descriptors() -> None:
     """Point file descriptors 1 and 2 at /dev/null: output a verifier's C code writes there
     directly is discarded (Python's is captured, capped and sent to the parent)."""
@@ -265,7 +238,7 @@ def worker_main(
     if failure is not None:
         conn.send(("failed", failure))
         return
-    _limit_address_space(memory_mb)
+    limit_address_space(memory_mb)
     conn.send(("ready", os.getpid()))
     while True:
         try:

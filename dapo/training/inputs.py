@@ -14,7 +14,7 @@ from typing import Any
 
 from dapo.config import Config, RewardConfig
 from dapo.data.problems import Problem
-from dapo.data.prompts import render_prompt
+from dapo.data.prompts import render_prompts
 from dapo.extras import pip_install
 from dapo.models.policy import context_length, model_dir
 from dapo.reward import custom, tasks
@@ -172,12 +172,9 @@ def check_reward_function(
 
 def prompt_lengths(cfg: Config, tokenizer: Any, problems: list[Problem]) -> list[int]:
     d = cfg.data
-    texts = [
-        render_prompt(
-            tokenizer, p, chat_template=d.apply_chat_template, system_prompt=d.system_prompt
-        )
-        for p in problems
-    ]
+    texts = render_prompts(
+        tokenizer, problems, chat_template=d.apply_chat_template, system_prompt=d.system_prompt
+    )
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     return [len(x) for x in ids]
 

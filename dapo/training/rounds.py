@@ -28,7 +28,7 @@ from dapo import algo, dist
 from dapo.config import AlgoConfig, DataConfig, RolloutConfig, SamplingConfig
 from dapo.data.batch import Episode
 from dapo.data.problems import Problem, PromptSampler
-from dapo.data.prompts import render_prompt
+from dapo.data.prompts import render_prompts
 from dapo.dist import tensor_parallel
 from dapo.reward.pool import GradeResult, RewardPool, grading_job
 from dapo.rollout import Engine, Sample, generate_samples
@@ -199,12 +199,12 @@ def sample_round(
     counted in ``perf/gen_padding_frac`` when ``count``."""
     r, d = drawer.rollout, drawer.data
     staged = problems if drawer.episodes is None else map(drawer.episodes.staged, problems)
-    prompts = [
-        render_prompt(
-            drawer.tokenizer, p, chat_template=d.apply_chat_template, system_prompt=d.system_prompt
-        )
-        for p in staged
-    ]
+    prompts = render_prompts(
+        drawer.tokenizer,
+        list(staged),
+        chat_template=d.apply_chat_template,
+        system_prompt=d.system_prompt,
+    )
     samples, slots = generate_samples(
         drawer.engine,
         prompts,

@@ -1,0 +1,103 @@
+"""A model directory's chat template is untrusted code: rendered in bounded time and memory,
+with the same strings as transformers' own rendering."""
+
+from __future__ import annotations
+
+import resource
+import time
+
+import pytest
+from transformers import AutoTokenizer
+
+from dapo.data import chat_render
+from dapo.data.problems import Problem
+from dapo.data.prompts import render_prompts
+from dapo.models.demo import build_tokenizer
+
+CHATML = (
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}{%- for message in messages %}"
+    "{%- if not (message.role == 'system' and loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+LOOP = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+BOMB = "{% set s = 'a' * 2000000000 %}{{ s | length }}"
+
+PROBLEMS = [
+    Problem(f"p{i}", ({"role": "user", "content": f"What is {i} + 1?"},), str(i + 1))
+    for i in range(3)
+]
+
+
+def _model_dir(tmp_path, template: str):
+    tok = build_tokenizer()
+    tok.chat_template = template
+    tok.save_pretrained(tmp_path / "model")
+    return AutoTokenizer.from_pretrained(tmp_path / "model")
+
+
+def test_a_template_renders_in_a_child_as_transformers_renders_it(tmp_path):
+    tok = _model_dir(tmp_path, CHATML)
+    texts = render_prompts(tok, PROBLEMS, system_prompt="Be brief.")
+    assert texts[1] == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 1 + 1?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    messages = [[{"role": "system", "content": "Be brief."}, dict(p.messages[0])] for p in PROBLEMS]
+    assert texts == [
+        tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in messages
+    ]
+
+
+def test_a_template_that_loops_is_stopped_at_its_deadline(tmp_path, monkeypatch):
+    monkeypatch.setattr(chat_render, "BASE_DEADLINE_S", 1.0)
+    tok = _model_dir(tmp_path, LOOP)
+    start = time.monotonic()
+    with pytest.raises(ValueError) as caught:
+        render_prompts(tok, PROBLEMS)
+    assert time.monotonic() - start < 10
+    assert str(caught.value).startswith(
+        f"the chat template of {tmp_path / 'model'} ran past 1 s rendering 3 prompt(s): "
+        "a template from a model directory is untrusted input"
+    )
+    assert "data.apply_chat_template=false" in str(caught.value)
+
+
+def test_a_template_that_allocates_without_bound_is_stopped_in_its_child(tmp_path, monkeypatch):
+    monkeypatch.setattr(chat_render, "MEMORY_MB", 256)
+    tok = _model_dir(tmp_path, BOMB)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(ValueError, match=r"failed rendering 3 prompt\(s\) \(it allocated past 256"):
+        render_prompts(tok, PROBLEMS)
+    # the 2 GB string was the child's: this process grew by no more than the test's noise
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200 * 1024
+
+
+def test_a_template_that_refuses_or_fails_names_the_problem(tmp_path):
+    refusing = "{{ raise_exception('System role not supported') }}"
+    with pytest.raises(ValueError) as caught:
+        render_prompts(_model_dir(tmp_path / "a", refusing), PROBLEMS[1:], system_prompt="x")
+    assert str(caught.value) == (
+        "problem p1: the tokenizer's chat template refused its messages (system, user): "
+        "System role not supported; set data.system_prompt=null when the template takes no "
+        "system message, or data.apply_chat_template=false to prompt with the messages raw"
+    )
+    failing = "{% if messages[0]['content'] == 'What is 2 + 1?' %}{{ 1 / 0 }}{% endif %}x"
+    with pytest.raises(ValueError) as caught:
+        render_prompts(_model_dir(tmp_path / "b", failing), PROBLEMS)
+    assert str(caught.value) == (
+        "problem p2: the tokenizer's chat template failed on its messages: ZeroDivisionError: "
+        "division by zero; set data.apply_chat_template=false to prompt with the messages raw"
+    )
+
+
+def test_the_demo_template_renders_in_process(monkeypatch):
+    def no_fork():
+        raise AssertionError("the demo's own template forked")
+
+    monkeypatch.setattr(chat_render.os, "fork", no_fork)
+    assert render_prompts(build_tokenizer(), PROBLEMS[:1]) == ["User: What is 0 + 1?\nAssistant:\n"]
