@@ -31,13 +31,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import yaml
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from dapo import __version__
 from dapo.api import adapters
 from dapo.api.export_dir import MARKER, TEMPLATES_DIR, prepare, publish, written_files
+from dapo.config.yaml_files import YamlFileError, clipped_repr, read_yaml_file
 from dapo.dist import dcp
 from dapo.models import hub
 from dapo.models.policy import DTYPES, generation_stop_ids, tokenizer_from_dir
@@ -296,16 +296,18 @@ def _read_config(src: Path, copied: Path) -> dict:
 
 def _extra_stops(run_dir: Path) -> list[int]:
     """``rollout.stop_token_ids`` of the run (its ``config.yaml``)."""
-    try:
-        saved = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    try:  # aliases refused (a few hundred bytes of them expand to billions of values)
+        saved = read_yaml_file(run_dir / "config.yaml") or {}
         extra = (saved.get("rollout") or {}).get("stop_token_ids") or []
-    except (OSError, yaml.YAMLError, AttributeError) as exc:
+    except (OSError, YamlFileError, AttributeError) as exc:
+        why = exc.reason if isinstance(exc, YamlFileError) else exc
         raise ValueError(
-            f"{run_dir / 'config.yaml'}: unreadable ({exc}); the export needs the run's "
+            f"{run_dir / 'config.yaml'}: unreadable ({why}); the export needs the run's "
             "settings: give the run directory dapo wrote"
         ) from None
     if not all(isinstance(i, int) and i >= 0 for i in extra):
-        raise ValueError(f"{run_dir / 'config.yaml'}: rollout.stop_token_ids={extra!r}")
+        shown = clipped_repr(extra)  # the file's value, perhaps megabytes of it
+        raise ValueError(f"{run_dir / 'config.yaml'}: rollout.stop_token_ids={shown}")
     return extra
 
 

@@ -24,6 +24,7 @@ from dapo.config import presets
 from dapo.config.sections import Config, attr_of, field_types, is_subsection, leaves
 from dapo.config.validation import config_warnings as config_warnings
 from dapo.config.validation import validate
+from dapo.config.yaml_files import clipped_repr, read_yaml_file
 
 MOVED_KEYS = {
     "data.num_train": "arith.num_train",
@@ -83,7 +84,7 @@ def _coerce(value: Any, typ: Any, where: str, text: str | None = None) -> Any:
             pass
     if typing.get_origin(typ) is list:
         if not isinstance(value, list):
-            raise ValueError(f"{where}: expected a list such as [1, 2], got {value!r}")
+            raise ValueError(f"{where}: expected a list such as [1, 2], got {clipped_repr(value)}")
         (item,) = typing.get_args(typ)
         return [_coerce(v, item, f"{where}[{k}]") for k, v in enumerate(value)]
     if typ is bool:
@@ -99,7 +100,8 @@ def _coerce(value: Any, typ: Any, where: str, text: str | None = None) -> Any:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
     name = getattr(typ, "__name__", str(typ))
-    raise ValueError(f"{where}: expected {name}, got {value!r} ({type(value).__name__})")
+    got = f"{clipped_repr(value)} ({type(value).__name__})"  # a file's value may be megabytes
+    raise ValueError(f"{where}: expected {name}, got {got}")
 
 
 _NULLS = ("null", "Null", "NULL", "~")
@@ -187,7 +189,7 @@ def _flatten(tree: dict[str, Any], where: str) -> list[tuple[str, Any]]:
     for section, values in tree.items():
         if not isinstance(values, dict):
             raise ValueError(
-                f"{where}: top-level key {section!r} must be a section mapping (e.g. "
+                f"{where}: top-level key {clipped_repr(section)} must be a section mapping (e.g. "
                 f"'optim: {{lr: 1e-6}}'), or one of base, preset"
             )
         out.extend((f"{section}.{k}", v) for k, v in values.items())
@@ -213,12 +215,10 @@ def saved_before_keys_moved(path: str | Path) -> bool:
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
-    try:
-        tree = yaml.safe_load(path.read_text()) or {}
+    try:  # aliases refused, every failure named (dapo.config.yaml_files)
+        tree = read_yaml_file(path) or {}
     except OSError as exc:
         raise ValueError(f"cannot read config file {path}: {exc.strerror}") from exc
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{path}: not valid YAML: {exc}") from exc
     if not isinstance(tree, dict):
         raise ValueError(f"{path}: the top level must be a mapping of sections")
     return dict(tree)
@@ -320,9 +320,9 @@ def read_hardware(path: str | Path) -> dict[str, Any]:
     need = "gpu_gib" if gpus else "memory_gib"
     size = hardware.get(need)
     if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 0:
-        raise ValueError(f"{path}: hardware.gpus must be an integer >= 0, got {gpus!r}")
+        raise ValueError(f"{path}: hardware.gpus must be an integer >= 0, got {clipped_repr(gpus)}")
     if isinstance(size, bool) or not isinstance(size, (int, float)) or not size > 0:
-        raise ValueError(f"{path}: hardware.{need} must be a number > 0, got {size!r}")
+        raise ValueError(f"{path}: hardware.{need} must be a number > 0, got {clipped_repr(size)}")
     return {"gpus": gpus, need: float(size)}
 
 

@@ -264,7 +264,7 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
     try:
         optim_json = json.loads((Path(path) / OPTIMIZER_JSON).read_text())
         optim = join_optimizer_state(state["optim"], optim_json)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:  # deep JSON too
         raise UnsafeCheckpointError(
             f"{Path(path) / OPTIMIZER_JSON} is missing or unreadable ({exc!r}): the checkpoint "
             "is damaged; resume from an earlier one (delete this step's directory)"

@@ -10,9 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from dapo.config import MOVED_KEYS
+from dapo.config.yaml_files import YamlFileError, read_yaml_file
 
 # Per-run fields that always differ between runs and say nothing about the experiment.
 IGNORED_CONFIG_FIELDS = frozenset({"run.name", "run.out_dir"})
@@ -78,29 +77,13 @@ def read_run(run_dir: Path | str) -> Run:
     )
 
 
-class _NoAliasLoader(yaml.SafeLoader):
-    """YAML without aliases: a config.yaml of a few hundred bytes of nested aliases (a
-    "billion laughs") expands to billions of keys when flattened. dapo never writes one."""
-
-    def compose_node(self, parent: Any, index: Any) -> Any:
-        event = self.peek_event()
-        if isinstance(event, yaml.AliasEvent):
-            raise yaml.composer.ComposerError(
-                None, None, "an alias (*name): dapo report refuses YAML aliases", event.start_mark
-            )
-        return super().compose_node(parent, index)
-
-
 def _read_config(config_path: Path) -> dict[str, Any]:
     config: dict[str, Any] = {}
     if config_path.is_file():
-        try:
-            text = config_path.read_text(encoding="utf-8")
-            loaded = yaml.load(text, Loader=_NoAliasLoader)  # a SafeLoader: no tags run code
-        except (yaml.YAMLError, ValueError, RecursionError) as exc:
-            # ValueError: not UTF-8, or an int too long to convert; RecursionError: nesting
-            # deeper than the parser recurses.
-            raise ValueError(f"{config_path}: not a readable config: {exc}") from None
+        try:  # aliases refused: a few hundred bytes of nested ones expand to billions of keys
+            loaded = read_yaml_file(config_path)
+        except YamlFileError as exc:
+            raise ValueError(f"{config_path}: not a readable config: {exc.reason}") from None
         if isinstance(loaded, dict):
             config = loaded
     return config

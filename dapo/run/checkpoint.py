@@ -336,7 +336,7 @@ def read_trainer_state(ckpt: Path, *, digests: bool | tuple[int, int] = True) ->
     try:
         trainer = json.loads((ckpt / "trainer.json").read_text())
         version = trainer.get("format_version")
-    except (OSError, ValueError, AttributeError) as exc:
+    except (OSError, ValueError, AttributeError, RecursionError) as exc:  # JSON nested too deep
         raise CheckpointError(f"{ckpt / 'trainer.json'} is unreadable: {exc!r}") from None
     if version == 1:
         raise CheckpointError(

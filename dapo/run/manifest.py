@@ -49,8 +49,8 @@ def manifest_files(ckpt: Path) -> dict[str, dict[str, Any]] | str:
     try:
         files = json.loads(path.read_text())["files"]
         return {str(r): e if isinstance(e, dict) else {"bytes": int(e)} for r, e in files.items()}
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        return f"{path} is unreadable: {exc}"
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        return f"{path} is unreadable: {exc}"  # RecursionError: nested deeper than json reads
 
 
 def verify(ckpt: Path, *, digests: bool | tuple[int, int] = False) -> str | None:

@@ -48,7 +48,7 @@ def load_optimizer(stem: Path) -> dict[str, Any]:
             param, name = key.split(_SEP, 1)
             state.setdefault(int(param), {})[name] = tensor
         return join_optimizer_state({"state": state}, rest)
-    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError, RecursionError) as exc:
         raise _damaged(stem, exc) from None
 
 
@@ -75,7 +75,7 @@ def load_rng(stem: Path) -> dict[str, Any]:
             "numpy": [str(kind), tensors["numpy_keys"], int(pos), int(has_gauss), float(cached)],
             "torch": tensors["torch"],
         }
-    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError, RecursionError) as exc:
         raise _damaged(stem, exc) from None
     if "cuda_rank" in tensors:
         state["cuda_rank"] = tensors["cuda_rank"]
@@ -92,6 +92,8 @@ def unfit(stem: Path, exc: Exception, what: str) -> str:
 
 
 def _damaged(stem: Path, exc: Exception) -> StateFileError:
+    """The error for state files that cannot be read (JSON nested deeper than the parser
+    recurses, a RecursionError, included): damage like any other, named."""
     return StateFileError(
         f"{stem}.safetensors / {stem.name}.json are missing or unreadable ({exc!r}): the "
         "checkpoint is damaged; resume from an earlier one (delete this step's directory)"

@@ -99,18 +99,31 @@ def logged_again(run_dir: Path, step: int, figures: dict[str, float]) -> dict[st
     return {**again, **figures}
 
 
+MAX_LINE_BYTES = 1 << 24
+"""A last line of ``metrics.jsonl`` longer than this (16 MiB; no metrics line is near it) is
+read as damaged: reading it back whole would hold a file's worth of memory for nothing."""
+
+
 def _last_line(path: Path) -> dict[str, Any]:
-    """The last line of ``path`` as an object; {} when there is none, or it is not one."""
+    """The last line of ``path`` as an object; {} when there is none, it is not one, or it is
+    over :data:`MAX_LINE_BYTES`."""
     fd = open_fd(path, os.O_RDONLY)
+    blocks: list[bytes] = []  # from the end back, a block at a time, to the line's start
     try:
-        pos = os.fstat(fd).st_size
-        tail = b""
-        while pos > 0 and b"\n" not in tail[:-1]:  # back, a block at a time, to the line's start
+        pos, found = os.fstat(fd).st_size, False
+        while pos > 0 and not found:
+            if len(blocks) << 16 > MAX_LINE_BYTES:
+                return {}
             size = min(1 << 16, pos)
             pos -= size
-            tail = os.pread(fd, size, pos) + tail
+            block = os.pread(fd, size, pos)
+            # Only the new block is searched (the file's last byte aside, as it ends the line):
+            # searching the whole tail each time took minutes for a line of 256 MiB.
+            found = b"\n" in (block if blocks else block[:-1])
+            blocks.append(block)
     finally:
         os.close(fd)
+    tail = b"".join(reversed(blocks))
     try:
         record = json.loads(tail.rstrip(b"\n").rsplit(b"\n", 1)[-1])
     except (ValueError, RecursionError):
