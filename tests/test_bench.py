@@ -77,3 +77,50 @@ def test_the_cuda_peak_covers_the_timed_steps_alone(monkeypatch, device):
     else:  # the CPU path as it was: the process's peak RSS alone
         assert events == ["step"] * 4
         assert "peak_cuda_mb" not in out and out["peak_rss_mb"] > 0
+
+
+@pytest.mark.parametrize("threads", [0, 1])
+def test_bench_sets_the_threads_before_each_step_as_training_does(monkeypatch, threads):
+    # run.threads=0 follows the free cores before every step (the loop's governor); a fixed
+    # count is set once. The bench kept torch's default under run.threads=0.
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    import torch
+
+    from dapo.config import load_config
+    from dapo.training import bench
+
+    events = []
+    counts = iter([2, 1, 1, 2])
+
+    class Governor:
+        def adjust(self) -> int:
+            n = next(counts)
+            torch.set_num_threads(n)
+            events.append(f"threads {n}")
+            return n
+
+    state = SimpleNamespace(device=torch.device("cpu"), pool=None)
+    data = SimpleNamespace(warmup_pairs=[], train=[])
+    monkeypatch.setattr(bench, "ThreadGovernor", Governor)
+    monkeypatch.setattr(bench.inputs, "load_run_data", lambda cfg: data)
+    monkeypatch.setattr(bench.policy, "load_tokenizer", lambda cfg: None)
+    monkeypatch.setattr(bench.policy, "load_policy", lambda *args, log: (None, None))
+    monkeypatch.setattr(bench, "build_state", lambda *args: state)
+    monkeypatch.setattr(bench, "reward_pool", lambda cfg: nullcontext())
+    monkeypatch.setattr(bench, "train_step", lambda s: events.append("step") or {"perf/step_s": 1})
+    before = torch.get_num_threads()
+    try:
+        cfg = load_config(None, [f"run.threads={threads}"])
+        out = bench.bench_steps(cfg, steps=3, warmup=1, log=lambda m: None)
+    finally:
+        torch.set_num_threads(before)
+    if threads == 0:
+        assert events == ["threads 2", "step", "threads 1", "step", "threads 1", "step"] + [
+            "threads 2",
+            "step",
+        ]
+        assert out["threads"] == 1  # the median over the timed steps: 1, 1, 2
+    else:
+        assert events == ["step"] * 4 and out["threads"] == 1

@@ -172,7 +172,8 @@ class RewardConfig:
     timeout_s: float = 10.0
     """Seconds one response may take to grade before its worker is killed."""
     memory_mb: int = 2048
-    """Address-space limit of each verifier process, MiB; 0 = no limit."""
+    """Memory each verifier process may map beyond what it maps at start (an address-space
+    limit), MiB; 0 = no limit."""
     batch_timeout_s: float = 600.0
     """Seconds one step's grading may take in all: a verifier that hangs on every response
     costs at most this, not responses x timeout_s; what is not graded by then counts as a

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
@@ -192,7 +193,10 @@ def load_embedded(
     tools = any("```" in solution for _, solution in pairs)  # arith.tool_share > 0
     tokenizer = build_tokenizer(tools)
     vocab = sorted(tokenizer.get_vocab().items())
-    key = _cache_key(spec, warmup, task_key, vocab, piece_pattern(tools), torch.__version__)
+    # The warm-up runs transformers' Qwen2 and torch's kernels: a new version of either may
+    # build other weights, so neither reuses the other's cache entry.
+    versions = (torch.__version__, transformers.__version__)
+    key = _cache_key(spec, warmup, task_key, vocab, piece_pattern(tools), *versions)
     target = Path(cache_dir).expanduser() / f"embedded-{key}"
     if (target / "model.safetensors").exists():
         model = Qwen2ForCausalLM.from_pretrained(target)

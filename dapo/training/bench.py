@@ -14,6 +14,7 @@ import torch
 
 from dapo.config import Config
 from dapo.models import policy
+from dapo.run.threads import ThreadGovernor
 from dapo.training import inputs
 from dapo.training.state import build_state, reward_pool
 from dapo.training.step import train_step
@@ -69,20 +70,24 @@ def bench_steps(cfg: Config, *, steps: int, warmup: int, log: Callable[[str], No
     tokenizer = policy.load_tokenizer(cfg)
     model, tokenizer = policy.load_policy(cfg, data.warmup_pairs, tokenizer, log=log)
     state = build_state(cfg, model, tokenizer, data.train)
+    # run.threads=0 as in training: the cores other processes leave free, before each step.
+    governor = ThreadGovernor() if cfg.run.threads == 0 else None
     timed = []
     with reward_pool(cfg) as pool:
         state.pool = pool
         for i in range(warmup + steps):
             if i == warmup and state.device.type == "cuda":  # the timed steps' peak alone
                 torch.cuda.reset_peak_memory_stats(state.device)
-            metrics = train_step(state)
+            if governor is not None:
+                governor.adjust()
+            metrics = {**train_step(state), "perf/threads": float(torch.get_num_threads())}
             if i >= warmup:
                 timed.append(metrics)
             log(f"bench step {i + 1}/{warmup + steps}: {metrics['perf/step_s']:.2f} s")
     return {
         **summarize_steps(timed),
         **peak_memory(state.device),
-        "threads": torch.get_num_threads(),
+        "threads": statistics.median(m["perf/threads"] for m in timed),
         "device": str(state.device),
         "responses_per_step": cfg.responses_per_step,
         "max_new_tokens": cfg.rollout.max_new_tokens,
