@@ -30,6 +30,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dapo.data.parquet_read import ParquetTooLarge, read_parquet
 from dapo.data.problems import Problem
 from dapo.data.rows import BadRow, Row, check_keys, json_type, parse_rows
 
@@ -43,7 +44,8 @@ SKIP_HINT = "pass data.on_bad_row=skip (--on-bad-row skip) to skip and count suc
 # as well as the verifier's normalisation allows, so ``check`` counts it.
 INTEGER_RE = re.compile(r"-?[0-9]+")
 MAX_LINE_BYTES = 16 * 2**20
-"""A JSON line longer than this is a bad row, not read into memory whole."""
+"""A JSON line longer than this is a bad row, not read into memory whole; a Parquet value
+longer than this is refused before it is decoded (:mod:`dapo.data.parquet_read`)."""
 
 
 class DataError(ValueError):
@@ -88,12 +90,12 @@ def read_table(path: str | os.PathLike[str]) -> Table:
     if not path.is_file():
         raise DataError(f"{path}: no such data file")
     if path.suffix.lower() == ".parquet":
-        try:
-            table = pq.read_table(path)
+        try:  # in batches, each measured before it becomes Python objects
+            return Table(path, *read_parquet(path, MAX_LINE_BYTES))
+        except ParquetTooLarge as exc:
+            raise DataError(f"{path}: {exc}") from None
         except (OSError, pa.ArrowException) as exc:
             raise DataError(f"{path}: cannot be read as Parquet: {exc}") from None
-        schema = [(f.name, str(f.type)) for f in table.schema]
-        return Table(path, table.to_pylist(), table.column_names, schema)
     return _read_jsonl(path)
 
 

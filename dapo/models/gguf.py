@@ -16,6 +16,7 @@ import importlib.util
 import json
 import os
 import shutil
+import struct
 import tempfile
 import time
 from collections.abc import Callable
@@ -38,6 +39,17 @@ END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<
 original checkpoints' generation configs often list several (Qwen2.5: im_end and endoftext)."""
 
 GGUF_MAGIC = b"GGUF"
+GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+"""GGUF value type -> its size: (u)int8/16/32, float32, bool, (u)int64, float64 (the spec's
+``gguf_metadata_value_type``); 8 is a string (u64 length, bytes), 9 an array (u32 element
+type, u64 count, elements)."""
+GGUF_STRING, GGUF_ARRAY = 8, 9
+MAX_ARRAY_DEPTH = 8
+"""Arrays of arrays nest this deep at most: the files llama.cpp writes nest none."""
+DAMAGED = (
+    "the file is damaged or crafted; give a GGUF file written by llama.cpp's tools or the "
+    "gguf package (a damaged download: fetch it again)"
+)
 
 
 @dataclass(frozen=True)
@@ -94,6 +106,7 @@ def gguf_metadata(path: Path) -> tuple[str, int | None]:
     vocabulary too (about 2.5 s for SmolLM2's 49k tokens on one core of this project's CPU)."""
     from gguf import GGUFReader, GGUFValueType
 
+    check_header(path)
     ints = {GGUFValueType[t] for t in ("UINT8", "INT8", "UINT16", "INT16", "UINT32", "INT32")}
     ints |= {GGUFValueType.UINT64, GGUFValueType.INT64}
     try:
@@ -116,6 +129,98 @@ def gguf_metadata(path: Path) -> tuple[str, int | None]:
             "tools or the gguf package (a damaged download: fetch it again)"
         ) from None
     return architecture, eos_id
+
+
+def check_header(path: Path) -> None:
+    """Walk the header of the GGUF file ``path`` (counts, key/value pairs, tensor infos) and
+    refuse, naming the field, any count or length that needs more bytes than are left in the
+    file: gguf's reader trusts them, and an array of 2^62 numbers in a 200-byte file grew
+    its memory without bound (it appends an empty read per element). Versions and value
+    types it does not know are left to gguf's reader, which names them."""
+    with path.open("rb") as f:
+        scan = HeaderScan(path, f, path.stat().st_size)
+        if scan.read("4s", "magic")[0] != GGUF_MAGIC:
+            return  # check_source refuses such a file; gguf's reader says the same
+        (version,) = scan.read("I", "version")
+        if version & 0xFFFF == 0:  # written on a machine of the other byte order
+            scan.order = ">"
+            version = struct.unpack(">I", struct.pack("<I", version))[0]
+        if version not in (2, 3):
+            return  # gguf's reader names the version it cannot read
+        tensors, pairs = scan.read("QQ", "tensor and key/value counts")
+        # The least a pair takes: key length, an empty key, value type, a one-byte value.
+        scan.need(pairs, 13, "metadata key/value pairs (GGUF.kv_count)")
+        scan.need(tensors, 24, "tensor infos (GGUF.tensor_count)")
+        for i in range(pairs):
+            key = scan.string(f"the key of metadata pair {i}").decode("utf-8", "replace")
+            if not scan.value(scan.read("I", key)[0], key, depth=0):
+                return
+        for i in range(tensors):
+            name = scan.string(f"the name of tensor {i}").decode("utf-8", "replace")
+            (dims,) = scan.read("I", f"tensor {name!r}'s dimension count")
+            scan.need(dims, 8, f"dimensions of tensor {name!r}")
+            scan.skip(8 * dims + 12)  # the dimensions, the type and the data offset
+
+
+class HeaderScan:
+    """A GGUF header read in order, each count checked against the bytes left in it."""
+
+    def __init__(self, path: Path, f: Any, size: int) -> None:
+        self.path, self.f, self.size, self.order = path, f, size, "<"
+
+    def need(self, count: int, each: int, what: str) -> None:
+        left, at = self.size - self.f.tell(), self.f.tell()
+        if count * each > left:
+            least = "" if each == 1 else f" ({count * each:,} bytes at least)"
+            raise ValueError(
+                f"{self.path}: its GGUF header claims {count:,} {what}{least}, but only "
+                f"{left:,} bytes follow offset {at:,}; {DAMAGED}"
+            )
+
+    def read(self, fmt: str, what: str) -> tuple[Any, ...]:
+        size = struct.calcsize(self.order + fmt)
+        if self.size - self.f.tell() < size:
+            raise ValueError(
+                f"{self.path}: its GGUF header ends inside {what} (offset {self.f.tell():,}); "
+                f"{DAMAGED}"
+            )
+        return struct.unpack(self.order + fmt, self.f.read(size))
+
+    def skip(self, n: int) -> None:
+        self.need(n, 1, "bytes")
+        self.f.seek(n, os.SEEK_CUR)
+
+    def string(self, what: str) -> bytes:
+        (length,) = self.read("Q", f"the length of {what}")
+        self.need(length, 1, f"bytes in {what}")
+        return self.f.read(length)
+
+    def value(self, kind: int, key: str, *, depth: int) -> bool:
+        """Skip one value of type ``kind``; False when the type is unknown (left to gguf)."""
+        if kind in GGUF_SCALAR_BYTES:
+            self.skip(GGUF_SCALAR_BYTES[kind])
+        elif kind == GGUF_STRING:
+            self.string(f"the value of {key!r}")
+        elif kind == GGUF_ARRAY:
+            if depth == MAX_ARRAY_DEPTH:
+                raise ValueError(
+                    f"{self.path}: {key!r} nests arrays over {MAX_ARRAY_DEPTH} deep; {DAMAGED}"
+                )
+            element, count = self.read("IQ", f"the type and length of the array {key!r}")
+            if element not in (*GGUF_SCALAR_BYTES, GGUF_STRING, GGUF_ARRAY):
+                return False
+            # The least an element takes: a number's size; a string's or an array's header.
+            least = GGUF_SCALAR_BYTES.get(element, 8 if element == GGUF_STRING else 12)
+            self.need(count, least, f"elements in the array {key!r}")
+            if element in GGUF_SCALAR_BYTES:
+                self.skip(count * least)
+                return True
+            for i in range(count):
+                if not self.value(element, f"{key}[{i}]", depth=depth + 1):
+                    return False
+        else:
+            return False
+        return True
 
 
 def _loaded(path: Path, what: str, load: Callable[[], Any]) -> Any:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -288,7 +289,9 @@ def _pretrained(cfg: Config, tokenizer: Any, dtype: torch.dtype):
         model, info = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, trust_remote_code=False, output_loading_info=True
         )
-    except (OSError, ValueError, SafetensorError) as exc:
+    except (OSError, ValueError, SafetensorError, pickle.UnpicklingError) as exc:
+        if _refused_pickle(exc):
+            raise pickled_weights(path) from None
         # A truncated or garbled safetensors file (transformers may raise any of these for
         # it, and SafetensorError names no file): say which, and the fix.
         sharded_load.check_weight_files(path)
@@ -313,6 +316,38 @@ def _pretrained(cfg: Config, tokenizer: Any, dtype: torch.dtype):
         # load (dapo.models.sharded_load) refuses the same directory in these words.
         raise sharded_load.missing_weight(missing, path, _weights_file(path, missing))
     return model, tokenizer
+
+
+def _refused_pickle(exc: BaseException) -> bool:
+    """Whether ``exc`` is, or was raised while handling, torch's safe loader refusing a
+    pickle: transformers 5 lets the UnpicklingError through, 4.x raises an OSError from it."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        if isinstance(e, pickle.UnpicklingError):
+            return True
+        seen.add(id(e))
+        todo += [e.__cause__, e.__context__]
+    return False
+
+
+def pickled_weights(path: Path) -> ValueError:
+    """The error for ``.bin`` weights that torch's ``weights_only`` loader refused (a pickle
+    that names more than tensors): its own message advises ``weights_only=False``, which runs
+    whatever the pickle names. The torchrun loader reads only safetensors files and leaves
+    such a directory to this whole load (:func:`dapo.models.sharded_load.load`)."""
+    bins = ", ".join(sorted(f.name for f in path.glob("pytorch_model*.bin"))) or "its weights"
+    return ValueError(
+        f"model.path={path}: {bins} is a pickle holding more than tensors; torch's safe loader "
+        "refused it, and dapo loads no pickled code (unpickling it could run anything it "
+        "names). Convert the weights to safetensors from a copy you trust, in an environment "
+        "you trust (there: torch.load(FILE, weights_only=False), load the tensors into the "
+        "model, model.save_pretrained(DIR, safe_serialization=True)), or fetch the model's "
+        ".safetensors files, and give model.path=DIR"
+    )
 
 
 def _untrained_weight(model: torch.nn.Module, missing_keys: Sequence[str]) -> str | None:
