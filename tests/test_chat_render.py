@@ -101,3 +101,61 @@ def test_the_demo_template_renders_in_process(monkeypatch):
 
     monkeypatch.setattr(chat_render.os, "fork", no_fork)
     assert render_prompts(build_tokenizer(), PROBLEMS[:1]) == ["User: What is 0 + 1?\nAssistant:\n"]
+
+
+def test_a_template_whose_text_is_too_long_is_refused_before_it_is_tokenized(tmp_path):
+    # What the child may allocate is bounded, but the text comes back to be tokenized
+    # (about 200 bytes a token): "{{ '1 ' * 5000 }}" a prompt made 200 MB to tokenize.
+    padded = "{{ '1 ' * 10000 }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    with pytest.raises(ValueError) as caught:
+        render_prompts(_model_dir(tmp_path, padded), PROBLEMS)
+    assert str(caught.value) == (
+        "problem p0: the tokenizer's chat template failed on its messages: OverflowError: it "
+        "rendered 20,014 characters from 14 characters of messages, more than a template may "
+        "make of them (twice as many and 16,384 more); set data.apply_chat_template=false to "
+        "prompt with the messages raw"
+    )
+    # a long system line is a template's right: 2 x 14 + 16,384 characters at most
+    fits = "{{ '1' * 16398 }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert len(render_prompts(_model_dir(tmp_path / "b", fits), PROBLEMS[:1])[0]) == 16412
+
+
+CTRL_C = """
+import os, signal, sys, threading, time
+from transformers import AutoTokenizer
+from dapo.data import chat_render
+from dapo.data.problems import Problem
+from dapo.data.prompts import render_prompts
+
+signal.signal(signal.SIGINT, lambda *_: os.write(1, f"handled in {os.getpid()}\\n".encode()))
+chat_render.BASE_DEADLINE_S = 2.0
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+threading.Timer(0.5, os.killpg, (os.getpgid(0), signal.SIGINT)).start()
+try:
+    render_prompts(tok, [Problem("p", ({"role": "user", "content": "hi"},), "1")])
+except ValueError as exc:
+    print("refused:", str(exc)[:40], flush=True)
+print("parent", os.getpid(), flush=True)
+"""
+
+
+def test_ctrl_c_while_a_template_renders_is_handled_by_the_parent_alone(tmp_path):
+    # A terminal's Ctrl-C signals the whole process group: the forked child ran dapo's
+    # handler too ("SIGINT received: finishing this step..." printed twice).
+    import subprocess
+    import sys
+
+    _model_dir(tmp_path, LOOP)
+    out = subprocess.run(
+        [sys.executable, "-c", CTRL_C, str(tmp_path / "model")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        start_new_session=True,
+    ).stdout.splitlines()
+    parent = out[-1].split()[1]
+    assert out == [
+        f"handled in {parent}",
+        "refused: " + f"the chat template of {tmp_path / 'model'}"[:40],
+        f"parent {parent}",
+    ]

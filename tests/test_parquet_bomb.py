@@ -129,6 +129,20 @@ def test_pages_that_decompress_past_the_total_are_refused_by_the_footer(tmp_path
         read_table(path)
 
 
+def test_many_narrow_rows_are_counted_at_what_python_makes_of_them(tmp_path, monkeypatch):
+    # Each row is a dict of ~200 bytes whatever it holds: 250 million null rows were a 490 KB
+    # file measured at 1.9 GiB (8 bytes a value) that took some 50 GB to read.
+    monkeypatch.setattr(parquet_read, "MAX_DECODED_BYTES", 64 * MiB)
+    path = tmp_path / "narrow.parquet"
+    pq.write_table(pa.table({"nothing": pa.nulls(400_000)}), path, compression="zstd")
+    assert path.stat().st_size < 10_000
+    # 400,000 x (200 + 8) bytes = 79.3 MiB, over 64 MiB by the footer alone
+    with pytest.raises(
+        DataError, match=r"narrow\.parquet: decodes to over 79 MiB \(by its footer\)"
+    ):
+        read_table(path)
+
+
 @pytest.mark.parametrize("path", REAL_FILES, ids=lambda p: p.parent.name)
 def test_the_real_files_read_exactly_as_read_table_reads_them(path):
     if not path.is_file():

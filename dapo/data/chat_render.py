@@ -52,6 +52,14 @@ take milliseconds, seconds on a loaded machine."""
 PER_CHAT_S = 0.01
 """And for each prompt: a real template renders a conversation in well under a millisecond."""
 
+EXTRA_CHARS = 16384
+"""A template may render a conversation into at most twice its messages' characters and this
+many more (a system line, a date, role markers take tens to hundreds): the text comes back
+to be tokenized, which costs about 200 bytes a token, so a template's output is bounded
+too, not only what it allocates while rendering."""
+
+_STOPPING = (signal.SIGINT, signal.SIGTERM)
+
 
 def deadline_s(conversations: int) -> float:
     """How long the child may take over ``conversations`` prompts."""
@@ -76,7 +84,7 @@ def _in_process(tokenizer: Any, conversations: Sequence[list[dict[str, str]]]) -
     texts = []
     for i, messages in enumerate(conversations):
         try:
-            texts.append(_render(tokenizer, messages))
+            texts.append(_rendered(tokenizer, messages))
         except Exception as exc:  # noqa: BLE001 - reported as the child's would be
             raise TemplateRefused(i, exc) from None
     return texts
@@ -102,15 +110,35 @@ def _describe(exc: BaseException) -> str:
     return str(exc) if _is_template_error(exc) else f"{type(exc).__name__}: {exc}"
 
 
+def most_chars(messages: list[dict[str, str]]) -> int:
+    """The longest text a template may render ``messages`` into (see EXTRA_CHARS)."""
+    return 2 * sum(len(str(m.get("content", ""))) for m in messages) + EXTRA_CHARS
+
+
+def _rendered(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+    text = _render(tokenizer, messages)
+    if len(text) > most_chars(messages):
+        given = (most_chars(messages) - EXTRA_CHARS) // 2
+        raise OverflowError(
+            f"it rendered {len(text):,} characters from {given:,} characters of messages, more "
+            f"than a template may make of them (twice as many and {EXTRA_CHARS:,} more)"
+        )
+    return text
+
+
 def _child(tokenizer: Any, conversations: list[list[dict[str, str]]], out: int) -> None:
     # Only this thread exists here; leave with os._exit so no parent state is flushed twice.
+    # A Ctrl-C reaches the whole process group: the parent's handler is the parent's alone.
+    for sig in _STOPPING:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPPING)
     code = 0
     try:
         limit_address_space(MEMORY_MB)
         texts = []
         for i, messages in enumerate(conversations):
             try:
-                texts.append(_render(tokenizer, messages))
+                texts.append(_rendered(tokenizer, messages))
             except MemoryError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the parent names it
@@ -135,6 +163,9 @@ def _in_child(tokenizer: Any, conversations: list[list[dict[str, str]]]) -> list
     # variable is unset; the child never encodes, so say parallelism is as it was.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     read, write = os.pipe()
+    # Held back across the fork, so the child ignores them before any can reach it; the
+    # parent's pending ones arrive as it unblocks.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOPPING)
     try:
         with warnings.catch_warnings():
             # Python 3.12 warns of fork in a threaded process: the child runs only this thread's
@@ -142,16 +173,20 @@ def _in_child(tokenizer: Any, conversations: list[list[dict[str, str]]]) -> list
             warnings.simplefilter("ignore", DeprecationWarning)
             pid = os.fork()
     except OSError:  # no room to fork (strict overcommit): unbounded beats no run
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         os.close(read)
         os.close(write)
         return _in_process(tokenizer, conversations)
     if pid == 0:  # pragma: no cover - the child's coverage is not collected
         os.close(read)
         _child(tokenizer, conversations, write)
+    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     os.close(write)
+    # The reply's bound: every text at its longest, each character escaped (\uXXXX\uXXXX).
+    most = 12 * sum(most_chars(m) for m in conversations) + 2**16
     data, timed_out = b"", True  # what an interrupted wait leaves: the child is killed
     try:
-        data, timed_out = _read_until(read, time.monotonic() + deadline_s(len(conversations)))
+        data, timed_out = _read_until(read, time.monotonic() + deadline_s(len(conversations)), most)
     finally:
         os.close(read)
         if timed_out:
@@ -160,8 +195,9 @@ def _in_child(tokenizer: Any, conversations: list[list[dict[str, str]]]) -> list
     return _reply(tokenizer, conversations, data, timed_out, status)
 
 
-def _read_until(fd: int, deadline: float) -> tuple[bytes, bool]:
-    chunks = []
+def _read_until(fd: int, deadline: float, most: int) -> tuple[bytes, bool]:
+    """The child's reply, or (b"", True) past the deadline or ``most`` bytes."""
+    chunks, got = [], 0
     while True:
         left = deadline - time.monotonic()
         if left <= 0 or not select.select([fd], [], [], left)[0]:
@@ -169,6 +205,9 @@ def _read_until(fd: int, deadline: float) -> tuple[bytes, bool]:
         chunk = os.read(fd, 1 << 20)
         if not chunk:
             return b"".join(chunks), False
+        got += len(chunk)
+        if got > most:  # the child checks each text: only a broken one sends more
+            return b"", True
         chunks.append(chunk)
 
 

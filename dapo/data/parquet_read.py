@@ -32,14 +32,17 @@ import pyarrow.parquet as pq
 
 MAX_DECODED_BYTES = 2 * 2**30
 """The most a Parquet problem file may decode to: its text and binary values' bytes plus
-VALUE_OVERHEAD per value (a null or a number costs Python at least that). By this measure
-the Hub's DAPO-Math-17k (1,791,700 rows: each record 100 times, the prompt template in
-every prompt) is about 1.1 GiB, the 17,917-row copy 6.5 MB; rows like these cost Python
-about 2.8 times their decoded size, so a file at the limit already takes some 6 GiB as
-records, and a crafted file of a few KB is held to this instead of what its dictionary
-claims."""
+VALUE_OVERHEAD per value (a null or a number costs Python at least that) and ROW_OVERHEAD
+per row. By this measure the Hub's DAPO-Math-17k (1,791,700 rows: each record 100 times,
+the prompt template in every prompt) is about 1.4 GiB, the 17,917-row copy 10 MB; rows like
+these cost Python about twice their measure, so a file at the limit already takes some
+4 GiB as records, and a crafted file of a few KB is held to this instead of what its
+dictionary claims."""
 
 VALUE_OVERHEAD = 8
+ROW_OVERHEAD = 200
+"""Each row becomes a Python dict of about this many bytes whatever its values: without it a
+file of 250 million null rows (490 KB on disk) measured 1.9 GiB and took some 50 GB."""
 BATCH_ROWS = 4096
 TEXT_TYPES = tuple(
     getattr(pa.types, f"is_{t}", lambda _: False)  # the view types are pyarrow 16+
@@ -74,7 +77,7 @@ def read_parquet(
         sizes = list(batch_sizes(batch))
         if any(largest > max_value_bytes for _, largest, _ in sizes):
             raise too_long_value(batch, len(records), max_value_bytes)
-        total += sum(n for _, _, n in sizes)
+        total += sum(n for _, _, n in sizes) + ROW_OVERHEAD * batch.num_rows
         if total > MAX_DECODED_BYTES:
             raise too_large(f"by row {len(records) + batch.num_rows - 1}", total)
         # Decoded only now, within the limits; Table.cast: RecordBatch.cast is pyarrow 16+.
@@ -105,6 +108,7 @@ def check_footer(meta: Any, leaves: list[Any], max_value_bytes: int) -> None:
         for c in range(group.num_columns):
             chunk = group.column(c)
             total += chunk.total_uncompressed_size + VALUE_OVERHEAD * chunk.num_values
+    total += ROW_OVERHEAD * meta.num_rows
     if total > MAX_DECODED_BYTES:
         raise too_large("by its footer", total)
 
