@@ -279,8 +279,13 @@ def test_a_killed_evaluation_resumes_to_the_uninterrupted_result(
         appended.append(len(records))
 
     monkeypatch.setattr(Journal, "append", killed_after_the_first_batch)
-    with pytest.raises(KeyboardInterrupt):
-        _eval(model_dir, data, tmp_path / "resumed", *args)
+    capsys.readouterr()
+    assert _eval(model_dir, data, tmp_path / "resumed", *args) == 130  # as Ctrl-C exits
+    assert capsys.readouterr().err.splitlines()[-1] + "\n" == (
+        "dapo: evaluation stopped by SIGINT; the problems it finished are kept "
+        "(problems.partial.jsonl in its output directory): run the same command again to "
+        "continue\n"
+    )
     assert appended == [4] and (tmp_path / "resumed" / NAME).is_file()
     assert not (tmp_path / "resumed" / "problems.jsonl").exists()
     monkeypatch.setattr(Journal, "append", real_append)
@@ -311,8 +316,7 @@ def _killed_after_the_first_batch(monkeypatch, model_dir, out, *args) -> None:
 
     with monkeypatch.context() as patch:
         patch.setattr(Journal, "append", killed)
-        with pytest.raises(KeyboardInterrupt):
-            _eval(model_dir, "arith", out, *args)
+        assert _eval(model_dir, "arith", out, *args) == 130
 
 
 def test_a_journal_left_under_another_config_is_not_resumed(
@@ -491,3 +495,38 @@ def test_faults_are_named_on_stderr_under_the_table(tmp_path, model_and_data, ca
     assert "the verifiers printed:\ngrading " in err
     assert "2 of 6 responses could not be graded (reward faults, counted wrong)" in err
     assert json.loads((out / "summary.json").read_text())["protocol"]["reward_faults"] == 2
+
+
+def test_sigterm_stops_an_evaluation_with_its_resume_hint_and_leaves_no_temp_dir(
+    tmp_path, model_and_data
+):
+    # SIGTERM's default action ended dapo eval at once: no word of the kept problems, and
+    # multiprocessing's forkserver directory (/tmp/pymp-*) left behind at every stop.
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    model_dir, data = model_and_data
+    temp, out = tmp_path / "tmp", tmp_path / "e"
+    temp.mkdir()
+    cmd = [sys.executable, "-m", "dapo", "eval", str(model_dir), "--data", str(data)]
+    cmd += ["--k", "64", "--max-new-tokens", "12", "--out", str(out), "--threads", "1"]
+    env = {**os.environ, "TMPDIR": str(temp)}
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (out / "problems.partial.jsonl").is_file() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    finished = (out / "problems.jsonl").is_file()  # a fast machine may finish first
+    assert proc.returncode == (0 if finished else 143), err
+    if not finished:
+        assert err.endswith(
+            "dapo: evaluation stopped by SIGTERM; the problems it finished are kept "
+            "(problems.partial.jsonl in its output directory): run the same command again to "
+            "continue\n"
+        )
+        assert "Traceback" not in err and (out / "problems.partial.jsonl").is_file()
+    assert list(temp.iterdir()) == []

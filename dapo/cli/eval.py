@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -167,12 +169,42 @@ def _request(args: argparse.Namespace) -> Any:
     return EvalRequest(**{f.name: getattr(args, f.name) for f in fields(EvalRequest)})
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGINT or SIGTERM during ``dapo eval``: a KeyboardInterrupt, so that no ``except
+    Exception`` on the way (a verifier's, graded in-process) takes it for a fault."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop(signum: int, frame: object) -> None:
+    # As an exception, so the reward workers' pool and multiprocessing's clean-up run
+    # (SIGTERM's default action left /tmp/pymp-* behind at every stop).
+    raise Stopped(signum)
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     if args.compare:
         return cmd_compare(args)
     from dapo.api.evaluation import run
 
-    run(_request(args))
+    request = _request(args)
+    before = {sig: signal.signal(sig, _stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        run(request)
+    except KeyboardInterrupt as exc:
+        signum = getattr(exc, "signum", signal.SIGINT)
+        print(
+            f"dapo: evaluation stopped by {signal.Signals(signum).name}; the problems it "
+            "finished are kept (problems.partial.jsonl in its output directory): run the same "
+            "command again to continue",
+            file=sys.stderr,
+        )
+        return 128 + signum
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
     return 0
 
 
