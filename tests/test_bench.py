@@ -48,19 +48,15 @@ def test_fixed_length_bench_runs_every_response_to_the_limit(tmp_path, capsys):
     assert result["peak_rss_mb"] > 0 and result["fixed_length"] is True
 
 
-@pytest.mark.parametrize("device", ["cuda", "cpu"])
-def test_the_cuda_peak_covers_the_timed_steps_alone(monkeypatch, device):
-    # Stubs for the run (no model, no GPU): what matters is when the peak is reset.
+def _stub_run(monkeypatch, device, events: list) -> None:
+    """Stubs for ``bench_steps``' run (no model, no data, no GPU): each step appends "step"
+    to ``events`` and takes 1 s."""
     from contextlib import nullcontext
     from types import SimpleNamespace
 
-    import torch
-
-    from dapo.config import load_config
     from dapo.training import bench
 
-    events = []
-    state = SimpleNamespace(device=torch.device(device), pool=None)
+    state = SimpleNamespace(device=device, pool=None)
     data = SimpleNamespace(warmup_pairs=[], train=[])
     monkeypatch.setattr(bench.inputs, "load_run_data", lambda cfg: data)
     monkeypatch.setattr(bench.policy, "load_tokenizer", lambda cfg: None)
@@ -68,6 +64,18 @@ def test_the_cuda_peak_covers_the_timed_steps_alone(monkeypatch, device):
     monkeypatch.setattr(bench, "build_state", lambda *args: state)
     monkeypatch.setattr(bench, "reward_pool", lambda cfg: nullcontext())
     monkeypatch.setattr(bench, "train_step", lambda s: events.append("step") or {"perf/step_s": 1})
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_the_cuda_peak_covers_the_timed_steps_alone(monkeypatch, device):
+    # Stubs for the run (no model, no GPU): what matters is when the peak is reset.
+    import torch
+
+    from dapo.config import load_config
+    from dapo.training import bench
+
+    events = []
+    _stub_run(monkeypatch, torch.device(device), events)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d: events.append("reset"))
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: 3 * 2**20)
     out = bench.bench_steps(load_config(None, []), steps=2, warmup=2, log=lambda m: None)
@@ -83,8 +91,6 @@ def test_the_cuda_peak_covers_the_timed_steps_alone(monkeypatch, device):
 def test_bench_sets_the_threads_before_each_step_as_training_does(monkeypatch, threads):
     # run.threads=0 follows the free cores before every step (the loop's governor); a fixed
     # count is set once. The bench kept torch's default under run.threads=0.
-    from contextlib import nullcontext
-    from types import SimpleNamespace
 
     import torch
 
@@ -101,15 +107,8 @@ def test_bench_sets_the_threads_before_each_step_as_training_does(monkeypatch, t
             events.append(f"threads {n}")
             return n
 
-    state = SimpleNamespace(device=torch.device("cpu"), pool=None)
-    data = SimpleNamespace(warmup_pairs=[], train=[])
     monkeypatch.setattr(bench, "ThreadGovernor", Governor)
-    monkeypatch.setattr(bench.inputs, "load_run_data", lambda cfg: data)
-    monkeypatch.setattr(bench.policy, "load_tokenizer", lambda cfg: None)
-    monkeypatch.setattr(bench.policy, "load_policy", lambda *args, log: (None, None))
-    monkeypatch.setattr(bench, "build_state", lambda *args: state)
-    monkeypatch.setattr(bench, "reward_pool", lambda cfg: nullcontext())
-    monkeypatch.setattr(bench, "train_step", lambda s: events.append("step") or {"perf/step_s": 1})
+    _stub_run(monkeypatch, torch.device("cpu"), events)
     before = torch.get_num_threads()
     try:
         cfg = load_config(None, [f"run.threads={threads}"])
