@@ -92,6 +92,12 @@ def test_a_value_in_an_error_is_shown_cut_short(tmp_path: Path) -> None:
     assert message.endswith(", 19998, 19999] (128890 characters) (list)")
     assert len(message) < 300
     assert clipped_repr([1, 2]) == "[1, 2]" and clipped_repr("a" * 198) == repr("a" * 198)
+    path.write_text(yaml.safe_dump({"train": {"x" * 1_000_000: 1}}))  # a key, not a value
+    with pytest.raises(ValueError) as caught:
+        load_config(path)
+    message = str(caught.value)
+    assert message.startswith("unknown config key 'train.xxx") and len(message) < 2000
+    assert "(1000008 characters); train has " in message
 
 
 def _run_with_checkpoint(root: Path, model, tokenizer) -> Path:
@@ -119,3 +125,8 @@ def test_export_refuses_an_alias_in_the_runs_config(tmp_path: Path, tiny_model, 
     message = str(caught.value)
     assert message.startswith(f"{config}: rollout.stop_token_ids=[-1, -1,")
     assert message.endswith("-1, -1] (80000 characters)") and len(message) < 400
+    for value, shown in [(7, "7"), ("7", "'7'"), ([True], "[True]"), ({"a": 1}, "{'a': 1}")]:
+        config.write_text(yaml.safe_dump({"rollout": {"stop_token_ids": value}}))
+        with pytest.raises(ValueError, match=re.escape(f"rollout.stop_token_ids={shown}")):
+            exporting.export(run, tmp_path / "out", log=lambda m: None)
+    assert not (tmp_path / "out").exists()

@@ -305,7 +305,7 @@ def _extra_stops(run_dir: Path) -> list[int]:
             f"{run_dir / 'config.yaml'}: unreadable ({why}); the export needs the run's "
             "settings: give the run directory dapo wrote"
         ) from None
-    if not all(isinstance(i, int) and i >= 0 for i in extra):
+    if not isinstance(extra, list) or not all(type(i) is int and i >= 0 for i in extra):
         shown = clipped_repr(extra)  # the file's value, perhaps megabytes of it
         raise ValueError(f"{run_dir / 'config.yaml'}: rollout.stop_token_ids={shown}")
     return extra

@@ -131,21 +131,20 @@ def set_value(cfg: Config, dotted: str, value: Any, text: str | None = None) -> 
     what exists. A subsection takes a mapping of its fields (YAML's ``lora: {rank: 8}``).
     ``text``: the value as written on the command line (a text field keeps it)."""
     section_name, _, rest = dotted.partition(".")
+    shown = clipped_repr(dotted)  # a YAML file's key may be megabytes long
     sections = [f.name for f in dataclasses.fields(cfg)]
     if section_name not in sections or not rest:
-        raise ValueError(f"unknown config key {dotted!r}; sections are {', '.join(sections)}")
+        raise ValueError(f"unknown config key {shown}; sections are {', '.join(sections)}")
     owner, where = getattr(cfg, section_name), section_name
     names = rest.split(".")
     for i, name in enumerate(names):
         types_ = field_types(owner)
         if name not in types_:
-            raise ValueError(
-                f"unknown config key {dotted!r}; {where} has {', '.join(sorted(types_))}"
-            )
+            raise ValueError(f"unknown config key {shown}; {where} has {', '.join(sorted(types_))}")
         typ, last = types_[name], i == len(names) - 1
         if not is_subsection(typ):
             if not last:
-                raise ValueError(f"unknown config key {dotted!r}: {where}.{name} has no fields")
+                raise ValueError(f"unknown config key {shown}: {where}.{name} has no fields")
             setattr(owner, attr_of(name), _coerce(value, typ, dotted, text))
             return
         if last:
