@@ -152,10 +152,10 @@ def _config(
     overwrite: bool,
     force: bool,
 ) -> tuple[Config, Path | None]:
-    from dapo.api import training
+    from dapo.api import run_config
 
     if not isinstance(config, Config):
-        return training.resolve_config(
+        return run_config.resolve_config(
             config,
             list(overrides),
             base=base,

@@ -13,17 +13,12 @@ import functools
 import importlib.util
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dapo.config import (
-    Config,
-    config_warnings,
-    load_config,
-    run_changing_differences,
-    saved_before_keys_moved,
-)
+from dapo.config import Config, config_warnings
+from dapo.config.local_paths import absolute_paths
 
 if TYPE_CHECKING:
     from dapo.run.rundir import NewRun
@@ -41,69 +36,6 @@ def describe(cfg: Config) -> str:
         f"{'packed ' if t.packing else ''}micro-batches of <= {t.tokens_per_microbatch} "
         f"{'' if t.packing else 'padded '}tokens; L_max {r.max_new_tokens} tokens"
     )
-
-
-def resolve_config(
-    config: str | Path | None,
-    overrides: Sequence[str],
-    *,
-    base: str | None = None,
-    preset: str | None = None,
-    resume: str | Path | None = None,
-    overwrite: bool = False,
-    force: bool = False,
-) -> tuple[Config, Path | None]:
-    """The run's config; with ``resume``, the saved one under any file and overrides given."""
-    from dapo.run import rundir
-
-    if not resume:
-        return load_config(config, overrides, base=base, preset=preset), None
-    if overwrite:
-        raise ValueError("--resume continues a run and --overwrite replaces it: give one")
-    run_dir = rundir.existing_run_dir(resume)
-    saved_path = run_dir / "config.yaml"
-    saved = load_config(saved_path)
-    if saved_before_keys_moved(saved_path):
-        print(
-            f"dapo: notice: {run_dir} was saved by dapo 0.1, and 0.2 continues it differently: "
-            "reward.mode=dapo (and data_source math_dapo) now follows the reference verifier "
-            "exactly (0.1's rules are reward.mode=lenient), sampling draws in float64, and "
-            "model.dtype is now model.compute_dtype, with float32 weights",
-            file=sys.stderr,
-        )
-    cfg = load_config(config or saved_path, overrides, base=base, preset=preset)
-    if config is None and cfg.run.base != saved.run.base:
-        raise ValueError(
-            f"--resume {run_dir}: run.base {saved.run.base!r} -> {cfg.run.base!r} would change "
-            "the run's label only: its config.yaml sets every field a base sets. Give the "
-            "fields to change as overrides (with --force), or start a new run"
-        )
-    differences = run_changing_differences(saved, cfg)
-    if differences and not force:
-        listing = "\n  ".join(differences)
-        raise ValueError(
-            f"--resume {run_dir}: the config differs from the run's in fields that change the "
-            f"run:\n  {listing}\nthe resumed run would not be the run that was started. Drop "
-            "these changes, or add --force to resume with them anyway (the old config.yaml is "
-            "kept beside the new one)"
-        )
-    _refuse_code_from(run_dir, cfg)
-    return cfg, run_dir
-
-
-def _refuse_code_from(run_dir: Path, cfg: Config) -> None:
-    """A run directory is data, perhaps from elsewhere: the reward function and the
-    environment its config names may not be files inside it (resuming would run code that
-    came with the directory)."""
-    from dapo.reward import custom
-
-    if found := custom.file_inside(run_dir, cfg):
-        key, spec = found
-        raise ValueError(
-            f"--resume {run_dir}: {key}={spec} is a file inside the run directory, "
-            "and dapo runs no code that came with a run directory; copy it elsewhere, "
-            f"read it, and resume with {key}=THAT.py:NAME --force"
-        )
 
 
 def run(
@@ -212,6 +144,7 @@ def _checked_inputs(
     from dapo.models import policy
     from dapo.training import inputs
 
+    cfg = absolute_paths(cfg)  # its config.yaml then reads the same from any directory
     policy.compute_device(cfg.model.device)  # raises now if it is absent or not this rank's
     if cfg.model.path != "embedded":
         policy.check_model_path(cfg)

@@ -88,10 +88,10 @@ def _refuse_flags_that_would_do_nothing(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from dapo.api import training
+    from dapo.api import run_config, training
 
     _refuse_flags_that_would_do_nothing(args)
-    cfg, resume_dir = training.resolve_config(
+    cfg, resume_dir = run_config.resolve_config(
         args.config,
         args.overrides,
         base=args.base,
