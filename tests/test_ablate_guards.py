@@ -97,6 +97,27 @@ def test_a_finished_run_of_another_configuration_is_refused_not_counted(tmp_path
     assert job_state(job, tmp_path) == "done"
 
 
+def test_a_run_of_a_config_with_relative_paths_is_its_jobs_run(tmp_path, monkeypatch):
+    """A run saves its relative paths absolute and eval.num_samples=0 as the data's count:
+    the job's config, read again as written, is still that run's (the ablation once trained
+    every run, then refused each as another configuration's)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "score.py").write_text("def score(response, ground_truth):\n    return 1.0\n")
+    config = tmp_path / "run.yaml"
+    config.write_text("reward:\n  function: score.py:score\neval:\n  num_samples: 0\n")
+    job = expand("successors", seeds=1, budget="steps=6")[0]
+    saved = job_config(job, config)
+    saved.reward.function = f"{tmp_path / 'score.py'}:score"
+    saved.eval.num_samples = 4
+    finished(tmp_path / "out" / job.name, job, config=saved)
+    assert job_state(job, tmp_path / "out", config) == "done"
+    saved.eval.num_samples = 8  # a number given is compared as given
+    finished(tmp_path / "out" / job.name, job, config=saved)
+    config.write_text(config.read_text().replace("num_samples: 0", "num_samples: 4"))
+    with pytest.raises(ValueError, match="eval.num_samples: 8 -> 4"):
+        job_state(job, tmp_path / "out", config)
+
+
 def test_a_run_past_the_budget_is_refused_not_counted_as_its_run(tmp_path):
     job = expand("successors", seeds=1, budget="steps=6")[0]
     run = tmp_path / "r"

@@ -273,8 +273,13 @@ def test_bad_rows_in_parquet(tmp_path):
 def test_file_level_errors(tmp_path):
     with pytest.raises(DataError, match=r"train\.csv.*\.parquet, \.jsonl, \.json"):
         load_problems(tmp_path / "train.csv")
-    with pytest.raises(DataError, match="no such data file"):
+    with pytest.raises(DataError, match="no such data file$"):
         load_problems(tmp_path / "absent.parquet")
+    with pytest.raises(DataError) as caught:
+        load_problems("absent.parquet")
+    assert str(caught.value) == (
+        f"absent.parquet: no such data file (a relative path is read from {Path.cwd()})"
+    )
     flat = write(tmp_path / "flat.jsonl", [{"problem": "Q?", "solution": "1"}])
     with pytest.raises(DataError, match="no column 'question', 'answer'.*--question-key"):
         load_problems(flat)

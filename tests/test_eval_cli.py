@@ -152,6 +152,27 @@ def test_bad_flags_are_refused_before_anything_is_written(tmp_path, model_and_da
     assert f"MODEL ({model_dir}) would not be used" in capsys.readouterr().err
 
 
+def test_an_out_directory_holding_a_run_or_another_summary_is_refused(
+    tmp_path, model_and_data, capsys
+):
+    model_dir, data = model_and_data
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 0}\n')
+    (run / "summary.json").write_text('{"steps": 3}\n')
+    assert _eval(model_dir, data, run) == 2
+    err = capsys.readouterr().err
+    assert f"--out {run} is a training run's directory (its summary.json is the run's)" in err
+    assert f"--out {run / 'evals' / 'NAME'}" in err
+    (run / "metrics.jsonl").unlink()
+    assert _eval(model_dir, data, run) == 2
+    assert "holds a summary.json that dapo eval did not write" in capsys.readouterr().err
+    assert (run / "summary.json").read_text() == '{"steps": 3}\n'
+    assert sorted(p.name for p in run.iterdir()) == ["summary.json"]
+    assert _eval(model_dir, data, run / "evals" / "a") == 0  # a directory of its own
+    assert _eval(model_dir, data, run / "evals" / "a") == 0  # its own summary: written again
+
+
 def test_default_directories_are_one_per_model_path(tmp_path):
     from dapo.api.evaluation import EvalRequest, out_dir
 

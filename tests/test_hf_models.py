@@ -110,6 +110,11 @@ def test_model_directory_errors(tmp_path, files, capsys):
     (tmp_path / "empty").mkdir()
     assert main(train_args(tmp_path, tmp_path / "empty", files)) == 2
     assert "is not a Hugging Face model directory (no config.json)" in capsys.readouterr().err
+    assert main(train_args(tmp_path, tmp_path / "absent", files)) == 2
+    assert f"model.path={tmp_path / 'absent'} (no such directory) is not" in capsys.readouterr().err
+    assert main(train_args(tmp_path, "../absent", files)) == 2
+    err = capsys.readouterr().err
+    assert f"model.path=../absent (no such directory in {Path.cwd()}) is not a Hugging" in err
 
 
 def test_file_data_needs_a_real_model_and_both_files(tmp_path, files, capsys):

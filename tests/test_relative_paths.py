@@ -8,40 +8,40 @@ from pathlib import Path
 import pytest
 import yaml
 from helpers import save_model
-from test_hf_models import files, train_args  # noqa: F401 - the module's data fixture
+from test_hf_models import files, train_args  # noqa: F401 - its data fixture, used below
 
 from dapo.cli import main
 from dapo.config import load_config
 from dapo.config.local_paths import absolute_paths
+from dapo.run.rundir import plan_new_run
 
 REWARD = "def score(response, ground_truth):\n    return float(ground_truth in response)\n"
 
 
-def _project(tmp_path: Path, files) -> Path:  # noqa: F811
-    """A project directory holding a model, two data files and a reward function."""
+@pytest.fixture()
+def project(tmp_path: Path, request: pytest.FixtureRequest) -> Path:
+    """A project directory holding a model, the two data files and a reward function."""
     project = tmp_path / "project"
     save_model(project / "models" / "tiny", "qwen2")
     (project / "data").mkdir()
-    for f in files:
+    for f in request.getfixturevalue("files"):
         shutil.copy(f, project / "data" / f.name)
     (project / "reward.py").write_text(REWARD)
     return project
 
 
-def _relative(tmp_path: Path, files) -> list[str]:  # noqa: F811
-    names = [f"data/{f.name}" for f in files]
+def _relative(tmp_path: Path) -> list[str]:
+    """The run's settings, every path relative to the project directory."""
+    names = ["data/train.jsonl", "data/val.parquet"]
     args = train_args(tmp_path, Path("models/tiny"), names, "train.steps=1")
     return [*args, "reward.function=reward.py:score"]
 
 
 def test_a_run_started_with_relative_paths_resumes_from_another_directory(
-    tmp_path,
-    files,
-    monkeypatch,  # noqa: F811
+    tmp_path, project, monkeypatch
 ):
-    project = _project(tmp_path, files)
     monkeypatch.chdir(project)
-    assert main(_relative(tmp_path, files)) == 0
+    assert main(_relative(tmp_path)) == 0
     saved = yaml.safe_load((tmp_path / "r" / "config.yaml").read_text())
     assert saved["model"]["path"] == str(project / "models" / "tiny")
     assert saved["data"]["train_file"] == str(project / "data" / "train.jsonl")
@@ -56,14 +56,10 @@ def test_a_run_started_with_relative_paths_resumes_from_another_directory(
 
 
 def test_the_same_relative_settings_resume_as_the_saved_absolute_ones(
-    tmp_path,
-    files,
-    capsys,
-    monkeypatch,  # noqa: F811
+    tmp_path, project, capsys, monkeypatch
 ):
-    project = _project(tmp_path, files)
     monkeypatch.chdir(project)
-    args = _relative(tmp_path, files)
+    args = _relative(tmp_path)
     assert main(args) == 0
     # The run's own settings given again, as written, from where it started: no difference.
     assert main(["train", "--resume", str(tmp_path / "r"), *args[1:], "train.steps=2"]) == 0
@@ -106,3 +102,27 @@ def test_a_reward_file_is_settled_like_the_run_settles_it(tmp_path, monkeypatch,
     (tmp_path / "reward.py").write_text(REWARD)
     cfg = load_config(None, [f"reward.function={spec}"])
     assert absolute_paths(cfg).reward.function == f"{tmp_path / 'reward.py'}:score"
+
+
+def test_a_home_directory_is_expanded_in_every_path_a_run_reads_or_writes(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    (home / "data").mkdir(parents=True)
+    (home / "data" / "t.jsonl").write_text("")
+    (home / "m").mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(
+        None,
+        [
+            "data.train_file=~/data/t.jsonl",
+            "data.val_file=~/data/t.jsonl",
+            "model.path=~/m",
+            "run.out_dir=~/runs",
+        ],
+    )
+    settled = absolute_paths(cfg)
+    assert settled.data.train_file == str(home / "data" / "t.jsonl")
+    assert settled.model.path == str(home / "m")
+    cfg.run.name = "r"
+    assert plan_new_run(cfg).path == home / "runs" / "r"  # not ./~/runs/r
+    assert not (tmp_path / "~").exists()

@@ -165,6 +165,7 @@ def _check(req: EvalRequest, reward_fn: Callable[..., Any] | None) -> None:
                     "evaluate DIR"
                 )
             raise ValueError(f"{req.model} is {why}")
+    _check_out(out_dir(req))
     if reward_fn is not None:
         req.reward_function = custom.spec_for(reward_fn, req.reward_function)
     if req.reward_function:
@@ -173,6 +174,34 @@ def _check(req: EvalRequest, reward_fn: Callable[..., Any] | None) -> None:
         raise ValueError(
             "--reward-function grades every row and --reward-mode picks a verifier: give one"
         )
+
+
+def _check_out(out: Path) -> None:
+    """An evaluation writes summary.json and problems.jsonl into ``out``: never over a
+    training run's (its summary.json is the run's, which dapo report and ablate read) nor
+    over a summary.json it did not write."""
+    from dapo.run.rundir import holds_a_run
+
+    if holds_a_run(out):
+        raise ValueError(
+            f"--out {out} is a training run's directory (its summary.json is the run's); "
+            f"give a directory of its own, e.g. --out {out / 'evals' / 'NAME'}"
+        )
+    summary = out / "summary.json"
+    if summary.is_file() and not _is_an_evaluation(summary):
+        raise ValueError(
+            f"--out {out} holds a summary.json that dapo eval did not write; give another --out"
+        )
+
+
+def _is_an_evaluation(summary: Path) -> bool:
+    """Whether ``summary`` is what :func:`_save` writes (a ``protocol`` beside the metrics)."""
+    try:
+        with summary.open("rb") as f:
+            doc = json.loads(f.read(1 << 24))  # an evaluation's is kilobytes
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(doc, dict) and isinstance(doc.get("protocol"), dict)
 
 
 def _ks(text: str, k: int) -> list[int]:

@@ -3,13 +3,11 @@ file and overrides given, refused where they would change the run it continues."
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from dapo.config import Config, load_config, run_changing_differences, saved_before_keys_moved
-from dapo.config.local_paths import absolute_paths
 
 __all__ = ["resolve_config"]
 
@@ -33,7 +31,7 @@ def resolve_config(
         raise ValueError("--resume continues a run and --overwrite replaces it: give one")
     run_dir = rundir.existing_run_dir(resume)
     saved_path = run_dir / "config.yaml"
-    saved = absolute_paths(load_config(saved_path))  # a run from before dapo settled paths
+    saved = load_config(saved_path)
     if saved_before_keys_moved(saved_path):
         print(
             f"dapo: notice: {run_dir} was saved by dapo 0.1, and 0.2 continues it differently: "
@@ -49,7 +47,7 @@ def resolve_config(
             "the run's label only: its config.yaml sets every field a base sets. Give the "
             "fields to change as overrides (with --force), or start a new run"
         )
-    differences = run_changing_differences(saved, as_settled(cfg, saved))
+    differences = run_changing_differences(saved, cfg)
     if differences and not force:
         listing = "\n  ".join(differences)
         raise ValueError(
@@ -60,18 +58,6 @@ def resolve_config(
         )
     _refuse_code_from(run_dir, cfg)
     return cfg, run_dir
-
-
-def as_settled(cfg: Config, saved: Config) -> Config:
-    """``cfg`` as the run settled its own config when it started: each relative path that
-    exists from here absolute (the saved ones are), and ``eval.num_samples=0`` (the data's
-    copies of each problem) as the number it came to; so the run's own settings, given again
-    as written, do not differ from it."""
-    settled = absolute_paths(cfg)
-    if settled.eval.num_samples == 0:
-        samples = dataclasses.replace(settled.eval, num_samples=saved.eval.num_samples)
-        settled = dataclasses.replace(settled, eval=samples)
-    return settled
 
 
 def _refuse_code_from(run_dir: Path, cfg: Config) -> None:

@@ -388,8 +388,11 @@ one."""
 
 
 def run_changing_differences(saved: Config, new: Config) -> list[str]:
-    """``section.field: saved -> new`` for every difference that would change the run."""
-    a, b = leaves(saved), leaves(new)
+    """``section.field: saved -> new`` for every difference that would change the run, each
+    config as a run settles it (:func:`dapo.config.local_paths.as_settled`)."""
+    from dapo.config.local_paths import absolute_paths, as_settled
+
+    a, b = leaves(absolute_paths(saved)), leaves(as_settled(new, saved))
     return [
         f"{key}: {old!r} -> {b[key]!r}"
         for key, old in a.items()

@@ -16,19 +16,22 @@ from pathlib import Path
 from dapo.config.sections import Config
 from dapo.reward.custom import is_path_spec
 
-__all__ = ["absolute_paths"]
+__all__ = ["absolute_paths", "as_settled"]
 
 
 def absolute_paths(cfg: Config) -> Config:
-    """A copy of ``cfg`` whose relative local paths that exist from the working directory are
-    absolute: ``model.path`` (a directory), ``data.train_file`` and ``data.val_file``, and the
-    ``PATH.py`` of ``reward.function`` and ``env.class``. A Hub id, ``embedded``, a module, a
-    built-in name and a path that does not exist (its own error names it as written) are kept.
-    """
+    """A copy of ``cfg`` whose local paths that exist from the working directory are absolute
+    (``~`` expanded): ``model.path`` (a directory), ``data.train_file`` and ``data.val_file``,
+    and the ``PATH.py`` of ``reward.function`` and ``env.class``. A Hub id, ``embedded``, a
+    module, a built-in name and a path that does not exist (its error names it as given) are
+    kept."""
     model, data = cfg.model, cfg.data
     return dataclasses.replace(
         cfg,
-        model=dataclasses.replace(model, path=_absolute(model.path, Path.is_dir)),
+        model=dataclasses.replace(
+            model,
+            path=model.path if model.path == "embedded" else _absolute(model.path, Path.is_dir),
+        ),
         data=dataclasses.replace(
             data,
             train_file=_absolute(data.train_file, Path.is_file),
@@ -41,9 +44,7 @@ def absolute_paths(cfg: Config) -> Config:
 
 def _absolute(path: str, exists: Callable[[Path], bool]) -> str:
     local = Path(path).expanduser()
-    if not path or local.is_absolute() or not exists(local):
-        return path
-    return os.path.abspath(local)
+    return os.path.abspath(local) if path and exists(local) else path
 
 
 def _absolute_spec(spec: str) -> str:
@@ -52,6 +53,16 @@ def _absolute_spec(spec: str) -> str:
     if not sep or not is_path_spec(target):
         return spec
     local = Path(target).expanduser()
-    if local.is_absolute() or not local.is_file():
-        return spec
-    return f"{local.resolve()}:{name}"
+    return f"{local.resolve()}:{name}" if local.is_file() else spec
+
+
+def as_settled(cfg: Config, saved: Config) -> Config:
+    """``cfg`` as the run settled its own config when it started: each relative path that
+    exists from here absolute (the saved ones are), and ``eval.num_samples=0`` (the data's
+    copies of each problem) as the number it came to; so the run's own settings, given again
+    as written, do not differ from it."""
+    settled = absolute_paths(cfg)
+    if settled.eval.num_samples == 0:
+        samples = dataclasses.replace(settled.eval, num_samples=saved.eval.num_samples)
+        settled = dataclasses.replace(settled, eval=samples)
+    return settled

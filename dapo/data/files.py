@@ -76,9 +76,6 @@ class Table:
     schema: list[tuple[str, str]]  # (column, type) as pyarrow infers it
 
 
-# --- reading -----------------------------------------------------------------------------------
-
-
 def read_table(path: str | os.PathLike[str]) -> Table:
     """Every record of a Parquet or JSON Lines file, with its columns and schema."""
     path = Path(path)
@@ -88,7 +85,8 @@ def read_table(path: str | os.PathLike[str]) -> Table:
             f"accepted: {', '.join(SUFFIXES)} (.json is read as JSON Lines, one object per line)"
         )
     if not path.is_file():
-        raise DataError(f"{path}: no such data file")
+        cwd = "" if path.is_absolute() else f" (a relative path is read from {Path.cwd()})"
+        raise DataError(f"{path}: no such data file{cwd}")
     if path.suffix.lower() == ".parquet":
         try:  # in batches, each measured before it becomes Python objects
             return Table(path, *read_parquet(path, MAX_LINE_BYTES))

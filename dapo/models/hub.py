@@ -136,9 +136,7 @@ def _snapshot(
             f"cache ({cache_root()}) while {why}. Fetch it where there is network: "
             f"{download_command(repo, revision)} (same HF_HOME), "
             "or download it to a directory and give that path. If it is a directory: a "
-            f"relative path is read from the working directory, {Path.cwd()} (a resumed "
-            "run's config.yaml keeps the path as it was given: resume from where the run "
-            "started)"
+            f"relative path is read from the working directory, {Path.cwd()}"
         ) from None
     return Path(folder)
 

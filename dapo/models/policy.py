@@ -86,6 +86,8 @@ def check_model_path(cfg: Config) -> Path:
     if not (path / "config.json").is_file():
         from_hub = str(path) != cfg.model.path
         hint = f" (the Hub model {cfg.model.path}'s snapshot)" if from_hub else ""
+        if not from_hub and not path.exists():
+            hint = f" (no such directory{'' if path.is_absolute() else f' in {Path.cwd()}'})"
         if (path / "adapter_config.json").is_file():  # what `dapo export` of LoRA writes
             raise ValueError(
                 f"model.path={path} is a LoRA adapter directory (adapter_config.json, no "

@@ -83,7 +83,7 @@ def plan_new_run(cfg: Config, *, overwrite: bool = False) -> NewRun:
     """The directory of a new run, checked: free, or (with ``overwrite``) holding a run that
     dapo created and nothing else. Changes nothing on disk."""
     name = cfg.run.name or f"{cfg.run.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = Path(cfg.run.out_dir) / name
+    run_dir = Path(cfg.run.out_dir).expanduser() / name
     if run_dir.is_symlink():
         raise ValueError(f"run directory {run_dir} is a symbolic link; choose another run.name")
     if run_dir.exists() and not run_dir.is_dir():
