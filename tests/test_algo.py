@@ -61,6 +61,20 @@ def test_group_advantages_int_scores_and_bad_shape():
         group_advantages(torch.ones(4))
 
 
+@pytest.mark.parametrize("norm", ["group", "batch"])
+def test_group_advantages_add_eps_to_the_std_not_to_the_variance(norm):
+    # Spec: Â = (R - mean) / (std + eps), eps = 1e-6. Rewards [1, 1 - δ], δ = 1/4096 (a
+    # correct response one token into the L_cache = 4096 buffer beside a penalty-free one):
+    # mean 1 - δ/2, deviations ±δ/2, unbiased var 2 (δ/2)^2 / 1 = δ²/2, std δ/√2 = 1.72633e-4,
+    # so Â = ±(δ/2) / (δ/√2 + 1e-6) = ±1.22070e-4 / 1.73633e-4 = ±0.7030343711. One row: the
+    # batch's std is the group's. (δ/2) / sqrt(δ²/2 + 1e-6) would be ±0.1203.
+    d = 1 / 4096
+    expected = (d / 2) / (d / math.sqrt(2) + 1e-6)
+    assert expected == pytest.approx(0.7030343711, rel=1e-10)
+    adv = group_advantages(t64([[1.0, 1.0 - d]]), norm=norm)
+    torch.testing.assert_close(adv, t64([[expected, -expected]]), rtol=1e-9, atol=0)
+
+
 # --------------------------------------------------------------------------- overlong
 
 
@@ -659,3 +673,23 @@ def test_dual_clip_bound_must_exceed_one():
 def test_kl_k3_is_capped_at_ten():
     kl = kl_k3(torch.tensor([0.0]), torch.tensor([15.0]))  # exp(15) - 16 is about 3.3e6
     assert kl.item() == 10.0
+
+
+@pytest.mark.parametrize(("log_ratio", "expected"), [(15.0, math.exp(15)), (25.0, math.exp(20))])
+def test_the_log_ratio_is_clamped_at_twenty(log_ratio, expected):
+    # LOG_RATIO_CLAMP = 20, as verl: A = -1 and r = e^15 (log-ratio 15, inside the clamp):
+    # min(r A, clip(r, 0.8, 1.28) A) = min(-e^15, -1.28) = -e^15, so the loss is e^15 and its
+    # gradient in log pi is -A r = e^15. A log-ratio of 25 is clamped to 20: loss e^20, and no
+    # gradient past the clamp.
+    logp = torch.tensor([[-1.0]], dtype=F64, requires_grad=True)
+    loss = policy_loss(
+        logp,
+        t64([[-1.0 - log_ratio]]),
+        t64([-1.0]),
+        torch.ones(1, 1, dtype=torch.bool),
+        eps_low=0.2,
+        eps_high=0.28,
+    )
+    assert loss.item() == pytest.approx(expected, rel=1e-12)
+    loss.backward()
+    assert logp.grad.item() == pytest.approx(expected if log_ratio < 20 else 0.0, rel=1e-12)

@@ -73,6 +73,39 @@ def test_only_the_tails_are_read():
     assert _score(box[10:] + "\\boxed{5}", "5", math_score_boxed) == (True, "5")
 
 
+# The box's backslash exactly BOX_TAIL_CHARS = 100 characters from the end ("\\boxed{9}" is 9
+# characters, then 91 more), and one further back.
+BOX_AT_100 = "work... \\boxed{9}" + "z" * 91
+BOX_AT_101 = "work... \\boxed{9}" + "z" * 92
+
+
+def test_a_box_that_starts_exactly_100_characters_from_the_end_is_read():
+    # verl 0.9.1 searches the last 100 characters (pred[-100:]) for the last "\\boxed{": one
+    # that starts at the 100th character from the end is inside, one at the 101st is not.
+    assert len(BOX_AT_100) - BOX_AT_100.rfind("\\") == 100
+    assert _score(BOX_AT_100, "9", math_score_boxed) == (True, "9")
+    assert _score(BOX_AT_101, "9", math_score_boxed) == INVALID
+    assert _score(BOX_AT_100, "9") == INVALID  # 0.4.1 reads no box at all
+
+
+# Ground truths written as the reference normalises them (Minerva rules, applied to the truth
+# as to the answer line): "$34$" loses its dollars, "1,000" is all digits once its comma goes
+# so it loses the comma, and "\\boxed{34}" its box. Each then equals the answer line's "34" or
+# "1000"; compared as written, none would.
+TRUTHS_TO_NORMALISE = [
+    ("Answer: 34", "$34$", (True, "34")),
+    ("Answer: 1000", "1,000", (True, "1000")),
+    ("Answer: 34", "\\boxed{34}", (True, "34")),
+    ("Answer: 35", "$34$", (False, "35")),
+]
+
+
+@pytest.mark.parametrize(("response", "truth", "expected"), TRUTHS_TO_NORMALISE)
+def test_the_ground_truth_is_normalised_like_the_answer(response, truth, expected):
+    assert _score(response, truth) == expected
+    assert _score(response, truth, math_score_boxed) == expected
+
+
 @pytest.mark.parametrize("grade", [math_score, math_score_boxed])
 def test_input_that_cannot_be_graded_is_wrong_without_raising(grade):
     assert grade(None, "5") == Score(-1.0, False, "")  # type: ignore[arg-type]
@@ -219,6 +252,20 @@ _PIECES = st.sampled_from(
 @settings(max_examples=300, deadline=None)
 @given(st.lists(_PIECES, max_size=60).map("".join), st.sampled_from(["5", "12", "5.", " 12"]))
 def test_agrees_with_the_reference_on_fuzzed_responses(version, response, truth):
+    ref = _reference(version)(response, truth)
+    ours = VERSIONS[version](response, truth)
+    assert (ours.correct, ours.score, ours.pred) == (ref["acc"], ref["score"], ref["pred"])
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize(
+    ("response", "truth"),
+    [(BOX_AT_100, "9"), (BOX_AT_101, "9")] + [(r, t) for r, t, _ in TRUTHS_TO_NORMALISE],
+    ids=["box-at-100", "box-at-101", "dollars", "comma", "boxed", "dollars-wrong"],
+)
+def test_agrees_with_the_reference_on_the_box_window_and_normalised_truths(
+    version, response, truth
+):
     ref = _reference(version)(response, truth)
     ours = VERSIONS[version](response, truth)
     assert (ours.correct, ours.score, ours.pred) == (ref["acc"], ref["score"], ref["pred"])

@@ -59,6 +59,29 @@ def test_keeps_only_mixed_groups_and_fills_exactly_n():
     assert res.tokens_generated == 8 * 4 * 2
 
 
+def test_the_filter_is_on_correctness_not_on_the_shaped_reward():
+    # Spec "Dynamic sampling": keep a group iff 0 < #correct < G, "not on the shaped reward".
+    # Two all-correct responses, one shaped down to 1 - 0.5 = 0.5 by the soft overlong
+    # penalty: rewards differ, correctness does not, so it is dropped; likewise two wrong ones
+    # at -1 and -1.25. Only the mixed group (1 right, 1 wrong) is kept, and only it counts.
+    def group(uid: str, scored: list[tuple[bool, float]]) -> Group:
+        def one(c: bool, r: float) -> Episode:
+            return Episode(torch.tensor([1]), torch.tensor([2, 3]), torch.zeros(2), False, c, r)
+
+        return Group(uid, [one(c, r) for c, r in scored])
+
+    round0 = [
+        group("right-shaped", [(True, 1.0), (True, 0.5)]),
+        group("wrong-shaped", [(False, -1.0), (False, -1.25)]),
+        group("mixed", [(True, 1.0), (False, -1.0)]),
+    ]
+    res = collect_groups(
+        lambda i, n: round0, num_groups=3, dynamic=True, max_rounds=1, on_max_rounds="train"
+    )
+    assert [g.uid for g in res.groups] == ["mixed"]
+    assert (res.groups_mixed, res.prompts_drawn, res.exhausted) == (1, 3, True)
+
+
 def test_max_rounds_error_says_what_to_do():
     draw, calls = _rounds([[ALL_RIGHT, MIXED]] * 10)
     with pytest.raises(DynamicSamplingExhausted) as info:

@@ -1,9 +1,10 @@
 import json
+import math
 
 import pytest
 import torch
 
-from dapo.config import load_config
+from dapo.config import AlgoConfig, load_config
 from dapo.data.batch import Episode, collate, length_sorted, split_microbatches
 from dapo.data.problems import Problem
 from dapo.run.seeding import derive_seed
@@ -14,7 +15,7 @@ from dapo.training.sampling import Group
 from dapo.training.sources import InTurn
 from dapo.training.state import build_state
 from dapo.training.step import assign_advantages, lr_at
-from dapo.training.update import accumulate_gradients, update
+from dapo.training.update import accumulate_gradients, micro_loss, update
 
 
 def _episode(length: int, *, correct=True, truncated=False, prompt_len=5, seed=0) -> Episode:
@@ -377,3 +378,98 @@ def test_a_step_that_keeps_no_group_logs_the_same_train_keys(tiny_model, tokeniz
     state.sampler_logprobs_checked = True
     keys = {k for k in update(state, eps, lr=1e-3) if k.startswith(("train/", "clip/"))}
     assert keys == {k for k in metrics if k.startswith(("train/", "clip/"))}
+
+
+def test_the_kl_term_adds_beta_times_the_mean_k3_with_its_gradient():
+    """Naive GRPO's loss is -J + beta KL(pi_theta || pi_ref), k3 per token (spec, "Naive
+    GRPO"). One response of 2 tokens with advantage 0, so -J and its gradient are 0, and
+    d = log pi_ref - log pi_theta = [-0.5, +0.5]:
+        k3(d) = e^d - d - 1: k3(-0.5) = e^-0.5 - 0.5 = 0.1065307, k3(0.5) = e^0.5 - 1.5 = 0.1487213
+        loss = beta * (k3(-0.5) + k3(0.5)) / 2 = 0.001 * 0.1276260 = 1.27626e-4
+        d loss / d log pi_theta = beta * (d k3 / d d) * (d d / d log pi_theta) / 2
+                                = beta * (e^d - 1) * (-1) / 2 = beta * (1 - e^d) / 2
+    so descent lowers the token pi_theta over-weights (d < 0) and raises the other."""
+    e = Episode(torch.tensor([1]), torch.tensor([2, 3]), torch.zeros(2), False, True, 1.0)
+    e.advantage = 0.0
+    e.old_logprobs = torch.tensor([-1.0, -1.0])
+    e.ref_logprobs = torch.tensor([-1.5, -0.5])
+    b = collate([e], pad_id=0)
+    logp = torch.tensor([[-1.0, -1.0]], requires_grad=True)
+    beta = 0.001
+    loss, _, kl = micro_loss(
+        logp,
+        b,
+        algo_cfg=AlgoConfig(kl_coef=beta),
+        ref_BT=b.ref_logprobs_BT,
+        num_tokens=2,
+        num_seqs=1,
+        norm_len=8,
+    )
+    k3 = [math.exp(-0.5) - 0.5, math.exp(0.5) - 1.5]
+    assert kl.item() == pytest.approx(sum(k3) / 2, rel=1e-6)  # 0.1276260
+    assert loss.item() == pytest.approx(1.27626e-4, rel=1e-5)
+    assert loss.item() == pytest.approx(beta * sum(k3) / 2, rel=1e-6)
+    loss.backward()
+    expected = [beta * (1 - math.exp(-0.5)) / 2, beta * (1 - math.exp(0.5)) / 2]
+    torch.testing.assert_close(logp.grad, torch.tensor([expected]), rtol=1e-5, atol=0)
+    assert logp.grad[0, 0] > 0 > logp.grad[0, 1]  # [1.96735e-4, -3.24361e-4]
+
+
+def test_clip_metrics_weigh_each_micro_batch_by_its_tokens(tiny_model, tokenizer):
+    """clip/high_frac, clip/low_frac and clip/high_prob_mean of a mini-batch split into
+    micro-batches of different token counts are the whole mini-batch's figures (spec, "What
+    to watch"; the paper's Clip-Higher diagnostic), not sums or means of micro-batch ones."""
+    eps = _grouped_episodes()  # 12 rows of 2-10 tokens; advantage > 0 on even rows
+    state = build_state(
+        _cfg("train.responses_per_minibatch=12", "train.tokens_per_microbatch=24"),
+        tiny_model,
+        tokenizer,
+        [Problem("p", (), "1")],
+    )
+    fill_logprobs(tiny_model, eps, "old_logprobs", state)  # pi itself: ratio 1
+    assert all(float(e.old_logprobs.min()) > -9.0 for e in eps)  # the premise below
+    pos = [e for e in eps if e.advantage > 0]
+    neg = [e for e in eps if e.advantage < 0]
+    for k, e in enumerate(pos):  # pi_old = e^-(10 + k): r = pi / pi_old > e > 1 + 0.28
+        e.old_logprobs = torch.full_like(e.old_logprobs, -10.0 - k)
+    for e in neg[:2]:  # pi_old = e * pi: r = 1/e < 1 - 0.2, clipped low; the other 4 at r = 1
+        e.old_logprobs = e.old_logprobs + 1.0
+    for e in eps:
+        e.sampler_logprobs = e.old_logprobs
+    state.cfg.train.recompute_old_logprobs = False
+    state.sampler_logprobs_checked = True
+    out = update(state, eps, lr=0.0)
+    # Lengths 2 + (5g + 3i) % 9 (group g, row i): A > 0 rows (i = 0, 2) are 2, 8 | 7, 4 | 3, 9
+    # = 33 tokens; A < 0 rows 5, 2 | 10, 7 | 6, 3 = 33, of which the first two (5 + 2 = 7
+    # tokens) are clipped low. 66 tokens in all.
+    assert [e.length for e in pos] == [2, 8, 7, 4, 3, 9]
+    assert [e.length for e in neg[:2]] == [5, 2] and sum(e.length for e in eps) == 66
+    assert out["clip/high_frac"] == pytest.approx(33 / 66, rel=1e-6)  # float32 sums
+    assert out["clip/low_frac"] == pytest.approx(7 / 66, rel=1e-6)
+    assert out["clip/dual_frac"] == 0.0
+    # The mean pi_old of the 33 tokens clipped high: row k's tokens all have e^-(10 + k).
+    high = (2, 8, 7, 4, 3, 9)
+    prob_mean = sum(n * math.exp(-10.0 - k) for k, n in enumerate(high)) / 33
+    assert out["clip/high_prob_mean"] == pytest.approx(prob_mean, rel=1e-5)  # 1.1e-5
+
+
+def test_sample_level_loss_divides_by_the_responses_with_loss_tokens(tiny_model, tokenizer):
+    """GRPO's sample-level loss (seq-mean-token-mean) with overlong filtering: a masked
+    truncated response is out of the loss and out of its divisor, the responses counted."""
+    eps = [_episode(5, seed=1), _episode(7, seed=2), _episode(20, seed=3, truncated=True)]
+    for e, a in zip(eps, (1.0, 0.5, 2.0), strict=True):
+        e.advantage = a
+    eps[2].trainable = False  # overlong-filtered
+    cfg = _cfg("algo.loss_agg=seq-mean-token-mean", "train.responses_per_minibatch=3")
+    state = build_state(cfg, tiny_model, tokenizer, [Problem("p", (), "1")])
+    fill_logprobs(tiny_model, eps, "old_logprobs", state)
+    for e in eps:
+        e.sampler_logprobs = e.old_logprobs
+    state.cfg.train.recompute_old_logprobs = False
+    state.sampler_logprobs_checked = True
+    out = update(state, eps, lr=0.0)
+    # pi_old = pi: r = 1, inside the clip, so each token's loss is -A_i and so is each
+    # response's token mean. Two responses count: (-1.0 - 0.5) / 2 = -0.75 (over all three
+    # rows it would read -0.5).
+    assert out["train/updates"] == 1.0 and out["train/tokens"] == 12.0
+    assert out["train/loss"] == pytest.approx(-0.75, rel=1e-6)
