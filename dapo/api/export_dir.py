@@ -5,6 +5,8 @@ user's files."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import shutil
@@ -92,11 +94,37 @@ def _exported(name: str) -> bool:
     return weights or name in EXPORT_FILES
 
 
-def publish(tmp: Path, out: Path) -> None:
-    """``tmp`` renamed to ``out``; an earlier export there replaced whole."""
-    old = out.with_name(f".{out.name}.old-{os.getpid()}")
-    if out.exists():
-        os.rename(out, no_link(old))
-    os.rename(tmp, out)
+def publish(tmp: Path, out: Path, *, overwrite: bool) -> None:
+    """``tmp`` renamed to ``out``. With ``overwrite``, an export there (checked again: the
+    export took minutes, and another may have been published meanwhile) is replaced whole.
+
+    Otherwise ``out`` is claimed with ``os.mkdir``, which fails when anything is there by
+    now, and the rename replaces only that empty directory: of two exports to one new
+    ``--out`` one wins and the other is refused. (A plain rename would not do: it replaces an
+    empty directory that appeared meanwhile.)"""
+    no_link(out)
+    if overwrite and out.exists():
+        check_replaceable(out)
+        old = no_link(out.with_name(f".{out.name}.old-{os.getpid()}"))
+        os.rename(out, old)
+        os.rename(tmp, out)
+        fsync_dir(out.parent)
+        shutil.rmtree(old, ignore_errors=True)
+        return
+    appeared = FileExistsError(
+        f"--out {out} appeared meanwhile (another export or program made it while this one "
+        "was written); give another --out, or --overwrite to replace an earlier export"
+    )
+    try:
+        os.mkdir(out)
+    except FileExistsError:
+        raise appeared from None
+    try:
+        os.rename(tmp, out)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            out.rmdir()  # the claim, unless something was put in it (then it is not ours)
+        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            raise appeared from None
+        raise
     fsync_dir(out.parent)
-    shutil.rmtree(old, ignore_errors=True)

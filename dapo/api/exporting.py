@@ -123,7 +123,7 @@ def export(
         }
         (tmp / MARKER).write_text(json.dumps(provenance, indent=1) + "\n")
         checkpoint.fsync_tree(tmp)
-        publish(tmp, out)
+        publish(tmp, out, overwrite=overwrite)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     seconds = time.perf_counter() - started

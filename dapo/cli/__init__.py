@@ -13,6 +13,7 @@ a config field, ~60 ms); each command imports everything heavy when it runs.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 import traceback
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
     try:
         return args.func(args)
-    except (ValueError, FileExistsError) as exc:
+    except ValueError as exc:
         print(f"dapo: error: {exc}", file=sys.stderr)
         return failed(2)
     except (DynamicSamplingExhausted, CheckpointError, NonFiniteError) as exc:
@@ -94,11 +95,59 @@ def main(argv: list[str] | None = None) -> int:
     except RunStopped as exc:
         print(f"dapo: {exc}", file=sys.stderr)
         return exc.exit_code
-    except Exception:
+    except Exception as exc:
+        refused = path_refused(exc)
+        if refused is not None:
+            print(f"dapo: error: {refused[0]}", file=sys.stderr)
+            return failed(refused[1])
         if not launched():
             raise
         traceback.print_exc()
         return failed(1)
+
+
+WRITABLE = "check its permissions (and its directory's), or give another path"
+PATH_ERRORS = {
+    errno.EROFS: ("cannot write", 2, "give a path on a writable file system"),
+    errno.EACCES: ("cannot access", 2, WRITABLE),
+    errno.EPERM: ("cannot access", 2, WRITABLE),
+    errno.EEXIST: (
+        "cannot create",
+        2,
+        "something of that name is in the way: remove it or give another path",
+    ),
+    errno.ENOTDIR: (
+        "cannot access",
+        2,
+        "a part of the path is a file, not a directory: give another path",
+    ),
+    errno.EISDIR: ("cannot use", 2, "it is a directory where a file is wanted: give a file's path"),
+    errno.ENOSPC: (
+        "cannot write",
+        1,
+        "the disk is full: free space, or give a path on another disk",
+    ),
+    errno.EDQUOT: ("cannot write", 1, "the disk quota is spent: free space, or give another path"),
+}
+"""The OSErrors that are about a path the user gave (an output location that is read-only,
+taken, under a file, full): errno -> what could not be done, exit status (a full disk stops a
+command on the way: 1), the fix. Only these, and only with a file name, lose their traceback:
+any other OSError may be a bug, and its traceback is what finds it."""
+
+
+def path_refused(exc: BaseException) -> tuple[str, int] | None:
+    """The message and exit status for ``exc`` when it is a path the user gave that cannot be
+    written (``PATH_ERRORS``); a ``FileExistsError`` dapo raised itself (its message names the
+    flag and the fix, no file name) as it is; None for anything else."""
+    if not isinstance(exc, OSError):
+        return None
+    if isinstance(exc, FileExistsError) and exc.filename is None:
+        return str(exc), 2
+    known = PATH_ERRORS.get(exc.errno)
+    if known is None or not isinstance(exc.filename, (str, bytes, os.PathLike)):
+        return None
+    verb, code, fix = known
+    return f"{verb} {os.fsdecode(exc.filename)}: {exc.strerror}; {fix}", code
 
 
 def launched() -> bool:

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -210,13 +211,31 @@ def load_embedded(
     examples = [(render_prompt(tokenizer, p), solution) for p, solution in pairs]
     losses = warm_start(model, tokenizer, examples, warmup, log)
     log(f"warm-up done in {time.perf_counter() - start:.0f} s, final loss {losses[-1]:.3f}")
-    # Write to a temporary sibling and rename, so an interrupted build never leaves a cache
-    # entry that looks complete.
+    save_to_cache(model, tokenizer, target)
+    return model, tokenizer
+
+
+def save_to_cache(model, tokenizer, target: Path) -> None:
+    """``model`` and ``tokenizer`` saved as the cache entry ``target``, or a warning and
+    nothing: the cache only saves the next run the warm-up, so a cache directory that
+    cannot be written (read-only, full, a file in the way) must not fail this one.
+
+    Written to a temporary sibling and renamed: a build interrupted or failing half-way (a
+    full disk) never leaves an entry that looks complete; the sibling is removed when the
+    save fails."""
     tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        print(
+            f"dapo: warning: cannot cache the warmed-up demo model at {target.parent} "
+            f"({exc.strerror or exc}); set embedded.cache_dir to a writable directory",
+            file=sys.stderr,
+        )
+        return
     try:
         tmp.rename(target)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)  # another process won the race; theirs is equal
-    return model, tokenizer

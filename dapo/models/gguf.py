@@ -251,28 +251,27 @@ def import_gguf(source: str, out_dir: Path, *, log: Callable[[str], None] = prin
     path = resolve_source(source)
     check_source(path)
     out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise ValueError(f"{out_dir}: already exists and is not empty; remove it or choose another")
+    check_out_dir(out_dir)
     check_extra()
     from dapo.models.policy import stop_token_ids
 
     architecture, eos = gguf_metadata(path)
     check_architecture(path, architecture)
     log(f"importing {path} ({path.stat().st_size / 1e6:.0f} MB, {architecture})")
-
-    tokenizer = _loaded(path, "tokenizer", lambda: load_tokenizer(path, eos))
-    log(f"  tokenizer: {len(tokenizer)} tokens, chat template: {bool(tokenizer.chat_template)}")
-    log("  dequantizing the weights ...")
-    model = _loaded(path, "weights", lambda: load_model(path))
-    # The run's rule (the tokenizer's EOS and the generation config's), plus the end tokens.
-    stops = stop_token_ids(model, tokenizer, extra=end_token_ids(tokenizer))
-    model.generation_config.eos_token_id = list(stops)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    parameters = sum(p.numel() for p in model.parameters())
-    log(f"  {parameters / 1e6:.1f}M parameters in {time.perf_counter() - started:.1f} s")
-
+    # Made before the conversion's minutes: an OUT_DIR that cannot be written (a read-only
+    # file system, a file in the way) is named at once, not after them.
     partial = _fresh_partial(out_dir)
     try:
+        tokenizer = _loaded(path, "tokenizer", lambda: load_tokenizer(path, eos))
+        log(f"  tokenizer: {len(tokenizer)} tokens, chat template: {bool(tokenizer.chat_template)}")
+        log("  dequantizing the weights ...")
+        model = _loaded(path, "weights", lambda: load_model(path))
+        # The run's rule (the tokenizer's EOS and the generation config's), plus the end tokens.
+        stops = stop_token_ids(model, tokenizer, extra=end_token_ids(tokenizer))
+        model.generation_config.eos_token_id = list(stops)
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        parameters = sum(p.numel() for p in model.parameters())
+        log(f"  {parameters / 1e6:.1f}M parameters in {time.perf_counter() - started:.1f} s")
         model.save_pretrained(partial)
         tokenizer.save_pretrained(partial)
         _write_provenance(partial, path, architecture)
@@ -286,6 +285,21 @@ def import_gguf(source: str, out_dir: Path, *, log: Callable[[str], None] = prin
     seconds = time.perf_counter() - started
     log(f"  wrote {out_dir} in {seconds:.1f} s (stop tokens {list(stops)})")
     return ImportSummary(out_dir, architecture, parameters, model.config.vocab_size, stops, seconds)
+
+
+def check_out_dir(out_dir: Path) -> None:
+    """A ValueError naming ``out_dir`` unless it is absent or an empty directory, and not a
+    symbolic link: the import is renamed into place, which would replace a link (to an empty
+    directory: a NotADirectoryError after the conversion) instead of filling what it points
+    to."""
+    if out_dir.is_symlink():  # dapo.run.nofollow.no_link's test: dapo.run is no lower layer
+        raise ValueError(
+            f"{out_dir} is a symbolic link: dapo model import writes a new directory in its "
+            f"place, not through a link; give the directory itself ({out_dir.resolve()}) or "
+            "another OUT_DIR"
+        )
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ValueError(f"{out_dir}: already exists and is not empty; remove it or choose another")
 
 
 def _fresh_partial(out_dir: Path) -> Path:
