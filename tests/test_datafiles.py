@@ -451,6 +451,9 @@ def test_convert_refuses_and_creates_nothing_on_error(tmp_path, dapo_file):
         convert_file(dapo_file, tmp_path / "out.csv")
     with pytest.raises(DataError, match="does not exist"):
         convert_file(dapo_file, tmp_path / "no" / "out.parquet")
+    under = tmp_path / "bad.jsonl" / "out.parquet"  # under a file
+    with pytest.raises(DataError, match=r"bad\.jsonl is a file, not a directory$"):
+        convert_file(dapo_file, under)
     assert sorted(tmp_path.iterdir()) == before  # no output, no temporary file left
     assert pq.read_table(dapo_file).num_rows == 5  # the input is untouched
     (tmp_path / "evals").mkdir()  # a directory: named as one (it read "unknown file type")

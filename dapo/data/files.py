@@ -368,7 +368,8 @@ def check_destination(src: Path, dst: Path) -> None:
     if dst.resolve() == src.resolve() or (dst.exists() and src.exists() and dst.samefile(src)):
         raise DataError(f"{dst}: is the input file; write the conversion to another path")
     if not dst.parent.is_dir():
-        raise DataError(f"{dst}: directory {dst.parent} does not exist")
+        why = "is a file, not a directory" if dst.parent.exists() else "does not exist"
+        raise DataError(f"{dst}: directory {dst.parent} {why}")
 
 
 def write_records(records: list[dict[str, Any]], schema: pa.Schema, dst: Path) -> None:
