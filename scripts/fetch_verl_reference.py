@@ -40,4 +40,8 @@ def fetch(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    fetch(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".verl-reference"))
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("dir", nargs="?", type=Path, default=Path(".verl-reference"))
+    fetch(parser.parse_args().dir)
