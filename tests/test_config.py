@@ -291,6 +291,10 @@ def test_moved_keys_are_noticed_in_one_line_once_per_process():
 def test_old_keys_work_on_the_command_line_too():
     cfg = load_config(None, ["data.max_terms=3", "model.sft_steps=7"])
     assert cfg.arith.max_terms == 3 and cfg.embedded.sft_steps == 7
+    # The names an early issue gave the logging switches (they are the run section's).
+    cfg = load_config(None, ["logging.tensorboard=false", "logging.wandb_project=p"])
+    assert (cfg.run.tensorboard, cfg.run.wandb_project) == (False, "p")
+    assert load_config(None, ["logging.wandb=true"]).run.wandb is True
     assert set(MOVED_KEYS.values()) <= {
         f"{section}.{name}" for section, fields in Config().to_dict().items() for name in fields
     }

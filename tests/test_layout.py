@@ -67,7 +67,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("dapo.ablate", "dapo.data.tools", "dapo.report"),  # commands' machinery
     ("dapo.api",),  # dapo.train, dapo.evaluate, dapo.load_config: what the commands run
     ("dapo.cli",),  # the command line, a module per command
-    ("dapo.__main__", "dapo.memory_plan"),  # python -m dapo, python -m dapo.memory_plan
+    # python -m dapo, python -m dapo.memory_plan; dapo.rewards.math_score, the first name
+    ("dapo.__main__", "dapo.memory_plan", "dapo.rewards"),
 )
 # The package's own __init__ holds the version and nothing else: below everything.
 ROOT_LAYER = -1

@@ -269,3 +269,16 @@ def test_agrees_with_the_reference_on_the_box_window_and_normalised_truths(
     ref = _reference(version)(response, truth)
     ours = VERSIONS[version](response, truth)
     assert (ours.correct, ours.score, ours.pred) == (ref["acc"], ref["score"], ref["pred"])
+
+
+def test_the_first_releases_name_grades_as_the_dapo_verifier():
+    from dapo import rewards
+    from dapo.reward.tasks import math_dapo
+
+    assert rewards.math_score is math_dapo.math_score
+    assert rewards.math_score_boxed is math_dapo.math_score_boxed
+    assert rewards.math_score("5 * 7 = 35, minus 1.\nAnswer: 34", "34") == rewards.Score(
+        1.0, True, "34"
+    )
+    wrong = rewards.math_score("Answer: 35", "34")
+    assert (wrong.score, wrong.correct, wrong.pred) == (-1.0, False, "35")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import fake_checkpoint
 from safetensors.torch import load_file
 
 from dapo.config import RESUME_SAFE_FIELDS, apply_overrides, load_config
@@ -22,6 +23,7 @@ from dapo.models.demo import TinyModelSpec, build_tokenizer, tiny_qwen2
 from dapo.reward.tasks import arith
 from dapo.run import checkpoint, launcher, rundir
 from dapo.training import loop
+from dapo.training import resume as resume_checks
 from dapo.training.resume import check_resume
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -273,6 +275,24 @@ def test_the_docs_list_exactly_the_fields_a_resume_may_change():
     warned = next(x for x in section.split("\n- ") if "no longer bit-identical" in x)
     assert _fields(warned) == set(RESUME_INEXACT_FIELDS) <= RESUME_SAFE_FIELDS
     # troubleshooting.md's list: tests/test_docs.py
+
+
+def test_a_failed_run_is_resumed_from_its_checkpoint_or_started_again(tmp_path, monkeypatch):
+    """A run that fails before its first checkpoint has nothing to resume: the hint said to
+    resume it, and that command then said there was no checkpoint."""
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    run = tmp_path / "run"
+    run.mkdir()
+    assert resume_checks.retry_hint(run, "optim.lr=<lower>") == (
+        "It stopped before its first checkpoint, so there is nothing to resume: start it again "
+        "with the same command, optim.lr=<lower> and --overwrite"
+    )
+    fake_checkpoint(run)
+    assert resume_checks.retry_hint(run, "optim.lr=<lower>") == (
+        "The run directory is intact; resume from its last checkpoint with a changed config: "
+        f"dapo train --resume {run} optim.lr=<lower> --force"
+    )
 
 
 def test_the_resume_command_is_the_launch_that_made_the_run(monkeypatch):

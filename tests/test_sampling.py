@@ -90,6 +90,12 @@ def test_max_rounds_error_says_what_to_do():
     msg = str(info.value)
     assert "kept 3 of 4 groups after 3 rounds" in msg
     assert "sampling.max_rounds" in msg and "sampling.on_max_rounds=train" in msg
+    # Half the prompts drawn were mixed: the round cap stopped the step, not the policy.
+    assert "(6 prompts drawn): 50% of the prompts drawn gave mixed groups, but too few" in msg
+    draw, _ = _rounds([[ALL_RIGHT, ALL_WRONG, ALL_RIGHT, MIXED]] * 10)  # 1 in 4 mixed
+    with pytest.raises(DynamicSamplingExhausted) as info:
+        collect_groups(draw, num_groups=4, dynamic=True, max_rounds=2, on_max_rounds="error")
+    assert "(8 prompts drawn): the policy is all right or all wrong on nearly" in str(info.value)
 
 
 def test_max_rounds_train_returns_what_was_kept():

@@ -14,7 +14,6 @@ reading, overriding and the resume rules in :mod:`dapo.config.loading`, validati
 """
 
 from dapo.config.loading import (
-    MOVED_KEYS,
     RESUME_SAFE_FIELDS,
     apply_overrides,
     config_warnings,
@@ -26,6 +25,7 @@ from dapo.config.loading import (
     set_value,
     validate,
 )
+from dapo.config.moved import MOVED_KEYS
 from dapo.config.sections import (
     AlgoConfig,
     Config,

@@ -21,29 +21,11 @@ from typing import Any, Literal
 import yaml
 
 from dapo.config import presets
+from dapo.config.moved import MOVED_KEYS
 from dapo.config.sections import Config, attr_of, field_types, is_subsection, leaves
 from dapo.config.validation import config_warnings as config_warnings
 from dapo.config.validation import validate
 from dapo.config.yaml_files import clipped_repr, read_yaml_file
-
-MOVED_KEYS = {
-    "data.num_train": "arith.num_train",
-    "data.num_val": "arith.num_val",
-    "data.num_warmup": "arith.num_warmup",
-    "data.min_terms": "arith.min_terms",
-    "data.max_terms": "arith.max_terms",
-    "data.operators": "arith.operators",
-    "data.solution": "arith.solution",
-    "data.seed": "arith.seed",
-    "model.cache_dir": "embedded.cache_dir",
-    "model.sft_steps": "embedded.sft_steps",
-    "model.embedded_hidden": "embedded.hidden",
-    "model.embedded_layers": "embedded.layers",
-    # dtype cast the whole model, so AdamW stepped bf16 weights; compute_dtype keeps float32
-    # weights and optimizer state and computes in it.
-    "model.dtype": "model.compute_dtype",
-}
-"""Old key -> its place now (configs saved by dapo 0.1)."""
 
 _announced: set[str] = set()  # moved keys already noticed in this process
 

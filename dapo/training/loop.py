@@ -84,10 +84,7 @@ def fit(
     except (NonFiniteError, DynamicSamplingExhausted) as exc:
         nan = isinstance(exc, NonFiniteError)
         fix = "optim.lr=<lower>" if nan else "sampling.max_rounds=<more>"
-        raise type(exc)(
-            f"{exc} The run directory is intact; resume from its last checkpoint with a changed "
-            f"config: {launcher.resume_command(run_dir)} {fix} --force"
-        ) from None
+        raise type(exc)(f"{exc} {resume_checks.retry_hint(run_dir, fix)}") from None
     finally:
         state.pool.close()
         close_engine(state.engine, failed=failed)

@@ -21,7 +21,7 @@ from typing import Any
 from dapo import dist
 from dapo.config import Config, load_config
 from dapo.config.loading import RESUME_INEXACT_FIELDS
-from dapo.run import checkpoint
+from dapo.run import checkpoint, launcher
 from dapo.run.nofollow import open_fd
 
 
@@ -129,3 +129,17 @@ def _last_line(path: Path) -> dict[str, Any]:
     except (ValueError, RecursionError):
         return {}
     return record if isinstance(record, dict) else {}
+
+
+def retry_hint(run_dir: Path | str, fix: str) -> str:
+    """How to go on after a run stopped on a failure that ``fix`` (a changed setting) cures:
+    resume from its last checkpoint, or, before its first, start it again."""
+    if checkpoint.find_latest(Path(run_dir)) is not None:
+        return (
+            "The run directory is intact; resume from its last checkpoint with a changed "
+            f"config: {launcher.resume_command(run_dir)} {fix} --force"
+        )
+    return (
+        f"It stopped before its first checkpoint, so there is nothing to resume: start it "
+        f"again with the same command, {fix} and --overwrite"
+    )

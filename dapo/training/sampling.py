@@ -127,12 +127,18 @@ def collect_groups(
         if max_rounds and result.rounds >= max_rounds:
             result.exhausted = True
             if on_max_rounds == "error":
+                mixed = len(result.groups) / max(result.prompts_drawn, 1)
+                why = (
+                    "the policy is all right or all wrong on nearly every prompt"
+                    if mixed < 0.5
+                    else f"{mixed:.0%} of the prompts drawn gave mixed groups, but too few "
+                    "prompts were drawn in that many rounds"
+                )
                 raise DynamicSamplingExhausted(
                     f"dynamic sampling kept {len(result.groups)} of {num_groups} groups after "
-                    f"{result.rounds} rounds ({result.prompts_drawn} prompts drawn): the policy is "
-                    "all right or all wrong on nearly every prompt. Raise sampling.max_rounds "
-                    "(0 = unbounded), set sampling.on_max_rounds=train to train on the groups "
-                    "kept, or use data closer to the policy's level."
+                    f"{result.rounds} rounds ({result.prompts_drawn} prompts drawn): {why}. "
+                    "Raise sampling.max_rounds (0 = unbounded), set sampling.on_max_rounds=train "
+                    "to train on the groups kept, or use data closer to the policy's level."
                 )
             break
         if stopping():
