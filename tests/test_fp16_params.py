@@ -125,8 +125,8 @@ def test_an_update_that_breaks_float16_weights_stops_the_step(tiny_model, tokeni
         update.update(state, _episodes(4), lr=1e-5)
     assert str(err.value) == (
         "step 1: an optimizer update left weights that are NaN or inf (its loss and gradient "
-        "norm were finite), so training stopped before generating from them. The last "
-        f"checkpoint is untouched. {FP16_FIX}"
+        "norm were finite), so training stopped before generating from them. The failed "
+        f"update was not saved. {FP16_FIX}"
     )
     # The first mini-batch's update broke the weights; the second's loss was NaN (skipped).
     assert calls["n"] == 2 and state.consecutive_skips == 1
@@ -178,8 +178,9 @@ def test_a_run_whose_update_breaks_the_weights_stops_at_that_step(tmp_path, tiny
         )
     msg = str(err.value)
     assert msg.startswith("step 1: an optimizer update left weights that are NaN or inf")
-    assert f"dapo train --resume {run_dir} optim.lr=<lower> --force" in msg
-    # Stopped in step 1's update: no checkpoint of the broken weights, the log ends at step 0.
+    # Stopped in step 1's update: no checkpoint of the broken weights, the log ends at step 0,
+    # so there is nothing to resume (it once printed a resume command that found none).
+    assert msg.endswith("start it again with the same command, optim.lr=<lower> and --overwrite")
     assert checkpoint.find_latest(run_dir) is None
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [0]

@@ -8,6 +8,8 @@ from __future__ import annotations
 import errno
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 from helpers import fake_checkpoint
@@ -203,3 +205,48 @@ def test_an_out_absent_at_publish_is_written_and_overwrite_rechecks(tmp_path):
     publish(tmp, out, overwrite=True)
     assert (out / "config.json").read_text() == '{"new": 1}' and not tmp.exists()
     assert sorted(os.listdir(tmp_path)) == ["out"]  # the old export removed
+
+
+WRITES_PAST_A_SIZE_LIMIT = r"""
+import os, resource, signal, sys
+from pathlib import Path
+import torch
+from safetensors.torch import save_file
+from dapo.models.demo import TinyModelSpec, build_tokenizer, save_to_cache, tiny_qwen2
+from dapo.models.write_errors import named_by
+
+root = Path(sys.argv[1])
+tokenizer = build_tokenizer()
+spec = TinyModelSpec(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2)
+model = tiny_qwen2(tokenizer, spec, seed=0)
+# A write past RLIMIT_FSIZE fails with EFBIG, as a full disk fails with ENOSPC: safetensors
+# raises its own SafetensorError for it, not an OSError.
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
+save_to_cache(model, tokenizer, root / "cache" / "embedded-abc")
+print(sorted(os.listdir(root / "cache")))
+try:
+    with named_by(root / "out"):
+        save_file({"w": torch.zeros(100_000)}, str(root / ".out.tmp" ))
+except OSError as exc:
+    print(exc.errno, exc.filename, type(exc.__cause__).__name__)
+"""
+
+
+def test_a_write_past_a_limit_warns_for_the_cache_and_names_the_out_place(tmp_path):
+    (tmp_path / "cache").mkdir()
+    done = subprocess.run(
+        [sys.executable, "-c", WRITES_PAST_A_SIZE_LIMIT, str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "dapo: warning: cannot cache the warmed-up demo model at " in done.stderr
+    assert "(Error while serializing: I/O error: File too large (os error 27))" in done.stderr
+    assert done.stdout.splitlines() == ["[]", f"{errno.EFBIG} {tmp_path / 'out'} SafetensorError"]
+    assert path_refused(OSError(errno.EFBIG, "File too large", str(tmp_path / "out"))) == (
+        f"cannot write {tmp_path / 'out'}: File too large; a file size limit was reached "
+        "(ulimit -f): lift it",
+        1,
+    )
+    copy = OSError(errno.ENOSPC, "No space left on device", "/ckpt/model.safetensors", None, "/o")
+    assert path_refused(copy)[0].startswith("cannot write /o: No space left on device")

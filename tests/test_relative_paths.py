@@ -126,3 +126,19 @@ def test_a_home_directory_is_expanded_in_every_path_a_run_reads_or_writes(tmp_pa
     cfg.run.name = "r"
     assert plan_new_run(cfg).path == home / "runs" / "r"  # not ./~/runs/r
     assert not (tmp_path / "~").exists()
+
+
+def test_eval_num_samples_zero_on_resume_keeps_the_number_the_run_settled(tmp_path):
+    """0 means "the val file's copies of each problem", which the run turned into a number
+    when it started; given again on a resume it is that number, not what the file holds now
+    (a val file cut from 4 copies to 2 made the resumed run compare avg@4 with avg@2)."""
+    from dapo.api.run_config import resolve_config
+    from dapo.config import dump_yaml
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(dump_yaml(load_config(None, ["eval.num_samples=4"])))
+    cfg, _ = resolve_config(None, ["eval.num_samples=0"], resume=run)
+    assert cfg.eval.num_samples == 4
+    cfg, _ = resolve_config(None, [], resume=run)
+    assert cfg.eval.num_samples == 4

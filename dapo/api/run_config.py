@@ -57,6 +57,8 @@ def resolve_config(
             "kept beside the new one)"
         )
     _refuse_code_from(run_dir, cfg)
+    if cfg.eval.num_samples == 0:  # "the data's copies": what the run settled when it started,
+        cfg.eval.num_samples = saved.eval.num_samples  # not what the data holds now
     return cfg, run_dir
 
 

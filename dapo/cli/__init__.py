@@ -128,6 +128,7 @@ PATH_ERRORS = {
         "the disk is full: free space, or give a path on another disk",
     ),
     errno.EDQUOT: ("cannot write", 1, "the disk quota is spent: free space, or give another path"),
+    errno.EFBIG: ("cannot write", 1, "a file size limit was reached (ulimit -f): lift it"),
 }
 """The OSErrors that are about a path the user gave (an output location that is read-only,
 taken, under a file, full): errno -> what could not be done, exit status (a full disk stops a
@@ -144,10 +145,12 @@ def path_refused(exc: BaseException) -> tuple[str, int] | None:
     if isinstance(exc, FileExistsError) and exc.filename is None:
         return str(exc), 2
     known = PATH_ERRORS.get(exc.errno)
-    if known is None or not isinstance(exc.filename, (str, bytes, os.PathLike)):
+    # A copy or a rename names its destination second: the place that could not be written.
+    path = exc.filename2 if exc.filename2 is not None else exc.filename
+    if known is None or not isinstance(path, (str, bytes, os.PathLike)):
         return None
     verb, code, fix = known
-    return f"{verb} {os.fsdecode(exc.filename)}: {exc.strerror}; {fix}", code
+    return f"{verb} {os.fsdecode(path)}: {exc.strerror}; {fix}", code
 
 
 def launched() -> bool:

@@ -47,14 +47,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from dapo.api.exporting import export
+    from dapo.models.write_errors import named_by
 
-    result = export(
-        args.run,
-        args.out,
-        step=args.step,
-        overwrite=args.overwrite,
-        dtype=args.dtype,
-        merge=args.merge,
-    )
+    with named_by(args.out):  # a full disk is --out's, not the temporary file's it met
+        result = export(
+            args.run,
+            args.out,
+            step=args.step,
+            overwrite=args.overwrite,
+            dtype=args.dtype,
+            merge=args.merge,
+        )
     print(result.out_dir)
     return 0

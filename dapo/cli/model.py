@@ -32,9 +32,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def cmd_import(args: argparse.Namespace) -> int:
     from dapo.models.gguf import import_gguf
+    from dapo.models.write_errors import named_by
 
     try:
-        import_gguf(args.src, args.out_dir, log=lambda m: print(m, file=sys.stderr))
+        with named_by(args.out_dir):  # a full disk is OUT_DIR's, not its temporary sibling's
+            import_gguf(args.src, args.out_dir, log=lambda m: print(m, file=sys.stderr))
     except ImportError as exc:
         print(f"dapo: error: {exc}", file=sys.stderr)
         return 2

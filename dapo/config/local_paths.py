@@ -9,7 +9,6 @@ path that exists from where it starts, as it always has settled ``reward.functio
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -44,7 +43,8 @@ def absolute_paths(cfg: Config) -> Config:
 
 def _absolute(path: str, exists: Callable[[Path], bool]) -> str:
     local = Path(path).expanduser()
-    return os.path.abspath(local) if path and exists(local) else path
+    # Joined, not normalised: a/../b after a symbolic link a is not b (the kernel follows a).
+    return str(Path.cwd() / local) if path and exists(local) else path
 
 
 def _absolute_spec(spec: str) -> str:

@@ -78,7 +78,7 @@ class Table:
 
 def read_table(path: str | os.PathLike[str]) -> Table:
     """Every record of a Parquet or JSON Lines file, with its columns and schema."""
-    path = Path(path)
+    path = Path(path).expanduser()
     if path.suffix.lower() not in SUFFIXES:
         raise DataError(
             f"{path}: unknown data file type {path.suffix or '(no extension)'!r}; "

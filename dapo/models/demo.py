@@ -227,11 +227,12 @@ def save_to_cache(model, tokenizer, target: Path) -> None:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-    except OSError as exc:
+    except Exception as exc:  # noqa: BLE001 - a full disk is safetensors' own error type
         shutil.rmtree(tmp, ignore_errors=True)
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
         print(
             f"dapo: warning: cannot cache the warmed-up demo model at {target.parent} "
-            f"({exc.strerror or exc}); set embedded.cache_dir to a writable directory",
+            f"({why}); set embedded.cache_dir to a writable directory",
             file=sys.stderr,
         )
         return

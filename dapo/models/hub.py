@@ -136,7 +136,9 @@ def _snapshot(
             f"cache ({cache_root()}) while {why}. Fetch it where there is network: "
             f"{download_command(repo, revision)} (same HF_HOME), "
             "or download it to a directory and give that path. If it is a directory: a "
-            f"relative path is read from the working directory, {Path.cwd()}"
+            f"relative path is read from the working directory, {Path.cwd()} (a run saved "
+            "before dapo kept its paths absolute names it as given: resume such a run from "
+            "where it started)"
         ) from None
     return Path(folder)
 

@@ -131,7 +131,7 @@ def _step_or_skip(state: TrainState, sums: dict[str, float], norm: float) -> dic
             raise NonFiniteError(
                 f"step {state.step + 1}: {state.consecutive_skips} updates in a row had "
                 f"a non-finite loss or gradient norm (loss {sums['loss']}, grad "
-                f"norm {norm}), so training stopped. The last checkpoint is untouched. "
+                f"norm {norm}), so training stopped. The failed update was not saved. "
                 "Try a lower optim.lr, optim.grad_clip > 0, or model.compute_dtype=float32 or "
                 "bfloat16 instead of float16, and check the data and the model."
             )
@@ -179,7 +179,7 @@ def _broken_weights_message(state: TrainState) -> str:
     return (
         f"step {state.step + 1}: an optimizer update left weights that are NaN or inf (its "
         "loss and gradient norm were finite), so training stopped before generating from "
-        f"them. The last checkpoint is untouched. {fix}."
+        f"them. The failed update was not saved. {fix}."
     )
 
 
