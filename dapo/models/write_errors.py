@@ -22,11 +22,12 @@ system."""
 def disk_errno(exc: BaseException) -> int | None:
     """The errno of ``exc`` when it is a write refused for want of room or a writable disk:
     an OSError's, or the one safetensors' ``SafetensorError`` gives in its text ("I/O error:
-    No space left on device (os error 28)"); None for anything else."""
+    No space left on device (os error 28)"; before 0.5, "IoError(Os { code: 28, ...})");
+    None for anything else."""
     if isinstance(exc, OSError):
         return exc.errno if exc.errno in WRITE_ERRNOS else None
     if type(exc).__name__ == "SafetensorError":  # not an OSError, and only text to read
-        found = re.search(r"\(os error (\d+)\)", str(exc))
+        found = re.search(r"(?:\(os error |Os \{ code: )(\d+)", str(exc))
         if found and int(found.group(1)) in WRITE_ERRNOS:
             return int(found.group(1))
     return None
