@@ -188,20 +188,22 @@ def _check_out(out: Path) -> None:
             f"give a directory of its own, e.g. --out {out / 'evals' / 'NAME'}"
         )
     summary = out / "summary.json"
-    if summary.is_file() and not _is_an_evaluation(summary):
+    if summary.is_file() and saved_protocol(summary) is None:
         raise ValueError(
             f"--out {out} holds a summary.json that dapo eval did not write; give another --out"
         )
 
 
-def _is_an_evaluation(summary: Path) -> bool:
-    """Whether ``summary`` is what :func:`_save` writes (a ``protocol`` beside the metrics)."""
+def saved_protocol(summary: Path) -> dict[str, Any] | None:
+    """The ``protocol`` of an evaluation's ``summary.json`` (what :func:`_save` writes beside
+    the metrics), or None: absent, unreadable, or not an evaluation's."""
     try:
         with summary.open("rb") as f:
             doc = json.loads(f.read(1 << 24))  # an evaluation's is kilobytes
     except (OSError, ValueError, RecursionError):
-        return False
-    return isinstance(doc, dict) and isinstance(doc.get("protocol"), dict)
+        return None
+    protocol = doc.get("protocol") if isinstance(doc, dict) else None
+    return protocol if isinstance(protocol, dict) else None
 
 
 def _ks(text: str, k: int) -> list[int]:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dapo.config import Config, load_config, run_changing_differences, saved_before_keys_moved
+from dapo.config.local_paths import as_settled
 
 __all__ = ["resolve_config"]
 
@@ -57,9 +58,9 @@ def resolve_config(
             "kept beside the new one)"
         )
     _refuse_code_from(run_dir, cfg)
-    if cfg.eval.num_samples == 0:  # "the data's copies": what the run settled when it started,
-        cfg.eval.num_samples = saved.eval.num_samples  # not what the data holds now
-    return cfg, run_dir
+    # eval.num_samples=0 is the number the run settled when it started, not what the data
+    # holds now: the same settling the comparison above made.
+    return as_settled(cfg, saved), run_dir
 
 
 def _refuse_code_from(run_dir: Path, cfg: Config) -> None:

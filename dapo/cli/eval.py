@@ -375,9 +375,6 @@ def protocol_differences(a_path: Path, b_path: Path) -> list[str]:
 def _protocol(path: Path) -> dict[str, Any] | None:
     if not path.is_dir() and path.name != "problems.jsonl":
         return None  # a records file of its own: no summary of its protocol beside it
-    summary = (path if path.is_dir() else path.parent) / "summary.json"
-    try:
-        protocol = json.loads(summary.read_text(encoding="utf-8")).get("protocol")
-    except (OSError, ValueError, RecursionError, AttributeError):
-        return None
-    return protocol if isinstance(protocol, dict) else None
+    from dapo.api.evaluation import saved_protocol
+
+    return saved_protocol((path if path.is_dir() else path.parent) / "summary.json")
