@@ -223,9 +223,29 @@ def test_refuses_to_save_non_finite_weights(tmp_path, tokenizer):
     _save(tmp_path, model, tokenizer, opt, step=1)
     with torch.no_grad():
         model.model.norm.weight[0] = float("nan")
-    with pytest.raises(checkpoint.CheckpointError, match="model.norm.weight holds NaN"):
+    with pytest.raises(checkpoint.CheckpointError) as caught:
         _save(tmp_path, model, tokenizer, opt, step=2)
     assert checkpoint.find_latest(tmp_path).name == "step_000001"
+    assert str(caught.value).endswith(
+        "resume from its last checkpoint with a changed config: "
+        f"dapo train --resume {tmp_path} optim.lr=<lower> --force (first: model.norm.weight)"
+    )
+
+
+def test_a_first_checkpoint_refused_says_to_start_again(tmp_path, tokenizer):
+    """At a run's first save there is no checkpoint to resume from: the message said there was."""
+    model, opt = _trained(tokenizer, seed=0)
+    with torch.no_grad():
+        model.model.norm.weight[0] = float("inf")
+    with pytest.raises(checkpoint.CheckpointError) as caught:
+        _save(tmp_path, model, tokenizer, opt, step=1)
+    assert str(caught.value) == (
+        "refusing to save the checkpoint of step 1: the weights hold NaN or inf, and a checkpoint "
+        "of broken weights would overwrite good ones. It stopped before its first checkpoint, so "
+        "there is nothing to resume: start it again with the same command, optim.lr=<lower> and "
+        "--overwrite (first: model.norm.weight)"
+    )
+    assert checkpoint.find_latest(tmp_path) is None
 
 
 def test_weights_of_another_model_are_refused(tmp_path, tokenizer):

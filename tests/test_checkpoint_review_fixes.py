@@ -99,6 +99,20 @@ def test_a_full_disk_in_a_sharded_save_is_named_and_its_temporary_removed(
     assert names == ["latest", "step_000001"]
 
 
+def test_broken_weights_in_a_sharded_save_say_how_to_go_on(tmp_path, tokenizer):
+    """Refused at a run's first save, it said to resume from a last checkpoint there was not."""
+    model, opt = _trained(tokenizer)
+    with torch.no_grad():
+        model.model.norm.weight[0] = float("nan")
+    with pytest.raises(checkpoint.CheckpointError) as err:
+        _save(tmp_path, model, tokenizer, opt, 1, sharded_checkpoint.save)
+    assert str(err.value).endswith(
+        "It stopped before its first checkpoint, so there is nothing to resume: start it again "
+        "with the same command, optim.lr=<lower> and --overwrite"
+    )
+    assert checkpoint.find_latest(tmp_path) is None
+
+
 def test_a_full_disk_while_the_shards_are_written_is_named_and_its_temporary_removed(
     tmp_path, tokenizer, monkeypatch
 ):

@@ -82,6 +82,8 @@ def test_a_linked_directory_in_a_checkpoint_is_refused(run, tmp_path, capsys):
         ({"metrics_bytes": -3}, "metrics_bytes is '-3'"),
         ({"sampler": {"epoch": 0}}, "sampler is"),
         ({"val_step": "2"}, "val_step is '2', not a whole number"),
+        ({"val_set": {"problems": 3, "digest": "../x"}}, "val_set is "),
+        ({"val_set": {"problems": -1, "digest": "0" * 64}}, "not {problems, digest}"),
     ],
 )
 def test_a_mistyped_trainer_json_is_named(run, tmp_path, capsys, changes, says):

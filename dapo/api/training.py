@@ -195,10 +195,10 @@ def _train(
     cfg, data, tokenizer, lengths = _checked_inputs(cfg, reward_fn, ranks)
     if dry_run:
         if dist.is_main():
-            _checked_run_dir(cfg, resume_dir, overwrite)
+            _checked_run_dir(cfg, resume_dir, overwrite, data)
         _print_dry_run(cfg, data, lengths, ranks)
         return None
-    opened = _open_run_dir(cfg, resume_dir, overwrite) if dist.is_main() else None
+    opened = _open_run_dir(cfg, resume_dir, overwrite, data) if dist.is_main() else None
     run_dir = dist.broadcast(opened.path if opened else None)
     started = False
     try:
@@ -237,11 +237,11 @@ def _train(
     return Path(run_dir)
 
 
-def _checked_run_dir(cfg: Config, resume_dir: Path | None, overwrite: bool) -> None:
+def _checked_run_dir(cfg: Config, resume_dir: Path | None, overwrite: bool, data: RunData) -> None:
     """What a dry run can tell of the run directory without changing anything: a new run's
     would be refused, or a resumed one has no checkpoint, a link where its checkpoints are, a
     checkpoint altered since it was written or whose trainer.json lacks a key resuming reads,
-    overrides it refuses (dapo.training.resume), or no room."""
+    overrides or ``data`` it refuses (dapo.training.resume), or no room."""
     from dapo import dist
     from dapo.run import checkpoint, rundir, trainer_file
     from dapo.training import resume
@@ -261,7 +261,8 @@ def _checked_run_dir(cfg: Config, resume_dir: Path | None, overwrite: bool) -> N
     # the ranks wait on rank 0 here, and hash a share each as they load the checkpoint.
     digests = dist.job_size() == 1
     trainer_file.check_resumable(checkpoint.read_trainer_state(found, digests=digests))
-    resume.check_resume(cfg, resume_dir, found, warn=False)  # warned once, as the run resumes
+    # Warned once, as the run resumes.
+    resume.check_resume(cfg, resume_dir, found, warn=False, problems=(data.train, data.val))
     rundir.check_writable(resume_dir)
     rundir.check_space(resume_dir, cfg, _weights_dir(cfg))
 
@@ -273,7 +274,7 @@ def _weights_dir(cfg: Config) -> Path | None:
     return None if cfg.model.path == "embedded" else policy.model_dir(cfg)
 
 
-def _open_run_dir(cfg: Config, resume_dir: Path | None, overwrite: bool) -> NewRun:
+def _open_run_dir(cfg: Config, resume_dir: Path | None, overwrite: bool, data: RunData) -> NewRun:
     """The run directory, locked for this process: a new one created (an earlier run it
     replaces moved aside), or the resumed one checked to hold a checkpoint; both checked to
     be writable with room for checkpoints."""
@@ -281,7 +282,7 @@ def _open_run_dir(cfg: Config, resume_dir: Path | None, overwrite: bool) -> NewR
     from dapo.run.lock import RunLock
 
     if resume_dir is not None:
-        _checked_run_dir(cfg, resume_dir, overwrite)
+        _checked_run_dir(cfg, resume_dir, overwrite, data)
         return rundir.NewRun(resume_dir, lock=RunLock(resume_dir).acquire())
     # Planned once: an automatic name holds the time, and a second plan could name another.
     opened = rundir.plan_new_run(cfg, overwrite=overwrite)

@@ -38,7 +38,7 @@ from safetensors.torch import save_file
 
 from dapo.dist.optim_groups import kernels_kept
 from dapo.run import manifest, model_files, state_files
-from dapo.run.launcher import resume_command
+from dapo.run.launcher import nonfinite_refusal, resume_command
 from dapo.run.manifest import verify  # also checkpoint.verify, as callers have named it
 from dapo.run.model_files import CheckpointError
 from dapo.run.nofollow import fsync_dir, no_link, write_atomic
@@ -84,14 +84,11 @@ def write_pointer(ckpt_root: Path, name: str) -> None:
     write_atomic(ckpt_root / LATEST, name + "\n")
 
 
-def _check_finite(model: torch.nn.Module, step: int) -> None:
-    for name, p in model.named_parameters():
-        if not bool(torch.isfinite(p).all()):
-            raise CheckpointError(
-                f"refusing to save the checkpoint of step {step}: parameter {name} holds NaN or "
-                "inf, and a checkpoint of broken weights would overwrite good ones. Resume from "
-                "the last checkpoint with a lower optim.lr or optim.grad_clip set."
-            )
+def _check_finite(model: torch.nn.Module, step: int, run_dir: Path) -> None:
+    bad = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+    if bad:
+        why = nonfinite_refusal(step, resumable=find_latest(run_dir) is not None, run_dir=run_dir)
+        raise CheckpointError(f"{why} (first: {bad[0]})")
 
 
 def save(
@@ -110,7 +107,7 @@ def save(
     ``keep``; the generators of this process, and of its compute ``device``; ``rollouts``
     (generated ahead of training) as ``rollouts.safetensors``. On any failure the previous
     checkpoint and pointer are left as they were."""
-    _check_finite(model, step)
+    _check_finite(model, step, Path(run_dir))
     root = no_link(Path(run_dir) / CKPT_DIR)
     root.mkdir(exist_ok=True)
     name = step_dir_name(step)

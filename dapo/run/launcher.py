@@ -51,3 +51,26 @@ def resume_command(run_dir: Path | str) -> str:
     if os.environ.get("LOCAL_WORLD_SIZE", ranks) == ranks:  # one node
         return f"torchrun --nproc-per-node {ranks} -m dapo train --resume {run_dir}"
     return f"the job's torchrun launch on every node, with -m dapo train --resume {run_dir}"
+
+
+def retry_hint(run_dir: Path | str, fix: str, *, resumable: bool) -> str:
+    """How to go on after a run stopped on a failure that ``fix`` (a changed setting) cures:
+    resume from its last checkpoint (``resumable``: it has one), or start it again."""
+    if resumable:
+        return (
+            "The run directory is intact; resume from its last checkpoint with a changed "
+            f"config: {resume_command(run_dir)} {fix} --force"
+        )
+    return (
+        f"It stopped before its first checkpoint, so there is nothing to resume: start it "
+        f"again with the same command, {fix} and --overwrite"
+    )
+
+
+def nonfinite_refusal(step: int, *, resumable: bool, run_dir: Path | str) -> str:
+    """Why the checkpoint of ``step`` is not written, and how to go on."""
+    return (
+        f"refusing to save the checkpoint of step {step}: the weights hold NaN or inf, and a "
+        "checkpoint of broken weights would overwrite good ones. "
+        + retry_hint(run_dir, "optim.lr=<lower>", resumable=resumable)
+    )

@@ -47,10 +47,9 @@ def save(
     (``rollouts`` generated ahead of training as ``rollouts.safetensors``), renames it into
     place and moves ``latest``; every rank returns once it has."""
     if dist.any_rank(not fsdp.all_finite(model)):
+        resumable = checkpoint.find_latest(Path(run_dir)) is not None
         raise CheckpointError(
-            f"refusing to save the checkpoint of step {step}: the weights hold NaN or inf, and "
-            "a checkpoint of broken weights would overwrite good ones. Resume from the last "
-            "checkpoint with a lower optim.lr or optim.grad_clip set."
+            launcher.nonfinite_refusal(step, resumable=resumable, run_dir=run_dir)
         )
     root = Path(run_dir) / checkpoint.CKPT_DIR
     name = checkpoint.step_dir_name(step)

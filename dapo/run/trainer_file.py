@@ -21,6 +21,11 @@ def _numbers(v: Any, n: int | None = None) -> bool:
     return ok and all(_number(x) for x in (v.values() if n is None else v))
 
 
+def _hex(v: Any) -> bool:
+    """Whether ``v`` is a SHA-256 digest in hex."""
+    return isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v)
+
+
 _COUNT = (lambda v: isinstance(v, int) and _number(v, 0), "a whole number >= 0")
 TRAINER_FIELDS = {
     **dict.fromkeys(("step", "consecutive_skips", "metrics_bytes", "val_step"), _COUNT),
@@ -32,6 +37,10 @@ TRAINER_FIELDS = {
         "{epoch, pos}",
     ),
     "ahead": (lambda v: isinstance(v, dict), "an object"),
+    "val_set": (
+        lambda v: isinstance(v, dict) and _COUNT[0](v.get("problems")) and _hex(v.get("digest")),
+        "{problems, digest}",
+    ),
 }
 """What resuming and exporting read of ``trainer.json``: each key's check and its type."""
 

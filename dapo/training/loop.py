@@ -305,7 +305,8 @@ class _Loop:
         if ckpt is None:
             why = checkpoint.unreadable(self.run_dir) or "start again with --overwrite"
             raise checkpoint.CheckpointError(f"{self.run_dir}: no checkpoint to resume; {why}")
-        resume_checks.check_resume(state.cfg, self.run_dir, ckpt)
+        problems = (state.sampler.problems, self.val_problems)
+        resume_checks.check_resume(state.cfg, self.run_dir, ckpt, problems=problems)
         info = sharded_checkpoint.load(
             ckpt, model=state.model, optimizer=state.optimizer, device=state.device
         )
@@ -348,6 +349,7 @@ class _Loop:
                 "val_start": self.val_start,
                 "val_last": self.val_last,
                 "val_step": self.val_step,
+                "val_set": resume_checks.val_set(self.val_problems),
                 "train_seconds": self.seconds(),
                 "spent": self.spent,
                 "metrics_bytes": self.logger.sync(),

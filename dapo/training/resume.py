@@ -21,15 +21,27 @@ from typing import Any
 from dapo import dist
 from dapo.config import Config, load_config
 from dapo.config.loading import RESUME_INEXACT_FIELDS
+from dapo.data.problems import Problem, PromptSampler, problems_digest
 from dapo.run import checkpoint, launcher
 from dapo.run.nofollow import open_fd
 
 
-def check_resume(cfg: Config, run_dir: Path, ckpt: Path, *, warn: bool = True) -> None:
-    """Refuse a resume of ``ckpt`` (in ``run_dir``) that would cut the run back or name
-    another run directory; with ``warn``, on the main process, warn on stderr of the changes
-    that leave it no longer bit-identical. Reads only trainer.json and config.yaml."""
-    step = checkpoint.read_trainer_state(ckpt, digests=False)["step"]
+def check_resume(
+    cfg: Config,
+    run_dir: Path,
+    ckpt: Path,
+    *,
+    warn: bool = True,
+    problems: tuple[list[Problem], list[Problem]] | None = None,
+) -> None:
+    """Refuse a resume of ``ckpt`` (in ``run_dir``) that would cut the run back, name another
+    run directory, or read other training or validation ``problems`` than the run did; with
+    ``warn``, on the main process, warn on stderr of the changes that leave it no longer
+    bit-identical. Reads only trainer.json and config.yaml."""
+    trainer = checkpoint.read_trainer_state(ckpt, digests=False)
+    step = trainer["step"]
+    if problems is not None:
+        _check_problems(trainer, *problems, run_dir=run_dir)
     if cfg.train.steps < step:
         raise ValueError(
             f"--resume {run_dir}: train.steps={cfg.train.steps} is below {step}, the step of "
@@ -52,6 +64,30 @@ def check_resume(cfg: Config, run_dir: Path, ckpt: Path, *, warn: bool = True) -
                 f"{key}={old} for that",
                 file=sys.stderr,
             )
+
+
+def val_set(problems: list[Problem]) -> dict[str, Any]:
+    """What a checkpoint records of the validation problems: their count and digest."""
+    return {"problems": len(problems), "digest": problems_digest(problems)}
+
+
+def _check_problems(
+    trainer: dict[str, Any], train: list[Problem], val: list[Problem], *, run_dir: Path
+) -> None:
+    """The sampler's own check of the training problems, before a model loads; then the
+    validation problems, against a checkpoint that recorded them."""
+    PromptSampler(train, seed=0).load_state_dict(trainer["sampler"])
+    saved, now = trainer.get("val_set"), val_set(val)
+    if saved is None or saved == now:  # None: saved before val_set was recorded
+        return
+    raise ValueError(
+        f"--resume {run_dir}: the run was evaluated on {saved['problems']} validation problems "
+        f"(digest {saved['digest'][:12]}), and data.val_file now gives {now['problems']} "
+        f"(digest {now['digest'][:12]}): the file changed since, and the figures after this "
+        "resume would not compare with the run's earlier ones (its step-0 baseline among "
+        "them). Resume with the file the run started with, or evaluate the run's checkpoints "
+        "on the new file with dapo eval"
+    )
 
 
 def _check_place(cfg: Config, saved: Config, run_dir: Path) -> None:
@@ -132,14 +168,6 @@ def _last_line(path: Path) -> dict[str, Any]:
 
 
 def retry_hint(run_dir: Path | str, fix: str) -> str:
-    """How to go on after a run stopped on a failure that ``fix`` (a changed setting) cures:
-    resume from its last checkpoint, or, before its first, start it again."""
-    if checkpoint.find_latest(Path(run_dir)) is not None:
-        return (
-            "The run directory is intact; resume from its last checkpoint with a changed "
-            f"config: {launcher.resume_command(run_dir)} {fix} --force"
-        )
-    return (
-        f"It stopped before its first checkpoint, so there is nothing to resume: start it "
-        f"again with the same command, {fix} and --overwrite"
-    )
+    """How to go on after a run stopped on a failure that ``fix`` (a changed setting) cures."""
+    resumable = checkpoint.find_latest(Path(run_dir)) is not None
+    return launcher.retry_hint(run_dir, fix, resumable=resumable)
