@@ -451,6 +451,45 @@ def test_compare_says_where_the_two_protocols_differ(tmp_path, capsys):
     assert "differ in protocol" not in capsys.readouterr().out
 
 
+def test_compare_names_how_the_data_was_read_the_config_and_the_phrases(tmp_path, capsys):
+    """--wrap-template changes every prompt, a --config can turn tool episodes on, and
+    --phrases changes what reflective_frac counts: --compare set them side by side unnamed."""
+    config = {"path": "/a/run.yaml", "sha256": "1" * 64}
+    protocols = {
+        "A": {"k": 4, "config": config},
+        "B": {"k": 4, "config": {**config, "sha256": "2" * 64}, "phrases": ["="]},
+        "C": {"k": 4, "config": {**config, "path": "/b/run.yaml"}},  # one file, two places
+        "D": {"k": 4, "config": config, "data_options": {"wrap_template": True}},
+    }
+    sides = {}
+    for side, protocol in protocols.items():
+        sides[side] = tmp_path / side
+        sides[side].mkdir()
+        _records(sides[side] / "problems.jsonl", [0.5] * 5)
+        (sides[side] / "summary.json").write_text(json.dumps({"protocol": protocol}))
+
+    def differences(a, b):
+        assert main(["eval", "--compare", str(sides[a]), str(sides[b]), "--resamples", "20"]) == 0
+        out = capsys.readouterr().out
+        return [line for line in out.splitlines() if line.startswith("  ") and " vs " in line]
+
+    assert differences("A", "B") == [
+        f"  config: '{'1' * 64}' (A) vs '{'2' * 64}' (B)",
+        "  phrases: None (A) vs ['='] (B)",
+    ]
+    assert differences("A", "C") == []
+    assert differences("A", "D") == ["  data_options: None (A) vs {'wrap_template': True} (B)"]
+
+
+def test_the_phrases_counted_are_saved_with_the_evaluation(tmp_path, model_and_data):
+    model_dir, data = model_and_data
+    args = ("--num-problems", "2", "--k", "2", "--phrases", "=, wait")
+    assert _eval(model_dir, data, tmp_path / "a", *args) == 0
+    assert _eval(model_dir, data, tmp_path / "b", *args[:4]) == 0
+    protocols = [json.loads((tmp_path / s / "summary.json").read_text())["protocol"] for s in "ab"]
+    assert protocols[0]["phrases"] == ["=", "wait"] and "phrases" not in protocols[1]
+
+
 def test_eval_grades_under_the_run_configs_reward_bounds(tmp_path, model_and_data, monkeypatch):
     """--config's reward.* reach the pool: a program the run gives 30 s is no timeout fault in
     eval under the pool's 10 s default."""

@@ -354,6 +354,7 @@ def _save(
     protocol = {
         **_protocol(req, len(records)),
         "resamples": req.resamples,
+        **({"phrases": list(_phrases(req.phrases))} if req.phrases else {}),
         "reward_faults": sum(r["faults"] for r in records),
         "seconds": round(seconds, 1),
     }

@@ -348,7 +348,10 @@ def _refuse_unused_flags(args: argparse.Namespace) -> None:
 
 SAMPLING = ("k", "temperature", "top_p", "max_new_tokens", "greedy", "system_prompt")
 SAMPLING += ("stop_token_ids", "reward_mode", "reward_function", "engine", "dtype")
-"""What two evaluations' summary.json must share for their rows to measure the same thing."""
+SAMPLING += ("data_options", "config", "phrases")
+"""What two evaluations' summary.json must share for their rows to measure the same thing:
+how they sampled, graded, read the data (``--wrap-template``, the keys), the ``--config``
+(its env, code and reward settings; by digest) and the phrases ``reflective_frac`` counts."""
 
 
 def protocol_differences(a_path: Path, b_path: Path) -> list[str]:
@@ -359,7 +362,7 @@ def protocol_differences(a_path: Path, b_path: Path) -> list[str]:
     protocols = [_protocol(p) for p in (a_path, b_path)]
     if None in protocols:
         return []
-    a, b = protocols
+    a, b = ({**p, "config": _digest(p.get("config"))} for p in protocols)
     lines = [
         f"  {key}: {a.get(key)!r} (A) vs {b.get(key)!r} (B)"
         for key in SAMPLING
@@ -370,6 +373,11 @@ def protocol_differences(a_path: Path, b_path: Path) -> list[str]:
         if lines
         else []
     )
+
+
+def _digest(config: Any) -> Any:
+    """A ``--config``'s digest: the same file read from two places is the same config."""
+    return config.get("sha256") if isinstance(config, dict) else config
 
 
 def _protocol(path: Path) -> dict[str, Any] | None:
