@@ -9,7 +9,11 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from dapo.eval.intervals import crossed_bootstrap_ci, fraction_ci
+from dapo.eval.intervals import (
+    crossed_bootstrap_ci,
+    fraction_ci,
+    paired_fraction_ci,
+)
 from dapo.eval.metrics import (
     REFLECTIVE_PHRASES,
     Interval,
@@ -240,6 +244,37 @@ def test_summary_of_an_evaluation_nothing_solved_has_an_interval_of_some_width()
     assert summary["len_mean"] == Interval(12.0, 12.0, 12.0)
     both = compare({i: r for i, r in enumerate(records)}, {i: r for i, r in enumerate(records)})
     assert both["avg@k"]["a"] == summary["avg@k"]
+
+
+def test_a_paired_fraction_difference_keeps_a_width_where_every_difference_is_the_same():
+    """Two evaluations solving nothing, or one problem, read B - A as 0.000 [0.000, 0.000]:
+    certainty that the same problems do not give (each side kept a width, the difference not).
+    There q = z^2 / (n + z^2) bounds the share of problems whose difference is another, and
+    such a difference lies in [-1, 1]."""
+    z2 = 1.959963984540054**2
+    nothing = paired_fraction_ci([0.0] * 30, [0.0] * 30, resamples=100)
+    assert nothing.mean == 0.0
+    assert nothing.high == pytest.approx(z2 / (30 + z2), rel=1e-12) == -nothing.low
+    assert nothing.high == pytest.approx(0.113513, abs=1e-6)  # each side's own upper end
+    # one problem, 0.375 better: q = z^2 / (1 + z^2) = 0.793451
+    one = paired_fraction_ci([0.0], [0.375], resamples=100)
+    assert one.mean == 0.375
+    assert one.low == pytest.approx(0.375 - 0.793451 * 1.375, abs=1e-6)
+    assert one.high == pytest.approx(0.375 + 0.793451 * 0.625, abs=1e-6)
+    # all better by 1: the upper end is 1 itself
+    assert paired_fraction_ci([0.0] * 3, [1.0] * 3).high == 1.0
+    # any spread in the differences: the paired bootstrap, draw for draw
+    a, b = [0.0, 0.25, 1.0, 0.5], [0.5, 0.25, 1.0, 1.0]
+    assert paired_fraction_ci(a, b, resamples=300, seed=2) == paired_bootstrap_ci(
+        a, b, resamples=300, seed=2
+    )
+    with pytest.raises(ValueError, match=r"b must be fractions in \[0, 1\]"):
+        paired_fraction_ci([0.5], [1.5])
+    records_a = {i: {"avg@k": 0.0, "len_mean": 12.0} for i in range(30)}
+    records_b = {i: {"avg@k": 0.0, "len_mean": 14.0} for i in range(30)}
+    both = compare(records_a, records_b, resamples=200)
+    assert both["avg@k"]["diff"] == nothing
+    assert both["len_mean"]["diff"] == Interval(2.0, 2.0, 2.0)  # no fraction: no bound to take
 
 
 def test_summarize_uses_keys_shared_by_all_records():

@@ -149,6 +149,37 @@ def paired_bootstrap_ci(
     return _bootstrap(_paired_differences(a, b), resamples, seed, level)
 
 
+def paired_fraction_ci(
+    a: Sequence[float],
+    b: Sequence[float],
+    *,
+    resamples: int = 10_000,
+    seed: int = 0,
+    level: float = 0.95,
+) -> Interval:
+    """:func:`paired_bootstrap_ci` for per-problem fractions in [0, 1].
+
+    Where every problem's difference ``b - a`` is the same ``d`` (one problem, or two
+    evaluations that agree on each), no resample can move the mean and the percentile
+    bootstrap's interval has zero width, as :func:`fraction_ci`'s would. There ``q``, the
+    Wilson upper bound on the share of problems whose difference is not ``d`` (none of ``n``
+    seen), bounds the mean: such a difference lies in [-1, 1], so the interval is
+    ``[d - q (1 + d), d + q (1 - d)]``. Two evaluations solving none of 30 problems read
+    0.000 [-0.114, 0.114] at 95%, as wide as each side's own interval.
+    """
+    check_resampling(resamples, level)
+    differences = _paired_differences(a, b)
+    for side, name in ((a, "a"), (b, "b")):
+        if min(side) < 0.0 or max(side) > 1.0:
+            raise ValueError(f"{name} must be fractions in [0, 1], got {min(side)}..{max(side)}")
+    if differences.min() != differences.max():
+        return _bootstrap(differences, resamples, seed, level)
+    d, n = float(differences[0]), differences.size
+    z2 = NormalDist().inv_cdf((1.0 + level) / 2.0) ** 2
+    q = z2 / (n + z2)  # Wilson's upper end at p = 0, as in fraction_ci
+    return Interval(mean=d, low=max(-1.0, d - q * (1 + d)), high=min(1.0, d + q * (1 - d)))
+
+
 def crossed_bootstrap_ci(
     values: Sequence[Sequence[float]],
     *,

@@ -25,6 +25,7 @@ from dapo.eval.intervals import (
     check_resampling,
     fraction_ci,
     paired_bootstrap_ci,
+    paired_fraction_ci,
     paired_permutation_pvalue,
 )
 from dapo.reward.tasks.base import gave_answer
@@ -190,6 +191,11 @@ def interval_of(key: str) -> Callable[..., Interval]:
     return fraction_ci if key in _FRACTIONS or key.startswith("pass@") else bootstrap_ci
 
 
+def paired_interval_of(key: str) -> Callable[..., Interval]:
+    """The paired interval of B - A for the metric ``key``, as :func:`interval_of` chooses."""
+    return paired_fraction_ci if interval_of(key) is fraction_ci else paired_bootstrap_ci
+
+
 def summarize(
     per_problem: Sequence[dict[str, float]],
     *,
@@ -266,7 +272,7 @@ def compare(
             "b": interval_of(key)(
                 [r[key] for r in in_order_b], resamples=resamples, seed=seed, level=level
             ),
-            "diff": paired_bootstrap_ci(
+            "diff": paired_interval_of(key)(
                 values_a, values_b, resamples=resamples, seed=seed, level=level
             ),
             "p": paired_permutation_pvalue(values_a, values_b, resamples=resamples, seed=seed),
