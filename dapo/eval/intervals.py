@@ -174,9 +174,8 @@ def paired_fraction_ci(
             raise ValueError(f"{name} must be fractions in [0, 1], got {min(side)}..{max(side)}")
     if differences.min() != differences.max():
         return _bootstrap(differences, resamples, seed, level)
-    d, n = float(differences[0]), differences.size
-    z2 = NormalDist().inv_cdf((1.0 + level) / 2.0) ** 2
-    q = z2 / (n + z2)  # Wilson's upper end at p = 0, as in fraction_ci
+    d = float(differences[0])
+    q = fraction_ci(np.zeros(differences.size), level=level).high  # none of n differ
     return Interval(mean=d, low=max(-1.0, d - q * (1 + d)), high=min(1.0, d + q * (1 - d)))
 
 
