@@ -405,12 +405,22 @@ def test_a_stop_signal_closes_the_source_as_a_run_that_ends(
     assert closed == [("source", signals == 2), ("engine", signals == 2)]
 
 
-def test_a_stop_signal_to_the_trainer_stops_the_generator_rank(demo_cache, tmp_path):
-    """SIGTERM to the trainer after its first checkpoint: it finishes the step, saves, and
-    stops the generator, which ends without an error within seconds. Not stopped, the
+@pytest.mark.parametrize(
+    "generators,signalled",
+    [(1, b"RANK=0"), (1, b"RANK=1"), (0, b"RANK=1")],
+    ids=["the-trainer", "the-generator", "another-trainer"],
+)
+def test_a_stop_signal_to_one_rank_stops_the_job_after_a_save(
+    demo_cache, tmp_path, generators, signalled
+):
+    """SIGTERM to one rank after the first checkpoint: every trainer finishes the step, saves,
+    and stops the generator, which ends without an error within seconds. Not stopped, the
     generator waited for weights until the trainer's exit broke its connection (an error
-    on the generator rank) or torchrun killed it."""
-    args = ["dist.rollout_ranks=1", "train.async_staleness=1", "train.steps=40"]
+    on the generator rank) or torchrun killed it. A trainer the signal did not reach failed
+    with a TypeError (it named the stop by its own signal: none); a generator's signal was
+    swallowed, and the run trained on to its last step."""
+    k = generators  # two trainers take turns with generation (k = 0)
+    args = [f"dist.rollout_ranks={generators}", f"train.async_staleness={k}", "train.steps=40"]
     args += ["run.name=stopped", f"embedded.cache_dir={demo_cache}"]
     proc = dapo_train(2, *TORCHRUN_DEMO, *args, out_dir=tmp_path, wait=False)
     latest = tmp_path / "stopped" / "checkpoints" / "latest"
@@ -424,10 +434,15 @@ def test_a_stop_signal_to_the_trainer_stops_the_generator_rank(demo_cache, tmp_p
         env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         ranks[next(v for v in env if v.startswith(b"RANK="))] = int(pid)
     t0 = time.monotonic()
-    os.kill(ranks[b"RANK=0"], signal.SIGTERM)
+    os.kill(ranks[signalled], signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     seconds = time.monotonic() - t0
     assert "stopped by SIGTERM after step" in err, err[-3000:]
+    relayed = "SIGTERM reached a generator rank: the trainers finish this step" in err
+    assert relayed == (generators and signalled == b"RANK=1"), err[-3000:]
+    # A trainer names torchrun's grace period (a generator's own stderr says nothing)
+    graced = "torchrun kills the ranks 30 s after it passes a signal on" in err
+    assert graced == (not relayed), err[-3000:]
     # One process would refuse this job's dist.rollout_ranks: the hint is the launch again.
     hint = f"Resume with: torchrun --nproc-per-node 2 -m dapo train --resume {tmp_path / 'stopped'}"
     assert hint in err, err[-3000:]

@@ -7,10 +7,21 @@ step in place (the weights are then mid-update and are not saved; the last check
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
 from typing import TextIO
+
+
+def _launcher_grace() -> str:
+    """What a rank adds under torchrun: its launcher's grace period (torchrun sets the run id)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return ""
+    return (
+        "; torchrun kills the ranks 30 s after it passes a signal on, unless it was launched "
+        "with a longer --shutdown-timeout (TORCH_ELASTIC_SHUTDOWN_TIMEOUT)"
+    )
 
 
 class StepAborted(Exception):
@@ -23,6 +34,15 @@ class RunStopped(Exception):
     def __init__(self, message: str, signum: int) -> None:
         super().__init__(message)
         self.exit_code = 128 + signum
+
+
+def stopped_after(signum: int, step: int, steps: int, resume: str) -> RunStopped:
+    """The stop, after step ``step`` of ``steps`` saved, that signal ``signum`` asked for."""
+    return RunStopped(
+        f"stopped by {signal.Signals(signum).name} after step {step} of {steps}; checkpoint "
+        f"saved. Resume with: {resume}",
+        signum,
+    )
 
 
 class GracefulStop:
@@ -49,7 +69,7 @@ class GracefulStop:
         self.signum = signum
         print(
             f"\n{self.name} received: finishing this step, then saving a checkpoint "
-            "(send it again to abort the step without saving it)",
+            f"(send it again to abort the step without saving it){_launcher_grace()}",
             file=self.stream,
             flush=True,
         )

@@ -26,6 +26,8 @@ run repeats itself and a resumed run continues exactly; at k = 0 the two roles t
 from __future__ import annotations
 
 import os
+import signal
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -42,6 +44,7 @@ from dapo.models.policy import DTYPES, compute_device, stop_token_ids
 from dapo.reward.pool import RewardPool
 from dapo.rollout import make_engine
 from dapo.rollout.base import close_engine
+from dapo.run.interrupt import GracefulStop
 from dapo.training.copies import frozen_dtype
 from dapo.training.exchange import LocalGroups, MiniBatch
 from dapo.training.generator_thread import GeneratorThread
@@ -93,6 +96,7 @@ class GeneratorRanks:
         self.received = state.step + len(self.ready) - 1  # the newest step the trainers have
         self.sent: int | None = None  # the newest weights sent
         self.stopped = False
+        self.signal_received = 0
         self.sync_s = 0.0
         dtype = frozen_dtype(state.model, DTYPES[cfg.model.compute_dtype])
         self.sender = weight_sync.Sender(dtype, state.device, lora.moving_names(state.model))
@@ -116,6 +120,15 @@ class GeneratorRanks:
         self.received = drawn.step
         self.state.sampler.load_state_dict(extra["sampler"])
         self.prior = tuple(extra["prior"])
+        signum = int(extra.get("signal", 0))
+        if signum and not self.signal_received and dist.is_main():
+            print(
+                f"\n{signal.Signals(signum).name} reached a generator rank: the trainers "
+                "finish this step, then save a checkpoint",
+                file=sys.stderr,
+                flush=True,
+            )
+        self.signal_received = self.signal_received or signum
 
     def _catch_up(self) -> None:
         """Receive every step the generators draw with the weights sent so far."""
@@ -197,10 +210,8 @@ def generate_on_this_rank(
 ) -> None:
     """A generator rank's run, around its own whole copy of the policy (``model``, its
     starting weights, replaced by the trainers' before its first step). A first stop signal
-    is left to the trainers (they stop the generators once they have saved); a second one
-    stops this rank."""
-    from dapo.run.interrupt import GracefulStop
-
+    is passed on to the trainers with the next step's rollouts (they stop after that step
+    and save, then stop the generators); a second one stops this rank."""
     device = compute_device(cfg.model.device)
     compute = DTYPES[cfg.model.compute_dtype]
     model = model.to(device, frozen_dtype(model, compute)).eval().requires_grad_(False)
@@ -224,18 +235,27 @@ def generate_on_this_rank(
     )
     failed = True
     try:
-        with open(os.devnull, "w") as quiet, GracefulStop(stream=quiet):
-            serve(drawer, staleness=cfg.train.async_staleness, steps=cfg.train.steps, device=device)
+        with open(os.devnull, "w") as quiet, GracefulStop(stream=quiet) as stop:
+            k, steps = cfg.train.async_staleness, cfg.train.steps
+            serve(drawer, staleness=k, steps=steps, device=device, stop=stop)
         failed = False
     finally:
         pool.close()
         close_engine(engine, failed=failed)
 
 
-def serve(drawer: Drawer, *, staleness: int, steps: int, device: torch.device) -> None:
+def serve(
+    drawer: Drawer,
+    *,
+    staleness: int,
+    steps: int,
+    device: torch.device,
+    stop: GracefulStop | None = None,
+) -> None:
     """A generator rank's whole run: ``drawer`` holds its frozen model (in the dtype the
     trainers send), engine, reward pool and prompt sampler; it draws steps until the
-    trainers stop it. ``staleness``, ``steps``: ``train.async_staleness``, ``train.steps``."""
+    trainers stop it. ``staleness``, ``steps``: ``train.async_staleness``, ``train.steps``;
+    ``stop``: the stop signal this rank (or another generator) received is sent on."""
     k, limit = staleness, steps
     start = roles.broadcast_json(None)
     drawer.sampler.load_state_dict(start["sampler"])
@@ -264,13 +284,16 @@ def serve(drawer: Drawer, *, staleness: int, steps: int, device: torch.device) -
         result = draw_step(drawer, step=step, version=version, prior=prior, local=local)
         prior = (result.groups_mixed, result.prompts_drawn)
         result = _whole(result, local)
+        signum = (stop.signum if stop else None) or 0
         if dist.world_size() > 1:
             drawer.timers["gen_slots"] = dist.all_reduce_sum(drawer.timers.get("gen_slots", 0.0))
+            signum = dist.all_reduce_max(signum)  # a signal to any generator
         drawn = StepRollouts(
             step, version, result, dict(drawer.timers), time.perf_counter() - t1, idle
         )
         if sends:
             extra = {"sampler": drawer.sampler.state_dict(), "prior": list(prior)}
+            extra["signal"] = signum
             message = encode(drawn, extra)
             roles.release_sent(pending)
             for dst in range(trainers):

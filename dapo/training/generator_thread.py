@@ -57,6 +57,8 @@ if TYPE_CHECKING:
 class GeneratorThread:
     """The generator thread and the steps it has drawn; see the module docstring."""
 
+    signal_received = 0  # a thread of this process: its signals are the process's
+
     def __init__(
         self,
         state: TrainState,

@@ -27,7 +27,7 @@ from dapo.models import lora
 from dapo.reward.pool import RewardPool
 from dapo.rollout.base import close_engine
 from dapo.run import checkpoint, launcher, model_files, rundir, sharded_checkpoint
-from dapo.run.interrupt import GracefulStop, RunStopped, StepAborted
+from dapo.run.interrupt import GracefulStop, RunStopped, StepAborted, stopped_after
 from dapo.run.metrics import MetricsLogger, NullLogger, open_wandb
 from dapo.run.progress import LiveProgress
 from dapo.run.seeding import derive_seed
@@ -224,12 +224,9 @@ class _Loop:
                 self.save()
         if self.saved_at != state.step:
             self.save()
-        if not done and self.stopping(stop):  # the same step on every rank
-            raise RunStopped(
-                f"stopped by {stop.name} after step {state.step} of {t.steps}; checkpoint "
-                f"saved. Resume with: {launcher.resume_command(self.run_dir)}",
-                stop.signum,
-            )
+        signum = 0 if done else self.stopping(stop)
+        if signum:  # the same step, and signal, on every rank
+            raise stopped_after(signum, state.step, t.steps, launcher.resume_command(self.run_dir))
         if fsdp.is_sharded(state.model):
             merge = lora.merger(state.model)
             sharded_checkpoint.export_model(
@@ -255,10 +252,10 @@ class _Loop:
         seconds = t.max_seconds and self.spent["step_seconds"] >= t.max_seconds
         return dist.any_rank(bool(tokens or seconds))
 
-    @staticmethod
-    def stopping(stop: GracefulStop) -> bool:
-        """Whether a stop signal reached any rank: all ranks stop after the same step."""
-        return dist.any_rank(stop.requested)
+    def stopping(self, stop: GracefulStop) -> int:
+        """The stop signal that reached any rank (a generator rank's, relayed by the source),
+        or 0: all ranks stop after the same step, named for the same signal."""
+        return int(dist.all_reduce_max(stop.signum or self.source.signal_received))
 
     def say(self, text: str) -> None:
         if self.progress is not None:

@@ -59,6 +59,10 @@ class StepRollouts:
 class RolloutSource(Protocol):
     """What the step needs of a source; the loop closes it after the last step."""
 
+    signal_received: int
+    """A stop signal that reached the processes drawing the rollouts (generator ranks), for
+    the loop to stop the trainers on too; 0: none."""
+
     def take(self, state: TrainState) -> StepRollouts:
         """The rollouts of step ``state.step``: drawn now, or taken once drawn elsewhere;
         their timers join the step's (``state.timers``)."""
@@ -96,6 +100,8 @@ class InTurn:
     engine from the current weights: the paper's synchronous schedule. Under ranks each
     rank draws its share of every round and keeps its groups whole until the plan says who
     trains them (:func:`dapo.training.exchange.deliver`)."""
+
+    signal_received = 0  # drawn in this process: its signals are its own
 
     def __init__(self) -> None:
         self.local = LocalGroups()
