@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -150,7 +153,37 @@ def test_a_lambda_or_a_nested_function_is_refused_with_the_reason() -> None:
     for fn in (lambda r, g: 1.0, nested):
         with pytest.raises(ValueError, match="import it by name, so a lambda, a nested function"):
             custom.spec_of(fn)
-    assert custom.spec_of(user_rewards.as_bool) == "user_rewards:as_bool"
+    assert custom.spec_of(json.dumps) == "json:dumps"  # installed: by name from anywhere
+
+
+def test_a_module_of_the_callers_own_directory_is_named_by_its_file() -> None:
+    """`from my_reward import score` in a script recorded my_reward:score, which imports only
+    with the script's directory on sys.path: `dapo train --resume` failed from anywhere else,
+    and the path its error suggested was refused as a change of the run."""
+    assert custom.spec_of(user_rewards.as_bool) == f"{USER}:as_bool"
+
+
+def test_a_script_that_multiprocessing_spawned_names_its_functions_by_its_file(tmp_path):
+    """A sweep's script, run again in a spawned (or forkserver) child, is __mp_main__ there:
+    its reward function was named '__mp_main__:reward', which no worker could import."""
+    script = tmp_path / "sweep.py"
+    script.write_text(
+        "import multiprocessing\n"
+        "from dapo.reward import custom\n\n"
+        "def reward(response, ground_truth):\n"
+        "    return 1.0\n\n"
+        "def spec(_):\n"
+        "    return custom.spec_of(reward)\n\n"
+        "if __name__ == '__main__':\n"
+        "    with multiprocessing.get_context('spawn').Pool(1) as pool:\n"
+        "        print(pool.map(spec, [0])[0])\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(custom.__file__).parents[2])}
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"{script.resolve()}:reward"
 
 
 # --- in the workers, under their bounds -----------------------------------------------------
@@ -228,7 +261,7 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 def test_dapo_train_with_reward_fn_is_the_command_with_reward_function(tmp_path, capsys) -> None:
-    spec = "user_rewards:ends_with_answer"
+    spec = f"{USER}:ends_with_answer"  # a module of the tests' own directory: by its file
     base = [*TINY, f"run.out_dir={tmp_path}"]
     result = dapo.train(overrides=[*base, "run.name=api"], reward_fn=user_rewards.ends_with_answer)
     assert main(["train", *base, "run.name=cli", f"reward.function={spec}"]) == 0
@@ -285,7 +318,7 @@ def test_dapo_evaluate_grades_with_reward_fn_as_the_command_does(tmp_path) -> No
     cli = json.loads((tmp_path / "cli" / "summary.json").read_text())
     assert result.out_dir == tmp_path / "api"
     assert result.metrics == cli["metrics"]
-    assert result.protocol["reward_function"] == "user_rewards:as_bool"
+    assert result.protocol["reward_function"] == f"{USER}:as_bool"
     assert 0.0 <= result.metrics["avg@k"]["mean"] <= 1.0
     assert not math.isnan(result.metrics["avg@k"]["mean"])
 

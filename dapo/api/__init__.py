@@ -6,11 +6,12 @@ a script.
     def reward(response: str, ground_truth: str) -> float:   # top level of a .py file
         return 1.0 if response.strip().endswith(ground_truth) else -1.0
 
-    cfg = dapo.load_config("recipes/smollm2-135m-arith.yaml", ["train.steps=10"])
-    result = dapo.train(cfg, reward_fn=reward)
-    print(result.run_dir, result.start_accuracy, result.end_accuracy)
-    scores = dapo.evaluate(result.run_dir / "model", "val.jsonl", k=8, reward_fn=reward)
-    dapo.export(result.run_dir, "exports/step-10", step=10)   # a checkpoint as a HF model
+    if __name__ == "__main__":   # reward workers import this file: its work runs only here
+        cfg = dapo.load_config("recipes/smollm2-135m-arith.yaml", ["train.steps=10"])
+        result = dapo.train(cfg, reward_fn=reward)
+        print(result.run_dir, result.start_accuracy, result.end_accuracy)
+        scores = dapo.evaluate(result.run_dir / "model", "val.jsonl", k=8, reward_fn=reward)
+        dapo.export(result.run_dir, "exports/step-10", step=10)   # a checkpoint as a HF model
 
 The command line parses its flags into exactly these calls, so a script and a command with
 the same settings make the same run. ``reward_fn`` must be a function at the top level of a

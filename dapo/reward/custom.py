@@ -25,7 +25,9 @@ import importlib
 import importlib.util
 import inspect
 import numbers
+import site
 import sys
+import sysconfig
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -194,16 +196,30 @@ def spec_of(fn: Callable[..., Any]) -> str:
             "method or a partial cannot reach them. Define it with def at the top level of a "
             ".py file and pass that function (or reward.function=PATH.py:NAME)"
         )
-    if module == "__main__":
-        main_file = getattr(sys.modules.get("__main__"), "__file__", None)
-        if main_file is None:
+    file = getattr(sys.modules.get(module), "__file__", None)
+    # The script (__mp_main__ in a process that multiprocessing spawned to run its work) is
+    # named by its file, as is a module of the caller's own directory, not installed: its
+    # name imports only while that directory is on sys.path, and the run's config must
+    # resume from any directory, with the dapo command as well as python -m dapo.
+    if module in ("__main__", "__mp_main__"):
+        if file is None:
             raise ValueError(
                 f"reward_fn={qualname} is defined in an interactive session, which worker "
                 "processes cannot import; put it in a .py file and pass reward_fn from there "
                 "(or reward.function=PATH.py:NAME)"
             )
-        return f"{Path(main_file).resolve()}:{qualname}"
+        return f"{Path(file).resolve()}:{qualname}"
+    if "." not in module and str(file).endswith(".py") and not _installed(Path(file).resolve()):
+        return f"{Path(file).resolve()}:{qualname}"
     return f"{module}:{qualname}"
+
+
+def _installed(path: Path) -> bool:
+    """Whether ``path`` lies in the standard library or an environment's site-packages,
+    where its module imports by name from any directory."""
+    places = [sysconfig.get_paths()[key] for key in ("purelib", "platlib", "stdlib")]
+    places += [*site.getsitepackages(), site.getusersitepackages()]
+    return any(path.is_relative_to(Path(place).resolve()) for place in places if place)
 
 
 def to_score(value: Any) -> Score:

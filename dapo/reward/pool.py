@@ -357,7 +357,8 @@ class RewardPool:
             self._stop(slot)
             raise RuntimeError(
                 f"reward worker {slot.name} died while starting ({how}); check that "
-                f"resolve ({self._resolve!r}) is importable in a fresh interpreter"
+                f"resolve ({self._resolve!r}) is importable in a fresh interpreter, and "
+                "that a script it imports keeps its work under if __name__ == '__main__':"
             )
         index, job = slot.pending.popleft()
         detail = f"worker grading verifier {job.data_source!r} died ({how})"
