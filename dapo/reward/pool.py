@@ -350,9 +350,8 @@ class RewardPool:
                 return
 
     def _on_death(self, slot: _Worker, scores: list[Score | None], faults: list[Fault]) -> None:
-        process = slot.process
-        process.join(1.0)  # EOF comes as it exits; let the exit code arrive too
-        how = describe_exit(process.exitcode)
+        slot.process.join(1.0)  # EOF comes as it exits; let the exit code arrive too
+        how = describe_exit(slot.process.exitcode)
         if not slot.ready:
             self._stop(slot)
             raise RuntimeError(
