@@ -132,6 +132,7 @@ def train(
         quiet: one plain line per step instead of the live display.
     """
     from dapo.api import training
+    from dapo.api.process_state import kept_process_state
 
     items = as_overrides(overrides)
     cfg, resume_dir = _config(config, items, base, preset, resume, overwrite, force)
@@ -139,7 +140,8 @@ def train(
         _set_reward_fn(cfg, reward_fn)
     if quiet:
         cfg.run.progress = "plain"
-    run_dir = training.run(cfg, resume_dir, overwrite=overwrite, reward_fn=reward_fn)
+    with kept_process_state():  # the caller's threads, kernels and generator, as they were
+        run_dir = training.run(cfg, resume_dir, overwrite=overwrite, reward_fn=reward_fn)
     assert run_dir is not None
     return _result(run_dir)
 
