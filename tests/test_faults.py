@@ -201,6 +201,34 @@ def test_second_signal_aborts_the_step_without_saving_it(
     assert _steps(run_dir) == [0, 1, 2, 3, 4]
 
 
+def test_second_signal_during_a_save_names_the_step_that_ended_unsaved(
+    tmp_path, tiny_model, tokenizer, monkeypatch
+):
+    """Two signals in the checkpoint of step 3: step 3 had ended (and was logged), and the
+    message said step 4 was aborted, a step that never began."""
+    cfg, train, val, run_dir, start = setup_run(tmp_path, tiny_model)
+    real_save = checkpoint.save
+
+    def save(run_dir, *, step, **kwargs):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_save(run_dir, step=step, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "save", save)
+    with pytest.raises(RunStopped) as err:
+        _fit(cfg, tiny_model, tokenizer, train, val, run_dir)
+    assert str(err.value) == (
+        "SIGTERM received twice: step 3 ended, but its evaluation or checkpoint was aborted, "
+        "and not saved; the last checkpoint is step_000002. Resume with: dapo train --resume "
+        f"{run_dir}"
+    )
+    assert checkpoint.find_latest(run_dir).name == "step_000002"
+    monkeypatch.undo()
+    _fit(cfg, start, tokenizer, train, val, run_dir, resume=True)
+    assert _steps(run_dir) == [0, 1, 2, 3, 4]
+
+
 # ----------------------------------------------------------------------------- verifier faults
 
 

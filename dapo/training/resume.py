@@ -23,6 +23,7 @@ from dapo.config import Config, load_config
 from dapo.config.loading import RESUME_INEXACT_FIELDS
 from dapo.data.problems import Problem, PromptSampler, problems_digest
 from dapo.run import checkpoint, launcher
+from dapo.run.interrupt import GracefulStop, RunStopped
 from dapo.run.nofollow import open_fd
 
 
@@ -171,3 +172,16 @@ def retry_hint(run_dir: Path | str, fix: str) -> str:
     """How to go on after a run stopped on a failure that ``fix`` (a changed setting) cures."""
     resumable = checkpoint.find_latest(Path(run_dir)) is not None
     return launcher.retry_hint(run_dir, fix, resumable=resumable)
+
+
+def aborted(run_dir: Path, step: int, stepping: bool, stop: GracefulStop) -> RunStopped:
+    """The stop of a second signal during ``step`` (``stepping``: in its updates), or after
+    them, in its evaluation or checkpoint: either way nothing of it is saved."""
+    ckpt = checkpoint.read_pointer(run_dir)
+    where = f"the last checkpoint is {ckpt.name}" if ckpt else "no checkpoint was written"
+    what = "aborted" if stepping else "ended, but its evaluation or checkpoint was aborted,"
+    return RunStopped(
+        f"{stop.name} received twice: step {step} {what} and not saved; {where}. Resume "
+        f"with: {launcher.resume_command(run_dir)}",
+        stop.signum or 2,
+    )
