@@ -83,6 +83,7 @@ def run_rank(
     d = cfg.dist
     dist.init_from_env(timeout_s=d.timeout_s, wait_timeout_s=d.wait_timeout_s)
     watch_launcher(dist.rank())
+    check_same_config(cfg)
     roles.check(d.rollout_ranks, dist.job_size())
     roles.split(d.rollout_ranks, wait_timeout_s=d.wait_timeout_s, timeout_s=d.timeout_s)
     if not dist.is_main():
@@ -235,6 +236,31 @@ def _train(
             elif opened.lock is not None:
                 opened.lock.release()
     return Path(run_dir)
+
+
+def check_same_config(cfg: Config) -> None:
+    """Refuse a job whose ranks hold different configs (a node given another file or other
+    overrides): each would train its own shard its own way, or wait on a collective the
+    others never reach, with nothing to name the cause."""
+    from dapo import dist
+
+    configs = dist.gather_lists([cfg.to_dict()])
+    ranks = {}
+    for rank, other in enumerate(configs[1:], start=1):
+        fields = [
+            f"{section}.{key}={other[section].get(key)!r} (rank 0: {value!r})"
+            for section, values in configs[0].items()
+            for key, value in values.items()
+            if other.get(section, {}).get(key) != value
+        ]
+        if fields:
+            ranks[rank] = ", ".join(fields[:3]) + (" ..." if len(fields) > 3 else "")
+    if ranks:
+        listing = "; ".join(f"rank {r}: {fields}" for r, fields in ranks.items())
+        raise ValueError(
+            f"the job's ranks were started with different settings: {listing}. Every rank "
+            "(on every node) must run the same command, with the same config file and overrides"
+        )
 
 
 def _checked_run_dir(cfg: Config, resume_dir: Path | None, overwrite: bool, data: RunData) -> None:
