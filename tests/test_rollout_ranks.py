@@ -168,8 +168,19 @@ def test_bad_rollout_ranks_are_refused_naming_the_field_and_the_fix():
         _cfg("dist.rollout_ranks=-1")
     with pytest.raises(ValueError, match=r"rollout_ranks=2 leaves no trainer among 2 ranks.*1"):
         inputs.check_async(_cfg("dist.rollout_ranks=2"), world_size=2)
-    with pytest.raises(ValueError, match=r"rollout_ranks=1 gives ranks of a torchrun job"):
-        inputs.check_async(_cfg("dist.rollout_ranks=1"), world_size=1)
+    # One process: dist.rollout_ranks=0 first, which a resume accepts (a changed
+    # train.async_staleness it refuses, so naming only that sent a resumed run nowhere).
+    for k in (0, 1):
+        with pytest.raises(ValueError) as refused:
+            inputs.check_async(
+                _cfg("dist.rollout_ranks=1", f"train.async_staleness={k}"), world_size=1
+            )
+        assert str(refused.value) == (
+            "dist.rollout_ranks=1 gives ranks of a torchrun job the role of generating; in one "
+            "process set dist.rollout_ranks=0 (on --resume too): a generator thread then draws "
+            "on the same schedule (train.async_staleness=k >= 1; at 0 each step draws in "
+            "turn), or launch with torchrun --nproc-per-node N and N > dist.rollout_ranks"
+        )
     with pytest.raises(ValueError, match=r"rollout.tp_size=2 with dist.rollout_ranks=1.*tp_size=1"):
         inputs.check_async(_cfg("dist.rollout_ranks=1", "rollout.tp_size=2"), world_size=4)
     with pytest.raises(ValueError, match=r"set dist.rollout_ranks=R"):

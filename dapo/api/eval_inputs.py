@@ -1,9 +1,11 @@
 """An evaluation's settings (:class:`EvalRequest`), and what ``dapo eval`` reads before its
 model loads: the problems of ``--data`` (read as its flags say, every row's verifier found,
-the code sandbox picked) and the settings of ``--config``."""
+the code sandbox picked), the settings of ``--config``, and whether MODEL_DIR holds weights."""
 
 from __future__ import annotations
 
+import os
+import re
 import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -96,6 +98,32 @@ def run_config(req: EvalRequest) -> Any:
             f"it, and give a config whose {key} names the copy"
         )
     return cfg
+
+
+def weightless_checkpoint_model(model: Path) -> str | None:
+    """Why ``model`` is not a model to evaluate when it is the ``model/`` of a checkpoint
+    written under torchrun: its config and tokenizer, the weights being DCP shards in the
+    sibling ``state/`` (transformers would say only that no model.safetensors is there). None
+    for a directory that holds weights, or is no such ``model/``."""
+    from dapo.run.checkpoint import CKPT_DIR
+
+    here = Path(os.path.abspath(model))  # "." and ".." have no parent to look at
+    weights = [*here.glob("*.safetensors"), *here.glob("*.bin")]
+    if weights or not (here / "config.json").is_file() or not (here.parent / "state").is_dir():
+        return None
+    ckpt = here.parent
+    step = re.fullmatch(r"step_(\d{6,})", ckpt.name)
+    if step and ckpt.parent.name == CKPT_DIR:
+        run = ckpt.parent.parent
+        shown = run if model.is_absolute() else os.path.relpath(run)  # as the user spelled it
+        export = f"dapo export {shown} --step {int(step[1])} --out DIR"
+    else:  # moved out of its run directory: no run or step to name
+        export = "dapo export RUN_DIR --step N --out DIR"
+    return (
+        "the config and tokenizer of a checkpoint written under torchrun, without its weights "
+        f"(DCP shards in the checkpoint's state/): export the checkpoint, `{export}` (with "
+        "--merge for a LoRA run), and evaluate DIR"
+    )
 
 
 def _read(req: EvalRequest) -> list:

@@ -15,7 +15,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from dapo.api.eval_inputs import EvalRequest, data_options, problems_of, run_config
+from dapo.api.eval_inputs import (
+    EvalRequest,
+    data_options,
+    problems_of,
+    run_config,
+    weightless_checkpoint_model,
+)
 
 DEFAULT_OUT = "evals"
 
@@ -156,7 +162,8 @@ def _check(req: EvalRequest, reward_fn: Callable[..., Any] | None) -> None:
         from dapo.models import hub
 
         found = hub.resolve(req.model, setting="MODEL")
-        if not (found / "config.json").is_file():
+        why = weightless_checkpoint_model(found)  # before transformers names a missing file
+        if why is None and not (found / "config.json").is_file():
             why = "not a saved model directory (no config.json), nor a Hub model id in the cache"
             if (found / "adapter_config.json").is_file():  # what `dapo export` of LoRA writes
                 why = (
@@ -164,6 +171,7 @@ def _check(req: EvalRequest, reward_fn: Callable[..., Any] | None) -> None:
                     "model: export the run merged, `dapo export RUN --merge --out DIR`, and "
                     "evaluate DIR"
                 )
+        if why is not None:
             raise ValueError(f"{req.model} is {why}")
     _check_out(out_dir(req))
     if reward_fn is not None:

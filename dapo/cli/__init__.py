@@ -75,6 +75,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    refused = once_per_rank(args.command)
+    if refused is not None:
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # once a node, not once a rank
+            print(f"dapo: error: {refused}", file=sys.stderr)
+        return 2  # nothing started: no process group to leave with os._exit
     from transformers.utils import logging as hf_logging
 
     from dapo.run.checkpoint import CheckpointError
@@ -151,6 +156,28 @@ def path_refused(exc: BaseException) -> tuple[str, int] | None:
         return None
     verb, code, fix = known
     return f"{verb} {os.fsdecode(path)}: {exc.strerror}; {fix}", code
+
+
+RANKED_COMMANDS = frozenset({"train"})
+"""The commands whose ranks under torchrun share one job; any other would run whole on each."""
+
+
+def once_per_rank(command: str) -> str | None:
+    """Why ``command`` may not run here: under a torchrun job of several ranks, each would run
+    it whole (two exports into one directory, one of them failing; an evaluation writing its
+    files twice at once). None in one process, under torchrun of one rank, or for ``train``.
+    The environment is read as :func:`dapo.dist.launched` reads it, without importing torch."""
+    if command in RANKED_COMMANDS or not all(
+        name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR")
+    ):
+        return None
+    if os.environ["WORLD_SIZE"].strip() == "1":
+        return None
+    return (
+        f"dapo {command} runs in one process; torchrun starts it once per rank (WORLD_SIZE="
+        f"{os.environ['WORLD_SIZE']}): run python -m dapo {command} ... (or dapo {command} ...) "
+        "without torchrun (only dapo train uses ranks)"
+    )
 
 
 def launched() -> bool:

@@ -51,10 +51,14 @@ class Roles:
 def check(rollout_ranks: int, world_size: int) -> None:
     """Refuse ``dist.rollout_ranks`` that leaves no trainer (before any model loads)."""
     if rollout_ranks and world_size == 1:
+        # dist.rollout_ranks=0 first: a resume accepts it (train.async_staleness may not
+        # change on one), and at the run's staleness a thread draws what the ranks would.
         raise ValueError(
             f"dist.rollout_ranks={rollout_ranks} gives ranks of a torchrun job the role of "
-            "generating; in one process use train.async_staleness=k (a generator thread), "
-            "or launch with torchrun --nproc-per-node N and N > dist.rollout_ranks"
+            "generating; in one process set dist.rollout_ranks=0 (on --resume too): a generator "
+            "thread then draws on the same schedule (train.async_staleness=k >= 1; at 0 each "
+            "step draws in turn), or launch with torchrun --nproc-per-node N and "
+            "N > dist.rollout_ranks"
         )
     if rollout_ranks >= world_size:
         raise ValueError(
