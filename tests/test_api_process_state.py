@@ -44,3 +44,14 @@ def test_the_state_is_put_back_when_the_call_fails(monkeypatch):
     assert not torch.are_deterministic_algorithms_enabled()
     assert os.environ[WORKSPACE] == ":16:8"
     assert hf_logging.is_progress_bar_enabled()
+
+
+def test_an_evaluation_leaves_threads_and_generator_as_they_were(tmp_path):
+    threads = torch.get_num_threads()
+    torch.manual_seed(99)
+    expected = torch.rand(3)
+    torch.manual_seed(99)
+    settings = dict(max_new_tokens=8, num_problems=2, out=tmp_path / "e", threads=1)
+    dapo.evaluate("embedded", "arith", k=2, **settings)
+    assert torch.equal(torch.rand(3), expected)
+    assert torch.get_num_threads() == threads

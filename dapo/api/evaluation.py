@@ -73,7 +73,10 @@ def evaluate(
     )
     if request.out is not None:
         request.out = Path(request.out)
-    return run(request, reward_fn=reward_fn)
+    from dapo.api.process_state import kept_process_state
+
+    with kept_process_state():  # the caller's threads and generator, as they were
+        return run(request, reward_fn=reward_fn)
 
 
 def run(req: EvalRequest, *, reward_fn: Callable[..., Any] | None = None) -> EvalResult:
