@@ -95,3 +95,14 @@ def test_both_sides_of_compare_and_a_moved_checkpoint_are_refused(run_dir, tmp_p
     code, err = _eval(capsys, run_dir, str(moved / "model"))
     generic = WHY.format(run="RUN_DIR", step="N")
     assert (code, err) == (2, f"dapo: error: {moved / 'model'} {generic}\n")
+
+
+def test_compare_refuses_side_b_before_side_a_is_sampled(run_dir, tmp_path, capsys):
+    """--compare GOOD CKPT/model sampled every problem of A (minutes on a real model) before
+    B was refused: both sides are checked first."""
+    model_dir = run_dir / "checkpoints" / "step_000003" / "model"
+    out = tmp_path / "cmp"
+    code, err = _eval(capsys, run_dir, "--compare", "embedded", str(model_dir), "--out", str(out))
+    assert code == 2
+    assert err == f"dapo: error: {model_dir} {WHY.format(run=run_dir, step=3)}\n"
+    assert not out.exists()  # A was not evaluated

@@ -89,7 +89,7 @@ def run(req: EvalRequest, *, reward_fn: Callable[..., Any] | None = None) -> Eva
     from dapo.rollout import make_engine
     from dapo.training.state import engine_stops, reward_pool, runner_for
 
-    _check(req, reward_fn)
+    check_request(req, reward_fn)
     ks, phrases = _ks(req.pass_k, req.k), _phrases(req.phrases)
     problems = problems_of(req)
     model, tokenizer = _model(req)  # a model that does not load leaves no directory behind
@@ -136,7 +136,7 @@ def run(req: EvalRequest, *, reward_fn: Callable[..., Any] | None = None) -> Eva
     return EvalResult(out_dir=out, metrics=metrics, protocol=protocol)
 
 
-def _check(req: EvalRequest, reward_fn: Callable[..., Any] | None) -> None:
+def check_request(req: EvalRequest, reward_fn: Callable[..., Any] | None = None) -> None:
     from dapo.eval.intervals import check_resampling
     from dapo.reward import custom
 

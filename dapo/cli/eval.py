@@ -275,7 +275,7 @@ def _record(line: str) -> tuple[str, dict[str, float], str | None] | None:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from dapo.api.evaluation import out_dir
+    from dapo.api.evaluation import check_request, out_dir
     from dapo.eval.metrics import compare
 
     a_path, b_path = args.compare
@@ -289,15 +289,19 @@ def cmd_compare(args: argparse.Namespace) -> int:
         # same data, k and seed, so that both sides see the same problems.
         if not args.data:
             raise ValueError("--compare with a model directory needs --data FILE (or arith)")
-        evaluated = []
+        ones = {}
         for side, path in (("A", a_path), ("B", b_path)):
             if _is_model(path):
                 one = argparse.Namespace(**{**vars(args), "model": str(path), "compare": None})
                 one.out = args.out / side if args.out else None
-                cmd_eval(one)
-                path = out_dir(_request(one))
-            evaluated.append(path)
-        a_path, b_path = evaluated
+                check_request(_request(one))  # both sides, before A is sampled for minutes
+                ones[side] = one
+        for one in ones.values():
+            cmd_eval(one)
+        a_path, b_path = (
+            out_dir(_request(ones[side])) if side in ones else path
+            for side, path in (("A", a_path), ("B", b_path))
+        )
     else:
         _refuse_unused_flags(args)
     (a, truths_a), (b, truths_b) = _read_problems(a_path), _read_problems(b_path)
