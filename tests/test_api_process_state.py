@@ -3,7 +3,9 @@ started capped at the thread count the last one ended at, deterministic where it
 nothing, its random draws re-seeded, and with a loading bar printed at every checkpoint."""
 
 import os
+import random
 
+import numpy as np
 import pytest
 import torch
 from helpers import SMALL
@@ -55,3 +57,29 @@ def test_an_evaluation_leaves_threads_and_generator_as_they_were(tmp_path):
     dapo.evaluate("embedded", "arith", k=2, **settings)
     assert torch.equal(torch.rand(3), expected)
     assert torch.get_num_threads() == threads
+
+
+def test_a_resume_leaves_pythons_and_numpys_generators_as_they_were(tmp_path):
+    """A resume sets every generator to its checkpoint's: the caller's random and numpy
+    draws went on from the checkpoint's state."""
+    overrides = [*SMALL, "train.steps=1", f"run.out_dir={tmp_path}", "run.name=r"]
+    dapo.train(overrides=overrides, quiet=True)
+    random.seed(5)
+    np.random.seed(5)
+    expected = (random.random(), float(np.random.rand()))
+    random.seed(5)
+    np.random.seed(5)
+    dapo.train(overrides=["train.steps=2"], resume=tmp_path / "r", quiet=True)
+    assert (random.random(), float(np.random.rand())) == expected
+
+
+def test_the_gpus_generators_are_put_back_once_cuda_is_in_use(monkeypatch):
+    """torch.manual_seed(train.seed) seeds every GPU's generator too."""
+    states = [torch.tensor([1], dtype=torch.uint8), torch.tensor([2], dtype=torch.uint8)]
+    put_back = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: list(states))
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", put_back.append)
+    with kept_process_state():
+        pass
+    assert put_back == [states]
