@@ -229,6 +229,33 @@ def test_second_signal_during_a_save_names_the_step_that_ended_unsaved(
     assert _steps(run_dir) == [0, 1, 2, 3, 4]
 
 
+def test_second_signal_in_the_final_export_says_the_last_step_is_saved(
+    tmp_path, tiny_model, tokenizer, monkeypatch
+):
+    """Two signals while model/ is written after the last step's checkpoint: the message said
+    that step was not saved, and named its checkpoint as the last one in the same breath."""
+    cfg, train, val, run_dir, start = setup_run(tmp_path, tiny_model)
+    real_export = checkpoint.export_model
+
+    def export_model(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real_export(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "export_model", export_model)
+    with pytest.raises(RunStopped) as err:
+        _fit(cfg, tiny_model, tokenizer, train, val, run_dir)
+    assert str(err.value) == (
+        "SIGTERM received twice after step 4 was saved (step_000004): what followed was "
+        "aborted (a resume writes the model/ of a run's last step). Resume with: dapo train "
+        f"--resume {run_dir}"
+    )
+    assert not (run_dir / "model").exists()
+    monkeypatch.undo()
+    _fit(cfg, start, tokenizer, train, val, run_dir, resume=True)
+    assert (run_dir / "model" / "config.json").is_file()
+
+
 # ----------------------------------------------------------------------------- verifier faults
 
 

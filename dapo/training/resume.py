@@ -178,10 +178,16 @@ def aborted(run_dir: Path, step: int, stepping: bool, stop: GracefulStop) -> Run
     """The stop of a second signal during ``step`` (``stepping``: in its updates), or after
     them, in its evaluation or checkpoint: either way nothing of it is saved."""
     ckpt = checkpoint.read_pointer(run_dir)
+    resume = f"Resume with: {launcher.resume_command(run_dir)}"
+    if not stepping and ckpt is not None and ckpt.name == checkpoint.step_dir_name(step):
+        return RunStopped(  # what came after the save: the final model/ export, or the stop
+            f"{stop.name} received twice after step {step} was saved ({ckpt.name}): what "
+            f"followed was aborted (a resume writes the model/ of a run's last step). {resume}",
+            stop.signum or 2,
+        )
     where = f"the last checkpoint is {ckpt.name}" if ckpt else "no checkpoint was written"
     what = "aborted" if stepping else "ended, but its evaluation or checkpoint was aborted,"
     return RunStopped(
-        f"{stop.name} received twice: step {step} {what} and not saved; {where}. Resume "
-        f"with: {launcher.resume_command(run_dir)}",
+        f"{stop.name} received twice: step {step} {what} and not saved; {where}. {resume}",
         stop.signum or 2,
     )
