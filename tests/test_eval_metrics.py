@@ -261,6 +261,12 @@ def test_a_paired_fraction_difference_keeps_a_width_where_every_difference_is_th
     assert one.mean == 0.375
     assert one.low == pytest.approx(0.375 - 0.793451 * 1.375, abs=1e-6)
     assert one.high == pytest.approx(0.375 + 0.793451 * 0.625, abs=1e-6)
+    # better by 1/10 on each, in floats that differ in their last bits: the same difference
+    tenth = paired_fraction_ci([0.1, 0.3, 0.6], [0.2, 0.4, 0.7], resamples=100)
+    q = z2 / (3 + z2)
+    assert tenth.mean == pytest.approx(0.1, abs=1e-15)
+    assert tenth.low == pytest.approx(0.1 - q * 1.1, abs=1e-12)
+    assert tenth.high == pytest.approx(0.1 + q * 0.9, abs=1e-12)
     # all better by 1: the upper end is 1 itself
     assert paired_fraction_ci([0.0] * 3, [1.0] * 3).high == 1.0
     # any spread in the differences: the paired bootstrap, draw for draw

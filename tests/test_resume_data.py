@@ -46,8 +46,9 @@ def test_a_changed_validation_file_is_refused_on_resume(started, capsys):
     assert main(["train", "--resume", str(run), "train.steps=2"]) == 2
     err = capsys.readouterr().err
     assert "the run was evaluated on 3 validation problems" in err
-    assert "data.val_file now gives 2" in err
-    assert "Resume with the file the run started with" in err
+    assert "and this resume reads 2 other ones" in err
+    assert "data.val_file changed since, or a forced data.* or arith.* setting" in err
+    assert "Resume with the file and settings the run started with" in err
     lines = (run / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [0, 1]  # the run left as it was
 

@@ -83,11 +83,12 @@ def _check_problems(
         return
     raise ValueError(
         f"--resume {run_dir}: the run was evaluated on {saved['problems']} validation problems "
-        f"(digest {saved['digest'][:12]}), and data.val_file now gives {now['problems']} "
-        f"(digest {now['digest'][:12]}): the file changed since, and the figures after this "
-        "resume would not compare with the run's earlier ones (its step-0 baseline among "
-        "them). Resume with the file the run started with, or evaluate the run's checkpoints "
-        "on the new file with dapo eval"
+        f"(digest {saved['digest'][:12]}), and this resume reads {now['problems']} other ones "
+        f"(digest {now['digest'][:12]}): data.val_file changed since, or a forced data.* or "
+        "arith.* setting reads it otherwise, and the figures after this resume would not "
+        "compare with the run's earlier ones (its step-0 baseline among them). Resume with "
+        "the file and settings the run started with, or evaluate the run's checkpoints on "
+        "the new problems with dapo eval"
     )
 
 
