@@ -57,4 +57,11 @@ def load_environment(spec: str, settings: Any = None) -> Environment | None:
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise ValueError(f"env.class={spec!r} is a {type(cls).__name__}; {FIX}")
     takes_settings = len(inspect.signature(cls).parameters) > 0
-    return cls(settings) if takes_settings else cls()
+    if spec in BUILTIN:
+        return cls(settings) if takes_settings else cls()
+    try:
+        return cls(settings) if takes_settings else cls()
+    except Exception as exc:
+        raise ValueError(
+            f"env.class={spec!r}: constructing {cls.__name__} raised {type(exc).__name__}: {exc}"
+        ) from exc

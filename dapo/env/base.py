@@ -119,3 +119,47 @@ def turn_end_ids(tokenizer: Any, texts: tuple[str, ...]) -> list[int]:
             "the text of one token (a string the tokenizer splits never ends a turn)"
         )
     return sorted(ids)
+
+
+_FIELD_TYPES = {"text": str, "done": bool, "tool_call": bool, "error": bool}
+
+
+def checked_observation(answer: Observation, where: str) -> Observation:
+    """``answer`` when its fields are of their types (``reward`` is checked apart); else a
+    TypeError naming ``where`` (the environment's step and row): a text of bytes or a
+    ``seconds`` of None failed deep in the tokenizer or a sum, naming neither."""
+    for name, kind in _FIELD_TYPES.items():
+        if not isinstance(getattr(answer, name), kind):
+            value = getattr(answer, name)
+            raise TypeError(
+                f"{where}: Observation.{name} is {type(value).__name__} {str(value)[:60]!r}, "
+                f"not {kind.__name__}"
+            )
+    seconds = answer.seconds
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+        raise TypeError(
+            f"{where}: Observation.seconds is {type(seconds).__name__}, not a number of seconds"
+        )
+    return answer
+
+
+def messages_of(env: Environment, problem: Problem) -> list[dict[str, str]]:
+    """``env.messages(problem)``, checked: what it raises, or a value that is not a list of
+    chat messages (a string was blamed on the tokenizer's chat template), is named with the
+    environment and the row."""
+    where = f"env.class: {type(env).__name__}.messages on row {problem.uid}"
+    try:
+        messages = env.messages(problem)
+    except Exception as exc:
+        raise RuntimeError(f"{where} raised {type(exc).__name__}: {exc}") from exc
+    listed = list(messages) if isinstance(messages, list | tuple) else None
+    ok = listed is not None and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in listed
+    )
+    if not ok or not listed:
+        raise TypeError(
+            f"{where} returned {type(messages).__name__} {str(messages)[:60]!r}; return a "
+            'non-empty list of messages, each {"role": str, "content": str}'
+        )
+    return listed

@@ -38,7 +38,7 @@ import torch
 from dapo.data.batch import Trace
 from dapo.data.problems import Problem
 from dapo.env import Environment, History, Observation, turn_end_ids
-from dapo.env.base import model_text_of
+from dapo.env.base import checked_observation, messages_of, model_text_of
 from dapo.reward.jobs import MAX_ABS_SCORE
 from dapo.reward.tasks import Score
 from dapo.rollout.base import Engine, Rollout, concat_rollouts
@@ -47,6 +47,8 @@ from dapo.run.seeding import derive_seed
 
 CUT_MARKER = "\n... (cut)\n"
 """Ends an observation cut to ``env.max_observation_tokens``."""
+CHARS_PER_TOKEN = 32  # characters of an observation read per token kept: far above a token's
+
 PAUSES_PER_TURN = 4
 """An episode may pause (stop at a turn end the environment answers with nothing) this many
 times per ``env.max_turns``: a model that writes fence after fence would otherwise cost a
@@ -159,7 +161,7 @@ class EpisodeRunner:
 
     def staged(self, problem: Problem) -> Problem:
         """``problem`` with the first messages of the environment (what the prompt renders)."""
-        return replace(problem, messages=tuple(self.env.messages(problem)))
+        return replace(problem, messages=tuple(messages_of(self.env, problem)))
 
     def generate(
         self,
@@ -266,12 +268,10 @@ class EpisodeRunner:
                 f"env.class: {type(self.env).__name__}.step raised on row "
                 f"{history.problem.uid} (turn {history.turns}): {type(exc).__name__}: {exc}"
             ) from exc
+        where = f"env.class: {type(self.env).__name__}.step on row {history.problem.uid}"
         if not isinstance(answer, Observation):
-            raise TypeError(
-                f"env.class: {type(self.env).__name__}.step returned "
-                f"{type(answer).__name__} on row {history.problem.uid}; return a "
-                "dapo.env.Observation"
-            )
+            raise TypeError(f"{where} returned {type(answer).__name__}; return an Observation")
+        checked_observation(answer, where)
         if answer.done and answer.reward is not None:
             # A Python float from here on: a numpy or torch scalar passed the check but broke
             # the JSON of rollouts saved or sent (async runs, generator ranks).
@@ -306,8 +306,9 @@ class EpisodeRunner:
         if row.turns >= self.max_turns:
             return False
         if not answer.text and not answer.tool_call:  # a pause: the turn goes on
-            row.pauses += 1
-            row.paused = row.pauses <= PAUSES_PER_TURN * self.max_turns
+            row.pauses += 1  # ... unless the message ended at L_max: no room to go on in
+            room = len(row.tokens) < max_new_tokens
+            row.paused = room and row.pauses <= PAUSES_PER_TURN * self.max_turns
             return row.paused
         ids = self.observation_ids(answer.text)
         room = max_new_tokens - len(row.tokens)
@@ -321,10 +322,12 @@ class EpisodeRunner:
         return not row.truncated
 
     def observation_ids(self, text: str) -> list[int]:
-        """``text``'s tokens, cut to ``max_observation_tokens`` with :data:`CUT_MARKER`."""
-        ids = self._plain_ids(text) if text else []
+        """``text``'s tokens, cut to ``max_observation_tokens`` with :data:`CUT_MARKER`; only
+        its first :data:`CHARS_PER_TOKEN` x that many characters are tokenized (a megabyte
+        of output was tokenized whole, in the main thread, outside any deadline)."""
         limit = self.max_observation_tokens
-        if len(ids) <= limit:
+        ids = self._plain_ids(text[: limit * CHARS_PER_TOKEN]) if text else []
+        if len(ids) <= limit and len(text) <= limit * CHARS_PER_TOKEN:
             return ids
         marker = self._plain_ids(CUT_MARKER)
         if len(marker) >= limit:
