@@ -69,9 +69,9 @@ def test_a_huge_observation_is_cut_before_it_is_tokenized(tokenizer):
     assert ids == head[: 16 - len(marker)] + marker
     assert max(counting.lengths) == 16 * CHARS_PER_TOKEN  # not 4 MB
     # Short observations are as before: whole, no marker.
-    assert runner.observation_ids(" 1 2") == tokenizer(" 1 2", add_special_tokens=False)[
-        "input_ids"
-    ]
+    assert (
+        runner.observation_ids(" 1 2") == tokenizer(" 1 2", add_special_tokens=False)["input_ids"]
+    )
 
 
 class Wrong(Says):

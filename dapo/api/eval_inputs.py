@@ -1,6 +1,7 @@
 """An evaluation's settings (:class:`EvalRequest`), and what ``dapo eval`` reads before its
 model loads: the problems of ``--data`` (read as its flags say, every row's verifier found,
-the code sandbox picked), the settings of ``--config``, and whether MODEL_DIR holds weights."""
+the code sandbox picked, and the sandbox of ``--config``'s tool), the settings of ``--config``,
+and whether MODEL_DIR holds weights."""
 
 from __future__ import annotations
 
@@ -75,7 +76,23 @@ def problems_of(req: EvalRequest) -> list:
         print(f"code rows: graded in the {mode} sandbox", file=sys.stderr)
         if mode == "process":
             print(f"dapo: warning: {sandbox.process_mode_warning()}", file=sys.stderr)
+    _check_tool_sandbox(req)
     return problems
+
+
+def _check_tool_sandbox(req: EvalRequest) -> None:
+    """Say which sandbox the Python tool of ``--config``'s ``env.class`` runs the model's code
+    in, and warn, as for code rows, of ``process``, which isolates nothing."""
+    if not req.config:
+        return  # the defaults: no environment
+    from dapo.training.inputs import tool_process_warning, tool_sandbox_mode
+
+    cfg = run_config(req)
+    mode = tool_sandbox_mode(cfg)
+    if mode:
+        print(f"tool calls: run in the {mode} sandbox", file=sys.stderr)
+    if mode == "process":
+        print(f"dapo: warning: {tool_process_warning(cfg)}", file=sys.stderr)
 
 
 def run_config(req: EvalRequest) -> Any:

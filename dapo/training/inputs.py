@@ -95,7 +95,13 @@ def load_run_data(cfg: Config) -> RunData:
 
 
 def check_verifiers(cfg: Config, data: RunData) -> None:
-    """Every row must have a verifier before the first rollout, not at it."""
+    """Every row must have a verifier before the first rollout, not at it (and the warning of
+    a sandbox mode that isolates nothing, for ``code`` rows or the environment's tool)."""
+    # Before the return below: a reward function grades no code, but the tool still runs it.
+    # Only process asked for by name is process (auto never falls back to it): no other
+    # setting loads the environment again.
+    if cfg.env.tool_sandbox == "process" and tool_sandbox_mode(cfg) == "process":
+        data.warnings.append(tool_process_warning(cfg))
     if cfg.reward.function:
         return  # it grades every row, whatever its data_source (check_reward_function)
     sources = {cfg.reward.mode} if cfg.reward.mode else {p.data_source for p in data.train}
@@ -147,6 +153,38 @@ def check_environment(cfg: Config) -> None:
             f"episodes: env.class={cfg.env.class_} ({type(env).__name__}), up to "
             f"{cfg.env.max_turns} model turns, L_max {cfg.rollout.max_new_tokens} in all"
         )
+    mode = env_tool_mode(env)
+    if mode:
+        print(f"tool calls: run in the {mode} sandbox (env.tool_sandbox={cfg.env.tool_sandbox})")
+
+
+def env_tool_mode(env: Any) -> str | None:
+    """The sandbox mode the Python tool of ``env`` (a :class:`dapo.env.MathTool`, a subclass
+    of it included) runs model-written code in, ``env.tool_sandbox`` resolved; None for no
+    environment, or one without that tool."""
+    from dapo.env import MathTool
+
+    return env.mode if isinstance(env, MathTool) else None
+
+
+def tool_sandbox_mode(cfg: Config) -> str | None:
+    """:func:`env_tool_mode` of the environment ``cfg.env.class_`` names (loaded again: the
+    checks that keep warnings come after :func:`check_environment`, which returns none)."""
+    if not cfg.env.class_:
+        return None
+    from dapo.env import load_environment
+
+    return env_tool_mode(load_environment(cfg.env.class_, cfg.env))
+
+
+def tool_process_warning(cfg: Config) -> str:
+    """:func:`dapo.reward.sandbox.process_mode_warning`, naming the tool's setting: what
+    ``env.tool_sandbox=process`` leaves the model's code is what ``code.sandbox=process``
+    leaves a ``code`` row's program."""
+    from dapo.reward.sandbox import process_mode_warning
+
+    what = process_mode_warning().split(": ", 1)[-1]  # past "code.sandbox=process: "
+    return f"env.tool_sandbox=process (the Python tool of env.class={cfg.env.class_}): {what}"
 
 
 def check_reward_function(
