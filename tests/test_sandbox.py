@@ -587,13 +587,14 @@ def test_a_killed_caller_takes_its_sandbox_with_it(mode):
     marker = f"dapo-orphan-{secrets.token_hex(6)}"
     caller = (
         "from dapo.reward.sandbox import SandboxLimits, run_python\n"
-        f"run_python('import time\\ntime.sleep(30)  # {marker}', mode={mode!r},"
-        " limits=SandboxLimits(wall_s=30, cpu_s=30))\n"
+        f"run_python('import time\\ntime.sleep(90)  # {marker}', mode={mode!r},"
+        " limits=SandboxLimits(wall_s=90, cpu_s=90))\n"
     )
     tree = {"bwrap": 4, "unshare": 3, "process": 2}[mode]  # the caller, wrappers, the program
     process = subprocess.Popen([sys.executable, "-c", caller], cwd=Path(__file__).parents[1])
     try:
-        deadline = time.monotonic() + 10
+        # A loaded machine once took over 10 s to start the caller and its sandbox.
+        deadline = time.monotonic() + 60
         while len(leftovers(marker)) < tree and time.monotonic() < deadline:
             time.sleep(0.02)
         assert len(leftovers(marker)) == tree
