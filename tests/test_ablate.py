@@ -295,10 +295,7 @@ def test_intervals_are_over_seeds_and_problems_when_runs_kept_them():
     del res["GSPO"][1]["problems"]
     dapo, gspo = ablation_table(rows, res, resamples=3000)
     assert gspo["interval"] == "seeds" and dapo["interval"] == "seeds x problems"
-    # 0.25 better at both seeds: q = z^2 / (2 + z^2) = 0.657620 of seeds could differ
-    assert gspo["diff"].mean == 0.25
-    assert gspo["diff"].low == pytest.approx(0.25 - 0.657620 * 1.25, abs=1e-6)
-    assert gspo["diff"].high == pytest.approx(0.25 + 0.657620 * 0.75, abs=1e-6)
+    assert gspo["diff"] == paired_bootstrap_ci([0.5, 0.25], [0.75, 0.5], resamples=3000)
 
 
 def test_the_command_runs_resumes_and_prints_the_table(tmp_path, capsys):

@@ -26,7 +26,7 @@ from dapo.eval.intervals import (
     bootstrap_ci,
     crossed_bootstrap_ci,
     holm_adjusted,
-    paired_fraction_ci,
+    paired_bootstrap_ci,
     paired_permutation_pvalue,
 )
 
@@ -267,7 +267,7 @@ def _difference(record: dict, a: list[dict], b: list[dict], resamples: int) -> N
     elif len(a) == 1:
         record["diff"] = _over_seeds([acc_b[0] - acc_a[0]], resamples)
     else:
-        record["diff"] = paired_fraction_ci(acc_a, acc_b, resamples=resamples)
+        record["diff"] = paired_bootstrap_ci(acc_a, acc_b, resamples=resamples)
     if len(a) > 1:
         record["p"] = paired_permutation_pvalue(acc_a, acc_b, resamples=resamples)
 

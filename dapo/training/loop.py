@@ -148,7 +148,7 @@ class _Loop:
         self.threads = ThreadGovernor(most) if cfg.run.threads == 0 else None
         self.base = state.base_model  # LoRA's frozen base, named in every checkpoint
         self.failed = True  # until the steps end, or stop after a save: see train
-        self.stepping = False  # in train_step (a second signal aborts the step itself)
+        self.after_step = False  # past the step's updates (what a second signal aborts)
 
     def train(self, *, resume: bool) -> dict[str, Any]:
         state, cfg = self.state, self.state.cfg
@@ -179,8 +179,8 @@ class _Loop:
             self.failed = False
             raise
         except StepAborted:
-            step = state.step + 1 if self.stepping else state.step
-            raise resume_checks.aborted(self.run_dir, step, self.stepping, stop) from None
+            step = state.step if self.after_step else state.step + 1
+            raise resume_checks.aborted(self.run_dir, step, not self.after_step, stop) from None
         finally:
             self.source.close(failed=self.failed)
             self.logger.close()
@@ -203,9 +203,9 @@ class _Loop:
             self.logger.log(state.step, again)  # its step again, the figures added
         while not done and not self.stopping(stop):
             self.adjust_threads()
-            self.stepping = True  # until the step's updates are done: then its end follows
+            self.after_step = False
             metrics = train_step(state, self.source)
-            self.stepping = False
+            self.after_step = True  # the step's updates are done: its evaluation and save follow
             metrics["perf/threads"] = float(torch.get_num_threads())
             self.spent["gen_tokens"] += metrics.get("sampling/tokens_generated", 0.0)
             self.spent["step_seconds"] += metrics.get("perf/step_s", 0.0)
