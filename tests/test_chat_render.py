@@ -3,6 +3,7 @@ with the same strings as transformers' own rendering."""
 
 from __future__ import annotations
 
+import os
 import resource
 import time
 
@@ -159,3 +160,25 @@ def test_ctrl_c_while_a_template_renders_is_handled_by_the_parent_alone(tmp_path
         "refused: " + f"the chat template of {tmp_path / 'model'}"[:40],
         f"parent {parent}",
     ]
+
+
+def test_a_reply_over_its_bound_is_told_apart_from_one_past_its_deadline():
+    # A child that checks each text never sends more than the bound; one that does is
+    # broken, not slow, and the parent's message must not blame the deadline.
+    for sent, most, expected in (
+        (b"x" * 100, 50, (b"", "size")),
+        (b"x" * 100, 200, (b"x" * 100, "")),
+    ):
+        read, write = os.pipe()
+        os.write(write, sent)
+        os.close(write)
+        try:
+            assert chat_render.read_reply(read, time.monotonic() + 5, most) == expected
+        finally:
+            os.close(read)
+    read, write = os.pipe()
+    try:  # nothing written and the write end open: the deadline passes
+        assert chat_render.read_reply(read, time.monotonic() + 0.05, 10) == (b"", "deadline")
+    finally:
+        os.close(read)
+        os.close(write)

@@ -32,6 +32,7 @@ __all__ = [
     "PER_CHAT_S",
     "TemplateRefused",
     "deadline_s",
+    "read_reply",
     "render_chats",
 ]
 
@@ -184,35 +185,36 @@ def _in_child(tokenizer: Any, conversations: list[list[dict[str, str]]]) -> list
     os.close(write)
     # The reply's bound: every text at its longest, each character escaped (\uXXXX\uXXXX).
     most = 12 * sum(most_chars(m) for m in conversations) + 2**16
-    data, timed_out = b"", True  # what an interrupted wait leaves: the child is killed
+    data, overrun = b"", "deadline"  # what an interrupted wait leaves: the child is killed
     try:
-        data, timed_out = _read_until(read, time.monotonic() + deadline_s(len(conversations)), most)
+        data, overrun = read_reply(read, time.monotonic() + deadline_s(len(conversations)), most)
     finally:
         os.close(read)
-        if timed_out:
+        if overrun:
             os.kill(pid, signal.SIGKILL)
         _, status = os.waitpid(pid, 0)
-    return _reply(tokenizer, conversations, data, timed_out, status)
+    return _reply(tokenizer, conversations, data, overrun, most, status)
 
 
-def _read_until(fd: int, deadline: float, most: int) -> tuple[bytes, bool]:
-    """The child's reply, or (b"", True) past the deadline or ``most`` bytes."""
+def read_reply(fd: int, deadline: float, most: int) -> tuple[bytes, str]:
+    """A rendering child's reply from pipe ``fd`` and ``""``; or ``b""`` and what it overran:
+    ``"deadline"`` (the monotonic time) or ``"size"`` (over ``most`` bytes)."""
     chunks, got = [], 0
     while True:
         left = deadline - time.monotonic()
         if left <= 0 or not select.select([fd], [], [], left)[0]:
-            return b"", True
+            return b"", "deadline"
         chunk = os.read(fd, 1 << 20)
         if not chunk:
-            return b"".join(chunks), False
+            return b"".join(chunks), ""
         got += len(chunk)
         if got > most:  # the child checks each text: only a broken one sends more
-            return b"", True
+            return b"", "size"
         chunks.append(chunk)
 
 
 def _reply(
-    tokenizer: Any, conversations: list, data: bytes, timed_out: bool, status: int
+    tokenizer: Any, conversations: list, data: bytes, overrun: str, most: int, status: int
 ) -> list[str]:
     where = f"the chat template of {getattr(tokenizer, 'name_or_path', '') or 'the tokenizer'}"
     fix = (
@@ -220,10 +222,15 @@ def _reply(
         "memory; use the model's own tokenizer files, or set data.apply_chat_template=false to "
         "prompt with the messages raw"
     )
-    if timed_out:
+    if overrun == "deadline":
         limit = deadline_s(len(conversations))
         raise ValueError(
             f"{where} ran past {limit:.0f} s rendering {len(conversations)} prompt(s): {fix}"
+        )
+    if overrun:
+        raise ValueError(
+            f"{where} sent over {most:,} bytes for {len(conversations)} prompt(s), more than "
+            f"their longest rendering: {fix}"
         )
     if not data:
         why = f"exit status {os.waitstatus_to_exitcode(status)}"
