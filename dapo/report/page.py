@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dapo.report.runs import Run, config_differences, is_number, series
-from dapo.report.style import run_colours
+from dapo.report.runs import Run, config_differences, is_number, last_rows, series
+from dapo.report.style import dash_pattern, run_styles
 
 
 def _fmt(value: Any) -> str:
@@ -55,6 +55,7 @@ def render_html(runs: Sequence[Run], figures: list[Path]) -> str:
         f"<style>{CSS}</style></head><body>",
         "<h1>DAPO run report</h1>",
         *_runs_table(runs),
+        *_gaps_table(runs),
         "<h2>Figures</h2>",
     ]
     for path in figures:
@@ -69,10 +70,8 @@ def render_html(runs: Sequence[Run], figures: list[Path]) -> str:
 
 
 def _runs_table(runs: Sequence[Run]) -> list[str]:
-    from matplotlib.colors import to_hex
-
     esc = html.escape
-    colours = [to_hex(c) for c in run_colours(len(runs))]
+    looks = run_styles(len(runs))
     tools = any(series(run, "val/tool_call_frac")[0] for run in runs)  # env.class runs
     parts = [
         "<h2>Runs</h2>",
@@ -81,23 +80,104 @@ def _runs_table(runs: Sequence[Run]) -> list[str]:
         + ("<th>tool-call rate start</th><th>tool-call rate end</th>" if tools else "")
         + "</tr>",
     ]
-    for run, colour in zip(runs, colours, strict=True):
-        steps = run.summary.get("steps", run.last_step)
+    for run, look in zip(runs, looks, strict=True):
         skipped = _skipped_text(run.skipped)
         if run.skipped:
             skipped = f'<span class="warn">{skipped}</span>'
+        # Start and end as the accuracy figure draws them: metrics.jsonl's first and last
+        # evaluation (summary.json is the last finished run's; a resume may have gone on).
+        start, end = _first_last(run, "val/accuracy")
         parts.append(
-            f'<tr><td><span class="swatch" style="background:{colour}"></span>{esc(run.name)}'
+            f"<tr><td>{_swatch(*look)}{esc(run.name)}"
             f"</td><td><code>{esc(str(run.path))}</code></td>"
-            f'<td class="num">{esc(_fmt(steps))}</td>'
+            f'<td class="num">{esc(_steps_text(run))}</td>'
             f"<td>{len(run.rows)} read, {skipped}</td>"
-            f'<td class="num">{_fmt_acc(run.summary.get("val/accuracy_start"))}</td>'
-            f'<td class="num">{_fmt_acc(run.summary.get("val/accuracy_end"))}</td>'
-            + (_tool_rates(run) if tools else "")
-            + "</tr>"
+            f'<td class="num">{_fmt_acc(start)}</td>'
+            f'<td class="num">{_fmt_acc(end)}</td>' + (_tool_rates(run) if tools else "") + "</tr>"
         )
     parts.append("</table>")
     return parts
+
+
+def _gaps_table(runs: Sequence[Run]) -> list[str]:
+    """Per run, what the figures' lines skip: updates skipped, steps with null metrics."""
+    parts = [
+        "<h2>Skipped updates and null metrics</h2>",
+        "<p>A line in the figures breaks at a step that logged null.</p>",
+        "<table><tr><th>run</th><th>skipped updates (train/skipped_updates)</th>"
+        "<th>steps with null train/* metrics</th></tr>",
+    ]
+    for run in runs:
+        parts.append(f"<tr><td>{html.escape(run.name)}</td>{_training_gaps(run)}</tr>")
+    parts.append("</table>")
+    return parts
+
+
+def _swatch(colour: Any, style: Any) -> str:
+    """A run's colour, and past the colour map's colours its line style, as in the figures."""
+    from matplotlib.colors import to_hex
+
+    if style == "-":
+        return f'<span class="swatch" style="background:{to_hex(colour)}"></span>'
+    dashes = ",".join(f"{2 * d:g}" for d in dash_pattern(style))  # at the stroke's width, 2
+    return (
+        '<svg width="28" height="10" style="vertical-align:middle;margin-right:0.4em">'
+        f'<line x1="0" y1="5" x2="28" y2="5" stroke="{to_hex(colour)}" stroke-width="2" '
+        f'stroke-dasharray="{dashes}"/></svg>'
+    )
+
+
+def _first_last(run: Run, key: str) -> tuple[Any, Any]:
+    """``key``'s first and last finite value in metrics.jsonl, a step's last line counting."""
+    values = [row[key] for row in last_rows(run).values() if is_number(row.get(key))]
+    return (values[0], values[-1]) if values else (None, None)
+
+
+def _steps_text(run: Run) -> str:
+    """The steps the run made: summary.json's, or how far metrics.jsonl went when it went
+    further (a resume that stopped before finishing) or there is no summary.json."""
+    finished, logged = run.summary.get("steps"), run.last_step
+    if logged is None:
+        return _fmt(finished)
+    if "steps" not in run.summary:
+        return f"logged to step {logged}, not finished (no summary.json)"
+    if is_number(finished) and logged > finished:
+        return f"logged to step {logged}, last finished at {_fmt(finished)}"
+    return _fmt(finished)
+
+
+def _training_gaps(run: Run) -> str:
+    """Cells of the updates skipped (train/skipped_updates over the steps) and the steps whose
+    train/* metrics are null (no token trained, every update skipped): the breaks in the
+    figures' lines."""
+    rows = last_rows(run)
+    key = "train/skipped_updates"
+    counts = [row[key] for row in rows.values() if is_number(row.get(key))]
+    total = _fmt(sum(counts)) if counts else "—"
+    if counts and sum(counts):
+        total = f'<span class="warn">{total}</span>'
+    gaps, names = [], set()
+    for step, row in rows.items():
+        nulls = [k for k, v in row.items() if k.startswith("train/") and not is_number(v)]
+        if nulls:
+            gaps.append(step)
+            names.update(nulls)
+    text = "none"
+    if gaps:
+        listed = f"{_ranges(gaps)} ({', '.join(sorted(names))})"
+        text = f'<span class="warn">{html.escape(listed)}</span>'
+    return f'<td class="num">{total}</td><td>{text}</td>'
+
+
+def _ranges(steps: list[float]) -> str:
+    """Steps (in order) as runs of consecutive ones: ``1-3, 7``."""
+    spans: list[list[float]] = []
+    for step in steps:
+        if spans and step == spans[-1][1] + 1:
+            spans[-1][1] = step
+        else:
+            spans.append([step, step])
+    return ", ".join(f"{a:.15g}" if a == b else f"{a:.15g}-{b:.15g}" for a, b in spans)
 
 
 def _tool_rates(run: Run) -> str:

@@ -199,6 +199,36 @@ def series(run: Run, key: str | Callable[[dict[str, Any]], Any]) -> Series:
     return steps, values
 
 
+def line_series(run: Run, key: str | Callable[[dict[str, Any]], Any]) -> Series:
+    """:func:`series` for a line: a step whose line holds ``key`` with null (or any value not a
+    finite number) keeps its place with NaN, so the line breaks there instead of running
+    straight across a step that logged no figure (``update`` logs null for a step that
+    trained no token). A step whose line lacks ``key`` is left out as before: not every metric
+    is logged every step (``val/*`` every ``eval.every``)."""
+    if callable(key):
+        return series(run, key)
+    steps: list[float] = []
+    values: list[float] = []
+    for row in run.rows:
+        step = row.get("step")
+        if is_number(step) and key in row:
+            value = row[key]
+            steps.append(float(step))
+            values.append(float(value) if is_number(value) else math.nan)
+    return steps, values
+
+
+def last_rows(run: Run) -> dict[float, dict[str, Any]]:
+    """Each step's last line, by step: a run resumed at a checkpoint its evaluation had not
+    reached logs that step twice (docs/guides/resume-and-failures.md), and the later line is
+    the one that stands."""
+    rows: dict[float, dict[str, Any]] = {}
+    for row in run.rows:
+        if is_number(row.get("step")):
+            rows[float(row["step"])] = row
+    return dict(sorted(rows.items()))
+
+
 def kept_frac(row: dict[str, Any]) -> float | None:
     # Older runs may log only the counts; the ratio is the same quantity.
     if is_number(row.get("sampling/kept_frac")):

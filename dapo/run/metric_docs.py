@@ -85,7 +85,7 @@ METRICS: dict[str, str] = {
     "clip/low_frac": "Share of trained tokens where the lower clip 1 - eps_low is active.",
     "clip/high_frac": "Share of trained tokens where the upper clip 1 + eps_high is active.",
     "clip/high_prob_mean": "Mean pi_old probability of the up-clipped tokens (the paper's "
-    "Clip-Higher diagnostic).",
+    "Clip-Higher diagnostic); null on a step with no up-clipped token.",
     "clip/dual_frac": "Share of trained tokens capped by dual-clip (algo.clip_ratio_c).",
     # mismatch
     # async

@@ -82,7 +82,7 @@ def update(
     # weights has a NaN loss and is skipped). The ranks agree on `updates`: one collective.
     if sums.get("updates") and dist.any_rank(not trained_weights_finite(state.optimizer)):
         raise NonFiniteError(_broken_weights_message(state))
-    out = _update_metrics(sums, cfg.train.epochs, lr=lr, with_kl=state.has_reference)
+    out = update_metrics(sums, cfg.train.epochs, lr=lr, with_kl=state.has_reference)
     if state.scaler is not None:
         out["train/scaler_overflows"] = sums.get("scaler_overflows", 0.0)
         out["train/loss_scale"] = state.scaler.get_scale()
@@ -187,14 +187,19 @@ def untrained_metrics(state: TrainState, lr: float) -> dict[str, float]:
     """:func:`update`'s figures for a step that kept no group (``sampling.on_max_rounds=
     train``): no update, no token, and no figure of the policy (NaN: null in metrics.jsonl),
     so that every step logs the same ``train/*`` keys."""
-    out = _update_metrics({}, state.cfg.train.epochs, lr=lr, with_kl=state.has_reference)
+    out = update_metrics({}, state.cfg.train.epochs, lr=lr, with_kl=state.has_reference)
     if state.scaler is not None:
         out["train/scaler_overflows"] = 0.0
         out["train/loss_scale"] = state.scaler.get_scale()
     return out
 
 
-def _update_metrics(sums: dict[str, float], epochs: int, *, lr: float, with_kl: bool):
+def update_metrics(
+    sums: dict[str, float], epochs: int, *, lr: float, with_kl: bool
+) -> dict[str, float]:
+    """A step's ``train/*``, ``clip/*`` and padding metrics from its sums over the
+    mini-batches (:func:`minibatch_update`'s), NaN (null in metrics.jsonl) where a figure is
+    a mean over nothing."""
     updates = max(sums.get("updates", 0.0), 1.0)
     tokens = max(sums.get("tokens", 0.0), 1.0)
     # No token trained (every row overlong-filtered): no figure of the policy, not a 0 that
@@ -219,9 +224,11 @@ def _update_metrics(sums: dict[str, float], epochs: int, *, lr: float, with_kl: 
         "clip/low_frac": seen * sums.get("clip_low", 0.0) / tokens,
         "clip/high_frac": seen * sums.get("clip_high", 0.0) / tokens,
         "clip/dual_frac": seen * sums.get("clip_dual", 0.0) / tokens,
-        "clip/high_prob_mean": seen
-        * sums.get("clip_high_prob_sum", 0.0)
-        / max(sums.get("num_clip_high", 0.0), 1.0),
+        # A mean over the up-clipped tokens: none clipped, no figure (it read 0.0, which a
+        # figure draws as the clip binding on tokens of probability 0).
+        "clip/high_prob_mean": sums.get("clip_high_prob_sum", 0.0) / sums["num_clip_high"]
+        if sums.get("num_clip_high")
+        else math.nan,
     }
     if with_kl:
         kl_den = sums.get("kl_den", 0.0)
