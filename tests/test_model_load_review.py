@@ -239,5 +239,6 @@ def test_train_and_eval_report_a_missing_weight_and_exit_2(tmp_path, capsys):
     args = ["train", "--quiet", f"model.path={path}", "train.steps=1", "eval.every=0"]
     assert main([*args, f"run.out_dir={tmp_path}", "run.name=r"]) == 2
     assert expected in capsys.readouterr().err
-    assert main(["eval", str(path), "--data", "arith", "--out", str(tmp_path / "e")]) == 2
+    eval_args = ["eval", str(path), "--data", "arith", "--max-new-tokens", "28"]
+    assert main([*eval_args, "--out", str(tmp_path / "e")]) == 2
     assert expected in capsys.readouterr().err

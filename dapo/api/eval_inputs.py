@@ -58,9 +58,10 @@ def data_options(req: EvalRequest) -> dict[str, Any]:
 
 
 def problems_of(req: EvalRequest) -> list:
-    """``req``'s problems (the first ``num_problems``), each with a verifier; a code row's
+    """``req``'s problems (the first ``num_problems``), each with a verifier and each prompt
+    within the model's context with ``max_new_tokens`` (:func:`check_context`); a code row's
     sandbox picked (a machine without one fails here, naming the fix)."""
-    problems = _read(req)
+    problems, rows = _read(req)
     from dapo.reward import tasks
 
     # Every row's verifier, before the model loads: one missing graded every response wrong.
@@ -77,7 +78,46 @@ def problems_of(req: EvalRequest) -> list:
         if mode == "process":
             print(f"dapo: warning: {sandbox.process_mode_warning()}", file=sys.stderr)
     _check_tool_sandbox(req)
+    check_context(req, problems, rows)
     return problems
+
+
+def check_data_fits(req: EvalRequest) -> None:
+    """:func:`check_context` of ``req``'s problems, read quietly: ``--compare`` checks both
+    models against the data before the first is sampled."""
+    check_context(req, *_read(req, quiet=True))
+
+
+def check_context(req: EvalRequest, problems: list, rows: dict[str, int]) -> None:
+    """Refuse, before the model loads, prompts that with ``--max-new-tokens`` overrun the
+    model's context, as ``dapo train`` refuses them (:func:`dapo.training.inputs.check_context`):
+    counted as sampling renders them (the chat template, ``--system-prompt``). ``rows``:
+    uid -> the row of ``--data`` the problem was first read at (empty for ``arith``)."""
+    from dapo.config import load_config
+    from dapo.models.policy import context_length, load_tokenizer
+    from dapo.training.inputs import prompt_lengths
+    from dapo.training.prompt_checks import context_overrun
+
+    # The config the model loads with (evaluation._model), rendering as sampling does.
+    cfg = load_config(None, [] if req.model == "embedded" else [f"model.path={req.model}"])
+    cfg.data.apply_chat_template, cfg.data.system_prompt = True, req.system_prompt
+
+    def where(i: int) -> str:
+        uid = problems[i].uid
+        return f"--data {req.data}, row {rows[uid]}" if uid in rows else f"problem {uid}"
+
+    overrun = context_overrun(
+        prompt_lengths(cfg, load_tokenizer(cfg), problems),
+        context_length(cfg),
+        req.max_new_tokens,
+        budget="--max-new-tokens",
+        where=where,
+        fix="Give a smaller --max-new-tokens (a run's evaluation samples up to its "
+        "rollout.max_new_tokens), drop the longest problems from the file, or evaluate a "
+        "model with a longer context",
+    )
+    if overrun:
+        raise ValueError(f"{req.model}: {overrun}")
 
 
 def _check_tool_sandbox(req: EvalRequest) -> None:
@@ -143,7 +183,9 @@ def weightless_checkpoint_model(model: Path) -> str | None:
     )
 
 
-def _read(req: EvalRequest) -> list:
+def _read(req: EvalRequest, *, quiet: bool = False) -> tuple[list, dict[str, int]]:
+    """``req``'s problems (the first ``num_problems``), and uid -> the row each was first
+    read at (empty for ``arith``); ``quiet``: without the note of skipped rows."""
     if req.data == "arith":
         from dapo.config import load_config
         from dapo.training.inputs import load_run_data
@@ -153,7 +195,7 @@ def _read(req: EvalRequest) -> list:
             raise ValueError(f"--data arith is generated, not read: {flags} shape files only")
         # The held-out split `dapo train` evaluates on (with --config: that run's arith task).
         cfg = load_config(req.config, ["data.train_file=", "data.val_file="])
-        problems = load_run_data(cfg).val
+        problems, rows = load_run_data(cfg).val, {}
     else:
         from dapo.data.files import load_problems
 
@@ -167,11 +209,11 @@ def _read(req: EvalRequest) -> list:
             wrap_template=req.wrap_template,
             on_bad_row=req.on_bad_row,
         )
-        if loaded.skipped:
+        if loaded.skipped and not quiet:
             print(
                 f"{req.data}: {len(loaded.skipped)} bad rows skipped (--on-bad-row skip); the "
                 f"first: {loaded.skipped[0]}",
                 file=sys.stderr,
             )
-        problems = loaded.problems
-    return problems[: req.num_problems] if req.num_problems else problems
+        problems, rows = loaded.problems, loaded.first_row
+    return (problems[: req.num_problems] if req.num_problems else problems), rows

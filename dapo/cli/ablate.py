@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from dapo.cli.flags import GivenOnce
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``ablate`` on the ``dapo`` command's subparsers."""
@@ -49,7 +51,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="K",
         help="runs at a time, the cores split between them (default 1)",
     )
-    p.add_argument("--config", type=Path, help="YAML file every run starts from (a recipe)")
+    p.add_argument(
+        "--config",
+        type=Path,
+        action=GivenOnce,
+        help="YAML file every run starts from (a recipe)",
+    )
     p.add_argument("--out", type=Path, help="the ablation's directory (default runs/ablate-PLAN)")
     p.add_argument(
         "overrides",

@@ -14,12 +14,14 @@ import argparse
 import json
 import sys
 
+from dapo.cli.flags import GivenOnce
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser(
         "bench", help="time training steps by phase and print one JSON object", description=__doc__
     )
-    bench.add_argument("--config", help="YAML file of config sections")
+    bench.add_argument("--config", action=GivenOnce, help="YAML file of config sections")
     bench.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
     bench.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
     bench.add_argument(

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from dapo.cli.data import add_format_args
+from dapo.cli.flags import GivenOnce
 
 DEFAULT_OUT = "evals"  # dapo.api.evaluation.DEFAULT_OUT (not imported here: see dapo.cli)
 
@@ -147,6 +148,7 @@ def _add_setting_args(ev: argparse.ArgumentParser) -> None:
     )
     ev.add_argument(
         "--config",
+        action=GivenOnce,
         help="a run's YAML (a recipe, a run's config.yaml): its arith section shapes --data "
         "arith, its env section (env.class) makes each sample an episode with the tool, and "
         "its reward and code sections grade as the run does (reward.workers, timeout_s, "
@@ -275,6 +277,7 @@ def _record(line: str) -> tuple[str, dict[str, float], str | None] | None:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
+    from dapo.api.eval_inputs import check_data_fits
     from dapo.api.evaluation import check_request, out_dir
     from dapo.eval.metrics import compare
 
@@ -296,6 +299,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
                 one.out = args.out / side if args.out else None
                 check_request(_request(one))  # both sides, before A is sampled for minutes
                 ones[side] = one
+        for one in ones.values():  # then the data in each model's context (B's too)
+            check_data_fits(_request(one))
         for one in ones.values():
             cmd_eval(one)
         a_path, b_path = (

@@ -12,6 +12,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from dapo.cli.flags import GivenOnce
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from dapo.config import presets  # the standard library only
@@ -19,7 +21,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     train = sub.add_parser(
         "train", help="train a policy with DAPO (default: the CPU demo)", description=__doc__
     )
-    train.add_argument("--config", type=Path, help="YAML file of config sections")
+    train.add_argument("--config", type=Path, action=GivenOnce, help="YAML file of config sections")
     train.add_argument(
         "--preset", choices=tuple(presets.ALGORITHMS), help="algorithm preset (default dapo)"
     )

@@ -21,11 +21,12 @@ from typing import Any, Literal
 import yaml
 
 from dapo.config import presets
+from dapo.config.file_values import file_number
 from dapo.config.moved import MOVED_KEYS
 from dapo.config.sections import Config, attr_of, field_types, is_subsection, leaves
+from dapo.config.validation import config_errors, invalid_config, validate
 from dapo.config.validation import config_warnings as config_warnings
-from dapo.config.validation import validate
-from dapo.config.yaml_files import clipped_repr, read_yaml_file
+from dapo.config.yaml_files import WrittenNumber, clipped_repr, read_yaml_file, repeated_key
 
 _announced: set[str] = set()  # moved keys already noticed in this process
 
@@ -48,6 +49,8 @@ def _coerce(value: Any, typ: Any, where: str, text: str | None = None) -> Any:
         typ = next(a for a in args if a is not type(None))
     if typing.get_origin(typ) is Literal:
         typ = str
+    if isinstance(value, WrittenNumber):  # a config file's number, with its text
+        value = file_number(value, typ, where)
     if text is not None and typ in (str, int):
         return _as_written(value, text, typ, optional, where)
     if text is not None and typ is float and not (optional and text in _NULLS):
@@ -151,6 +154,11 @@ def parse_override(text: str) -> tuple[str, Any]:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
+    if isinstance(value, dict | list):  # YAML keeps the last of a key written twice, silently
+        repeated = repeated_key(yaml.compose(raw, Loader=yaml.SafeLoader), key.strip())
+        if repeated is not None:
+            where = clipped_repr(raw)
+            raise ValueError(f"{repeated[0]} is written twice in {where}; write it once")
     # YAML 1.1 reads "1e-5" as a string; a float field wants the number.
     if isinstance(value, str):
         try:
@@ -195,9 +203,9 @@ def saved_before_keys_moved(path: str | Path) -> bool:
     return any(key in MOVED_KEYS for key, _ in _flatten(tree, str(path)))
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+def _read_yaml(path: Path, numbers_as_written: bool = False) -> dict[str, Any]:
     try:  # aliases refused, every failure named (dapo.config.yaml_files)
-        tree = read_yaml_file(path) or {}
+        tree = read_yaml_file(path, numbers_as_written=numbers_as_written) or {}
     except OSError as exc:
         raise ValueError(f"cannot read config file {path}: {exc.strerror}") from exc
     if not isinstance(tree, dict):
@@ -215,7 +223,7 @@ def load_config(
     """Resolve base -> preset -> YAML file -> dotted overrides, then validate. A preset
     given here (``preset`` or a ``run.preset`` override) that differs from the file's is
     applied again after the file: its switches win over the file's."""
-    tree = _read_yaml(Path(path)) if path is not None else {}
+    tree = _read_yaml(Path(path), numbers_as_written=True) if path is not None else {}
     parsed = [parse_override(o) for o in overrides]
     written = [(k, v, _text(o)) for (k, v), o in zip(parsed, overrides, strict=True)]
     # base and preset shape everything else, so they are resolved first, from the most
@@ -228,12 +236,14 @@ def load_config(
     base = base or ("paper" if path is not None else "demo")
     asked = preset or _pick(parsed, "run.preset")
     preset = asked or file_preset or "dapo"
-    if base not in presets.BASES:
-        raise ValueError(f"run.base: unknown base {base!r}; choose one of {tuple(presets.BASES)}")
-    if preset not in presets.ALGORITHMS:
-        raise ValueError(
-            f"run.preset: unknown preset {preset!r}; choose one of {tuple(presets.ALGORITHMS)}"
-        )
+    for field, name, names in (
+        ("base", base, presets.BASES),
+        ("preset", preset, presets.ALGORITHMS),
+    ):
+        if not isinstance(name, str) or name not in names:  # a list names none (nor hashes)
+            raise ValueError(
+                f"run.{field}: unknown {field} {clipped_repr(name)}; choose one of {tuple(names)}"
+            )
     cfg = presets.ALGORITHMS[preset](presets.BASES[base](Config()))
     from_file = [(k, v, None) for k, v in _flatten(tree, str(path))]
     errors = _set_each(cfg, from_file)
@@ -268,15 +278,11 @@ def _validate_with(cfg: Config, unset: dict[str, str]) -> None:
         validate(cfg)
         return
     errors = list(unset.values())
-    try:
-        validate(cfg)
-    except ValueError as exc:
-        lines = str(exc).splitlines()
-        lines = [x.strip() for x in lines[1:]] if lines[0] == "invalid config:" else lines
-        errors += [x for x in lines if not any(re.search(rf"\b{re.escape(k)}\b", x) for k in unset)]
+    lines = [x.strip() for error in config_errors(cfg) for x in error.splitlines()]
+    errors += [x for x in lines if not any(re.search(rf"\b{re.escape(k)}\b", x) for k in unset)]
     if len(errors) == 1:
         raise ValueError(errors[0])
-    raise ValueError("invalid config:\n" + "\n".join(f"  {e}" for e in errors))
+    raise ValueError(invalid_config(errors))
 
 
 def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Config:

@@ -6,7 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from dapo.config.yaml_files import clipped_repr
 from dapo.reward import custom, tasks
+
+MAX_NAME_BYTES = 255 - len(".") - len(".replaced-12345678")
+"""The longest ``run.name``, in bytes: file systems take directory names of 255, and
+``--overwrite`` sets the run it replaces aside as ``.NAME.replaced-12345678``
+(:mod:`dapo.run.asides`)."""
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 """Every Linear layer of a Qwen2/Qwen3/Llama/Mistral decoder layer: attention and MLP."""
@@ -369,6 +375,14 @@ class RunConfig:
         if self.name in (".", "..") or "/" in self.name or "\\" in self.name:
             errors.append(
                 f"run.name must be one plain directory name (no '/', not '.' or '..'), got "
-                f"{self.name!r}; put the parent directories in run.out_dir"
+                f"{clipped_repr(self.name)}; put the parent directories in run.out_dir"
+            )
+        if "\0" in self.name:  # no file system takes one; open() said "embedded null byte"
+            errors.append(f"run.name must not hold a NUL character, got {clipped_repr(self.name)}")
+        size = len(self.name.encode("utf-8", "surrogatepass"))
+        if size > MAX_NAME_BYTES:  # mkdir's "File name too long" came after the config loaded
+            errors.append(
+                f"run.name must be at most {MAX_NAME_BYTES} bytes in UTF-8 (a file system takes "
+                f"255, and --overwrite adds 19), got {size}: {clipped_repr(self.name)}"
             )
         return errors

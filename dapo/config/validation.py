@@ -47,9 +47,29 @@ def _preset_errors(run: Any) -> list[str]:
     return errors
 
 
+MAX_SHOWN_ERRORS = 20
+"""At most this many errors are listed (then how many more): a file of 300,000 unknown keys
+printed 47 MB of them."""
+
+
+def invalid_config(errors: list[str]) -> str:
+    """The message of ``errors``: one line each, the first :data:`MAX_SHOWN_ERRORS` of them."""
+    shown = errors[:MAX_SHOWN_ERRORS]
+    if len(errors) > len(shown):
+        shown.append(f"... and {len(errors) - len(shown)} more")
+    return "invalid config:\n  " + "\n  ".join(shown)
+
+
 def validate(cfg: Config) -> None:
     """Reject values that cannot work, all at once, naming each field and what is allowed:
     each section's own checks, then the rules that span sections."""
+    errors = config_errors(cfg)
+    if errors:
+        raise ValueError(invalid_config(errors))
+
+
+def config_errors(cfg: Config) -> list[str]:
+    """What :func:`validate` refuses, one message per bad value."""
     errors = []
     for f in dataclasses.fields(cfg):
         section = getattr(cfg, f.name)
@@ -88,8 +108,7 @@ def validate(cfg: Config) -> None:
             "task's words; set model.path to a Hugging Face model directory"
         )
     errors += _sampling_errors(cfg)
-    if errors:
-        raise ValueError("invalid config:\n  " + "\n  ".join(errors))
+    return errors
 
 
 def _dtype_errors(m: Any) -> list[str]:

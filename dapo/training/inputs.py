@@ -19,6 +19,7 @@ from dapo.extras import pip_install
 from dapo.models.policy import context_length, model_dir
 from dapo.reward import custom, tasks
 from dapo.training import gpu_memory
+from dapo.training.prompt_checks import answer_line_warning, context_overrun
 
 
 @dataclass
@@ -33,6 +34,10 @@ class RunData:
     """One line per file: rows, problems, repeats, skipped rows."""
     warnings: list[str] = field(default_factory=list)
     """What the checks found the run should know (printed, and kept in summary.json)."""
+    train_rows: dict[str, int] = field(default_factory=dict)
+    """uid -> the row (from 0) of ``data.train_file`` its problem was first read at, for
+    messages that name it; empty for the embedded task (as ``val_rows`` for the val file)."""
+    val_rows: dict[str, int] = field(default_factory=dict)
 
 
 def load_run_data(cfg: Config) -> RunData:
@@ -91,7 +96,19 @@ def load_run_data(cfg: Config) -> RunData:
         line += f" ({repeats} repeated rows merged)" if repeats else ""  # 0 without dedup
         line += f", {len(data.skipped)} bad rows skipped" if data.skipped else ""
         notes.append(line)
-    return RunData(train.problems, val.problems, [], val_copies, notes)
+    rows = {"train_rows": train.first_row, "val_rows": val.first_row}
+    return RunData(train.problems, val.problems, [], val_copies, notes, **rows)
+
+
+def problem_place(cfg: Config, data: RunData, i: int) -> str:
+    """Where problem ``i`` of ``data.train + data.val`` comes from, for a message: the train
+    or val file and the row it was first read at (the embedded task's: its uid)."""
+    n = len(data.train)
+    split, path, rows = ("train", cfg.data.train_file, data.train_rows)
+    if i >= n:
+        split, path, rows, i = "val", cfg.data.val_file, data.val_rows, i - n
+    uid = (data.train if split == "train" else data.val)[i].uid
+    return f"{split} file {path}, row {rows[uid]}" if uid in rows else f"{split} problem {uid}"
 
 
 def check_verifiers(cfg: Config, data: RunData) -> None:
@@ -106,25 +123,16 @@ def check_verifiers(cfg: Config, data: RunData) -> None:
         return  # it grades every row, whatever its data_source (check_reward_function)
     sources = {cfg.reward.mode} if cfg.reward.mode else {p.data_source for p in data.train}
     names = {tasks.get_task(cfg.reward.mode or source).name for source in sources}
+    graders = set(names)  # the train rows' alone: what the policy learns from
     if not cfg.reward.mode:  # with a mode, evaluation grades val rows by it too
         names |= {tasks.get_task(p.data_source).name for p in data.val if p.data_source}
     if "code" in names and check_code_sandbox(cfg) == "process":
         from dapo.reward.sandbox import process_mode_warning
 
         data.warnings.append(process_mode_warning())
-    if names == {"math_dapo"} and not _asks_for_answer_line(cfg, data.train):
-        data.warnings.append(
-            f"train: none of its {len(data.train)} problems asks for an `Answer:` line, which "
-            "math_dapo grades by (a response without one scores -1): a copy of a file that lost "
-            "the DAPO template? data.wrap_template=true wraps the problems in it"
-        )
-
-
-def _asks_for_answer_line(cfg: Config, problems: list[Problem]) -> bool:
-    """Whether the system prompt or any problem's messages ask for the ``Answer:`` line."""
-    said = [cfg.data.system_prompt or ""]
-    said += [m.get("content", "") for p in problems for m in p.messages]
-    return any("Answer:" in text for text in said)
+    unasked = answer_line_warning(cfg.data, data.train, graders)
+    if unasked:
+        data.warnings.append(unasked)
 
 
 def check_code_sandbox(cfg: Config) -> str:
@@ -248,21 +256,23 @@ def check_context(cfg: Config, data: RunData, tokenizer: Any) -> dict[str, float
         data.warnings.append(missing)
     lengths = prompt_lengths(cfg, tokenizer, problems)
     limit = context_length(cfg)
-    longest = max(range(len(lengths)), key=lengths.__getitem__)
-    max_new = max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens)
-    if limit is not None and lengths[longest] + max_new > limit:
-        over = sum(1 for n in lengths if n + max_new > limit)
-        raise ValueError(
-            f"{over} prompt(s) plus rollout.max_new_tokens={max_new} exceed the model's context "
-            f"of {limit} tokens (longest: problem {problems[longest].uid}, {lengths[longest]} "
-            "prompt tokens). Lower rollout.max_new_tokens (and eval.max_new_tokens), drop the "
-            "longest problems from the file, or use a model with a longer context"
-        )
+    rollout, evaluation = cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens
+    overrun = context_overrun(
+        lengths,
+        limit,
+        max(rollout, evaluation),
+        budget="eval.max_new_tokens" if evaluation > rollout else "rollout.max_new_tokens",
+        where=lambda i: problem_place(cfg, data, i),
+        fix="Lower rollout.max_new_tokens (and eval.max_new_tokens), drop the longest problems "
+        "from the file, or use a model with a longer context",
+    )
+    if overrun:
+        raise ValueError(overrun)
     train = lengths[: len(data.train)]
     return {
         "prompt_tokens_min": min(lengths),
         "prompt_tokens_median": statistics.median(lengths),
-        "prompt_tokens_max": lengths[longest],
+        "prompt_tokens_max": max(lengths),
         "train_prompt_tokens_mean": statistics.fmean(train),
         "context": float(limit or 0),
     }
