@@ -75,8 +75,7 @@ def test_a_full_disk_that_safetensors_reports_names_the_intact_checkpoint(
     assert str(err.value) == (
         f"could not write the checkpoint of step 2 under {tmp_path / 'checkpoints'}: the disk "
         f"is full; the previous checkpoint {tmp_path / 'checkpoints' / 'step_000001'} is "
-        "intact. Free space (or lower train.keep_checkpoints) and resume with: dapo train "
-        f"--resume {tmp_path}"
+        f"intact. Free space and resume with: dapo train --resume {tmp_path}"
     )
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names == ["latest", "step_000001"]  # no .tmp-step_000002-PID left behind

@@ -10,9 +10,10 @@ import pytest
 from helpers import fake_checkpoint
 
 from dapo import cli
+from dapo.config import load_config
 from dapo.extras import pip_install
 from dapo.models import policy
-from dapo.run import rundir
+from dapo.run import disk_space, rundir
 from dapo.training import loop
 
 
@@ -80,6 +81,21 @@ def test_full_disk_is_refused_before_loading(tmp_path, capsys, monkeypatch):
     assert _train(tmp_path) == 2
     err = _error(capsys)
     assert "has 1 MiB free, but checkpointing needs about" in err and "run.out_dir" in err
+
+
+def test_a_resume_needs_room_for_one_more_checkpoint_a_new_run_for_two(tmp_path, monkeypatch):
+    # A resume's latest checkpoint is on the disk already: room for the next one is enough
+    # (the full-disk advice says to delete older checkpoints, and the resume must then start).
+    cfg = load_config()
+    one = disk_space.estimate_checkpoint_bytes(cfg, None)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage(2**40, 0, one * 3 // 2))
+    disk_space.check_space(tmp_path, cfg, None, resume=True)
+    with pytest.raises(ValueError, match=r"needs about \d+ MiB \(two checkpoints of weights"):
+        disk_space.check_space(tmp_path, cfg, None)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage(2**40, 0, one - 1))
+    with pytest.raises(ValueError, match=r"\(one more checkpoint of weights and optimiser"):
+        disk_space.check_space(tmp_path, cfg, None, resume=True)
 
 
 def test_unwritable_run_directory_is_refused(tmp_path, capsys, monkeypatch):

@@ -258,8 +258,8 @@ def test_the_write_probe_and_atomic_writes_never_follow_a_link(tmp_path, victim)
     from dapo.run import nofollow, rundir
 
     run = tmp_path / "run"
-    _linked(run, ".write-test", victim)
-    with pytest.raises(ValueError, match=r"\.write-test is a symbolic link"):
+    _linked(run, f".write-test-{os.getpid()}", victim)  # the probe is the process's own
+    with pytest.raises(ValueError, match=rf"\.write-test-{os.getpid()} is a symbolic link"):
         rundir.check_writable(run)
     _linked(run, ".summary.json.tmp", victim)  # the temporary of an atomic write
     with pytest.raises(ValueError, match=r"\.summary\.json\.tmp is a symbolic link"):

@@ -269,7 +269,7 @@ def _checked_run_dir(cfg: Config, resume_dir: Path | None, overwrite: bool, data
     checkpoint altered since it was written or whose trainer.json lacks a key resuming reads,
     overrides or ``data`` it refuses (dapo.training.resume), or no room."""
     from dapo import dist
-    from dapo.run import checkpoint, rundir, trainer_file
+    from dapo.run import checkpoint, disk_space, rundir, trainer_file
     from dapo.training import resume
 
     if resume_dir is None:
@@ -290,7 +290,7 @@ def _checked_run_dir(cfg: Config, resume_dir: Path | None, overwrite: bool, data
     # Warned once, as the run resumes.
     resume.check_resume(cfg, resume_dir, found, warn=False, problems=(data.train, data.val))
     rundir.check_writable(resume_dir)
-    rundir.check_space(resume_dir, cfg, _weights_dir(cfg))
+    disk_space.check_space(resume_dir, cfg, _weights_dir(cfg), resume=True)
 
 
 def _weights_dir(cfg: Config) -> Path | None:
@@ -304,7 +304,7 @@ def _open_run_dir(cfg: Config, resume_dir: Path | None, overwrite: bool, data: R
     """The run directory, locked for this process: a new one created (an earlier run it
     replaces moved aside), or the resumed one checked to hold a checkpoint; both checked to
     be writable with room for checkpoints."""
-    from dapo.run import rundir
+    from dapo.run import disk_space, rundir
     from dapo.run.lock import RunLock
 
     if resume_dir is not None:
@@ -314,7 +314,7 @@ def _open_run_dir(cfg: Config, resume_dir: Path | None, overwrite: bool, data: R
     opened = rundir.plan_new_run(cfg, overwrite=overwrite)
     run_dir = rundir.start_new_run(opened)
     try:
-        rundir.check_space(run_dir, cfg, _weights_dir(cfg))
+        disk_space.check_space(run_dir, cfg, _weights_dir(cfg))
     except Exception:
         rundir.undo_new_run(opened)
         raise

@@ -24,7 +24,6 @@ sizes only.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
@@ -38,12 +37,13 @@ from safetensors.torch import save_file
 
 from dapo.dist.optim_groups import kernels_kept
 from dapo.run import manifest, model_files, state_files
-from dapo.run.launcher import nonfinite_refusal, resume_command
+from dapo.run.launcher import nonfinite_refusal
 from dapo.run.manifest import verify  # also checkpoint.verify, as callers have named it
 from dapo.run.model_files import CheckpointError
 from dapo.run.nofollow import fsync_dir, no_link, write_atomic
 from dapo.run.rng_state import capture_rng, restore_rng  # also checkpoint.*, as callers name them
 from dapo.run.trainer_file import checked_trainer
+from dapo.run.write_failures import export_failed, going_on, write_failure  # also checkpoint.*
 
 FORMAT_VERSION = 2
 """2: nothing pickled (the optimizer's state and the generators' as safetensors and JSON, DCP
@@ -131,25 +131,27 @@ def save(
     return final
 
 
-def write_failure(exc: Exception) -> str:
-    """Why a write failed, in words: "the disk is full" for ENOSPC, which safetensors (whose
-    SafetensorError is no OSError) reports only in its message, as "(os error 28)"."""
-    if isinstance(exc, OSError):
-        full = exc.errno == errno.ENOSPC
-        return "the disk is full" if full else (exc.strerror or str(exc))
-    return "the disk is full" if f"(os error {errno.ENOSPC})" in str(exc) else str(exc)
-
-
-def write_failed(run_dir: Path, step: int, exc: Exception) -> str:
-    """The message of a checkpoint that could not be written (``exc``: why): the checkpoint
-    left as it was, and the fix."""
+def write_failed(run_dir: Path, step: int, exc: Exception, what: str = "") -> str:
+    """The message of a checkpoint (or of ``what``: another file of the run, metrics.jsonl)
+    that could not be written (``exc``: why): the checkpoint left as it was, and the fix for
+    that cause, naming the run's oldest checkpoints when deleting them frees space."""
     previous = read_pointer(run_dir)
     kept = f"the previous checkpoint {previous} is intact" if previous else "no checkpoint yet"
+    older = older_than(previous) if previous is not None else []
+    what = what or f"the checkpoint of step {step} under {Path(run_dir) / CKPT_DIR}"
     return (
-        f"could not write the checkpoint of step {step} under {Path(run_dir) / CKPT_DIR}: "
-        f"{write_failure(exc)}; {kept}. Free space (or lower train.keep_checkpoints) and "
-        f"resume with: {resume_command(run_dir)}"
+        f"could not write {what}: {write_failure(exc)}; {kept}. "
+        f"{going_on(run_dir, exc, previous, older)}"
     )
+
+
+def older_than(ckpt: Path) -> list[Path]:
+    """The checkpoints of the run before ``ckpt``, oldest first: what a resume from ``ckpt``
+    does without."""
+    found = _STEP_RE.match(ckpt.name)
+    if found is None or not ckpt.parent.is_dir():
+        return []
+    return [d for d in step_dirs(ckpt.parent) if int(d.name[5:]) < int(found.group(1))]
 
 
 def publish(tmp: Path, final: Path, step: int, digests: dict[str, str] | None = None) -> None:
@@ -380,14 +382,3 @@ def export_model(
         shutil.rmtree(dest)
     os.rename(tmp, dest)
     fsync_dir(dest.parent)
-
-
-def export_failed(dest: Path, exc: Exception) -> str:
-    """The message of a run's ``model/`` (``dest``) that could not be written: nothing
-    half-written is left, and the checkpoints (the last one written before) are whole."""
-    return (
-        f"could not write the model {dest}: {write_failure(exc)}; nothing was left there, and "
-        "the run's checkpoints are as they were. Free space and finish the run with: dapo "
-        f"train --resume {dest.parent} (or export its last checkpoint: dapo export "
-        f"{dest.parent} --out {dest})"
-    )

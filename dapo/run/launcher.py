@@ -12,6 +12,7 @@ same moment, and the run resumes from its last checkpoint.
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 import threading
 import time
@@ -44,13 +45,15 @@ def watch_launcher(rank: int, *, poll_s: float = 1.0) -> None:
 
 def resume_command(run_dir: Path | str) -> str:
     """The command that continues the run in ``run_dir``: under torchrun, the job's launch
-    again (one process refuses a job's settings, ``dist.rollout_ranks`` say)."""
+    again (one process refuses a job's settings, ``dist.rollout_ranks`` say). The path is
+    quoted for a shell: one with a space or a quote is pasted back whole."""
+    path = shlex.quote(str(run_dir))
     if not {"RANK", "WORLD_SIZE", "MASTER_ADDR"} <= os.environ.keys():  # dist.launched()
-        return f"dapo train --resume {run_dir}"
+        return f"dapo train --resume {path}"
     ranks = os.environ["WORLD_SIZE"]
     if os.environ.get("LOCAL_WORLD_SIZE", ranks) == ranks:  # one node
-        return f"torchrun --nproc-per-node {ranks} -m dapo train --resume {run_dir}"
-    return f"the job's torchrun launch on every node, with -m dapo train --resume {run_dir}"
+        return f"torchrun --nproc-per-node {ranks} -m dapo train --resume {path}"
+    return f"the job's torchrun launch on every node, with -m dapo train --resume {path}"
 
 
 def retry_hint(run_dir: Path | str, fix: str, *, resumable: bool) -> str:

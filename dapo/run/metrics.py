@@ -54,6 +54,8 @@ class MetricsLogger:
         """Set on a resume: TensorBoard then hides what earlier files logged from this step on,
         as metrics.jsonl is cut back to the checkpoint."""
         self._tb = None
+        self._tb_failed = False  # no more events once a write of them failed
+        self._reported = False  # a failed write was reported: the first, and the only one
         self.wandb_run = wandb_run
 
     def _writer(self):
@@ -65,13 +67,17 @@ class MetricsLogger:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **{k: _clean(v) for k, v in sorted(metrics.items())}}
-        self._file.write((json.dumps(record) + "\n").encode())
-        self._file.flush()
-        writer = self._writer()
-        if writer is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    writer.add_scalar(key, value, step)
+        self._append(step, (json.dumps(record) + "\n").encode())
+        if self.tensorboard_dir is not None and not self._tb_failed:
+            try:
+                writer = self._writer()
+                for key, value in record.items():
+                    if key != "step" and isinstance(value, (int, float)):
+                        writer.add_scalar(key, value, step)
+            except OSError as exc:  # its writer thread's, raised here (a full disk)
+                self._tb_failed = True
+                what = f"TensorBoard events of step {step}"
+                raise self._refused(exc, self.tensorboard_dir, what) from exc
         if self.wandb_run is not None:
             # W&B keeps the first value of a step: after an exact resume, re-run steps repeat
             # what it already has.
@@ -86,11 +92,47 @@ class MetricsLogger:
 
     def sync(self) -> int:
         """Flush to disk; the byte size, which a checkpoint records as its metrics offset."""
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        if self._tb is not None:
-            self._tb.flush()
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        except OSError as exc:
+            raise self._refused(exc, self.path) from exc
+        if self._tb is not None and not self._tb_failed:
+            try:
+                self._tb.flush()
+            except OSError as exc:
+                self._tb_failed = True
+                raise self._refused(exc, self.tensorboard_dir) from exc
         return self._file.tell()
+
+    def _append(self, step: int, line: bytes) -> None:
+        """Append ``line`` whole, or none of it: when the write fails (a full disk), the part
+        that reached the file is cut off and the rest dropped unwritten (the file is closed
+        without the flush that would try it again, and fail again, in ``close``). A resume
+        cuts the log back to its checkpoint's offset, at or before this line, and logs its
+        step again: once, as in the uninterrupted run."""
+        start = self._file.tell()
+        try:
+            self._file.write(line)
+            self._file.flush()
+        except OSError as exc:
+            try:
+                os.ftruncate(self._file.fileno(), start)
+            except OSError:
+                pass  # a partial last line: the resume cuts it off, as after a crash
+            self._file.raw.close()  # the buffered file's close then flushes nothing
+            raise self._refused(exc, self.path, f"the metrics of step {step}") from exc
+
+    def _refused(self, exc: OSError, target: Path | None, what: str = "") -> Exception:
+        """The one-line error for a write to ``target`` (``what``: of which step) that failed
+        with ``exc``: the checkpoint a resume uses, and the fix for that cause (free space, or
+        lift ``ulimit -f``). A CheckpointError, which ``dapo train`` reports in one line."""
+        # Imported here: checkpoint imports torch, which this module otherwise does not need.
+        from dapo.run import checkpoint
+
+        self._reported = True
+        named = f"{target} ({what})" if what else str(target)
+        return checkpoint.CheckpointError(checkpoint.write_failed(self.path.parent, 0, exc, named))
 
     def truncate(self, size: int) -> None:
         """Cut the log back to ``size`` bytes (a checkpoint's offset): steps logged after that
@@ -110,11 +152,23 @@ class MetricsLogger:
         self._file.seek(size)
 
     def close(self) -> None:
-        self._file.close()
+        """Close every output. After a write failed and was reported (by ``log`` or ``sync``),
+        what closing meets on the same full disk is not reported again: raised here, in the
+        loop's ``finally``, it would replace the first error and chain a second traceback."""
+        failed = None
+        try:
+            self._file.close()
+        except OSError as exc:  # what was left unflushed: nothing, after log's own flush
+            failed = exc, self.path
         if self._tb is not None:
-            self._tb.close()
+            try:
+                self._tb.close()
+            except OSError as exc:
+                failed = failed or (exc, self.tensorboard_dir)
         if self.wandb_run is not None:
             self.wandb_run.finish()
+        if failed is not None and not self._reported:
+            raise self._refused(*failed)
 
 
 def open_wandb(project: str, run_dir: Path, config: dict[str, Any]) -> Any:

@@ -3,17 +3,18 @@
 A run directory holds ``config.yaml``, ``metrics.jsonl``, ``checkpoints/``, ``model/``,
 ``summary.json`` and ``samples.jsonl`` (the last two written here too), and two files of
 dapo's own: ``.dapo-run``, the mark that dapo created it (``--overwrite`` deletes nothing
-without it, and nothing in it that dapo did not write), and ``.dapo-lock``, held by the
-process that runs in it (:mod:`dapo.run.lock`). Every check runs before the (possibly long)
+without it, nor anything in it, at any depth, that dapo did not write: :mod:`.own_files`),
+and ``.dapo-lock``, held by the process that runs in it from its first instant there
+(:mod:`dapo.run.lock`). Every check runs before the (possibly long)
 model load, so a typo in a path or a full disk costs seconds, not the minutes of loading a
 32B model; and every check of the command runs before an earlier run is touched.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
+import shlex
 import shutil
 import time
 import uuid
@@ -21,30 +22,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dapo.config import Config, dump_yaml
+from dapo.run import asides
 from dapo.run.checkpoint import CKPT_DIR
-from dapo.run.lock import LOCK_NAME, RunLock
+from dapo.run.lock import RunLock, in_use_by, in_use_error
 from dapo.run.nofollow import LinkRefused, no_link, open_binary, write_atomic
-
-MARK = ".dapo-run"
-"""Written when dapo creates a run directory: --overwrite deletes nothing without it."""
-# What dapo writes at the top of a run directory (and ".<name>.tmp" while writing one).
-OWN_ENTRIES = (
+from dapo.run.own_files import (
     MARK,
-    LOCK_NAME,
-    ".write-test",
-    "config.yaml",
-    "metrics.jsonl",
-    "tensorboard",
-    CKPT_DIR,
-    "model",
-    "summary.json",
-    "samples.jsonl",
-    "val_problems.json",
-    "wandb",
-    "report",  # dapo report RUN_DIR without --out
+    PROBE,
+    TooManyEntries,
+    check_replaceable,
+    foreign_entries,
+    listing,
 )
+
 RUN_MARKERS = ("config.yaml", "metrics.jsonl", CKPT_DIR)  # a run, marked or from before marks
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+NAME_TRIES = 1000  # -2 ... -1000 after an automatic name that another run took first
 
 
 def is_run_dir(path: Path) -> bool:
@@ -55,14 +47,6 @@ def holds_a_run(path: Path) -> bool:
     """Whether files only dapo writes are in ``path`` (its mark, metrics.jsonl,
     checkpoints/): a run's directory, not a folder of the user's holding a config.yaml."""
     return any((path / m).exists() for m in (MARK, *RUN_MARKERS) if m != "config.yaml")
-
-
-def is_own_entry(name: str) -> bool:
-    """Whether dapo writes a top-level entry of this name into a run directory."""
-    name = name.removeprefix(".").removesuffix(".tmp") if name.endswith(".tmp") else name
-    if name.startswith("config.before-resume-") and name.endswith(".yaml"):
-        return True
-    return name in OWN_ENTRIES
 
 
 @dataclass
@@ -77,13 +61,57 @@ class NewRun:
     aside: Path | None = None
     lock: RunLock | None = None
     created: bool = False  # this process made the directory (else it was there, empty)
+    auto_name: Path | None = None  # taken meanwhile, the next free -2, -3... after it is used
 
 
 def plan_new_run(cfg: Config, *, overwrite: bool = False) -> NewRun:
     """The directory of a new run, checked: free, or (with ``overwrite``) holding a run that
-    dapo created and nothing else. Changes nothing on disk."""
+    dapo created and nothing else. Changes nothing on disk, but for putting back an earlier
+    run that an interrupted ``--overwrite`` start left aside (:mod:`dapo.run.asides`)."""
     name = cfg.run.name or f"{cfg.run.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(cfg.run.out_dir).expanduser() / name
+    _check_place(cfg, run_dir)
+    if not cfg.run.name:  # three seeds started in one second get three directories
+        return NewRun(_free_name(run_dir), auto_name=run_dir)
+    asides.put_back(run_dir)
+    entries = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
+    if not entries:
+        return NewRun(run_dir)
+    if asides.only_a_start(run_dir, config=False):
+        holder = in_use_by(run_dir)
+        if holder is not None:  # another run is starting there
+            raise in_use_error(run_dir, holder)
+        if MARK not in entries:  # a start that died before it marked it: empty to a new run
+            return NewRun(run_dir)
+        if not overwrite:
+            raise FileExistsError(
+                f"run directory {run_dir} holds only a start that was interrupted before it "
+                "wrote its config.yaml (dapo's mark and lock): there is no run to continue; "
+                "start it again with --overwrite, or pick another run.name"
+            )
+    if not is_run_dir(run_dir):
+        raise ValueError(
+            f"run directory {run_dir} is not empty and holds no dapo run; choose another "
+            "run.name or run.out_dir (dapo never deletes what it did not write)"
+        )
+    if not overwrite:
+        raise FileExistsError(
+            f"run directory {run_dir} already holds a run; continue it with "
+            f"`{resume_text(run_dir)}`, replace it with --overwrite, or pick another run.name"
+        )
+    if not (run_dir / MARK).is_file():
+        raise ValueError(
+            f"--overwrite: {run_dir} has no {MARK} mark, so dapo did not create it (or a dapo "
+            "from before runs were marked did) and will not delete it. It holds: "
+            f"{listing(entries)}. Delete it yourself if it is an old run you no longer need, "
+            "or pick another run.name"
+        )
+    check_replaceable(run_dir)
+    return NewRun(run_dir, replaces=True)
+
+
+def _check_place(cfg: Config, run_dir: Path) -> None:
+    """Refuse a run directory that is a link or a file, or under a file."""
     if run_dir.is_symlink():
         raise ValueError(f"run directory {run_dir} is a symbolic link; choose another run.name")
     if run_dir.exists() and not run_dir.is_dir():
@@ -94,99 +122,135 @@ def plan_new_run(cfg: Config, *, overwrite: bool = False) -> NewRun:
             f"run.out_dir={cfg.run.out_dir}: {above} is a file, not a directory; choose "
             "another run.out_dir"
         )
-    entries = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
-    if not entries:
-        return NewRun(run_dir)
-    if not is_run_dir(run_dir):
-        raise ValueError(
-            f"run directory {run_dir} is not empty and holds no dapo run; choose another "
-            "run.name or run.out_dir (dapo never deletes what it did not write)"
-        )
-    if not overwrite:
-        raise FileExistsError(
-            f"run directory {run_dir} already holds a run; continue it with "
-            f"`dapo train --resume {run_dir}`, replace it with --overwrite, or pick another "
-            "run.name"
-        )
-    if not (run_dir / MARK).is_file():
-        raise ValueError(
-            f"--overwrite: {run_dir} has no {MARK} mark, so dapo did not create it (or a dapo "
-            "from before runs were marked did) and will not delete it. It holds: "
-            f"{_listing(entries)}. Delete it yourself if it is an old run you no longer need, "
-            "or pick another run.name"
-        )
-    foreign = [e for e in entries if not is_own_entry(e)]
-    if foreign:
-        raise ValueError(
-            f"--overwrite: {run_dir} holds files dapo did not write: {_listing(foreign)}. Move "
-            "them out of it first (dapo deletes only what it wrote), or pick another run.name"
-        )
-    return NewRun(run_dir, replaces=True)
 
 
-def _listing(names: list[str], most: int = 8) -> str:
-    shown = ", ".join(names[:most])
-    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+def _free_name(run_dir: Path, after: Path | None = None) -> Path:
+    """``run_dir``, or with -2, -3... appended, the first that is free (after ``after``)."""
+    names = [run_dir, *(run_dir.with_name(f"{run_dir.name}-{k}") for k in range(2, NAME_TRIES))]
+    for path in names[names.index(after) + 1 if after in names else 0 :]:
+        if not os.path.lexists(path):
+            return path
+    raise ValueError(
+        f"run directory {run_dir} and {NAME_TRIES - 1} numbered ones after it are taken; "
+        "set run.name"
+    )
+
+
+def resume_text(run_dir: Path | str) -> str:
+    """The command that continues the run in ``run_dir``, quoted for a shell."""
+    return f"dapo train --resume {shlex.quote(str(run_dir))}"
 
 
 def start_new_run(plan: NewRun) -> Path:
-    """Create the run directory of ``plan``, marked and locked for this process. An earlier
-    run it replaces is locked (refused while another process uses it) and moved aside."""
-    run_dir = plan.path
+    """Create the run directory of ``plan``, locked for this process and marked. An earlier
+    run it replaces is locked (refused while another process uses it) and moved aside; its
+    lock is held until the new directory's is, so that no other process takes the aside for
+    one whose start was killed (:mod:`dapo.run.asides`)."""
+    old_lock = None
     if plan.replaces:
-        old_lock = RunLock(run_dir).acquire()
-        plan.aside = run_dir.with_name(f".{run_dir.name}.replaced-{uuid.uuid4().hex[:8]}")
+        old_lock = RunLock(plan.path).acquire()
+        plan.aside = asides.aside_path(plan.path)
         try:
-            os.rename(run_dir, plan.aside)
-        finally:
+            os.rename(plan.path, plan.aside)
+        except OSError:
             old_lock.release()
-        print(f"dapo: the earlier run in {run_dir} is kept at {plan.aside} until this one starts")
+            raise
+        print(f"dapo: the earlier run in {plan.path} is kept at {plan.aside} until this one starts")
     try:
-        run_dir.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            run_dir.mkdir()
-            plan.created = True
-        except FileExistsError:
-            if not run_dir.is_dir():
-                raise
-            # Empty when planned: the user's, or another run's by now (the lock decides).
-    except OSError as exc:
-        undo_new_run(plan)
-        raise ValueError(
-            f"cannot create run directory {run_dir}: {exc.strerror}; set run.out_dir to a "
-            "writable place"
-        ) from exc
-    try:
-        check_writable(run_dir)
-        plan.lock = RunLock(run_dir).acquire()
+        _claim(plan)
+        check_writable(plan.path, new=True)
         mark = {"run_id": uuid.uuid4().hex, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        write_atomic(run_dir / MARK, json.dumps(mark) + "\n")
+        write_atomic(plan.path / MARK, json.dumps(mark) + "\n")
     except Exception:
         undo_new_run(plan)
         raise
-    return run_dir
+    finally:
+        if old_lock is not None:
+            old_lock.release()
+    return plan.path
+
+
+def _claim(plan: NewRun) -> None:
+    """Make the run directory (or take the empty one there) and lock it at once: of two
+    starts of one name, the one holding the lock goes on, the other is told who holds it.
+    The lock is taken before anything is written there, and nothing is removed without it."""
+    try:
+        plan.path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _not_created(plan.path, exc) from exc
+    for _ in range(NAME_TRIES):
+        try:
+            plan.path.mkdir()
+            plan.created = True
+        except FileExistsError:
+            if plan.auto_name is not None:  # another run took the name first: the next number
+                plan.path = _free_name(plan.auto_name, after=plan.path)
+                continue
+            if plan.path.is_symlink() or not plan.path.is_dir():
+                msg = f"run directory {plan.path} is a file; choose another run.name"
+                raise ValueError(msg) from None
+        except OSError as exc:
+            raise _not_created(plan.path, exc) from exc
+        try:
+            plan.lock = RunLock(plan.path).acquire()
+        except FileNotFoundError:  # a start that failed there removed it meanwhile
+            plan.created = False
+            continue
+        except OSError as exc:
+            raise _not_writable(plan.path, exc, new=True) from exc
+        if not asides.only_a_start(plan.path, config=False) or (plan.path / MARK).exists():
+            # Another run made it, started and ended before this one could lock it.
+            plan.lock.release()
+            plan.lock, plan.created = None, False
+            raise FileExistsError(
+                f"run directory {plan.path} was taken by another run meanwhile; pick another "
+                "run.name"
+            )
+        return
+    raise ValueError(f"run directory {plan.path} kept disappearing; try again")
+
+
+def _not_created(run_dir: Path, exc: OSError) -> ValueError:
+    return ValueError(
+        f"cannot create run directory {run_dir}: {exc.strerror}; set run.out_dir to a "
+        "writable place"
+    )
 
 
 def finish_replacing(plan: NewRun) -> None:
-    """The new run has started: remove the run it replaced (only dapo's own entries)."""
+    """The new run has started: remove the run it replaced, checked again in depth to hold
+    only what dapo wrote (renamed first, so that a removal cut short is never put back)."""
     if plan.aside is None:
         return
     aside, plan.aside = plan.aside, None
-    if all(is_own_entry(p.name) for p in aside.iterdir()):
-        shutil.rmtree(aside)
-    else:  # something appeared in it meanwhile: keep it for its owner
-        print(f"dapo: warning: {aside} holds files dapo did not write; it was kept")
+    try:
+        foreign = foreign_entries(aside)
+    except TooManyEntries as exc:
+        foreign = [f"({exc})"]
+    if foreign:  # something appeared in it meanwhile: keep it for its owner
+        print(
+            f"dapo: warning: {aside} holds files dapo did not write ({listing(foreign, 3)}); "
+            "it was kept"
+        )
+        return
+    doomed = aside.with_name(aside.name.replace(asides.REPLACED, ".deleting-", 1))
+    os.rename(aside, doomed)
+    shutil.rmtree(doomed)
 
 
 def undo_new_run(plan: NewRun) -> None:
     """The new run failed before it started: remove what it wrote (its directory, when it
-    made it) and put the run it replaced back. A directory it found stays, and nothing of a
-    run whose lock it did not hold is touched (two runs started at once under one name)."""
+    made it) and put the run it replaced back. A directory it found stays, and nothing is
+    removed from a directory whose lock it did not hold (two runs started at once under one
+    name: the other holds it)."""
     held, run_dir = plan.lock is not None, plan.path
     if plan.lock is not None:
         plan.lock.release()
         plan.lock = None
-    own = run_dir.is_dir() and all(is_own_entry(p.name) for p in run_dir.iterdir())
+    try:
+        own = run_dir.is_dir() and not foreign_entries(run_dir)
+    except TooManyEntries:
+        own = False
     if held and own and plan.created:
         shutil.rmtree(run_dir)
     elif held and own:  # the user's empty directory: emptied again, kept
@@ -195,18 +259,32 @@ def undo_new_run(plan: NewRun) -> None:
                 shutil.rmtree(entry)
             else:
                 entry.unlink()
-    elif plan.created and run_dir.is_dir():
-        with contextlib.suppress(OSError):  # never locked: removed only if still empty
-            run_dir.rmdir()
     if plan.aside is not None and not run_dir.exists():
         os.rename(plan.aside, run_dir)
         plan.aside = None
+    elif plan.aside is not None:  # another run took the name meanwhile
+        print(
+            f"dapo: warning: the earlier run of {run_dir} is kept at {plan.aside}: another run "
+            "took the directory meanwhile. Move it back yourself once that run is over"
+        )
 
 
 def existing_run_dir(path: str | Path) -> Path:
-    """The directory given to ``--resume``, checked to hold a run."""
+    """The directory given to ``--resume``, checked to hold a run (an earlier run that an
+    interrupted ``--overwrite`` left aside put back first)."""
     run_dir = Path(path)
+    if run_dir.is_dir() and not run_dir.is_symlink():
+        asides.put_back(run_dir)
     if not (run_dir / "config.yaml").is_file():
+        if run_dir.is_dir() and (run_dir / MARK).is_file() and asides.only_a_start(run_dir):
+            holder = in_use_by(run_dir)
+            if holder is not None:
+                raise in_use_error(run_dir, holder)
+            raise ValueError(
+                f"--resume {run_dir}: it holds only a start that was interrupted before it "
+                "wrote its config.yaml: there is no run to resume; start it again with the "
+                "same command and --overwrite"
+            )
         raise ValueError(
             f"--resume {run_dir}: not a dapo run directory (no config.yaml); give the directory "
             "that `dapo train` printed as its run directory"
@@ -214,8 +292,11 @@ def existing_run_dir(path: str | Path) -> Path:
     return run_dir
 
 
-def check_writable(run_dir: Path) -> None:
-    probe = run_dir / ".write-test"
+def check_writable(run_dir: Path, *, new: bool = False) -> None:
+    """Refuse ``run_dir`` when a file cannot be written there (``new``: a new run's, else a
+    resumed one's, which cannot move elsewhere: the fix differs). The probe file is this
+    process's own, so that two starts or resumes at once do not remove each other's."""
+    probe = run_dir / f"{PROBE}-{os.getpid()}"
     try:
         with open_binary(probe) as f:  # never through a link
             f.write(b"ok")
@@ -225,53 +306,18 @@ def check_writable(run_dir: Path) -> None:
     except LinkRefused:
         raise
     except OSError as exc:
-        raise ValueError(
-            f"run directory {run_dir} is not writable ({exc.strerror}); fix its permissions or "
-            "set run.out_dir to a writable place"
-        ) from exc
+        raise _not_writable(run_dir, exc, new=new) from exc
 
 
-def estimate_checkpoint_bytes(cfg: Config, weights_dir: Path | None) -> int:
-    """About what one checkpoint takes: weights plus AdamW's two moments, in model.param_dtype.
-
-    Estimated from the weight files on disk in ``weights_dir`` (the model's directory, a Hub
-    id's snapshot; None for the embedded model, from its shape), so it needs no model in
-    memory.
-    """
-    per_param = DTYPE_BYTES[cfg.model.param_dtype]
-    if weights_dir is None:
-        h, layers = cfg.embedded.hidden, cfg.embedded.layers
-        vocab = 4096  # an upper bound of the word-level demo vocabulary
-        params = vocab * h + layers * (4 * h * h + 3 * h * 2 * h)
-    else:
-        path = weights_dir
-        weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-        weights += sum(f.stat().st_size for f in path.glob("*.bin"))
-        stored = 2
-        try:
-            meta = json.loads((path / "config.json").read_text())
-            stored = DTYPE_BYTES.get(str(meta.get("torch_dtype") or meta.get("dtype")), 2)
-        except (OSError, ValueError):
-            pass
-        params = weights // stored
-    return 3 * params * per_param
-
-
-def check_space(run_dir: Path, cfg: Config, weights_dir: Path | None) -> None:
-    """Refuse to start when the disk cannot hold two checkpoints (the newest being written
-    while the previous one is still the safe copy) of the model in ``weights_dir``."""
-    need = 2 * estimate_checkpoint_bytes(cfg, weights_dir)
-    # A new run's directory does not exist yet: its nearest ancestor is on the same disk.
-    where = next(p for p in (run_dir.absolute(), *run_dir.absolute().parents) if p.exists())
-    free = shutil.disk_usage(where).free
-    if free < need:
-        raise ValueError(
-            f"run directory {run_dir} has {free / 2**20:.0f} MiB free, but checkpointing needs "
-            f"about {need / 2**20:.0f} MiB (two checkpoints of weights and optimiser state); free "
-            f"space or set run.out_dir to a larger disk (train.keep_checkpoints="
-            f"{cfg.train.keep_checkpoints} will keep up to {cfg.train.keep_checkpoints + 1} at "
-            "once)"
+def _not_writable(run_dir: Path, exc: OSError, *, new: bool) -> ValueError:
+    if new:
+        fix = "fix its permissions or set run.out_dir to a writable place"
+    else:  # a resume writes into the run's own directory: run.out_dir does not move it
+        fix = (
+            "fix its permissions, or copy the run directory to a writable place and resume "
+            f"the copy: cp -a {shlex.quote(str(run_dir))} COPY && dapo train --resume COPY"
         )
+    return ValueError(f"run directory {run_dir} is not writable ({exc.strerror}); {fix}")
 
 
 def write_config(run_dir: Path, cfg: Config) -> None:

@@ -1,0 +1,205 @@
+"""What dapo writes in a run directory, checked entry by entry before ``--overwrite`` deletes it.
+
+``--overwrite`` removes an earlier run whole, so a file a user put anywhere in it (notes in
+``model/``, a checkpoint kept by hand in ``checkpoints/``, other event files in
+``tensorboard/``) would go with it. Every entry is checked against what dapo writes there:
+at the top, the names of :data:`OWN_ENTRIES`; in ``checkpoints/``, ``step_NNNNNN``
+directories holding what their ``manifest.json`` lists, the ``latest`` pointer and the
+temporaries of a save; in ``model/``, the files ``save_pretrained`` writes (and those the
+checkpoints' ``model/`` list); in ``tensorboard/``, TensorBoard's event files. dapo writes
+no symbolic link, so a link anywhere is not its own. The walk stops after
+:data:`WALK_LIMIT` entries: a tree that large is refused, not walked for minutes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+from dapo.run import manifest
+from dapo.run.checkpoint import CKPT_DIR, LATEST
+from dapo.run.lock import LOCK_NAME
+
+MARK = ".dapo-run"
+"""Written when dapo creates a run directory: --overwrite deletes nothing without it."""
+PROBE = ".write-test"
+"""The start of the name of the file that checks a run directory is writable."""
+# What dapo writes at the top of a run directory (and ".<name>.tmp" while writing one).
+OWN_ENTRIES = (
+    MARK,
+    LOCK_NAME,
+    PROBE,
+    "config.yaml",
+    "metrics.jsonl",
+    "tensorboard",
+    CKPT_DIR,
+    "model",
+    "summary.json",
+    "samples.jsonl",
+    "val_problems.json",
+    "wandb",
+    "report",  # dapo report RUN_DIR without --out
+)
+WALK_LIMIT = 100_000
+"""The most entries checked under a run directory before ``--overwrite`` refuses it."""
+# save_pretrained's files besides the tokenizer's own (the checkpoints' manifests name those).
+MODEL_FILES = frozenset(
+    {"config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json"}
+    | {"tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json"}
+    | {"chat_template.jinja", "chat_template.json", "merges.txt", "tokenizer.model"}
+)
+TEMPLATES_DIR = "additional_chat_templates"  # the tokenizer's named chat templates, *.jinja
+_WEIGHTS = re.compile(r"^model(-\d+-of-\d+)?\.safetensors$")
+_STEP = re.compile(r"^step_\d{6,}$")
+_PROBE = re.compile(r"^\.write-test(-\d+)?$")
+_EVENTS = "events.out.tfevents."  # TensorBoard's SummaryWriter: events.out.tfevents.<time>...
+# What a checkpoint without a readable manifest may hold at its top (the rest is not checked).
+STEP_ENTRIES = frozenset(
+    {"model", "optimizer.safetensors", "optimizer.json", "rng.safetensors", "rng.json", "rng"}
+    | {"state", "trainer.json", "rollouts.safetensors", manifest.MANIFEST}
+)
+
+
+class TooManyEntries(ValueError):
+    """The tree holds more than :data:`WALK_LIMIT` entries; it is not checked further."""
+
+
+def is_own_entry(name: str) -> bool:
+    """Whether dapo writes a top-level entry of this name into a run directory."""
+    name = name.removeprefix(".").removesuffix(".tmp") if name.endswith(".tmp") else name
+    if name.startswith("config.before-resume-") and name.endswith(".yaml"):
+        return True
+    return name in OWN_ENTRIES or bool(_PROBE.match(name))
+
+
+def is_probe(name: str) -> bool:
+    """Whether ``name`` is the writability probe's (``.write-test``, ``.write-test-<pid>``)."""
+    return bool(_PROBE.match(name))
+
+
+def foreign_entries(run_dir: Path, limit: int | None = None) -> list[str]:
+    """What under ``run_dir`` dapo did not write, by path relative to it: every top-level
+    entry that is not its own, else the first deeper one; [] when all is dapo's. Raises
+    :class:`TooManyEntries` past ``limit`` entries (:data:`WALK_LIMIT`)."""
+    walk = _Walk(Path(run_dir), WALK_LIMIT if limit is None else limit)
+    top = walk.entries(walk.root)
+    foreign = [e.name for e in top if e.is_symlink() or not is_own_entry(e.name)]
+    if foreign:
+        return foreign
+    # The checkpoints first: their manifests name the tokenizer's files, which model/ holds too.
+    for entry in sorted(top, key=lambda e: e.name != CKPT_DIR):
+        found = walk.check_top(entry)
+        if found is not None:
+            return [found]
+    return []
+
+
+def check_replaceable(run_dir: Path) -> None:
+    """Refuse to delete ``run_dir`` unless everything in it is dapo's (checked in depth:
+    :mod:`dapo.run.own_files`), naming the first thing that is not and the fix."""
+    try:
+        foreign = foreign_entries(run_dir)
+    except TooManyEntries as exc:
+        raise ValueError(
+            f"--overwrite: {exc}, more than dapo checks before deleting a run (it deletes only "
+            "what it wrote); delete it yourself if you no longer need it, or pick another "
+            "run.name"
+        ) from None
+    if foreign:
+        raise ValueError(
+            f"--overwrite: {run_dir} holds files dapo did not write: {listing(foreign)}. Move "
+            "them out of it first (dapo deletes only what it wrote), or pick another run.name"
+        )
+
+
+def listing(names: list[str], most: int = 8) -> str:
+    """``names`` joined by commas, the first ``most`` of them."""
+    shown = ", ".join(names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+class _Walk:
+    """One bounded walk of a run directory: every entry listed counts against the limit."""
+
+    def __init__(self, root: Path, limit: int) -> None:
+        self.root, self.limit, self.left = root, limit, limit
+        self.model_files: set[str] = set()  # what the checkpoints' model/ holds, by manifest
+
+    def entries(self, path: Path | str) -> list[os.DirEntry]:
+        found = []
+        with os.scandir(path) as listing:
+            for entry in listing:
+                self.left -= 1
+                if self.left < 0:
+                    raise TooManyEntries(f"{self.root} holds more than {self.limit} entries")
+                found.append(entry)
+        return sorted(found, key=lambda e: e.name)
+
+    def rel(self, path: str) -> str:
+        return os.path.relpath(path, self.root)
+
+    def check_top(self, entry: os.DirEntry) -> str | None:
+        """The first foreign path under the top-level entry ``entry`` (one of dapo's names)."""
+        if not entry.is_dir(follow_symlinks=False):
+            return None  # a file of dapo's name: its own
+        if entry.name == CKPT_DIR:
+            return self.check_checkpoints(entry.path)
+        if entry.name == "model":
+            return self.check_tree(entry.path, self.model_allows)
+        if entry.name == "tensorboard":
+            return self.check_tree(entry.path, lambda rel, is_dir: rel.startswith(_EVENTS))
+        if entry.name.endswith(".tmp"):  # a write of dapo's cut short (.model.tmp): counted
+            return self.check_tree(entry.path, lambda rel, is_dir: True)
+        return None  # wandb/, report/: their writers' own layouts
+
+    def check_checkpoints(self, path: str) -> str | None:
+        for entry in self.entries(path):
+            if entry.is_symlink():
+                return self.rel(entry.path)
+            if entry.name in (LATEST, f".{LATEST}.tmp") and entry.is_file():
+                continue
+            if entry.name.startswith(".tmp-step_") and entry.is_dir():
+                found = self.check_tree(entry.path, lambda rel, is_dir: True)  # a save's
+            elif _STEP.match(entry.name) and entry.is_dir():
+                found = self.check_step(entry.path)
+            else:
+                found = self.rel(entry.path)
+            if found is not None:
+                return found
+        return None
+
+    def check_step(self, path: str) -> str | None:
+        """A checkpoint holds what its manifest lists (without one: the names it may hold)."""
+        files = manifest.manifest_files(Path(path))
+        if isinstance(files, str):
+            return self.check_tree(path, lambda rel, is_dir: rel.split("/")[0] in STEP_ENTRIES)
+        listed = {*files, manifest.MANIFEST}
+        dirs = {str(Path(f).parent) for f in listed} - {"."}
+        dirs |= {str(p) for d in list(dirs) for p in Path(d).parents} - {"."}
+        self.model_files |= {f.removeprefix("model/") for f in files if f.startswith("model/")}
+        return self.check_tree(path, lambda rel, is_dir: rel in (dirs if is_dir else listed))
+
+    def model_allows(self, rel: str, is_dir: bool) -> bool:
+        if rel in self.model_files or any(f.startswith(f"{rel}/") for f in self.model_files):
+            return True
+        if is_dir:
+            return rel == TEMPLATES_DIR
+        if rel.startswith(f"{TEMPLATES_DIR}/"):
+            return rel.count("/") == 1 and rel.endswith(".jinja")
+        return rel in MODEL_FILES or bool(_WEIGHTS.match(rel))
+
+    def check_tree(self, path: str, allows: Callable[[str, bool], bool]) -> str | None:
+        """The first entry under ``path`` that ``allows(relative path, is a directory)``
+        refuses, or a link; None when there is none."""
+        stack = [path]
+        while stack:
+            for entry in self.entries(stack.pop()):
+                rel = os.path.relpath(entry.path, path)
+                is_dir = entry.is_dir(follow_symlinks=False)
+                if entry.is_symlink() or not allows(rel, is_dir):
+                    return self.rel(entry.path)
+                if is_dir:
+                    stack.append(entry.path)
+        return None
