@@ -285,3 +285,10 @@ def test_a_file_too_large_for_its_file_system_says_to_move_the_run(tmp_path, tok
         "directory to a file system that allows larger files and resume with: dapo train "
         f"--resume {tmp_path}"
     )
+
+
+def test_the_commands_in_a_failed_export_message_are_shell_quoted(tmp_path):
+    run = tmp_path / "my run"
+    message = checkpoint.export_failed(run / "model", OSError(errno.ENOSPC, "No space"))
+    assert f"dapo train --resume '{run}' (or export its last checkpoint: " in message
+    assert f"dapo export '{run}' --out '{run / 'model'}')" in message

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shlex
 import subprocess
 import sys
 import time
@@ -38,7 +39,7 @@ REACHED = {"steps": "steps", "max_gen_tokens": "gen_tokens", "max_seconds": "ste
 def _remove_or_resume(run_dir: Path) -> str:
     return (
         f"remove {run_dir} (ablate then runs it again), or write it anew with "
-        f"dapo train --resume {run_dir}"
+        f"dapo train --resume {shlex.quote(str(run_dir))}"
     )
 
 

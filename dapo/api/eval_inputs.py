@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -173,7 +174,7 @@ def weightless_checkpoint_model(model: Path) -> str | None:
     if step and ckpt.parent.name == CKPT_DIR:
         run = ckpt.parent.parent
         shown = run if model.is_absolute() else os.path.relpath(run)  # as the user spelled it
-        export = f"dapo export {shown} --step {int(step[1])} --out DIR"
+        export = f"dapo export {shlex.quote(str(shown))} --step {int(step[1])} --out DIR"
     else:  # moved out of its run directory: no run or step to name
         export = "dapo export RUN_DIR --step N --out DIR"
     return (

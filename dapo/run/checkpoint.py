@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 from pathlib import Path
 from typing import Any
@@ -190,7 +191,8 @@ def refuse_links(path: Path) -> None:
     if root.name == CKPT_DIR and root.is_symlink():
         link, fix = root, f"put the directory it leads to in its place: {_put_back(root)}"
     elif path.is_symlink() and path.name == LATEST:
-        link, fix = path, f"remove it (rm {path}): the newest whole checkpoint is then used"
+        quoted = shlex.quote(str(path))
+        link, fix = path, f"remove it (rm {quoted}): the newest whole checkpoint is then used"
     elif path.is_symlink():
         link = path
         fix = (
@@ -207,7 +209,8 @@ def refuse_links(path: Path) -> None:
 
 def _put_back(link: Path) -> str:
     """The commands that put the directory ``link`` leads to in its place."""
-    return f"rm {link} && mv {link.resolve()} {link}"
+    link_q, target = shlex.quote(str(link)), shlex.quote(str(link.resolve()))
+    return f"rm {link_q} && mv {target} {link_q}"
 
 
 def read_pointer(run_dir: Path) -> Path | None:

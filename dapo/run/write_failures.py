@@ -97,6 +97,6 @@ def export_failed(dest: Path, exc: BaseException) -> str:
     return (
         f"could not write the model {dest}: {write_failure(exc)}; nothing was left there, and "
         f"the run's checkpoints are as they were. {remedy(exc)} and finish the run with: dapo "
-        f"train --resume {dest.parent} (or export its last checkpoint: dapo export "
-        f"{dest.parent} --out {dest})"
+        f"train --resume {shlex.quote(str(dest.parent))} (or export its last checkpoint: dapo "
+        f"export {shlex.quote(str(dest.parent))} --out {shlex.quote(str(dest))})"
     )
