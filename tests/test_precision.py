@@ -124,7 +124,9 @@ def test_training_and_rollout_compute_in_the_compute_dtype(tokenizer):
     metrics = train_step(state)
     assert set(seen) == {torch.bfloat16}  # rollout, pi_old and the update all ran in bf16
     assert {p.dtype for p in model.parameters()} == {torch.float32}  # the weights did not
-    assert all(isinstance(v, float) and v == v for v in metrics.values())  # finite
+    # finite, but for a mean over no up-clipped token (null by design)
+    assert all(isinstance(v, float) for v in metrics.values())
+    assert all(v == v for k, v in metrics.items() if k != "clip/high_prob_mean")
 
 
 def test_float16_computes_with_a_loss_scaler_that_resumes(tokenizer):

@@ -325,7 +325,10 @@ def test_a_training_step_gives_the_same_losses_and_weights(ranks, case):
         assert after_old < before_old  # the step moved the weights
         assert r["stepped"] == [], rank
         old, new = r["metrics"]
-        assert new == old, rank
+        # NaN is a mean over nothing (clip/high_prob_mean with no up-clipped token): equal too
+        assert {k: None if v != v else v for k, v in new.items()} == {
+            k: None if v != v else v for k, v in old.items()
+        }, rank
         assert r["trained"] == [], rank
 
 

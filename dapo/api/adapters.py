@@ -18,7 +18,7 @@ import torch
 from dapo.config import Config, load_config
 from dapo.config.loading import set_value
 from dapo.dist import dcp
-from dapo.models import lora
+from dapo.models import lora, merged_save
 from dapo.run import model_files
 from dapo.run.model_files import TRAINED_FILE, CheckpointError
 
@@ -83,10 +83,12 @@ def adapter_files(cfg: Config, trained: dict[str, torch.Tensor]) -> tuple[dict, 
 
 def merged(
     cfg: Config, trained: dict[str, torch.Tensor], saved_base: dict[str, Any], ckpt: Path, log
-) -> dict[str, torch.Tensor]:
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The base model's weights with the adapters ``trained`` merged in, by the base's names
     (a tied weight once): loaded on the CPU as the run loaded it, its digest checked against
-    the checkpoint's ``saved_base``."""
+    the checkpoint's ``saved_base``; and the fields of ``config.json`` that must change to
+    describe them: ``dtype`` float32 on a bfloat16 or float16 base (the merge is float32,
+    what was trained), ``tie_word_embeddings`` false when the head was adapted."""
     from dapo.models import policy
 
     cfg.model.device = "cpu"
@@ -114,4 +116,7 @@ def merged(
     weights = lora.merged_weights(model)
     for alias in dcp.tied_aliases(weights):
         del weights[alias]  # stored once, as save_pretrained stores it
-    return weights
+    changes: dict[str, Any] = {"dtype": "float32"} if merged_save.widened(model) else {}
+    if merged_save.head_untied(model, weights):
+        changes["tie_word_embeddings"] = False
+    return weights, changes

@@ -78,7 +78,8 @@ def export(
     ``run_dir`` as a Hugging Face model directory ``out``, its weights in ``dtype``
     (``float32``, ``bfloat16``, ``float16``; default: as stored). A LoRA run's checkpoint
     becomes a peft adapter directory, or with ``merge`` a model of the base's shape with the
-    adapters merged in."""
+    adapters merged in, in float32 (by default also on a bfloat16 or float16 base: what was
+    trained; ``dtype`` rounds it once, at the end)."""
     started = time.perf_counter()
     run_dir, out = Path(run_dir), Path(os.path.abspath(out))  # "." named; a link kept, not followed
     if dtype is not None and dtype not in DTYPES:
@@ -93,23 +94,21 @@ def export(
             f"--merge: {ckpt} trained every weight (no LoRA adapters to merge); export it "
             "without --merge"
         )
+    changes: dict = {}  # config.json's fields a merge changes
     try:
         tmp.mkdir()
         if adapted:
-            cfg = adapters.run_config(run_dir)
-            cfg = adapters.with_trained_settings(cfg, trainer["base_model"], ckpt, log)
-            trained = adapters.trained_tensors(ckpt)
-            if merge:
-                weights = adapters.merged(cfg, trained, trainer["base_model"], ckpt, log)
-                parameters, size = _write_merged(weights, tmp, dtype, log)
-            else:
-                parameters, size = _write_adapter(cfg, trained, tmp, dtype, log)
+            parameters, size, dtype, changes = _write_lora(
+                run_dir, ckpt, trainer, tmp, dtype, merge, log
+            )
         elif sharded:
             parameters, size = _write_gathered(ckpt / "state", tmp, dtype, log)
         else:
             parameters, size = _copy_weights(ckpt / "model", tmp, dtype, log)
         as_adapter = adapted and not merge
-        stops = _write_configs(ckpt / "model", tmp, dtype, _extra_stops(run_dir), as_adapter)
+        stops = _write_configs(
+            ckpt / "model", tmp, dtype, _extra_stops(run_dir), as_adapter, changes
+        )
         provenance = {
             "run": str(run_dir.resolve()),
             "step": trainer["step"],
@@ -203,6 +202,26 @@ def _write_gathered(state: Path, tmp: Path, dtype: str | None, log) -> tuple[int
 
     ours = {n.removeprefix("model."): shape for n, shape in stored.items()}
     return _write_files(ours, read, tmp, dtype, log, "gathered from the shards")
+
+
+def _write_lora(run_dir: Path, ckpt: Path, trainer: dict, tmp: Path, dtype, merge: bool, log):
+    """A LoRA checkpoint's adapters as a peft adapter directory, or ``merge``d into the base:
+    (parameters, bytes, the dtype written, the fields of config.json the merge changes). A
+    merge on a bfloat16 or float16 base is float32 unless ``dtype`` says otherwise."""
+    cfg = adapters.run_config(run_dir)
+    cfg = adapters.with_trained_settings(cfg, trainer["base_model"], ckpt, log)
+    trained = adapters.trained_tensors(ckpt)
+    if not merge:
+        return (*_write_adapter(cfg, trained, tmp, dtype, log), dtype, {})
+    weights, changes = adapters.merged(cfg, trained, trainer["base_model"], ckpt, log)
+    if changes.pop("dtype", None) and dtype is None:  # float32: what was trained, unrounded
+        dtype, kind = "float32", cfg.model.param_dtype  # the base as the run loaded it
+        log(
+            f"export: merged in float32, the trained policy exactly (the base is {kind}, the "
+            f"adapters were trained unmerged in float32); --dtype {kind} writes a copy half "
+            "the size, rounded"
+        )
+    return (*_write_merged(weights, tmp, dtype, log), dtype, changes)
 
 
 def _write_merged(weights: dict[str, torch.Tensor], tmp: Path, dtype: str | None, log):
@@ -312,11 +331,17 @@ def _extra_stops(run_dir: Path) -> list[int]:
 
 
 def _write_configs(
-    src: Path, tmp: Path, dtype: str | None, extra: list[int], as_adapter: bool = False
+    src: Path,
+    tmp: Path,
+    dtype: str | None,
+    extra: list[int],
+    as_adapter: bool = False,
+    changes: dict | None = None,
 ) -> tuple[int, ...]:
-    """``config.json`` (its dtype the weights'), the tokenizer's files, and the generation
-    config listing every stop token of the run; returns those tokens. A peft adapter
-    directory gets no ``config.json`` (transformers would take it for a whole model)."""
+    """``config.json`` (its dtype the weights', and ``changes``: an adapted tied head's
+    ``tie_word_embeddings``), the tokenizer's files, and the generation config listing every
+    stop token of the run; returns those tokens. A peft adapter directory gets no
+    ``config.json`` (transformers would take it for a whole model)."""
     from transformers import AutoConfig, GenerationConfig
 
     for f in sorted(src.iterdir()):
@@ -329,10 +354,11 @@ def _write_configs(
             if f.is_file() and not f.is_symlink():
                 shutil.copyfile(f, tmp / TEMPLATES_DIR / f.name)
     config = _read_config(src / "config.json", tmp / "config.json")
-    if dtype is not None:
+    if dtype is not None or changes:
         for key in ("dtype", "torch_dtype"):
-            if key in config or key == "dtype":
+            if dtype is not None and (key in config or key == "dtype"):
                 config[key] = dtype
+        config.update(changes or {})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if (src / "generation_config.json").is_file():
         generation = GenerationConfig.from_pretrained(src)

@@ -213,13 +213,13 @@ def _train(
         write_config = functools.partial(rundir.write_config, run_dir, cfg)
         if dist.is_main() and not resume_dir:  # a resume's, once its checkpoint is read
             write_config()
-        # A resumed run starts from the same policy (it is the KL reference) and then loads
-        # the checkpoint's weights over it. Under torchrun, rank 0 builds (and caches) the
-        # embedded one before the other ranks load it, and a pretrained one stored as
-        # safetensors is loaded straight into shards (each rank reads only its own).
+        # A resume starts from the same policy (the KL reference), then loads its checkpoint.
+        # Under torchrun rank 0 builds the embedded one first; safetensors load into shards.
         if not dist.is_main():
             dist.wait_for_all(everyone=True)
-        model, tokenizer = policy.load_policy(cfg, data.warmup_pairs, tokenizer, shard=True)
+        model, tokenizer = policy.load_policy(
+            cfg, data.warmup_pairs, tokenizer, shard=True, training=True
+        )
         if dist.is_main():
             dist.wait_for_all(everyone=True)
         started = True

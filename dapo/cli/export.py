@@ -33,7 +33,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     export.add_argument(
         "--dtype",
         choices=choices(ModelConfig, "param_dtype"),
-        help="the weights' dtype (default: as the checkpoint stores them, model.param_dtype)",
+        help=(
+            "the weights' dtype (default: as the checkpoint stores them, model.param_dtype; "
+            "--merge over a bfloat16 or float16 base: float32, the merge unrounded)"
+        ),
     )
     export.add_argument(
         "--merge",

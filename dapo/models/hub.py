@@ -10,6 +10,7 @@ chat templates included), never pickled ``*.bin`` weights or code.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -149,3 +150,43 @@ def known_model_type(model_type: object) -> bool:
     from transformers import CONFIG_MAPPING
 
     return isinstance(model_type, str) and model_type in CONFIG_MAPPING
+
+
+def model_code_refusal(path: Path) -> str | None:
+    """Why the model directory ``path`` loads only by running code that came with it: its
+    ``config.json`` names code of its own (``auto_map``) for a model type transformers does
+    not have (transformers would say to pass ``trust_remote_code=True``, which dapo never
+    does); None otherwise, or when there is no config to read."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict) or "auto_map" not in config:
+        return None
+    kind = config.get("model_type")
+    if known_model_type(kind):
+        return None
+    shown = "(none)" if kind is None else repr(kind)
+    return (
+        f"model.path={path}: its model_type {shown} is unknown to transformers and dapo runs "
+        "no model code (config.json's auto_map names code that came with the model); give a "
+        "model of an architecture transformers has (a newer transformers may have this one)"
+    )
+
+
+def no_safetensors(repo: str, revision: str | None, path: Path) -> HubModelError | None:
+    """The error for a Hub model id whose snapshot ``path`` holds no weights because the
+    repository has no ``*.safetensors`` (dapo fetches no pickled ``*.bin``), else None."""
+    if not is_hub_id(repo) or Path(repo) == path:
+        return None
+    if any(path.glob("*.safetensors")) or any(path.glob("*.bin")):
+        return None
+    at = f" at revision {revision}" if revision else ""
+    return HubModelError(
+        f"model.path={repo}{at}: no weights dapo can read; dapo fetches only safetensors "
+        "weights (*.safetensors) from the Hub, never pickled ones (*.bin), and this "
+        "repository seems to have none. Convert its weights to safetensors locally, from a "
+        "copy you trust (torch.load(FILE, weights_only=False), load them into the model, "
+        "model.save_pretrained(DIR, safe_serialization=True)) and give model.path=DIR, or "
+        "give a model.revision that has .safetensors files"
+    )

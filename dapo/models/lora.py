@@ -175,16 +175,18 @@ def base_names(names: Iterable[str]) -> Iterator[tuple[str, str]]:
 
 
 def merge_stream(
-    weights: Iterable[tuple[str, torch.Tensor]],
-    scale: dict[str, float],
-    dtype: torch.dtype | None = None,
+    weights: Iterable[tuple[str, torch.Tensor]], scale: dict[str, float]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The (name, whole tensor) pairs of an adapted model's state dict, as its base model
-    names them, each adapted weight merged: ``W + scale B A``, computed in float32 and given
-    in ``dtype`` (default: ``W``'s). ``scale``: :func:`scales`. A layer's ``W`` is held until
-    its ``B`` passes (the state dict's order: base weight, bias, A, B), so a stream gathered
-    one tensor at a time (under FSDP) holds one layer's extra tensors at most."""
+    names them, each adapted weight merged: ``W + scale B A``, computed in float32. A
+    bfloat16 or float16 base comes out in float32, on the CPU (:func:`widen`): the policy
+    trained was ``W`` plus the float32 adapters unmerged, and rounding the merged weight
+    back to ``W``'s dtype rounds much of the adapters' update away. ``scale``:
+    :func:`scales`. A layer's ``W`` is held until its ``B`` passes (the state dict's order:
+    base weight, bias, A, B), so a stream gathered one tensor at a time (under FSDP) holds
+    one layer's extra tensors at most."""
     held: dict[str, torch.Tensor] = {}  # layer -> W, then W and A
+    widened: dict[tuple, torch.Tensor] = {}  # a tied weight stays one tensor
     for name, tensor in weights:
         layer, _, rest = name.rpartition(".base_layer.")
         if layer in scale and rest == "weight":
@@ -195,14 +197,29 @@ def merge_stream(
                 layer = name.split(f".{part}.")[0]
                 break
         else:
-            plain = name.replace(BASE, ".")
-            yield plain, tensor if dtype is None else tensor.to(dtype)
+            yield name.replace(BASE, "."), widen(tensor, widened)
             continue
         if part == "lora_A":
             held[f"{layer}.A"] = tensor
             continue
         w, a = held.pop(layer), held.pop(f"{layer}.A")
-        yield f"{layer}.weight", merge(w, a, tensor, scale[layer]).to(dtype or w.dtype)
+        merged = merge(w, a, tensor, scale[layer])
+        yield f"{layer}.weight", merged.cpu() if w.dtype in HALF else merged
+
+
+HALF = (torch.bfloat16, torch.float16)
+
+
+def widen(tensor: torch.Tensor, done: dict[tuple, torch.Tensor]) -> torch.Tensor:
+    """A bfloat16 or float16 ``tensor`` as float32 on the CPU (a whole float32 copy of the
+    model may not fit beside it on its GPU); any other as it is. ``done``: the tensors
+    widened so far, by storage, so that two names of one tensor (a tied head) stay one."""
+    if tensor.dtype not in HALF:
+        return tensor
+    key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+    if key not in done:
+        done[key] = tensor.to(device="cpu", dtype=torch.float32)
+    return done[key]
 
 
 def whole_reader(
@@ -320,8 +337,8 @@ def release(merged: torch.nn.Module) -> None:
 @torch.no_grad()
 def merged_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """``model``'s state dict as the base model names it, each adapted weight merged
-    (:func:`merge_stream`): what a model without adapters loads to compute what ``model``
-    computes. The policy itself is left as it is."""
+    (:func:`merge_stream`, float32 for a bfloat16 or float16 base): what a model without
+    adapters loads to compute what ``model`` computes. The policy itself is left as it is."""
     return dict(merge_stream(model.state_dict().items(), scales(model)))
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from pickle import UnpicklingError
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ import torch
 from dapo import dist
 from dapo.config import Config, ModelConfig, choices
 from dapo.data.problems import Problem
+from dapo.models import hub
 from dapo.models.casting import cast_weights
 
 DTYPES: dict[str, torch.dtype] = {
@@ -74,8 +75,6 @@ def model_dir(cfg: Config, *, download: bool = True) -> Path:
     """The directory ``model.path`` names: itself, or the snapshot of a Hub model id in the
     Hugging Face cache (fetched there unless offline or not ``download``;
     :mod:`dapo.models.hub`)."""
-    from dapo.models import hub
-
     return hub.resolve(cfg.model.path, cfg.model.revision, download=download)
 
 
@@ -99,6 +98,8 @@ def check_model_path(cfg: Config) -> Path:
             "give a directory written by save_pretrained, a Hub model id (Qwen/Qwen2.5-0.5B), "
             "or model.path=embedded"
         )
+    if refusal := hub.model_code_refusal(path):
+        raise ValueError(refusal)
     return path
 
 
@@ -159,7 +160,13 @@ def context_length(cfg: Config) -> int | None:
         return TinyModelSpec().max_positions
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model_dir(cfg), trust_remote_code=False)
+    path = model_dir(cfg)
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except (OSError, ValueError):
+        if refusal := hub.model_code_refusal(path):  # not transformers' trust_remote_code
+            raise ValueError(refusal) from None
+        raise
     return getattr(config, "max_position_embeddings", None)
 
 
@@ -200,6 +207,7 @@ def load_policy(
     *,
     shard: bool = False,
     dtype: torch.dtype | None = None,
+    training: bool = False,
 ) -> tuple[torch.nn.Module, Any]:
     """The policy on ``device`` (default: :func:`compute_device` of ``model.device``) with its
     weights in ``dtype`` (default ``model.param_dtype``; a model directory is read in it, so
@@ -210,7 +218,8 @@ def load_policy(
     ``shard`` under ``torchrun``, a model stored as safetensors is loaded straight into FSDP
     shards (:mod:`dapo.models.sharded_load`: each rank reads only its rows), and the model
     returned is sharded; otherwise it is whole. With ``model.lora.rank`` > 0 it carries
-    adapters, and only they are trainable (:mod:`dapo.models.lora`).
+    adapters, and only they are trainable (:mod:`dapo.models.lora`). The model's own dropout
+    is off (:mod:`dapo.models.dropout`; said in ``log`` when ``training`` and it was on).
     """
     device = device or compute_device(cfg.model.device)
     dtype = dtype or DTYPES[cfg.model.param_dtype]
@@ -221,19 +230,29 @@ def load_policy(
         if model is not None:
             tokenizer = tokenizer or load_tokenizer(cfg)
             check_vocabulary(model, tokenizer, cfg.model.path)
-            return model, tokenizer
+            return _without_dropout(model, log if training else None), tokenizer
     if cfg.model.path == "embedded":
         model, tokenizer = _embedded(cfg, warmup_pairs, log)
     else:
         model, tokenizer = _pretrained(cfg, tokenizer, dtype)
         check_vocabulary(model, tokenizer, cfg.model.path)
     model = cast_weights(model, dtype, device)
+    _without_dropout(model, log if training else None)  # before LoRA's, which is a setting
     if cfg.model.lora.rank:
         from dapo.models import lora
 
         lora.apply(model, cfg.model.lora, seed=cfg.train.seed)
         log(lora.describe(model))
     return model, tokenizer
+
+
+def _without_dropout(model: torch.nn.Module, log: Callable[[str], None] | None):
+    from dapo.models import dropout
+
+    note = dropout.disable(model)
+    if note is not None and log is not None:
+        log(note)
+    return model
 
 
 def check_vocabulary(model: torch.nn.Module, tokenizer: Any, path: str | Path) -> None:
@@ -283,7 +302,7 @@ def _pretrained(cfg: Config, tokenizer: Any, dtype: torch.dtype):
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
-    from dapo.models import sharded_load
+    from dapo.models import pickled, sharded_load
 
     path = check_model_path(cfg)
     tokenizer = tokenizer or load_tokenizer(cfg)
@@ -291,9 +310,12 @@ def _pretrained(cfg: Config, tokenizer: Any, dtype: torch.dtype):
         model, info = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, trust_remote_code=False, output_loading_info=True
         )
-    except (OSError, ValueError, SafetensorError, pickle.UnpicklingError) as exc:
-        if _refused_pickle(exc):
-            raise pickled_weights(path) from None
+    except (OSError, ValueError, SafetensorError, UnpicklingError) as exc:
+        if pickled.refused_pickle(exc):
+            raise pickled.pickled_weights(path) from None
+        hub_error = hub.no_safetensors(cfg.model.path, cfg.model.revision, path)
+        if isinstance(exc, OSError) and hub_error is not None:
+            raise hub_error from None  # not "no file named model.safetensors" in the snapshot
         # A truncated or garbled safetensors file (transformers may raise any of these for
         # it, and SafetensorError names no file): say which, and the fix.
         sharded_load.check_weight_files(path)
@@ -318,38 +340,6 @@ def _pretrained(cfg: Config, tokenizer: Any, dtype: torch.dtype):
         # load (dapo.models.sharded_load) refuses the same directory in these words.
         raise sharded_load.missing_weight(missing, path, _weights_file(path, missing))
     return model, tokenizer
-
-
-def _refused_pickle(exc: BaseException) -> bool:
-    """Whether ``exc`` is, or was raised while handling, torch's safe loader refusing a
-    pickle: transformers 5 lets the UnpicklingError through, 4.x raises an OSError from it."""
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        if isinstance(e, pickle.UnpicklingError):
-            return True
-        seen.add(id(e))
-        todo += [e.__cause__, e.__context__]
-    return False
-
-
-def pickled_weights(path: Path) -> ValueError:
-    """The error for ``.bin`` weights that torch's ``weights_only`` loader refused (a pickle
-    that names more than tensors): its own message advises ``weights_only=False``, which runs
-    whatever the pickle names. The torchrun loader reads only safetensors files and leaves
-    such a directory to this whole load (:func:`dapo.models.sharded_load.load`)."""
-    bins = ", ".join(sorted(f.name for f in path.glob("pytorch_model*.bin"))) or "its weights"
-    return ValueError(
-        f"model.path={path}: {bins} is a pickle holding more than tensors; torch's safe loader "
-        "refused it, and dapo loads no pickled code (unpickling it could run anything it "
-        "names). Convert the weights to safetensors from a copy you trust, in an environment "
-        "you trust (there: torch.load(FILE, weights_only=False), load the tensors into the "
-        "model, model.save_pretrained(DIR, safe_serialization=True)), or fetch the model's "
-        ".safetensors files, and give model.path=DIR"
-    )
 
 
 def _untrained_weight(model: torch.nn.Module, missing_keys: Sequence[str]) -> str | None:

@@ -35,7 +35,7 @@ from safetensors import SafetensorError, safe_open
 
 from dapo.config import Config
 from dapo.dist import fsdp
-from dapo.models import compiled_layers, lora
+from dapo.models import compiled_layers, lora, tied_files
 from dapo.models.casting import cast_weights
 
 SAFE_WEIGHTS = "model.safetensors"
@@ -241,8 +241,11 @@ def fill_from_files(model: torch.nn.Module, files: dict[str, Path], path: Path) 
     safetensors ``files``, reading only that part; a weight the files lack is a ValueError
     that names it, the file and the fix."""
     plan: list[tuple[Path, str, torch.Tensor]] = []
+    prefix = getattr(model, "base_model_prefix", "")
     for names, tensor, required in _targets(model):
-        stored = _stored_name(names, files, getattr(model, "base_model_prefix", ""))
+        if len(names) > 1 and (apart := tied_files.stored_apart(names, files, prefix)):
+            raise tied_files.refusal(path, apart, files)  # not the first of them, silently
+        stored = _stored_name(names, files, prefix)
         if stored is None:
             if required:
                 single = None if (path / SAFE_INDEX).is_file() else path / SAFE_WEIGHTS

@@ -203,14 +203,26 @@ def _add_tied(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
         weights[tied[0]] = weights[tied[1]]
 
 
+def _same(weights: dict[str, torch.Tensor], head: str, inputs: str) -> bool:
+    """Whether ``weights`` hold ``head`` as the very values of ``inputs`` (False where either
+    is missing: on the ranks other than 0, which hold no weights)."""
+    if head not in weights or inputs not in weights:
+        return False
+    a, b = weights[head], weights[inputs]
+    return a is b or (a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b))
+
+
 def export_model(
     model: torch.nn.Module,
     tokenizer: Any,
     dest: Path,
     transform: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+    saver: Callable[[torch.nn.Module, dict[str, torch.Tensor]], torch.nn.Module] | None = None,
 ) -> None:
     """The whole weights gathered on rank 0 and saved there in the Hugging Face format;
-    ``transform`` (LoRA's merge) turns them into what is saved."""
+    ``transform`` (LoRA's merge) turns them into what is saved, and ``saver`` gives the
+    model whose ``save_pretrained`` writes them (one whose config describes them: LoRA's
+    :func:`dapo.models.merged_save.saving_model`; default ``model``)."""
     tmp = dest.with_name(f".{dest.name}.tmp")
     refused = None
     if dist.is_main():
@@ -225,13 +237,15 @@ def export_model(
     if transform is not None and dist.is_main():
         weights = transform(weights)
     tied = _tied_keys(model)
-    if tied is not None:
-        weights.pop(tied[0], None)  # stored once, as save_pretrained stores it
+    if tied is not None and _same(weights, *tied):
+        # Stored once, as save_pretrained stores it; a head that LoRA adapted is its own now.
+        weights.pop(tied[0])
     problem = None
     if dist.is_main():
         shutil.rmtree(tmp, ignore_errors=True)
         try:
-            model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
+            target = model if saver is None else saver(model, weights)
+            target.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
             checkpoint.fsync_tree(tmp)
         except (OSError, SafetensorError) as exc:

@@ -23,7 +23,6 @@ from dapo.data.problems import Problem
 from dapo.dist import fsdp, roles
 from dapo.eval.evaluate import evaluate
 from dapo.eval.metrics import pick_samples
-from dapo.models import lora
 from dapo.reward.pool import RewardPool
 from dapo.rollout.base import close_engine
 from dapo.run import checkpoint, launcher, model_files, rundir, sharded_checkpoint
@@ -33,6 +32,7 @@ from dapo.run.progress import LiveProgress
 from dapo.run.seeding import derive_seed
 from dapo.run.threads import ThreadGovernor
 from dapo.training import resume as resume_checks
+from dapo.training.final_model import save_final
 from dapo.training.generator_ranks import rollout_source
 from dapo.training.rollout_files import restore_ahead
 from dapo.training.sampling import DynamicSamplingExhausted
@@ -225,14 +225,7 @@ class _Loop:
         signum = 0 if done else self.stopping(stop)
         if signum:  # the same step, and signal, on every rank
             raise stopped_after(signum, state.step, t.steps, launcher.resume_command(self.run_dir))
-        if fsdp.is_sharded(state.model):
-            merge = lora.merger(state.model)
-            sharded_checkpoint.export_model(
-                state.model, state.tokenizer, self.run_dir / "model", merge
-            )
-        else:  # with LoRA, the merged weights: a model like the base that anything can load
-            merged = lora.merged_weights(state.model) if self.base is not None else None
-            checkpoint.export_model(state.model, state.tokenizer, self.run_dir / "model", merged)
+        save_final(state.model, state.tokenizer, self.run_dir, self.say)
 
     def write_records(self) -> None:
         """The final evaluation's samples.jsonl (dapo report) and val_problems.json (dapo
