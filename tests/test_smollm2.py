@@ -148,7 +148,9 @@ def test_two_training_steps_change_the_weights_with_finite_metrics(smol, tmp_pat
     lines = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [0, 1, 2]
     for line in lines:
-        bad = {k: v for k, v in line.items() if not math.isfinite(v)}
+        # clip/high_prob_mean is null on a step with no up-clipped token: a mean over nothing
+        bad = {k: v for k, v in line.items() if not (v is None and k == "clip/high_prob_mean")}
+        bad = {k: v for k, v in bad.items() if not math.isfinite(v)}
         assert not bad, line["step"]
     assert all(x["train/grad_norm"] > 0 for x in lines[1:])
     before = load_file(smol / "model.safetensors")
