@@ -133,6 +133,18 @@ def check_format(path: Path) -> None:
 # ----------------------------------------------------------------------------- save and load
 
 
+def tied_keys(model: torch.nn.Module) -> tuple[str, str] | None:
+    """(output head key, input embeddings key) when the two share one weight (an adapted
+    head's frozen weight included: peft's layer shows its base layer's), which
+    ``save_pretrained`` stores once, as the input embeddings."""
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    inputs = getattr(model, "get_input_embeddings", lambda: None)()
+    if head is None or inputs is None or head.weight is not inputs.weight:
+        return None
+    by_module = {id(m): n for n, m in model.named_modules()}
+    return f"{by_module[id(head)]}.weight", f"{by_module[id(inputs)]}.weight"
+
+
 def tied_aliases(model_sd: dict[str, Any]) -> dict[str, str]:
     """``{key: the earlier key whose tensor it is}`` for weights tied to another (a head that
     is the input embedding): safetensors stores a tensor once, under its first key."""

@@ -20,25 +20,15 @@ from pathlib import Path
 
 import torch
 
+from dapo.dist import dcp
 from dapo.models import lora
 from dapo.models.sharded_load import empty_model
-
-
-def tied_keys(model: torch.nn.Module) -> tuple[str, str] | None:
-    """(output head key, input embeddings key) when the two share one weight (an adapted
-    head's frozen weight included: peft's layer shows its base layer's)."""
-    head = getattr(model, "get_output_embeddings", lambda: None)()
-    inputs = getattr(model, "get_input_embeddings", lambda: None)()
-    if head is None or inputs is None or head.weight is not inputs.weight:
-        return None
-    by_module = {id(m): n for n, m in model.named_modules()}
-    return f"{by_module[id(head)]}.weight", f"{by_module[id(inputs)]}.weight"
 
 
 def head_untied(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> bool:
     """Whether ``weights`` (``model``'s, merged) hold its tied head and input embeddings as
     two different tensors: the head adapted."""
-    keys = tied_keys(model)
+    keys = dcp.tied_keys(model)
     if keys is None or not all(k in weights for k in keys):
         return False
     head, inputs = (weights[k] for k in keys)

@@ -186,19 +186,8 @@ def load(
     return trainer
 
 
-def _tied_keys(model: torch.nn.Module) -> tuple[str, str] | None:
-    """(output head key, input embeddings key) when the two share one weight, which
-    ``save_pretrained`` stores once, as the input embeddings."""
-    head = getattr(model, "get_output_embeddings", lambda: None)()
-    inputs = getattr(model, "get_input_embeddings", lambda: None)()
-    if head is None or inputs is None or head.weight is not inputs.weight:
-        return None
-    by_module = {id(m): n for n, m in model.named_modules()}
-    return f"{by_module[id(head)]}.weight", f"{by_module[id(inputs)]}.weight"
-
-
 def _add_tied(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
-    tied = _tied_keys(model)
+    tied = dcp.tied_keys(model)
     if tied is not None and tied[0] not in weights and tied[1] in weights:
         weights[tied[0]] = weights[tied[1]]
 
@@ -236,7 +225,7 @@ def export_model(
     weights = dcp.full_weights(model)
     if transform is not None and dist.is_main():
         weights = transform(weights)
-    tied = _tied_keys(model)
+    tied = dcp.tied_keys(model)
     if tied is not None and _same(weights, *tied):
         # Stored once, as save_pretrained stores it; a head that LoRA adapted is its own now.
         weights.pop(tied[0])
