@@ -195,16 +195,19 @@ def load_embedded(
     tokenizer = build_tokenizer(tools)
     vocab = sorted(tokenizer.get_vocab().items())
     # The warm-up runs transformers' Qwen2 and torch's kernels: a new version of either may
-    # build other weights, so neither reuses the other's cache entry.
-    versions = (torch.__version__, transformers.__version__)
+    # build other weights, and so do the CPU kernels torch picks for the instruction set
+    # (AVX2's and the plain kernels' weights differ by up to 0.02, and the demo's start
+    # reads 0.173 and 0.177), so none reuses another's entry (a home shared across machines).
+    kernels = torch.backends.cpu.get_cpu_capability()
+    versions = (torch.__version__, transformers.__version__, kernels)
     key = _cache_key(spec, warmup, task_key, vocab, piece_pattern(tools), *versions)
     target = Path(cache_dir).expanduser() / f"embedded-{key}"
     if (target / "model.safetensors").exists():
         model = Qwen2ForCausalLM.from_pretrained(target)
         return model, tokenizer
     log(
-        f"building the embedded policy: {warmup.steps} supervised warm-up steps "
-        f"(cached at {target})"
+        f"building the embedded policy: {warmup.steps} supervised warm-up steps on this "
+        f"CPU's {kernels} kernels (cached at {target})"
     )
     start = time.perf_counter()
     model = tiny_qwen2(tokenizer, spec, seed=warmup.seed)
