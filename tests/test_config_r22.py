@@ -152,6 +152,37 @@ def test_a_nul_in_a_run_name_is_refused_naming_the_field(tmp_path: Path) -> None
     )
 
 
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("run.out_dir", "runs\0x"),
+        ("model.path", "/models/m\0x"),
+        ("model.revision", "ma\0in"),
+        ("embedded.cache_dir", "~/.cache/d\0"),
+        ("data.train_file", "t\0.jsonl"),
+        ("data.val_file", "v\0.jsonl"),
+        ("reward.function", "r\0.py:score"),
+        ("env.class", "e\0.py:Env"),
+    ],
+)
+def test_a_nul_in_a_path_field_is_refused_naming_the_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], key: str, value: str
+) -> None:
+    # Each passed validation and failed later as Python's bare "embedded null byte" (run.out_dir,
+    # reward.function, env.class), or printed the NUL inside a "no such file" (the others).
+    section, field = key.split(".")
+    text = f'base: demo\n{section}:\n  {field}: "{value.replace(chr(0), chr(92) + "0")}"\n'
+    shown = repr(value)
+    with pytest.raises(ValueError) as caught:
+        load_config(_file(tmp_path, text))
+    lines = str(caught.value).splitlines()  # data.train_file: the other rules' lines too
+    assert lines[0] == "invalid config:"
+    assert f"  {key} must not hold a NUL character (no file system takes one), got {shown}" in lines
+    assert cli.main(["train", "--dry-run", "run.base=demo", f"{key}={value}"]) == 2
+    err = capsys.readouterr().err
+    assert f"{key} must not hold a NUL character" in err and "embedded null byte" not in err
+
+
 # 5. Numbers of a file as written
 
 

@@ -17,7 +17,7 @@ import pyarrow as pa
 import pytest
 
 from dapo.cli import main
-from dapo.data import progress
+from dapo.data import output, progress
 from dapo.data.code_rows import HUMANEVAL_KEYS
 from dapo.data.files import DataError, load_problems
 from dapo.data.output import write_records
@@ -160,9 +160,15 @@ def test_parquet_reading_and_make_show_progress(tmp_path, capsys, monkeypatch):
         "  writing code.jsonl: 3,000 of 3,000 lines (100%)",
     ]
     made = tmp_path / "code.parquet"
+    monkeypatch.setattr(output, "BUILD_PIECE_ROWS", 1000)
     code, out, err = run(["data", "make", "code-easy", str(made), "--count", "3000"], capsys)
-    # Parquet is built in one call (built in parts, pyarrow writes other bytes): no step.
-    assert (code, out, err) == (0, f"wrote 3,000 code-easy problems to {made}\n", "")
+    # A step per piece of rows built (a Parquet file was one pyarrow call, with none).
+    assert (code, out) == (0, f"wrote 3,000 code-easy problems to {made}\n")
+    assert steps(err) == [
+        "  writing code.parquet: 1,000 of 3,000 rows (33%)",
+        "  writing code.parquet: 2,000 of 3,000 rows (66%)",
+        "  writing code.parquet: 3,000 of 3,000 rows (100%)",
+    ]
     code, out, err = run(["data", "check", str(made)], capsys)
     assert code == 0 and "  reading " not in out
     # A line per batch read (4,096 rows), as it becomes Python objects; then the rows'.
@@ -203,18 +209,20 @@ DRIVER = textwrap.dedent(
 )
 
 
-def test_sigterm_mid_write_leaves_no_temporary_file(tmp_path):
-    out = tmp_path / "out" / "x.jsonl"
+@pytest.mark.parametrize(("name", "unit"), [("x.jsonl", "lines"), ("x.parquet", "rows")])
+def test_sigterm_mid_write_leaves_no_temporary_file(tmp_path, name, unit):
+    # A Parquet file is written a row group at a time, with progress: SIGTERM can come mid-way.
+    out = tmp_path / "out" / name
     out.parent.mkdir()
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-c", DRIVER, str(out)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     try:
         for line in proc.stdout:
-            if line.startswith("writing x.jsonl: 10 of 10 lines"):
+            if line.startswith(f"writing {name}: 10 of 10 {unit}"):
                 break
         temps = [p.name for p in out.parent.iterdir()]
-        assert len(temps) == 1 and temps[0].startswith(".x.jsonl.") and temps[0].endswith(".tmp")
+        assert len(temps) == 1 and temps[0].startswith(f".{name}.") and temps[0].endswith(".tmp")
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=30)
     finally:
@@ -272,3 +280,38 @@ def test_check_says_a_run_needs_reward_mode_and_exits_1(tmp_path, capsys):
     ) in out.splitlines()
     path.write_bytes(jsonl([dapo_row("What is 1+1?", "2", 0)]))
     assert run(["data", "check", str(path)], capsys)[0] == 0
+
+
+# --- Parquet written a row group at a time ------------------------------------------------------
+
+
+def test_parquet_written_by_row_groups_is_the_file_one_call_wrote(tmp_path, monkeypatch):
+    import pyarrow.parquet as pq
+
+    schema = pa.schema(
+        [("q", pa.string()), ("a", pa.list_(pa.struct([("role", pa.string()), ("n", pa.int64())])))]
+    )
+    rows = [
+        {"q": f"problem {i % 97} " * (1 + i % 5), "a": [{"role": "user", "n": i}] * (i % 3)}
+        for i in range(5000)
+    ]
+    rows[7]["q"] = None
+    one_call = tmp_path / "one.parquet"
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), one_call)  # how it was written
+    write_records(rows, schema, tmp_path / "default.parquet")
+    assert (tmp_path / "default.parquet").read_bytes() == one_call.read_bytes()
+    # Groups of 2,048 rows built 300 at a time: the bytes of write_table with that group size.
+    monkeypatch.setattr(output, "ROW_GROUP_ROWS", 2048)
+    monkeypatch.setattr(output, "BUILD_PIECE_ROWS", 300)
+    write_records(rows, schema, tmp_path / "groups.parquet")
+    grouped = tmp_path / "grouped.parquet"
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), grouped, row_group_size=2048)
+    assert (tmp_path / "groups.parquet").read_bytes() == grouped.read_bytes()
+    meta = pq.ParquetFile(tmp_path / "groups.parquet").metadata
+    assert [meta.row_group(i).num_rows for i in range(meta.num_row_groups)] == [2048, 2048, 904]
+    assert pq.read_table(tmp_path / "groups.parquet").to_pylist() == rows
+    write_records([], schema, tmp_path / "empty.parquet")  # no rows: as write_table wrote it
+    pq.write_table(schema.empty_table(), tmp_path / "empty-one.parquet")
+    assert (tmp_path / "empty.parquet").read_bytes() == (
+        tmp_path / "empty-one.parquet"
+    ).read_bytes()

@@ -286,11 +286,14 @@ def _checked_run_dir(cfg: Config, resume_dir: Path | None, overwrite: bool, data
     # a damaged file is named with its fix now, not after minutes of loading. Under torchrun
     # the ranks wait on rank 0 here, and hash a share each as they load the checkpoint.
     digests = dist.job_size() == 1
-    trainer_file.check_resumable(checkpoint.read_trainer_state(found, digests=digests))
+    trainer = checkpoint.read_trainer_state(found, digests=digests)
+    trainer_file.check_resumable(trainer)
     # Warned once, as the run resumes.
     resume.check_resume(cfg, resume_dir, found, warn=False, problems=(data.train, data.val))
     rundir.check_writable(resume_dir)
-    disk_space.check_space(resume_dir, cfg, _weights_dir(cfg), resume=True)
+    # With no step left it writes the final model/ alone: room for a checkpoint is not asked.
+    finishing = not disk_space.steps_left(cfg, trainer)
+    disk_space.check_space(resume_dir, cfg, _weights_dir(cfg), resume=True, finishing=finishing)
 
 
 def _weights_dir(cfg: Config) -> Path | None:

@@ -10,7 +10,21 @@ import typing
 from typing import Any, Literal
 
 from dapo.config import presets
-from dapo.config.sections import Config, attr_of, field_types, is_subsection
+from dapo.config.sections import Config, attr_of, field_types, is_subsection, leaves
+from dapo.config.yaml_files import clipped_repr
+
+PATH_FIELDS = (
+    "run.out_dir",
+    "model.path",
+    "model.revision",
+    "embedded.cache_dir",
+    "data.train_file",
+    "data.val_file",
+    "reward.function",
+    "env.class",
+)
+"""The fields that name a file, a directory or a Hub revision (``run.name``: its section's
+check): each becomes a path the operating system is given."""
 
 
 def _choice_errors(name: str, section: Any) -> list[str]:
@@ -36,6 +50,19 @@ def _finite_errors(name: str, section: Any) -> list[str]:
         elif isinstance(value, float) and not math.isfinite(value):
             errors.append(f"{name}.{key} must be a finite number, got {value}")
     return errors
+
+
+def _nul_errors(cfg: Config) -> list[str]:
+    """A path field holding a NUL character: no file system takes one, and the first use of
+    it, once the config had loaded, said only "embedded null byte" (or named a file with the
+    NUL in its name)."""
+    values = leaves(cfg)
+    return [
+        f"{key} must not hold a NUL character (no file system takes one), got "
+        f"{clipped_repr(values[key])}"
+        for key in PATH_FIELDS
+        if "\0" in (values[key] or "")
+    ]
 
 
 def _preset_errors(run: Any) -> list[str]:
@@ -77,6 +104,7 @@ def config_errors(cfg: Config) -> list[str]:
         errors += section.check()
         if f.name == "run":  # names of the presets (which set fields of every section)
             errors += _preset_errors(section)
+    errors += _nul_errors(cfg)
     a, r, m = cfg.algo, cfg.rollout, cfg.model
     if a.overlong_shaping and not 0 < a.l_cache <= r.max_new_tokens:
         errors.append(

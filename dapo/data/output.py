@@ -23,6 +23,14 @@ WRITE_CHUNK_LINES = 65536
 """JSON lines written at a time: each chunk is a progress step (1.39 GB of them for the Hub's
 DAPO-Math-17k)."""
 
+ROW_GROUP_ROWS = 1024 * 1024
+"""Rows of a Parquet row group: ``pq.write_table``'s own default (pyarrow 13 and later), so a
+file written a group at a time is the one that a single call wrote, byte for byte."""
+
+BUILD_PIECE_ROWS = 65536
+"""Records made Arrow columns at a time within a row group, each a progress step: building
+is most of a Parquet file's time (1.2 million DAPO rows: 2.7 s, the write 0.6 s)."""
+
 
 class Terminated(BaseException):
     """SIGTERM while a data file is being written: a BaseException, like KeyboardInterrupt,
@@ -49,11 +57,9 @@ def write_records(records: list[dict[str, Any]], schema: pa.Schema, dst: Path) -
     """``records`` as the data file ``dst`` (Parquet or JSON Lines by its extension), written
     beside it and renamed into place: an error, Ctrl-C or SIGTERM leaves nothing behind."""
     parquet = dst.suffix.lower() == ".parquet"
-    # Build everything before the temporary file exists: a failure here creates nothing.
-    # (Parquet is built in one call: built in parts, pyarrow writes other bytes.)
-    if parquet:
-        table = pa.Table.from_pylist(records, schema=schema)
-    else:
+    # JSON is encoded before the temporary file exists: a failure there creates nothing.
+    # Parquet is built a row group at a time into it (the clean-up below removes it).
+    if not parquet:
         rows = tracked(records, f"encoding {dst.name}", len(records))
         lines = [json.dumps(rec, ensure_ascii=False) + "\n" for rec in rows]
     with _sigterm_raises():  # before the temporary file exists, so none outlives a SIGTERM
@@ -61,7 +67,7 @@ def write_records(records: list[dict[str, Any]], schema: pa.Schema, dst: Path) -
         try:
             if parquet:
                 os.close(fd)
-                pq.write_table(table, tmp)
+                _write_parquet(records, schema, Path(tmp), dst)
             else:
                 with os.fdopen(fd, "w", encoding="utf-8") as f:
                     _write_lines(f, lines, dst)
@@ -73,6 +79,28 @@ def write_records(records: list[dict[str, Any]], schema: pa.Schema, dst: Path) -
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+
+
+def _write_parquet(records: list[dict[str, Any]], schema: pa.Schema, tmp: Path, dst: Path) -> None:
+    """``records`` as the Parquet file ``tmp``, a row group of :data:`ROW_GROUP_ROWS` at a
+    time, built :data:`BUILD_PIECE_ROWS` records at a time with progress (``dst``: its name).
+    Each group's pieces are combined into one chunk per column before it is written: a
+    column written in chunks gets other page boundaries, other bytes, than ``pq.write_table``
+    of the whole table wrote."""
+    progress = Progress(f"writing {dst.name}", len(records))
+    with pq.ParquetWriter(tmp, schema) as writer:
+        for start in range(0, len(records), ROW_GROUP_ROWS):
+            end = min(start + ROW_GROUP_ROWS, len(records))
+            pieces = []
+            for first in range(start, end, BUILD_PIECE_ROWS):
+                last = min(first + BUILD_PIECE_ROWS, end)
+                pieces.append(pa.Table.from_pylist(records[first:last], schema=schema))
+                progress.update(last)
+            group = pa.concat_tables(pieces).combine_chunks()
+            del pieces  # the group's one copy is enough while it is written
+            writer.write_table(group, row_group_size=ROW_GROUP_ROWS)
+        if not records:  # as write_table writes an empty table: its one empty row group
+            writer.write_table(schema.empty_table())
 
 
 def _write_lines(f: Any, lines: list[str], dst: Path) -> None:
