@@ -3,6 +3,7 @@ the field or path and the fix, and nothing that dapo did not write is ever delet
 
 import errno
 import importlib.util
+import re
 import shutil
 from collections import namedtuple
 
@@ -198,3 +199,22 @@ def test_a_flag_that_would_do_nothing_is_refused(tmp_path, capsys, flags, messag
     assert _train(tmp_path, *flags) == 2
     assert message in _error(capsys)
     assert not (tmp_path / "r").exists()
+
+
+def test_a_resume_asks_for_at_least_its_latest_checkpoints_size(tmp_path, monkeypatch):
+    # Rollouts drawn ahead of training (train.async_staleness) sit in every checkpoint, and
+    # no estimate from the weights sees them: the latest checkpoint on disk says how big the
+    # next one is.
+    cfg = load_config()
+    one = disk_space.estimate_checkpoint_bytes(cfg, None)
+    latest = tmp_path / "checkpoints" / "step_000004"
+    latest.mkdir(parents=True)
+    (latest / "rollouts.safetensors").write_bytes(b"\0" * (3 * one))
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage(2**40, 0, 2 * one))
+    disk_space.check_space(tmp_path, cfg, None, resume=True)  # the estimate alone fits
+    need = f"needs about {3 * one / 2**20:.0f} MiB (one more checkpoint of weights"
+    with pytest.raises(ValueError, match=re.escape(need)):
+        disk_space.check_space(tmp_path, cfg, None, resume=True, latest=latest)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage(2**40, 0, 3 * one))
+    disk_space.check_space(tmp_path, cfg, None, resume=True, latest=latest)

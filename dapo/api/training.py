@@ -293,7 +293,9 @@ def _checked_run_dir(cfg: Config, resume_dir: Path | None, overwrite: bool, data
     rundir.check_writable(resume_dir)
     # With no step left it writes the final model/ alone: room for a checkpoint is not asked.
     finishing = not disk_space.steps_left(cfg, trainer)
-    disk_space.check_space(resume_dir, cfg, _weights_dir(cfg), resume=True, finishing=finishing)
+    disk_space.check_space(
+        resume_dir, cfg, _weights_dir(cfg), resume=True, finishing=finishing, latest=found
+    )
 
 
 def _weights_dir(cfg: Config) -> Path | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import struct
 from pathlib import Path
@@ -101,14 +102,19 @@ def check_space(
     *,
     resume: bool = False,
     finishing: bool = False,
+    latest: Path | None = None,
 ) -> None:
     """Refuse to start when the disk cannot hold what the run writes next: two checkpoints
     (the newest being written while the previous one is still the safe copy), or one and the
     final ``model/`` when that is larger (LoRA's float32 merge); a resume's latest checkpoint
     is on the disk already, and it needs room for one more, or the final ``model/``;
-    ``finishing``, a resume with no step left, for the final ``model/`` alone."""
+    ``finishing``, a resume with no step left, for the final ``model/`` alone. ``latest``,
+    a resume's latest checkpoint: the next one is taken to be at least its size (it holds
+    what no estimate from the weights sees, such as the rollouts drawn ahead of training)."""
     copies = 0 if finishing else 1 if resume else 2
     checkpoint = estimate_checkpoint_bytes(cfg, weights_dir) if copies else 0
+    if copies and latest is not None:
+        checkpoint = max(checkpoint, _tree_bytes(latest))
     model = estimate_model_bytes(cfg, weights_dir)
     need = max(copies * checkpoint, (copies - 1) * checkpoint + model)
     # A new run's directory does not exist yet: its nearest ancestor is on the same disk.
@@ -261,3 +267,13 @@ def _side_bytes(weights_dir: Path | None) -> int:
         return 0
     found = {f for pattern in SIDE_FILES for f in weights_dir.glob(pattern) if f.is_file()}
     return sum(f.stat().st_size for f in found)
+
+
+def _tree_bytes(directory: Path) -> int:
+    """The bytes of the files under ``directory`` (a checkpoint dapo wrote: links not
+    followed)."""
+    total = 0
+    for root, _, files in os.walk(directory):
+        for name in files:
+            total += os.lstat(os.path.join(root, name)).st_size
+    return total
