@@ -7,9 +7,12 @@ A recipe states the hardware it is written for in a top-level ``hardware:`` mapp
 (``gpus`` and ``gpu_gib``; ``gpus: 0`` and ``memory_gib`` for a CPU one). The recipe's plan
 needs neither weights nor data: the model's shape comes from ``<model.path>/config.json``, or
 from the built-in shapes when the directory is absent and its name is a known model; the
-longest prompt is taken as ``--prompt-tokens`` (512). ``--json`` prints a list of rows with
-``model``, ``gpus``, ``gpu_gib``, ``peak_train_gib``, ``peak_generate_gib``, ``spare_gib``
-and ``fits`` (4 GiB to spare, which CI asks of every recipe), the settings the plan used
+longest prompt is taken as ``--prompt-tokens``, by default the longest the run can get: the
+model's context less ``rollout.max_new_tokens`` (a longer prompt is refused or dropped), at
+most the recipe's ``hardware.prompt_tokens`` or :data:`PROMPT_TOKENS`. ``--json`` prints a
+list of rows with ``model``, ``prompt_tokens``, ``gpus``, ``gpu_gib``, ``peak_train_gib``,
+``peak_generate_gib``, ``spare_gib`` and ``fits`` (4 GiB to spare, which CI asks of every
+recipe), the settings the plan used
 (``tp_size``, ``grad_sync``, ``activation_checkpointing``, ``microbatch_tokens``, ...) and
 every part in GiB (``weights_gib``, ``gradients_gib``, ... ``load_host_gib``). The table's
 7B and 32B rows take the settings of their recipes (``TABLE_RECIPES``), the others the
@@ -45,6 +48,14 @@ RECIPE_SHAPES: dict[str, dict[str, Any]] = {
     },
 }
 """Models the recipes name besides the table's, sized when their directory is absent."""
+
+CONTEXTS = {"qwen2.5-math-1.5b": 4096, "qwen2.5-0.5b": 32768, "smollm2-135m": 8192}
+"""The context (``max_position_embeddings``) of the recipes' models, for when their directory
+is absent; another model's is taken as unbounded (the 7B and 32B bases hold 32k or more)."""
+PROMPT_TOKENS = 2048
+"""The longest prompt a recipe is planned for when its context allows more and it states no
+``hardware.prompt_tokens``: DAPO-Math-17k's longest takes ~1,600 tokens (1,643 of SmolLM2's
+tokenizer, a stand-in for Qwen's, with the DAPO template and a chat template)."""
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 TABLE_RECIPES = {"qwen2.5-7b": "dapo-qwen2.5-7b.yaml", "qwen2.5-32b": "dapo-qwen2.5-32b.yaml"}
@@ -88,10 +99,39 @@ def recipe_shape(cfg: Any) -> ModelShape:
     return ModelShape.from_hf_config(known)
 
 
-def recipe_plan(recipe: Path, *, prompt_tokens: int = 512) -> dict[str, Any]:
-    """The plan of ``recipe`` on the hardware it states, as one JSON row."""
+def recipe_context(cfg: Any) -> int | None:
+    """The recipe's model's context: its config.json's (a Hub id's only when in the cache),
+    the embedded model's, or :data:`CONTEXTS`; None when unknown."""
+    from dapo.models import hub
+    from dapo.models.demo import TinyModelSpec
+
+    if cfg.model.path == "embedded":
+        return TinyModelSpec().max_positions
+    try:
+        path = hub.resolve(cfg.model.path, cfg.model.revision, download=False)
+    except hub.HubModelError:
+        path = Path(cfg.model.path)
+    if (path / "config.json").is_file():
+        return json.loads((path / "config.json").read_text()).get("max_position_embeddings")
+    return CONTEXTS.get(Path(cfg.model.path).name.lower())
+
+
+def planned_prompt_tokens(cfg: Any, hardware: dict[str, Any]) -> int:
+    """The longest prompt the recipe's run can get: its context less ``rollout.max_new_tokens``
+    (longer ones are refused, or dropped with ``data.on_long_prompt=skip``), at most
+    ``hardware.prompt_tokens`` (:data:`PROMPT_TOKENS` unless stated)."""
+    stated = hardware.get("prompt_tokens", PROMPT_TOKENS)
+    context = recipe_context(cfg)
+    return stated if context is None else max(1, min(stated, context - cfg.rollout.max_new_tokens))
+
+
+def recipe_plan(recipe: Path, *, prompt_tokens: int | None = None) -> dict[str, Any]:
+    """The plan of ``recipe`` on the hardware it states, as one JSON row; ``prompt_tokens``:
+    the longest prompt (None: :func:`planned_prompt_tokens`)."""
     cfg = load_config(recipe)
     hardware = read_hardware(recipe)
+    if prompt_tokens is None:
+        prompt_tokens = planned_prompt_tokens(cfg, hardware)
     gpus = hardware["gpus"]
     budget = usable_gib(hardware["gpu_gib"]) if gpus else hardware["memory_gib"]
     settings = settings_from_config(
@@ -103,6 +143,7 @@ def recipe_plan(recipe: Path, *, prompt_tokens: int = 512) -> dict[str, Any]:
     )
     plan = plan_memory(recipe_shape(cfg), settings)
     row = {"recipe": str(recipe), "model": Path(cfg.model.path).name}
+    row |= {"prompt_tokens": prompt_tokens}
     row |= {"device": "cuda" if gpus else "cpu", "gpus": gpus}
     row |= {"gpu_gib": hardware["gpu_gib"] if gpus else budget, "usable_gib": round(budget, 2)}
     return row | plan_row(plan, gpu_gib=budget)
@@ -112,7 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dapo.memory_plan", description=__doc__)
     parser.add_argument("--config", type=Path, action="append", metavar="RECIPE")
     parser.add_argument("--json", action="store_true", help="one JSON list of rows")
-    parser.add_argument("--prompt-tokens", type=int, default=512, metavar="T")
+    parser.add_argument(
+        "--prompt-tokens",
+        type=int,
+        metavar="T",
+        help="the longest prompt; default: the recipe's context less rollout.max_new_tokens, "
+        f"at most hardware.prompt_tokens ({PROMPT_TOKENS} unless stated); the table: 512",
+    )
     args = parser.parse_args(argv)
     try:
         if not args.config:
@@ -129,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         if row["gpus"]:
             where = f"{row['gpus']} x {row['gpu_gib']:g} GB ({row['usable_gib']} GiB usable)"
         print(
-            f"{row['recipe']}: {row['model']} on {where}: peak {row['peak_train_gib']} GiB "
+            f"{row['recipe']}: {row['model']} on {where}, prompts of {row['prompt_tokens']} "
+            f"tokens: peak {row['peak_train_gib']} GiB "
             f"training, {row['peak_generate_gib']} GiB generating; {row['spare_gib']} GiB spare"
             + ("" if row["fits"] else f" (less than the {SPARE_GIB:g} GiB a recipe must leave)")
         )

@@ -75,6 +75,34 @@ def save_model(
     return path
 
 
+def question_file(path: Path, questions: list[str]) -> Path:
+    """A JSONL data file of ``questions``, row i's answer ``str(i)``."""
+    import json
+
+    rows = [{"question": q, "answer": str(i)} for i, q in enumerate(questions)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def small_run(tmp_path: Path, model: Path, train: Path, val: Path, *extra: str) -> list[str]:
+    """Overrides for a small run of ``model`` on ``train`` and ``val`` (groups of 4, 16 new
+    tokens, 2 prompts a step, no dynamic sampling, rewards in-process) under ``tmp_path``."""
+    return [
+        f"model.path={model}",
+        f"data.train_file={train}",
+        f"data.val_file={val}",
+        "rollout.group_size=4",
+        "rollout.max_new_tokens=16",
+        "algo.l_cache=4",
+        "train.prompts_per_step=2",
+        "sampling.dynamic=false",
+        "train.responses_per_minibatch=8",
+        "reward.workers=0",
+        f"run.out_dir={tmp_path}",
+        *extra,
+    ]
+
+
 def generate(model, tokenizer, prompts: list[str], *, engine: str = "dapo", **kwargs) -> Rollout:
     """``make_engine(engine, model, tokenizer).generate(prompts, **kwargs)``."""
     return make_engine(engine, model, tokenizer).generate(prompts, **kwargs)

@@ -138,19 +138,29 @@ def test_a_bad_row_is_named_before_any_model_loads(tmp_path, files, capsys):
 def test_every_recipe_dry_runs_on_a_tiny_model(tmp_path, files, recipe, capsys):
     from dapo.config import load_config
     from dapo.config.loading import read_hardware
+    from dapo.memory_plan import recipe_context
 
     args = ["train", "--config", str(ROOT / "recipes" / recipe), "--dry-run"]
     tp = load_config(ROOT / "recipes" / recipe).rollout.tp_size
     if tp > 1:  # planned for its cards: a dry run at their world size
         args += ["--world-size", str(read_hardware(ROOT / "recipes" / recipe)["gpus"])]
     if recipe != "demo.yaml":
-        # The recipe's own paths point at downloads; a tiny model with a long enough
-        # context (and heads that its tensor-parallel size divides) and the fixture files
-        # stand in for them.
-        model_dir = save_model(tmp_path / "m", "qwen2", context=32768, heads=max(2, tp))
+        # The recipe's own paths point at downloads; a tiny model with the real model's
+        # context (32768 where the plan knows none: the 7B and 32B bases hold more), heads
+        # that its tensor-parallel size divides, and the fixture files stand in for them,
+        # the train file with one prompt of 1,211 tokens, as DAPO-Math-17k has a few over
+        # 1,024: a recipe whose context cannot hold it beside L_max must drop it.
+        # (The embedded model's recipes train on its task, not on a file: theirs alone.)
+        cfg = load_config(ROOT / "recipes" / recipe)
+        context = recipe_context(cfg) or 32768
+        model_dir = save_model(tmp_path / "m", "qwen2", context=context, heads=max(2, tp))
+        train = tmp_path / "train.jsonl"
+        long = {"q": "Compute " + " + ".join(["7"] * 600) + ".", "a": "4200"}
+        rows = [long] if cfg.model.path != "embedded" else []
+        train.write_text(files[0].read_text() + "".join(json.dumps(r) + "\n" for r in rows))
         args += [
             f"model.path={model_dir}",
-            f"data.train_file={files[0]}",
+            f"data.train_file={train}",
             f"data.val_file={files[1]}",
             "data.format=auto",
             "data.question_key=q",
@@ -161,6 +171,11 @@ def test_every_recipe_dry_runs_on_a_tiny_model(tmp_path, files, recipe, capsys):
     assert "dry run: config, tokenizer and data are valid" in out
     assert "tokens per step: at most" in out
     assert not any(tmp_path.glob("runs*"))
+    if recipe.startswith("dapo-qwen2.5-math-1.5b"):  # context 4096, L_max 3072
+        assert "1 problem(s) dropped (data.on_long_prompt=skip)" in out
+        assert "(over 1024 prompt tokens; longest: row 48, 1211 tokens); 48 kept" in out
+    else:
+        assert "dropped (data.on_long_prompt=skip)" not in out
 
 
 @pytest.mark.skipif(not (SHARED / "aime-2024").is_dir(), reason="../shared/data is absent")

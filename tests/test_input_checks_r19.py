@@ -9,13 +9,12 @@ The test on the real DAPO-Math-17k copy skips when ../shared/data is absent.
 
 from __future__ import annotations
 
-import json
 import re
 import shlex
 from pathlib import Path
 
 import pytest
-from helpers import save_model
+from helpers import question_file, save_model, small_run
 
 from dapo.api.eval_inputs import EvalRequest, problems_of
 from dapo.cli import main
@@ -33,29 +32,11 @@ DAPO_17K = ROOT.parent / "shared" / "data" / "dapo-math-17k" / "dapo_math_17k.pa
 LONG = "Compute " + " + ".join(["7"] * 400) + "."  # 807 tokens of the demo's tokenizer
 
 
-def jsonl(path: Path, questions: list[str]) -> Path:
-    rows = [{"question": q, "answer": str(i)} for i, q in enumerate(questions)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    return path
+jsonl = question_file
 
 
 def dry_run(tmp_path: Path, model: Path, train: Path, val: Path, *extra: str) -> list[str]:
-    return [
-        "train",
-        "--dry-run",
-        f"model.path={model}",
-        f"data.train_file={train}",
-        f"data.val_file={val}",
-        "rollout.group_size=4",
-        "rollout.max_new_tokens=16",
-        "algo.l_cache=4",
-        "train.prompts_per_step=2",
-        "sampling.dynamic=false",
-        "train.responses_per_minibatch=8",
-        "reward.workers=0",
-        f"run.out_dir={tmp_path}",
-        *extra,
-    ]
+    return ["train", "--dry-run", *small_run(tmp_path, model, train, val, *extra)]
 
 
 @pytest.fixture

@@ -93,7 +93,9 @@ def _add_make_parser(sub: argparse._SubParsersAction) -> None:
         ),
     )
     make.add_argument("task", choices=("code-easy",), help="the generated task")
-    make.add_argument("dst", type=Path, metavar="OUT", help="output file")
+    make.add_argument(
+        "dst", type=Path, metavar="OUT", help="output file (missing directories are created)"
+    )
     make.add_argument("--count", type=int, default=1000, help="problems (default 1000)")
     make.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
     make.add_argument(

@@ -295,7 +295,8 @@ def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Conf
 
 def read_hardware(path: str | Path) -> dict[str, Any]:
     """A recipe's top-level ``hardware:`` mapping, checked: ``gpus`` (0 for a CPU) and
-    ``gpu_gib`` per GPU, or ``memory_gib`` of host memory for a CPU recipe."""
+    ``gpu_gib`` per GPU, or ``memory_gib`` of host memory for a CPU recipe; optionally
+    ``prompt_tokens``, the longest prompt its memory plan assumes (its data's)."""
     path = Path(path)
     hardware = _read_yaml(path).get("hardware")
     if not isinstance(hardware, dict):
@@ -310,7 +311,15 @@ def read_hardware(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"{path}: hardware.gpus must be an integer >= 0, got {clipped_repr(gpus)}")
     if isinstance(size, bool) or not isinstance(size, (int, float)) or not size > 0:
         raise ValueError(f"{path}: hardware.{need} must be a number > 0, got {clipped_repr(size)}")
-    return {"gpus": gpus, need: float(size)}
+    read = {"gpus": gpus, need: float(size)}
+    if "prompt_tokens" in hardware:
+        n = hardware["prompt_tokens"]
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(
+                f"{path}: hardware.prompt_tokens must be an integer >= 1, got {clipped_repr(n)}"
+            )
+        read["prompt_tokens"] = n
+    return read
 
 
 def _pick(parsed: list[tuple[str, Any]], key: str) -> Any:

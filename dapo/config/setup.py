@@ -144,6 +144,10 @@ class DataConfig:
     """Train on each distinct problem once, however many rows repeat it."""
     on_bad_row: Literal["error", "skip"] = "error"
     """``error`` stops at the first bad row, naming file, row and field; ``skip`` counts it."""
+    on_long_prompt: Literal["error", "skip"] = "error"
+    """A train prompt that with ``rollout.max_new_tokens`` overruns the model's context:
+    ``error`` refuses the run, naming its file and row; ``skip`` drops it before training and
+    counts it (verl's ``data.filter_overlong_prompts``). Val prompts are never dropped."""
     apply_chat_template: bool = True
     """Render chat messages with the tokenizer's chat template when it has one (else raw)."""
     system_prompt: str | None = None

@@ -16,6 +16,7 @@ from dapo.data.files import (
     FORMATS,
     INTEGER_RE,
     ON_BAD_ROW,
+    SUFFIXES,
     DataError,
     Repeats,
     bad_row_error,
@@ -180,12 +181,16 @@ def make_file(
 ) -> int:
     """Write ``count`` generated problems of ``task`` (``code-easy``) to ``dst``, after the
     first ``skip`` of the seed's sequence (so that a held-out file shares no problem, in text
-    or in what it computes, with a training file of ``skip`` problems and the same seed)."""
+    or in what it computes, with a training file of ``skip`` problems and the same seed).
+    Missing parent directories of ``dst`` are created, as ``dapo model import`` creates its
+    output's: ``data/`` of a fresh checkout, which the recipes read."""
     if task != "code-easy":
         raise ValueError(f"unknown task {task!r}; dapo data make knows code-easy")
     if count < 1 or skip < 0:
         raise ValueError(f"--count must be >= 1 and --skip >= 0, got {count} and {skip}")
     dst = Path(dst)
+    if dst.suffix.lower() in SUFFIXES and not dst.parent.exists():  # an unknown type: refused
+        dst.parent.mkdir(parents=True)
     check_destination(Path(os.devnull), dst)
     records = code_rows.easy_code_rows(count, seed, skip=skip)
     for record in records:  # one index type for the column: the schema's string

@@ -18,8 +18,7 @@ from dapo.data.prompts import render_prompts
 from dapo.extras import pip_install
 from dapo.models.policy import context_length, model_dir
 from dapo.reward import custom, tasks
-from dapo.training import gpu_memory
-from dapo.training.prompt_checks import answer_line_warning, context_overrun
+from dapo.training import gpu_memory, prompt_checks
 
 
 @dataclass
@@ -97,7 +96,10 @@ def load_run_data(cfg: Config) -> RunData:
         line += f", {len(data.skipped)} bad rows skipped" if data.skipped else ""
         notes.append(line)
     rows = {"train_rows": train.first_row, "val_rows": val.first_row}
-    return RunData(train.problems, val.problems, [], val_copies, notes, **rows)
+    e, n = cfg.eval, len(val.problems)
+    one = prompt_checks.one_sample_warning(e.num_samples, val_copies, n, d.val_file, e.temperature)
+    warnings = [one] if one else []  # k = 1 where avg@32 was likely meant
+    return RunData(train.problems, val.problems, [], val_copies, notes, warnings, **rows)
 
 
 def problem_place(cfg: Config, data: RunData, i: int) -> str:
@@ -130,7 +132,7 @@ def check_verifiers(cfg: Config, data: RunData) -> None:
         from dapo.reward.sandbox import process_mode_warning
 
         data.warnings.append(process_mode_warning())
-    unasked = answer_line_warning(cfg.data, data.train, graders)
+    unasked = prompt_checks.answer_line_warning(cfg.data, data.train, graders)
     if unasked:
         data.warnings.append(unasked)
 
@@ -245,34 +247,46 @@ def missing_chat_template(cfg: Config, tokenizer: Any) -> str | None:
 
 
 def check_context(cfg: Config, data: RunData, tokenizer: Any) -> dict[str, float]:
-    """Refuse prompts that, with ``rollout.max_new_tokens``, overrun the model's context
-    (and warn, in ``data.warnings``, of a chat template that is missing).
+    """Refuse prompts that overrun the model's context with the tokens generated for them:
+    train prompts with ``rollout.max_new_tokens`` (``data.on_long_prompt=skip`` drops them,
+    counted in ``data.notes``), val prompts with ``eval.max_new_tokens`` (never dropped: an
+    eval set is not changed); warn, in ``data.warnings``, of a missing chat template.
 
     Returns prompt-length statistics (tokens) for the log and ``--dry-run``.
     """
-    problems = data.train + data.val
     missing = missing_chat_template(cfg, tokenizer)
     if missing:
         data.warnings.append(missing)
-    lengths = prompt_lengths(cfg, tokenizer, problems)
-    limit = context_length(cfg)
+    lengths = prompt_lengths(cfg, tokenizer, data.train + data.val)
+    limit, n = context_length(cfg), len(data.train)
+    train, val = lengths[:n], lengths[n:]
     rollout, evaluation = cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens
-    overrun = context_overrun(
-        lengths,
-        limit,
-        max(rollout, evaluation),
-        budget="eval.max_new_tokens" if evaluation > rollout else "rollout.max_new_tokens",
-        where=lambda i: problem_place(cfg, data, i),
-        fix="Lower rollout.max_new_tokens (and eval.max_new_tokens), drop the longest problems "
-        "from the file, or use a model with a longer context",
+    if cfg.data.on_long_prompt == "skip":
+        path = cfg.data.train_file or "the embedded task"
+        data.train, train, line = prompt_checks.drop_long(
+            data.train, train, limit, rollout, path, data.train_rows
+        )
+        data.notes += [line] if line else []
+    fix = "drop the longest problems from the file, or use a model with a longer context"
+    checks = (  # (lengths, first index, budget, its setting, the fix's start)
+        (train, 0, rollout, "rollout", "set data.on_long_prompt=skip to drop them, "),
+        (val, len(data.train), evaluation or rollout, "eval" if evaluation else "rollout", ""),
     )
-    if overrun:
-        raise ValueError(overrun)
-    train = lengths[: len(data.train)]
+    for split, offset, budget, name, skip in checks:
+        overrun = prompt_checks.context_overrun(
+            split,
+            limit,
+            budget,
+            budget=f"{name}.max_new_tokens",
+            where=lambda i, offset=offset: problem_place(cfg, data, i + offset),
+            fix=f"Lower rollout.max_new_tokens (and eval.max_new_tokens), {skip}{fix}",
+        )
+        if overrun:
+            raise ValueError(overrun)
     return {
-        "prompt_tokens_min": min(lengths),
-        "prompt_tokens_median": statistics.median(lengths),
-        "prompt_tokens_max": max(lengths),
+        "prompt_tokens_min": min(train + val),
+        "prompt_tokens_median": statistics.median(train + val),
+        "prompt_tokens_max": max(train + val),
         "train_prompt_tokens_mean": statistics.fmean(train),
         "context": float(limit or 0),
     }

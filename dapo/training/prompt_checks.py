@@ -6,7 +6,7 @@ the ``Answer:`` line the DAPO verifiers grade by."""
 from __future__ import annotations
 
 import shlex
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from dapo.config import DataConfig
 from dapo.data.problems import Problem
@@ -107,4 +107,56 @@ def context_overrun(
     return (
         f"{over} prompt(s) plus {budget}={max_new} exceed the model's context of {limit} "
         f"tokens (longest: {where(longest)}, {lengths[longest]} prompt tokens: {left}). {fix}"
+    )
+
+
+def drop_long(
+    problems: Sequence[Problem],
+    lengths: Sequence[int],
+    limit: int | None,
+    max_new: int,
+    path: str,
+    rows: Mapping[str, int],
+) -> tuple[list[Problem], list[int], str | None]:
+    """``data.on_long_prompt=skip``: the ``problems`` (read from ``path``; ``rows``: uid ->
+    its row there) whose prompts (``lengths``, in tokens) fit ``limit``, the model's context,
+    with ``max_new`` generated tokens, in order, with their lengths, and the line that counts
+    the others (None when none is dropped). Deterministic from the file, the tokenizer and
+    the settings, so every rank of a job drops the same ones. ValueError when none fits:
+    nothing is left to train on."""
+    drop = set() if limit is None else {i for i, n in enumerate(lengths) if n + max_new > limit}
+    if not drop:
+        return list(problems), list(lengths), None
+    longest = max(sorted(drop), key=lengths.__getitem__)  # the first of the longest
+    uid = problems[longest].uid
+    place = f"row {rows[uid]}" if uid in rows else f"problem {uid}"
+    line = (
+        f"train: {path}: {len(drop)} problem(s) dropped (data.on_long_prompt=skip): their "
+        f"prompts plus rollout.max_new_tokens={max_new} exceed the model's context of {limit} "
+        f"tokens (over {limit - max_new} prompt tokens; longest: {place}, "
+        f"{lengths[longest]} tokens)"
+    )
+    if len(drop) == len(lengths):
+        raise ValueError(
+            f"{line}: none of its {len(lengths)} problems is left to train on; lower "
+            "rollout.max_new_tokens, or use a model with a longer context"
+        )
+    keep = [i for i in range(len(lengths)) if i not in drop]
+    kept = f"; {len(keep)} kept"
+    return [problems[i] for i in keep], [lengths[i] for i in keep], line + kept
+
+
+def one_sample_warning(
+    num_samples: int, copies: int, problems: int, where: str, temperature: float
+) -> str | None:
+    """The warning for ``eval.num_samples=0`` (k = the val file's repeats) with a val file
+    (``where``) that repeats none of its ``problems``: each is sampled once, at
+    ``temperature``, so the score is avg@1, noisier than the paper's avg@32; None otherwise."""
+    if num_samples or copies > 1:
+        return None
+    return (
+        f"eval.num_samples=0 takes k from the val file's repeats, and {where} repeats none of "
+        f"its {problems} problems: evaluation is avg@1 over {problems} problems (one sample "
+        f"each at eval.temperature={temperature:g}); set eval.num_samples=32 for the paper's "
+        "avg@32"
     )
