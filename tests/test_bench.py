@@ -55,11 +55,13 @@ def _stub_run(monkeypatch, device, events: list) -> None:
     from types import SimpleNamespace
 
     from dapo.training import bench
+    from dapo.training.inputs import RunData
 
     state = SimpleNamespace(device=device, pool=None)
-    data = SimpleNamespace(warmup_pairs=[], train=[])
+    data = RunData(train=[], val=[])
     monkeypatch.setattr(bench.inputs, "load_run_data", lambda cfg: data)
     monkeypatch.setattr(bench.policy, "load_tokenizer", lambda cfg: None)
+    monkeypatch.setattr(bench.inputs, "check_context", lambda cfg, data, tokenizer: {})
     monkeypatch.setattr(bench.policy, "load_policy", lambda *args, log: (None, None))
     monkeypatch.setattr(bench, "build_state", lambda *args: state)
     monkeypatch.setattr(bench, "reward_pool", lambda cfg: nullcontext())

@@ -250,36 +250,74 @@ def test_write_records_keeps_a_callers_sigterm_handler(tmp_path):
 # --- data_source names no verifier grades ------------------------------------------------------
 
 
-def test_convert_refuses_an_unknown_data_source(tmp_path, capsys):
+KNOWN = "arith, code, dapo, lenient, math_dapo, math_dapo_boxed, math_lenient, math_verify"
+UNGRADED = (
+    "training and evaluation grade such rows only with a reward function of your own (dapo "
+    "train reward.function=module:fn, dapo eval --reward-function module:fn) or one verifier "
+    "for every row (dapo train reward.mode=dapo, dapo eval --reward-mode dapo), and refuse "
+    "them otherwise"
+)
+
+
+def test_convert_writes_a_task_of_your_own_with_a_warning(tmp_path, capsys):
     src = tmp_path / "flat.jsonl"
     src.write_bytes(jsonl([{"question": "What is 1+1?", "answer": "2"}]))
     dst = tmp_path / "out.parquet"
-    code, out, err = run(["data", "convert", str(src), str(dst), "--data-source", "nosuch"], capsys)
-    assert (code, out) == (2, "") and not dst.exists()
-    assert err.startswith(
-        "dapo: error: --data-source 'nosuch': no verifier of that name; known: arith, code, "
-        "dapo, lenient, math_dapo, math_dapo_boxed, math_lenient, math_verify (math_dapo is the "
-        "paper's). A run grades each row by its data_source and refuses an unknown one"
+    code, out, err = run(
+        ["data", "convert", str(src), str(dst), "--data-source", "my_task"], capsys
     )
-    assert (
-        run(["data", "convert", str(src), str(dst), "--data-source", "math_verify"], capsys)[0] == 0
+    assert code == 0
+    assert out == (
+        f"wrote 1 of 1 rows (flat -> dapo) to {dst}; 1 rows newly wrapped in the DAPO template\n"
     )
+    assert err == (
+        f"dapo: warning: --data-source 'my_task': no built-in verifier of that name (known: "
+        f"{KNOWN}); {UNGRADED}\n"
+    )
+    assert {p.data_source for p in load_problems(dst).problems} == {"my_task"}
+    # A verifier's name: written as before, with no warning.
+    code, out, err = run(
+        ["data", "convert", str(src), str(dst), "--data-source", "math_verify"], capsys
+    )
+    assert (code, err) == (0, "") and out.startswith("wrote 1 of 1 rows (flat -> dapo)")
     assert {p.data_source for p in load_problems(dst).problems} == {"math_verify"}
 
 
-def test_check_says_a_run_needs_reward_mode_and_exits_1(tmp_path, capsys):
-    path = tmp_path / "aime.jsonl"
-    path.write_bytes(jsonl([dapo_row("What is 1+1?", "2", 0, source="aime24")]))
+@pytest.mark.parametrize("name", ["", "my task", "my_task\n", "a\tb", "x\x1b[31m"])
+def test_convert_refuses_a_name_no_row_should_carry(tmp_path, capsys, name):
+    src = tmp_path / "flat.jsonl"
+    src.write_bytes(jsonl([{"question": "What is 1+1?", "answer": "2"}]))
+    dst = tmp_path / "out.parquet"
+    code, out, err = run(["data", "convert", str(src), str(dst), "--data-source", name], capsys)
+    assert (code, out) == (2, "") and not dst.exists()
+    assert err == (
+        f"dapo: error: --data-source {name!r}: not a data_source name (empty, or with whitespace "
+        f"or control characters); give a verifier's name ({KNOWN}; math_dapo is the paper's) or "
+        "your own task's, one word such as my_task (graded with reward.function)\n"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["flat.jsonl"]
+
+
+def test_check_warns_of_a_data_source_no_verifier_grades_and_exits_0(tmp_path, capsys):
+    path = tmp_path / "mine.jsonl"
+    path.write_bytes(jsonl([dapo_row("What is 1+1?", "2", 0, source="my_task")]))
     code, out, _ = run(["data", "check", str(path)], capsys)
-    assert code == 1 and "bad rows: 0" in out  # every row is well formed: a run still refuses
-    assert (
-        "  no verifier in dapo.reward.tasks for: aime24; training and evaluation refuse these "
-        "rows unless one verifier grades every row (dapo train reward.mode=dapo, dapo eval "
-        "--reward-mode dapo); or convert with `dapo data convert --to dapo` (data_source "
-        "math_dapo), or add a task"
-    ) in out.splitlines()
+    assert code == 0 and "bad rows: 0" in out.splitlines()
+    warning = (
+        f"  warning: no verifier in dapo.reward.tasks for: my_task (not bad rows); {UNGRADED}; "
+        "or convert with `dapo data convert --to dapo` (data_source math_dapo), or add a task"
+    )
+    assert warning in out.splitlines()
+    # A real bad row (a repeat with another answer) still fails the check.
+    path.write_bytes(
+        jsonl([dapo_row("What is 1+1?", "2", 0, "my_task"), dapo_row("What is 1+1?", "3", 0)])
+    )
+    code, out, _ = run(["data", "check", str(path)], capsys)
+    assert code == 1 and "bad rows: 1 (skipped)" in out.splitlines() and warning in out
+    # Built-in sources: no such line.
     path.write_bytes(jsonl([dapo_row("What is 1+1?", "2", 0)]))
-    assert run(["data", "check", str(path)], capsys)[0] == 0
+    code, out, _ = run(["data", "check", str(path)], capsys)
+    assert code == 0 and "no verifier" not in out
 
 
 # --- Parquet written a row group at a time ------------------------------------------------------

@@ -100,7 +100,9 @@ def test_prompts_beyond_the_context_are_refused(tmp_path, files, capsys):
     assert main(train_args(tmp_path, model_dir, files)) == 2
     err = capsys.readouterr().err
     assert "exceed the model's context of 64 tokens" in err
-    assert "Lower rollout.max_new_tokens" in err
+    # Every templated prompt fills the 64 alone: no smaller rollout.max_new_tokens is offered.
+    assert "Set data.on_long_prompt=skip to drop them" in err
+    assert "48 prompt(s) fill the context alone, and no rollout.max_new_tokens" in err
 
 
 def test_model_directory_errors(tmp_path, files, capsys):

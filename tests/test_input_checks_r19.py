@@ -64,7 +64,13 @@ def test_eval_refuses_a_prompt_past_the_embedded_context_naming_file_and_row(
         "embedded: 1 prompt(s) plus --max-new-tokens=8 exceed the model's context of 512 "
         f"tokens (longest: --data {data}, row 1, 807 prompt tokens: no room for a response)"
     ) in err
-    assert "Give a smaller --max-new-tokens" in err and "drop the longest problems" in err
+    # 807 tokens fill the 512 alone: a smaller --max-new-tokens cannot help, and is not led with.
+    assert (
+        "no room for a response). Drop the longest problems from the file, or evaluate a model "
+        "with a longer context: 1 prompt(s) fill the context alone, and no --max-new-tokens "
+        "leaves room for a response to them\n"
+    ) in err
+    assert "--max-new-tokens (a run's" not in err
     assert not out.exists()
 
 
@@ -138,7 +144,12 @@ def test_train_names_the_file_and_row_of_the_longest_prompt(tmp_path, capsys):
         "1 prompt(s) plus rollout.max_new_tokens=16 exceed the model's context of 512 tokens "
         f"(longest: train file {train}, row 2, 807 prompt tokens: no room for a response)"
     ) in err
-    assert "Lower rollout.max_new_tokens (and eval.max_new_tokens)" in err
+    assert (
+        "no room for a response). Set data.on_long_prompt=skip to drop them, drop the longest "
+        "problems from the file, or use a model with a longer context: 1 prompt(s) fill the "
+        "context alone, and no rollout.max_new_tokens leaves room for a response to them\n"
+    ) in err
+    assert "Lower rollout.max_new_tokens" not in err
     # In the val file, as the val file's; a larger eval.max_new_tokens is the one named.
     fits = jsonl(tmp_path / "fits.jsonl", short)
     long_val = jsonl(tmp_path / "long_val.jsonl", [short[0], " ".join(["7"] * 30)])

@@ -77,8 +77,9 @@ def test_the_dry_run_prints_the_line_and_the_default_still_refuses(setup, capsys
     assert (
         "2 prompt(s) plus rollout.max_new_tokens=16 exceed the model's context of 512 tokens "
         f"(longest: train file {train}, row 1, 807 prompt tokens: no room for a response). "
-        "Lower rollout.max_new_tokens (and eval.max_new_tokens), set data.on_long_prompt=skip "
-        "to drop them, drop the longest problems from the file"
+        "Set data.on_long_prompt=skip to drop them, drop the longest problems from the file, "
+        "or use a model with a longer context: 2 prompt(s) fill the context alone, and no "
+        "rollout.max_new_tokens leaves room for a response to them\n"
     ) in err
 
 

@@ -116,6 +116,7 @@ def check_context(req: EvalRequest, problems: list, rows: dict[str, int]) -> Non
         fix="Give a smaller --max-new-tokens (a run's evaluation samples up to its "
         "rollout.max_new_tokens), drop the longest problems from the file, or evaluate a "
         "model with a longer context",
+        alone="Drop the longest problems from the file, or evaluate a model with a longer context",
     )
     if overrun:
         raise ValueError(f"{req.model}: {overrun}")

@@ -5,7 +5,9 @@ default), writing nothing, and prints one JSON object: median seconds per step a
 (generate, reward, logprobs = the pi_old / pi_ref forward passes, train, other) with shares,
 generated and trained tokens/s, padding in generation and in training micro-batches, and peak
 memory. ``--fixed-length`` ignores EOS so every response is max_new_tokens long, and turns
-dynamic sampling off: equal work for comparisons between systems.
+dynamic sampling off: equal work for comparisons between systems. Train prompts that with
+rollout.max_new_tokens overrun the model's context are refused before the model loads, as by
+``dapo train`` (data.on_long_prompt=skip drops them).
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ Files are Parquet or JSON Lines, in the DAPO format (chat ``prompt``,
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,9 +19,10 @@ CHECK_DESCRIPTION = (
     "Read FILE as training or validation data and report what a run would get from it; "
     "rows of a task with rules for its ground truth (code: a JSON entry point and "
     "tests that parse) are checked by them. Exit status 0 when every row is usable, 1 "
-    "when some are not (they are listed; rows whose data_source no verifier grades "
-    "count, a run refusing them unless reward.mode is set), 2 when FILE cannot be read "
+    "when some are not (they are listed), 2 when FILE cannot be read "
     "as problems (missing, unknown format or columns: the message says which). "
+    "Rows whose data_source no built-in verifier grades (a task of your own) are a "
+    "warning, not a failure: a run grades them only with reward.function (or reward.mode). "
     "Progress lines of a large file go to stderr."
 )
 
@@ -68,8 +70,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     convert.add_argument(
         "--data-source",
         metavar="NAME",
-        help="data_source of every output row: a verifier's name (math_dapo, math_verify, ...; "
-        "another is refused); default: math_dapo to dapo, IN's to flat",
+        help="data_source of every output row: a verifier's name (math_dapo, math_verify, ...) "
+        "or your own task's (a warning: a run grades its rows only with reward.function or "
+        "reward.mode); default: math_dapo to dapo, IN's to flat",
     )
     convert.add_argument(
         "--on-bad-row",
@@ -181,11 +184,12 @@ def format_check(s: CheckStats) -> str:
     sources = ", ".join(f"{name} {n:,}" for name, n in s.data_sources.items())
     lines.append(f"data sources (problems): {sources or 'none'}")
     if s.unknown_sources:
+        from dapo.data.tools import UNGRADED
+
         lines.append(
-            f"  no verifier in dapo.reward.tasks for: {', '.join(s.unknown_sources)}; training and "
-            "evaluation refuse these rows unless one verifier grades every row (dapo train "
-            "reward.mode=dapo, dapo eval --reward-mode dapo); or convert with `dapo data convert "
-            "--to dapo` (data_source math_dapo), or add a task"
+            f"  warning: no verifier in dapo.reward.tasks for: {', '.join(s.unknown_sources)} "
+            f"(not bad rows); {UNGRADED}; or convert with `dapo data convert --to dapo` "
+            "(data_source math_dapo), or add a task"
         )
     if s.prompt_tokens is not None:
         t = s.prompt_tokens
@@ -203,8 +207,9 @@ def format_check(s: CheckStats) -> str:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from dapo.data.progress import shown
-    from dapo.data.tools import convert_file
+    from dapo.data.tools import check_data_source, convert_file
 
+    warning = check_data_source(args.data_source)  # a malformed name: refused before reading
     with shown():
         result = convert_file(
             args.src,
@@ -227,6 +232,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         print(f"  skipped {b}")
     if len(result.skipped) > MAX_BAD_ROWS_SHOWN:
         print(f"  ... and {len(result.skipped) - MAX_BAD_ROWS_SHOWN:,} more skipped")
+    if warning:  # after the progress lines, where it is seen
+        print(f"dapo: warning: {warning}", file=sys.stderr)
     return 0
 
 

@@ -27,7 +27,15 @@ from dapo.data.prompts import PROMPT_PREFIX, render_prompts
 from dapo.data.rows import EMPTY_ANSWER, BadRow, last_user
 from dapo.reward import tasks
 
-__all__ = ["CheckStats", "ConvertResult", "check_file", "convert_file", "make_file"]
+__all__ = [
+    "UNGRADED",
+    "CheckStats",
+    "ConvertResult",
+    "check_data_source",
+    "check_file",
+    "convert_file",
+    "make_file",
+]
 
 
 @dataclass
@@ -52,7 +60,8 @@ class CheckStats:
     data_sources: dict[str, int]
     """data_source -> distinct problems."""
     unknown_sources: list[str]
-    """data sources with no verifier in the task registry (:mod:`dapo.reward.tasks`)."""
+    """data sources with no verifier in the task registry (:mod:`dapo.reward.tasks`): a
+    warning, not a bad row (:data:`UNGRADED`)."""
     templated: int
     """Problems whose last user message already starts with the DAPO template."""
     whitespace_twins: int
@@ -67,22 +76,37 @@ class CheckStats:
 
     @property
     def clean(self) -> bool:
-        """Whether a run takes the file as it is, by default: no bad row (data.on_bad_row
-        defaults to error) and a verifier for every data_source (reward.mode defaults to
-        none)."""
-        return not self.bad_rows and not self.unknown_sources
+        """Whether every row is usable: no bad row (data.on_bad_row defaults to error). A
+        data_source no built-in verifier grades is not counted: a run with a reward function
+        of the user's own (reward.function) grades such rows (see :data:`UNGRADED`)."""
+        return not self.bad_rows
 
 
-def check_data_source(name: str | None) -> None:
-    """Refuse a ``--data-source`` no task grades: training and evaluation would refuse every
-    row of the file it is written to (unless reward.mode replaces the rows' verifiers)."""
-    if name is not None and name not in tasks.names():
+UNGRADED = (
+    "training and evaluation grade such rows only with a reward function of your own (dapo "
+    "train reward.function=module:fn, dapo eval --reward-function module:fn) or one verifier "
+    "for every row (dapo train reward.mode=dapo, dapo eval --reward-mode dapo), and refuse "
+    "them otherwise"
+)
+"""What a run does with rows whose data_source no built-in verifier grades."""
+
+
+def check_data_source(name: str | None) -> str | None:
+    """The warning for a ``--data-source`` no built-in verifier grades (a task of the user's
+    own, graded by reward.function), None for a verifier's name or none given; ValueError for
+    a name no row should carry: empty, or with whitespace or control characters."""
+    if name is None or name in tasks.names():
+        return None
+    known = ", ".join(tasks.names())
+    if not name or any(c.isspace() or not c.isprintable() for c in name):
         raise ValueError(
-            f"--data-source {name!r}: no verifier of that name; known: {', '.join(tasks.names())}"
-            " (math_dapo is the paper's). A run grades each row by its data_source and refuses "
-            "an unknown one (unless reward.mode grades every row with one verifier): give a "
-            "known name, or add a task (one file in dapo/reward/tasks/ that defines TASKS)"
+            f"--data-source {name!r}: not a data_source name (empty, or with whitespace or "
+            f"control characters); give a verifier's name ({known}; math_dapo is the paper's) "
+            "or your own task's, one word such as my_task (graded with reward.function)"
         )
+    return (
+        f"--data-source {name!r}: no built-in verifier of that name (known: {known}); " + UNGRADED
+    )
 
 
 def convert_file(
@@ -93,7 +117,8 @@ def convert_file(
     **options: Any,
 ) -> ConvertResult:
     """:func:`dapo.data.convert.convert_file`, ``data_source`` checked first by
-    :func:`check_data_source` (that module sits below the task registry)."""
+    :func:`check_data_source` (that module sits below the task registry): a malformed name is
+    refused; one no built-in verifier grades is written (its warning is the caller's to show)."""
     check_data_source(data_source)
     return convert.convert_file(src, dst, data_source=data_source, **options)
 

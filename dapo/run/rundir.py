@@ -16,6 +16,7 @@ import json
 import os
 import shlex
 import shutil
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -94,6 +95,9 @@ def plan_new_run(cfg: Config, *, overwrite: bool = False) -> NewRun:
             f"run directory {run_dir} is not empty and holds no dapo run; choose another "
             "run.name or run.out_dir (dapo never deletes what it did not write)"
         )
+    holder = in_use_by(run_dir)
+    if holder is not None:  # its run is running: no resume or overwrite can be offered
+        raise in_use_error(run_dir, holder)
     if not overwrite:
         raise FileExistsError(
             f"run directory {run_dir} already holds a run; continue it with "
@@ -234,39 +238,73 @@ def finish_replacing(plan: NewRun) -> None:
         )
         return
     doomed = aside.with_name(aside.name.replace(asides.REPLACED, ".deleting-", 1))
-    os.rename(aside, doomed)
-    shutil.rmtree(doomed)
+    try:
+        os.rename(aside, doomed)
+        shutil.rmtree(doomed)
+    except OSError as exc:  # the new run has loaded its model: it goes on, naming what is left
+        left = doomed if os.path.lexists(doomed) else aside
+        why = f"{exc.strerror}: {exc.filename}" if exc.filename else exc.strerror or str(exc)
+        print(
+            f"dapo: warning: the earlier run that this one replaced could not be deleted ({why}); "
+            f"what is left of it is at {left}. "
+            f"Delete it yourself once that is fixed: rm -rf {shlex.quote(str(left))}",
+            file=sys.stderr,
+        )
 
 
 def undo_new_run(plan: NewRun) -> None:
     """The new run failed before it started: remove what it wrote (its directory, when it
     made it) and put the run it replaced back. A directory it found stays, and nothing is
     removed from a directory whose lock it did not hold (two runs started at once under one
-    name: the other holds it)."""
-    held, run_dir = plan.lock is not None, plan.path
-    if plan.lock is not None:
-        plan.lock.release()
-        plan.lock = None
+    name: the other holds it). Its directory is renamed away and the earlier run put back
+    while the lock is held, and only then removed: a start of that name let in before could
+    put the earlier run back itself, which this undo would then delete."""
+    run_dir, aborted = plan.path, None
     try:
-        own = run_dir.is_dir() and not foreign_entries(run_dir)
+        if plan.lock is not None and _holds_only_own(run_dir):
+            if plan.created:
+                aborted = run_dir.with_name(f".{run_dir.name}.aborted-{uuid.uuid4().hex[:8]}")
+                os.rename(run_dir, aborted)
+            else:  # the user's empty directory: emptied again, kept
+                for entry in run_dir.iterdir():
+                    if entry.is_dir() and not entry.is_symlink():
+                        shutil.rmtree(entry)
+                    else:
+                        entry.unlink()
+        _put_back(plan)
+    finally:
+        if plan.lock is not None:
+            plan.lock.release()
+            plan.lock = None
+    if aborted is not None:
+        shutil.rmtree(aborted)
+
+
+def _holds_only_own(run_dir: Path) -> bool:
+    """Whether ``run_dir`` is a directory holding only what dapo writes (checked in depth)."""
+    try:
+        return run_dir.is_dir() and not foreign_entries(run_dir)
     except TooManyEntries:
-        own = False
-    if held and own and plan.created:
-        shutil.rmtree(run_dir)
-    elif held and own:  # the user's empty directory: emptied again, kept
-        for entry in run_dir.iterdir():
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry)
-            else:
-                entry.unlink()
-    if plan.aside is not None and not run_dir.exists():
-        os.rename(plan.aside, run_dir)
+        return False
+
+
+def _put_back(plan: NewRun) -> None:
+    """The run that ``plan`` replaced, renamed back in place of its run directory."""
+    if plan.aside is None:
+        return
+    if not os.path.lexists(plan.path):
+        try:
+            os.rename(plan.aside, plan.path)
+        except OSError:
+            if not os.path.lexists(plan.path):  # not a start that took the name meanwhile
+                raise
+    if not plan.aside.is_dir():  # back (by a start of that name, when it took the name first)
         plan.aside = None
-    elif plan.aside is not None:  # another run took the name meanwhile
-        print(
-            f"dapo: warning: the earlier run of {run_dir} is kept at {plan.aside}: another run "
-            "took the directory meanwhile. Move it back yourself once that run is over"
-        )
+        return
+    print(
+        f"dapo: warning: the earlier run of {plan.path} is kept at {plan.aside}: another run "
+        "took the directory meanwhile. Move it back yourself once that run is over"
+    )
 
 
 def existing_run_dir(path: str | Path) -> Path:

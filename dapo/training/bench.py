@@ -7,6 +7,7 @@ life; on CUDA, PyTorch's peak allocation over the timed steps alone). The comman
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Callable
 
@@ -66,8 +67,15 @@ def bench_steps(cfg: Config, *, steps: int, warmup: int, log: Callable[[str], No
     """``warmup`` untimed steps, then ``steps`` timed ones; their medians, memory, setting."""
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
-    data = inputs.load_run_data(cfg)
+    # The train prompts against the context as `dapo train` checks them, before the model
+    # loads: past it a rotary model generates on, and the timing would be of no run's steps.
+    # A bench samples no val prompt: those are not checked.
+    data = dataclasses.replace(inputs.load_run_data(cfg), val=[])
     tokenizer = policy.load_tokenizer(cfg)
+    notes = len(data.notes)
+    inputs.check_context(cfg, data, tokenizer)
+    for note in data.notes[notes:]:  # data.on_long_prompt=skip's count of what it dropped
+        log(note)
     model, tokenizer = policy.load_policy(cfg, data.warmup_pairs, tokenizer, log=log)
     state = build_state(cfg, model, tokenizer, data.train)
     # run.threads=0 as in training: the cores other processes leave free, before each step.

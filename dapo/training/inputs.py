@@ -273,13 +273,15 @@ def check_context(cfg: Config, data: RunData, tokenizer: Any) -> dict[str, float
         (val, len(data.train), evaluation or rollout, "eval" if evaluation else "rollout", ""),
     )
     for split, offset, budget, name, skip in checks:
+        ends = skip + fix  # all a prompt that fills the context alone leaves
         overrun = prompt_checks.context_overrun(
             split,
             limit,
             budget,
             budget=f"{name}.max_new_tokens",
             where=lambda i, offset=offset: problem_place(cfg, data, i + offset),
-            fix=f"Lower rollout.max_new_tokens (and eval.max_new_tokens), {skip}{fix}",
+            fix=f"Lower rollout.max_new_tokens (and eval.max_new_tokens), {ends}",
+            alone=ends[:1].upper() + ends[1:],
         )
         if overrun:
             raise ValueError(overrun)

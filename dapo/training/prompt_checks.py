@@ -91,11 +91,13 @@ def context_overrun(
     budget: str,
     where: Callable[[int], str],
     fix: str,
+    alone: str,
 ) -> str | None:
     """Why the longest of the prompts (``lengths``, in tokens) plus ``max_new`` generated
     tokens (the setting ``budget`` names) overruns ``limit``, the model's context; None when
     every prompt fits, or the context is unknown. ``where(i)`` names prompt i (its file and
-    row); ``fix`` ends the message."""
+    row); ``fix`` ends the message, or ``alone`` when the longest prompt fills the context by
+    itself: then no smaller ``budget`` can help, and a fix that leads with one misleads."""
     if limit is None or not lengths:
         return None
     longest = max(range(len(lengths)), key=lengths.__getitem__)
@@ -104,6 +106,12 @@ def context_overrun(
     over = sum(1 for n in lengths if n + max_new > limit)
     room = limit - lengths[longest]
     left = f"at most {room} new tokens fit" if room > 0 else "no room for a response"
+    if room <= 0:
+        full = sum(1 for n in lengths if n >= limit)
+        fix = (
+            f"{alone}: {full} prompt(s) fill the context alone, and no {budget} leaves room "
+            "for a response to them"
+        )
     return (
         f"{over} prompt(s) plus {budget}={max_new} exceed the model's context of {limit} "
         f"tokens (longest: {where(longest)}, {lengths[longest]} prompt tokens: {left}). {fix}"
@@ -137,10 +145,13 @@ def drop_long(
         f"{lengths[longest]} tokens)"
     )
     if len(drop) == len(lengths):
-        raise ValueError(
-            f"{line}: none of its {len(lengths)} problems is left to train on; lower "
-            "rollout.max_new_tokens, or use a model with a longer context"
-        )
+        fix = "lower rollout.max_new_tokens, or use a model with a longer context"
+        if min(lengths) >= limit:  # no budget makes room: leading with one misleads
+            fix = (
+                "use a model with a longer context: every prompt fills the context alone, "
+                "and no rollout.max_new_tokens leaves room for a response"
+            )
+        raise ValueError(f"{line}: none of its {len(lengths)} problems is left to train on; {fix}")
     keep = [i for i in range(len(lengths)) if i not in drop]
     kept = f"; {len(keep)} kept"
     return [problems[i] for i in keep], [lengths[i] for i in keep], line + kept
