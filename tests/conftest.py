@@ -79,3 +79,18 @@ def eager_eos_model(tiny_model, tokenizer):
     with torch.no_grad():
         tiny_model.model.embed_tokens.weight[tokenizer.eos_token_id] *= 8
     return tiny_model
+
+
+@pytest.fixture
+def no_training(monkeypatch):
+    """The policy "loads" at once and training raises ``helpers.Started`` at its first line."""
+    from helpers import Started
+
+    from dapo.models import policy
+    from dapo.training import loop
+
+    def refuse(*_a, **_k):
+        raise Started
+
+    monkeypatch.setattr(policy, "load_policy", lambda cfg, pairs, tokenizer, **_: (None, tokenizer))
+    monkeypatch.setattr(loop, "fit", refuse)

@@ -103,6 +103,21 @@ def small_run(tmp_path: Path, model: Path, train: Path, val: Path, *extra: str) 
     ]
 
 
+class Started(Exception):
+    """Raised in place of training (the ``no_training`` fixture): every check passed and the
+    run started."""
+
+
+def run_tree(path: Path) -> dict[str, bytes]:
+    """Every file under ``path`` with its bytes, a directory as ``b"/"`` (the lock file aside:
+    who last held it)."""
+    return {
+        str(p.relative_to(path)): p.read_bytes() if p.is_file() else b"/"
+        for p in sorted(path.rglob("*"))
+        if p.name != ".dapo-lock"
+    }
+
+
 def generate(model, tokenizer, prompts: list[str], *, engine: str = "dapo", **kwargs) -> Rollout:
     """``make_engine(engine, model, tokenizer).generate(prompts, **kwargs)``."""
     return make_engine(engine, model, tokenizer).generate(prompts, **kwargs)

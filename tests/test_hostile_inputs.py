@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import fake_checkpoint, save_model
+from helpers import Started, fake_checkpoint, save_model
 from test_scale_out import TINY
 
 from dapo import cli
@@ -23,24 +23,8 @@ from dapo.dist import dcp
 from dapo.models import policy
 from dapo.run import rundir
 from dapo.run.lock import RunLock
-from dapo.training import loop
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-class Started(Exception):
-    """Raised in place of training: every check passed and the run started."""
-
-
-@pytest.fixture
-def no_training(monkeypatch):
-    """The policy "loads" at once and training stops at its first line."""
-
-    def refuse(*_a, **_k):
-        raise Started
-
-    monkeypatch.setattr(policy, "load_policy", lambda cfg, pairs, tokenizer, **_: (None, tokenizer))
-    monkeypatch.setattr(loop, "fit", refuse)
 
 
 def _error(capsys) -> str:

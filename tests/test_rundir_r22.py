@@ -17,40 +17,17 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import RESUMABLE_DEMO, finish_run, start_run
+from helpers import RESUMABLE_DEMO, Started, finish_run, run_tree, start_run
 
 from dapo import cli
 from dapo.config import load_config
-from dapo.models import policy
 from dapo.run import checkpoint, launcher, manifest, own_files, rundir
-from dapo.training import loop
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-class Started(Exception):
-    """Raised in place of training: every check passed and the run started."""
-
-
-@pytest.fixture
-def no_training(monkeypatch):
-    def refuse(*_a, **_k):
-        raise Started
-
-    monkeypatch.setattr(policy, "load_policy", lambda cfg, pairs, tokenizer, **_: (None, tokenizer))
-    monkeypatch.setattr(loop, "fit", refuse)
-
-
 def _cfg(out: Path, name: str = "r"):
     return load_config(None, [f"run.out_dir={out}", f"run.name={name}"])
-
-
-def _tree(path: Path) -> dict[str, bytes]:
-    return {
-        str(p.relative_to(path)): p.read_bytes() if p.is_file() else b"/"
-        for p in sorted(path.rglob("*"))
-        if p.name != ".dapo-lock"
-    }
 
 
 def _finished_run(out: Path, name: str = "r") -> Path:
@@ -97,14 +74,14 @@ def test_overwrite_refuses_a_user_file_deep_in_a_run(tmp_path, planted, named):
     run = _finished_run(tmp_path)
     (run / planted).parent.mkdir(parents=True, exist_ok=True)
     (run / planted).write_text("mine")
-    before = _tree(run)
+    before = run_tree(run)
     with pytest.raises(ValueError) as refused:
         rundir.plan_new_run(_cfg(tmp_path), overwrite=True)
     assert str(refused.value) == (
         f"--overwrite: {run} holds files dapo did not write: {named}. Move them out of it "
         "first (dapo deletes only what it wrote), or pick another run.name"
     )
-    assert _tree(run) == before
+    assert run_tree(run) == before
 
 
 def test_overwrite_of_the_reviewers_run_keeps_every_user_file(tmp_path, capsys, no_training):
@@ -113,16 +90,16 @@ def test_overwrite_of_the_reviewers_run_keeps_every_user_file(tmp_path, capsys, 
     for rel in planted:
         (run / rel).parent.mkdir(parents=True, exist_ok=True)
         (run / rel).write_text("mine")
-    before = _tree(run)
+    before = run_tree(run)
     args = ["train", "--overwrite", f"run.out_dir={tmp_path}", "run.name=r"]
     for rel in planted:
         assert cli.main(args) == 2
         assert "holds files dapo did not write: " in capsys.readouterr().err
-        assert _tree(run) == before
+        assert run_tree(run) == before
         (run / rel).unlink()
         if rel.startswith("checkpoints/"):
             (run / rel).parent.rmdir()  # an empty directory of the user's is refused too
-        before = _tree(run)
+        before = run_tree(run)
     with pytest.raises(Started):  # only dapo's files left: replaced
         cli.main(args)
     assert not (run / "checkpoints").exists() and (run / ".dapo-run").is_file()
@@ -186,7 +163,7 @@ def _overwrite_start(out: Path, *, wait: bool) -> subprocess.Popen:
 
 def test_a_killed_overwrite_start_puts_the_earlier_run_back_on_resume(tmp_path, capsys):
     run = _finished_run(tmp_path)
-    before = _tree(run)
+    before = run_tree(run)
     proc = _overwrite_start(tmp_path, wait=False)
     proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGKILL
@@ -194,18 +171,18 @@ def test_a_killed_overwrite_start_puts_the_earlier_run_back_on_resume(tmp_path, 
     assert sorted(p.name for p in run.iterdir()) == [".dapo-lock", ".dapo-run"]
     assert rundir.existing_run_dir(run) == run
     assert f"the earlier run it replaced, kept at {aside}, is put back" in capsys.readouterr().out
-    assert _tree(run) == before and sorted(p.name for p in tmp_path.iterdir()) == ["r"]
+    assert run_tree(run) == before and sorted(p.name for p in tmp_path.iterdir()) == ["r"]
 
 
 def test_a_killed_overwrite_start_puts_the_earlier_run_back_on_a_new_start(tmp_path, capsys):
     run = _finished_run(tmp_path)
-    before = _tree(run)
+    before = run_tree(run)
     proc = _overwrite_start(tmp_path, wait=False)
     proc.communicate(timeout=60)
     with pytest.raises(FileExistsError, match="already holds a run; continue it with"):
         rundir.plan_new_run(_cfg(tmp_path))
     assert "is put back" in capsys.readouterr().out
-    assert _tree(run) == before and not list(tmp_path.glob(".r.replaced-*"))
+    assert run_tree(run) == before and not list(tmp_path.glob(".r.replaced-*"))
 
 
 def test_a_live_start_keeps_its_aside_and_is_named(tmp_path, capsys):
@@ -384,11 +361,11 @@ def test_a_copied_run_directory_resumes(tmp_path, demo_cache):
     assert code == 0, err
     copy = tmp_path / "elsewhere" / "copy of r"
     shutil.copytree(tmp_path / "r", copy, symlinks=True)
-    before = _tree(tmp_path / "r")
+    before = run_tree(tmp_path / "r")
     proc = start_run(tmp_path, "r", demo_cache, [], "--resume", str(copy), "train.steps=2")
     code, out, err = finish_run(proc)
     assert code == 0, err
     assert f"run directory: {copy}" in out
     steps = [json.loads(x)["step"] for x in (copy / "metrics.jsonl").read_text().splitlines()]
     assert steps[-1] == 2 and (copy / "checkpoints" / "step_000002").is_dir()
-    assert _tree(tmp_path / "r") == before  # the original is untouched
+    assert run_tree(tmp_path / "r") == before  # the original is untouched

@@ -14,38 +14,16 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import Started, run_tree
 
 from dapo import cli
 from dapo.config import load_config
-from dapo.models import policy
 from dapo.run import asides, rundir
 from dapo.run.lock import RunLock, in_use_by
-from dapo.training import loop
-
-
-class Started(Exception):
-    """Raised in place of training: every check passed and the run started."""
-
-
-@pytest.fixture
-def no_training(monkeypatch):
-    def refuse(*_a, **_k):
-        raise Started
-
-    monkeypatch.setattr(policy, "load_policy", lambda cfg, pairs, tokenizer, **_: (None, tokenizer))
-    monkeypatch.setattr(loop, "fit", refuse)
 
 
 def _cfg(out: Path, name: str = "r"):
     return load_config(None, [f"run.out_dir={out}", f"run.name={name}"])
-
-
-def _tree(path: Path) -> dict[str, bytes]:
-    return {
-        str(p.relative_to(path)): p.read_bytes() if p.is_file() else b"/"
-        for p in sorted(path.rglob("*"))
-        if p.name != ".dapo-lock"
-    }
 
 
 def _a_run(out: Path, name: str = "r") -> Path:
@@ -74,7 +52,7 @@ def _failed_overwrite(out: Path) -> rundir.NewRun:
 
 def test_the_earlier_run_is_back_before_the_lock_goes(tmp_path, capsys):
     run = _a_run(tmp_path)
-    before = _tree(run)
+    before = run_tree(run)
     plan = _failed_overwrite(tmp_path)
     lock, release = plan.lock, plan.lock.release
     refused = []
@@ -83,7 +61,7 @@ def test_the_earlier_run_is_back_before_the_lock_goes(tmp_path, capsys):
         names = sorted(p.name for p in tmp_path.iterdir())
         # The aborted start is out of the way and the earlier run back, the lock still held.
         assert names[0].startswith(".r.aborted-") and names[1:] == ["r"]
-        assert _tree(run) == before
+        assert run_tree(run) == before
         assert in_use_by(tmp_path / names[0]).startswith(f"process {os.getpid()} on host ")
         release()
         # A start of the same name racing in as the lock goes: the old undo removed, after
@@ -99,7 +77,7 @@ def test_the_earlier_run_is_back_before_the_lock_goes(tmp_path, capsys):
         f"run directory {run} already holds a run; continue it with "
         f"`dapo train --resume {run}`, replace it with --overwrite, or pick another run.name"
     ]
-    assert _tree(run) == before
+    assert run_tree(run) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
     assert plan.lock is None and plan.aside is None
     assert "is put back" not in capsys.readouterr().out
@@ -109,7 +87,7 @@ def test_a_start_putting_the_earlier_run_back_between_the_renames_loses_nothing(
     tmp_path, monkeypatch, capsys
 ):
     run = _a_run(tmp_path)
-    before = _tree(run)
+    before = run_tree(run)
     plan = _failed_overwrite(tmp_path)
     rename, raced = os.rename, []
 
@@ -124,7 +102,7 @@ def test_a_start_putting_the_earlier_run_back_between_the_renames_loses_nothing(
     monkeypatch.undo()
     assert len(raced) == 1
     assert "the earlier run it replaced, kept at" in capsys.readouterr().out
-    assert _tree(run) == before
+    assert run_tree(run) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
     assert plan.lock is None and plan.aside is None
 
