@@ -293,9 +293,16 @@ def _checked_run_dir(cfg: Config, resume_dir: Path | None, overwrite: bool, data
     rundir.check_writable(resume_dir)
     # With no step left it writes the final model/ alone: room for a checkpoint is not asked.
     finishing = not disk_space.steps_left(cfg, trainer)
+    weights_dir = _weights_dir(cfg)
     disk_space.check_space(
-        resume_dir, cfg, _weights_dir(cfg), resume=True, finishing=finishing, latest=found
+        resume_dir, cfg, weights_dir, resume=True, finishing=finishing, latest=found
     )
+    if not finishing:
+        step, existing = int(trainer.get("step", 0)), len(checkpoint.step_dirs(found.parent))
+        warning = disk_space.run_space_warning(
+            resume_dir, cfg, weights_dir, step=step, existing=existing, latest=found
+        )
+        data.warnings.extend([warning] if warning else [])
 
 
 def _weights_dir(cfg: Config) -> Path | None:
@@ -319,7 +326,10 @@ def _open_run_dir(cfg: Config, resume_dir: Path | None, overwrite: bool, data: R
     opened = rundir.plan_new_run(cfg, overwrite=overwrite)
     run_dir = rundir.start_new_run(opened)
     try:
-        disk_space.check_space(run_dir, cfg, _weights_dir(cfg))
+        weights_dir = _weights_dir(cfg)
+        disk_space.check_space(run_dir, cfg, weights_dir)
+        warning = disk_space.run_space_warning(run_dir, cfg, weights_dir)
+        data.warnings.extend([warning] if warning else [])
     except Exception:
         rundir.undo_new_run(opened)
         raise

@@ -26,7 +26,10 @@ __all__ = [
     "check_space",
     "estimate_checkpoint_bytes",
     "estimate_model_bytes",
+    "run_space_warning",
+    "saves_left",
     "steps_left",
+    "whole_run_bytes",
 ]
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -117,9 +120,7 @@ def check_space(
         checkpoint = max(checkpoint, _tree_bytes(latest))
     model = estimate_model_bytes(cfg, weights_dir)
     need = max(copies * checkpoint, (copies - 1) * checkpoint + model)
-    # A new run's directory does not exist yet: its nearest ancestor is on the same disk.
-    where = next(p for p in (run_dir.absolute(), *run_dir.absolute().parents) if p.exists())
-    free = shutil.disk_usage(where).free
+    free = _free_bytes(run_dir)
     if free >= need:
         return
     # A resumed run writes into its own directory: run.out_dir does not move it.
@@ -140,6 +141,80 @@ def check_space(
     )
 
 
+def saves_left(step: int, steps: int, save_every: int) -> int:
+    """How many checkpoints a run at ``step`` writes if it trains every step up to ``steps``:
+    one at each multiple of ``save_every`` (0: none) after ``step``, and one after the last
+    step unless that is such a multiple."""
+    if step >= steps:
+        return 0
+    if not save_every:
+        return 1
+    return steps // save_every - step // save_every + (1 if steps % save_every else 0)
+
+
+def whole_run_bytes(
+    checkpoint: int, model: int, *, saves: int, keep: int, existing: int = 0
+) -> int:
+    """The most the disk must give a run that writes ``saves`` more checkpoints of
+    ``checkpoint`` bytes, then its final ``model/`` of ``model`` bytes: the newest ``keep``
+    checkpoints stay, one more while a save is written (older ones are pruned only after it is
+    safe); ``existing``, the checkpoints a resumed run has on the disk already (a save beside
+    them adds one before any is pruned)."""
+    if saves == 0:
+        return model
+    during = max(1, min(keep + 1, existing + saves) - existing)
+    after = max(0, min(keep, existing + saves) - existing)
+    return max(during * checkpoint, after * checkpoint + model)
+
+
+def run_space_warning(
+    run_dir: Path,
+    cfg: Config,
+    weights_dir: Path | None,
+    *,
+    step: int = 0,
+    existing: int = 0,
+    latest: Path | None = None,
+) -> str | None:
+    """What to say when the disk holds the next save (:func:`check_space` passed) but not
+    everything the run writes if it trains to train.steps (train.max_gen_tokens or
+    max_seconds may stop it sooner): every checkpoint train.keep_checkpoints keeps, one more
+    during a save, and the final ``model/``; None when it all fits. ``step``: a resume's
+    step, ``existing``: its checkpoints on the disk, ``latest``: the newest of them."""
+    t = cfg.train
+    saves = saves_left(step, t.steps, t.save_every)
+    checkpoint = estimate_checkpoint_bytes(cfg, weights_dir)
+    if latest is not None:
+        checkpoint = max(checkpoint, _tree_bytes(latest))
+    model = estimate_model_bytes(cfg, weights_dir)
+    need = whole_run_bytes(
+        checkpoint, model, saves=saves, keep=t.keep_checkpoints, existing=existing
+    )
+    free = _free_bytes(run_dir)
+    if free >= need:
+        return None
+    # train.keep_checkpoints=1 always fits once check_space has passed: it asks for as much.
+    fits = max(
+        (
+            k
+            for k in range(1, t.keep_checkpoints)
+            if whole_run_bytes(checkpoint, model, saves=saves, keep=k, existing=existing) <= free
+        ),
+        default=1,
+    )
+    mib = 2**20
+    return (
+        f"run directory {run_dir} has {free / mib:.0f} MiB free, but the whole run needs about "
+        f"{need / mib:.0f} MiB if it trains to train.steps={t.steps}: {saves} more "
+        f"checkpoint{'s' if saves != 1 else ''} of about {checkpoint / mib:.0f} MiB "
+        f"(train.save_every={t.save_every}), of which train.keep_checkpoints="
+        f"{t.keep_checkpoints} stay ({t.keep_checkpoints + 1} while one is written), then the "
+        f"final model/ of about {model / mib:.0f} MiB. It starts, and a save that finds the "
+        "disk full stops it with its last checkpoint intact, to resume; to fit, set "
+        f"train.keep_checkpoints={fits} or free space"
+    )
+
+
 def _what(cfg: Config, copies: int, checkpoints: bool) -> str:
     """What the space is needed for, in words."""
     state = "of the adapters and their" if cfg.model.lora.rank else "of weights and"
@@ -152,6 +227,13 @@ def _what(cfg: Config, copies: int, checkpoints: bool) -> str:
         return f"{count} {state} optimiser state"
     before = f"a checkpoint {state} optimiser state, then " if copies == 2 else ""
     return before + final
+
+
+def _free_bytes(run_dir: Path) -> int:
+    """The free bytes of the disk ``run_dir`` is on; a new run's directory does not exist yet,
+    and its nearest ancestor is on the same disk."""
+    where = next(p for p in (run_dir.absolute(), *run_dir.absolute().parents) if p.exists())
+    return shutil.disk_usage(where).free
 
 
 def _module(name: str) -> str:

@@ -1,0 +1,117 @@
+"""The whole run's checkpoints against the disk (dapo.run.disk_space.run_space_warning): a run
+whose disk holds its next save but not every checkpoint train.keep_checkpoints keeps, one more
+during a save and the final model/, starts with a warning that names the setting that fits."""
+
+from __future__ import annotations
+
+import shutil
+from collections import namedtuple
+
+import pytest
+from helpers import Started, fake_checkpoint
+
+from dapo import cli
+from dapo.config import load_config
+from dapo.run import disk_space
+from dapo.training import loop
+
+USAGE = namedtuple("usage", "total used free")
+
+
+@pytest.mark.parametrize(
+    ("step", "steps", "save_every", "saves"),
+    [
+        (0, 100, 20, 5),  # 20, 40, 60, 80, 100: the last is a multiple
+        (0, 50, 20, 3),  # 20, 40 and the last, 50
+        (37, 100, 20, 4),  # 40, 60, 80, 100
+        (19, 21, 20, 2),  # 20 and 21
+        (0, 5, 0, 1),  # save_every=0: after the last step alone
+        (5, 5, 20, 0),  # nothing left to train
+    ],
+)
+def test_saves_left_counts_every_multiple_and_the_last(step, steps, save_every, saves):
+    assert disk_space.saves_left(step, steps, save_every) == saves
+
+
+@pytest.mark.parametrize(
+    ("saves", "keep", "existing", "need"),
+    [
+        (5, 3, 0, 40),  # 4 checkpoints during the fourth save: 4 x 10 > 3 x 10 + 4
+        (2, 3, 0, 24),  # only two are ever written: 2 x 10, then the model: 24
+        (0, 3, 0, 4),  # the final model/ alone
+        (5, 3, 3, 10),  # a resume with 3 kept already: one more, then pruned
+        (5, 3, 1, 30),  # a resume with 1: up to 3 more at once
+        (3, 2, 5, 10),  # keep lowered below what is there: one save, then pruned to 2
+    ],
+)
+def test_whole_run_bytes_by_hand(saves, keep, existing, need):
+    got = disk_space.whole_run_bytes(10, 4, saves=saves, keep=keep, existing=existing)
+    assert got == need
+
+
+def test_the_warning_names_what_fits(tmp_path, monkeypatch):
+    cfg = load_config()  # the demo: 120 steps, a save every 20 (6 saves), 3 kept
+    assert (cfg.train.steps, cfg.train.save_every, cfg.train.keep_checkpoints) == (120, 20, 3)
+    one = disk_space.estimate_checkpoint_bytes(cfg, None)
+    model = disk_space.estimate_model_bytes(cfg, None)
+    assert one > model  # so 4 checkpoints at once is the peak
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: USAGE(2**40, 0, 4 * one))
+    assert disk_space.run_space_warning(tmp_path, cfg, None) is None
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: USAGE(2**40, 0, 4 * one - 1))
+    disk_space.check_space(tmp_path, cfg, None)  # the next save fits: no refusal
+    warning = disk_space.run_space_warning(tmp_path, cfg, None)
+    assert warning is not None
+    assert f"the whole run needs about {4 * one / 2**20:.0f} MiB" in warning
+    assert "train.steps=120: 6 more checkpoints" in warning and "train.save_every=20" in warning
+    assert "train.keep_checkpoints=3 stay (4 while one is written)" in warning
+    assert warning.endswith("to fit, set train.keep_checkpoints=2 or free space")
+    # Room for two at once alone: keep_checkpoints=1 is what fits.
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: USAGE(2**40, 0, 2 * one))
+    assert disk_space.run_space_warning(tmp_path, cfg, None).endswith(
+        "keep_checkpoints=1 or free space"
+    )
+
+
+def test_a_new_run_starts_with_the_warning_printed_and_kept(
+    tmp_path, monkeypatch, capsys, no_training
+):
+    one = disk_space.estimate_checkpoint_bytes(load_config(), None)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: USAGE(2**40, 0, 3 * one))
+    kept = []
+
+    def fit(*_a, warnings, **_k):
+        kept.extend(warnings)  # what summary.json keeps
+        raise Started
+
+    monkeypatch.setattr(loop, "fit", fit)
+    with pytest.raises(Started):
+        cli.main(["train", f"run.out_dir={tmp_path}", "run.name=r"])
+    err = capsys.readouterr().err
+    assert "dapo: warning: run directory" in err
+    assert [w for w in kept if "whole run needs" in w] == [err.split("dapo: warning: ")[-1].strip()]
+    assert "to fit, set train.keep_checkpoints=2 or free space" in err
+    # Lowering it as told silences it.
+    with pytest.raises(Started):
+        cli.main(["train", f"run.out_dir={tmp_path}", "run.name=s", "train.keep_checkpoints=2"])
+    assert "whole run needs" not in capsys.readouterr().err
+
+
+def test_a_resume_counts_the_checkpoints_on_the_disk(tmp_path, monkeypatch, capsys, no_training):
+    cfg = load_config()
+    with pytest.raises(Started):
+        cli.main(["train", f"run.out_dir={tmp_path}", "run.name=r"])
+    run = tmp_path / "r"
+    fake_checkpoint(run)  # step 1 of 120: saves at 20, 40, ..., 120 (6), 1 checkpoint there
+    capsys.readouterr()
+    one = disk_space.estimate_checkpoint_bytes(cfg, None)
+    # Up to 3 more at once beside it: 3 x one. A new run's estimate (4 x one) would warn here.
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: USAGE(2**40, 0, 3 * one))
+    with pytest.raises(Started):
+        cli.main(["train", "--resume", str(run)])
+    assert "whole run needs" not in capsys.readouterr().err
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: USAGE(2**40, 0, 3 * one - 1))
+    with pytest.raises(Started):
+        cli.main(["train", "--resume", str(run)])
+    err = capsys.readouterr().err
+    assert f"the whole run needs about {3 * one / 2**20:.0f} MiB" in err
+    assert "6 more checkpoints" in err and "set train.keep_checkpoints=2" in err
