@@ -115,3 +115,24 @@ def test_a_resume_counts_the_checkpoints_on_the_disk(tmp_path, monkeypatch, caps
     err = capsys.readouterr().err
     assert f"the whole run needs about {3 * one / 2**20:.0f} MiB" in err
     assert "6 more checkpoints" in err and "set train.keep_checkpoints=2" in err
+
+
+def test_the_dry_run_gives_the_sizes_and_checks_the_room(tmp_path, monkeypatch, capsys):
+    cfg = load_config()
+    one = disk_space.estimate_checkpoint_bytes(cfg, None)
+    model = disk_space.estimate_model_bytes(cfg, None)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: USAGE(2**40, 0, 4 * one - 1))
+    assert cli.main(["train", "--dry-run", f"run.out_dir={tmp_path}", "run.name=r"]) == 0
+    out, err = capsys.readouterr()
+    line = (
+        f"disk: a checkpoint about {one / 2**20:,.0f} MiB, the final model/ about "
+        f"{model / 2**20:,.0f} MiB; the run holds up to {4 * one / 2**20:,.0f} MiB at once "
+        f"(6 saves, train.keep_checkpoints=3); {(4 * one - 1) / 2**20:,.0f} MiB free"
+    )
+    assert line in out
+    assert "set train.keep_checkpoints=2 or free space" in err  # warned as a start would
+    # Too little for the first two saves: refused as the start would be, nothing written.
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: USAGE(2**40, 0, one))
+    assert cli.main(["train", "--dry-run", f"run.out_dir={tmp_path}", "run.name=r"]) == 2
+    assert "checkpointing needs about" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

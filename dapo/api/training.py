@@ -197,7 +197,7 @@ def _train(
     if dry_run:
         if dist.is_main():
             _checked_run_dir(cfg, resume_dir, overwrite, data)
-        _print_dry_run(cfg, data, lengths, ranks)
+        _print_dry_run(cfg, data, lengths, ranks, resume=resume_dir is not None)
         return None
     opened = _open_run_dir(cfg, resume_dir, overwrite, data) if dist.is_main() else None
     run_dir = dist.broadcast(opened.path if opened else None)
@@ -273,7 +273,7 @@ def _checked_run_dir(cfg: Config, resume_dir: Path | None, overwrite: bool, data
     from dapo.training import resume
 
     if resume_dir is None:
-        rundir.plan_new_run(cfg, overwrite=overwrite)
+        _check_new_run_space(cfg, rundir.plan_new_run(cfg, overwrite=overwrite).path, data)
         return
     found = checkpoint.find_latest(resume_dir)
     if found is None:
@@ -305,6 +305,17 @@ def _checked_run_dir(cfg: Config, resume_dir: Path | None, overwrite: bool, data
         data.warnings.extend([warning] if warning else [])
 
 
+def _check_new_run_space(cfg: Config, run_dir: Path, data: RunData) -> None:
+    """Refuse a new run whose disk cannot hold its first saves; warn (``data.warnings``) when
+    it cannot hold the whole run's."""
+    from dapo.run import disk_space
+
+    weights_dir = _weights_dir(cfg)
+    disk_space.check_space(run_dir, cfg, weights_dir)
+    warning = disk_space.run_space_warning(run_dir, cfg, weights_dir)
+    data.warnings.extend([warning] if warning else [])
+
+
 def _weights_dir(cfg: Config) -> Path | None:
     """The model's directory (a Hub id's snapshot), or None for the embedded model."""
     from dapo.models import policy
@@ -316,7 +327,7 @@ def _open_run_dir(cfg: Config, resume_dir: Path | None, overwrite: bool, data: R
     """The run directory, locked for this process: a new one created (an earlier run it
     replaces moved aside), or the resumed one checked to hold a checkpoint; both checked to
     be writable with room for checkpoints."""
-    from dapo.run import disk_space, rundir
+    from dapo.run import rundir
     from dapo.run.lock import RunLock
 
     if resume_dir is not None:
@@ -326,10 +337,7 @@ def _open_run_dir(cfg: Config, resume_dir: Path | None, overwrite: bool, data: R
     opened = rundir.plan_new_run(cfg, overwrite=overwrite)
     run_dir = rundir.start_new_run(opened)
     try:
-        weights_dir = _weights_dir(cfg)
-        disk_space.check_space(run_dir, cfg, weights_dir)
-        warning = disk_space.run_space_warning(run_dir, cfg, weights_dir)
-        data.warnings.extend([warning] if warning else [])
+        _check_new_run_space(cfg, run_dir, data)
     except Exception:
         rundir.undo_new_run(opened)
         raise
@@ -351,8 +359,11 @@ def _print_plan(cfg: Config, data: RunData) -> None:
         print(f"dapo: warning: {warning}", file=sys.stderr)
 
 
-def _print_dry_run(cfg: Config, data: RunData, lengths: dict[str, float], world_size: int) -> None:
+def _print_dry_run(
+    cfg: Config, data: RunData, lengths: dict[str, float], world_size: int, *, resume: bool
+) -> None:
     from dapo.config import dump_yaml
+    from dapo.run import disk_space
     from dapo.training import inputs, memory_table
 
     print(dump_yaml(cfg), end="")
@@ -367,4 +378,7 @@ def _print_dry_run(cfg: Config, data: RunData, lengths: dict[str, float], world_
     memory_table.print_plan(
         cfg, world_size=world_size, prompt_tokens=int(lengths["prompt_tokens_max"])
     )
+    if not resume:  # a resume's room is checked, and warned of, with its checkpoints
+        run_dir = Path(cfg.run.out_dir).expanduser()
+        print(disk_space.describe(cfg, _weights_dir(cfg), run_dir))
     print("dry run: config, tokenizer and data are valid; nothing was trained or written")

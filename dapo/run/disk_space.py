@@ -24,6 +24,7 @@ from dapo.config import Config
 __all__ = [
     "DTYPE_BYTES",
     "check_space",
+    "describe",
     "estimate_checkpoint_bytes",
     "estimate_model_bytes",
     "run_space_warning",
@@ -212,6 +213,22 @@ def run_space_warning(
         f"final model/ of about {model / mib:.0f} MiB. It starts, and a save that finds the "
         "disk full stops it with its last checkpoint intact, to resume; to fit, set "
         f"train.keep_checkpoints={fits} or free space"
+    )
+
+
+def describe(cfg: Config, weights_dir: Path | None, run_dir: Path) -> str:
+    """The dry run's line on disk space for a new run in ``run_dir``: a checkpoint's size,
+    the final ``model/``'s, the most the whole run holds at once and the disk's free space."""
+    t, mib = cfg.train, 2**20
+    checkpoint = estimate_checkpoint_bytes(cfg, weights_dir)
+    model = estimate_model_bytes(cfg, weights_dir)
+    saves = saves_left(0, t.steps, t.save_every)
+    need = whole_run_bytes(checkpoint, model, saves=saves, keep=t.keep_checkpoints)
+    return (
+        f"disk: a checkpoint about {checkpoint / mib:,.0f} MiB, the final model/ about "
+        f"{model / mib:,.0f} MiB; the run holds up to {need / mib:,.0f} MiB at once ({saves} "
+        f"saves, train.keep_checkpoints={t.keep_checkpoints}); {_free_bytes(run_dir) / mib:,.0f}"
+        f" MiB free"
     )
 
 
