@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from dapo.cli import main
 from dapo.config import load_config
 from dapo.models.demo import build_tokenizer
-from dapo.run import disk_space
+from dapo.run import disk_space, save_sizes
 
 pytest.importorskip("peft")
 
@@ -164,12 +164,12 @@ def test_the_estimate_counts_the_files_a_load_reads(tmp_path):
     weight_map = dict.fromkeys(shard, "model-00001-of-00001.safetensors")
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     cfg = load_config(None, ["model.lora.rank=4", "model.lora.target_modules=[q_proj]"])
-    side = disk_space.STATE_BYTES + (tmp_path / "model.safetensors.index.json").stat().st_size
+    side = save_sizes.STATE_BYTES + (tmp_path / "model.safetensors.index.json").stat().st_size
     assert (
         disk_space.estimate_model_bytes(cfg, tmp_path)
-        == 64 * 32 * 4 + disk_space.ENTRY_BYTES + side
+        == 64 * 32 * 4 + save_sizes.ENTRY_BYTES + side
     )
     # A: 4 x 32, B: 64 x 4, float32, three copies; two tensors' header entries.
     assert disk_space.estimate_checkpoint_bytes(cfg, tmp_path) == (
-        3 * 4 * (4 * 32 + 64 * 4) + 2 * disk_space.TENSOR_BYTES + side
+        3 * 4 * (4 * 32 + 64 * 4) + 2 * save_sizes.TENSOR_BYTES + side
     )

@@ -4,6 +4,7 @@ during a save and the final model/, starts with a warning that names the setting
 
 from __future__ import annotations
 
+import re
 import shutil
 from collections import namedtuple
 
@@ -12,7 +13,7 @@ from helpers import Started, fake_checkpoint
 
 from dapo import cli
 from dapo.config import load_config
-from dapo.run import disk_space
+from dapo.run import disk_space, save_sizes
 from dapo.training import loop
 
 USAGE = namedtuple("usage", "total used free")
@@ -56,19 +57,78 @@ def test_the_warning_names_what_fits(tmp_path, monkeypatch):
     model = disk_space.estimate_model_bytes(cfg, None)
     assert one > model  # so 4 checkpoints at once is the peak
     monkeypatch.setattr(shutil, "disk_usage", lambda _p: USAGE(2**40, 0, 4 * one))
-    assert disk_space.run_space_warning(tmp_path, cfg, None) is None
+    assert disk_space.check_new_run(tmp_path, cfg, None)[1] is None
     monkeypatch.setattr(shutil, "disk_usage", lambda _p: USAGE(2**40, 0, 4 * one - 1))
-    disk_space.check_space(tmp_path, cfg, None)  # the next save fits: no refusal
-    warning = disk_space.run_space_warning(tmp_path, cfg, None)
+    space, warning = disk_space.check_new_run(tmp_path, cfg, None)  # the next save fits
+    assert (space.saves, space.existing, space.ahead) == (6, 0, 0)
     assert warning is not None
     assert f"the whole run needs about {4 * one / 2**20:.0f} MiB" in warning
     assert "train.steps=120: 6 more checkpoints" in warning and "train.save_every=20" in warning
-    assert "train.keep_checkpoints=3 stay (4 while one is written)" in warning
+    assert "of which at most 4 on the disk at once and 3 beside the final model/" in warning
     assert warning.endswith("to fit, set train.keep_checkpoints=2 or free space")
     # Room for two at once alone: keep_checkpoints=1 is what fits.
     monkeypatch.setattr(shutil, "disk_usage", lambda _p: USAGE(2**40, 0, 2 * one))
-    assert disk_space.run_space_warning(tmp_path, cfg, None).endswith(
+    assert disk_space.check_new_run(tmp_path, cfg, None)[1].endswith(
         "keep_checkpoints=1 or free space"
+    )
+
+
+def test_the_counts_are_what_the_run_can_reach(tmp_path, monkeypatch):
+    # 2 saves with keep 5: at most 2 checkpoints ever exist (review r27c: "5 stay (6 while one
+    # is written)"); a resume at step 19 of 20 beside 1: one more at most.
+    cfg = load_config(overrides=["train.steps=2", "train.save_every=1", "train.keep_checkpoints=5"])
+    one = disk_space.estimate_checkpoint_bytes(cfg, None)
+    model = disk_space.estimate_model_bytes(cfg, None)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: USAGE(2**40, 0, 2 * one + model - 1))
+    warning = disk_space.check_new_run(tmp_path, cfg, None)[1]
+    assert "2 more checkpoints" in warning
+    assert "at most 2 on the disk at once and 2 beside the final model/" in warning
+    assert warning.endswith("set train.keep_checkpoints=1 or free space")
+    space = disk_space.RunSpace(10, 0, 4, saves=1, existing=1, free=0)
+    assert space.counts(3) == (1, 1) and space.need(3) == 14
+    assert disk_space.describe(space, cfg).count("(1 save, ") == 1
+
+
+def test_a_run_that_saves_once_needs_one_checkpoint_and_the_model(tmp_path, monkeypatch):
+    # train.save_every=0: one checkpoint after the last step, then model/ (review r27c: two
+    # were asked for, and a run that fits was refused).
+    cfg = load_config(overrides=["train.save_every=0"])
+    one = disk_space.estimate_checkpoint_bytes(cfg, None)
+    model = disk_space.estimate_model_bytes(cfg, None)
+    assert model < one
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: USAGE(2**40, 0, one + model))
+    assert disk_space.check_new_run(tmp_path, cfg, None)[1] is None
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: USAGE(2**40, 0, one + model - 1))
+    need = f"needs about {(one + model) / 2**20:.0f} MiB (a checkpoint of weights and optimiser"
+    with pytest.raises(ValueError, match=re.escape(need)) as refused:
+        disk_space.check_space(tmp_path, cfg, None)
+    assert "will keep up to" not in str(refused.value)  # one save: keep_checkpoints is moot
+    with pytest.raises(ValueError, match=r"needs about \d+ MiB \(two checkpoints of weights"):
+        disk_space.check_space(tmp_path, load_config(), None)  # 6 saves: two at once
+
+
+def test_the_rollouts_drawn_ahead_are_counted_and_only_warned_of(tmp_path, monkeypatch):
+    # train.async_staleness=1: each checkpoint also holds the next step's rollouts (review
+    # r27c: a run that passed every check filled its disk at step 2).
+    cfg = load_config(overrides=["train.async_staleness=1"])
+    r, t = cfg.rollout, cfg.train
+    assert (t.prompts_per_step, r.group_size, r.max_new_tokens) == (32, 16, 28)
+    # 4 x 32 prompts (oversampled; the demo's rounds of 40 are fewer) x 16 rows, each of
+    # 8 x 10 + 16 x 28 + 128 bytes
+    assert save_sizes.ahead_bytes(cfg, 10) == 4 * 32 * 16 * (80 + 448 + 128) == 1_343_488
+    assert save_sizes.ahead_bytes(load_config(), 10) == 0  # nothing is drawn ahead
+    one = disk_space.estimate_checkpoint_bytes(cfg, None)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: USAGE(2**40, 0, 4 * one))
+    space, warning = disk_space.check_new_run(tmp_path, cfg, None, prompt_tokens=10)
+    assert space.ahead == 1_343_488
+    assert space.need(3) == 4 * (one + 1_343_488)
+    assert (
+        f"of about {(one + 1_343_488) / 2**20:.0f} MiB, 1 of them rollouts drawn ahead" in warning
+    )
+    # An upper bound: room for the weights alone is not refused.
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: USAGE(2**40, 0, 2 * one))
+    assert disk_space.check_new_run(tmp_path, cfg, None, prompt_tokens=10)[1].endswith(
+        "to fit, free space"
     )
 
 
@@ -115,6 +175,26 @@ def test_a_resume_counts_the_checkpoints_on_the_disk(tmp_path, monkeypatch, caps
     err = capsys.readouterr().err
     assert f"the whole run needs about {3 * one / 2**20:.0f} MiB" in err
     assert "6 more checkpoints" in err and "set train.keep_checkpoints=2" in err
+
+
+def test_overwrite_counts_the_replaced_run_as_free(tmp_path, monkeypatch, capsys, no_training):
+    # The run --overwrite replaces is deleted before the first save (review r27c: its size was
+    # counted as taken, and a run that fits was refused).
+    cfg = load_config()
+    one = disk_space.estimate_checkpoint_bytes(cfg, None)
+    with pytest.raises(Started):
+        cli.main(["train", f"run.out_dir={tmp_path}", "run.name=r"])
+    fake_checkpoint(tmp_path / "r")
+    (tmp_path / "r" / "metrics.jsonl").write_text("{}\n" * (one // 3))  # as large as one
+    old = save_sizes.tree_bytes(tmp_path / "r")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: USAGE(2**40, 0, 4 * one - old))
+    capsys.readouterr()
+    dry = ["train", f"run.out_dir={tmp_path}", "run.name=r", "--dry-run", "--overwrite"]
+    assert cli.main(dry) == 0
+    assert f"{4 * one / 2**20:,.0f} MiB free" in capsys.readouterr().out
+    with pytest.raises(Started):  # 4 x one with the old run's bytes: no warning
+        cli.main(["train", f"run.out_dir={tmp_path}", "run.name=r", "--overwrite"])
+    assert "whole run needs" not in capsys.readouterr().err
 
 
 def test_the_dry_run_gives_the_sizes_and_checks_the_room(tmp_path, monkeypatch, capsys):

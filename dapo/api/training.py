@@ -21,6 +21,7 @@ from dapo.config import Config, config_warnings
 from dapo.config.local_paths import absolute_paths
 
 if TYPE_CHECKING:
+    from dapo.run.disk_space import RunSpace
     from dapo.run.rundir import NewRun
     from dapo.training.inputs import RunData
 
@@ -194,12 +195,12 @@ def _train(
 
     ranks = (world_size or int(os.environ.get("WORLD_SIZE", "1"))) if dry_run else dist.job_size()
     cfg, data, tokenizer, lengths = _checked_inputs(cfg, reward_fn, ranks)
+    longest = int(lengths["prompt_tokens_max"])
     if dry_run:
-        if dist.is_main():
-            _checked_run_dir(cfg, resume_dir, overwrite, data)
-        _print_dry_run(cfg, data, lengths, ranks, resume=resume_dir is not None)
+        space = dist.is_main() and _checked_run_dir(cfg, resume_dir, overwrite, data, longest)
+        _print_dry_run(cfg, data, lengths, ranks, space=space or None)
         return None
-    opened = _open_run_dir(cfg, resume_dir, overwrite, data) if dist.is_main() else None
+    opened = _open_run_dir(cfg, resume_dir, overwrite, data, longest) if dist.is_main() else None
     run_dir = dist.broadcast(opened.path if opened else None)
     started = False
     try:
@@ -263,18 +264,23 @@ def check_same_config(cfg: Config) -> None:
         )
 
 
-def _checked_run_dir(cfg: Config, resume_dir: Path | None, overwrite: bool, data: RunData) -> None:
+def _checked_run_dir(
+    cfg: Config, resume_dir: Path | None, overwrite: bool, data: RunData, prompt_tokens: int
+) -> RunSpace | None:
     """What a dry run can tell of the run directory without changing anything: a new run's
     would be refused, or a resumed one has no checkpoint, a link where its checkpoints are, a
     checkpoint altered since it was written or whose trainer.json lacks a key resuming reads,
-    overrides or ``data`` it refuses (dapo.training.resume), or no room."""
+    overrides or ``data`` it refuses (dapo.training.resume), or no room. A new run's room
+    (``prompt_tokens``: its longest prompt) is returned for the dry run's line."""
     from dapo import dist
-    from dapo.run import checkpoint, disk_space, rundir, trainer_file
+    from dapo.run import checkpoint, disk_space, rundir, save_sizes, trainer_file
     from dapo.training import resume
 
     if resume_dir is None:
-        _check_new_run_space(cfg, rundir.plan_new_run(cfg, overwrite=overwrite).path, data)
-        return
+        plan = rundir.plan_new_run(cfg, overwrite=overwrite)
+        # The run that --overwrite replaces is deleted before the first save.
+        freed = save_sizes.tree_bytes(plan.path) if plan.replaces else 0
+        return _check_new_run_space(cfg, plan.path, data, freed, prompt_tokens)
     found = checkpoint.find_latest(resume_dir)
     if found is None:
         why = checkpoint.unreadable(resume_dir)
@@ -291,29 +297,23 @@ def _checked_run_dir(cfg: Config, resume_dir: Path | None, overwrite: bool, data
     # Warned once, as the run resumes.
     resume.check_resume(cfg, resume_dir, found, warn=False, problems=(data.train, data.val))
     rundir.check_writable(resume_dir)
-    # With no step left it writes the final model/ alone: room for a checkpoint is not asked.
-    finishing = not disk_space.steps_left(cfg, trainer)
-    weights_dir = _weights_dir(cfg)
-    disk_space.check_space(
-        resume_dir, cfg, weights_dir, resume=True, finishing=finishing, latest=found
-    )
-    if not finishing:
-        step, existing = int(trainer.get("step", 0)), len(checkpoint.step_dirs(found.parent))
-        warning = disk_space.run_space_warning(
-            resume_dir, cfg, weights_dir, step=step, existing=existing, latest=found
-        )
-        data.warnings.extend([warning] if warning else [])
+    warning = disk_space.check_resume(resume_dir, cfg, _weights_dir(cfg), trainer, found)
+    data.warnings.extend([warning] if warning else [])
+    return None
 
 
-def _check_new_run_space(cfg: Config, run_dir: Path, data: RunData) -> None:
+def _check_new_run_space(
+    cfg: Config, run_dir: Path, data: RunData, freed: int, prompt_tokens: int
+) -> RunSpace:
     """Refuse a new run whose disk cannot hold its first saves; warn (``data.warnings``) when
-    it cannot hold the whole run's."""
+    it cannot hold the whole run's. ``freed``: what the run it replaces frees."""
     from dapo.run import disk_space
 
-    weights_dir = _weights_dir(cfg)
-    disk_space.check_space(run_dir, cfg, weights_dir)
-    warning = disk_space.run_space_warning(run_dir, cfg, weights_dir)
+    space, warning = disk_space.check_new_run(
+        run_dir, cfg, _weights_dir(cfg), freed=freed, prompt_tokens=prompt_tokens
+    )
     data.warnings.extend([warning] if warning else [])
+    return space
 
 
 def _weights_dir(cfg: Config) -> Path | None:
@@ -323,21 +323,25 @@ def _weights_dir(cfg: Config) -> Path | None:
     return None if cfg.model.path == "embedded" else policy.model_dir(cfg)
 
 
-def _open_run_dir(cfg: Config, resume_dir: Path | None, overwrite: bool, data: RunData) -> NewRun:
+def _open_run_dir(
+    cfg: Config, resume_dir: Path | None, overwrite: bool, data: RunData, prompt_tokens: int
+) -> NewRun:
     """The run directory, locked for this process: a new one created (an earlier run it
     replaces moved aside), or the resumed one checked to hold a checkpoint; both checked to
-    be writable with room for checkpoints."""
-    from dapo.run import rundir
+    be writable with room for checkpoints (``prompt_tokens``: the longest prompt)."""
+    from dapo.run import rundir, save_sizes
     from dapo.run.lock import RunLock
 
     if resume_dir is not None:
-        _checked_run_dir(cfg, resume_dir, overwrite, data)
+        _checked_run_dir(cfg, resume_dir, overwrite, data, prompt_tokens)
         return rundir.NewRun(resume_dir, lock=RunLock(resume_dir).acquire())
     # Planned once: an automatic name holds the time, and a second plan could name another.
     opened = rundir.plan_new_run(cfg, overwrite=overwrite)
     run_dir = rundir.start_new_run(opened)
     try:
-        _check_new_run_space(cfg, run_dir, data)
+        # The earlier run set aside is deleted before the first save.
+        freed = save_sizes.tree_bytes(opened.aside) if opened.aside else 0
+        _check_new_run_space(cfg, run_dir, data, freed, prompt_tokens)
     except Exception:
         rundir.undo_new_run(opened)
         raise
@@ -360,8 +364,14 @@ def _print_plan(cfg: Config, data: RunData) -> None:
 
 
 def _print_dry_run(
-    cfg: Config, data: RunData, lengths: dict[str, float], world_size: int, *, resume: bool
+    cfg: Config,
+    data: RunData,
+    lengths: dict[str, float],
+    world_size: int,
+    *,
+    space: RunSpace | None,
 ) -> None:
+    """``space``: a new run's room (rank 0's); a resume's is checked and warned of alone."""
     from dapo.config import dump_yaml
     from dapo.run import disk_space
     from dapo.training import inputs, memory_table
@@ -378,7 +388,6 @@ def _print_dry_run(
     memory_table.print_plan(
         cfg, world_size=world_size, prompt_tokens=int(lengths["prompt_tokens_max"])
     )
-    if not resume:  # a resume's room is checked, and warned of, with its checkpoints
-        run_dir = Path(cfg.run.out_dir).expanduser()
-        print(disk_space.describe(cfg, _weights_dir(cfg), run_dir))
+    if space is not None:
+        print(disk_space.describe(space, cfg))
     print("dry run: config, tokenizer and data are valid; nothing was trained or written")

@@ -1,90 +1,38 @@
-"""Room on the disk for what a run will write, checked before the model loads.
-
-Sizes come from the model's files alone: the safetensors headers (every tensor's name, shape
-and dtype; a few KB read from each file), or for the embedded model its shape. A checkpoint
-holds the weights that train and AdamW's two moments of each (:mod:`dapo.run.checkpoint`):
-every weight in full fine-tuning, the adapters alone, in float32, with LoRA (its frozen base is
-the base model's files, named, not copied). The run's final ``model/`` is the whole policy:
-in ``model.param_dtype``, or with LoRA the merge, in float32 whatever the base's dtype
-(:func:`dapo.models.merged_save.widened`).
+"""Room on the disk for what a run will write, checked before the model loads: refused when
+the next saves cannot fit, warned of when the whole run's cannot (every checkpoint that
+``train.keep_checkpoints`` keeps, one more while a save is written, and the final ``model/``).
+Sizes: :mod:`dapo.run.save_sizes`.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import os
 import shutil
-import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dapo.config import Config
+from dapo.run.save_sizes import (
+    ahead_bytes,
+    estimate_checkpoint_bytes,
+    estimate_model_bytes,
+    tree_bytes,
+)
 
 __all__ = [
-    "DTYPE_BYTES",
+    "RunSpace",
+    "check_new_run",
+    "check_resume",
     "check_space",
     "describe",
     "estimate_checkpoint_bytes",
     "estimate_model_bytes",
+    "measure",
     "run_space_warning",
     "saves_left",
     "steps_left",
     "whole_run_bytes",
 ]
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-STATE_BYTES = 64 * 2**10
-"""A save's small files beyond the model directory's own: a checkpoint's generator states,
-trainer.json, manifest and optimizer.json (about 22 KB on a CPU), a tokenizer's and config's
-files as written again (a few hundred bytes more than the model directory's)."""
-
-ENTRY_BYTES = 160
-"""A tensor's entry in a safetensors header: its name, dtype, shape and offsets (90 to 130
-bytes for a Qwen2's)."""
-
-TENSOR_BYTES = 4 * ENTRY_BYTES + 8
-"""What a trained tensor adds to a checkpoint beyond its values and its moments: its entries
-in the headers of the weights and of the optimizer state (its two moments and its step
-count), and the step count."""
-
-SIDE_FILES = ("*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken")
-"""The model directory's files that a save writes again beside the weights: its tokenizer's
-and its configs."""
-
-_HEADER_MAX = 100 * 2**20  # safetensors' own limit on a header
-
-
-def estimate_checkpoint_bytes(cfg: Config, weights_dir: Path | None) -> int:
-    """About what one checkpoint takes: the weights that train and AdamW's two moments of
-    each (model.param_dtype; LoRA's adapters: float32), the tokenizer and the small state.
-
-    From the weight files in ``weights_dir`` (the model's directory, a Hub id's snapshot; None
-    for the embedded model, from its shape), so it needs no model in memory.
-    """
-    side = STATE_BYTES + _side_bytes(weights_dir)
-    shapes = _shapes(cfg, weights_dir)
-    if cfg.model.lora.rank and shapes is not None:
-        params, tensors = _adapters(cfg, shapes)
-        return 3 * params * 4 + tensors * TENSOR_BYTES + side
-    params = _parameters(weights_dir, shapes)
-    tensors = len(shapes or ())
-    return 3 * params * DTYPE_BYTES[cfg.model.param_dtype] + tensors * TENSOR_BYTES + side
-
-
-def estimate_model_bytes(cfg: Config, weights_dir: Path | None) -> int:
-    """About what the run's final ``model/`` takes: every weight in model.param_dtype, or a
-    LoRA run's merge in float32 (a tied head adapted saved apart), and the tokenizer."""
-    shapes = _shapes(cfg, weights_dir)
-    params, entries = _parameters(weights_dir, shapes), len(shapes or ())
-    side = entries * ENTRY_BYTES + STATE_BYTES + _side_bytes(weights_dir)
-    if not cfg.model.lora.rank:
-        return params * DTYPE_BYTES[cfg.model.param_dtype] + side
-    if shapes is not None and "lm_head" in cfg.model.lora.target_modules:
-        if not any(_module(name) == "lm_head" for name in shapes):  # tied: the embeddings
-            params += max((math.prod(s) for s in shapes.values() if len(s) == 2), default=0)
-    return params * 4 + side
 
 
 def steps_left(cfg: Config, trainer: dict[str, Any]) -> bool:
@@ -99,6 +47,107 @@ def steps_left(cfg: Config, trainer: dict[str, Any]) -> bool:
     return not (tokens or seconds)
 
 
+@dataclass(frozen=True)
+class RunSpace:
+    """What a run will write and the room it has, in bytes: :func:`measure`."""
+
+    checkpoint: int
+    """One checkpoint (the estimate, or a resume's latest when larger)."""
+    ahead: int
+    """What each checkpoint of a run that generates ahead holds beyond that (an upper
+    bound: :func:`ahead_bytes`); warned of, not refused on."""
+    model: int
+    """The final ``model/``."""
+    saves: int
+    """The checkpoints the run writes if it trains to train.steps."""
+    existing: int
+    """A resume's checkpoints on the disk already."""
+    free: int
+    """The disk's free bytes, a run that ``--overwrite`` replaces counted as free."""
+
+    def counts(self, keep: int) -> tuple[int, int]:
+        """Checkpoints the run adds at most: while a save is written (the newest ``keep``
+        beside it: older ones are pruned only after it is safe), and beside the final
+        ``model/``."""
+        if self.saves == 0:
+            return 0, 0
+        total = self.existing + self.saves
+        return max(1, min(keep + 1, total) - self.existing), max(
+            0, min(keep, total) - self.existing
+        )
+
+    def need(self, keep: int, *, ahead: bool = True) -> int:
+        """The most the run holds at once with train.keep_checkpoints=``keep``."""
+        checkpoint = self.checkpoint + (self.ahead if ahead else 0)
+        return whole_run_bytes(
+            checkpoint, self.model, saves=self.saves, keep=keep, existing=self.existing
+        )
+
+
+def measure(
+    run_dir: Path,
+    cfg: Config,
+    weights_dir: Path | None,
+    *,
+    step: int = 0,
+    existing: int = 0,
+    finishing: bool = False,
+    latest: Path | None = None,
+    freed: int = 0,
+    prompt_tokens: int = 0,
+) -> RunSpace:
+    """The run's :class:`RunSpace`: at ``step`` (a resume's) with ``existing`` checkpoints on
+    the disk, the newest ``latest`` (the next is taken to be at least its size: it holds what
+    no estimate sees exactly, such as the rollouts drawn ahead); ``finishing``, a resume with no
+    step left; ``freed``, what a replaced run (``--overwrite``) frees before the first save;
+    ``prompt_tokens``, the longest prompt (for the rollouts drawn ahead)."""
+    t = cfg.train
+    saves = 0 if finishing else saves_left(step, t.steps, t.save_every)
+    checkpoint = estimate_checkpoint_bytes(cfg, weights_dir) if saves else 0
+    ahead = ahead_bytes(cfg, prompt_tokens) if saves else 0
+    if saves and latest is not None:
+        checkpoint = max(checkpoint, tree_bytes(latest))
+        ahead = 0  # the latest checkpoint holds its own
+    model = estimate_model_bytes(cfg, weights_dir)
+    free = _free_bytes(run_dir) + freed
+    return RunSpace(checkpoint, ahead, model, saves, existing, free)
+
+
+def check_new_run(
+    run_dir: Path,
+    cfg: Config,
+    weights_dir: Path | None,
+    *,
+    freed: int = 0,
+    prompt_tokens: int = 0,
+) -> tuple[RunSpace, str | None]:
+    """A new run's :func:`check_space`, then its room and the whole run's warning (None when
+    it fits); ``freed``: what the run it replaces (``--overwrite``) frees before its first
+    save, ``prompt_tokens``: its longest prompt."""
+    check_space(run_dir, cfg, weights_dir, freed=freed)
+    space = measure(run_dir, cfg, weights_dir, freed=freed, prompt_tokens=prompt_tokens)
+    return space, run_space_warning(space, run_dir, cfg)
+
+
+def check_resume(
+    run_dir: Path, cfg: Config, weights_dir: Path | None, trainer: dict[str, Any], latest: Path
+) -> str | None:
+    """A resume's :func:`check_space` (with no step left it writes the final ``model/``
+    alone: room for a checkpoint is not asked), then the whole run's warning, counting the
+    checkpoints beside ``latest``; ``trainer``: its ``trainer.json``."""
+    from dapo.run import checkpoint
+
+    finishing, step = not steps_left(cfg, trainer), int(trainer.get("step", 0))
+    check_space(
+        run_dir, cfg, weights_dir, resume=True, finishing=finishing, latest=latest, step=step
+    )
+    if finishing:
+        return None
+    existing = len(checkpoint.step_dirs(latest.parent))
+    space = measure(run_dir, cfg, weights_dir, step=step, existing=existing, latest=latest)
+    return run_space_warning(space, run_dir, cfg)
+
+
 def check_space(
     run_dir: Path,
     cfg: Config,
@@ -107,22 +156,27 @@ def check_space(
     resume: bool = False,
     finishing: bool = False,
     latest: Path | None = None,
+    step: int = 0,
+    freed: int = 0,
 ) -> None:
-    """Refuse to start when the disk cannot hold what the run writes next: two checkpoints
-    (the newest being written while the previous one is still the safe copy), or one and the
-    final ``model/`` when that is larger (LoRA's float32 merge); a resume's latest checkpoint
-    is on the disk already, and it needs room for one more, or the final ``model/``;
-    ``finishing``, a resume with no step left, for the final ``model/`` alone. ``latest``,
-    a resume's latest checkpoint: the next one is taken to be at least its size (it holds
-    what no estimate from the weights sees, such as the rollouts drawn ahead of training)."""
-    copies = 0 if finishing else 1 if resume else 2
-    checkpoint = estimate_checkpoint_bytes(cfg, weights_dir) if copies else 0
-    if copies and latest is not None:
-        checkpoint = max(checkpoint, _tree_bytes(latest))
-    model = estimate_model_bytes(cfg, weights_dir)
-    need = max(copies * checkpoint, (copies - 1) * checkpoint + model)
-    free = _free_bytes(run_dir)
-    if free >= need:
+    """Refuse to start when the disk cannot hold what any train.keep_checkpoints writes:
+    a new run, two checkpoints (the newest being written while the previous one is still the
+    safe copy), or one and the final ``model/`` (which follows the last save); a resume,
+    whose latest checkpoint is on the disk already, one more, or the final ``model/``;
+    ``finishing``, a resume with no step left, the final ``model/`` alone. A run that writes a
+    single checkpoint needs one and the final ``model/``. Arguments: :func:`measure`."""
+    space = measure(
+        run_dir,
+        cfg,
+        weights_dir,
+        step=step,
+        existing=1 if resume else 0,
+        finishing=finishing,
+        latest=latest,
+        freed=freed,
+    )
+    need = space.need(1, ahead=False)
+    if space.free >= need:
         return
     # A resumed run writes into its own directory: run.out_dir does not move it.
     where_to = (
@@ -130,15 +184,16 @@ def check_space(
         if resume
         else "set run.out_dir to a larger disk"
     )
-    fix = f"free space or {where_to}"
     keep = cfg.train.keep_checkpoints
     more = (
-        "" if finishing else f" (train.keep_checkpoints={keep} will keep up to {keep + 1} at once)"
+        f" (train.keep_checkpoints={keep} will keep up to {keep + 1} at once)"
+        if space.counts(keep)[0] > space.counts(1)[0]
+        else ""
     )
     raise ValueError(
-        f"run directory {run_dir} has {free / 2**20:.0f} MiB free, but "
-        f"{'finishing the run' if finishing else 'checkpointing'} needs about "
-        f"{need / 2**20:.0f} MiB ({_what(cfg, copies, need == copies * checkpoint)}); {fix}{more}"
+        f"run directory {run_dir} has {space.free / 2**20:.0f} MiB free, but "
+        f"{'checkpointing' if space.saves else 'finishing the run'} needs about "
+        f"{need / 2**20:.0f} MiB ({_what(cfg, space)}); free space or {where_to}{more}"
     )
 
 
@@ -161,88 +216,64 @@ def whole_run_bytes(
     checkpoints stay, one more while a save is written (older ones are pruned only after it is
     safe); ``existing``, the checkpoints a resumed run has on the disk already (a save beside
     them adds one before any is pruned)."""
-    if saves == 0:
-        return model
-    during = max(1, min(keep + 1, existing + saves) - existing)
-    after = max(0, min(keep, existing + saves) - existing)
-    return max(during * checkpoint, after * checkpoint + model)
+    during, after = RunSpace(checkpoint, 0, model, saves, existing, 0).counts(keep)
+    return max(during * checkpoint, after * checkpoint + model) if saves else model
 
 
-def run_space_warning(
-    run_dir: Path,
-    cfg: Config,
-    weights_dir: Path | None,
-    *,
-    step: int = 0,
-    existing: int = 0,
-    latest: Path | None = None,
-) -> str | None:
+def run_space_warning(space: RunSpace, run_dir: Path, cfg: Config) -> str | None:
     """What to say when the disk holds the next save (:func:`check_space` passed) but not
     everything the run writes if it trains to train.steps (train.max_gen_tokens or
     max_seconds may stop it sooner): every checkpoint train.keep_checkpoints keeps, one more
-    during a save, and the final ``model/``; None when it all fits. ``step``: a resume's
-    step, ``existing``: its checkpoints on the disk, ``latest``: the newest of them."""
-    t = cfg.train
-    saves = saves_left(step, t.steps, t.save_every)
-    checkpoint = estimate_checkpoint_bytes(cfg, weights_dir)
-    if latest is not None:
-        checkpoint = max(checkpoint, _tree_bytes(latest))
-    model = estimate_model_bytes(cfg, weights_dir)
-    need = whole_run_bytes(
-        checkpoint, model, saves=saves, keep=t.keep_checkpoints, existing=existing
-    )
-    free = _free_bytes(run_dir)
-    if free >= need:
-        return None
-    # train.keep_checkpoints=1 always fits once check_space has passed: it asks for as much.
-    fits = max(
-        (
-            k
-            for k in range(1, t.keep_checkpoints)
-            if whole_run_bytes(checkpoint, model, saves=saves, keep=k, existing=existing) <= free
-        ),
-        default=1,
-    )
-    mib = 2**20
-    return (
-        f"run directory {run_dir} has {free / mib:.0f} MiB free, but the whole run needs about "
-        f"{need / mib:.0f} MiB if it trains to train.steps={t.steps}: {saves} more "
-        f"checkpoint{'s' if saves != 1 else ''} of about {checkpoint / mib:.0f} MiB "
-        f"(train.save_every={t.save_every}), of which train.keep_checkpoints="
-        f"{t.keep_checkpoints} stay ({t.keep_checkpoints + 1} while one is written), then the "
-        f"final model/ of about {model / mib:.0f} MiB. It starts, and a save that finds the "
-        "disk full stops it with its last checkpoint intact, to resume; to fit, set "
-        f"train.keep_checkpoints={fits} or free space"
-    )
-
-
-def describe(cfg: Config, weights_dir: Path | None, run_dir: Path) -> str:
-    """The dry run's line on disk space for a new run in ``run_dir``: a checkpoint's size,
-    the final ``model/``'s, the most the whole run holds at once and the disk's free space."""
+    during a save, and the final ``model/``; None when it all fits."""
     t, mib = cfg.train, 2**20
-    checkpoint = estimate_checkpoint_bytes(cfg, weights_dir)
-    model = estimate_model_bytes(cfg, weights_dir)
-    saves = saves_left(0, t.steps, t.save_every)
-    need = whole_run_bytes(checkpoint, model, saves=saves, keep=t.keep_checkpoints)
+    need = space.need(t.keep_checkpoints)
+    if space.free >= need:
+        return None
+    # keep_checkpoints=1 is what check_space asked room for, bar the rollouts drawn ahead.
+    fits = [k for k in range(1, t.keep_checkpoints) if space.need(k) <= space.free]
+    fix = f"set train.keep_checkpoints={fits[-1]} or free space" if fits else "free space"
+    during, after = space.counts(t.keep_checkpoints)
+    saves = f"{space.saves} more checkpoint{'s' if space.saves != 1 else ''}"
+    size = space.checkpoint + space.ahead
+    ahead = f", {space.ahead / mib:.0f} of them rollouts drawn ahead" if space.ahead else ""
     return (
-        f"disk: a checkpoint about {checkpoint / mib:,.0f} MiB, the final model/ about "
-        f"{model / mib:,.0f} MiB; the run holds up to {need / mib:,.0f} MiB at once ({saves} "
-        f"saves, train.keep_checkpoints={t.keep_checkpoints}); {_free_bytes(run_dir) / mib:,.0f}"
-        f" MiB free"
+        f"run directory {run_dir} has {space.free / mib:.0f} MiB free, but the whole run needs "
+        f"about {need / mib:.0f} MiB if it trains to train.steps={t.steps}: {saves} of about "
+        f"{size / mib:.0f} MiB{ahead} (train.save_every={t.save_every}), of which at most "
+        f"{during} on the disk at once and {after} beside the final model/ of about "
+        f"{space.model / mib:.0f} MiB (train.keep_checkpoints={t.keep_checkpoints}). It "
+        "starts, and a save that finds the disk full stops it with its last checkpoint "
+        f"intact, to resume; to fit, {fix}"
     )
 
 
-def _what(cfg: Config, copies: int, checkpoints: bool) -> str:
-    """What the space is needed for, in words."""
+def describe(space: RunSpace, cfg: Config) -> str:
+    """The dry run's line on a new run's disk space: a checkpoint's size, the final
+    ``model/``'s, the most the whole run holds at once and the disk's free space."""
+    keep, mib = cfg.train.keep_checkpoints, 2**20
+    ahead = f" (with up to {space.ahead / mib:,.0f} of rollouts drawn ahead)" if space.ahead else ""
+    saves = f"{space.saves} save{'s' if space.saves != 1 else ''}"
+    return (
+        f"disk: a checkpoint about {(space.checkpoint + space.ahead) / mib:,.0f} MiB{ahead}, "
+        f"the final model/ about {space.model / mib:,.0f} MiB; the run holds up to "
+        f"{space.need(keep) / mib:,.0f} MiB at once ({saves}, train.keep_checkpoints={keep}); "
+        f"{space.free / mib:,.0f} MiB free"
+    )
+
+
+def _what(cfg: Config, space: RunSpace) -> str:
+    """What :func:`check_space`'s room is needed for, in words."""
     state = "of the adapters and their" if cfg.model.lora.rank else "of weights and"
     dtype = "float32" if cfg.model.lora.rank else cfg.model.param_dtype
     final = f"the final model/ in {dtype}"
-    if copies == 0:
+    if not space.saves:
         return f"{final}: no step is left to train"
-    if checkpoints:
-        count = ("one more checkpoint", "two checkpoints")[copies - 1]
+    during, after = space.counts(1)
+    if during * space.checkpoint >= after * space.checkpoint + space.model:
+        # a new run's two (during a save) outweigh one beside the model/; a resume's one
+        count = "one more checkpoint" if space.existing else "two checkpoints"
         return f"{count} {state} optimiser state"
-    before = f"a checkpoint {state} optimiser state, then " if copies == 2 else ""
+    before = f"a checkpoint {state} optimiser state, then " if after else ""
     return before + final
 
 
@@ -251,128 +282,3 @@ def _free_bytes(run_dir: Path) -> int:
     and its nearest ancestor is on the same disk."""
     where = next(p for p in (run_dir.absolute(), *run_dir.absolute().parents) if p.exists())
     return shutil.disk_usage(where).free
-
-
-def _module(name: str) -> str:
-    """The last part of the module a stored tensor belongs to (``q_proj`` of
-    ``model.layers.0.self_attn.q_proj.weight``)."""
-    parts = name.rsplit(".", 2)
-    return parts[-2] if len(parts) > 1 else ""
-
-
-def _adapters(cfg: Config, shapes: dict[str, list[int]]) -> tuple[int, int]:
-    """LoRA's trained parameters and tensors: A and B, r (in + out) values together, for each
-    weight of a targeted layer; a tied head targeted (stored as the embeddings alone) counted
-    as the largest matrix."""
-    lora = cfg.model.lora
-    targets = set(lora.target_modules)
-    matrices = {n: s for n, s in shapes.items() if n.endswith(".weight") and len(s) == 2}
-    adapted = [s for n, s in matrices.items() if _module(n) in targets]
-    if "lm_head" in targets and not any(_module(n) == "lm_head" for n in matrices):
-        adapted.append(max(matrices.values(), key=sum, default=[0, 0]))
-    return sum(lora.rank * sum(s) for s in adapted), 2 * len(adapted)
-
-
-def _parameters(weights_dir: Path | None, shapes: dict[str, list[int]] | None) -> int:
-    """The model's parameters: counted from ``shapes``, else from the weight files' sizes
-    and config.json's dtype (pickled .bin weights)."""
-    if shapes is not None:
-        return sum(math.prod(s) for s in shapes.values())
-    assert weights_dir is not None  # the embedded model always has its shapes
-    weights = sum(f.stat().st_size for f in weights_dir.glob("*.safetensors"))
-    weights += sum(f.stat().st_size for f in weights_dir.glob("*.bin"))
-    stored = 2
-    try:
-        meta = json.loads((weights_dir / "config.json").read_text())
-        stored = DTYPE_BYTES.get(str(meta.get("torch_dtype") or meta.get("dtype")), 2)
-    except (OSError, ValueError):
-        pass
-    return weights // stored
-
-
-def _shapes(cfg: Config, weights_dir: Path | None) -> dict[str, list[int]] | None:
-    """Every stored tensor's shape by name: the embedded model's from its shape, a
-    directory's from its safetensors headers; None when there are none to read."""
-    if weights_dir is None:
-        return _embedded_shapes(cfg)
-    files = _weight_files(weights_dir)
-    shapes: dict[str, list[int]] = {}
-    for file in files:
-        header = _header(file)
-        if header is None:
-            return None
-        shapes |= {k: list(v["shape"]) for k, v in header.items() if k != "__metadata__"}
-    return shapes if files else None
-
-
-def _weight_files(weights_dir: Path) -> list[Path]:
-    """The safetensors files a load reads: those the index names, or ``model.safetensors``;
-    else every one (a Hub snapshot may hold a second copy, ``consolidated.safetensors``)."""
-    try:
-        index = json.loads((weights_dir / "model.safetensors.index.json").read_text())
-        return sorted({weights_dir / str(f) for f in index["weight_map"].values()})
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        pass
-    single = weights_dir / "model.safetensors"
-    return [single] if single.is_file() else sorted(weights_dir.glob("*.safetensors"))
-
-
-def _header(file: Path) -> dict[str, Any] | None:
-    """The JSON header of the safetensors file ``file``; None when it is not readable as one
-    (the model's load, after this check, names the file and what is wrong)."""
-    try:
-        with file.open("rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            if size > _HEADER_MAX:
-                return None
-            header = json.loads(f.read(size))
-        tensors = [v for k, v in header.items() if k != "__metadata__"]
-        shapes = [v.get("shape") for v in tensors if isinstance(v, dict)]
-    except (OSError, ValueError, struct.error, AttributeError, RecursionError):
-        return None
-    sized = all(isinstance(s, list) and all(type(n) is int and n >= 0 for n in s) for s in shapes)
-    return header if sized and len(shapes) == len(tensors) else None
-
-
-def _embedded_shapes(cfg: Config) -> dict[str, list[int]]:
-    """The embedded Qwen2's tensors (:func:`dapo.models.demo.tiny_qwen2`: 4 heads, 2 of keys
-    and values, an MLP of 2 x hidden, the head tied), its vocabulary taken as 4096, an upper
-    bound of the word-level demo's."""
-    h, kv = cfg.embedded.hidden, cfg.embedded.hidden // 2
-    shapes = {"model.embed_tokens.weight": [4096, h], "model.norm.weight": [h]}
-    layer = {
-        "self_attn.q_proj.weight": [h, h],
-        "self_attn.q_proj.bias": [h],
-        "self_attn.k_proj.weight": [kv, h],
-        "self_attn.k_proj.bias": [kv],
-        "self_attn.v_proj.weight": [kv, h],
-        "self_attn.v_proj.bias": [kv],
-        "self_attn.o_proj.weight": [h, h],
-        "mlp.gate_proj.weight": [2 * h, h],
-        "mlp.up_proj.weight": [2 * h, h],
-        "mlp.down_proj.weight": [h, 2 * h],
-        "input_layernorm.weight": [h],
-        "post_attention_layernorm.weight": [h],
-    }
-    for i in range(cfg.embedded.layers):
-        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
-    return shapes
-
-
-def _side_bytes(weights_dir: Path | None) -> int:
-    """The bytes of the files a save writes beside the weights (:data:`SIDE_FILES`), as the
-    model directory holds them; the embedded model's are a few KB (in STATE_BYTES)."""
-    if weights_dir is None:
-        return 0
-    found = {f for pattern in SIDE_FILES for f in weights_dir.glob(pattern) if f.is_file()}
-    return sum(f.stat().st_size for f in found)
-
-
-def _tree_bytes(directory: Path) -> int:
-    """The bytes of the files under ``directory`` (a checkpoint dapo wrote: links not
-    followed)."""
-    total = 0
-    for root, _, files in os.walk(directory):
-        for name in files:
-            total += os.lstat(os.path.join(root, name)).st_size
-    return total
