@@ -33,7 +33,10 @@ math-verify's own timeouts are switched off (``parsing_timeout=None``,
 main thread and counts whole seconds only, and math-verify catches its own timeout
 and answers "not equal" without telling anyone, so a timeout would never reach the
 metrics. The pool's deadline replaces them; the price is that a timeout costs a
-worker restart, whose first response pays the imports again (about 0.5 s).
+worker restart. Under :func:`resolve` a worker imports math-verify and grades once as it
+starts (the pool's ``prepare``), so no response's deadline pays for that; under the task
+registry's resolver (training, where most rows take another mode) a restarted worker's
+first math-verify response pays the imports again (about 0.5 s, more under load).
 
 Like the string modes, ``math_verify_score`` grades any input (``None``, bytes, garbage)
 without raising, with two deliberate exceptions: ``MemoryError`` propagates, so that
@@ -251,6 +254,15 @@ def resolve(data_source: str) -> RewardFn:
     ``RewardPool(resolve=dapo.reward.tasks.math_verify.resolve)``.
     """
     return math_verify_score
+
+
+def _warm() -> None:
+    """:func:`resolve`'s start-up in a reward worker (``RewardPool`` calls it before the
+    worker reports ready): import math-verify and SymPy, and build the parser's tables."""
+    math_verify_score(r"Answer: \frac{1}{2}", "0.5")
+
+
+resolve.prepare = _warm  # type: ignore[attr-defined]
 
 
 TASKS = (
