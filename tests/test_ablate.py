@@ -354,20 +354,21 @@ def test_a_runs_seconds_are_its_steps_as_the_budget_and_the_target_count_them(tm
 
     lines = [{"step": 0, "val/accuracy": 0.2}]
     for step in range(1, 5):
-        kept = {"sampling/tokens_per_kept_group": 25.0}
+        kept = {"sampling/tokens_per_kept_group": 25.0, "sampling/groups_kept": 4.0}
         lines.append(
             {"step": step, "sampling/tokens_generated": 100.0, "perf/step_s": 10.0, **kept}
         )
     lines[-1]["val/accuracy"] = 0.5
     lines[-1]["train/entropy"] = None  # a step that trained no token logs null
     lines[2]["sampling/tokens_per_kept_group"] = None  # a step that kept no group, as well
+    lines[2]["sampling/groups_kept"] = 0.0
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
     summary = {"steps": 4, "val/accuracy_end": 0.5, "train_seconds": 100.0, "step_seconds": 40.0}
     (tmp_path / "summary.json").write_text(json.dumps(summary))
     result = read_result(tmp_path)
     assert result["seconds"] == 40.0 and result["curve"][-1] == (4, 0.5, 400.0, 40.0)
     assert math.isnan(result["entropy"])  # not a TypeError when the table prints it
-    assert result["tokens_per_kept_group"] == 25.0  # the mean over the steps that kept one
+    assert result["tokens_per_kept_group"] == 400.0 / 12  # the kept-none step's tokens count
     del summary["step_seconds"]  # a summary from before it was written: the steps' own sum
     (tmp_path / "summary.json").write_text(json.dumps(summary))
     assert read_result(tmp_path)["seconds"] == 40.0

@@ -1,5 +1,5 @@
 """Generation ahead of training (``train.async_staleness``, dapo/training/generator_thread.py):
-step t samples from the weights after update max(0, t - k), exactly; the sampler's log-probs
+step t samples from the weights after step max(0, t - k), exactly; the sampler's log-probs
 are that policy's, weighed against pi_old by the rollout correction; a run repeats itself, and
 kill -9 then --resume continues it exactly (the rollouts generated ahead are checkpointed)."""
 
@@ -51,7 +51,7 @@ def _weights(model) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("k", [1, 2])
-def test_step_t_samples_from_the_weights_after_update_t_minus_k(eager_eos_model, tokenizer, k):
+def test_step_t_samples_from_the_weights_after_step_t_minus_k(eager_eos_model, tokenizer, k):
     """Every step's rollouts come from version max(0, t - k): their sampler log-probs are that
     version's forward pass, and not the next version's (the weights change every step)."""
     steps = 5

@@ -449,6 +449,9 @@ def test_a_stop_signal_to_one_rank_stops_the_job_after_a_save(
     _, err = proc.communicate(timeout=120)
     seconds = time.monotonic() - t0
     assert "stopped by SIGTERM after step" in err, err[-3000:]
+    # torchrun reports the clean stop as a failure: its exit code 1, the ranks' 143 in its
+    # ChildFailedError report (docs/guides/resume-and-failures.md#exit-codes says so).
+    assert proc.returncode == 1 and "ChildFailedError" in err, (proc.returncode, err[-3000:])
     relayed = "SIGTERM reached a generator rank: the trainers finish this step" in err
     assert relayed == (generators and signalled == b"RANK=1"), err[-3000:]
     # A trainer names torchrun's grace period (a generator's own stderr says nothing)

@@ -221,7 +221,9 @@ def override_key(override: str) -> str:
 def check_extra(plan: str, rows: list[Row], budget: str | None, extra: tuple[str, ...]) -> None:
     """Refuse an override of ``extra`` that the plan's jobs set themselves: coming last, it
     would win over every row's own (rows alike, labelled apart), every seed (one run counted
-    as many, and p-values from it) or the budget (a length other than ``--budget``'s)."""
+    as many, and p-values from it) or the budget (a length other than ``--budget``'s).
+    ``run.name`` and ``run.out_dir`` are the ablation's to set (each job's run directory):
+    they would be dropped, so they are refused too."""
     varied = {override_key(o) for row in rows for o in row.overrides}
     for override in extra:
         key = override_key(override)
@@ -233,12 +235,20 @@ def check_extra(plan: str, rows: list[Row], budget: str | None, extra: tuple[str
                 "make them one configuration under different names; drop it (to train one "
                 "configuration alone, use dapo train)"
             )
+        elif key in PLACE_KEYS:
+            why = (
+                "dapo ablate names each run <configuration>-seed<N> and puts it in the "
+                "ablation's directory; drop it, and give --out DIR for where the runs go"
+            )
         elif budget is not None and key in BUDGET_KEYS:
             why = f"--budget {budget} sets how long every run goes on; drop it, or change --budget"
         else:
             continue
         raise ValueError(f"dapo ablate --plan {plan}: the override {override!r}: {why}")
 
+
+PLACE_KEYS = frozenset({"run.name", "run.out_dir"})
+"""Where a run is written, which ``dapo ablate`` sets for each job (``--out``, the job's name)."""
 
 BUDGET_KEYS = frozenset({"train.steps", "train.max_gen_tokens", "train.max_seconds"})
 """The fields a ``--budget`` is made of (:func:`parse_budget`); with one given, an override

@@ -4,9 +4,11 @@ the ablation's, K at a time, with the machine's cores split between them.
 Resumable: a job whose run directory holds a ``summary.json`` for its budget is done and
 skipped; a run of another configuration (its config.yaml) or one already past the budget is
 refused; one that stopped after a checkpoint is resumed from it (``dapo train --resume``);
-anything else starts over (``--overwrite``). Each job's output goes to ``<name>.log`` beside
-its run directory, so a failed one can be read; the others go on, and the command fails at the
-end naming them.
+anything else starts over (``--overwrite``); each job's state is read again just before it
+starts, as a run may have been resumed by hand meanwhile. Each job's output goes to
+``<name>.log`` beside its run directory, so a failed one can be read; the others go on, and
+the command fails at the end naming them. One ablation at a time runs in a directory
+(:func:`ablation_lock`): a second would find the first's runs unfinished and start them over.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from dapo.ablate.plans import Job
+from dapo.run.lock import RunLock
 from dapo.run.nofollow import open_binary
 
 if TYPE_CHECKING:
@@ -34,6 +37,28 @@ LIMITS = {"steps": int, "max_gen_tokens": int, "max_seconds": float}
 
 REACHED = {"steps": "steps", "max_gen_tokens": "gen_tokens", "max_seconds": "step_seconds"}
 """Per limit, the summary.json field that says how far a run went (0 as a limit: none)."""
+
+
+ABLATION_LOCK = ".dapo-ablate-lock"
+"""The lock an ablation holds on its directory for as long as it runs (flock: the kernel drops
+it when the process ends, however it ends)."""
+
+
+def ablation_lock(out_dir: Path) -> RunLock:
+    """The lock of the ablation directory ``out_dir`` (made if missing), to take (``with``:
+    a ValueError naming the process that holds it). Two ablations on one directory would
+    each find the other's runs unfinished and start them over (``--overwrite`` deletes a
+    finished run) and write the same ``<run>.log`` at once."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return RunLock(out_dir, name=ABLATION_LOCK, refusal=_ablation_in_use)
+
+
+def _ablation_in_use(out_dir: Path, holder: str) -> ValueError:
+    return ValueError(
+        f"ablation directory {out_dir} is in use by {holder}: another dapo ablate runs "
+        "there, and a second would start its runs over. Wait for it to end (or stop it), then "
+        "run this command again to continue the ablation; or give another --out"
+    )
 
 
 def _remove_or_resume(run_dir: Path) -> str:
@@ -243,7 +268,7 @@ def run_jobs(
     cores: int | None = None,
     config: Path | None = None,
     stream: TextIO | None = None,
-    launcher: Callable[..., int] = launch,
+    launcher: Callable[..., int] | None = None,
 ) -> list[str]:
     """Run every job not done yet (on the YAML ``config`` when given), ``parallel`` at a time
     with ``cores // parallel`` threads each, and, on a machine with GPUs, each run on one of
@@ -251,21 +276,17 @@ def run_jobs(
     most one run per GPU: ``parallel`` above the GPUs runs as many as there are GPUs);
     returns the names of the jobs that failed."""
     stream = stream or sys.stdout
+    launcher = launcher or launch  # looked up here: a test replaces it
     out_dir.mkdir(parents=True, exist_ok=True)
     gpus = visible_gpus()
-    if gpus and parallel > len(gpus):
-        print(
-            f"ablate: --parallel {parallel} with {len(gpus)} visible GPU(s): {len(gpus)} at a "
-            "time, one run per GPU",
-            file=stream,
-        )
-        parallel = len(gpus)
-    threads = max(1, (cores or os.cpu_count() or 1) // max(parallel, 1))
-    todo = [(j, job_state(j, out_dir, config)) for j in jobs]
-    todo = [(j, how) for j, how in todo if how != "done"]
+    parallel = _at_once(parallel, gpus, stream)
+    own = job_config(jobs[0], config).run.threads if jobs else 0
+    threads = own or max(1, (cores or os.cpu_count() or 1) // max(parallel, 1))
+    todo = [j for j in jobs if job_state(j, out_dir, config) != "done"]
     print(
         f"ablate: {len(jobs)} runs, {len(jobs) - len(todo)} done already, {len(todo)} to run "
-        f"({parallel} at a time, {threads} thread(s) each) in {out_dir}",
+        f"({parallel} at a time, {threads} thread(s) each{' (run.threads)' if own else ''}) "
+        f"in {out_dir}",
         file=stream,
     )
     failed: list[str] = []
@@ -274,11 +295,16 @@ def run_jobs(
     for slot in range(max(parallel, 1)):
         slots.put(slot)
 
-    def one(item: tuple[Job, str]) -> None:
-        job, how = item
-        cmd = command(job, out_dir, threads, how, config)
+    def one(job: Job) -> None:
         slot = slots.get()  # a run's place among those running now: its GPU
         try:
+            how = _state_now(job, out_dir, config, stream)
+            if how is None:
+                return
+            if how == "refused":
+                failed.append(job.name)
+                return
+            cmd = command(job, out_dir, threads, how, config)
             if gpus:
                 gpu = {"CUDA_VISIBLE_DEVICES": gpus[slot % len(gpus)]}
                 code = launcher(cmd, out_dir / f"{job.name}.log", gpu)
@@ -298,3 +324,34 @@ def run_jobs(
     with ThreadPoolExecutor(max_workers=max(parallel, 1)) as pool:
         list(pool.map(one, todo))
     return failed
+
+
+def _at_once(parallel: int, gpus: list[str], stream: TextIO) -> int:
+    """Runs at a time: ``parallel``, at most one per GPU on a machine with GPUs (said so)."""
+    if gpus and parallel > len(gpus):
+        print(
+            f"ablate: --parallel {parallel} with {len(gpus)} visible GPU(s): {len(gpus)} at a "
+            "time, one run per GPU",
+            file=stream,
+        )
+        return len(gpus)
+    return parallel
+
+
+def _state_now(job: Job, out_dir: Path, config: Path | None, stream: TextIO) -> str | None:
+    """``job``'s state read again as it starts: None when it is done by now (a resume by hand
+    finished it), ``refused`` (printed) when it is no longer this job's run, else new or
+    resume."""
+    try:
+        how = job_state(job, out_dir, config)
+    except ValueError as exc:
+        print(f"ablate: {job.name} REFUSED: {exc}", file=stream, flush=True)
+        return "refused"
+    if how == "done":
+        print(
+            f"ablate: {job.name} done already (finished since this ablation began)",
+            file=stream,
+            flush=True,
+        )
+        return None
+    return how

@@ -14,13 +14,11 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from dapo.ablate.plans import Row
-from dapo.ablate.runs import read_summary
+from dapo.ablate.result import metrics_lines, read_result
 from dapo.eval.intervals import (
     Interval,
     bootstrap_ci,
@@ -30,124 +28,9 @@ from dapo.eval.intervals import (
     paired_permutation_pvalue,
 )
 
+__all__ = ["ablation_table", "contrast", "markdown", "metrics_lines", "read_result", "to_target"]
+
 COLUMNS = ("accuracy", "gen_tokens", "seconds", "tokens_per_kept_group", "entropy", "truncated")
-
-
-def _number(value: Any) -> float:
-    """A metric as logged: null (a NaN: nothing trained that step) or absent is NaN, and so
-    is anything else that is not a number."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return math.nan
-    return float(value)
-
-
-def _count(value: Any) -> float:
-    """A step's share of a sum: absent (a line that is not a step's) or not a number is 0."""
-    number = _number(value)
-    return number if math.isfinite(number) else 0.0
-
-
-def read_result(run_dir: Path) -> dict:
-    """A finished run's numbers: held-out accuracy at the end, generated tokens and seconds of
-    training steps in all, dynamic sampling's generated tokens per kept group (mean over steps), the
-    last step's entropy and truncated fraction; ``problems`` (uid -> accuracy at the end, when
-    the run wrote ``val_problems.json``) and ``curve``: (step, held-out accuracy, generated
-    tokens and training seconds up to that step) at every evaluation.
-
-    Only the steps summary.json counts are read (a later, stopped extension of the run logged
-    more), each once (its last line). A file that is not what dapo writes is a ValueError
-    naming it."""
-    summary = read_summary(run_dir)
-    if summary is None or "val/accuracy_end" not in summary:
-        raise ValueError(
-            f"{run_dir / 'summary.json'}: no held-out accuracy at the end (val/accuracy_end): "
-            f"the run did not finish; remove {run_dir}, or finish it with dapo train --resume "
-            f"{run_dir}"
-        )
-    lines = metrics_lines(run_dir, summary["steps"])
-    steps = [m for m in lines if "sampling/tokens_generated" in m]
-    last = steps[-1] if steps else {}
-    # The steps that kept a group (a step that kept none logs null).
-    kept = [_number(m.get("sampling/tokens_per_kept_group")) for m in steps]
-    kept = [k for k in kept if math.isfinite(k)]
-    curve, tokens, seconds = [], 0.0, 0.0
-    for m in lines:
-        tokens += _count(m.get("sampling/tokens_generated"))
-        seconds += _count(m.get("perf/step_s"))
-        if "val/accuracy" in m:
-            curve.append((m["step"], _number(m["val/accuracy"]), tokens, seconds))
-    result = {
-        "accuracy": summary["val/accuracy_end"],
-        # What the trainer counted against a tokens=N budget (its lines' sum if not written).
-        "gen_tokens": summary.get("gen_tokens", tokens),
-        # The seconds of its steps, as a seconds=S budget and the cost to a target count them
-        # (the run's wall time, train_seconds, adds evaluations, checkpoints and the export).
-        "seconds": summary.get("step_seconds", seconds),
-        "tokens_per_kept_group": sum(kept) / len(kept) if kept else math.nan,
-        "entropy": _number(last.get("train/entropy")),
-        "truncated": _number(last.get("rollout/truncated_frac")),
-        "curve": curve,
-    }
-    problems = _read_problems(run_dir, summary["steps"])
-    if problems is not None:
-        result["problems"] = problems
-    return result
-
-
-def metrics_lines(run_dir: Path, last_step: int) -> list[dict]:
-    """``metrics.jsonl``'s lines of steps 0 to ``last_step``, the last line of each step, in
-    step order. A half-written last line (a run killed mid-write) is skipped; any other line
-    that is not an object with a whole-number step is a ValueError naming the file."""
-    path = run_dir / "metrics.jsonl"
-    fix = f"remove {run_dir} (ablate then runs it again)"
-    try:
-        text = path.read_bytes().decode("utf-8", errors="replace")
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot be read ({exc.strerror}); {fix}") from None
-    by_step: dict[int, dict] = {}
-    raw = text.split("\n")
-    for number, line in enumerate(raw, 1):
-        if not line.strip():
-            continue
-        try:
-            m = json.loads(line)
-        except (ValueError, RecursionError):
-            if number == len(raw):  # no newline after it: cut off mid-write
-                continue
-            raise ValueError(f"{path}, line {number}: not JSON; {fix}") from None
-        step = m.get("step") if isinstance(m, dict) else None
-        if not isinstance(step, int) or isinstance(step, bool):
-            raise ValueError(f"{path}, line {number}: not a metrics line with a step; {fix}")
-        if step <= last_step:
-            by_step[step] = m
-    return [by_step[step] for step in sorted(by_step)]
-
-
-def _read_problems(run_dir: Path, last_step: int) -> dict | None:
-    """``val_problems.json``'s uid -> accuracy, when it is of the run's last step."""
-    path = run_dir / "val_problems.json"
-    if not path.is_file():
-        return None
-    try:
-        doc = json.loads(path.read_bytes().decode("utf-8"))
-    except (ValueError, RecursionError):
-        doc = None
-    uids, accs = (doc.get("uid"), doc.get("accuracy")) if isinstance(doc, dict) else (0, 0)
-    if not (isinstance(uids, list) and isinstance(accs, list) and len(uids) == len(accs)):
-        raise ValueError(
-            f"{path} is not an object of equally long uid and accuracy lists: it is damaged; "
-            f"remove it (the table's intervals are then over seeds alone), or remove {run_dir}"
-        )
-    if doc.get("step") != last_step:
-        return None
-    if not all(math.isfinite(_number(a)) for a in accs) or not all(
-        isinstance(u, str | int) for u in uids
-    ):
-        raise ValueError(
-            f"{path}: a uid that is not text or an accuracy that is not a number; remove it "
-            f"(the table's intervals are then over seeds alone), or remove {run_dir}"
-        )
-    return dict(zip(uids, accs, strict=True))
 
 
 def _problem_matrices(*groups: Sequence[dict]) -> list[np.ndarray] | None:
@@ -218,14 +101,29 @@ def ablation_table(
             record[column] = sum(runs[s][column] for s in seeds) / len(seeds)
         record["target"] = target
         record["to_target"] = to_target([runs[s] for s in seeds], target)
-        base = results.get(row.compare_to or "", {})
-        paired = [s for s in seeds if s in base]
-        if paired:
-            _difference(record, [base[s] for s in paired], [runs[s] for s in paired], resamples)
-            record["expect"], record["paper"] = row.expect, row.paper
+        if row.compare_to is not None:
+            _pair(record, row, runs, results.get(row.compare_to, {}), resamples)
         table.append(record)
     judge(table)
     return table
+
+
+def _pair(
+    record: dict, row: Row, runs: dict[int, dict], base: dict[int, dict], resamples: int
+) -> None:
+    """The difference to the row compared with over the seeds both rows finished
+    (``paired_seeds``: fewer than either row's seeds when a run failed, and the table says
+    so), or ``left_out``: why there is none."""
+    paired = [s for s in sorted(runs) if s in base]
+    record["expect"], record["paper"] = row.expect, row.paper
+    if not paired:
+        record["left_out"] = (
+            f"no finished run of {row.compare_to}" if not base else "no seed finished in both"
+        )
+        return
+    record["paired_seeds"] = len(paired)
+    record["fewer_paired"] = len(paired) < max(len(runs), len(base))
+    _difference(record, [base[s] for s in paired], [runs[s] for s in paired], resamples)
 
 
 ALPHA = 0.05
@@ -325,12 +223,26 @@ def _points(i: Interval, sign: bool = False) -> str:
     return mean if i.low == i.high else f"{mean} [{low}, {high}]"
 
 
-def markdown(table: list[dict]) -> str:
+def _difference_text(r: dict) -> str:
+    """A difference in points with its interval, and its seeds when fewer than the rows'."""
+    n = r["paired_seeds"]
+    fewer = f" ({n} paired seed{'s' if n > 1 else ''})" if r["fewer_paired"] else ""
+    return _points(r["diff"], sign=True) + fewer
+
+
+def markdown(table: list[dict], missing: Sequence[str] = ()) -> str:
     """The table as markdown: accuracy in points with its 95% interval (over seeds and
     problems, or over seeds: the column header says which), then the cost of reaching the
-    target accuracy."""
+    target accuracy, the verdicts, and the ``missing`` runs (not finished: failed or not run),
+    which the table is without."""
+    gone = (
+        f"\nNot in the table (not finished: failed, with its log <run>.log beside it, or not "
+        f"run): {', '.join(missing)}\n"
+        if missing
+        else ""
+    )
     if not table:
-        return "(no finished runs)\n"
+        return "(no finished runs)\n" + gone
     over = {r["interval"] for r in table}
     over_text = over.pop() if len(over) == 1 else "seeds x problems, or seeds"
     lines = [
@@ -340,7 +252,7 @@ def markdown(table: list[dict]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in table:
-        diff = _points(r["diff"], sign=True) if "diff" in r else ""
+        diff = _difference_text(r) if "diff" in r else ""
         p = f"{r['p']:.3f}" if "p" in r else ""
         lines.append(
             f"| {r['row']} | {r['seeds']} | {_points(r['accuracy'])} | {r['compare_to'] or ''} "
@@ -363,12 +275,13 @@ def markdown(table: list[dict]) -> str:
             else "- | - | -"
         )
         lines.append(f"| {r['row']} | {t['reached']}/{t['runs']} | {cost} |")
-    return "\n".join(lines + _verdict_lines(table)) + "\n"
+    return "\n".join(lines + _verdict_lines(table)) + "\n" + gone
 
 
 def _verdict_lines(table: list[dict]) -> list[str]:
-    """The verdicts (:func:`judge`) as a third table: each difference beside the paper's."""
-    judged = [r for r in table if "verdict" in r]
+    """The verdicts (:func:`judge`) as a third table: each difference beside the paper's, and
+    each row compared with another but without a difference, with why."""
+    judged = [r for r in table if "verdict" in r or "left_out" in r]
     if not judged:
         return []
     lines = [
@@ -380,10 +293,11 @@ def _verdict_lines(table: list[dict]) -> list[str]:
         "|---|---|---|---|---|---|---|",
     ]
     for r in judged:
-        p = f"{r['p']:.3f} | {r['p_holm']:.3f}" if "p" in r else "- | -"
         paper = r.get("paper") or ("no claim" if r.get("expect") is None else "")
-        lines.append(
-            f"| {r['row']} | {r['compare_to']} | {paper} | {_points(r['diff'], True)} | {p} "
-            f"| {r['verdict']} |"
-        )
+        if "left_out" in r:
+            here, p, verdict = "-", "- | -", f"left out: {r['left_out']}"
+        else:
+            here, verdict = _difference_text(r), r["verdict"]
+            p = f"{r['p']:.3f} | {r['p_holm']:.3f}" if "p" in r else "- (1 paired seed) | -"
+        lines.append(f"| {r['row']} | {r['compare_to']} | {paper} | {here} | {p} | {verdict} |")
     return lines

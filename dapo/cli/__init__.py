@@ -28,7 +28,8 @@ EXIT_STATUS = """\
 exit status:
   0    done (dapo data check: every row usable)
   1    the run failed on the way (dynamic sampling exhausted, a non-finite update, a bad
-       checkpoint); dapo data check: some rows unusable (listed)
+       checkpoint); dapo data check: some rows unusable (listed); dapo ablate: a run of
+       the ablation failed (named, its log beside it)
   2    bad settings or input, refused before anything was written (the message names the
        field, file or row, and the fix)
   128+N  stopped by signal N (130: Ctrl-C, 143: SIGTERM): a first signal finishes the step

@@ -7,16 +7,25 @@ paper's claim (Holm-Bonferroni over the table's p-values).
 Finished runs are skipped and stopped ones resumed, so the same command continues an
 interrupted ablation; a run of another configuration, or one already past the budget, is
 refused, and so is an override of a field the plan sets (train.seed, run.preset, a row's
-field, or the budget's). Beside the runs it writes ``table.md``, ``table.json`` and the overlaid
-``dapo report`` of all runs (``report/report.html``).
+field, or the budget's) or of run.name and run.out_dir (ablate names each run and puts it
+under --out). Each run gets run.threads = the cores split between the --parallel runs, or
+the run.threads given. One ablation at a time runs in a directory: a second on the same --out
+is refused, naming the process that runs it. Beside the runs it writes ``table.md``,
+``table.json`` and the overlaid ``dapo report`` of all runs (``report/report.html``). A run
+that fails leaves its log beside it; the others go on, and the command exits 1 naming it.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dapo.cli.flags import GivenOnce
+
+if TYPE_CHECKING:
+    from dapo.ablate.plans import Job
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -49,7 +58,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=1,
         metavar="K",
-        help="runs at a time, the cores split between them (default 1)",
+        help="runs at a time, the cores split between them unless run.threads is given (default 1)",
     )
     p.add_argument(
         "--config",
@@ -68,19 +77,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def cmd_ablate(args: argparse.Namespace) -> int:
-    from dapo.ablate import PLANS, expand
-    from dapo.ablate.plans import CONTRASTS
-    from dapo.ablate.runs import job_state, run_jobs
-    from dapo.ablate.table import (
-        ablation_table,
-        as_json,
-        contrast,
-        contrast_line,
-        markdown,
-        read_result,
-    )
+    from dapo.ablate import expand
+    from dapo.ablate.runs import ablation_lock, run_jobs
     from dapo.config import load_config
-    from dapo.run.nofollow import write_atomic
 
     if args.parallel < 1:
         raise ValueError(f"--parallel must be >= 1, got {args.parallel}")
@@ -90,13 +89,40 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     for job in jobs:  # every configuration is checked before any run starts
         load_config(args.config, list(job.overrides))
     out = args.out or Path("runs") / f"ablate-{args.plan}"
-    failed = run_jobs(jobs, out, parallel=args.parallel, config=args.config)
+    with ablation_lock(out):  # held until the table is written: one ablation at a time
+        failed = run_jobs(jobs, out, parallel=args.parallel, config=args.config)
+        _write_table(args, jobs, out)
+    if failed:  # a run failed on the way (exit 1), not a refusal before anything ran (2)
+        print(
+            f"dapo: error: {len(failed)} run(s) failed: {', '.join(failed)} (logs in {out})",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def _write_table(args: argparse.Namespace, jobs: list[Job], out: Path) -> None:
+    """Write and print the table of the runs done, their contrast (the 2x2's interaction)
+    and their overlaid report."""
+    from dapo.ablate import PLANS
+    from dapo.ablate.plans import CONTRASTS
+    from dapo.ablate.runs import job_state
+    from dapo.ablate.table import (
+        ablation_table,
+        as_json,
+        contrast,
+        contrast_line,
+        markdown,
+        read_result,
+    )
+    from dapo.run.nofollow import write_atomic
+
     done = [j for j in jobs if job_state(j, out, args.config) == "done"]
     results: dict = {}
     for job in done:
         results.setdefault(job.row.name, {})[job.seed] = read_result(out / job.name)
     table = ablation_table(PLANS[args.plan](), results, target=args.target)
-    text = markdown(table)
+    text = markdown(table, missing=[j.name for j in jobs if j not in done])
     if args.plan in CONTRASTS:  # the 2x2's interaction
         name, weights = CONTRASTS[args.plan][0], CONTRASTS[args.plan][1]()
         found = contrast(results, weights)
@@ -111,6 +137,3 @@ def cmd_ablate(args: argparse.Namespace) -> int:
 
         make_report([out / j.name for j in done], out / "report")
     print(text, end="")
-    if failed:
-        raise ValueError(f"{len(failed)} run(s) failed: {', '.join(failed)} (logs in {out})")
-    return 0

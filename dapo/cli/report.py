@@ -8,6 +8,11 @@ upper clip's share, per configuration as the mean over its seeds with a band fro
 to the highest; runs named ``<configuration>-seed<N>`` in one directory, as ``dapo ablate``
 writes them, are one configuration), and writes the PNGs and ``report.html`` (images
 embedded, so the page opens offline and can be mailed as one file).
+
+An ablation's directory is not a run directory: give the runs inside it
+(``dapo report DIR/*-seed*/``), or open the report ``dapo ablate`` wrote in ``DIR/report/``.
+A run whose metrics.jsonl ends before the step its summary.json names is marked, its end
+accuracy taken from summary.json.
 """
 
 from __future__ import annotations

@@ -163,10 +163,12 @@ class SamplingConfig:
     """After max_rounds: ``error`` stops the run, ``train`` trains on the groups kept so far."""
     prompts_per_round: int = 0
     """Prompts drawn per generation round; 0 = prompts_per_step. With oversample, the first
-    round's size until a kept fraction has been measured."""
+    round's size until a mixed share (see oversample) has been measured."""
     oversample: bool = True
-    """Size each round as (groups still needed) / (kept fraction measured last step or this
-    one), at most 4 x prompts_per_step, so that one round usually suffices."""
+    """Size each round as (groups still needed) / (mixed share measured last step and this
+    one), at most 4 x prompts_per_step, so that one round usually suffices. The mixed share
+    is the share of drawn groups neither all correct nor all wrong: sampling/groups_mixed /
+    sampling/prompts_drawn, not sampling/kept_frac (kept / drawn, at most N / drawn)."""
 
     def check(self) -> list[str]:
         errors = []
@@ -218,7 +220,8 @@ class TrainConfig:
     """Seed of prompt order, sampling and initialisation."""
     async_staleness: int = 0
     """k: generate the rollouts of later steps while this one trains, from weights at most k
-    updates old (step t samples from the policy after update max(0, t - k)); pi_old is
+    steps old, not updates: a step makes epochs x mini-batches updates (``train/updates``).
+    Step t, counted from 0, samples from the policy after step max(0, t - k); pi_old is
     recomputed and ``algo.rollout_correction`` (auto: token_tis) weighs the older sampler.
     0 = generation and training take turns (the paper's loop). One process, native engine
     (``dapo/training/generator_thread.py``)."""

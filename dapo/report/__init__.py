@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dapo.report.figures import FIGURES, write_figures
 from dapo.report.page import render_html
-from dapo.report.runs import Run, config_differences, read_run, read_runs
+from dapo.report.runs import Run, config_differences, nothing_logged, read_run, read_runs
 from dapo.run.nofollow import no_link, write_atomic
 
 __all__ = ["FIGURES", "Run", "config_differences", "make_report", "read_run", "read_runs"]
@@ -30,6 +30,9 @@ def make_report(run_dirs: Sequence[Path | str], out_dir: Path | str) -> Path:
     if not run_dirs:
         raise ValueError("no run directories given")
     runs = read_runs(run_dirs)
+    empty = nothing_logged(runs)
+    if empty:  # figures with no line in them, and no step to name
+        raise ValueError(empty)
     out = no_link(Path(out_dir))
     out.mkdir(parents=True, exist_ok=True)
     no_link(out)  # made a link between the check and mkdir: refused all the same

@@ -84,16 +84,15 @@ def _runs_table(runs: Sequence[Run]) -> list[str]:
         skipped = _skipped_text(run.skipped)
         if run.skipped:
             skipped = f'<span class="warn">{skipped}</span>'
-        # Start and end as the accuracy figure draws them: metrics.jsonl's first and last
-        # evaluation (summary.json is the last finished run's; a resume may have gone on).
-        start, end = _first_last(run, "val/accuracy")
+        steps, marked = _steps_text(run)
         parts.append(
             f"<tr><td>{_swatch(*look)}{esc(run.name)}"
             f"</td><td><code>{esc(str(run.path))}</code></td>"
-            f'<td class="num">{esc(_steps_text(run))}</td>'
+            f'<td class="num">{_warn(esc(steps)) if marked else esc(steps)}</td>'
             f"<td>{len(run.rows)} read, {skipped}</td>"
-            f'<td class="num">{_fmt_acc(start)}</td>'
-            f'<td class="num">{_fmt_acc(end)}</td>' + (_tool_rates(run) if tools else "") + "</tr>"
+            + _start_end(run, "val/accuracy")
+            + (_start_end(run, "val/tool_call_frac") if tools else "")
+            + "</tr>"
         )
     parts.append("</table>")
     return parts
@@ -127,23 +126,55 @@ def _swatch(colour: Any, style: Any) -> str:
     )
 
 
-def _first_last(run: Run, key: str) -> tuple[Any, Any]:
-    """``key``'s first and last finite value in metrics.jsonl, a step's last line counting."""
-    values = [row[key] for row in last_rows(run).values() if is_number(row.get(key))]
-    return (values[0], values[-1]) if values else (None, None)
+def _warn(text: str) -> str:
+    return f'<span class="warn">{text}</span>'
 
 
-def _steps_text(run: Run) -> str:
-    """The steps the run made: summary.json's, or how far metrics.jsonl went when it went
-    further (a resume that stopped before finishing) or there is no summary.json."""
+def _start_end(run: Run, key: str) -> str:
+    """Cells of ``key``'s first and last evaluation, as its figure draws them: metrics.jsonl's,
+    a step's last line counting (summary.json is the last finished run's; a resume may have
+    gone on). A run whose metrics.jsonl ends before its summary.json's last step
+    (:func:`_cut_short`) has its end from summary.json (``<key>_end``, so marked), or else
+    marked with the step it comes from: it is not the final step's."""
+    evaluated = [(s, row[key]) for s, row in last_rows(run).items() if is_number(row.get(key))]
+    start = _fmt_acc(evaluated[0][1]) if evaluated else "—"
+    end = _fmt_acc(evaluated[-1][1]) if evaluated else "—"
+    if _cut_short(run):
+        if not evaluated and is_number(run.summary.get(f"{key}_start")):
+            start = _warn(f"{_fmt_acc(run.summary[f'{key}_start'])} (summary.json)")
+        if is_number(run.summary.get(f"{key}_end")):
+            end = _warn(f"{_fmt_acc(run.summary[f'{key}_end'])} (summary.json)")
+        elif evaluated:
+            end = _warn(f"{end} (step {evaluated[-1][0]:g})")
+    return f'<td class="num">{start}</td><td class="num">{end}</td>'
+
+
+def _cut_short(run: Run) -> bool:
+    """Whether metrics.jsonl ends before the step summary.json says the run finished at (cut,
+    or emptied, since: its last figures are not the final step's)."""
     finished, logged = run.summary.get("steps"), run.last_step
-    if logged is None:
-        return _fmt(finished)
+    return is_number(finished) and (logged is None or logged < finished)
+
+
+def _steps_text(run: Run) -> tuple[str, bool]:
+    """The steps the run made: summary.json's, or how far metrics.jsonl went when it went
+    further (a resume that stopped before finishing) or there is no summary.json; and whether
+    the text marks files that disagree (metrics.jsonl empty, or ending before summary.json's
+    last step), drawn in the warning colour."""
+    finished, logged = run.summary.get("steps"), run.last_step
     if "steps" not in run.summary:
-        return f"logged to step {logged}, not finished (no summary.json)"
-    if is_number(finished) and logged > finished:
-        return f"logged to step {logged}, last finished at {_fmt(finished)}"
-    return _fmt(finished)
+        if logged is None:
+            return (
+                "nothing logged (metrics.jsonl holds no step), not finished (no summary.json)",
+                True,
+            )
+        return f"logged to step {logged}, not finished (no summary.json)", False
+    if _cut_short(run):
+        ends = "holds no step" if logged is None else f"ends at step {logged}"
+        return f"{_fmt(finished)} (summary.json), but metrics.jsonl {ends}", True
+    if is_number(finished) and logged is not None and logged > finished:
+        return f"logged to step {logged}, last finished at {_fmt(finished)}", False
+    return _fmt(finished), False
 
 
 def _training_gaps(run: Run) -> str:
@@ -178,13 +209,6 @@ def _ranges(steps: list[float]) -> str:
         else:
             spans.append([step, step])
     return ", ".join(f"{a:.15g}" if a == b else f"{a:.15g}-{b:.15g}" for a, b in spans)
-
-
-def _tool_rates(run: Run) -> str:
-    """Cells of the share of held-out episodes that called a tool, first and last evaluation."""
-    _, values = series(run, "val/tool_call_frac")
-    first, last = (values[0], values[-1]) if values else (None, None)
-    return f'<td class="num">{_fmt_acc(first)}</td><td class="num">{_fmt_acc(last)}</td>'
 
 
 def _differences(runs: Sequence[Run]) -> list[str]:

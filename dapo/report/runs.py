@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,7 +66,7 @@ def read_run(run_dir: Path | str) -> Run:
     path = Path(run_dir)
     metrics_path = path / "metrics.jsonl"
     if not metrics_path.is_file():
-        raise ValueError(f"{path}: not a run directory (no metrics.jsonl)")
+        raise ValueError(not_a_run(path))
     rows, skipped = _read_rows(metrics_path)
     return Run(
         name=path.resolve().name,
@@ -74,6 +76,58 @@ def read_run(run_dir: Path | str) -> Run:
         skipped=skipped,
         summary=_read_summary(path / "summary.json"),
         samples=_read_samples(path / "samples.jsonl"),
+    )
+
+
+WANTED = "give run directories (each holding metrics.jsonl)"
+SEED_RUN = re.compile(r"-seed\d+$")
+"""A run directory's name as ``dapo ablate`` writes it: ``<configuration>-seed<N>``."""
+
+
+def not_a_run(path: Path) -> str:
+    """Why ``path``, which has no metrics.jsonl, is no run directory, and what to give: a path
+    not there, a file, an ablation's directory or one holding runs (their directories)."""
+    if not path.exists():
+        return f"{path}: does not exist; {WANTED}"
+    if not path.is_dir():
+        return f"{path}: not a directory; {WANTED}"
+    inside = _runs_inside(path)
+    if (path / "table.md").is_file() or any(SEED_RUN.search(p.name) for p in inside):
+        where = shlex.quote(str(path))
+        report = path / "report" / "report.html"
+        written = f"; the report of all its runs is {report}" if report.is_file() else ""
+        return (
+            f"{path}: an ablation's directory (dapo ablate), not a run directory: give the run "
+            f"directories inside it, as in dapo report {where}/*-seed*/{written}"
+        )
+    if inside:
+        listed = " ".join(shlex.quote(str(p)) for p in inside[:3])
+        more = " ..." if len(inside) > 3 else ""
+        return (
+            f"{path}: a directory of {len(inside)} run(s), not a run directory: give the run "
+            f"directories inside it, as in dapo report {listed}{more}"
+        )
+    return f"{path}: not a run directory (no metrics.jsonl); {WANTED}"
+
+
+def _runs_inside(path: Path) -> list[Path]:
+    """The run directories (holding metrics.jsonl) directly inside ``path``, by name."""
+    try:
+        return sorted(p for p in path.iterdir() if (p / "metrics.jsonl").is_file())
+    except OSError:  # not readable: nothing to name
+        return []
+
+
+def nothing_logged(runs: Sequence[Run]) -> str:
+    """Why ``runs`` give nothing to plot ("" when one logged a step): every metrics.jsonl
+    holds no step (a run before its first step ended, or a file emptied)."""
+    if any(run.last_step is not None for run in runs):
+        return ""
+    names = ", ".join(str(run.path / "metrics.jsonl") for run in runs)
+    verb = "holds" if len(runs) == 1 else "hold"
+    return (
+        f"nothing to plot: {names} {verb} no step (a run that has not logged its first step "
+        "yet, or whose metrics.jsonl was emptied); give a run that logged a step"
     )
 
 

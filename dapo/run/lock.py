@@ -17,6 +17,7 @@ import json
 import os
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,16 +32,27 @@ ATTEMPTS = 5  # lock files replaced under it in a row before the lock taken is k
 
 
 class RunLock:
-    """An exclusive lock on a run directory, released by :meth:`release` or process exit."""
+    """An exclusive lock on a run directory, released by :meth:`release` or process exit.
 
-    def __init__(self, run_dir: Path) -> None:
+    ``name`` and ``refusal`` lock another kind of directory the same way (an ablation's,
+    :mod:`dapo.ablate.runs`): its lock file, and the error that names who holds it."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        name: str = LOCK_NAME,
+        refusal: Callable[[Path, str], ValueError] | None = None,
+    ) -> None:
         self.run_dir = Path(run_dir)
+        self.name = name
+        self.refusal = refusal
         self.fd: int | None = None
 
     def acquire(self) -> RunLock:
         """Take the lock, or raise ValueError naming the process that holds it (a
         FileNotFoundError when the directory is gone)."""
-        path = self.run_dir / LOCK_NAME
+        path = self.run_dir / self.name
         for attempt in range(ATTEMPTS):
             fd = nofollow.open_fd(path, os.O_RDWR | os.O_CREAT)  # a link there is refused
             try:
@@ -54,7 +66,7 @@ class RunLock:
             if not held:
                 holder = _holder(fd)
                 os.close(fd)
-                raise in_use_error(self.run_dir, holder)
+                raise (self.refusal or in_use_error)(self.run_dir, holder)
             if _linked(fd, path) or attempt == ATTEMPTS - 1:
                 break
             # The holder before removed the directory's files (a start that failed): the lock

@@ -89,9 +89,10 @@ METRICS: dict[str, str] = {
     "clip/dual_frac": "Share of trained tokens capped by dual-clip (algo.clip_ratio_c).",
     # mismatch
     # async
-    "async/staleness_mean": "Mean over the step's kept groups of the updates between the "
-    "weights that drew them and the weights trained: min(step - 1, k) under the fixed "
-    "schedule, where step t samples from the policy after update max(0, t - k).",
+    "async/staleness_mean": "Mean over the step's kept groups of the training steps (not "
+    "optimizer updates: a step makes train/updates of them) between the weights that drew "
+    "them and the weights trained: min(step - 1, k) under the fixed schedule, where step s "
+    "samples from the weights after max(0, s - 1 - k) steps.",
     "async/staleness_max": "The largest of those.",
     "mismatch/abs_log_ratio": "Mean |log pi_old - log pi_rollout| per trained token.",
     "mismatch/kl": "k3 estimate of KL(pi_rollout || pi_old) from the sampled tokens.",

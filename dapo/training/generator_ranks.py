@@ -2,7 +2,7 @@
 
 The job's last R ranks generate and the others train (:mod:`dapo.dist.roles`). The schedule
 is the generator thread's (:mod:`dapo.training.generator_thread`) with k =
-``train.async_staleness``: step t samples from the weights after update max(0, t - k), so a
+``train.async_staleness``: step t samples from the weights after step max(0, t - k), so a
 run repeats itself and a resumed run continues exactly; at k = 0 the two roles take turns.
 
 - **The generators** (:func:`serve`) draw each step's rounds as a step drawn in turn does

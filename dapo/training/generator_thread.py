@@ -1,10 +1,11 @@
 """Generation ahead of training (``train.async_staleness`` = k >= 1), in one process.
 
-A generator thread draws the rollouts of later steps while the trainer updates. Step t samples
-from the policy after update max(0, t - k): a fixed schedule rather than "the newest weights
-when a round starts", so that a run repeats itself at a fixed ``run.threads`` and a resumed
-run continues exactly as the uninterrupted one. The generator waits when it would need weights
-the trainer has not made yet; the trainer waits when the rollouts of its step are not done.
+A generator thread draws the rollouts of later steps while the trainer updates. Step t (from
+0) samples from the weights after step max(0, t - k): a fixed schedule rather than "the
+newest weights when a round starts", so that a run repeats itself at a fixed ``run.threads``
+and a resumed run continues exactly as the uninterrupted one. The generator waits when it
+would need weights the trainer has not made yet; the trainer waits when the rollouts of its
+step are not done.
 
 - **Weights.** The generator samples from its own frozen copy of the policy. After each step
   the trainer hands over a clone of the new weights; the generator loads the one its next step
@@ -15,10 +16,16 @@ the trainer has not made yet; the trainer waits when the rollouts of its step ar
   measure.
 - **Dynamic sampling.** The generator draws each step's rounds exactly as a step drawn in turn
   does (:func:`dapo.training.rounds.draw_step`), with a drawer of its own: the same seeds,
-  the same round sizes from its own kept fraction, the same metrics.
+  the same round sizes from its own mixed share, the same metrics.
 - **Checkpoints.** Before a save the generator finishes every step it can (through step s + k,
   whose weights are all made) and waits; those rollouts go into the checkpoint
   (:mod:`dapo.training.rollout_files`). A resumed run starts from them and regenerates nothing.
+- **Failures.** A step whose draw fails gives its prompts back to the sampler, and the error
+  waits for the trainer to take that step: a save before it keeps the steps drawn until then
+  and the sampler's position before the failed step, which a resumed run draws again: from
+  its own weights when they are the checkpoint's (step s + k), else from the checkpoint's
+  (less stale: older weights are not kept). A run that ends before that step ends as it
+  would have without drawing it.
 - **Stopping.** Closing the source stops the generator between two rounds: its drawer asks
   before each round.
 - **Threads.** torch's intra-op thread count is per thread: on a CPU the generator and the
@@ -167,7 +174,14 @@ class GeneratorThread:
     def _draw(self, step: int, idle: float) -> StepRollouts | None:
         self.drawer.timers = {}
         t0 = time.perf_counter()
-        result = draw_step(self.drawer, step=step, version=self.version, prior=self.prior)
+        cursor = self.drawer.sampler.state_dict()
+        try:
+            result = draw_step(self.drawer, step=step, version=self.version, prior=self.prior)
+        except BaseException:
+            # Its prompts go back: a save before the trainer reaches this step holds the
+            # position a resumed run draws it from again, as the failed draw did.
+            self.drawer.sampler.load_state_dict(cursor)
+            raise
         if result is None:
             return None
         self.prior = (result.groups_mixed, result.prompts_drawn)
@@ -221,9 +235,12 @@ class GeneratorThread:
 
     def settle(self, state: TrainState) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """Before a save at step ``state.step``: wait for every step the saved weights can
-        draw (through step + k), then its rollouts as (JSON, tensors) for the checkpoint."""
+        draw (through step + k), or up to the step whose draw failed, then their rollouts as
+        (JSON, tensors) for the checkpoint."""
         last = min(state.step + self.k, self.limit - 1)
-        self._wait(lambda: self.next_step > last)
+        # A failed draw (of a step not trained yet) saves the steps before it; the error is
+        # raised when the trainer takes that step (never, if the run ends first).
+        self._wait(lambda: self.next_step > last or self.error is not None)
         with self.cond:
             drawn = [self.ready[t] for t in sorted(self.ready)]
             prior = list(self.prior)

@@ -224,7 +224,7 @@ def restore_ahead(
 def _staler_than(drawn: list[StepRollouts], path: Path, staleness: int) -> CheckpointError:
     """Sound rollouts drawn further behind than ``staleness`` allows: the run was saved with a
     larger ``train.async_staleness``, at least the one its rollouts show (a step trains
-    k updates behind, and the steps through step + k are saved)."""
+    k steps behind, and the steps through step + k are saved)."""
     saved = max(max(d.step - d.version for d in drawn), len(drawn) - 1)
     return CheckpointError(
         f"{path}: the rollouts drawn ahead for steps {[d.step for d in drawn]} come from the "

@@ -82,8 +82,8 @@ def draw_step(
     prior: tuple[int, int],
     local: LocalGroups | None = None,
 ) -> SamplingResult | None:
-    """Phases 1-2 of step ``step``, sampled from the weights after ``version`` updates:
-    rounds of rollouts until N groups are kept, each round's size from the kept fraction
+    """Phases 1-2 of step ``step``, sampled from the weights after ``version`` steps:
+    rounds of rollouts until N groups are kept, each round's size from the mixed share of
     ``prior`` (the last step's mixed groups and prompts drawn) and this step's so far.
     Under ranks ``local`` keeps this rank's whole groups (the result holds summaries). None
     when ``drawer.stopping()`` turned true between two rounds."""

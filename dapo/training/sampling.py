@@ -25,8 +25,8 @@ class Group:
     """Under ranks, for a group of summaries: (round, index in the round, the rank that holds
     its whole episodes); see :mod:`dapo.training.exchange`."""
     version: int = 0
-    """The policy that drew it: the weights after this many updates (a step trained from
-    weights ``step - version`` updates old is that stale)."""
+    """The policy that drew it: the weights after this many training steps, not optimizer
+    updates (a step trained from weights ``step - version`` steps old is that stale)."""
 
     @property
     def correct(self) -> list[bool]:
@@ -89,8 +89,9 @@ def round_size(
 
     Without dynamic sampling every group is kept, so one round of exactly N prompts. With it,
     ``prompts_per_round`` (0 = N), or with ``oversample`` enough for the groups still needed
-    at the kept fraction measured over ``prior`` (the last step's (mixed groups, prompts
-    drawn)) and this step so far (``oversampled_round``), at most ``MAX_OVERSAMPLE`` x N.
+    at the mixed share (groups mixed / prompts drawn; not the logged ``kept_frac``, which
+    the cap at N groups lowers) measured over ``prior`` (the last step's (mixed groups,
+    prompts drawn)) and this step so far (``oversampled_round``), at most ``MAX_OVERSAMPLE`` x N.
     """
     if not dynamic:
         return num_groups
