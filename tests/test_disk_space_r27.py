@@ -64,7 +64,7 @@ def test_the_warning_names_what_fits(tmp_path, monkeypatch):
     assert warning is not None
     assert f"the whole run needs about {4 * one / 2**20:.0f} MiB" in warning
     assert "train.steps=120: 6 more checkpoints" in warning and "train.save_every=20" in warning
-    assert "of which at most 4 on the disk at once and 3 beside the final model/" in warning
+    assert "; at most 4 checkpoints on the disk at once and 3 beside the final model/" in warning
     assert warning.endswith("to fit, set train.keep_checkpoints=2 or free space")
     # Room for two at once alone: keep_checkpoints=1 is what fits.
     monkeypatch.setattr(shutil, "disk_usage", lambda _p: USAGE(2**40, 0, 2 * one))
@@ -82,7 +82,7 @@ def test_the_counts_are_what_the_run_can_reach(tmp_path, monkeypatch):
     monkeypatch.setattr(shutil, "disk_usage", lambda _p: USAGE(2**40, 0, 2 * one + model - 1))
     warning = disk_space.check_new_run(tmp_path, cfg, None)[1]
     assert "2 more checkpoints" in warning
-    assert "at most 2 on the disk at once and 2 beside the final model/" in warning
+    assert "at most 2 checkpoints on the disk at once and 2 beside the final model/" in warning
     assert warning.endswith("set train.keep_checkpoints=1 or free space")
     space = disk_space.RunSpace(10, 0, 4, saves=1, existing=1, free=0)
     assert space.counts(3) == (1, 1) and space.need(3) == 14

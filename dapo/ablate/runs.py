@@ -50,7 +50,8 @@ def ablation_lock(out_dir: Path) -> RunLock:
     each find the other's runs unfinished and start them over (``--overwrite`` deletes a
     finished run) and write the same ``<run>.log`` at once."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    return RunLock(out_dir, name=ABLATION_LOCK, refusal=_ablation_in_use)
+    kind = ("ablation directory", "give --out on")
+    return RunLock(out_dir, name=ABLATION_LOCK, refusal=_ablation_in_use, kind=kind)
 
 
 def _ablation_in_use(out_dir: Path, holder: str) -> ValueError:

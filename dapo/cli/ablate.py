@@ -91,14 +91,28 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     out = args.out or Path("runs") / f"ablate-{args.plan}"
     with ablation_lock(out):  # held until the table is written: one ablation at a time
         failed = run_jobs(jobs, out, parallel=args.parallel, config=args.config)
-        _write_table(args, jobs, out)
-    if failed:  # a run failed on the way (exit 1), not a refusal before anything ran (2)
-        print(
-            f"dapo: error: {len(failed)} run(s) failed: {', '.join(failed)} (logs in {out})",
-            file=sys.stderr,
-        )
-        return 1
-    return 0
+        try:
+            _write_table(args, jobs, out)
+        finally:  # named even when a finished run's files stop the table (exit 2 then)
+            if failed:
+                print(
+                    f"dapo: error: {len(failed)} run(s) failed: {', '.join(failed)} "
+                    f"(logs in {out})",
+                    file=sys.stderr,
+                )
+    # A run failed on the way (exit 1), not a refusal before anything ran (2).
+    return 1 if failed else 0
+
+
+def _done(job: Job, out: Path, config: Path | None) -> bool:
+    """Whether ``job``'s run is finished; a run refused as another configuration's (counted
+    as failed by run_jobs) is not."""
+    from dapo.ablate.runs import job_state
+
+    try:
+        return job_state(job, out, config) == "done"
+    except ValueError:
+        return False
 
 
 def _write_table(args: argparse.Namespace, jobs: list[Job], out: Path) -> None:
@@ -106,7 +120,6 @@ def _write_table(args: argparse.Namespace, jobs: list[Job], out: Path) -> None:
     and their overlaid report."""
     from dapo.ablate import PLANS
     from dapo.ablate.plans import CONTRASTS
-    from dapo.ablate.runs import job_state
     from dapo.ablate.table import (
         ablation_table,
         as_json,
@@ -117,7 +130,7 @@ def _write_table(args: argparse.Namespace, jobs: list[Job], out: Path) -> None:
     )
     from dapo.run.nofollow import write_atomic
 
-    done = [j for j in jobs if job_state(j, out, args.config) == "done"]
+    done = [j for j in jobs if _done(j, out, args.config)]
     results: dict = {}
     for job in done:
         results.setdefault(job.row.name, {})[job.seed] = read_result(out / job.name)

@@ -76,6 +76,14 @@ class RunSpace:
             0, min(keep, total) - self.existing
         )
 
+    def on_disk(self, keep: int) -> tuple[int, int]:
+        """Checkpoints on the disk at most, those there already included: while a save is
+        written, and beside the final ``model/`` (the newest ``keep``, once pruned)."""
+        total = self.existing + self.saves
+        if self.saves == 0:
+            return self.existing, self.existing
+        return max(self.existing + 1, min(keep + 1, total)), min(keep, total)
+
     def need(self, keep: int, *, ahead: bool = True) -> int:
         """The most the run holds at once with train.keep_checkpoints=``keep``."""
         checkpoint = self.checkpoint + (self.ahead if ahead else 0)
@@ -186,7 +194,7 @@ def check_space(
     )
     keep = cfg.train.keep_checkpoints
     more = (
-        f" (train.keep_checkpoints={keep} will keep up to {keep + 1} at once)"
+        f" (train.keep_checkpoints={keep} will keep up to {space.on_disk(keep)[0]} at once)"
         if space.counts(keep)[0] > space.counts(1)[0]
         else ""
     )
@@ -232,15 +240,15 @@ def run_space_warning(space: RunSpace, run_dir: Path, cfg: Config) -> str | None
     # keep_checkpoints=1 is what check_space asked room for, bar the rollouts drawn ahead.
     fits = [k for k in range(1, t.keep_checkpoints) if space.need(k) <= space.free]
     fix = f"set train.keep_checkpoints={fits[-1]} or free space" if fits else "free space"
-    during, after = space.counts(t.keep_checkpoints)
+    during, after = space.on_disk(t.keep_checkpoints)
     saves = f"{space.saves} more checkpoint{'s' if space.saves != 1 else ''}"
     size = space.checkpoint + space.ahead
     ahead = f", {space.ahead / mib:.0f} of them rollouts drawn ahead" if space.ahead else ""
     return (
         f"run directory {run_dir} has {space.free / mib:.0f} MiB free, but the whole run needs "
         f"about {need / mib:.0f} MiB if it trains to train.steps={t.steps}: {saves} of about "
-        f"{size / mib:.0f} MiB{ahead} (train.save_every={t.save_every}), of which at most "
-        f"{during} on the disk at once and {after} beside the final model/ of about "
+        f"{size / mib:.0f} MiB{ahead} (train.save_every={t.save_every}); at most {during} "
+        f"checkpoints on the disk at once and {after} beside the final model/ of about "
         f"{space.model / mib:.0f} MiB (train.keep_checkpoints={t.keep_checkpoints}). It "
         "starts, and a save that finds the disk full stops it with its last checkpoint "
         f"intact, to resume; to fit, {fix}"

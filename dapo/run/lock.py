@@ -34,8 +34,9 @@ ATTEMPTS = 5  # lock files replaced under it in a row before the lock taken is k
 class RunLock:
     """An exclusive lock on a run directory, released by :meth:`release` or process exit.
 
-    ``name`` and ``refusal`` lock another kind of directory the same way (an ablation's,
-    :mod:`dapo.ablate.runs`): its lock file, and the error that names who holds it."""
+    ``name``, ``refusal`` and ``kind`` lock another kind of directory the same way (an
+    ablation's, :mod:`dapo.ablate.runs`): its lock file, the error that names who holds it,
+    and what the directory is called, with the setting that moves it (when flock fails)."""
 
     def __init__(
         self,
@@ -43,10 +44,12 @@ class RunLock:
         *,
         name: str = LOCK_NAME,
         refusal: Callable[[Path, str], ValueError] | None = None,
+        kind: tuple[str, str] = ("run directory", "set run.out_dir to"),
     ) -> None:
         self.run_dir = Path(run_dir)
         self.name = name
         self.refusal = refusal
+        self.kind = kind
         self.fd: int | None = None
 
     def acquire(self) -> RunLock:
@@ -59,9 +62,10 @@ class RunLock:
                 held = _taken(fd)
             except OSError as exc:
                 os.close(fd)
+                what, move = self.kind
                 raise ValueError(
-                    f"cannot lock run directory {self.run_dir} ({exc.strerror}): its file "
-                    "system does not support flock; set run.out_dir to a local or NFS file system"
+                    f"cannot lock {what} {self.run_dir} ({exc.strerror}): its file system "
+                    f"does not support flock; {move} a local or NFS file system"
                 ) from exc
             if not held:
                 holder = _holder(fd)
