@@ -220,3 +220,23 @@ def test_the_dry_run_gives_the_sizes_and_checks_the_room(tmp_path, monkeypatch, 
     assert cli.main(["train", "--dry-run", f"run.out_dir={tmp_path}", "run.name=r"]) == 2
     assert "checkpointing needs about" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("there", "hint"), [(1, True), (3, False)])
+def test_a_resumes_refusal_counts_the_checkpoints_there(tmp_path, monkeypatch, there, hint):
+    # A resume is measured once, with the checkpoints it has: beside 3 (keep_checkpoints=3)
+    # each save adds one at a time, the room asked for; beside 1 the run reaches 4 at once.
+    cfg = load_config()
+    for step in range(1, there + 1):
+        (tmp_path / "checkpoints" / f"step_{step:06d}").mkdir(parents=True)
+    latest = tmp_path / "checkpoints" / f"step_{there:06d}"
+    one = disk_space.estimate_checkpoint_bytes(cfg, None)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: USAGE(2**40, 0, one - 1))
+    with pytest.raises(ValueError, match="needs about .* MiB \\(one more checkpoint") as refused:
+        disk_space.check_resume(tmp_path, cfg, None, {"step": there}, latest)
+    more = "(train.keep_checkpoints=3 will keep up to 4 at once)"
+    assert str(refused.value).endswith(more) is hint
+    # Room for one more: it starts, warned of the whole run's only where it reaches 4.
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: USAGE(2**40, 0, one))
+    warning = disk_space.check_resume(tmp_path, cfg, None, {"step": there}, latest)
+    assert (warning is not None) is hint

@@ -24,6 +24,7 @@ __all__ = [
     "check_new_run",
     "check_resume",
     "check_space",
+    "checkpoints_on_disk",
     "describe",
     "estimate_checkpoint_bytes",
     "estimate_model_bytes",
@@ -69,20 +70,12 @@ class RunSpace:
         """Checkpoints the run adds at most: while a save is written (the newest ``keep``
         beside it: older ones are pruned only after it is safe), and beside the final
         ``model/``."""
-        if self.saves == 0:
-            return 0, 0
-        total = self.existing + self.saves
-        return max(1, min(keep + 1, total) - self.existing), max(
-            0, min(keep, total) - self.existing
-        )
+        return _added(self.saves, self.existing, keep)
 
     def on_disk(self, keep: int) -> tuple[int, int]:
         """Checkpoints on the disk at most, those there already included: while a save is
         written, and beside the final ``model/`` (the newest ``keep``, once pruned)."""
-        total = self.existing + self.saves
-        if self.saves == 0:
-            return self.existing, self.existing
-        return max(self.existing + 1, min(keep + 1, total)), min(keep, total)
+        return checkpoints_on_disk(self.saves, self.existing, keep)
 
     def need(self, keep: int, *, ahead: bool = True) -> int:
         """The most the run holds at once with train.keep_checkpoints=``keep``."""
@@ -132,8 +125,8 @@ def check_new_run(
     """A new run's :func:`check_space`, then its room and the whole run's warning (None when
     it fits); ``freed``: what the run it replaces (``--overwrite``) frees before its first
     save, ``prompt_tokens``: its longest prompt."""
-    check_space(run_dir, cfg, weights_dir, freed=freed)
     space = measure(run_dir, cfg, weights_dir, freed=freed, prompt_tokens=prompt_tokens)
+    _refuse_without_room(space, run_dir, cfg, resume=False)
     return space, run_space_warning(space, run_dir, cfg)
 
 
@@ -146,14 +139,12 @@ def check_resume(
     from dapo.run import checkpoint
 
     finishing, step = not steps_left(cfg, trainer), int(trainer.get("step", 0))
-    check_space(
-        run_dir, cfg, weights_dir, resume=True, finishing=finishing, latest=latest, step=step
-    )
-    if finishing:
-        return None
     existing = len(checkpoint.step_dirs(latest.parent))
-    space = measure(run_dir, cfg, weights_dir, step=step, existing=existing, latest=latest)
-    return run_space_warning(space, run_dir, cfg)
+    space = measure(
+        run_dir, cfg, weights_dir, step=step, existing=existing, finishing=finishing, latest=latest
+    )
+    _refuse_without_room(space, run_dir, cfg, resume=True)
+    return None if finishing else run_space_warning(space, run_dir, cfg)
 
 
 def check_space(
@@ -172,7 +163,8 @@ def check_space(
     safe copy), or one and the final ``model/`` (which follows the last save); a resume,
     whose latest checkpoint is on the disk already, one more, or the final ``model/``;
     ``finishing``, a resume with no step left, the final ``model/`` alone. A run that writes a
-    single checkpoint needs one and the final ``model/``. Arguments: :func:`measure`."""
+    single checkpoint needs one and the final ``model/``. Arguments: :func:`measure` (a
+    resume's checkpoints on the disk taken as its latest alone)."""
     space = measure(
         run_dir,
         cfg,
@@ -183,6 +175,12 @@ def check_space(
         latest=latest,
         freed=freed,
     )
+    _refuse_without_room(space, run_dir, cfg, resume=resume)
+
+
+def _refuse_without_room(space: RunSpace, run_dir: Path, cfg: Config, *, resume: bool) -> None:
+    """:func:`check_space`'s refusal, for the run ``space`` measured: the room that
+    train.keep_checkpoints=1 needs (the rollouts drawn ahead left out), or a ValueError."""
     need = space.need(1, ahead=False)
     if space.free >= need:
         return
@@ -224,8 +222,25 @@ def whole_run_bytes(
     checkpoints stay, one more while a save is written (older ones are pruned only after it is
     safe); ``existing``, the checkpoints a resumed run has on the disk already (a save beside
     them adds one before any is pruned)."""
-    during, after = RunSpace(checkpoint, 0, model, saves, existing, 0).counts(keep)
+    during, after = _added(saves, existing, keep)
     return max(during * checkpoint, after * checkpoint + model) if saves else model
+
+
+def checkpoints_on_disk(saves: int, existing: int, keep: int) -> tuple[int, int]:
+    """The most checkpoints on the disk, the ``existing`` ones included, of a run that writes
+    ``saves`` more with train.keep_checkpoints=``keep``: while a save is written (the newest
+    ``keep`` beside it: older ones are pruned only once it is safe), and beside the final
+    ``model/`` (the newest ``keep``)."""
+    if saves == 0:
+        return existing, existing
+    total = existing + saves
+    return max(existing + 1, min(keep + 1, total)), min(keep, total)
+
+
+def _added(saves: int, existing: int, keep: int) -> tuple[int, int]:
+    """:func:`checkpoints_on_disk` less the ``existing`` checkpoints: what the run adds."""
+    during, after = checkpoints_on_disk(saves, existing, keep)
+    return during - existing, max(0, after - existing)
 
 
 def run_space_warning(space: RunSpace, run_dir: Path, cfg: Config) -> str | None:
