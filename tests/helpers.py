@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -46,6 +47,30 @@ def setup_run(tmp_path, tiny_model, *overrides):
     run_dir.mkdir()
     start = copy.deepcopy(tiny_model)
     return cfg, [p for p, _ in train], [p for p, _ in val], run_dir, start
+
+
+def plus_one_problems(n: int) -> list:
+    """``n`` problems ``p0``, ``p1``, ... asking "i + 1", each with the answer "1" (the tiny
+    model's rewards come from lengths here, not from the verifier)."""
+    from dapo.data.problems import Problem
+
+    return [Problem(f"p{i}", ({"role": "user", "content": f"{i} + 1"},), "1") for i in range(n)]
+
+
+def quiet_fit(cfg, model, tokenizer, train, val, run_dir, *, resume=False):
+    """``dapo.training.loop.fit`` with its progress lines sent to /dev/null."""
+    from dapo.training import loop
+
+    with open(os.devnull, "w") as quiet:
+        return loop.fit(
+            cfg, model, tokenizer, train, val, run_dir=run_dir, stream=quiet, resume=resume
+        )
+
+
+def logged_metrics(run_dir: Path) -> list[dict]:
+    """The lines of a run's metrics.jsonl without their ``perf/`` timings (which vary)."""
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in x.items() if not k.startswith("perf/")} for x in lines]
 
 
 def save_model(

@@ -14,11 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import RESUMABLE_DEMO, finish_run, start_run
+from helpers import RESUMABLE_DEMO, finish_run, plus_one_problems, start_run
 from safetensors.torch import load_file
 
 from dapo.config import load_config
-from dapo.data.problems import Problem
 from dapo.run.checkpoint import CheckpointError
 from dapo.training import inputs
 from dapo.training.generator_thread import GeneratorThread
@@ -56,7 +55,7 @@ def test_step_t_samples_from_the_weights_after_step_t_minus_k(eager_eos_model, t
     version's forward pass, and not the next version's (the weights change every step)."""
     steps = 5
     cfg = _cfg(f"train.async_staleness={k}", f"train.steps={steps}")
-    problems = [Problem(f"p{i}", ({"role": "user", "content": f"{i} + 1"},), "1") for i in range(9)]
+    problems = plus_one_problems(9)
     state = build_state(cfg, eager_eos_model, tokenizer, problems)
     versions, drawn, metrics = [_weights(state.model)], [], []
     ahead = GeneratorThread(state, pool=None, threads=1)
@@ -108,7 +107,7 @@ def test_rollouts_round_trip_through_a_checkpoint_file_and_a_damaged_one_is_name
     tiny_model, tokenizer, tmp_path
 ):
     cfg = _cfg("train.async_staleness=1", "train.steps=3")
-    problems = [Problem(f"p{i}", ({"role": "user", "content": f"{i} + 1"},), "1") for i in range(4)]
+    problems = plus_one_problems(4)
     state = build_state(cfg, tiny_model, tokenizer, problems)
     ahead = GeneratorThread(state, pool=None, threads=1)
     try:

@@ -8,18 +8,16 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import SMALL, setup_run
+from helpers import SMALL, logged_metrics, plus_one_problems, quiet_fit, setup_run
 from safetensors.torch import load_file
 
 from dapo.config import load_config
-from dapo.data.problems import Problem
-from dapo.training import generator_thread, loop
+from dapo.training import generator_thread
 from dapo.training.generator_thread import GeneratorThread
 from dapo.training.sampling import DynamicSamplingExhausted
 from dapo.training.state import build_state
@@ -44,18 +42,6 @@ def _fail_at(monkeypatch, failing: int) -> list[int]:
     return steps
 
 
-def _fit(cfg, model, tokenizer, train, val, run_dir, *, resume=False):
-    with open(os.devnull, "w") as quiet:
-        return loop.fit(
-            cfg, model, tokenizer, train, val, run_dir=run_dir, stream=quiet, resume=resume
-        )
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in x.items() if not k.startswith("perf/")} for x in lines]
-
-
 def _saved(ckpt: Path) -> tuple[int, list[int]]:
     """A checkpoint's prompt sampler position and the steps it holds drawn ahead."""
     info = json.loads((ckpt / "trainer.json").read_text())
@@ -73,7 +59,7 @@ def test_settle_saves_the_steps_drawn_before_a_failed_one_which_the_trainer_rais
     2). The settle raised the error; now it hands over step 1, the sampler is back where
     step 2 began (2 prompts a step: position 4, not 6), and the error comes with step 2."""
     cfg = load_config(None, [*SMALL, "train.async_staleness=1", "run.threads=1"])
-    problems = [Problem(f"p{i}", ({"role": "user", "content": f"{i} + 1"},), "1") for i in range(9)]
+    problems = plus_one_problems(9)
     state = build_state(cfg, tiny_model, tokenizer, problems)
     drawn = _fail_at(monkeypatch, failing=2)
     ahead = GeneratorThread(state, pool=None, threads=1)
@@ -106,17 +92,17 @@ def test_a_budget_that_ends_before_the_failed_step_ends_the_run_as_the_synchrono
     (tmp_path / "sync").mkdir()
     cfg, train, val, run_dir, _ = setup_run(tmp_path, tiny_model, *budget)
     drawn = _fail_at(monkeypatch, failing=1)
-    summary = _fit(cfg, tiny_model, tokenizer, train, val, run_dir)
+    summary = quiet_fit(cfg, tiny_model, tokenizer, train, val, run_dir)
     assert drawn == [0, 1]
     assert summary["steps"] == 1
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 1
     assert (run_dir / "model" / "model.safetensors").is_file()
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_000001"]
     assert _saved(run_dir / "checkpoints" / "step_000001") == (2, [])
-    assert [m["step"] for m in _metrics(run_dir)] == [0, 1]
+    assert [m["step"] for m in logged_metrics(run_dir)] == [0, 1]
 
     sync_cfg, *_, sync_dir, _ = setup_run(tmp_path / "sync", sync_model, budget[0])
-    assert _fit(sync_cfg, sync_model, tokenizer, train, val, sync_dir)["steps"] == 1
+    assert quiet_fit(sync_cfg, sync_model, tokenizer, train, val, sync_dir)["steps"] == 1
     sync = json.loads((sync_dir / "checkpoints" / "step_000001" / "trainer.json").read_text())
     assert sync["sampler"]["pos"] == 2
 
@@ -134,7 +120,7 @@ def test_saves_before_the_failed_step_are_written_and_resume_into_the_run_that_n
     cfg, train, val, run_dir, _ = setup_run(tmp_path, tiny_model, k1)
     drawn = _fail_at(monkeypatch, failing=2)
     with pytest.raises(DynamicSamplingExhausted) as err:
-        _fit(cfg, tiny_model, tokenizer, train, val, run_dir)
+        quiet_fit(cfg, tiny_model, tokenizer, train, val, run_dir)
     monkeypatch.undo()
     assert drawn == [0, 1, 2]
     assert str(err.value).startswith(MESSAGE + " The run directory is intact; resume from")
@@ -143,22 +129,22 @@ def test_saves_before_the_failed_step_are_written_and_resume_into_the_run_that_n
     assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_000001", "step_000002"]
     assert _saved(ckpts / "step_000001") == (4, [1])
     assert _saved(ckpts / "step_000002") == (4, [])
-    assert [m["step"] for m in _metrics(run_dir)] == [0, 1, 2]
+    assert [m["step"] for m in logged_metrics(run_dir)] == [0, 1, 2]
 
     (tmp_path / "ref").mkdir()
     ref_cfg, *_, ref_dir, _ = setup_run(tmp_path / "ref", starts[0], k1)
-    _fit(ref_cfg, starts[0], tokenizer, train, val, ref_dir)
+    quiet_fit(ref_cfg, starts[0], tokenizer, train, val, ref_dir)
     newest = tmp_path / "newest"
     shutil.copytree(run_dir, newest)
 
     shutil.rmtree(ckpts / "step_000002")  # resume from step 1's: latest falls back to it
-    assert _fit(cfg, starts[1], tokenizer, train, val, run_dir, resume=True)["steps"] == 4
-    assert _metrics(run_dir) == _metrics(ref_dir)
+    assert quiet_fit(cfg, starts[1], tokenizer, train, val, run_dir, resume=True)["steps"] == 4
+    assert logged_metrics(run_dir) == logged_metrics(ref_dir)
     weights, ref = _weights(run_dir), _weights(ref_dir)
     assert weights.keys() == ref.keys()
     assert all(torch.equal(weights[n], ref[n]) for n in weights)
 
-    assert _fit(cfg, starts[2], tokenizer, train, val, newest, resume=True)["steps"] == 4
-    again = _metrics(newest)
-    assert again[:3] == _metrics(ref_dir)[:3]
+    assert quiet_fit(cfg, starts[2], tokenizer, train, val, newest, resume=True)["steps"] == 4
+    again = logged_metrics(newest)
+    assert again[:3] == logged_metrics(ref_dir)[:3]
     assert [m["async/staleness_max"] for m in again[1:]] == [0.0, 1.0, 0.0, 1.0]

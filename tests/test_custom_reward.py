@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import user_rewards
-from helpers import SMALL
+from helpers import SMALL, logged_metrics
 
 import dapo
 from dapo.cli import main
@@ -255,11 +255,6 @@ def test_a_function_given_in_python_reaches_the_workers_by_name() -> None:
 # --- the Python API and the command line -------------------------------------------------
 
 
-def _metrics(run_dir: Path) -> list[dict]:
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in x.items() if not k.startswith("perf/")} for x in lines]
-
-
 def test_dapo_train_with_reward_fn_is_the_command_with_reward_function(tmp_path, capsys) -> None:
     spec = f"{USER}:ends_with_answer"  # a module of the tests' own directory: by its file
     base = [*TINY, f"run.out_dir={tmp_path}"]
@@ -270,7 +265,7 @@ def test_dapo_train_with_reward_fn_is_the_command_with_reward_function(tmp_path,
     assert result.start_accuracy == summary["val/accuracy_start"]
     assert result.end_accuracy == summary["val/accuracy_end"]
     # The same run by either door: every metric of every step, the time aside.
-    assert _metrics(tmp_path / "api") == _metrics(tmp_path / "cli")
+    assert logged_metrics(tmp_path / "api") == logged_metrics(tmp_path / "cli")
     saved = load_config(tmp_path / "api" / "config.yaml")
     assert saved.reward.function == spec
     assert saved.reward.function_sha256 == custom.file_sha256(USER)

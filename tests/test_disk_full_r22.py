@@ -10,19 +10,17 @@ import copy
 import errno
 import io
 import json
-import os
 import resource
 from pathlib import Path
 
 import pytest
 import torch
 import torch.utils.tensorboard
-from helpers import setup_run
+from helpers import logged_metrics, quiet_fit, setup_run
 from safetensors import SafetensorError
 
 from dapo.run import checkpoint, nofollow, state_files
 from dapo.run.metrics import MetricsLogger
-from dapo.training import loop
 
 FULL = "No space left on device"
 
@@ -58,18 +56,6 @@ def _fill_metrics_after(monkeypatch, lines: int) -> None:
     monkeypatch.setattr(nofollow, "open_binary", open_binary)
 
 
-def _fit(cfg, model, tokenizer, train, val, run_dir, *, resume=False):
-    with open(os.devnull, "w") as quiet:
-        return loop.fit(
-            cfg, model, tokenizer, train, val, run_dir=run_dir, stream=quiet, resume=resume
-        )
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in x.items() if not k.startswith("perf/")} for x in lines]
-
-
 # ----------------------------------------------------------------------------- metrics.jsonl
 
 
@@ -83,7 +69,7 @@ def test_a_full_disk_in_metrics_jsonl_is_one_error_and_the_resume_logs_each_step
     cfg, train, val, run_dir, start = setup_run(tmp_path, tiny_model)
     _fill_metrics_after(monkeypatch, lines=3)  # steps 0, 1, 2; step 3's line meets a full disk
     with pytest.raises(checkpoint.CheckpointError) as err:
-        _fit(cfg, tiny_model, tokenizer, train, val, run_dir)
+        quiet_fit(cfg, tiny_model, tokenizer, train, val, run_dir)
     ckpts = run_dir / "checkpoints"
     assert str(err.value) == (
         f"could not write {run_dir / 'metrics.jsonl'} (the metrics of step 3): the disk is "
@@ -96,13 +82,15 @@ def test_a_full_disk_in_metrics_jsonl_is_one_error_and_the_resume_logs_each_step
     assert err.value.__cause__.errno == errno.ENOSPC
     assert err.value.__context__ is err.value.__cause__
     # The 20 bytes of step 3's line that reached the disk are cut off: whole lines only.
-    assert [x["step"] for x in _metrics(run_dir)] == [0, 1, 2]
+    assert [x["step"] for x in logged_metrics(run_dir)] == [0, 1, 2]
     monkeypatch.undo()
-    _fit(cfg, start, tokenizer, train, val, run_dir, resume=True)
+    quiet_fit(cfg, start, tokenizer, train, val, run_dir, resume=True)
     cfg_ref, *_, ref_dir, _ = setup_run(tmp_path / "ref", untrained)
-    _fit(cfg_ref, untrained, tokenizer, train, val, ref_dir)
-    assert [x["step"] for x in _metrics(run_dir)] == [0, 1, 2, 3, 4]
-    assert _metrics(run_dir) == _metrics(ref_dir)  # step 3 neither lost nor logged twice
+    quiet_fit(cfg_ref, untrained, tokenizer, train, val, ref_dir)
+    assert [x["step"] for x in logged_metrics(run_dir)] == [0, 1, 2, 3, 4]
+    assert logged_metrics(run_dir) == logged_metrics(
+        ref_dir
+    )  # step 3 neither lost nor logged twice
 
 
 def test_a_full_disk_before_the_first_checkpoint_says_to_start_again(tmp_path, monkeypatch):

@@ -8,7 +8,7 @@ import signal
 
 import pytest
 import torch
-from helpers import setup_run
+from helpers import quiet_fit, setup_run
 
 from dapo.config import load_config
 from dapo.data.batch import Episode
@@ -19,19 +19,6 @@ from dapo.run import checkpoint
 from dapo.run.interrupt import GracefulStop, RunStopped, StepAborted
 from dapo.training import loop, update
 from dapo.training import state as trainer
-
-
-def _fit(cfg, model, tokenizer, train, val, run_dir, *, resume=False):
-    return loop.fit(
-        cfg,
-        model,
-        tokenizer,
-        train,
-        val,
-        run_dir=run_dir,
-        stream=open(os.devnull, "w"),
-        resume=resume,
-    )
 
 
 def _steps(run_dir):
@@ -132,7 +119,7 @@ def test_consecutive_non_finite_updates_stop_the_run_cleanly(
     # From step 2 on, every training forward (the model in train mode) gives NaN logits.
     _nan_logits_when(tiny_model, lambda: tiny_model.training and done["steps"] >= 1)
     with pytest.raises(update.NonFiniteError) as err:
-        _fit(cfg, tiny_model, tokenizer, train, val, run_dir)
+        quiet_fit(cfg, tiny_model, tokenizer, train, val, run_dir)
     msg = str(err.value)
     assert "step 2: 2 updates in a row had a non-finite loss or gradient norm" in msg
     assert f"dapo train --resume {run_dir} optim.lr=<lower> --force" in msg
@@ -172,7 +159,7 @@ def test_sigterm_finishes_the_step_saves_and_says_how_to_resume(
     cfg, train, val, run_dir, start = setup_run(tmp_path, tiny_model, "train.save_every=0")
     _signal_during_step(monkeypatch, at_step=2, times=1)
     with pytest.raises(RunStopped) as err:
-        _fit(cfg, tiny_model, tokenizer, train, val, run_dir)
+        quiet_fit(cfg, tiny_model, tokenizer, train, val, run_dir)
     assert err.value.exit_code == 128 + signal.SIGTERM
     assert str(err.value) == (
         f"stopped by SIGTERM after step 2 of 4; checkpoint saved. "
@@ -181,7 +168,7 @@ def test_sigterm_finishes_the_step_saves_and_says_how_to_resume(
     assert checkpoint.find_latest(run_dir).name == "step_000002"
     assert _steps(run_dir) == [0, 1, 2]
     monkeypatch.undo()
-    _fit(cfg, start, tokenizer, train, val, run_dir, resume=True)
+    quiet_fit(cfg, start, tokenizer, train, val, run_dir, resume=True)
     assert _steps(run_dir) == [0, 1, 2, 3, 4]
 
 
@@ -191,13 +178,13 @@ def test_second_signal_aborts_the_step_without_saving_it(
     cfg, train, val, run_dir, start = setup_run(tmp_path, tiny_model)
     _signal_during_step(monkeypatch, at_step=3, times=2)
     with pytest.raises(RunStopped) as err:
-        _fit(cfg, tiny_model, tokenizer, train, val, run_dir)
+        quiet_fit(cfg, tiny_model, tokenizer, train, val, run_dir)
     assert err.value.exit_code == 128 + signal.SIGTERM
     assert "SIGTERM received twice: step 3 aborted and not saved" in str(err.value)
     assert "the last checkpoint is step_000002" in str(err.value)
     assert checkpoint.find_latest(run_dir).name == "step_000002"
     monkeypatch.undo()
-    _fit(cfg, start, tokenizer, train, val, run_dir, resume=True)
+    quiet_fit(cfg, start, tokenizer, train, val, run_dir, resume=True)
     assert _steps(run_dir) == [0, 1, 2, 3, 4]
 
 
@@ -217,7 +204,7 @@ def test_second_signal_during_a_save_names_the_step_that_ended_unsaved(
 
     monkeypatch.setattr(checkpoint, "save", save)
     with pytest.raises(RunStopped) as err:
-        _fit(cfg, tiny_model, tokenizer, train, val, run_dir)
+        quiet_fit(cfg, tiny_model, tokenizer, train, val, run_dir)
     assert str(err.value) == (
         "SIGTERM received twice: step 3 ended, but its evaluation or checkpoint was aborted, "
         "and not saved; the last checkpoint is step_000002. Resume with: dapo train --resume "
@@ -225,7 +212,7 @@ def test_second_signal_during_a_save_names_the_step_that_ended_unsaved(
     )
     assert checkpoint.find_latest(run_dir).name == "step_000002"
     monkeypatch.undo()
-    _fit(cfg, start, tokenizer, train, val, run_dir, resume=True)
+    quiet_fit(cfg, start, tokenizer, train, val, run_dir, resume=True)
     assert _steps(run_dir) == [0, 1, 2, 3, 4]
 
 
@@ -244,7 +231,7 @@ def test_second_signal_in_the_final_export_says_the_last_step_is_saved(
 
     monkeypatch.setattr(checkpoint, "export_model", export_model)
     with pytest.raises(RunStopped) as err:
-        _fit(cfg, tiny_model, tokenizer, train, val, run_dir)
+        quiet_fit(cfg, tiny_model, tokenizer, train, val, run_dir)
     assert str(err.value) == (
         "SIGTERM received twice after step 4 was saved (step_000004): what followed was "
         "aborted (a resume writes the model/ of a run's last step). Resume with: dapo train "
@@ -252,7 +239,7 @@ def test_second_signal_in_the_final_export_says_the_last_step_is_saved(
     )
     assert not (run_dir / "model").exists()
     monkeypatch.undo()
-    _fit(cfg, start, tokenizer, train, val, run_dir, resume=True)
+    quiet_fit(cfg, start, tokenizer, train, val, run_dir, resume=True)
     assert (run_dir / "model" / "config.json").is_file()
 
 
@@ -268,7 +255,7 @@ def test_a_raising_verifier_grades_incorrect_and_training_goes_on(
 ):
     cfg, train, val, run_dir, _ = setup_run(tmp_path, tiny_model, "train.steps=2")
     monkeypatch.setitem(tasks.REGISTRY, "arith", Task("arith", _broken_verifier, "broken"))
-    summary = _fit(cfg, tiny_model, tokenizer, train, val, run_dir)
+    summary = quiet_fit(cfg, tiny_model, tokenizer, train, val, run_dir)
     assert summary["steps"] == 2
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [x["reward/faults"] for x in lines[1:]] == [8.0, 8.0]  # 2 prompts x 4 responses
@@ -283,7 +270,7 @@ def test_a_resumed_run_syncs_its_engine_before_it_generates(
     tmp_path, tiny_model, tokenizer, monkeypatch
 ):
     cfg, train, val, run_dir, start = setup_run(tmp_path, tiny_model, "train.steps=1")
-    _fit(cfg, tiny_model, tokenizer, train, val, run_dir)
+    quiet_fit(cfg, tiny_model, tokenizer, train, val, run_dir)
     calls = []
     real_make_engine = trainer.make_engine
 
@@ -302,5 +289,5 @@ def test_a_resumed_run_syncs_its_engine_before_it_generates(
 
     monkeypatch.setattr(trainer, "make_engine", lambda _name, *args, **_: Recording(*args))
     cfg.train.steps = 2
-    _fit(cfg, start, tokenizer, train, val, run_dir, resume=True)
+    quiet_fit(cfg, start, tokenizer, train, val, run_dir, resume=True)
     assert calls[0] == "sync" and calls.count("sync") == 2  # on restore, after step 2

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import dapo_train, save_model
+from helpers import dapo_train, logged_metrics, save_model
 from safetensors.torch import load_file, save_file
 from test_hub_models import lay_out, offline_cache  # noqa: F401 (a fixture)
 from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
@@ -239,14 +239,9 @@ def gpt2_runs(tmp_path_factory):
     return root, outs
 
 
-def _metrics(run: Path) -> list[dict]:
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
-
-
 def test_an_on_policy_update_of_gpt2_has_ratio_one_and_packing_changes_nothing(gpt2_runs):
     root, outs = gpt2_runs
-    padded, packed = _metrics(root / "pk_false"), _metrics(root / "pk_true")
+    padded, packed = logged_metrics(root / "pk_false"), logged_metrics(root / "pk_true")
     first = next(r for r in padded if r["step"] == 1)
     assert first["train/loss"] == 0.0  # ratio 1, group advantages summing to zero
     for a, b in zip(padded, packed, strict=True):

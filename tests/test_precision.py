@@ -17,6 +17,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+from helpers import plus_one_problems
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dapo.config import config_warnings, load_config
@@ -104,7 +105,7 @@ def _matmul_dtypes(model: nn.Module) -> list[torch.dtype]:
 
 
 def test_training_and_rollout_compute_in_the_compute_dtype(tokenizer):
-    problems = [Problem(f"p{i}", ({"role": "user", "content": f"{i} + 1"},), "1") for i in range(4)]
+    problems = plus_one_problems(4)
     cfg = load_config(
         None,
         [

@@ -4,7 +4,6 @@ only the perf/* timings may differ."""
 
 from __future__ import annotations
 
-import json
 import random
 import shutil
 import signal
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import RESUMABLE_DEMO, finish_run, start_run
+from helpers import RESUMABLE_DEMO, finish_run, logged_metrics, start_run
 from safetensors.torch import load_file
 
 TINY = RESUMABLE_DEMO
@@ -46,18 +45,13 @@ def _wait_for(run_dir: Path, proc: subprocess.Popen, step: int, timeout: float =
     return True
 
 
-def _metrics(run_dir: Path) -> list[dict]:
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in x.items() if not k.startswith("perf/")} for x in lines]
-
-
 def _same_run(a: Path, b: Path) -> bool:
     wa, wb = (
         load_file(a / "model" / "model.safetensors"),
         load_file(b / "model" / "model.safetensors"),
     )
     weights = wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-    return weights and _metrics(a) == _metrics(b)
+    return weights and logged_metrics(a) == logged_metrics(b)
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +64,7 @@ def reference(tmp_path_factory, demo_cache):
     assert code == 0, err
     # A resume test is only as good as the state it carries: updates, kept groups, the
     # sampler-log-prob check (logged on the first step only) and over-sampled rounds.
-    steps = _metrics(root / "reference")[1:]
+    steps = logged_metrics(root / "reference")[1:]
     assert all(m["train/updates"] >= 1 for m in steps)
     assert "train/sampler_logprob_gap" in steps[0]
     assert not any("train/sampler_logprob_gap" in m for m in steps[1:])

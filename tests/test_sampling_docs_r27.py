@@ -9,9 +9,10 @@ import json
 import math
 from pathlib import Path
 
+from helpers import plus_one_problems
+
 from dapo.ablate.table import read_result
 from dapo.config import load_config
-from dapo.data.problems import Problem
 from dapo.training.generator_thread import GeneratorThread
 from dapo.training.state import build_state
 from dapo.training.step import train_step
@@ -74,7 +75,7 @@ def test_staleness_counts_steps_not_the_updates_each_step_makes(tiny_model, toke
             "run.threads=1",
         ],
     )
-    problems = [Problem(f"p{i}", ({"role": "user", "content": f"{i} + 1"},), "1") for i in range(9)]
+    problems = plus_one_problems(9)
     state = build_state(cfg, tiny_model, tokenizer, problems)
     ahead = GeneratorThread(state, pool=None, threads=1)
     metrics, versions = [], []

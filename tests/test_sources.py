@@ -11,11 +11,10 @@ import time
 import pytest
 import torch
 import yaml
-from helpers import TINY_DEMO
+from helpers import TINY_DEMO, plus_one_problems
 
 from dapo.config import load_config
 from dapo.data.batch import Episode
-from dapo.data.problems import Problem
 from dapo.training import sampling
 from dapo.training.generator_thread import GeneratorThread
 from dapo.training.sampling import Group, SamplingResult
@@ -23,7 +22,7 @@ from dapo.training.sources import InTurn, StepRollouts, drawn_ahead_metrics
 from dapo.training.state import build_state
 from dapo.training.step import train_step
 
-PROBLEMS = [Problem(f"p{i}", ({"role": "user", "content": f"{i} + 1"},), "1") for i in range(9)]
+PROBLEMS = plus_one_problems(9)
 
 
 def _cfg(*overrides: str):

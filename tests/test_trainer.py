@@ -3,6 +3,7 @@ import math
 
 import pytest
 import torch
+from helpers import plus_one_problems
 
 from dapo.config import AlgoConfig, load_config
 from dapo.data.batch import Episode, collate, length_sorted, split_microbatches
@@ -219,7 +220,7 @@ def test_sampler_logprobs_that_disagree_stop_the_run_with_the_fix(tiny_model, to
 
 
 def test_a_problems_samples_do_not_depend_on_the_calls_or_the_other_problems(tiny_model, tokenizer):
-    problems = [Problem(f"p{i}", ({"role": "user", "content": f"{i} + 1"},), "1") for i in range(5)]
+    problems = plus_one_problems(5)
     seeds = [11, 12, 13, 14, 15]
 
     def texts(*overrides, which=range(5)):
@@ -274,7 +275,7 @@ class RecordingEngine:
 
 
 def test_the_engine_is_synced_after_each_steps_updates(tiny_model, tokenizer):
-    problems = [Problem(f"p{i}", ({"role": "user", "content": f"{i} + 1"},), "1") for i in range(8)]
+    problems = plus_one_problems(8)
     cfg = _cfg("rollout.group_size=2", "train.prompts_per_step=2", "sampling.dynamic=false")
     state = build_state(cfg, tiny_model, tokenizer, problems)
     state.engine = RecordingEngine(state.engine)
@@ -295,7 +296,7 @@ def test_an_engine_without_exact_logprobs_never_stands_in_for_pi_old(tiny_model,
 
 
 def test_the_run_settings_reach_rollout(tiny_model, tokenizer):
-    problems = [Problem(f"p{i}", ({"role": "user", "content": f"{i} + 1"},), "1") for i in range(2)]
+    problems = plus_one_problems(2)
     cfg = _cfg(
         "rollout.group_size=2", "rollout.stop_token_ids=[7, 9]", "data.system_prompt=Be brief."
     )
