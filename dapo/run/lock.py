@@ -57,7 +57,7 @@ class RunLock:
         FileNotFoundError when the directory is gone)."""
         path = self.run_dir / self.name
         for attempt in range(ATTEMPTS):
-            fd = nofollow.open_fd(path, os.O_RDWR | os.O_CREAT)  # a link there is refused
+            fd = self._open(path)
             try:
                 held = _taken(fd)
             except OSError as exc:
@@ -81,6 +81,20 @@ class RunLock:
         os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
         self.fd = fd
         return self
+
+    def _open(self, path: Path) -> int:
+        """The lock file's descriptor; a link in its place refused, naming the directory as
+        :attr:`kind` calls it."""
+        try:
+            return nofollow.open_fd(path, os.O_RDWR | os.O_CREAT)
+        except nofollow.LinkRefused:
+            what = self.kind[0]
+            if what == "run directory":
+                raise  # nofollow's own words: a run directory
+            raise nofollow.LinkRefused(
+                f"{path} is a symbolic link: dapo takes no lock through a link (it could lead "
+                f"to any file). Remove the link, or use another {what}"
+            ) from None
 
     def release(self) -> None:
         if self.fd is not None:
