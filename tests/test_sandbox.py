@@ -608,15 +608,23 @@ def test_a_killed_caller_takes_its_sandbox_with_it(mode):
 
 
 def _sleeper_as(uid: int, marker: str) -> subprocess.Popen:
-    options = {"user": uid, "group": uid, "extra_groups": []}
-    sleeper = subprocess.Popen(["/bin/sh", "-c", f"sleep 30; : {marker}"], **options)
-    # sh forks sleep, and until the child execs its command line is still sh's, marker and
-    # all (a floors run caught it there once): wait for that moment to pass.
+    """A process of ``uid`` whose command line holds ``marker``, waiting until killed. It
+    never forks: sh blocks in its ``read`` builtin on a pipe no one writes. (``sleep 30; :
+    marker`` forked a child whose command line was sh's until it exec'd sleep, and a check
+    before the fork saw one process, then two: review r29a.)"""
+    options = {"user": uid, "group": uid, "extra_groups": [], "stdin": subprocess.PIPE}
+    sleeper = subprocess.Popen(["/bin/sh", "-c", "read -r _", marker], **options)
     deadline = time.monotonic() + 2
     while leftovers(marker) != [sleeper.pid] and time.monotonic() < deadline:
         time.sleep(0.01)
     assert leftovers(marker) == [sleeper.pid]
     return sleeper
+
+
+def _end(sleeper: subprocess.Popen) -> None:
+    sleeper.kill()
+    sleeper.wait()
+    sleeper.stdin.close()
 
 
 @pytest.mark.skipif(not ROOT, reason="needs root (a uid per run)")
@@ -636,8 +644,7 @@ def test_the_next_run_ends_what_a_killed_caller_left_as_its_marker_names_it():
         assert orphan.wait(timeout=2) == -signal.SIGKILL and leftovers(marker) == []
         assert not left.exists() and not (markers_dir() / f"{orphan_uid}.json").exists()
     finally:
-        orphan.kill()
-        orphan.wait()
+        _end(orphan)
         left.unlink(missing_ok=True)
 
 
@@ -656,6 +663,5 @@ def test_processes_and_files_of_a_large_uid_without_a_marker_are_never_touched()
         assert stranger.poll() is None and leftovers(marker) == [stranger.pid]
         assert theirs.exists()
     finally:
-        stranger.kill()
-        stranger.wait()
+        _end(stranger)
         theirs.unlink(missing_ok=True)

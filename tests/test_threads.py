@@ -67,14 +67,22 @@ def test_a_busy_process_is_seen_and_our_own_work_is_not():
     # looks, and on a machine they fill, nothing tells the burner's share from theirs. CI runs
     # this file alone after the suite. Where other work still runs, the burner takes its share
     # from it rather than adding to the busy time, but it is never missed.
+    # A neighbour whose load rises between two looks (steal time on a VM counts) could make
+    # one look read high (review r29a: 4 failures in 10 beside a process busy 0.8 s in 1.6):
+    # each "not seen" check passes when one of a few looks is below the bound. A governor
+    # that counted our own work, or the burner after its end, reads high in every look.
     governor = ThreadGovernor(first_look_s=0)
     share = governor.cores / (os.cpu_count() or 1)
     time.sleep(0.5)
     idle = governor.others_busy()
-    start = time.monotonic()
-    while time.monotonic() - start < 0.5:  # this process busy: not "others"
-        pass
-    assert governor.others_busy() < idle + 0.3
+
+    def own_work_looks() -> float:
+        start = time.monotonic()
+        while time.monotonic() - start < 0.5:  # this process busy: not "others"
+            pass
+        return governor.others_busy()
+
+    assert any(own_work_looks() < idle + 0.3 for _ in range(LOOKS))
     burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         time.sleep(0.3)
@@ -88,5 +96,13 @@ def test_a_busy_process_is_seen_and_our_own_work_is_not():
     finally:
         burner.kill()
         burner.wait()
-        time.sleep(0.5)
-        assert governor.others_busy() < idle + 0.3
+        assert any(_idle_look(governor) < idle + 0.3 for _ in range(LOOKS))
+
+
+LOOKS = 4
+"""How many looks a "not seen" check of the test above may take (the first below passes)."""
+
+
+def _idle_look(governor: ThreadGovernor) -> float:
+    time.sleep(0.5)
+    return governor.others_busy()
