@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from dapo.ablate.plans import Job
 from dapo.run.lock import RunLock
-from dapo.run.nofollow import open_binary
+from dapo.run.nofollow import LinkRefused, open_binary
 
 if TYPE_CHECKING:
     from dapo.config import Config
@@ -51,7 +51,13 @@ def ablation_lock(out_dir: Path) -> RunLock:
     finished run) and write the same ``<run>.log`` at once."""
     out_dir.mkdir(parents=True, exist_ok=True)
     kind = ("ablation directory", "give --out on")
-    return RunLock(out_dir, name=ABLATION_LOCK, refusal=_ablation_in_use, kind=kind)
+    return RunLock(
+        out_dir,
+        name=ABLATION_LOCK,
+        refusal=_ablation_in_use,
+        link_refusal=_ablation_lock_link,
+        kind=kind,
+    )
 
 
 def _ablation_in_use(out_dir: Path, holder: str) -> ValueError:
@@ -59,6 +65,13 @@ def _ablation_in_use(out_dir: Path, holder: str) -> ValueError:
         f"ablation directory {out_dir} is in use by {holder}: another dapo ablate runs "
         "there, and a second would start its runs over. Wait for it to end (or stop it), then "
         "run this command again to continue the ablation; or give another --out"
+    )
+
+
+def _ablation_lock_link(path: Path) -> LinkRefused:
+    return LinkRefused(
+        f"{path} is a symbolic link: dapo takes no lock through a link (it could lead to any "
+        "file). Remove the link, or use another ablation directory"
     )
 
 

@@ -34,9 +34,10 @@ ATTEMPTS = 5  # lock files replaced under it in a row before the lock taken is k
 class RunLock:
     """An exclusive lock on a run directory, released by :meth:`release` or process exit.
 
-    ``name``, ``refusal`` and ``kind`` lock another kind of directory the same way (an
-    ablation's, :mod:`dapo.ablate.runs`): its lock file, the error that names who holds it,
-    and what the directory is called, with the setting that moves it (when flock fails)."""
+    ``name``, ``refusal``, ``link_refusal`` and ``kind`` lock another kind of directory the
+    same way (an ablation's, :mod:`dapo.ablate.runs`): its lock file, the error that names who
+    holds it, the error for a symbolic link in the lock file's place, and what the directory
+    is called, with the setting that moves it (when flock fails)."""
 
     def __init__(
         self,
@@ -44,11 +45,13 @@ class RunLock:
         *,
         name: str = LOCK_NAME,
         refusal: Callable[[Path, str], ValueError] | None = None,
+        link_refusal: Callable[[Path], ValueError] = nofollow.refused,
         kind: tuple[str, str] = ("run directory", "set run.out_dir to"),
     ) -> None:
         self.run_dir = Path(run_dir)
         self.name = name
         self.refusal = refusal
+        self.link_refusal = link_refusal
         self.kind = kind
         self.fd: int | None = None
 
@@ -83,18 +86,11 @@ class RunLock:
         return self
 
     def _open(self, path: Path) -> int:
-        """The lock file's descriptor; a link in its place refused, naming the directory as
-        :attr:`kind` calls it."""
+        """The lock file's descriptor; a link in its place refused (:attr:`link_refusal`)."""
         try:
             return nofollow.open_fd(path, os.O_RDWR | os.O_CREAT)
         except nofollow.LinkRefused:
-            what = self.kind[0]
-            if what == "run directory":
-                raise  # nofollow's own words: a run directory
-            raise nofollow.LinkRefused(
-                f"{path} is a symbolic link: dapo takes no lock through a link (it could lead "
-                f"to any file). Remove the link, or use another {what}"
-            ) from None
+            raise self.link_refusal(path) from None
 
     def release(self) -> None:
         if self.fd is not None:
