@@ -4,6 +4,7 @@ written to ``summary.json`` and ``problems.jsonl`` and resumable from its journa
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -87,7 +88,7 @@ def run(req: EvalRequest, *, reward_fn: Callable[..., Any] | None = None) -> Eva
     from dapo.eval.metrics import summarize
     from dapo.models.policy import stop_token_ids
     from dapo.rollout import make_engine
-    from dapo.training.state import engine_stops, reward_pool, runner_for
+    from dapo.training.state import close_episodes, engine_stops, reward_pool, runner_for
 
     check_request(req, reward_fn)
     ks, phrases = _ks(req.pass_k, req.k), _phrases(req.phrases)
@@ -107,7 +108,10 @@ def run(req: EvalRequest, *, reward_fn: Callable[..., Any] | None = None) -> Eva
     settings.reward.function = req.reward_function  # the command's (a config's grades no eval)
     stops = engine_stops(stop_token_ids(model, tokenizer, extra), tokenizer, settings.env)
     engine = make_engine(req.engine, model, tokenizer, stops)
-    with reward_pool(settings, reward_fn) as pool:  # graded as the run grades: reward.*, code.*
+    episodes = runner_for(settings, engine, tokenizer)  # the run's env.class
+    # Graded as the run grades (reward.*, code.*); the environment's tools stop with it.
+    with reward_pool(settings, reward_fn) as pool, contextlib.ExitStack() as ends:
+        ends.callback(close_episodes, episodes)
         records = done + sample_records(
             engine,
             tokenizer,
@@ -124,7 +128,7 @@ def run(req: EvalRequest, *, reward_fn: Callable[..., Any] | None = None) -> Eva
             reward_mode=req.reward_function or req.reward_mode,
             before_batch=lambda i, n: before_batch(len(done) + i, len(done) + n),
             after_batch=journal.append,
-            episodes=runner_for(settings, engine, tokenizer),  # the run's env.class
+            episodes=episodes,
         )
     before_batch(len(problems), len(problems))
     per_problem = _per_problem(records, ks, phrases)

@@ -82,6 +82,10 @@ class Environment:
         """The answer to the model's last turn."""
         return Observation(done=True)
 
+    def close(self) -> None:
+        """Release what the environment holds (a tool's helper processes): called once, when
+        the run or evaluation that made it ends, on success or error. The base holds nothing."""
+
 
 def model_text_of(segments: list[tuple[str, bool]]) -> str:
     """:attr:`History.model_text` of an episode's ``segments`` (each turn's or observation's

@@ -172,6 +172,16 @@ class Launcher:
                     self._pool = None  # the next call starts new helpers
             raise OSError("a helper process of the tool died") from None
 
+    def close(self) -> None:
+        """Stop the helpers; a call in flight ends first (within its deadline), and the next
+        call starts new ones. Left to the interpreter's exit instead, the pool could hang it:
+        Python 3.11 wakes each pool's manager thread there without its lock, and one error
+        skips the joins, leaving a thread that the exit then waits for forever."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
 
 class MathTool(Environment):
     """A Python tool for math: see the module's docstring."""
@@ -187,6 +197,9 @@ class MathTool(Environment):
             wall_s=wall_s, cpu_s=max(1.0, wall_s - 0.5), memory_mb=memory_mb
         )
         self.instruction = INSTRUCTION if getattr(settings, "tool_instruction", True) else ""
+
+    def close(self) -> None:
+        self.launcher.close()
 
     def messages(self, problem) -> list[dict[str, str]]:
         messages = [dict(m) for m in problem.messages]

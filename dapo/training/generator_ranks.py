@@ -52,7 +52,14 @@ from dapo.training.rollout_files import decode, encode, rollouts_to_files
 from dapo.training.rounds import Drawer, draw_step
 from dapo.training.sampling import SamplingResult
 from dapo.training.sources import InTurn, RolloutSource, StepRollouts, drawn_ahead_metrics
-from dapo.training.state import TrainState, drawer_for, engine_options, engine_stops, reward_pool
+from dapo.training.state import (
+    TrainState,
+    close_episodes,
+    drawer_for,
+    engine_options,
+    engine_stops,
+    reward_pool,
+)
 
 # ----------------------------------------------------------------------------- the trainers
 
@@ -241,6 +248,7 @@ def generate_on_this_rank(
         failed = False
     finally:
         pool.close()
+        close_episodes(drawer.episodes)
         close_engine(engine, failed=failed)
 
 

@@ -52,7 +52,13 @@ from dapo.training.exchange import MiniBatch
 from dapo.training.rollout_files import rollouts_to_files
 from dapo.training.rounds import draw_step
 from dapo.training.sources import StepRollouts, drawn_ahead_metrics
-from dapo.training.state import TrainState, drawer_for, engine_options, engine_stops
+from dapo.training.state import (
+    TrainState,
+    close_episodes,
+    drawer_for,
+    engine_options,
+    engine_stops,
+)
 
 FAILED_CLOSE_S = 5.0
 """How long a failing run waits for the generator thread's round in flight."""
@@ -260,6 +266,7 @@ class GeneratorThread:
             return
         if self.drawer.pool is not None:
             self.drawer.pool.close()
+        close_episodes(self.drawer.episodes)  # its own engine's runner, not the trainer's
 
 
 def _load(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:

@@ -37,7 +37,7 @@ from dapo.training.generator_ranks import rollout_source
 from dapo.training.rollout_files import restore_ahead
 from dapo.training.sampling import DynamicSamplingExhausted
 from dapo.training.sources import InTurn, RolloutSource, StepRollouts
-from dapo.training.state import TrainState, build_state, reward_pool
+from dapo.training.state import TrainState, build_state, close_episodes, reward_pool
 from dapo.training.step import train_step
 from dapo.training.update import NonFiniteError
 
@@ -87,6 +87,7 @@ def fit(
         raise type(exc)(f"{exc} {resume_checks.retry_hint(run_dir, fix)}") from None
     finally:
         state.pool.close()
+        close_episodes(state.episodes)
         close_engine(state.engine, failed=failed)
 
 

@@ -192,6 +192,14 @@ def runner_for(
     )
 
 
+def close_episodes(runner: EpisodeRunner | None) -> None:
+    """Close the environment of ``runner`` (one :func:`runner_for` made) when its run or
+    evaluation ends: the Python tool's helper processes stop here, not at the interpreter's
+    exit (:meth:`dapo.env.python_tool.Launcher.close`)."""
+    if runner is not None:
+        runner.env.close()
+
+
 def engine_options(cfg: Config) -> dict[str, bool]:
     """The dapo and hf engines' settings from the run's config (``make_engine``'s keywords)."""
     return dict(
