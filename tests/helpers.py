@@ -39,6 +39,20 @@ SMALL = [
 """A run of a few seconds on the tiny test model."""
 
 
+LENGTH_SHAPED = [
+    "rollout.max_new_tokens=12",
+    "algo.l_cache=8",  # lengths past 4 shape the rewards: advantages without a verifier
+    "rollout.group_size=4",
+    "sampling.dynamic=false",
+    "train.prompts_per_step=2",
+    "optim.warmup_steps=0",
+    "reward.workers=0",
+    "run.threads=1",
+]
+"""Steps of 2 prompts x 4 responses on the tiny model, rewarded by their lengths alone (with
+:func:`plus_one_problems`), in one thread."""
+
+
 def setup_run(tmp_path, tiny_model, *overrides):
     """(config, train problems, val problems, an empty run directory, a copy of the model)."""
     cfg = load_config(None, [*SMALL, f"run.out_dir={tmp_path}", *overrides])

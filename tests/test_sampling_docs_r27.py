@@ -9,7 +9,7 @@ import json
 import math
 from pathlib import Path
 
-from helpers import plus_one_problems
+from helpers import LENGTH_SHAPED, plus_one_problems
 
 from dapo.ablate.table import read_result
 from dapo.config import load_config
@@ -61,18 +61,11 @@ def test_staleness_counts_steps_not_the_updates_each_step_makes(tiny_model, toke
     cfg = load_config(
         None,
         [
-            "rollout.max_new_tokens=12",
-            "algo.l_cache=8",  # lengths past 4 shape the rewards: advantages without a verifier
-            "rollout.group_size=4",
-            "sampling.dynamic=false",
-            "train.prompts_per_step=2",
+            *LENGTH_SHAPED,
             "train.responses_per_minibatch=4",
             "train.epochs=2",
             "train.async_staleness=1",
             "train.steps=3",
-            "optim.warmup_steps=0",
-            "reward.workers=0",
-            "run.threads=1",
         ],
     )
     problems = plus_one_problems(9)

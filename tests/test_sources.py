@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 import yaml
-from helpers import TINY_DEMO, plus_one_problems
+from helpers import LENGTH_SHAPED, TINY_DEMO, plus_one_problems
 
 from dapo.config import load_config
 from dapo.data.batch import Episode
@@ -29,16 +29,9 @@ def _cfg(*overrides: str):
     return load_config(
         None,
         [
-            "rollout.max_new_tokens=12",
-            "algo.l_cache=8",  # lengths past 4 shape the rewards: advantages without a verifier
-            "rollout.group_size=4",
-            "sampling.dynamic=false",
-            "train.prompts_per_step=2",
+            *LENGTH_SHAPED,
             "train.responses_per_minibatch=8",
             "train.recompute_old_logprobs=false",  # the sampler's may stand in for pi_old
-            "optim.warmup_steps=0",
-            "reward.workers=0",
-            "run.threads=1",
             *overrides,
         ],
     )
