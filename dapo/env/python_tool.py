@@ -175,8 +175,9 @@ class Launcher:
     def close(self) -> None:
         """Stop the helpers; a call in flight ends first (within its deadline), and the next
         call starts new ones. Left to the interpreter's exit instead, the pool could hang it:
-        Python 3.11 wakes each pool's manager thread there without its lock, and one error
-        skips the joins, leaving a thread that the exit then waits for forever."""
+        Python 3.11 wakes each pool's manager thread there without a lock against the pipe's
+        closing (CPython gh-125451, fixed in 3.12 and 3.13), and one error skips the joins,
+        leaving a thread that the exit then waits for forever."""
         with self._lock:
             pool, self._pool = self._pool, None
         if pool is not None:
