@@ -181,7 +181,10 @@ class Launcher:
         with self._lock:
             pool, self._pool = self._pool, None
         if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+            # No cancel_futures: a shutdown after a cancelled call has hung in CPython
+            # (gh-94440), and no call waits in the queue (env.workers threads make at most as
+            # many calls at once as the pool has helpers).
+            pool.shutdown(wait=True)
 
 
 class MathTool(Environment):
