@@ -7,6 +7,7 @@ with the tool). A pool the run closed leaves no manager thread for the exit to w
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 
@@ -14,9 +15,10 @@ import pytest
 from helpers import quiet_fit, save_model, setup_run
 
 from dapo.cli import main
-from dapo.env import Environment, MathTool
+from dapo.env import Environment, MathTool, Observation
 from dapo.env.python_tool import Launcher
 from dapo.reward import sandbox
+from dapo.rollout.env_steps import run_steps
 
 pytestmark = pytest.mark.skipif(
     not sandbox.available_modes(), reason="no sandbox mode works on this machine"
@@ -121,3 +123,48 @@ def test_an_evaluation_with_the_tool_leaves_no_process_pool_behind(tmp_path, lau
                  "--threads", "1", "--out", str(out)]) == 0  # fmt: skip
     assert len(launched) == 2  # one per problem
     assert _pool_threads() - before == set()
+
+
+def test_a_call_that_races_the_close_is_answered_not_raised():
+    """A step thread took the pool just before the run's end closed it: its call comes back
+    as an observation ("not run"), not a RuntimeError out of the executor."""
+    tool = MathTool()
+    assert tool.run(["print(1)"]).text == "\n```output\n1\n```\n"
+    taken = tool.launcher._pool
+    tool.close()
+    tool.launcher._pool = taken  # as the racing thread holds it
+    answer = tool.run(["print(2)"])
+    assert answer.error and "not run: the tool was closed: the run is ending" in answer.text
+    tool.launcher._pool = None
+
+
+class _Interrupt(Exception):
+    pass
+
+
+def test_an_interrupt_while_steps_run_starts_no_more_steps():
+    """Ctrl-C in the caller's thread while env steps run: the step threads take no more
+    steps (they went on through all 40, each a tool call that could outlive the tool's
+    close)."""
+    started = []
+
+    def step(history):
+        started.append(history)
+        time.sleep(0.1)
+        return Observation()
+
+    def interrupt(*_):
+        raise _Interrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.35)
+        with pytest.raises(_Interrupt):
+            run_steps(step, list(range(40)), workers=2, timeout_s=60, name="Slow")
+        at_interrupt = len(started)
+        time.sleep(2.5)  # 40 steps of 0.1 s on 2 threads would have ended by now
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert 4 <= at_interrupt <= 10
+    assert len(started) <= at_interrupt + 2  # a step each thread had taken as it came

@@ -83,8 +83,11 @@ class Environment:
         return Observation(done=True)
 
     def close(self) -> None:
-        """Release what the environment holds (a tool's helper processes): called once, when
-        the run or evaluation that made it ends, on success or error. The base holds nothing."""
+        """Release what the environment holds (a tool's helper processes): called when the run
+        or evaluation that made it ends, on success or error. An environment given as an
+        instance serves every runner of the process (the trainer's, the generator thread's,
+        a later run's), so a close may come more than once and a call after it: a later call
+        starts again what it needs. The base holds nothing."""
 
 
 def model_text_of(segments: list[tuple[str, bool]]) -> str:

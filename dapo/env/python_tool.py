@@ -25,7 +25,7 @@ import select
 import threading
 import time
 import tokenize
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
@@ -145,6 +145,17 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _submit(
+    pool: ProcessPoolExecutor, source: str, limits: sandbox.SandboxLimits, mode: str
+) -> Future:
+    try:
+        return pool.submit(sandbox.run_python, source, limits=limits, mode=mode)
+    except BrokenProcessPool:
+        raise
+    except RuntimeError:  # shut down since it was taken: a call that raced the run's end
+        raise OSError("the tool was closed: the run is ending") from None
+
+
 class Launcher:
     """Starts sandbox runs from small helper processes (a forkserver's children, made once):
     forked from the trainer, whose address space holds the model, each run's process took 3x
@@ -165,7 +176,7 @@ class Launcher:
                 )
             pool = self._pool
         try:
-            return pool.submit(sandbox.run_python, source, limits=limits, mode=mode).result()
+            return _submit(pool, source, limits, mode).result()
         except BrokenProcessPool:
             with self._lock:
                 if self._pool is pool:

@@ -53,15 +53,20 @@ def run_steps(
     threads = [threading.Thread(target=work, daemon=True) for _ in range(min(workers, len(todo)))]
     for thread in threads:
         thread.start()
-    for thread in threads:
-        while thread.is_alive():
-            thread.join(POLL_S)
-            with lock:
-                late = [i for i, t in running.items() if time.monotonic() - t > timeout_s]
+    try:
+        for thread in threads:
+            while thread.is_alive():
+                thread.join(POLL_S)
+                with lock:
+                    late = [i for i, t in running.items() if time.monotonic() - t > timeout_s]
+                    if late:
+                        todo.clear()  # the other threads take no more
                 if late:
-                    todo.clear()  # the other threads take no more
-            if late:
-                raise TimeoutError(_late(histories[min(late)], timeout_s, name))
+                    raise TimeoutError(_late(histories[min(late)], timeout_s, name))
+    except BaseException:  # a Ctrl-C too: no step starts after it (nor a tool, once closed)
+        with lock:
+            todo.clear()
+        raise
     for _, exc in results:
         if exc is not None:
             raise exc

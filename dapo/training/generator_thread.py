@@ -257,7 +257,8 @@ class GeneratorThread:
         """Stop the thread between two rounds; close its reward pool. A failing run (a second
         Ctrl-C) waits ``FAILED_CLOSE_S`` at most: the round in flight may take minutes (its
         generation, grading up to reward.batch_timeout_s), and is left to the daemon thread;
-        the pool it grades with is then not closed here (its workers end with this process)."""
+        the pool it grades with and its environment's tool helpers are then not closed here
+        (they end with this process)."""
         with self.cond:
             self.closing = True
             self.cond.notify_all()
