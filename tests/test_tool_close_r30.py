@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+import types
 
 import pytest
 from helpers import quiet_fit, save_model, setup_run
@@ -18,6 +19,7 @@ from dapo.cli import main
 from dapo.env import Environment, MathTool, Observation
 from dapo.env.python_tool import Launcher
 from dapo.reward import sandbox
+from dapo.rollout import env_steps
 from dapo.rollout.env_steps import run_steps
 
 pytestmark = pytest.mark.skipif(
@@ -125,17 +127,41 @@ def test_an_evaluation_with_the_tool_leaves_no_process_pool_behind(tmp_path, lau
     assert _pool_threads() - before == set()
 
 
-def test_a_call_that_races_the_close_is_answered_not_raised():
+def test_a_call_that_races_the_close_is_answered_not_raised(monkeypatch):
     """A step thread took the pool just before the run's end closed it: its call comes back
     as an observation ("not run"), not a RuntimeError out of the executor."""
     tool = MathTool()
     assert tool.run(["print(1)"]).text == "\n```output\n1\n```\n"
-    taken = tool.launcher._pool
-    tool.close()
-    tool.launcher._pool = taken  # as the racing thread holds it
+    real = Launcher._submit
+
+    def closed_meanwhile(self, pool, *args):
+        self.close()  # between the call taking the pool and its submit
+        return real(self, pool, *args)
+
+    monkeypatch.setattr(Launcher, "_submit", closed_meanwhile)
     answer = tool.run(["print(2)"])
     assert answer.error and "not run: the tool was closed: the run is ending" in answer.text
-    tool.launcher._pool = None
+    assert tool.launcher._pool is None
+
+
+def test_a_pool_that_fails_on_its_own_is_dropped_and_its_error_raised(monkeypatch):
+    """A RuntimeError of a pool nobody closed (a manager thread it could not start) is the
+    run's error, not "closed"; the pool, which would hang the next call, is dropped."""
+    tool = MathTool()
+    assert tool.run(["print(1)"]).text == "\n```output\n1\n```\n"
+    pool = tool.launcher._pool
+
+    def cannot(*args, **kwargs):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(pool, "submit", cannot)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        tool.run(["print(2)"])
+    assert tool.launcher._pool is None
+    monkeypatch.undo()
+    pool.shutdown()
+    assert tool.run(["print(3)"]).text == "\n```output\n3\n```\n"
+    tool.close()
 
 
 class _Interrupt(Exception):
@@ -168,3 +194,28 @@ def test_an_interrupt_while_steps_run_starts_no_more_steps():
         signal.signal(signal.SIGALRM, previous)
     assert 4 <= at_interrupt <= 10
     assert len(started) <= at_interrupt + 2  # a step each thread had taken as it came
+
+
+def test_an_interrupt_while_the_step_threads_start_stops_the_started_ones(monkeypatch):
+    """The Ctrl-C lands in the second thread's start: the first, already started, took
+    every step (the queue was cleared only for an interrupt in the waiting loop)."""
+    started, starts = [], []
+
+    class Interrupted(threading.Thread):
+        def start(self):
+            starts.append(self)
+            if len(starts) == 2:
+                raise _Interrupt
+            super().start()
+
+    def step(history):
+        started.append(history)
+        time.sleep(0.05)
+        return Observation()
+
+    fake = types.SimpleNamespace(Thread=Interrupted, Lock=threading.Lock)
+    monkeypatch.setattr(env_steps, "threading", fake)
+    with pytest.raises(_Interrupt):
+        run_steps(step, list(range(40)), workers=2, timeout_s=60, name="Slow")
+    time.sleep(1.0)  # 40 steps of 0.05 s on one thread would be half done
+    assert 1 <= len(started) <= 2

@@ -145,17 +145,6 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _submit(
-    pool: ProcessPoolExecutor, source: str, limits: sandbox.SandboxLimits, mode: str
-) -> Future:
-    try:
-        return pool.submit(sandbox.run_python, source, limits=limits, mode=mode)
-    except BrokenProcessPool:
-        raise
-    except RuntimeError:  # shut down since it was taken: a call that raced the run's end
-        raise OSError("the tool was closed: the run is ending") from None
-
-
 class Launcher:
     """Starts sandbox runs from small helper processes (a forkserver's children, made once):
     forked from the trainer, whose address space holds the model, each run's process took 3x
@@ -176,12 +165,30 @@ class Launcher:
                 )
             pool = self._pool
         try:
-            return _submit(pool, source, limits, mode).result()
+            return self._submit(pool, source, limits, mode).result()
         except BrokenProcessPool:
-            with self._lock:
-                if self._pool is pool:
-                    self._pool = None  # the next call starts new helpers
+            self._drop(pool)
             raise OSError("a helper process of the tool died") from None
+
+    def _submit(
+        self, pool: ProcessPoolExecutor, source: str, limits: sandbox.SandboxLimits, mode: str
+    ) -> Future:
+        try:
+            return pool.submit(sandbox.run_python, source, limits=limits, mode=mode)
+        except BrokenProcessPool:
+            raise
+        except RuntimeError:
+            with self._lock:
+                closed = self._pool is not pool
+            if closed:  # shut down since it was taken: a call that raced the run's end
+                raise OSError("the tool was closed: the run is ending") from None
+            self._drop(pool)  # its own failure (a thread it could not start): raised as it is
+            raise
+
+    def _drop(self, pool: ProcessPoolExecutor) -> None:
+        with self._lock:
+            if self._pool is pool:
+                self._pool = None  # the next call starts new helpers
 
     def close(self) -> None:
         """Stop the helpers; a call in flight ends first (within its deadline), and the next

@@ -51,9 +51,9 @@ def run_steps(
                 del running[i]
 
     threads = [threading.Thread(target=work, daemon=True) for _ in range(min(workers, len(todo)))]
-    for thread in threads:
-        thread.start()
-    try:
+    try:  # from the first start: a Ctrl-C may land while a thread starts
+        for thread in threads:
+            thread.start()
         for thread in threads:
             while thread.is_alive():
                 thread.join(POLL_S)
@@ -63,7 +63,7 @@ def run_steps(
                         todo.clear()  # the other threads take no more
                 if late:
                     raise TimeoutError(_late(histories[min(late)], timeout_s, name))
-    except BaseException:  # a Ctrl-C too: no step starts after it (nor a tool, once closed)
+    except BaseException:  # a Ctrl-C too: no step starts after it
         with lock:
             todo.clear()
         raise
