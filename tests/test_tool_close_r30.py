@@ -16,7 +16,7 @@ import pytest
 from helpers import quiet_fit, save_model, setup_run
 
 from dapo.cli import main
-from dapo.env import Environment, MathTool, Observation
+from dapo.env import Environment, MathTool, Observation, load_environment
 from dapo.env.python_tool import Launcher
 from dapo.reward import sandbox
 from dapo.rollout import env_steps
@@ -112,6 +112,31 @@ def test_a_run_with_the_tool_leaves_no_process_pool_behind(
     assert quiet_fit(cfg, tiny_model, tokenizer, train, val, run_dir)["steps"] == 2
     assert len(launched) >= 4  # 2 prompts a step, 2 steps
     assert _pool_threads() - before == set()
+
+
+def test_an_instance_serves_every_runner_and_a_later_run(
+    tmp_path, tiny_model, tokenizer, launched, monkeypatch
+):
+    """``env.class=PATH:INSTANCE``: one object for the trainer's runner and the generator
+    thread's (k = 1), closed by each, and a later run in the process (k = 0) calls its tool
+    again and closes it once more."""
+    path = tmp_path / "tool_instance.py"
+    path.write_text(TOOL_AT_START + "\nTOOL = ToolAtStart()\n")
+    spec = f"{path}:TOOL"
+    tool = load_environment(spec)
+    assert load_environment(spec) is tool and isinstance(tool, MathTool)
+    closes, real = [], Launcher.close
+    monkeypatch.setattr(Launcher, "close", lambda self: (closes.append(self), real(self)))
+    before = _pool_threads()
+    for staleness, closed in [(1, 2), (0, 3)]:
+        overrides = (f"env.class={spec}", "train.steps=2", f"train.async_staleness={staleness}")
+        (root := tmp_path / f"k{staleness}").mkdir()
+        cfg, train, val, run_dir, start = setup_run(root, tiny_model, *overrides)
+        calls = len(launched)
+        assert quiet_fit(cfg, start, tokenizer, train, val, run_dir)["steps"] == 2
+        assert len(launched) - calls >= 4  # 2 prompts a step, 2 steps
+        assert closes == [tool.launcher] * closed
+        assert tool.launcher._pool is None and _pool_threads() - before == set()
 
 
 def test_an_evaluation_with_the_tool_leaves_no_process_pool_behind(tmp_path, launched):
