@@ -98,24 +98,48 @@ def _kill_at_first_checkpoint(proc, run_dir: Path) -> None:
     assert finish_run(proc)[0] == -signal.SIGKILL
 
 
-def test_generation_ahead_draws_episodes_and_a_kill_9_resumes_it_exactly(tmp_path, reference):
-    """``train.async_staleness=1``: the generator thread draws episodes (the runner on its
-    engine), and the episodes it drew ahead, masks and traces, go through the checkpoint."""
+AHEAD = [*TOOLS_RUN, "train.async_staleness=1"]
+"""The tools demo with its episodes drawn a step ahead of training."""
+
+
+@pytest.fixture(scope="module")
+def ahead(tmp_path_factory, reference) -> Path:
+    """One uninterrupted run of :data:`AHEAD` (the generator thread draws the episodes)."""
     _, cache = reference
-    ahead = [*TOOLS_RUN, "train.async_staleness=1"]
-    code, _, err = finish_run(start_run(tmp_path, "ahead", cache, ahead))
+    root = tmp_path_factory.mktemp("ahead")
+    code, _, err = finish_run(start_run(root, "ahead", cache, AHEAD))
     assert code == 0, err
-    lines = _lines(tmp_path / "ahead")
-    steps = lines[1:]
+    steps = _lines(root / "ahead")[1:]
     assert max(m["async/staleness_max"] for m in steps) == 1
     assert max(m["episode/turns"] for m in steps) > 1
     assert sum(m["tools/calls_per_response"] for m in steps) > 0
-    proc = start_run(tmp_path, "run", cache, ahead)
+    return root / "ahead"
+
+
+def test_generation_ahead_draws_episodes_and_a_kill_9_resumes_it_exactly(
+    tmp_path, reference, ahead
+):
+    """``train.async_staleness=1``: the generator thread draws episodes (the runner on its
+    engine), and the episodes it drew ahead, masks and traces, go through the checkpoint."""
+    _, cache = reference
+    proc = start_run(tmp_path, "run", cache, AHEAD)
     _kill_at_first_checkpoint(proc, tmp_path / "run")
     rcode, _, err = finish_run(
         start_run(tmp_path, "run", cache, [], "--resume", str(tmp_path / "run"))
     )
     assert rcode == 0, err
-    assert _lines(tmp_path / "run") == lines
-    a, b = _weights(tmp_path / "ahead"), _weights(tmp_path / "run")
+    assert _lines(tmp_path / "run") == _lines(ahead)
+    a, b = _weights(ahead), _weights(tmp_path / "run")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_generator_rank_draws_the_generator_threads_episodes(tmp_path, reference, ahead):
+    """``dist.rollout_ranks=1`` under torchrun: the generator rank runs the episodes (its own
+    runner and tool) and the trainer rank trains on them, bit for bit the one-process run
+    whose generator thread drew them."""
+    _, cache = reference
+    args = [*AHEAD, "dist.rollout_ranks=1", f"embedded.cache_dir={cache}", "run.name=ranks"]
+    dapo_train(2, *args, out_dir=tmp_path)
+    assert _lines(tmp_path / "ranks") == _lines(ahead)
+    a, b = _weights(ahead), _weights(tmp_path / "ranks")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
