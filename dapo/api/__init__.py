@@ -55,8 +55,9 @@ def __getattr__(name: str) -> Any:
 
 def export(run_dir: str | Path, out: str | Path, **options: Any) -> ExportResult:
     """Write a checkpoint of the run in ``run_dir`` as a Hugging Face model directory
-    ``out``, as ``dapo export`` does (``step``, ``overwrite``, ``dtype``, ``merge``: its
-    flags; ``log``: a function given each progress line, default printing it to stderr)."""
+    ``out``, as ``dapo export`` does (``step``, ``overwrite``, ``dtype``, ``merge``,
+    ``base``: its flags; ``log``: a function given each progress line, default printing it
+    to stderr)."""
     from dapo.api.exporting import export as export_
 
     return export_(run_dir, out, **options)

@@ -15,12 +15,20 @@ from typing import Any
 
 import torch
 
-from dapo.config import Config, load_config
+from dapo.config import Config, ModelConfig, choices, load_config
 from dapo.config.loading import set_value
+from dapo.config.yaml_files import clipped_repr
 from dapo.dist import dcp
 from dapo.models import lora, merged_save
 from dapo.run import model_files
 from dapo.run.model_files import TRAINED_FILE, CheckpointError
+
+DTYPE_CHOICES = choices(ModelConfig, "param_dtype")
+MOVED_BASE = (
+    "give that model with --base MODEL (a directory or Hub id), or export without --merge: "
+    "a peft adapter directory needs no base"
+)
+"""How to merge adapters whose base is no longer where the run's ``config.yaml`` says."""
 
 
 def run_config(run_dir: Path) -> Config:
@@ -32,15 +40,32 @@ def run_config(run_dir: Path) -> Config:
 
 
 def with_trained_settings(cfg: Config, saved_base: Any, ckpt: Path, log) -> Config:
-    """``cfg`` with the ``model.lora`` settings the checkpoint's adapters were trained with
-    (recorded beside ``base_model``): a resume with ``--force`` may have changed
-    ``config.yaml``'s since, and a merge with another alpha scales the update wrongly.
-    A checkpoint that records none (dapo before this record) keeps ``config.yaml``'s."""
+    """``cfg`` with the ``model.lora`` settings the checkpoint's adapters were trained with and
+    the ``model.param_dtype`` their base was loaded in (recorded beside ``base_model``): a
+    resume with ``--force`` may have changed ``config.yaml``'s since, and a merge with
+    another alpha scales the update wrongly, one into a base rounded otherwise is not the
+    policy that was trained. A checkpoint that records none (dapo before these records)
+    keeps ``config.yaml``'s."""
     if not isinstance(saved_base, dict):
         raise CheckpointError(f"{ckpt}: trainer.json's base_model is not an object: damaged")
     saved = saved_base.get("lora")
-    if saved is None:
-        return cfg
+    if saved is not None:
+        _use_lora_record(cfg, saved, ckpt, log)
+    if "param_dtype" in saved_base:
+        now, dtype, kinds = cfg.model.param_dtype, saved_base["param_dtype"], DTYPE_CHOICES
+        if dtype not in kinds:
+            raise CheckpointError(
+                f"{ckpt}: trainer.json's base_model.param_dtype is {clipped_repr(dtype)}, not "
+                f"one of {', '.join(kinds)}: the file is damaged or was not written by dapo"
+            )
+        cfg.model.param_dtype = dtype
+        if dtype != now:
+            log(f"export: the base was loaded in model.param_dtype={dtype} (config.yaml: {now})")
+    return cfg
+
+
+def _use_lora_record(cfg: Config, saved: Any, ckpt: Path, log) -> None:
+    """``cfg.model.lora`` set to the checkpoint's record ``saved`` of it, checked."""
     if not isinstance(saved, dict) or set(saved) != set(lora.TRAINED_SETTINGS):
         raise CheckpointError(
             f"{ckpt}: trainer.json's base_model.lora is not {{{', '.join(lora.TRAINED_SETTINGS)}}}:"
@@ -58,7 +83,6 @@ def with_trained_settings(cfg: Config, saved_base: Any, ckpt: Path, log) -> Conf
     changed = [f"{n}={saved[n]!r} (config.yaml: {now[n]!r})" for n in saved if saved[n] != now[n]]
     if changed:
         log(f"export: the adapters were trained with model.lora {', '.join(changed)}: used")
-    return cfg
 
 
 def trained_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
@@ -98,12 +122,19 @@ def merged(
 
         warmup = load_run_data(cfg).warmup_pairs
     log(f"export: loading the base model {cfg.model.path} to merge the adapters into")
-    model, _ = policy.load_policy(cfg, warmup, log=log)
+    try:
+        model, _ = policy.load_policy(cfg, warmup, log=log)
+    except ValueError as exc:
+        raise ValueError(f"--merge: the adapters' base: {exc}; {MOVED_BASE}") from None
     where = None if cfg.model.path == "embedded" else policy.model_dir(cfg)
     now = model_files.base_reference(cfg.model.path, cfg.model.revision, where, model)
-    wrong = model_files.check_base(saved_base, now, ckpt)
-    if wrong:
-        raise CheckpointError(wrong)
+    if saved_base.get("sha256") != now["sha256"]:
+        raise CheckpointError(
+            f"--merge: model.path={now['path']} (weights sha256 {now['sha256'][:12]}...) is not "
+            f"the base the adapters of {ckpt} were trained on: model.path="
+            f"{saved_base.get('path')} (sha256 {str(saved_base.get('sha256'))[:12]}...); "
+            f"{MOVED_BASE}"
+        )
     params = dict(model.named_parameters())
     if set(trained) != set(lora.moving_names(model) or ()):
         raise CheckpointError(

@@ -7,13 +7,18 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import json
 import os
 import shutil
 from pathlib import Path
 
+from dapo import __version__
+from dapo.run import manifest
 from dapo.run.nofollow import fsync_dir, no_link
 
+TMP_PREFIX = ".%s.tmp-"
+"""The name of an export's temporary directory beside ``--out`` NAME, before its pid."""
 MARKER = "dapo-export.json"
 """What an export holds besides the model: where it came from; ``--overwrite`` replaces only
 a directory that has one."""
@@ -38,10 +43,49 @@ def prepare(out: Path, overwrite: bool) -> Path:
         raise FileExistsError(f"--out {out} exists; choose another or pass --overwrite")
     if out.exists():
         check_replaceable(out)
+    return no_link(out.with_name(f"{TMP_PREFIX % out.name}{os.getpid()}"))
+
+
+def make_parents(out: Path) -> list[Path]:
+    """``out``'s missing parent directories, made, as a list of those made: an export that
+    fails removes them again (:func:`remove_made`), so a refused one leaves nothing."""
+    missing = []
+    for parent in out.parents:
+        if parent.exists():
+            break
+        missing.append(parent)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = no_link(out.with_name(f".{out.name}.tmp-{os.getpid()}"))
-    shutil.rmtree(tmp, ignore_errors=True)
-    return tmp
+    return missing
+
+
+def remove_made(dirs: list[Path]) -> None:
+    """The directories :func:`make_parents` made, deepest first, where they are still empty."""
+    for made in dirs:
+        with contextlib.suppress(OSError):
+            made.rmdir()
+
+
+def remove_stale(out: Path) -> None:
+    """The temporary directories beside ``out`` of earlier exports to it whose process is
+    gone (killed: SIGKILL or an out-of-memory kill leaves a model's weights there), and this
+    process's own from an earlier call."""
+    prefix = TMP_PREFIX % out.name
+    for entry in out.parent.glob(f"{glob.escape(prefix)}*"):
+        pid = entry.name.removeprefix(prefix)
+        if pid.isdigit() and not entry.is_symlink() and entry.is_dir() and not _alive(int(pid)):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # this process's: an earlier export of it to the same --out
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 def check_replaceable(out: Path) -> None:
@@ -128,3 +172,28 @@ def publish(tmp: Path, out: Path, *, overwrite: bool) -> None:
             raise appeared from None
         raise
     fsync_dir(out.parent)
+
+
+def write_marker(
+    tmp: Path,
+    run_dir: Path,
+    ckpt: Path,
+    step: int,
+    sharded: bool,
+    lora: str | None,
+    dtype: str | None,
+    stops: tuple[int, ...],
+) -> None:
+    """``dapo-export.json``: where the export came from, and every file it wrote."""
+    provenance = {
+        "run": str(run_dir.resolve()),
+        "step": step,
+        "checkpoint_sha256": manifest.sha256(ckpt / manifest.MANIFEST),
+        "sharded": sharded,
+        "lora": lora,
+        "dtype": dtype or "as stored",
+        "stop_token_ids": list(stops),
+        "dapo_version": __version__,
+        "files": written_files(tmp),
+    }
+    (tmp / MARKER).write_text(json.dumps(provenance, indent=1) + "\n")

@@ -34,14 +34,22 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from dapo import __version__
 from dapo.api import adapters
-from dapo.api.export_dir import MARKER, TEMPLATES_DIR, prepare, publish, written_files
+from dapo.api.export_dir import MARKER as MARKER  # what an export's provenance file is named
+from dapo.api.export_dir import (
+    TEMPLATES_DIR,
+    make_parents,
+    prepare,
+    publish,
+    remove_made,
+    remove_stale,
+    write_marker,
+)
 from dapo.config.yaml_files import YamlFileError, clipped_repr, read_yaml_file
 from dapo.dist import dcp
 from dapo.models import hub
 from dapo.models.policy import DTYPES, generation_stop_ids, tokenizer_from_dir
-from dapo.run import checkpoint, manifest
+from dapo.run import checkpoint
 from dapo.run.checkpoint import CheckpointError
 from dapo.run.model_files import read_tensors, unreadable_file
 
@@ -72,6 +80,7 @@ def export(
     overwrite: bool = False,
     dtype: str | None = None,
     merge: bool = False,
+    base: str | None = None,
     log: Callable[[str], None] = lambda m: print(m, file=sys.stderr),
 ) -> ExportResult:
     """Write the checkpoint of ``step`` (default: the latest complete one) of the run in
@@ -94,12 +103,16 @@ def export(
             f"--merge: {ckpt} trained every weight (no LoRA adapters to merge); export it "
             "without --merge"
         )
+    if base is not None and not merge:
+        raise ValueError("--base names the model --merge merges into; add --merge")
     changes: dict = {}  # config.json's fields a merge changes
+    made = make_parents(out)
     try:
+        remove_stale(out)
         tmp.mkdir()
         if adapted:
             parameters, size, dtype, changes = _write_lora(
-                run_dir, ckpt, trainer, tmp, dtype, merge, log
+                run_dir, ckpt, trainer, tmp, dtype, merge, log, base
             )
         elif sharded:
             parameters, size = _write_gathered(ckpt / "state", tmp, dtype, log)
@@ -109,22 +122,14 @@ def export(
         stops = _write_configs(
             ckpt / "model", tmp, dtype, _extra_stops(run_dir), as_adapter, changes
         )
-        provenance = {
-            "run": str(run_dir.resolve()),
-            "step": trainer["step"],
-            "checkpoint_sha256": manifest.sha256(ckpt / manifest.MANIFEST),
-            "sharded": sharded,
-            "lora": "adapter" if as_adapter else "merged" if merge else None,
-            "dtype": dtype or "as stored",
-            "stop_token_ids": list(stops),
-            "dapo_version": __version__,
-            "files": written_files(tmp),
-        }
-        (tmp / MARKER).write_text(json.dumps(provenance, indent=1) + "\n")
+        lora = "adapter" if as_adapter else "merged" if merge else None
+        write_marker(tmp, run_dir, ckpt, trainer["step"], sharded, lora, dtype, stops)
         checkpoint.fsync_tree(tmp)
         publish(tmp, out, overwrite=overwrite)
+        made = []  # --out's, kept
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        remove_made(made)
     seconds = time.perf_counter() - started
     log(f"export: wrote {out} (step {trainer['step']}, {_size(size)}) in {seconds:.1f} s")
     return ExportResult(out, trainer["step"], sharded, parameters, size, stops, seconds)
@@ -204,12 +209,17 @@ def _write_gathered(state: Path, tmp: Path, dtype: str | None, log) -> tuple[int
     return _write_files(ours, read, tmp, dtype, log, "gathered from the shards")
 
 
-def _write_lora(run_dir: Path, ckpt: Path, trainer: dict, tmp: Path, dtype, merge: bool, log):
-    """A LoRA checkpoint's adapters as a peft adapter directory, or ``merge``d into the base:
-    (parameters, bytes, the dtype written, the fields of config.json the merge changes). A
-    merge on a bfloat16 or float16 base is float32 unless ``dtype`` says otherwise."""
+def _write_lora(
+    run_dir: Path, ckpt: Path, trainer: dict, tmp: Path, dtype, merge: bool, log, base=None
+):
+    """A LoRA checkpoint's adapters as a peft adapter directory, or ``merge``d into the base
+    (``base``, else the run's ``model.path``): (parameters, bytes, the dtype written, the
+    fields of config.json the merge changes). A merge on a bfloat16 or float16 base is
+    float32 unless ``dtype`` says otherwise."""
     cfg = adapters.run_config(run_dir)
     cfg = adapters.with_trained_settings(cfg, trainer["base_model"], ckpt, log)
+    if base is not None:  # the base moved: its digest is checked as the run's would be
+        cfg.model.path = os.path.abspath(base) if Path(base).exists() else base
     trained = adapters.trained_tensors(ckpt)
     if not merge:
         return (*_write_adapter(cfg, trained, tmp, dtype, log), dtype, {})

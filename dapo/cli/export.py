@@ -44,6 +44,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="a LoRA run's checkpoint: the adapters merged into the base model's weights "
         "(default: a peft adapter directory)",
     )
+    export.add_argument(
+        "--base",
+        metavar="MODEL",
+        help="with --merge: the base model to merge into, a directory or Hub id (default: the "
+        "run's model.path); it must be the base the adapters were trained on (its weights' "
+        "SHA-256 is checked): for a base moved since the run",
+    )
     export.add_argument("--overwrite", action="store_true", help="replace an earlier export in DIR")
     export.set_defaults(func=cmd_export)
 
@@ -60,6 +67,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             dtype=args.dtype,
             merge=args.merge,
+            base=args.base,
         )
     print(result.out_dir)
     return 0

@@ -149,9 +149,11 @@ def _base_model(cfg: Config, model: torch.nn.Module) -> dict[str, Any] | None:
         return None
     where = None if cfg.model.path == "embedded" else model_dir(cfg)
     base = model_files.base_reference(cfg.model.path, cfg.model.revision, where, model)
-    # The adapters' shape and scale as trained: a resume may change model.lora (--force),
-    # and an export of an earlier step must merge with the settings of that step.
-    return {**base, "lora": lora.trained_settings(cfg.model.lora)}
+    # The adapters' shape and scale as trained, and the dtype the base was loaded in: a
+    # resume may change model.lora or model.param_dtype (--force), and an export of an
+    # earlier step must merge with the settings of that step.
+    trained = {"lora": lora.trained_settings(cfg.model.lora), "param_dtype": cfg.model.param_dtype}
+    return {**base, **trained}
 
 
 def drawer_for(cfg: Config, **objects: Any) -> Drawer:
