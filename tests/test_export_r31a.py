@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -137,3 +138,26 @@ def test_a_killed_exports_temporary_copy_is_removed_by_the_next(run, tmp_path):
     assert main(["export", str(run / "run"), "--out", str(tmp_path / "m")]) == 0
     assert not stale.exists()
     assert live.is_dir() and all(d.is_dir() for d in others)
+
+
+@pytest.mark.parametrize("merge", [True, False], ids=["merged", "adapters"])
+def test_a_sigterm_during_an_export_leaves_nothing_behind(run, tmp_path, merge):
+    """SIGTERM's default action ended the export at once, leaving ``.m.tmp-PID`` with the
+    weights written so far (gigabytes for a real model) and the parents made for ``--out``.
+    The signal comes as the export logs a line of its writing, in its own process; it still
+    ends by SIGTERM (exit status -15), having removed what it made."""
+    out = tmp_path / "new" / "m"
+    at = "export: weights" if merge else "export: the adapters"
+    code = (
+        "import os, signal, sys\n"
+        "from dapo.api.exporting import export\n"
+        "def log(line):\n"
+        "    print(line, file=sys.stderr)\n"
+        f"    if line.startswith({at!r}):\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        f"export({str(run / 'run')!r}, {str(out)!r}, merge={merge}, log=log)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == -signal.SIGTERM, done.stderr
+    assert at in done.stderr and "export: wrote" not in done.stderr
+    assert list(tmp_path.iterdir()) == []

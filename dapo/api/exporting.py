@@ -46,6 +46,7 @@ from dapo.api.export_dir import (
     write_marker,
 )
 from dapo.config.yaml_files import YamlFileError, clipped_repr, read_yaml_file
+from dapo.data.output import sigterm_raises
 from dapo.dist import dcp
 from dapo.models import hub
 from dapo.models.policy import DTYPES, generation_stop_ids, tokenizer_from_dir
@@ -106,30 +107,31 @@ def export(
     if base is not None and not merge:
         raise ValueError("--base names the model --merge merges into; add --merge")
     changes: dict = {}  # config.json's fields a merge changes
-    made = make_parents(out)
-    try:
-        remove_stale(out)
-        tmp.mkdir()
-        if adapted:
-            parameters, size, dtype, changes = _write_lora(
-                run_dir, ckpt, trainer, tmp, dtype, merge, log, base
+    with sigterm_raises():  # a SIGTERM runs the clean-up: the copy may be gigabytes
+        made = make_parents(out)
+        try:
+            remove_stale(out)
+            tmp.mkdir()
+            if adapted:
+                parameters, size, dtype, changes = _write_lora(
+                    run_dir, ckpt, trainer, tmp, dtype, merge, log, base
+                )
+            elif sharded:
+                parameters, size = _write_gathered(ckpt / "state", tmp, dtype, log)
+            else:
+                parameters, size = _copy_weights(ckpt / "model", tmp, dtype, log)
+            as_adapter = adapted and not merge
+            stops = _write_configs(
+                ckpt / "model", tmp, dtype, _extra_stops(run_dir), as_adapter, changes
             )
-        elif sharded:
-            parameters, size = _write_gathered(ckpt / "state", tmp, dtype, log)
-        else:
-            parameters, size = _copy_weights(ckpt / "model", tmp, dtype, log)
-        as_adapter = adapted and not merge
-        stops = _write_configs(
-            ckpt / "model", tmp, dtype, _extra_stops(run_dir), as_adapter, changes
-        )
-        lora = "adapter" if as_adapter else "merged" if merge else None
-        write_marker(tmp, run_dir, ckpt, trainer["step"], sharded, lora, dtype, stops)
-        checkpoint.fsync_tree(tmp)
-        publish(tmp, out, overwrite=overwrite)
-        made = []  # --out's, kept
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        remove_made(made)
+            lora = "adapter" if as_adapter else "merged" if merge else None
+            write_marker(tmp, run_dir, ckpt, trainer["step"], sharded, lora, dtype, stops)
+            checkpoint.fsync_tree(tmp)
+            publish(tmp, out, overwrite=overwrite)
+            made = []  # --out's, kept
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+            remove_made(made)
     seconds = time.perf_counter() - started
     log(f"export: wrote {out} (step {trainer['step']}, {_size(size)}) in {seconds:.1f} s")
     return ExportResult(out, trainer["step"], sharded, parameters, size, stops, seconds)

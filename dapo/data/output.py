@@ -62,7 +62,7 @@ def write_records(records: list[dict[str, Any]], schema: pa.Schema, dst: Path) -
     if not parquet:
         rows = tracked(records, f"encoding {dst.name}", len(records))
         lines = [json.dumps(rec, ensure_ascii=False) + "\n" for rec in rows]
-    with _sigterm_raises():  # before the temporary file exists, so none outlives a SIGTERM
+    with sigterm_raises():  # before the temporary file exists, so none outlives a SIGTERM
         fd, tmp = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".tmp")
         try:
             if parquet:
@@ -111,9 +111,10 @@ def _write_lines(f: Any, lines: list[str], dst: Path) -> None:
 
 
 @contextmanager
-def _sigterm_raises() -> Iterator[None]:
+def sigterm_raises() -> Iterator[None]:
     """Within the block SIGTERM raises Terminated, so the writer's clean-up runs (its default
-    action ended the process at once, leaving ``.OUT.XXXX.tmp`` behind); then the process ends
+    action ended the process at once, leaving ``.OUT.XXXX.tmp`` behind, or ``dapo export``'s
+    ``.OUT.tmp-PID`` with a model's weights); then the process ends
     by SIGTERM after all, with the exit status a kill always gave (143 in a shell, -15 to
     subprocess). Only in the main thread (the only one that may set a handler), and only
     where SIGTERM has its default action: a handler of the caller's (the trainer's, ``dapo
