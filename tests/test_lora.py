@@ -252,3 +252,9 @@ def test_a_resume_on_another_base_is_refused(lora_run, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "trained adapters on model.path=embedded" in err
     assert "resume with the same base model" in err
+    # The same embedded base in another dtype digests otherwise (it has no files): the fix
+    # names the dtype the adapters trained on, not another base.
+    bf16 = ["model.param_dtype=bfloat16", "model.compute_dtype=bfloat16"]
+    bf16.append("train.recompute_old_logprobs=true")  # bfloat16's log-probs need it
+    assert main(["train", "--quiet", "--resume", str(run), "--force", *bf16]) == 1
+    assert "resume with model.param_dtype=float32, the dtype its" in capsys.readouterr().err

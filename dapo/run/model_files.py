@@ -176,10 +176,15 @@ def check_base(saved: dict[str, Any] | None, now: dict[str, Any], where: Path) -
     if saved is None:
         return f"{where} holds no adapters' base model (it was not written with model.lora)"
     if saved.get("sha256") != now["sha256"]:
+        dtype, loads = saved.get("param_dtype"), now.get("param_dtype")
+        if now["path"] == "embedded" and dtype is not None and loads not in (None, dtype):
+            # The embedded base has no files: its digest is of its weights as loaded.
+            fix = f"resume with model.param_dtype={dtype}, the dtype its adapters trained on"
+        else:
+            fix = "resume with the same base model (model.path, model.revision)"
         return (
             f"{where} trained adapters on model.path={saved.get('path')} (weights sha256 "
             f"{str(saved.get('sha256'))[:12]}...), but this run's base is "
-            f"model.path={now['path']} (sha256 {now['sha256'][:12]}...): resume with the same "
-            "base model (model.path, model.revision)"
+            f"model.path={now['path']} (sha256 {now['sha256'][:12]}...): {fix}"
         )
     return None
