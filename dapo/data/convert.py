@@ -18,7 +18,7 @@ from dapo.data.files import (
     ON_BAD_ROW,
     SUFFIXES,
     DataError,
-    Repeats,
+    Table,
     bad_row_error,
     read_table,
     resolve_format,
@@ -27,11 +27,19 @@ from dapo.data.output import check_destination, write_records
 from dapo.data.progress import tracked
 from dapo.data.prompts import PROMPT_PREFIX, dapo_prompt, strip_template
 from dapo.data.rows import BadRow, Row, last_user, parse_rows
+from dapo.data.usable import Screen, TruthRules
 
 # What the official DAPO files hold in these columns; ``convert_file`` writes the same.
 DAPO_ABILITY = "MATH"
 DAPO_STYLE = "rule-lighteval/MATH_v2"
 _DAPO_COLUMNS = ("data_source", "prompt", "ability", "reward_model", "extra_info")
+CODE_ROW_KEYS: dict[str, Any] = {
+    "question_key": "question",
+    "answer_key": "answer",
+    "data_source": DEFAULT_DATA_SOURCE,
+    "wrap": False,
+}
+"""How code rows (DAPO rows, each naming its data_source) are parsed."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,7 @@ def convert_file(
     answer_key: str = "answer",
     data_source: str | None = None,
     on_bad_row: str = "error",
+    truth_rules: TruthRules | None = None,
 ) -> ConvertResult:
     """Write ``src`` to ``dst`` in the ``to`` format (default: the other one), row for row.
 
@@ -83,6 +92,11 @@ def convert_file(
     repeats). The output type follows ``dst``'s extension; it is written to a temporary file
     beside it and renamed into place, so an error leaves nothing behind. A file none of whose
     rows converts (``on_bad_row`` skip) is a DataError too: nothing is written.
+
+    The rows left out (or stopped at) are those ``dapo data check`` lists, decided by the
+    same :class:`dapo.data.usable.Screen`; ``truth_rules`` are the tasks' rules for ground
+    truths (``dapo data convert`` passes the registry's), applied by the data_source each
+    written row carries. Converting also refuses a row the output format cannot hold.
     """
     src, dst = Path(src), Path(dst)
     if to is not None and to not in FORMATS:
@@ -91,10 +105,10 @@ def convert_file(
         raise ValueError(f"on_bad_row must be one of {', '.join(ON_BAD_ROW)}; got {on_bad_row!r}")
     check_destination(src, dst)
     if code_rows.read_as_humaneval(src, fmt):
-        return write_code_rows(code_rows.humaneval_rows(src), dst, to, "humaneval")
+        return _convert_humaneval(src, None, dst, to, on_bad_row, truth_rules)
     table = read_table(src)
     if fmt == "auto" and code_rows.is_humaneval(table.columns):
-        return write_code_rows(code_rows.humaneval_rows(src, table), dst, to, "humaneval")
+        return _convert_humaneval(src, table, dst, to, on_bad_row, truth_rules)
     src_fmt, _ = resolve_format(table, fmt, question_key=question_key, answer_key=answer_key)
     to = to or ("flat" if src_fmt == "dapo" else "dapo")
     parsed = parse_rows(
@@ -106,14 +120,12 @@ def convert_file(
         wrap=False,
     )
     rows = list(tracked(parsed, f"checking the rows of {src.name}", len(table.records)))
-    converted = _convert_rows(src, rows, to, question_key, answer_key, data_source, on_bad_row)
+    screen = Screen(truth_rules)
+    converted = _convert_rows(
+        src, rows, to, question_key, answer_key, data_source, on_bad_row, screen
+    )
     records, indices, wrapped, skipped = converted
-    if not records:  # every row skipped: an empty file would train on nothing, silently
-        raise DataError(
-            f"{src}: none of its {len(table.records)} rows is usable ({len(skipped)} bad; the "
-            f"first: {skipped[0]}); nothing written; fix the file, or run `dapo data check "
-            f"{src}` to list them"
-        )
+    _check_some_usable(src, records, len(table.records), skipped)
     write_records(records, _schema(records, indices, to, question_key, answer_key), dst)
     return ConvertResult(src_fmt, to, len(table.records), len(records), wrapped, skipped)
 
@@ -126,6 +138,7 @@ def _convert_rows(
     answer_key: str,
     data_source: str | None,
     on_bad_row: str,
+    screen: Screen,
 ) -> tuple[list[dict[str, Any]], list[str], int, list[BadRow]]:
     """(records, the extra_info.index of each (to dapo), rows newly wrapped, rows skipped)."""
     records: list[dict[str, Any]] = []
@@ -135,26 +148,47 @@ def _convert_rows(
     # A row without an index gets its row number, unless a row's own index is that number
     # (the two would then read as one problem): then "row-N".
     taken = {r.index for r in rows if not isinstance(r, BadRow) and r.index is not None}
-    repeats = Repeats()  # a problem repeated with another answer: a bad row, as check says
     for r in tracked(rows, f"converting the rows of {src.name}", len(rows)):
-        seen = r if isinstance(r, BadRow) else repeats.identify(r)
+        # The rules that apply are those of the data_source the row is written with.
+        written_source = None if isinstance(r, BadRow) else _written_source(r, to, data_source)
+        seen = screen(r, written_source)
         out = seen if isinstance(seen, BadRow) else _convert_row(r, to, question_key, answer_key)
-        if isinstance(out, BadRow):
-            if on_bad_row == "error":
-                raise bad_row_error(src, out, "pass --on-bad-row skip to leave such rows out")
-            skipped.append(out)
+        if _left_out(src, out, on_bad_row, skipped):
             continue
         record, newly_wrapped = out
-        if to == "flat":
-            record["data_source"] = data_source or r.data_source
-        else:
-            record["data_source"] = data_source or DEFAULT_DATA_SOURCE
+        record["data_source"] = written_source
+        if to == "dapo":
             indices.append(r.index if r.index is not None else _free_index(r.row, taken))
         wrapped += newly_wrapped
         # The official files' column order, data_source first (JSON Lines keeps it).
         order = _DAPO_COLUMNS if to == "dapo" else (question_key, answer_key, "data_source")
         records.append({key: record[key] for key in order})
     return records, indices, wrapped, skipped
+
+
+def _written_source(r: Row, to: str, data_source: str | None) -> str:
+    """The data_source row ``r`` is written with: the given one, else (to flat) its own or
+    (to dapo) math_dapo."""
+    return data_source or (r.data_source if to == "flat" else DEFAULT_DATA_SOURCE)
+
+
+def _left_out(src: Path, out: object, on_bad_row: str, skipped: list[BadRow]) -> bool:
+    """Whether ``out`` is a bad row, recorded in ``skipped``; raises for on_bad_row error."""
+    if not isinstance(out, BadRow):
+        return False
+    if on_bad_row == "error":
+        raise bad_row_error(src, out, "pass --on-bad-row skip to leave such rows out")
+    skipped.append(out)
+    return True
+
+
+def _check_some_usable(src: Path, records: list[Any], rows_in: int, skipped: list[BadRow]) -> None:
+    if not records:  # every row skipped: an empty file would train on nothing, silently
+        raise DataError(
+            f"{src}: none of its {rows_in} rows is usable ({len(skipped)} bad; the "
+            f"first: {skipped[0]}); nothing written; fix the file, or run `dapo data check "
+            f"{src}` to list them"
+        )
 
 
 def _free_index(row: int, taken: set[str]) -> str:
@@ -167,13 +201,29 @@ def _free_index(row: int, taken: set[str]) -> str:
     return index
 
 
-def write_code_rows(
-    records: list[dict[str, Any]], dst: Path, to: str | None, src_fmt: str
+def _convert_humaneval(
+    src: Path,
+    table: Table | None,
+    dst: Path,
+    to: str | None,
+    on_bad_row: str,
+    truth_rules: TruthRules | None,
 ) -> ConvertResult:
+    """HumanEval ``src`` (``table``: its records, when read already) as code rows, less the
+    rows ``dapo data check`` lists (a repeated task_id, text that is no text, tests that do
+    not parse), which the same Screen finds in the code rows."""
     if to not in (None, "dapo"):
-        raise ValueError(f"a {src_fmt} file converts to the dapo format (code rows), not {to}")
-    write_records(records, _dapo_schema(pa.string()), dst)
-    return ConvertResult(src_fmt, "dapo", len(records), len(records), 0, [])
+        raise ValueError(f"a humaneval file converts to the dapo format (code rows), not {to}")
+    records = code_rows.humaneval_rows(src, table)
+    screen = Screen(truth_rules)
+    kept: list[dict[str, Any]] = []
+    skipped: list[BadRow] = []
+    for r in parse_rows(records, "dapo", **CODE_ROW_KEYS):
+        if not _left_out(src, screen(r), on_bad_row, skipped):
+            kept.append(records[r.row])
+    _check_some_usable(src, kept, len(records), skipped)
+    write_records(kept, _dapo_schema(pa.string()), dst)
+    return ConvertResult("humaneval", "dapo", len(records), len(kept), 0, skipped)
 
 
 def make_file(

@@ -16,22 +16,21 @@ each of its 30 problems 32 times, for avg@32) and records the rows it could not 
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import re
-from collections import Counter
-from collections.abc import Iterator
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
-from dapo.data.parquet_read import ParquetTooLarge, read_parquet
+from dapo.data.jsonl_read import MAX_LINE_BYTES, json_lines, json_record, json_schema
+from dapo.data.parquet_read import ParquetRefused, read_parquet
 from dapo.data.problems import Problem
 from dapo.data.progress import EVERY_ROWS, Progress, tracked
-from dapo.data.rows import BadRow, Row, check_keys, json_type, parse_rows
+from dapo.data.rows import BadRow, check_keys, parse_rows
+from dapo.data.usable import Screen, TruthRules
 
 FORMATS = ("dapo", "flat")
 ON_BAD_ROW = ("error", "skip")
@@ -43,9 +42,6 @@ SKIP_HINT = "pass data.on_bad_row=skip (--on-bad-row skip) to skip and count suc
 # as well as the verifier's normalisation allows, so ``check`` counts it.
 INTEGER_RE = re.compile(r"-?[0-9]+")
 GZIP_MAGIC = b"\x1f\x8b"
-MAX_LINE_BYTES = 16 * 2**20
-"""A JSON line longer than this is a bad row, not read into memory whole; a Parquet value
-longer than this is refused before it is decoded (:mod:`dapo.data.parquet_read`)."""
 
 
 class DataError(ValueError):
@@ -66,6 +62,8 @@ class LoadedData:
     skipped: list[BadRow] = field(default_factory=list)
     first_row: dict[str, int] = field(default_factory=dict)
     """uid -> the row its problem was first seen at."""
+    checked: dict[str, int] = field(default_factory=dict)
+    """data_source -> problems whose ground truth ``truth_rules`` checked (bad ones too)."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +77,7 @@ class Table:
 def read_table(path: str | os.PathLike[str]) -> Table:
     """Every record of a Parquet or JSON Lines file, with its columns and schema."""
     path = Path(path).expanduser()
+    check_regular(path)  # before its suffix: a directory named x.parquet is no Parquet file
     if is_gzip(path):  # before its suffix: x.jsonl.gz is no unknown type, but compressed
         raise DataError(gzip_error(path))
     if path.suffix.lower() not in SUFFIXES:
@@ -92,11 +91,44 @@ def read_table(path: str | os.PathLike[str]) -> Table:
     if path.suffix.lower() == ".parquet":
         try:  # in batches, each measured before it becomes Python objects
             return Table(path, *read_parquet(path, MAX_LINE_BYTES))
-        except ParquetTooLarge as exc:
+        except ParquetRefused as exc:  # too large, or a value Python cannot hold
             raise DataError(f"{path}: {exc}") from None
         except (OSError, pa.ArrowException) as exc:
             raise DataError(f"{path}: cannot be read as Parquet: {exc}") from None
     return _read_jsonl(path)
+
+
+def check_regular(path: Path) -> None:
+    """Refuse a ``path`` that exists but is no regular file (a directory, a FIFO, a device),
+    saying what it is: "no such data file" would send the user looking for a typo."""
+    if path.is_dir():
+        raise DataError(
+            f"{path}: is a directory; give a file (one of its {_data_files(path)}, say): a "
+            "data file is one Parquet or JSON Lines file"
+        )
+    if path.exists() and not path.is_file():
+        mode = path.stat().st_mode
+        kind = next((k for test, k in _SPECIAL if test(mode)), "special file")
+        raise DataError(f"{path}: is not a regular file (a {kind}); give a data file")
+
+
+_SPECIAL = (
+    (stat.S_ISFIFO, "FIFO"),
+    (stat.S_ISSOCK, "socket"),
+    (stat.S_ISCHR, "device"),
+    (stat.S_ISBLK, "device"),
+)
+
+
+def _data_files(path: Path) -> str:
+    """A name or pattern of the data files in directory ``path`` (part-*.parquet if none)."""
+    try:
+        names = sorted(p.name for p in path.iterdir() if p.suffix.lower() in SUFFIXES)
+    except OSError:
+        names = []
+    if len(names) > 1 and all(n.startswith("part-") for n in names):
+        return f"part-*{Path(names[0]).suffix}"
+    return names[0] if names else "part-*.parquet"
 
 
 def is_gzip(path: Path) -> bool:
@@ -127,51 +159,11 @@ def gzip_error(path: Path) -> str:
     )
 
 
-def _json_record(data: bytes, lineno: int) -> Any:
-    """One JSON line's object, or a str saying why it is not one (the row's reason)."""
-    try:
-        line = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        return f"line {lineno} is not UTF-8 (byte 0x{data[exc.start]:02x} at column {exc.start})"
-    try:
-        rec = json.loads(line)
-    except json.JSONDecodeError as exc:
-        return f"line {lineno} is not valid JSON ({exc.msg})"
-    except RecursionError:
-        return f"line {lineno} nests lists or objects too deep to be a problem"
-    except ValueError as exc:  # an integer of more digits than Python converts
-        return f"line {lineno} is not usable JSON ({str(exc).split(':')[0]}; write it as a string)"
-    if not isinstance(rec, dict):
-        return f"line {lineno} is a JSON {json_type(rec)}, not an object"
-    return rec
-
-
-def _lines(f: Any) -> Iterator[tuple[int, bytes]]:
-    """(line number, bytes) of every non-blank line; ``b""`` for a line over MAX_LINE_BYTES,
-    whose rest is skipped without being held in memory."""
-    lineno = 0
-    while True:
-        data = f.readline(MAX_LINE_BYTES + 1)
-        if not data:
-            return
-        lineno += 1
-        if len(data) > MAX_LINE_BYTES and not data.endswith(b"\n"):
-            while (rest := f.readline(MAX_LINE_BYTES)) and not rest.endswith(b"\n"):
-                pass
-            yield lineno, b""  # too long: reported by the caller
-            continue
-        if lineno == 1:
-            data = data.removeprefix(b"\xef\xbb\xbf")  # a byte-order mark is no content
-        if data.strip():
-            yield lineno, data
-
-
 def _read_jsonl(path: Path) -> Table:
     records: list[Any] = []
-    columns: dict[str, None] = {}  # first-seen order
     progress = Progress(f"reading {path.name}", path.stat().st_size, "bytes")
     with path.open("rb") as f:
-        for lineno, data in _lines(f):
+        for lineno, data in json_lines(f):
             if lineno % EVERY_ROWS == 0:
                 progress.update(f.tell())
             if not data:
@@ -184,28 +176,14 @@ def _read_jsonl(path: Path) -> Table:
                 raise DataError(
                     f"{path}: holds a JSON array; write one JSON object per line (JSON Lines)"
                 )
-            rec = _json_record(data, lineno)
-            records.append(rec)
-            if isinstance(rec, dict):
-                columns.update(dict.fromkeys(rec))
-    objects = [r for r in records if isinstance(r, dict)]
-    try:
-        schema = [(f.name, str(f.type)) for f in pa.Table.from_pylist(objects).schema]
-    except (
-        pa.ArrowInvalid,
-        pa.ArrowTypeError,
-        pa.ArrowNotImplementedError,
-        UnicodeError,
-        OverflowError,
-    ):
-        # Rows disagree on a column's type (a number here, a string there), or a string is no
-        # text (a lone surrogate), or an integer is beyond 64 bits: say what each column holds;
-        # the rows say what is wrong.
-        schema = []
-        for col in columns:
-            kinds = sorted({json_type(r.get(col)) for r in objects} - {"null"}) or ["null"]
-            schema.append((col, kinds[0] if len(kinds) == 1 else "mixed: " + " | ".join(kinds)))
-    return Table(path, records, list(columns), schema)
+            records.append(json_record(data, lineno))
+    return records_table(path, records)
+
+
+def records_table(path: Path, records: list[Any]) -> Table:
+    """A Table of JSON records already in memory, its columns and schema as a JSON Lines file
+    of them would have (``dapo data check`` of HumanEval's code rows)."""
+    return Table(path, records, *json_schema(records))
 
 
 def resolve_format(
@@ -290,57 +268,6 @@ def bad_row_error(path: Path, bad: BadRow, hint: str) -> DataError:
     return DataError(f"{path}: row {bad.row}, field {bad.field!r}: {bad.reason}; fix it, or {hint}")
 
 
-def _prompt_hash(messages: tuple[dict[str, str], ...]) -> str:
-    text = json.dumps([[m["role"], m["content"]] for m in messages], ensure_ascii=False)
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
-
-
-class Repeats:
-    """Which rows hold the same problem: the same ``extra_info.index``, else the same prompt."""
-
-    def __init__(self) -> None:
-        self.answers: dict[str, str] = {}  # uid -> ground truth of its first copy
-        self.first_row: dict[str, int] = {}
-        self.seen: Counter[str] = Counter()  # uid -> rows so far
-        self._by_index: dict[str, str] = {}
-        self._by_prompt: dict[tuple[tuple[str, str], ...], str] = {}
-        self._prompts: dict[str, tuple[tuple[str, str], ...]] = {}  # uid -> first prompt
-
-    def identify(self, r: Row) -> str | BadRow:
-        """Count row ``r`` under its problem's uid and return the uid; a BadRow instead when it
-        repeats a problem with another answer, or shares an index with another prompt."""
-        key = tuple((m["role"], m["content"]) for m in r.messages)
-        uid = self._by_index.get(r.index) if r.index is not None else None
-        if uid is not None and key != self._prompts[uid]:
-            # Two files concatenated, each indexed 0..N-1: the index alone would silently
-            # merge two different problems (and blame the second one's answer).
-            return BadRow(
-                r.row,
-                "extra_info.index",
-                f"index {r.index} is also row {self.first_row[uid]}'s, whose prompt differs; "
-                "give each problem its own index",
-            )
-        if uid is None:
-            uid = self._by_prompt.get(key)
-        if uid is not None and r.answer.strip() != self.answers[uid].strip():
-            return BadRow(
-                r.row,
-                r.answer_field,
-                f"ground truth {r.answer!r} differs from row {self.first_row[uid]}'s "
-                f"{self.answers[uid]!r} for the same problem",
-            )
-        if uid is None:
-            uid = r.index if r.index is not None else _prompt_hash(r.raw_messages)
-            self.answers[uid] = r.answer
-            self.first_row[uid] = r.row
-            self._prompts[uid] = key
-        if r.index is not None:
-            self._by_index.setdefault(r.index, uid)
-        self._by_prompt.setdefault(key, uid)
-        self.seen[uid] += 1
-        return uid
-
-
 def load_table(
     table: Table,
     *,
@@ -351,15 +278,18 @@ def load_table(
     wrap_template: bool,
     dedup: bool,
     on_bad_row: str,
+    truth_rules: TruthRules | None = None,
 ) -> LoadedData:
-    """``load_problems`` of a table already read."""
+    """``load_problems`` of a table already read; with ``truth_rules``, a row whose ground
+    truth breaks its task's rules is a bad row too (:class:`dapo.data.usable.Screen`)."""
     if on_bad_row not in ON_BAD_ROW:
         raise ValueError(f"on_bad_row must be one of {', '.join(ON_BAD_ROW)}; got {on_bad_row!r}")
     if not table.records:
         raise DataError(f"{table.path}: holds no rows (an empty file?); give a file of problems")
     fmt, _ = resolve_format(table, fmt, question_key=question_key, answer_key=answer_key)
     out = LoadedData(path=table.path, fmt=fmt, problems=[], copies={}, rows=len(table.records))
-    repeats = Repeats()
+    screen = Screen(truth_rules)
+    repeats = screen.repeats
     rows = parse_rows(
         table.records,
         fmt,
@@ -369,7 +299,7 @@ def load_table(
         wrap=wrap_template,
     )
     for r in tracked(rows, f"checking the rows of {table.path.name}", len(table.records)):
-        seen = r if isinstance(r, BadRow) else repeats.identify(r)
+        seen = screen(r)
         if isinstance(seen, BadRow):
             if on_bad_row == "error":
                 raise bad_row_error(table.path, seen, SKIP_HINT)
@@ -386,4 +316,5 @@ def load_table(
             out.first_row[uid] = r.row
     if dedup:
         out.copies = {p.uid: repeats.seen[p.uid] for p in out.problems}
+    out.checked = dict(screen.checked)
     return out

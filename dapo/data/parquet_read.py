@@ -56,9 +56,18 @@ LIST_TYPES = tuple(
 )
 
 
-class ParquetTooLarge(ValueError):
-    """A Parquet file whose values are larger than a problem file's; the message names the
-    row and column, or the total, and the fix (not the file: the caller prefixes it)."""
+class ParquetRefused(ValueError):
+    """A Parquet file that is valid Parquet but no problem file; the message names the row
+    and column (or the total) and the fix, not the file: the caller prefixes it."""
+
+
+class ParquetTooLarge(ParquetRefused):
+    """A Parquet file whose values are larger than a problem file's."""
+
+
+class ParquetUndecodable(ParquetRefused):
+    """A Parquet value that Python cannot represent: text that is not UTF-8, a date or time
+    beyond Python's years 1 to 9999."""
 
 
 def read_parquet(
@@ -66,13 +75,16 @@ def read_parquet(
 ) -> tuple[list[dict[str, Any]], list[str], list[tuple[str, str]]]:
     """The records, column names and (column, type) schema of the Parquet file ``path``,
     exactly as ``pq.read_table(path)`` gives them; a ParquetTooLarge before decoding more
-    than the limits allow. pyarrow's errors (a file that is no Parquet) pass through."""
+    than the limits allow, a ParquetUndecodable for a value Python cannot hold (where
+    ``to_pylist`` raises). pyarrow's errors (a file that is no Parquet) pass through."""
     plain = pq.ParquetDataset(path)  # read_table's own reader: its schema, its errors
     meta = plain.fragments[0].metadata
     leaves = [meta.schema.column(i) for i in range(meta.num_columns)]
     check_footer(meta, leaves, max_value_bytes)
     text = [c.path for c in leaves if c.physical_type == "BYTE_ARRAY"]
     fragment = pq.ParquetDataset(path, read_dictionary=text).fragments[0]
+    # A dictionary has no cast to a view type: such columns go through their plain type.
+    staged = pa.schema([f.with_type(without_views(f.type)) for f in plain.schema])
     records: list[dict[str, Any]] = []
     total = 0
     progress = Progress(f"reading {path.name}", meta.num_rows)
@@ -84,10 +96,92 @@ def read_parquet(
         if total > MAX_DECODED_BYTES:
             raise too_large(f"by row {len(records) + batch.num_rows - 1}", total)
         # Decoded only now, within the limits; Table.cast: RecordBatch.cast is pyarrow 16+.
-        records.extend(pa.Table.from_batches([batch]).cast(plain.schema).to_pylist())
+        table = pa.Table.from_batches([batch])
+        if staged != plain.schema:
+            table = table.cast(staged)
+        records.extend(python_rows(table.cast(plain.schema), len(records)))
         progress.update(len(records))
     schema = plain.schema
     return records, schema.names, [(f.name, str(f.type)) for f in schema]
+
+
+def without_views(kind: pa.DataType) -> pa.DataType:
+    """``kind`` with each string_view and binary_view in it, at any depth, as string and
+    binary: the values of a view column are read dictionary-encoded, and pyarrow casts a
+    dictionary to its plain type, and that to the view type, but not the one to the other."""
+    if getattr(pa.types, "is_string_view", lambda _: False)(kind):
+        return pa.string()
+    if getattr(pa.types, "is_binary_view", lambda _: False)(kind):
+        return pa.binary()
+    if pa.types.is_struct(kind):
+        return pa.struct([f.with_type(without_views(f.type)) for f in kind])
+    if pa.types.is_map(kind):
+        key, item = kind.key_field, kind.item_field
+        return pa.map_(
+            key.with_type(without_views(key.type)), item.with_type(without_views(item.type))
+        )
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        field = kind.value_field
+        make = pa.list_ if pa.types.is_list(kind) else pa.large_list
+        return make(field.with_type(without_views(field.type)))
+    if pa.types.is_fixed_size_list(kind):
+        field = kind.value_field
+        return pa.list_(field.with_type(without_views(field.type)), kind.list_size)
+    return kind
+
+
+def python_rows(table: pa.Table, first_row: int) -> list[dict[str, Any]]:
+    """``table.to_pylist()``; a ParquetUndecodable naming the row (``first_row`` is the
+    table's first, counted from 0 in the file) and column of the first value Python cannot
+    hold, where pyarrow raises a bare OverflowError or UnicodeDecodeError naming neither."""
+    try:
+        return table.to_pylist()
+    except (OverflowError, ValueError, pa.ArrowException) as exc:
+        for name, column in zip(table.column_names, table.columns, strict=True):
+            array = column.combine_chunks()
+            for r in range(len(array)):
+                try:
+                    array[r].as_py()
+                except (OverflowError, ValueError, pa.ArrowException) as err:
+                    path, kind = value_path(name, array.slice(r, 1))
+                    raise undecodable(first_row + r, path, kind, err) from None
+        last = first_row + table.num_rows - 1
+        raise ParquetUndecodable(
+            f"rows {first_row} to {last}: a value cannot be read into Python ({exc}); write "
+            "its column as text, or drop it"
+        ) from None
+
+
+def value_path(name: str, array: pa.Array) -> tuple[str, pa.DataType]:
+    """The dotted path and type of the leaf of the one-row ``array`` that Python cannot hold
+    (``name`` itself when it is not in a struct, or cannot be told)."""
+    if pa.types.is_struct(array.type):
+        for i, child in enumerate(array.flatten()):  # flatten: the slice's row only
+            try:
+                child.to_pylist()
+            except (OverflowError, ValueError, pa.ArrowException):
+                return value_path(f"{name}.{array.type.field(i).name}", child)
+    if any(is_list(array.type) for is_list in LIST_TYPES):
+        return value_path(name, array.flatten())
+    return name, array.type
+
+
+def undecodable(row: int, column: str, kind: pa.DataType, err: Exception) -> ParquetUndecodable:
+    if isinstance(err, UnicodeDecodeError):
+        why = (
+            f"its {kind} value is not UTF-8 (byte 0x{err.object[err.start]:02x} at byte "
+            f"{err.start})"
+        )
+        fix = "re-encode the column as UTF-8 text (or write it as binary), or drop it"
+    elif pa.types.is_temporal(kind):
+        why = f"its {kind} value is beyond the dates and times Python holds ({err})"
+        fix = (
+            "write the column as text or integers (Python's dates end at the year 9999), or drop it"
+        )
+    else:
+        why = f"its {kind} value cannot be read into Python ({err})"
+        fix = "write the column as text, or drop it"
+    return ParquetUndecodable(f"row {row}, column {column!r}: {why}; {fix}")
 
 
 def batches(fragment: Any) -> Iterator[pa.RecordBatch]:

@@ -7,20 +7,21 @@ import dataclasses
 import math
 import os
 import statistics
-import tempfile
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dapo.data import code_rows, convert
-from dapo.data.convert import ConvertResult, make_file, write_code_rows
+from dapo.data.convert import ConvertResult, make_file
 from dapo.data.files import (
     DEFAULT_DATA_SOURCE,
     INTEGER_RE,
     Table,
     load_table,
     read_table,
+    records_table,
 )
 from dapo.data.problems import Problem
 from dapo.data.prompts import PROMPT_PREFIX, render_prompts
@@ -120,7 +121,17 @@ def convert_file(
     :func:`check_data_source` (that module sits below the task registry): a malformed name is
     refused; one no built-in verifier grades is written (its warning is the caller's to show)."""
     check_data_source(data_source)
-    return convert.convert_file(src, dst, data_source=data_source, **options)
+    return convert.convert_file(
+        src, dst, data_source=data_source, truth_rules=truth_rules, **options
+    )
+
+
+def truth_rules(data_source: str) -> Callable[[str], str | None] | None:
+    """The registered task's rule for ``data_source``'s ground truths (``Task.check_truth``),
+    None when it has none: what ``check`` and ``convert`` pass to
+    :class:`dapo.data.usable.Screen`, so both list the same rows."""
+    task = tasks.REGISTRY.get(data_source)
+    return None if task is None else task.check_truth
 
 
 def check_file(
@@ -140,7 +151,21 @@ def check_file(
     humaneval = code_rows.read_as_humaneval(Path(path), fmt)
     table = None if humaneval else read_table(path)
     if humaneval or (fmt == "auto" and code_rows.is_humaneval(table.columns)):
-        return _check_humaneval(Path(path), table, tokenizer)
+        # As the code rows `dapo data convert` makes of it, screened as it screens them.
+        rows = records_table(Path(path), code_rows.humaneval_rows(Path(path), table))
+        stats = _check_table(rows, "dapo", "question", "answer", tokenizer)
+        return dataclasses.replace(stats, fmt="humaneval")
+    return _check_table(table, fmt, question_key, answer_key, tokenizer)
+
+
+def _check_table(
+    table: Table,
+    fmt: str,
+    question_key: str,
+    answer_key: str,
+    tokenizer: str | os.PathLike[str] | None,
+) -> CheckStats:
+    """:func:`check_file` of a table read already."""
     data = load_table(
         table,
         fmt=fmt,
@@ -150,9 +175,10 @@ def check_file(
         wrap_template=False,
         dedup=True,
         on_bad_row="skip",
+        truth_rules=truth_rules,
     )
     problems = data.problems
-    checked, bad_truths = _check_truths(problems, data.first_row)
+    checked = data.checked
     non_integer = [  # a math answer that is not an integer is worth a look, not an error
         (data.first_row[p.uid], p.answer)
         for p in problems
@@ -180,42 +206,12 @@ def check_file(
         unknown_sources=sorted(s for s in sources if s not in tasks.names()),
         templated=templated,
         whitespace_twins=len(problems) - len(stripped),
-        bad_rows=sorted([*data.skipped, *bad_truths], key=lambda b: b.row),
+        bad_rows=data.skipped,
         checked_truths={k: v for k, v in checked.items() if v},
     )
     if tokenizer is not None and problems:
         stats.prompt_tokens = _prompt_token_stats(problems, str(tokenizer))
     return stats
-
-
-def _check_humaneval(
-    path: Path, table: Table | None, tokenizer: str | os.PathLike[str] | None
-) -> CheckStats:
-    """:func:`check_file` of the code rows ``dapo data convert`` makes of HumanEval ``path``
-    (``table``: its records, when already read)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        rows = Path(tmp) / "code-rows.jsonl"
-        write_code_rows(code_rows.humaneval_rows(path, table), rows, "dapo", "humaneval")
-        stats = check_file(rows, tokenizer=tokenizer)
-    return dataclasses.replace(stats, path=path, fmt="humaneval")
-
-
-def _check_truths(
-    problems: list[Problem], first_row: dict[str, int]
-) -> tuple[dict[str, int], list[BadRow]]:
-    """({data_source: problems checked}, the bad rows) of the problems whose task checks its
-    ground truths by rules of its own (a registered task with ``check_truth``)."""
-    checked: Counter[str] = Counter()
-    bad = []
-    for p in problems:
-        task = tasks.REGISTRY.get(p.data_source)
-        if task is None or task.check_truth is None:
-            continue
-        checked[p.data_source] += 1
-        reason = task.check_truth(p.answer)
-        if reason is not None:
-            bad.append(BadRow(first_row[p.uid], "reward_model.ground_truth", reason))
-    return dict(checked), bad
 
 
 def _prompt_token_stats(problems: list[Problem], tokenizer: str) -> dict[str, float]:
