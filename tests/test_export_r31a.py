@@ -107,10 +107,31 @@ def test_a_moved_base_is_given_with_base_and_another_is_refused(run, tmp_path, c
     args = ["export", str(copy), "--merge", "--base", str(other), "--out", str(tmp_path / "o")]
     assert main(args) == 1
     said = capsys.readouterr().err
-    assert f"--merge: model.path={other} (weights sha256" in said
-    assert "is not the base the adapters of" in said and "--base MODEL" in said
+    assert "trained adapters on model.path=" in said and "--base MODEL" in said
+    assert f"but this run's base is model.path={other} (sha256" in said
     assert main(["export", str(copy), "--base", str(moved), "--out", str(tmp_path / "a")]) == 2
-    assert "--base names the model --merge merges into; add --merge" in capsys.readouterr().err
+    said = capsys.readouterr().err  # refused before the checkpoint's SHA-256 check
+    assert "--base names the model --merge merges into; add --merge" in said
+    assert "against its manifest" not in said
+
+
+def test_a_base_no_other_base_would_cure_gets_no_base_hint(run, tmp_path, capsys):
+    """A base that is there but refused (its config names model code of its own, which dapo
+    never runs) is not a moved base: --base is no fix."""
+    copy = tmp_path / "run"
+    shutil.copytree(run / "run", copy)
+    coded = tmp_path / "coded"
+    shutil.copytree(run / "base", coded)
+    config = json.loads((coded / "config.json").read_text())
+    config.update(model_type="my-own", auto_map={"AutoModelForCausalLM": "m.M"})
+    (coded / "config.json").write_text(json.dumps(config))
+    assert (
+        main(["export", str(copy), "--merge", "--base", str(coded), "--out", str(tmp_path / "o")])
+        == 2
+    )
+    said = capsys.readouterr().err
+    assert "--merge: the adapters' base: model.path=" in said and "runs no model code" in said
+    assert "--base MODEL" not in said
 
 
 def test_a_refused_export_makes_no_directory(run, tmp_path, capsys):

@@ -35,7 +35,7 @@ from dapo.reward.sandbox import (
     pick_mode,
     run_python,
 )
-from dapo.reward.sandbox_runs import markers_dir
+from dapo.reward.sandbox_runs import markers_dir, process_alive
 
 HERE = available_modes()
 ROOT = os.geteuid() == 0
@@ -665,3 +665,15 @@ def test_processes_and_files_of_a_large_uid_without_a_marker_are_never_touched()
     finally:
         _end(stranger)
         theirs.unlink(missing_ok=True)
+
+
+def test_process_alive_tells_a_running_process_from_a_reaped_one():
+    """The liveness check of export's stale copies and of a tool helper's trainer watch."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert process_alive(os.getpid()) and process_alive(child.pid)
+        assert process_alive(1)  # init: another user's process when not root
+    finally:
+        child.kill()
+        child.wait()
+    assert not process_alive(child.pid)  # reaped: its pid names no process

@@ -19,7 +19,7 @@ from dapo.config import Config, ModelConfig, choices, load_config
 from dapo.config.loading import set_value
 from dapo.config.yaml_files import clipped_repr
 from dapo.dist import dcp
-from dapo.models import lora, merged_save
+from dapo.models import hub, lora, merged_save
 from dapo.run import model_files
 from dapo.run.model_files import TRAINED_FILE, CheckpointError
 
@@ -123,18 +123,18 @@ def merged(
         warmup = load_run_data(cfg).warmup_pairs
     log(f"export: loading the base model {cfg.model.path} to merge the adapters into")
     try:
+        where = None if cfg.model.path == "embedded" else policy.model_dir(cfg)
+    except hub.HubModelError as exc:  # not in the cache, and not to be fetched
+        raise ValueError(f"--merge: the adapters' base: {exc}; {MOVED_BASE}") from None
+    # Where the base is missing, another may be given; no other base cures other refusals.
+    hint = f"; {MOVED_BASE}" if where and not (where / "config.json").is_file() else ""
+    try:
         model, _ = policy.load_policy(cfg, warmup, log=log)
     except ValueError as exc:
-        raise ValueError(f"--merge: the adapters' base: {exc}; {MOVED_BASE}") from None
-    where = None if cfg.model.path == "embedded" else policy.model_dir(cfg)
+        raise ValueError(f"--merge: the adapters' base: {exc}{hint}") from None
     now = model_files.base_reference(cfg.model.path, cfg.model.revision, where, model)
-    if saved_base.get("sha256") != now["sha256"]:
-        raise CheckpointError(
-            f"--merge: model.path={now['path']} (weights sha256 {now['sha256'][:12]}...) is not "
-            f"the base the adapters of {ckpt} were trained on: model.path="
-            f"{saved_base.get('path')} (sha256 {str(saved_base.get('sha256'))[:12]}...); "
-            f"{MOVED_BASE}"
-        )
+    if wrong := model_files.check_base(saved_base, now, ckpt, MOVED_BASE):
+        raise CheckpointError(f"--merge: {wrong}")
     params = dict(model.named_parameters())
     if set(trained) != set(lora.moving_names(model) or ()):
         raise CheckpointError(

@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 from dapo import __version__
+from dapo.reward.sandbox_runs import process_alive
 from dapo.run import manifest
 from dapo.run.nofollow import fsync_dir, no_link
 
@@ -72,20 +73,11 @@ def remove_stale(out: Path) -> None:
     prefix = TMP_PREFIX % out.name
     for entry in out.parent.glob(f"{glob.escape(prefix)}*"):
         pid = entry.name.removeprefix(prefix)
-        if pid.isdigit() and not entry.is_symlink() and entry.is_dir() and not _alive(int(pid)):
+        if not pid.isdigit() or entry.is_symlink() or not entry.is_dir():
+            continue
+        # this process's own (an earlier export of it to the same --out) counts as gone
+        if int(pid) == os.getpid() or not process_alive(int(pid)):
             shutil.rmtree(entry, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return False  # this process's: an earlier export of it to the same --out
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    return True
 
 
 def check_replaceable(out: Path) -> None:

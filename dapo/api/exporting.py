@@ -94,6 +94,8 @@ def export(
     run_dir, out = Path(run_dir), Path(os.path.abspath(out))  # "." named; a link kept, not followed
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+    if base is not None and not merge:
+        raise ValueError("--base names the model --merge merges into; add --merge")
     ckpt, tmp = find_checkpoint(run_dir, step, log), prepare(out, overwrite)
     log(f"export: checking {ckpt} against its manifest (SHA-256 of every file)")
     trainer = checkpoint.read_trainer_state(ckpt, digests=True)
@@ -104,8 +106,6 @@ def export(
             f"--merge: {ckpt} trained every weight (no LoRA adapters to merge); export it "
             "without --merge"
         )
-    if base is not None and not merge:
-        raise ValueError("--base names the model --merge merges into; add --merge")
     changes: dict = {}  # config.json's fields a merge changes
     with sigterm_raises():  # a SIGTERM runs the clean-up: the copy may be gigabytes
         made = make_parents(out)

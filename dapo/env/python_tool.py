@@ -31,6 +31,7 @@ from typing import Any
 
 from dapo.env.base import Environment, History, Observation
 from dapo.reward import sandbox
+from dapo.reward.sandbox_runs import process_alive
 
 FENCE = "```"
 INSTRUCTION = (
@@ -126,23 +127,13 @@ def _exit_with(trainer: int) -> None:
         try:
             fd = os.pidfd_open(trainer)  # readable once the process has ended
         except OSError:  # already gone, or a kernel without pidfd: poll
-            while _alive(trainer):
+            while process_alive(trainer):
                 time.sleep(0.5)
         else:
             select.select([fd], [], [])
         os._exit(0)  # its sandbox run, if any, dies with it
 
     threading.Thread(target=watch, name="dapo-tool-watch", daemon=True).start()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class Launcher:

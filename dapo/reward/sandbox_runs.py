@@ -54,6 +54,17 @@ def _start_time(pid: int) -> str | None:
         return None
 
 
+def process_alive(pid: int) -> bool:
+    """Whether the process ``pid`` exists (another user's too); a zombie counts as alive."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
 def mark(uid: int, workdir: str | None) -> None:
     """Record that this process runs a sandbox as ``uid`` in ``workdir``."""
     where = markers_dir()

@@ -170,9 +170,14 @@ def base_reference(
     return {"path": path, "revision": revision, "sha256": digest}
 
 
-def check_base(saved: dict[str, Any] | None, now: dict[str, Any], where: Path) -> str | None:
+def check_base(
+    saved: dict[str, Any] | None,
+    now: dict[str, Any],
+    where: Path,
+    fix: str = "resume with the same base model (model.path, model.revision)",
+) -> str | None:
     """Why the adapters in the checkpoint ``where`` do not belong on this base (None: they
-    do)."""
+    do), ending with ``fix``: what to do about it."""
     if saved is None:
         return f"{where} holds no adapters' base model (it was not written with model.lora)"
     if saved.get("sha256") != now["sha256"]:
@@ -180,8 +185,6 @@ def check_base(saved: dict[str, Any] | None, now: dict[str, Any], where: Path) -
         if now["path"] == "embedded" and dtype is not None and loads not in (None, dtype):
             # The embedded base has no files: its digest is of its weights as loaded.
             fix = f"resume with model.param_dtype={dtype}, the dtype its adapters trained on"
-        else:
-            fix = "resume with the same base model (model.path, model.revision)"
         return (
             f"{where} trained adapters on model.path={saved.get('path')} (weights sha256 "
             f"{str(saved.get('sha256'))[:12]}...), but this run's base is "
