@@ -200,6 +200,7 @@ def _read(req: EvalRequest, *, quiet: bool = False) -> tuple[list, dict[str, int
         problems, rows = load_run_data(cfg).val, {}
     else:
         from dapo.data.files import load_problems
+        from dapo.reward import tasks
 
         if req.config:
             raise ValueError("--config shapes --data arith only; a data file is read as it is")
@@ -210,6 +211,7 @@ def _read(req: EvalRequest, *, quiet: bool = False) -> tuple[list, dict[str, int
             answer_key=req.answer_key,
             wrap_template=req.wrap_template,
             on_bad_row=req.on_bad_row,
+            truth_rules=tasks.truth_rules(req.reward_mode, req.reward_function),
         )
         if loaded.skipped and not quiet:
             print(

@@ -227,6 +227,7 @@ def load_problems(
     wrap_template: bool = False,
     dedup: bool = True,
     on_bad_row: str = "error",
+    truth_rules: TruthRules | None = None,
 ) -> LoadedData:
     """Read a problem file (Parquet or JSON Lines, in the dapo or flat format).
 
@@ -243,6 +244,9 @@ def load_problems(
             for users who want repeats to weigh more.
         on_bad_row: "error" raises DataError at the first bad row; "skip" skips each one and
             records it in ``skipped``.
+        truth_rules: a row's data_source -> the rule its ground truth must follow to be
+            graded (:func:`dapo.reward.tasks.truth_rules`); a row that breaks it is a bad
+            row. None: any ground truth is kept.
 
     A repeated problem whose ground truth differs from its first copy's is a bad row either
     way: one of the two answers is wrong, and grading against either would be a guess.
@@ -261,6 +265,7 @@ def load_problems(
         wrap_template=wrap_template,
         dedup=dedup,
         on_bad_row=on_bad_row,
+        truth_rules=truth_rules,
     )
 
 

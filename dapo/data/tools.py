@@ -8,7 +8,6 @@ import math
 import os
 import statistics
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -122,16 +121,8 @@ def convert_file(
     refused; one no built-in verifier grades is written (its warning is the caller's to show)."""
     check_data_source(data_source)
     return convert.convert_file(
-        src, dst, data_source=data_source, truth_rules=truth_rules, **options
+        src, dst, data_source=data_source, truth_rules=tasks.truth_rule, **options
     )
-
-
-def truth_rules(data_source: str) -> Callable[[str], str | None] | None:
-    """The registered task's rule for ``data_source``'s ground truths (``Task.check_truth``),
-    None when it has none: what ``check`` and ``convert`` pass to
-    :class:`dapo.data.usable.Screen`, so both list the same rows."""
-    task = tasks.REGISTRY.get(data_source)
-    return None if task is None else task.check_truth
 
 
 def check_file(
@@ -175,7 +166,7 @@ def _check_table(
         wrap_template=False,
         dedup=True,
         on_bad_row="skip",
-        truth_rules=truth_rules,
+        truth_rules=tasks.truth_rule,
     )
     problems = data.problems
     checked = data.checked

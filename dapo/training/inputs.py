@@ -73,6 +73,7 @@ def load_run_data(cfg: Config) -> RunData:
             wrap_template=d.wrap_template,
             dedup=dedup,
             on_bad_row=d.on_bad_row,
+            truth_rules=tasks.truth_rules(cfg.reward.mode, cfg.reward.function),
         )
 
     # The val file is always merged: evaluation samples k responses per distinct problem,
@@ -80,11 +81,10 @@ def load_run_data(cfg: Config) -> RunData:
     train, val = load(d.train_file, d.dedup), load(d.val_file, True)
     for data in (train, val):
         if not data.problems:  # every row skipped (data.on_bad_row=skip)
-            first = data.skipped[0]
             raise DataError(
                 f"{data.path}: none of its {data.rows} rows is usable ({len(data.skipped)} bad; "
-                f"the first: {first}); fix the file, or run `dapo data check {data.path}` to "
-                "list them"
+                f"the first: {data.skipped[0]}); fix the file, or run `dapo data check "
+                f"{data.path}` to list them"
             )
     # AIME 2024 repeats each problem 32 times: evaluation samples k per problem instead.
     val_copies = max(val.copies.values(), default=1)

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from collections.abc import Callable
+from typing import Any
 
 from dapo.reward.tasks.base import RewardFn, Score, Task
 
@@ -34,6 +36,8 @@ __all__ = [
     "names",
     "register",
     "tasks",
+    "truth_rule",
+    "truth_rules",
 ]
 
 _NOT_TASKS = frozenset({"base"})
@@ -96,3 +100,22 @@ def get_task(name: str) -> Task:
 def get_verifier(name: str) -> RewardFn:
     """The verifier of the task registered as ``name``; picklable, the reward pool's default."""
     return get_task(name).verify
+
+
+def truth_rule(name: str) -> Callable[[str], str | None] | None:
+    """The rule a ground truth graded by the task ``name`` follows (``Task.check_truth``: why
+    one is ungradable, or None); None for a task that grades any text, or a name no task has
+    (refused where its verifier is looked up)."""
+    task = REGISTRY.get(name)
+    return None if task is None else task.check_truth
+
+
+def truth_rules(mode: str = "", function: str = "") -> Callable[[str], Any] | None:
+    """A row's data_source -> the rule of the task that grades the row (:func:`truth_rule`):
+    ``mode``'s (reward.mode) for every row, else the data_source's own; None when a reward
+    function of the user's (reward.function) grades every row: it may take any text. What
+    :class:`dapo.data.usable.Screen` takes, so that a run refuses the rows ``dapo data
+    check`` lists."""
+    if function:
+        return None
+    return lambda data_source: truth_rule(mode or data_source)
