@@ -395,6 +395,28 @@ def test_short_rollouts_end_where_the_eager_loop_ends(new_tokens):
     assert torch.equal(static[0], eager[0])
 
 
+@pytest.mark.parametrize("new_tokens", [1, 2, 17])
+def test_nan_logits_are_refused_as_the_eager_loop_refuses_them(new_tokens):
+    """One token's logit NaN: the eager loop raises; so does this one, also when step 0's draw
+    (after the prefill) is the only one, whose flag no read-back of the loop saw (review
+    r32b: max_new_tokens=1 returned NaN log-probs)."""
+    model = model_of("qwen2")
+    with torch.no_grad():
+        model.lm_head.weight[7, 0] = float("nan")
+    for way in ("eager", "static"):
+        with pytest.raises(FloatingPointError, match="NaN or \\+inf"):
+            both(model, new_tokens=new_tokens) if way == "eager" else _static(model, new_tokens)
+
+
+def _static(model, new_tokens: int):
+    ids, mask = prompts()
+    with torch.inference_mode():
+        return static_decode.static_decode(
+            model, ids, mask, group_size=4, max_new_tokens=new_tokens, stop_token_ids=STOPS,
+            pad_token_id=0, graphs=False,
+        )  # fmt: skip
+
+
 def test_folded_matrices_are_built_a_block_of_rows_at_a_time(monkeypatch):
     """The fused copy was folded whole in float32 (the head: two V x H float32 temporaries,
     1.9 GB for 1.5B); block by block it is the same matrix, bit for bit."""

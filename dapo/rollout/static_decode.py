@@ -251,6 +251,8 @@ def _loop(
     are handed to ``parking`` as they leave the batch, or at the end."""
     sizes = batch_sizes(state.rows, smallest)
     size = slots = state.rows  # step 0 (after the prefill) samples every row
+    if state.steps == 1 and read_back(state.bad_1)[0]:  # the read-backs below never come
+        raise FloatingPointError(NONFINITE_LOGITS)
     t, idle = 1, 0
     while t < state.steps:
         if t % UNIFORM_BLOCK == 0:
