@@ -8,6 +8,10 @@ different gradients (different draws). The old log-probs are scored in evaluatio
 the sampler never drops anything, so only the update's passes would differ: TRL's trainers
 turn dropout off for the same reason. LoRA's own ``model.lora.dropout`` is a setting of the
 run, added after this (:func:`dapo.models.lora.apply`), and left as set.
+
+Dropout is not a model's only randomness in training mode (PhiMoE's router draws its experts
+there), so the update's passes run in evaluation mode, as the old log-probs' do, but for
+LoRA's dropout (:func:`update_mode`).
 """
 
 from __future__ import annotations
@@ -73,3 +77,14 @@ def _zero_config(config: Any, prefix: str) -> list[str]:
         elif hasattr(value, "to_dict") and hasattr(value, "model_type"):
             found += _zero_config(value, f"{prefix}{key}.")
     return found
+
+
+def update_mode(model: torch.nn.Module) -> None:
+    """``model`` set for the update's passes: evaluation mode, in which they compute what the
+    old log-probs' pass computes (training mode may draw at random beyond dropout: PhiMoE's
+    router samples its experts, Mixtral's jitters its input), except LoRA's adapters' dropout
+    (``model.lora.dropout``, a setting of the run), in training mode."""
+    model.eval()
+    for name, module in model.named_modules():
+        if ".lora_dropout." in f".{name}.":
+            module.train()

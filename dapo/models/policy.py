@@ -219,7 +219,8 @@ def load_policy(
     shards (:mod:`dapo.models.sharded_load`: each rank reads only its rows), and the model
     returned is sharded; otherwise it is whole. With ``model.lora.rank`` > 0 it carries
     adapters, and only they are trainable (:mod:`dapo.models.lora`). The model's own dropout
-    is off (:mod:`dapo.models.dropout`; said in ``log`` when ``training`` and it was on).
+    is off (:mod:`dapo.models.dropout`), and rotary embeddings that change with a call's
+    length are pinned (:mod:`dapo.models.rotary`); each said in ``log`` when ``training``.
     """
     device = device or compute_device(cfg.model.device)
     dtype = dtype or DTYPES[cfg.model.param_dtype]
@@ -230,14 +231,14 @@ def load_policy(
         if model is not None:
             tokenizer = tokenizer or load_tokenizer(cfg)
             check_vocabulary(model, tokenizer, cfg.model.path)
-            return _without_dropout(model, log if training else None), tokenizer
+            return _settled(model, log if training else None), tokenizer
     if cfg.model.path == "embedded":
         model, tokenizer = _embedded(cfg, warmup_pairs, log)
     else:
         model, tokenizer = _pretrained(cfg, tokenizer, dtype)
         check_vocabulary(model, tokenizer, cfg.model.path)
     model = cast_weights(model, dtype, device)
-    _without_dropout(model, log if training else None)  # before LoRA's, which is a setting
+    _settled(model, log if training else None)  # before LoRA's dropout, which is a setting
     if cfg.model.lora.rank:
         from dapo.models import lora
 
@@ -246,12 +247,14 @@ def load_policy(
     return model, tokenizer
 
 
-def _without_dropout(model: torch.nn.Module, log: Callable[[str], None] | None):
-    from dapo.models import dropout
+def _settled(model: torch.nn.Module, log: Callable[[str], None] | None):
+    """``model`` without its dropout, its length-dependent rotary embeddings pinned: each
+    row's log-probs its own, whatever else is in the forward pass."""
+    from dapo.models import dropout, rotary
 
-    note = dropout.disable(model)
-    if note is not None and log is not None:
-        log(note)
+    for note in (dropout.disable(model), rotary.pin(model)):
+        if note is not None and log is not None:
+            log(note)
     return model
 
 

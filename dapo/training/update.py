@@ -22,6 +22,7 @@ from dapo import algo, dist
 from dapo.config import AlgoConfig
 from dapo.data.batch import Batch, Episode, partition_by_tokens
 from dapo.dist import fsdp
+from dapo.models import dropout
 from dapo.models.logprobs import autocast, batch_logprobs, forward_slots
 from dapo.models.policy import DTYPES
 from dapo.run.metrics import accumulate
@@ -70,7 +71,7 @@ def update(
     for group in state.optimizer.param_groups:
         group["lr"] = lr
 
-    state.model.train()
+    dropout.update_mode(state.model)
     sums: dict[str, float] = {}
     for mb in plan:
         batch = [episodes[i] for i in mb.indices]
