@@ -417,6 +417,22 @@ def _static(model, new_tokens: int):
         )  # fmt: skip
 
 
+def test_pinned_length_dependent_rotary_embeddings_decode_on_this_path():
+    """A dynamic-NTK Llama is refused (its frequencies change with the length); pinned as
+    dapo loads a policy (dapo.models.rotary), it decodes here as the eager loop does."""
+    from dapo.models import rotary
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**SIZES, rope_scaling={"rope_type": "dynamic", "factor": 4.0})
+    model = LlamaForCausalLM(config).eval()
+    assert unsupported_reason(model) == "rotary embeddings of type 'dynamic'"
+    rotary.pin(model)
+    assert unsupported_reason(model) is None
+    eager, static = both(model)
+    assert torch.equal(static[0], eager[0])
+    torch.testing.assert_close(static[1], eager[1], rtol=0, atol=1e-5)
+
+
 def test_folded_matrices_are_built_a_block_of_rows_at_a_time(monkeypatch):
     """The fused copy was folded whole in float32 (the head: two V x H float32 temporaries,
     1.9 GB for 1.5B); block by block it is the same matrix, bit for bit."""

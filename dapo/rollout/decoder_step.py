@@ -29,7 +29,7 @@ import torch.fx.experimental._config
 import torch.nn.functional as F
 
 from dapo.dist.fsdp import holds_dtensors, recomputed
-from dapo.models import lora
+from dapo.models import lora, rotary
 from dapo.models.compiled_layers import layer_forward, unwrapped
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -48,9 +48,10 @@ PROJECTIONS = (
 """A layer's linear maps, each a plain ``torch.nn.Linear`` (not an adapter or a quantized
 layer, whose weights are not one matrix)."""
 
-STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", rotary.PINNED)
 """Rotary embeddings whose frequencies are fixed at load (``dynamic`` and ``longrope`` change
-them with the sequence length, a read on the host)."""
+them with the sequence length, a read on the host, unless :mod:`dapo.models.rotary` pinned
+them as the policy loaded)."""
 FOLD_ROWS = 8192
 """Rows of a fused matrix folded at a time, in float32 (48 MiB at H = 1536)."""
 
