@@ -49,9 +49,8 @@ PROJECTIONS = (
 layer, whose weights are not one matrix)."""
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", rotary.PINNED)
-"""Rotary embeddings whose frequencies are fixed at load (``dynamic`` and ``longrope`` change
-them with the sequence length, a read on the host, unless :mod:`dapo.models.rotary` pinned
-them as the policy loaded)."""
+"""Rotary embeddings whose frequencies are fixed (``dynamic``, ``longrope``: by the length, a
+read on the host, unless :mod:`dapo.models.rotary` pinned them as the policy loaded)."""
 FOLD_ROWS = 8192
 """Rows of a fused matrix folded at a time, in float32 (48 MiB at H = 1536)."""
 
