@@ -5,6 +5,7 @@ and whether MODEL_DIR holds weights."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shlex
@@ -56,6 +57,22 @@ def data_options(req: EvalRequest) -> dict[str, Any]:
     """``req``'s :data:`DATA_FLAGS` that differ from their defaults (as ``dapo data`` reads)."""
     defaults = {f.name: f.default for f in fields(EvalRequest)}
     return {k: getattr(req, k) for k in DATA_FLAGS if getattr(req, k) != defaults[k]}
+
+
+def check_sampling(req: EvalRequest) -> None:
+    """Refuse ``req``'s sampling settings that no engine draws with, before the model loads
+    and the output directory is made (the engine would refuse them only then)."""
+    if req.k < 1:
+        raise ValueError(f"--k must be >= 1, got {req.k}")
+    if req.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {req.max_new_tokens}")
+    if not 0 < req.temperature < math.inf:  # NaN too
+        raise ValueError(
+            f"--temperature must be a positive number, got {req.temperature} (--greedy adds "
+            "an argmax response's accuracy)"
+        )
+    if not 0 < req.top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1], got {req.top_p} (1: the whole distribution)")
 
 
 def problems_of(req: EvalRequest) -> list:
@@ -213,6 +230,7 @@ def _read(req: EvalRequest, *, quiet: bool = False) -> tuple[list, dict[str, int
             on_bad_row=req.on_bad_row,
             truth_rules=tasks.truth_rules(req.reward_mode, req.reward_function),
         )
+        loaded.check_usable()
         if loaded.skipped and not quiet:
             print(
                 f"{req.data}: {len(loaded.skipped)} bad rows skipped (--on-bad-row skip); the "

@@ -18,6 +18,7 @@ from typing import Any
 
 from dapo.api.eval_inputs import (
     EvalRequest,
+    check_sampling,
     data_options,
     problems_of,
     run_config,
@@ -146,10 +147,9 @@ def check_request(req: EvalRequest, reward_fn: Callable[..., Any] | None = None)
 
     if not req.model or not req.data:
         raise ValueError("dapo eval needs MODEL_DIR and --data FILE (or --compare A B)")
-    if req.k < 1:
-        raise ValueError(f"--k must be >= 1, got {req.k}")
     if req.num_problems < 0:
         raise ValueError(f"--num-problems must be >= 0 (0 = all), got {req.num_problems}")
+    check_sampling(req)
     # Before the model loads and every problem is sampled, not when the intervals are drawn.
     check_resampling(req.resamples)
     if req.threads < 0:

@@ -302,7 +302,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         for one in ones.values():  # then the data in each model's context (B's too)
             check_data_fits(_request(one))
         for one in ones.values():
-            cmd_eval(one)
+            if status := cmd_eval(one):  # stopped (Ctrl-C, SIGTERM): nothing to compare
+                return status
         a_path, b_path = (
             out_dir(_request(ones[side])) if side in ones else path
             for side, path in (("A", a_path), ("B", b_path))
@@ -322,7 +323,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     for name, row in result.items():
         if name == "changed":
             continue
-        print(f"{name:<18} {row['a']!s:<24} {row['b']!s:<24} {row['diff']!s:<26} {row['p']:.4f}")
+        print(f"{name:<18} {row['a']!s:<24} {row['b']!s:<24} {row['diff']!s:<26} {_p(row['p'])}")
     changed = result["changed"]
     print(f"\nproblems whose avg@k changed: {len(changed)}")
     for uid, va, vb in changed[:10]:
@@ -330,6 +331,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if len(changed) > 10:
         print(f"  ... and {len(changed) - 10} more")
     return 0
+
+
+def _p(value: float) -> str:
+    """A p-value to 4 decimals, or (under 0.0001, never 0) in 2 digits, not as 0.0000."""
+    return f"{value:.4f}" if value >= 0.0001 else f"{value:.1e}"
 
 
 COMPARE_FLAGS = frozenset({"compare", "resamples", "seed", "threads", "func", "eval_defaults"})
@@ -377,11 +383,8 @@ def protocol_differences(a_path: Path, b_path: Path) -> list[str]:
         for key in SAMPLING
         if a.get(key) != b.get(key)
     ]
-    return (
-        ["the two evaluations differ in protocol (rows below compare unlike measures):"] + lines
-        if lines
-        else []
-    )
+    head = "the two evaluations differ in protocol (rows below compare unlike measures):"
+    return [head, *lines] if lines else []
 
 
 def _digest(config: Any) -> Any:

@@ -65,6 +65,16 @@ class LoadedData:
     checked: dict[str, int] = field(default_factory=dict)
     """data_source -> problems whose ground truth ``truth_rules`` checked (bad ones too)."""
 
+    def check_usable(self) -> None:
+        """Refuse a file of which no row is usable (every row skipped with
+        ``on_bad_row="skip"``), naming its first bad row."""
+        if not self.problems:
+            raise DataError(
+                f"{self.path}: none of its {self.rows} rows is usable ({len(self.skipped)} bad; "
+                f"the first: {self.skipped[0]}); fix the file, or run `dapo data check "
+                f"{self.path}` to list them"
+            )
+
 
 @dataclass(frozen=True)
 class Table:

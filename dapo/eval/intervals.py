@@ -15,7 +15,7 @@ import numpy as np
 
 # Bounds one chunk of resampling work to about 4M indices (32 MB as int64, the same again for
 # the gathered values), so 10k resamples of 1000 problems never materialise 80 MB at once.
-_CHUNK_ELEMENTS = 1 << 22
+RESAMPLE_CHUNK_ELEMENTS = 1 << 22
 # Sign-flip statistics are compared with a little slack so that the flip equal to the observed
 # one (or its mirror) counts as "at least as extreme" despite a different summation order. The
 # slack is relative to the mean |difference|: rounding in a sum grows with the values' size, so
@@ -62,7 +62,7 @@ def check_resampling(resamples: int, level: float | None = None) -> None:
 def _bootstrap(array: np.ndarray, resamples: int, seed: int, level: float) -> Interval:
     n = array.size
     rng = np.random.default_rng(seed)
-    rows = max(1, _CHUNK_ELEMENTS // n)
+    rows = max(1, RESAMPLE_CHUNK_ELEMENTS // n)
     means = np.empty(resamples, dtype=np.float64)
     for start in range(0, resamples, rows):
         stop = min(start + rows, resamples)
@@ -204,7 +204,7 @@ def crossed_bootstrap_ci(
         raise ValueError("values contains NaN or infinity")
     seeds, problems = matrix.shape
     rng = np.random.default_rng(seed)
-    rows = max(1, _CHUNK_ELEMENTS // (seeds + problems))
+    rows = max(1, RESAMPLE_CHUNK_ELEMENTS // (seeds + problems))
     means = np.empty(resamples, dtype=np.float64)
     for start in range(0, resamples, rows):
         n = min(start + rows, resamples) - start
@@ -239,13 +239,14 @@ def paired_permutation_pvalue(
     # The observed statistic is the all-plus pattern, summed as the flipped ones are.
     observed = abs(float(np.ones(n) @ d)) / n
     observed -= _PERMUTATION_RTOL * float(np.abs(d).sum()) / n
+    rows, extreme = max(1, RESAMPLE_CHUNK_ELEMENTS // n), 0
     if 2**n <= resamples:  # few pairs (seeds): every sign pattern, the exact p-value
-        bits = (np.arange(2**n)[:, None] >> np.arange(n)) & 1
-        signs = bits.astype(np.float64) * 2.0 - 1.0
-        return int(np.count_nonzero(np.abs(signs @ d) / n >= observed)) / 2**n
+        for start in range(0, 2**n, rows):  # a block of patterns at a time, as below
+            bits = (np.arange(start, min(start + rows, 2**n))[:, None] >> np.arange(n)) & 1
+            signs = bits.astype(np.float64) * 2.0 - 1.0
+            extreme += int(np.count_nonzero(np.abs(signs @ d) / n >= observed))
+        return extreme / 2**n
     rng = np.random.default_rng(seed)
-    rows = max(1, _CHUNK_ELEMENTS // n)
-    extreme = 0
     for start in range(0, resamples, rows):
         stop = min(start + rows, resamples)
         signs = rng.integers(0, 2, size=(stop - start, n)).astype(np.float64) * 2.0 - 1.0

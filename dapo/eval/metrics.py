@@ -32,7 +32,7 @@ from dapo.reward.tasks.base import gave_answer
 
 MAJORITY = "maj@k"
 
-_FRACTIONS = ("avg@k", MAJORITY, "greedy", "truncated_frac", "reflective_frac")
+_FRACTIONS = ("avg@k", MAJORITY, "greedy", "truncated_frac", "reflective_frac", "tool_call_frac")
 
 REFLECTIVE_PHRASES: tuple[str, ...] = (
     "wait",

@@ -61,7 +61,7 @@ def load_run_data(cfg: Config) -> RunData:
         )
         return RunData([p for p, _ in train], [p for p, _ in val], warmup)
 
-    from dapo.data.files import DataError, LoadedData, load_problems
+    from dapo.data.files import LoadedData, load_problems
 
     def load(path: str, dedup: bool) -> LoadedData:
         return load_problems(
@@ -80,12 +80,7 @@ def load_run_data(cfg: Config) -> RunData:
     # so AIME's 32 copies of a problem must be one problem x 32, whatever data.dedup says.
     train, val = load(d.train_file, d.dedup), load(d.val_file, True)
     for data in (train, val):
-        if not data.problems:  # every row skipped (data.on_bad_row=skip)
-            raise DataError(
-                f"{data.path}: none of its {data.rows} rows is usable ({len(data.skipped)} bad; "
-                f"the first: {data.skipped[0]}); fix the file, or run `dapo data check "
-                f"{data.path}` to list them"
-            )
+        data.check_usable()  # every row skipped (data.on_bad_row=skip)
     # AIME 2024 repeats each problem 32 times: evaluation samples k per problem instead.
     val_copies = max(val.copies.values(), default=1)
     notes = []
