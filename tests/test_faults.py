@@ -116,8 +116,8 @@ def test_consecutive_non_finite_updates_stop_the_run_cleanly(
         return out
 
     monkeypatch.setattr(loop, "train_step", counting_step)
-    # From step 2 on, every training forward (the model in train mode) gives NaN logits.
-    _nan_logits_when(tiny_model, lambda: tiny_model.training and done["steps"] >= 1)
+    # From step 2 on, every training forward (the update's, with gradients) gives NaN logits.
+    _nan_logits_when(tiny_model, lambda: torch.is_grad_enabled() and done["steps"] >= 1)
     with pytest.raises(update.NonFiniteError) as err:
         quiet_fit(cfg, tiny_model, tokenizer, train, val, run_dir)
     msg = str(err.value)

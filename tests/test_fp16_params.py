@@ -85,7 +85,7 @@ def _count_training_forwards(model) -> dict[str, int]:
     calls = {"n": 0}
 
     def hook(module, _args, _output):
-        calls["n"] += module.training
+        calls["n"] += torch.is_grad_enabled()  # the update's passes (in eval mode too)
 
     model.get_decoder().register_forward_hook(hook)  # the head may be chunked, not the model
     return calls
