@@ -32,6 +32,7 @@ from typing import Any
 from dapo.env.base import Environment, History, Observation
 from dapo.reward import sandbox
 from dapo.reward.sandbox_runs import process_alive
+from dapo.reward.start_method import default_start_method
 
 FENCE = "```"
 INSTRUCTION = (
@@ -147,7 +148,7 @@ class Launcher:
     def run(self, source: str, limits: sandbox.SandboxLimits, mode: str) -> sandbox.RunResult:
         with self._lock:
             if self._pool is None:
-                context = multiprocessing.get_context("forkserver")
+                context = multiprocessing.get_context(default_start_method())
                 self._pool = ProcessPoolExecutor(
                     self.workers,
                     mp_context=context,

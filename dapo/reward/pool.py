@@ -9,8 +9,9 @@ that the trainer can count and log, and ``grade`` always returns one ``Score`` p
 
 Workers come from the "forkserver" start method (a fresh, small interpreter, so they neither
 inherit the trainer's threads, CUDA state and address space nor start slowly), or "spawn" where
-forkserver does not exist. This module (and the worker side, ``dapo.reward.worker``) imports only
-the standard library and ``dapo.reward.tasks``, so it loads no torch into a worker. But
+forkserver does not exist or the temporary directory's path is too long for its socket. This
+module (and the worker side, ``dapo.reward.worker``) imports only the standard library and
+``dapo.reward.tasks``, so it loads no torch into a worker. But
 multiprocessing runs a ``__main__`` *script* again in every child it starts (the forkserver's own
 preload of it never happens on Python 3.11): that is why ``dapo.cli``, which the ``dapo`` console
 script imports, imports nothing heavy at module level. A script of your own that imports torch at
@@ -37,6 +38,7 @@ from dapo.reward.jobs import (
     Printed,
     grading_job,
 )
+from dapo.reward.start_method import default_start_method
 from dapo.reward.tasks import RewardFn, Score, get_verifier
 from dapo.reward.worker import (
     CappedText,
@@ -58,11 +60,6 @@ STARTUP_TIMEOUT_S = 120.0
 
 # A SIGKILLed process is gone in milliseconds; one stuck in uninterruptible I/O is not waited for.
 JOIN_TIMEOUT_S = 5.0
-
-
-def default_start_method() -> str:
-    """forkserver where the platform has it (a fresh, small interpreter), else spawn."""
-    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 
 
 def _split(items: list[Any], parts: int) -> list[list[Any]]:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from dapo.reward import confine
 from dapo.reward.sandbox_boot import BOOT
-from dapo.reward.sandbox_runs import UID_BASE, WORLD_WRITABLE, clean_up, mark, reap_orphans
+from dapo.reward.sandbox_runs import UID_BASE, WORLD_WRITABLE, clean_up, open_run, reap_orphans
 
 try:
     import ctypes
@@ -302,9 +302,7 @@ def run_python(
     if uid is not None:
         reap_orphans()  # what runs of killed callers left (this uid's earlier owner too)
     command = _command(mode, limits, source, audit)
-    workdir = None if mode == "bwrap" else tempfile.mkdtemp(prefix="dapo-sandbox-")
-    if uid is not None:
-        mark(uid, workdir)  # swept by the next run on the machine should this caller die
+    workdir = open_run(uid, needs_workdir=mode != "bwrap")
     start = time.monotonic()
     # stdin from an unnamed file, not a pipe: nothing to feed while reading the output.
     with tempfile.TemporaryFile() as feed:

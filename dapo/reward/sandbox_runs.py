@@ -115,6 +115,30 @@ def _end_uid(uid: int) -> None:
                     os.unlink(entry.path)
 
 
+def open_run(uid: int | None, needs_workdir: bool) -> str | None:
+    """Make a run's working directory (None: ``needs_workdir`` false) and, for a run with a
+    uid of its own, its marker, so that the next run on the machine sweeps both should this
+    caller die."""
+    where = _workdir_parent(uid is not None)
+    workdir = tempfile.mkdtemp(prefix="dapo-sandbox-", dir=where) if needs_workdir else None
+    if uid is not None:
+        mark(uid, workdir)
+    return workdir
+
+
+def _workdir_parent(own_uid: bool) -> str:
+    """Where a run's working directory is made: the temporary directory, unless the run has a
+    uid of its own that could not reach it (a directory on the way that others may not search,
+    such as a TMPDIR of mode 0700 under /root): then /tmp. There every run failed its
+    confinement with "Permission denied" (exit status 121), and every program was graded
+    wrong."""
+    top = tempfile.gettempdir()
+    real = Path(top).resolve()
+    if own_uid and any(not os.stat(p).st_mode & stat.S_IXOTH for p in (real, *real.parents)):
+        return WORLD_WRITABLE[0]
+    return top
+
+
 def remove_workdir(workdir: str | None, *, chmod: bool) -> None:
     """Remove a run's working directory; ``chmod``: first give its owner its permissions
     back (a program that is not its own uid may have taken them away)."""
