@@ -20,6 +20,7 @@ import traceback
 
 from dapo.cli import ablate, bench, data, export, helptext, model, report, train
 from dapo.cli import eval as eval_
+from dapo.cli.host import host_refused, import_refused
 
 __all__ = ["build_parser", "main", "parse_args"]
 
@@ -81,15 +82,23 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("LOCAL_RANK", "0") == "0":  # once a node, not once a rank
             print(f"dapo: error: {refused}", file=sys.stderr)
         return 2  # nothing started: no process group to leave with os._exit
-    from transformers.utils import logging as hf_logging
+    try:
+        from transformers.utils import logging as hf_logging
 
-    from dapo.run.checkpoint import CheckpointError
-    from dapo.run.interrupt import RunStopped
-    from dapo.training.sampling import DynamicSamplingExhausted
-    from dapo.training.update import NonFiniteError
+        from dapo.run.checkpoint import CheckpointError
+        from dapo.run.console import ReaderMayLeave
+        from dapo.run.interrupt import RunStopped
+        from dapo.training.sampling import DynamicSamplingExhausted
+        from dapo.training.update import NonFiniteError
+    except OSError as exc:  # torch makes its compiler's cache directory as it loads
+        print(f"dapo: error: {import_refused(exc)}", file=sys.stderr)
+        return 2
 
     # Loading/saving bars of a tiny model are noise in a log that prints one line per step.
     hf_logging.disable_progress_bar()
+    previous = sys.stdout
+    if args.command in LONG_COMMANDS and not isinstance(previous, ReaderMayLeave):
+        sys.stdout = ReaderMayLeave(previous, args.command)
     try:
         return args.func(args)
     except ValueError as exc:
@@ -102,14 +111,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dapo: {exc}", file=sys.stderr)
         return exc.exit_code
     except Exception as exc:
-        refused = path_refused(exc)
+        refused = path_refused(exc) or host_refused(exc)
         if refused is not None:
-            print(f"dapo: error: {refused[0]}", file=sys.stderr)
+            if refused[0] is not None:
+                print(f"dapo: error: {refused[0]}", file=sys.stderr)
             return failed(refused[1])
         if not launched():
             raise
         traceback.print_exc()
         return failed(1)
+    finally:
+        sys.stdout = previous
 
 
 WRITABLE = "check its permissions (and its directory's), or give another path"
@@ -158,6 +170,9 @@ def path_refused(exc: BaseException) -> tuple[str, int] | None:
     verb, code, fix = known
     return f"{verb} {os.fsdecode(path)}: {exc.strerror}; {fix}", code
 
+
+LONG_COMMANDS = frozenset({"train", "eval", "ablate"})
+"""The commands that go on when their stdout's reader leaves: their results are in files."""
 
 RANKED_COMMANDS = frozenset({"train"})
 """The commands whose ranks under torchrun share one job; any other would run whole on each."""

@@ -53,6 +53,33 @@ def check_destination(src: Path, dst: Path) -> None:
         raise DataError(f"{dst}: directory {dst.parent} {why}")
 
 
+def current_umask() -> int:
+    """The process's umask, read without setting it: ``os.umask`` sets it for every thread
+    for a moment (where /proc has no Umask line, it is set stricter, never looser)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def plain_mode(*, directory: bool = False) -> int:
+    """The mode ``open()`` (or ``mkdir()``) gives a new file under the umask: what dapo gives
+    the files it writes through mkstemp, mkdtemp or safetensors, all three of which make
+    them private (0600, 0700) whatever the umask."""
+    return (0o777 if directory else 0o666) & ~current_umask()
+
+
+def temp_prefix(name: str) -> str:
+    """A hidden temporary name's prefix for ``name``, short enough that mkstemp's additions
+    (8 characters and a suffix) keep it within a file name's 255 bytes."""
+    return "." + name.encode()[:200].decode(errors="ignore") + "."
+
+
 def write_records(records: list[dict[str, Any]], schema: pa.Schema, dst: Path) -> None:
     """``records`` as the data file ``dst`` (Parquet or JSON Lines by its extension), written
     beside it and renamed into place: an error, Ctrl-C or SIGTERM leaves nothing behind."""
@@ -63,7 +90,7 @@ def write_records(records: list[dict[str, Any]], schema: pa.Schema, dst: Path) -
         rows = tracked(records, f"encoding {dst.name}", len(records))
         lines = [json.dumps(rec, ensure_ascii=False) + "\n" for rec in rows]
     with sigterm_raises():  # before the temporary file exists, so none outlives a SIGTERM
-        fd, tmp = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=dst.parent, prefix=temp_prefix(dst.name), suffix=".tmp")
         try:
             if parquet:
                 os.close(fd)
@@ -71,10 +98,7 @@ def write_records(records: list[dict[str, Any]], schema: pa.Schema, dst: Path) -
             else:
                 with os.fdopen(fd, "w", encoding="utf-8") as f:
                     _write_lines(f, lines, dst)
-            # mkstemp makes the file private (0600); give it the mode a plain open() would.
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)
+            os.chmod(tmp, plain_mode())
             os.replace(tmp, dst)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)

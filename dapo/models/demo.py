@@ -201,20 +201,31 @@ def load_embedded(
     kernels = torch.backends.cpu.get_cpu_capability()
     versions = (torch.__version__, transformers.__version__, kernels)
     key = _cache_key(spec, warmup, task_key, vocab, piece_pattern(tools), *versions)
-    target = Path(cache_dir).expanduser() / f"embedded-{key}"
-    if (target / "model.safetensors").exists():
+    try:
+        target = Path(cache_dir).expanduser() / f"embedded-{key}"
+    except RuntimeError:  # "~" where HOME is unset and the uid has no passwd entry
+        target = None
+    if target is not None and (target / "model.safetensors").exists():
         model = Qwen2ForCausalLM.from_pretrained(target)
         return model, tokenizer
     log(
         f"building the embedded policy: {warmup.steps} supervised warm-up steps on this "
-        f"CPU's {kernels} kernels (cached at {target})"
+        f"CPU's {kernels} kernels" + (f" (cached at {target})" if target else "")
     )
     start = time.perf_counter()
     model = tiny_qwen2(tokenizer, spec, seed=warmup.seed)
     examples = [(render_prompt(tokenizer, p), solution) for p, solution in pairs]
     losses = warm_start(model, tokenizer, examples, warmup, log)
     log(f"warm-up done in {time.perf_counter() - start:.0f} s, final loss {losses[-1]:.3f}")
-    save_to_cache(model, tokenizer, target)
+    if target is None:
+        print(
+            f"dapo: warning: cannot cache the warmed-up demo model at {cache_dir}: this user "
+            "has no home directory (HOME is unset and the uid has no passwd entry); set "
+            "embedded.cache_dir (or HOME) to a writable directory",
+            file=sys.stderr,
+        )
+    else:
+        save_to_cache(model, tokenizer, target)
     return model, tokenizer
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dapo.data.output import plain_mode, temp_prefix
 from dapo.extras import pip_install
 
 SHORTCUTS = {
@@ -275,6 +276,8 @@ def import_gguf(source: str, out_dir: Path, *, log: Callable[[str], None] = prin
         model.save_pretrained(partial)
         tokenizer.save_pretrained(partial)
         _write_provenance(partial, path, architecture)
+        for file in partial.iterdir():
+            file.chmod(plain_mode())  # safetensors writes its files 0600
         _fsync_files(partial)  # on disk before the name says complete (a crash, a power loss)
         if out_dir.exists():
             out_dir.rmdir()  # checked empty above
@@ -307,12 +310,9 @@ def _fresh_partial(out_dir: Path) -> Path:
     ``out_dir`` once complete): made here, so never a link or a directory someone else left
     (a planted ``.OUT.partial`` link was written through), and the only thing removed."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    partial = Path(
-        tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent)
-    )
-    umask = os.umask(0)
-    os.umask(umask)
-    partial.chmod(0o777 & ~umask)  # mkdtemp's 0700 would follow the model directory
+    prefix = temp_prefix(out_dir.name)
+    partial = Path(tempfile.mkdtemp(prefix=prefix, suffix=".partial", dir=out_dir.parent))
+    partial.chmod(plain_mode(directory=True))  # mkdtemp's 0700 would follow the directory
     return partial
 
 

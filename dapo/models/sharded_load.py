@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,14 @@ def check_weight_files(path: Path) -> None:
 def damaged_weights(file: Path | None, path: Path, exc: Exception) -> ValueError:
     """The error for a weights file (or index) of ``path`` that cannot be read: which one
     (None: not known), what the library said, and how to get whole files."""
+    if file is not None and file.is_file() and not os.access(file, os.R_OK):
+        # safetensors reports a file it may not open as "No such file or directory".
+        mode, owner = file.stat().st_mode & 0o777, file.stat().st_uid
+        return ValueError(
+            f"model.path={path}: {file.name} cannot be read: permission denied (mode "
+            f"{mode:04o}, owner uid {owner}); have its owner make it readable "
+            f"(chmod a+r {file}), or load the model as that user"
+        )
     reason = (str(exc).splitlines() or [type(exc).__name__])[0]
     what = f"{file.name} cannot be read" if file is not None else "its weights cannot be read"
     return ValueError(

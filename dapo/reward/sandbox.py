@@ -191,12 +191,17 @@ def _probe(command: list[str]) -> bool:
 
 
 @functools.cache
-def _interpreter() -> str:
-    """A Python the run's uid may execute (sys.executable may sit in a home only root reads),
-    or "" when there is none."""
+def _interpreter(mode: str) -> str:
+    """A Python the run's uid may execute (sys.executable may sit in a home only root reads)
+    and ``mode`` can see (bwrap's private tmpfs hides a venv under /tmp), or "" if none."""
     candidates = [sys.executable, getattr(sys, "_base_executable", ""), "/usr/bin/python3"]
     candidates.append(shutil.which("python3", path=_ENV["PATH"]) or "")
     for path in dict.fromkeys(c for c in candidates if c):
+        seen = {path, os.path.realpath(path)}
+        if mode == "bwrap" and any(
+            os.path.commonpath([p, top]) == top for p in seen for top in WORLD_WRITABLE
+        ):
+            continue
         if _probe([path, "-I", "-S", "-B", "-c", "import json, sys; sys.addaudithook"]):
             return path
     return ""
@@ -212,7 +217,7 @@ def _command(mode: str, limits: SandboxLimits, source: str, audit: bool) -> list
     """The command line of a run: the wrapper, the interpreter, the boot script, its args."""
     landlock, seccomp = kernel_layers()
     layers = [str(landlock), "1" if seccomp else "0", _CONFINE]
-    interpreter = [_interpreter(), "-I", "-S", "-B", "-c", BOOT]
+    interpreter = [_interpreter(mode), "-I", "-S", "-B", "-c", BOOT]
     return [*_wrapper(mode, limits), *interpreter, source, "1" if audit else "0", *layers]
 
 
@@ -220,7 +225,7 @@ def _command(mode: str, limits: SandboxLimits, source: str, audit: bool) -> list
 def _mode_works(mode: str) -> bool:
     """Whether ``mode`` runs a program here, confined by the kernel's layers where it has
     them (a mode that cannot be confined where they exist does not work)."""
-    if resource is None or not sys.platform.startswith("linux") or not _interpreter():
+    if resource is None or not sys.platform.startswith("linux") or not _interpreter(mode):
         return False
     if mode != "process" and shutil.which(mode) is None:
         return False

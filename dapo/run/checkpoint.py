@@ -36,6 +36,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
+from dapo.data.output import plain_mode
 from dapo.dist.optim_groups import kernels_kept
 from dapo.run import manifest, model_files, state_files
 from dapo.run.launcher import nonfinite_refusal
@@ -73,8 +74,13 @@ def step_dirs(root: Path) -> list[Path]:
 
 
 def fsync_tree(root: Path) -> None:
+    """Flush the files dapo wrote in ``root`` and the directories, after giving the files the
+    mode the umask gives: safetensors writes its files 0600, so that another user could not
+    load a model or checkpoint whose other files they could read."""
+    mode = plain_mode()
     for path in sorted(root.rglob("*")):
-        if path.is_file():
+        if path.is_file() and not path.is_symlink():
+            path.chmod(mode)
             with path.open("rb") as f:
                 os.fsync(f.fileno())
     for d in [root, *(p for p in root.rglob("*") if p.is_dir())]:
