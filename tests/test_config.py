@@ -92,7 +92,7 @@ def test_yaml_file_starts_from_paper_by_default(tmp_path):
         ("noequals", "is not of the form section.field=value"),
         ("run.preset=ppo", "unknown preset 'ppo'"),
         ("embedded.sft_steps=0", "embedded.sft_steps must be >= 1"),
-        ("embedded.hidden=30", "embedded.hidden must be a positive multiple of 4"),
+        ("embedded.hidden=30", "embedded.hidden must be a multiple of 8 (>= 8), got 30"),
         ("arith.solution=essay", "arith.solution must be one of ('direct', 'steps', 'mixed')"),
         ("data.task=gsm8k", "data.task must be 'arith'"),
         ("arith.num_val=0", "arith.num_train and arith.num_val must be >= 1"),
@@ -111,7 +111,7 @@ def test_yaml_file_starts_from_paper_by_default(tmp_path):
         ("vllm.gpu_memory_utilization=0", "vllm.gpu_memory_utilization must be in (0, 1]"),
         ("algo.clip_ratio_c=0.5", "algo.clip_ratio_c must be 0 (off) or > 1, got 0.5"),
         ("optim.beta2=1", "optim.beta1 and optim.beta2 must be in [0, 1)"),
-        ("rollout.temperature=.inf", "rollout.temperature must be finite"),
+        ("rollout.temperature=.inf", "rollout.temperature must be a finite number >= 1e-05"),
     ],
 )
 def test_bad_values_name_the_field(override, message):

@@ -91,8 +91,8 @@ def test_the_exact_sign_flip_test_is_the_same_a_block_at_a_time(monkeypatch):
 @pytest.mark.parametrize(
     "flag, value, said",
     [
-        ("--temperature", "0", "--temperature must be a positive number, got 0.0"),
-        ("--temperature", "nan", "--temperature must be a positive number, got nan"),
+        ("--temperature", "0", "--temperature must be a finite number >= 1e-05, got 0.0"),
+        ("--temperature", "nan", "--temperature must be a finite number >= 1e-05, got nan"),
         ("--top-p", "0", "--top-p must be in (0, 1], got 0.0"),
         ("--top-p", "2", "--top-p must be in (0, 1], got 2.0"),
         ("--max-new-tokens", "0", "--max-new-tokens must be >= 1, got 0"),

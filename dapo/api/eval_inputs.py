@@ -62,14 +62,16 @@ def data_options(req: EvalRequest) -> dict[str, Any]:
 def check_sampling(req: EvalRequest) -> None:
     """Refuse ``req``'s sampling settings that no engine draws with, before the model loads
     and the output directory is made (the engine would refuse them only then)."""
+    from dapo.config.training import MIN_TEMPERATURE
+
     if req.k < 1:
         raise ValueError(f"--k must be >= 1, got {req.k}")
     if req.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {req.max_new_tokens}")
-    if not 0 < req.temperature < math.inf:  # NaN too
+    if not MIN_TEMPERATURE <= req.temperature < math.inf:  # NaN too
         raise ValueError(
-            f"--temperature must be a positive number, got {req.temperature} (--greedy adds "
-            "an argmax response's accuracy)"
+            f"--temperature must be a finite number >= {MIN_TEMPERATURE:g}, got "
+            f"{req.temperature} (--greedy adds an argmax response's accuracy)"
         )
     if not 0 < req.top_p <= 1:
         raise ValueError(f"--top-p must be in (0, 1], got {req.top_p} (1: the whole distribution)")

@@ -135,6 +135,12 @@ def generator_rank(cfg: Config, reward_fn: Callable[..., Any] | None) -> None:
     generate_on_this_rank(cfg, model, tokenizer, data.train, reward_fn)
 
 
+def check_inputs(cfg: Config) -> None:
+    """Refuse ``cfg``'s run as ``dapo train`` would before its run directory is made (one
+    process; no reward function given in Python): what ``dapo ablate`` checks first."""
+    _checked_inputs(cfg, None, 1)
+
+
 def _checked_inputs(
     cfg: Config, reward_fn: Callable[..., Any] | None, world_size: int
 ) -> tuple[Config, RunData, Any, dict[str, float]]:
@@ -193,7 +199,7 @@ def _train(
     from dapo.run.determinism import make_deterministic
     from dapo.training.loop import fit
 
-    ranks = (world_size or int(os.environ.get("WORLD_SIZE", "1"))) if dry_run else dist.job_size()
+    ranks = dist.planned_ranks(world_size) if dry_run else dist.job_size()
     cfg, data, tokenizer, lengths = _checked_inputs(cfg, reward_fn, ranks)
     longest = int(lengths["prompt_tokens_max"])
     if dry_run:

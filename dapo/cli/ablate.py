@@ -79,6 +79,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def cmd_ablate(args: argparse.Namespace) -> int:
     from dapo.ablate import expand
     from dapo.ablate.runs import ablation_lock, run_jobs
+    from dapo.api import training
     from dapo.config import load_config
 
     if args.parallel < 1:
@@ -86,8 +87,10 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     if args.target is not None and not 0.0 <= args.target <= 1.0:
         raise ValueError(f"--target is a held-out accuracy in [0, 1], got {args.target}")
     jobs = expand(args.plan, seeds=args.seeds, budget=args.budget, extra=tuple(args.overrides))
-    for job in jobs:  # every configuration is checked before any run starts
-        load_config(args.config, list(job.overrides))
+    configs = [load_config(args.config, list(job.overrides)) for job in jobs]
+    # Every configuration is checked before any run starts (its device, model, data and
+    # context too for the first: the plan's rows change the algorithm, not these).
+    training.check_inputs(configs[0])
     out = args.out or Path("runs") / f"ablate-{args.plan}"
     with ablation_lock(out):  # held until the table is written: one ablation at a time
         failed = run_jobs(jobs, out, parallel=args.parallel, config=args.config)

@@ -26,7 +26,7 @@ from dapo.config.moved import MOVED_KEYS
 from dapo.config.sections import Config, attr_of, field_types, is_subsection, leaves
 from dapo.config.validation import config_errors, invalid_config, validate
 from dapo.config.validation import config_warnings as config_warnings
-from dapo.config.yaml_files import WrittenNumber, clipped_repr, read_yaml_file, repeated_key
+from dapo.config.yaml_files import WrittenNumber, clipped_repr, read_override_value, read_yaml_file
 
 _announced: set[str] = set()  # moved keys already noticed in this process
 
@@ -145,20 +145,19 @@ def set_value(cfg: Config, dotted: str, value: Any, text: str | None = None) -> 
         owner, where = getattr(owner, attr_of(name)), f"{where}.{name}"
 
 
-def parse_override(text: str) -> tuple[str, Any]:
-    """``a.b=v`` -> (``a.b``, v) with v read as a YAML scalar (1e-5, true, null, text)."""
+def parse_override(text: str, *, numbers_as_written: bool = False) -> tuple[str, Any]:
+    """``a.b=v`` -> (``a.b``, v) with v read as a YAML scalar (1e-5, true, null, text).
+    ``numbers_as_written``: the numbers of a list or mapping are ``WrittenNumber``s, read as
+    a config file's are (``load_config`` reads them so)."""
     key, sep, raw = text.partition("=")
     if not sep or not key:
         raise ValueError(f"override {text!r} is not of the form section.field=value")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
-    if isinstance(value, dict | list):  # YAML keeps the last of a key written twice, silently
-        repeated = repeated_key(yaml.compose(raw, Loader=yaml.SafeLoader), key.strip())
-        if repeated is not None:
-            where = clipped_repr(raw)
-            raise ValueError(f"{repeated[0]} is written twice in {where}; write it once")
+    except (yaml.YAMLError, ValueError):  # ValueError: an int past Python's digit limit
+        value = raw  # as written: a text field keeps it, any other names itself
+    if isinstance(value, dict | list):
+        value = read_override_value(raw, key.strip(), numbers_as_written)
     # YAML 1.1 reads "1e-5" as a string; a float field wants the number.
     if isinstance(value, str):
         try:
@@ -224,7 +223,7 @@ def load_config(
     given here (``preset`` or a ``run.preset`` override) that differs from the file's is
     applied again after the file: its switches win over the file's."""
     tree = _read_yaml(Path(path), numbers_as_written=True) if path is not None else {}
-    parsed = [parse_override(o) for o in overrides]
+    parsed = [parse_override(o, numbers_as_written=True) for o in overrides]
     written = [(k, v, _text(o)) for (k, v), o in zip(parsed, overrides, strict=True)]
     # base and preset shape everything else, so they are resolved first, from the most
     # specific source: flag, then dotted override, then the file (top level or run section).
@@ -289,7 +288,8 @@ def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Conf
     """A copy of ``cfg`` under dotted overrides (renamed keys followed, as load_config
     does), validated."""
     cfg = copy.deepcopy(cfg)
-    _validate_with(cfg, _set_each(cfg, [(*parse_override(o), _text(o)) for o in overrides]))
+    written = [(*parse_override(o, numbers_as_written=True), _text(o)) for o in overrides]
+    _validate_with(cfg, _set_each(cfg, written))
     return cfg
 
 

@@ -18,6 +18,10 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 """Every Linear layer of a Qwen2/Qwen3/Llama/Mistral decoder layer: attention and MLP."""
 
 
+MAX_TIMEOUT_S = 86400.0  # a day: a deadline 292 years on overflowed the clock
+MAX_MEMORY_MB = 1 << 24  # 16 TiB: RLIMIT_AS, in bytes, fits 63 bits
+
+
 @dataclass
 class LoraConfig:
     """Low-rank adapters (LoRA, through peft) trained in place of every weight: the base
@@ -104,7 +108,7 @@ class EmbeddedConfig:
     sft_steps: int = 400
     """Supervised warm-start steps (RL needs a policy that is sometimes right)."""
     hidden: int = 128
-    """Hidden size (a multiple of its 4 attention heads)."""
+    """Hidden size: a multiple of 8 (4 attention heads, each of an even size)."""
     layers: int = 2
     """Decoder layers."""
 
@@ -112,8 +116,8 @@ class EmbeddedConfig:
         errors = []
         if self.sft_steps < 1:
             errors.append(f"embedded.sft_steps must be >= 1, got {self.sft_steps}")
-        if not (self.hidden >= 4 and self.hidden % 4 == 0):
-            errors.append(f"embedded.hidden must be a positive multiple of 4, got {self.hidden}")
+        if not (self.hidden >= 8 and self.hidden % 8 == 0):
+            errors.append(f"embedded.hidden must be a multiple of 8 (>= 8), got {self.hidden}")
         if self.layers < 1:
             errors.append("embedded.layers must be >= 1")
         return errors
@@ -218,12 +222,14 @@ class RewardConfig:
         errors = []
         if self.workers < 0:
             errors.append("reward.workers must be >= 0 (0 = grade in-process)")
-        if not self.timeout_s > 0:
-            errors.append("reward.timeout_s must be > 0")
-        if self.memory_mb < 0:
-            errors.append("reward.memory_mb must be >= 0 (0 = no limit)")
-        if self.batch_timeout_s < 0:
-            errors.append("reward.batch_timeout_s must be >= 0 (0 = no limit)")
+        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:
+            errors.append(f"reward.timeout_s must be in (0, {MAX_TIMEOUT_S}] seconds")
+        if not 0 <= self.memory_mb <= MAX_MEMORY_MB:
+            errors.append(f"reward.memory_mb must be in [0, {MAX_MEMORY_MB}] (0 = no limit)")
+        if not 0 <= self.batch_timeout_s <= MAX_TIMEOUT_S:
+            errors.append(
+                f"reward.batch_timeout_s must be in [0, {MAX_TIMEOUT_S}] seconds (0 = no limit)"
+            )
         if not 0 < self.max_abs < float("inf"):
             errors.append("reward.max_abs must be a positive number (the largest |score|)")
         if self.mode not in ("", *tasks.names()):

@@ -10,6 +10,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+MIN_TEMPERATURE = 1e-5
+"""The lowest sampling temperature: logits divided by less overflow to inf (1e-300: NaN
+probabilities mid-run); vLLM treats temperatures below this as greedy."""
+
+
+def temperature_error(where: str, value: float) -> str:
+    return f"{where} must be a finite number >= {MIN_TEMPERATURE:g}, got {value}"
+
 
 @dataclass
 class RolloutConfig:
@@ -71,10 +79,8 @@ class RolloutConfig:
             )
         if self.max_new_tokens < 1:
             errors.append("rollout.max_new_tokens must be >= 1")
-        if not self.temperature > 0:
-            errors.append("rollout.temperature must be > 0")
-        if not math.isfinite(self.temperature):
-            errors.append("rollout.temperature must be finite")
+        if not MIN_TEMPERATURE <= self.temperature < math.inf:
+            errors.append(temperature_error("rollout.temperature", self.temperature))
         if not 0 < self.top_p <= 1:
             errors.append("rollout.top_p must be in (0, 1]")
         if self.rows_per_generate < 0:
@@ -258,6 +264,8 @@ class TrainConfig:
                 f"train.async_staleness must be >= 0 (0 = generation and training take "
                 f"turns), got {self.async_staleness}"
             )
+        if not 0 <= self.seed < 2**63:  # torch's generators take no more
+            errors.append(f"train.seed must be an integer in [0, 2**63), got {self.seed}")
         return errors
 
 
@@ -312,8 +320,8 @@ class EvalConfig:
             errors.append("eval.num_samples must be >= 0 (0 = the val file's repeats)")
         if not 0 < self.top_p <= 1:
             errors.append("eval.top_p must be in (0, 1]")
-        if not self.temperature > 0:
-            errors.append("eval.temperature must be > 0")
+        if not MIN_TEMPERATURE <= self.temperature < math.inf:
+            errors.append(temperature_error("eval.temperature", self.temperature))
         if self.max_new_tokens < 0:
             errors.append("eval.max_new_tokens must be >= 0 (0 = rollout.max_new_tokens)")
         return errors

@@ -140,6 +140,23 @@ class _FileLoader(yaml.SafeLoader):
 _FileLoader.add_constructor(_WRITTEN_TAG, _FileLoader.construct_written_number)
 
 
+def read_override_value(text: str, key: str, numbers_as_written: bool) -> Any:
+    """The list or mapping of the command line's ``key=text`` (``[1, 2]``, ``{rank: 8}``),
+    a key written twice refused (YAML would keep the last, silently); with
+    ``numbers_as_written``, read as a config file's values are: each plain number a
+    :class:`WrittenNumber`, so that ``010`` and ``0x10`` are refused as in a file, not read as
+    YAML 1.1's octal and hex."""
+    repeated = repeated_key(yaml.compose(text, Loader=yaml.SafeLoader), key)
+    if repeated is not None:
+        raise ValueError(f"{repeated[0]} is written twice in {clipped_repr(text)}; write it once")
+    loader = _FileLoader(text)
+    loader.path, loader.numbers_as_written = Path("<command line>"), numbers_as_written
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 def read_yaml_file(path: Path, *, numbers_as_written: bool = False) -> Any:
     """The YAML document in ``path``, aliases and repeated keys refused. Raises ``OSError``
     when the file cannot be read (the caller words it), and :class:`YamlFileError` when it is

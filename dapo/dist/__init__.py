@@ -134,6 +134,17 @@ def group() -> Any:
     return _group
 
 
+def planned_ranks(world_size: int | None) -> int:
+    """The ranks ``dapo train --dry-run`` plans for: ``world_size`` (``--world-size``), else
+    torchrun's ``WORLD_SIZE``, else 1; a ValueError naming the one that is no count."""
+    text = str(world_size) if world_size is not None else os.environ.get("WORLD_SIZE", "1")
+    ranks = int(text) if text.strip().isdigit() else 0
+    if ranks < 1:
+        where = "--world-size" if world_size is not None else "the environment's WORLD_SIZE"
+        raise ValueError(f"{where} is {text!r}: the ranks to plan for are a whole number >= 1")
+    return ranks
+
+
 def job_size() -> int:
     """Every process of the job, whatever its role; 1 without a process group."""
     return torch_dist.get_world_size() if active() else 1
