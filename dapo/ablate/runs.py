@@ -14,6 +14,7 @@ the command fails at the end naming them. One ablation at a time runs in a direc
 from __future__ import annotations
 
 import json
+import math
 import os
 import queue
 import shlex
@@ -105,7 +106,8 @@ def read_summary(run_dir: Path) -> dict[str, Any] | None:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    """A finite number (json reads NaN and Infinity too, which no figure of a table takes)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _summary_problem(summary: Any) -> str:

@@ -52,11 +52,13 @@ def _over_seeds(values: Sequence[float], resamples: int) -> Interval:
 
 
 def to_target(runs: Sequence[dict], target: float) -> dict:
-    """The first evaluation at which each run's held-out accuracy reached ``target``: how
-    many runs did, and the mean over those of the steps, generated tokens and training seconds
-    it took (NaN when none did)."""
+    """The first evaluation after training began (step 0's is the untrained policy's) at
+    which each run's held-out accuracy reached ``target``: how many runs did, and the mean
+    over those of the steps, generated tokens and training seconds it took (NaN when none
+    did)."""
     # A mean of accuracies is rounded: a run at exactly the first row's mean has reached it.
-    hits = [next((c for c in r["curve"] if c[1] >= target - 1e-9), None) for r in runs]
+    trained = [[c for c in r["curve"] if c[0] > 0] for r in runs]
+    hits = [next((c for c in curve if c[1] >= target - 1e-9), None) for curve in trained]
     hits = [h for h in hits if h is not None]
 
     def mean(i: int) -> float:
@@ -97,8 +99,11 @@ def ablation_table(
         else:
             record["accuracy"] = _over_seeds(acc, resamples)
             record["interval"] = "seeds"
-        for column in COLUMNS[1:]:
-            record[column] = sum(runs[s][column] for s in seeds) / len(seeds)
+        for column in COLUMNS[1:]:  # over the seeds that logged it (a null: no token)
+            logged = [runs[s][column] for s in seeds if math.isfinite(runs[s][column])]
+            record[column] = sum(logged) / len(logged) if logged else math.nan
+            if len(logged) < len(seeds):
+                record[f"{column}_seeds"] = len(logged)
         record["target"] = target
         record["to_target"] = to_target([runs[s] for s in seeds], target)
         if row.compare_to is not None:
@@ -160,6 +165,7 @@ def _difference(record: dict, a: list[dict], b: list[dict], resamples: int) -> N
     """``diff`` (b - a, paired by seed and, when both have them, by problem) and ``p``."""
     matrices = _problem_matrices(a, b)
     acc_a, acc_b = [r["accuracy"] for r in a], [r["accuracy"] for r in b]
+    record["diff_interval"] = "seeds x problems" if matrices is not None else "seeds"
     if matrices is not None:
         record["diff"] = crossed_bootstrap_ci(matrices[1] - matrices[0], resamples=resamples)
     elif len(a) == 1:
@@ -230,6 +236,21 @@ def _difference_text(r: dict) -> str:
     return _points(r["diff"], sign=True) + fewer
 
 
+CELL_FORMATS = {
+    "gen_tokens": ",.0f",
+    "seconds": ".0f",
+    "tokens_per_kept_group": ".0f",
+    "entropy": ".3f",
+    "truncated": ".3f",
+}
+
+
+def _of(record: dict, column: str, spec: str) -> str:
+    """``column``'s mean, and over how many seeds when not all of them logged it."""
+    n = record.get(f"{column}_seeds")
+    return format(record[column], spec) + (f" ({n} of {record['seeds']} seeds)" if n else "")
+
+
 def markdown(table: list[dict], missing: Sequence[str] = ()) -> str:
     """The table as markdown: accuracy in points with its 95% interval (over seeds and
     problems, or over seeds: the column header says which), then the cost of reaching the
@@ -243,8 +264,9 @@ def markdown(table: list[dict], missing: Sequence[str] = ()) -> str:
     )
     if not table:
         return "(no finished runs)\n" + gone
-    over = {r["interval"] for r in table}
-    over_text = over.pop() if len(over) == 1 else "seeds x problems, or seeds"
+    over = {r["interval"] for r in table} | {r["diff_interval"] for r in table if "diff" in r}
+    mixed = len(over) > 1  # then each cell over seeds alone says so
+    over_text = "seeds x problems; (seeds): over seeds alone" if mixed else over.pop()
     lines = [
         f"| configuration | seeds | held-out accuracy [95% over {over_text}] | vs "
         "| difference [95%] | p (seeds) | generated tokens | seconds | tokens per kept group "
@@ -253,11 +275,16 @@ def markdown(table: list[dict], missing: Sequence[str] = ()) -> str:
     ]
     for r in table:
         diff = _difference_text(r) if "diff" in r else ""
+        diff += " (seeds)" if mixed and r.get("diff_interval") == "seeds" else ""
+        accuracy = _points(r["accuracy"]) + (
+            " (seeds)" if mixed and r["interval"] == "seeds" else ""
+        )
         p = f"{r['p']:.3f}" if "p" in r else ""
+        cells = [_of(r, c, f) for c, f in CELL_FORMATS.items()]
         lines.append(
-            f"| {r['row']} | {r['seeds']} | {_points(r['accuracy'])} | {r['compare_to'] or ''} "
-            f"| {diff} | {p} | {r['gen_tokens']:,.0f} | {r['seconds']:.0f} "
-            f"| {r['tokens_per_kept_group']:.0f} | {r['entropy']:.3f} | {r['truncated']:.3f} |"
+            f"| {r['row']} | {r['seeds']} | {accuracy} | {r['compare_to'] or ''} | {diff} | {p} | "
+            + " | ".join(cells)
+            + " |"
         )
     target = table[0]["target"]
     lines += [

@@ -146,6 +146,10 @@ def _start_end(run: Run, key: str) -> str:
             end = _warn(f"{_fmt_acc(run.summary[f'{key}_end'])} (summary.json)")
         elif evaluated:
             end = _warn(f"{end} (step {evaluated[-1][0]:g})")
+    else:  # the last evaluation logged null (no problem graded): say whose value this is
+        last = max((s for s, row in last_rows(run).items() if key in row), default=None)
+        if evaluated and last is not None and last != evaluated[-1][0]:
+            end = _warn(f"{end} (step {evaluated[-1][0]:g}; step {last:g}'s is null)")
     return f'<td class="num">{start}</td><td class="num">{end}</td>'
 
 

@@ -1,0 +1,96 @@
+"""Review r35b (dapo report and dapo ablate's table): a figure that the runs' files do not
+say must not be shown as if they did."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from dapo.ablate.plans import Row
+from dapo.ablate.runs import read_summary
+from dapo.ablate.table import ablation_table, markdown, to_target
+from dapo.report.page import render_html
+from dapo.report.runs import read_run
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_summary_with_a_non_finite_figure_is_named_as_damaged(tmp_path, bad):
+    # NaN passed the check, and the table stopped with "b contains NaN or infinity".
+    summary = {"steps": 1, "limits": {}, "val/accuracy_end": bad}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    with pytest.raises(ValueError) as caught:
+        read_summary(tmp_path)
+    assert str(caught.value).startswith(
+        f"{tmp_path / 'summary.json'}: val/accuracy_end is '{bad}', not a number: it is "
+        "damaged, or was not written by dapo; remove "
+    )
+
+
+def test_the_cost_to_a_target_counts_evaluations_after_training_began():
+    # Step 0 is the untrained policy: a run that ended below the target "reached" it at 0.
+    below = {"curve": [(0, 0.30, 0.0, 0.0), (1, 0.12, 50.0, 0.5)]}
+    later = {"curve": [(0, 0.20, 0.0, 0.0), (1, 0.10, 100.0, 1.0), (2, 0.25, 200.0, 2.0)]}
+    assert to_target([below, later], 0.2) == {
+        "reached": 1, "runs": 2, "steps": 2, "gen_tokens": 200.0, "seconds": 2.0,
+    }  # fmt: skip
+    result = to_target([below], 0.2)
+    assert (result["reached"], math.isnan(result["steps"])) == (0, True)
+
+
+def test_an_end_accuracy_from_before_a_null_last_evaluation_is_marked(tmp_path):
+    lines = [
+        {"step": 0, "val/accuracy": 0.25},
+        {"step": 1, "val/accuracy": 0.5, "rollout/accuracy": 0.4},
+        {"step": 2, "val/accuracy": None, "rollout/accuracy": 0.6},  # no problem graded
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    page = render_html([read_run(tmp_path)], [])
+    assert (
+        '<td class="num">0.250</td><td class="num"><span class="warn">0.500 (step 1; step ' in page
+    )
+    assert "2's is null)</span></td>" in page
+    lines[2]["val/accuracy"] = 0.75
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert '<td class="num">0.250</td><td class="num">0.750</td>' in render_html(
+        [read_run(tmp_path)], []
+    )
+
+
+def result(accuracy: float, problems: dict | None = None, entropy: float = 0.5) -> dict:
+    run = {"accuracy": accuracy, "gen_tokens": 100.0, "seconds": 10.0, "entropy": entropy,
+           "tokens_per_kept_group": 50.0, "truncated": 0.1,
+           "curve": [(0, 0.0, 0.0, 0.0), (10, accuracy, 100.0, 10.0)]}  # fmt: skip
+    if problems is not None:
+        run["problems"] = problems
+    return run
+
+
+def test_each_interval_over_seeds_alone_says_so_where_a_table_mixes_them():
+    # Row b's runs lost val_problems.json: its interval and its difference are over seeds
+    # alone, narrower than a's over seeds x problems, and only the header hinted at it.
+    rows = [Row("a", ()), Row("b", (), compare_to="a")]
+    problems = [{"p1": 0.0, "p2": 0.5, "p3": 1.0}, {"p1": 0.5, "p2": 0.5, "p3": 0.5}]
+    a = {0: result(0.5, problems[0]), 1: result(0.5, problems[1])}
+    b = {0: result(0.4), 1: result(0.6)}
+    table = ablation_table(rows, {"a": a, "b": b}, resamples=500)
+    assert [(r["interval"], r.get("diff_interval")) for r in table] == [
+        ("seeds x problems", None), ("seeds", "seeds"),
+    ]  # fmt: skip
+    text = markdown(table)
+    assert "held-out accuracy [95% over seeds x problems; (seeds): over seeds alone]" in text
+    row_a, row_b = [x for x in text.splitlines() if x.startswith(("| a |", "| b |"))][:2]
+    assert "(seeds)" not in row_a and row_b.count(" (seeds) |") == 2
+    same = markdown(ablation_table(rows, {"a": b, "b": b}, resamples=500))
+    same_rows = [x for x in same.splitlines() if x.startswith(("| a |", "| b |"))][:2]
+    assert "[95% over seeds]" in same and "(seeds)" not in "".join(same_rows)
+
+
+def test_a_column_one_seed_did_not_log_is_the_others_mean_and_says_so():
+    # A null last-step entropy (a step that trained no token) made the row's cell "nan".
+    rows = [Row("a", ())]
+    table = ablation_table(rows, {"a": {0: result(0.5), 1: result(0.5, entropy=math.nan)}})
+    assert (table[0]["entropy"], table[0]["entropy_seeds"]) == (0.5, 1)
+    line = next(x for x in markdown(table).splitlines() if x.startswith("| a |"))
+    assert line.endswith("| 100 | 10 | 50 | 0.500 (1 of 2 seeds) | 0.100 |")
