@@ -94,3 +94,5 @@ def test_a_column_one_seed_did_not_log_is_the_others_mean_and_says_so():
     assert (table[0]["entropy"], table[0]["entropy_seeds"]) == (0.5, 1)
     line = next(x for x in markdown(table).splitlines() if x.startswith("| a |"))
     assert line.endswith("| 100 | 10 | 50 | 0.500 (1 of 2 seeds) | 0.100 |")
+    none = ablation_table(rows, {"a": {0: result(0.5, entropy=math.nan)}})
+    assert markdown(none).splitlines()[2].endswith("| 50 | nan (0 of 1 seeds) | 0.100 |")

@@ -248,7 +248,8 @@ CELL_FORMATS = {
 def _of(record: dict, column: str, spec: str) -> str:
     """``column``'s mean, and over how many seeds when not all of them logged it."""
     n = record.get(f"{column}_seeds")
-    return format(record[column], spec) + (f" ({n} of {record['seeds']} seeds)" if n else "")
+    counted = f" ({n} of {record['seeds']} seeds)" if n is not None else ""
+    return format(record[column], spec) + counted
 
 
 def markdown(table: list[dict], missing: Sequence[str] = ()) -> str:
