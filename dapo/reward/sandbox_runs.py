@@ -119,8 +119,9 @@ def open_run(uid: int | None, needs_workdir: bool) -> str | None:
     """Make a run's working directory (None: ``needs_workdir`` false) and, for a run with a
     uid of its own, its marker, so that the next run on the machine sweeps both should this
     caller die."""
-    where = _workdir_parent(uid is not None)
-    workdir = tempfile.mkdtemp(prefix="dapo-sandbox-", dir=where) if needs_workdir else None
+    workdir = None
+    if needs_workdir:  # bwrap's is in its own tmpfs
+        workdir = tempfile.mkdtemp(prefix="dapo-sandbox-", dir=_workdir_parent(uid is not None))
     if uid is not None:
         mark(uid, workdir)
     return workdir
