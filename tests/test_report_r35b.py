@@ -96,3 +96,72 @@ def test_a_column_one_seed_did_not_log_is_the_others_mean_and_says_so():
     assert line.endswith("| 100 | 10 | 50 | 0.500 (1 of 2 seeds) | 0.100 |")
     none = ablation_table(rows, {"a": {0: result(0.5, entropy=math.nan)}})
     assert markdown(none).splitlines()[2].endswith("| 50 | nan (0 of 1 seeds) | 0.100 |")
+
+
+def _seed_run(tmp_path, name: str, seed: int, lr: float, rows: dict[int, float]):
+    from dapo.report.runs import Run
+
+    config = {"optim": {"lr": lr}, "train": {"seed": seed}, "run": {"name": name}}
+    lines = [{"step": s, "train/entropy": v} for s, v in rows.items()]
+    return Run(name=name, path=tmp_path / name, config=config, rows=lines)
+
+
+def test_runs_named_as_seeds_but_configured_apart_are_not_averaged(tmp_path, capsys):
+    # r35b's first finding: x-seed0 (lr 1e-6) and x-seed1 (lr 1e-5) were one configuration's
+    # mean and band in the mechanisms figure; only the config table showed they differ.
+    from dapo.report.mechanisms import across_seeds, configurations, mixed_seeds
+
+    runs = [
+        _seed_run(tmp_path, "x-seed0", 0, 1e-6, {1: 0.9, 2: 0.8}),
+        _seed_run(tmp_path, "x-seed1", 1, 1e-5, {1: 0.5, 2: 0.4}),
+        _seed_run(tmp_path, "x-seed2", 2, 1e-6, {1: 0.7, 2: 0.6}),
+        _seed_run(tmp_path, "y-seed0", 0, 1e-6, {1: 0.3}),
+        _seed_run(tmp_path, "y-seed1", 1, 1e-6, {1: 0.1}),  # differs in the seed alone
+    ]
+    groups = configurations(runs)
+    assert {label: [r.name for r in members] for label, members in groups.items()} == {
+        "x [x-seed0, x-seed2]": ["x-seed0", "x-seed2"],
+        "x [x-seed1]": ["x-seed1"],
+        "y": ["y-seed0", "y-seed1"],
+    }
+    assert across_seeds(groups["x [x-seed0, x-seed2]"], "train/entropy") == (
+        [1.0, 2.0], [pytest.approx(0.8), pytest.approx(0.7)], [0.7, 0.6], [0.9, 0.8]
+    )  # fmt: skip
+    assert across_seeds(groups["y"], "train/entropy")[1] == [pytest.approx(0.2)]
+    assert mixed_seeds(runs) == [
+        "the runs named x-seed<N> are not seeds of one configuration: their configs differ in "
+        "optim.lr; the mechanisms figure draws each config apart, not averaged (give one "
+        "configuration's seeds to average them)"
+    ]
+    page = render_html(runs, [])
+    assert "not seeds of one configuration" not in page  # said beside the figure, when drawn
+
+
+def test_the_report_command_and_page_say_which_seeds_differ(tmp_path, capsys):
+    import argparse
+
+    import yaml
+
+    from dapo.cli.report import add_parser
+
+    for name, seed, lr in [("x-seed0", 0, 1e-6), ("x-seed1", 1, 1e-5)]:
+        run = tmp_path / name
+        run.mkdir()
+        config = {"optim": {"lr": lr}, "train": {"seed": seed}, "run": {"name": name}}
+        (run / "config.yaml").write_text(yaml.safe_dump(config))
+        rows = [{"step": s, "train/entropy": 0.5 + 0.1 * s + seed} for s in (1, 2)]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["report", str(tmp_path / "x-seed0"), str(tmp_path / "x-seed1")])
+    assert args.func(args) == 0
+    err = capsys.readouterr().err
+    warning = (
+        "the runs named x-seed<N> are not seeds of one configuration: their configs differ in "
+        "optim.lr; the mechanisms figure draws each config apart"
+    )
+    assert err.startswith("dapo: warning: " + warning)
+    page = (tmp_path / "x-seed0" / "report" / "report.html").read_text()
+    shown = warning.replace("<N>", "&lt;N&gt;")
+    assert f'<p class="warn">{shown}' in page
+    assert page.index('alt="mechanisms"') < page.index(shown)

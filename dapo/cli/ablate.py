@@ -149,7 +149,8 @@ def _write_table(args: argparse.Namespace, jobs: list[Job], out: Path) -> None:
     write_atomic(out / "table.md", text)
     write_atomic(out / "table.json", as_json(table))
     if done:
+        from dapo.cli.report import warn_line
         from dapo.report import make_report
 
-        make_report([out / j.name for j in done], out / "report")
+        make_report([out / j.name for j in done], out / "report", warn=warn_line)
     print(text, end="")

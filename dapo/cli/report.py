@@ -18,6 +18,7 @@ accuracy taken from summary.json.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 
@@ -45,8 +46,13 @@ def cmd_report(args: argparse.Namespace) -> int:
     from dapo.report import FIGURES, make_report
 
     out_dir = args.out if args.out is not None else Path(args.run_dirs[0]) / "report"
-    html_path = make_report(args.run_dirs, out_dir)
+    html_path = make_report(args.run_dirs, out_dir, warn=warn_line)
     for name in FIGURES:
         print(Path(out_dir) / name)
     print(html_path)
     return 0
+
+
+def warn_line(message: str) -> None:
+    """Print ``message`` to stderr as dapo's warnings are."""
+    print(f"dapo: warning: {message}", file=sys.stderr)

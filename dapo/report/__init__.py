@@ -10,10 +10,11 @@ act on per configuration, mean and band over seeds (:mod:`.mechanisms`), and wri
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from dapo.report.figures import FIGURES, write_figures
+from dapo.report.mechanisms import mixed_seeds
 from dapo.report.page import render_html
 from dapo.report.runs import Run, config_differences, nothing_logged, read_run, read_runs
 from dapo.run.nofollow import no_link, write_atomic
@@ -21,8 +22,14 @@ from dapo.run.nofollow import no_link, write_atomic
 __all__ = ["FIGURES", "Run", "config_differences", "make_report", "read_run", "read_runs"]
 
 
-def make_report(run_dirs: Sequence[Path | str], out_dir: Path | str) -> Path:
+def make_report(
+    run_dirs: Sequence[Path | str],
+    out_dir: Path | str,
+    warn: Callable[[str], None] | None = None,
+) -> Path:
     """Write the five figures and ``report.html`` into ``out_dir``; return the HTML path.
+    ``warn``, when given, is called with each warning the page also shows (runs of one
+    configuration's name whose configs differ beyond the seed).
 
     ``out_dir`` (by default a run directory's ``report/``, and run directories come from
     elsewhere) is refused when it is a symbolic link, and every file is written with
@@ -36,6 +43,8 @@ def make_report(run_dirs: Sequence[Path | str], out_dir: Path | str) -> Path:
     out = no_link(Path(out_dir))
     out.mkdir(parents=True, exist_ok=True)
     no_link(out)  # made a link between the check and mkdir: refused all the same
+    for warning in mixed_seeds(runs) if warn is not None else ():
+        warn(warning)
     figures = write_figures(runs, out)
     html_path = out / "report.html"
     write_atomic(html_path, render_html(runs, figures))

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dapo.report.runs import Run, is_number, last_rows
+from dapo.report.runs import Run, config_differences, is_number, last_rows
 from dapo.report.style import (
     finish_panel,
     grow_for_legend,
@@ -57,14 +57,54 @@ def configurations(runs: Sequence[Run]) -> dict[str, list[Run]]:
     and their own directory's name without a ``-seed<N>`` suffix (``dapo ablate`` writes
     ``OUT/<configuration>-seed<N>``). Runs of one name under two directories (two ablations,
     perhaps of other settings) are two configurations, labelled apart by as many of their
-    directories' trailing components as tell them apart (``A/x``, ``B/x``)."""
+    directories' trailing components as tell them apart (``A/x``, ``B/x``). Runs of one name
+    whose configs differ beyond ``train.seed`` are not seeds of one configuration: each set
+    of equal configs is drawn apart, labelled by its runs' directories (:func:`mixed_seeds`
+    says which fields differ)."""
+    return {label: members for _, label, members, _ in _grouped(runs)}
+
+
+def mixed_seeds(runs: Sequence[Run]) -> list[str]:
+    """One warning per configuration name whose runs' configs differ beyond ``train.seed``,
+    naming the runs and the fields: the mechanisms figure draws them apart, not averaged."""
+    warnings: dict[str, str] = {}
+    for name, _, _, fields in _grouped(runs):
+        if fields:
+            more = f" and {len(fields) - 3} more" if len(fields) > 3 else ""
+            shown = ", ".join(fields[:3]) + more
+            warnings[name] = (
+                f"the runs named {name}-seed<N> are not seeds of one configuration: their "
+                f"configs differ in {shown}; the mechanisms figure draws each config apart, "
+                "not averaged (give one configuration's seeds to average them)"
+            )
+    return list(warnings.values())
+
+
+def _grouped(runs: Sequence[Run]) -> list[tuple[str, str, list[Run], list[str]]]:
+    """Per configuration: its name's label, its own label, its runs, and the fields in which
+    the runs of its name differ beyond the seed."""
     groups: dict[tuple[Path, str], list[Run]] = {}
     for run in runs:
         path = run.path.resolve()
         groups.setdefault((path.parent, _SEED.sub("", path.name)), []).append(run)
-    return {
-        _label(parent, name, list(groups)): members for (parent, name), members in groups.items()
-    }
+    out = []
+    for (parent, name), members in groups.items():
+        label = _label(parent, name, list(groups))
+        differ = [(k, v) for k, v in config_differences(members) if k != SEED_FIELD]
+        parts: dict[tuple[str, ...], list[Run]] = {}
+        for i, run in enumerate(members):
+            parts.setdefault(tuple(repr(values[i]) for _, values in differ), []).append(run)
+        fields = [key for key, _ in differ]
+        for part in parts.values():
+            own = label
+            if len(parts) > 1:
+                own = f"{label} [{', '.join(run.path.resolve().name for run in part)}]"
+            out.append((label, own, part, fields))
+    return out
+
+
+SEED_FIELD = "train.seed"
+"""The one config field in which seeds of a configuration differ (``dapo ablate`` sets it)."""
 
 
 def _label(parent: Path, name: str, groups: Sequence[tuple[Path, str]]) -> str:

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from dapo.report.mechanisms import MECHANISMS_FIGURE, mixed_seeds
 from dapo.report.runs import Run, config_differences, is_number, last_rows, series
 from dapo.report.style import dash_pattern, run_styles
 
@@ -64,6 +65,8 @@ def render_html(runs: Sequence[Run], figures: list[Path]) -> str:
             f'<figure><img alt="{esc(path.stem)}" src="data:image/png;base64,{data}">'
             f"<figcaption>{esc(path.name)}</figcaption></figure>"
         )
+        if path.name == MECHANISMS_FIGURE:
+            parts += [f'<p class="warn">{esc(w)}</p>' for w in mixed_seeds(runs)]
     parts += _differences(runs) + _samples(runs)
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
