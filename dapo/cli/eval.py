@@ -15,12 +15,12 @@ arith`` is the demo's held-out split.
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import sys
 from pathlib import Path
 from typing import Any
 
+from dapo.cli.compare_files import read_problems, same_problems
 from dapo.cli.data import add_format_args
 from dapo.cli.flags import GivenOnce
 
@@ -186,6 +186,19 @@ def _stop(signum: int, frame: object) -> None:
     raise Stopped(signum)
 
 
+def _stop_behind(exc: BaseException) -> KeyboardInterrupt | None:
+    """The stop ``exc`` is, or that it was raised while handling: a stop raised inside torch's
+    vmap (transformers 4.x builds its masks with it) breaks functorch's layer stack, whose
+    clean-up then fails with an internal assert in its place."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     if args.compare:
         return cmd_compare(args)
@@ -195,8 +208,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     before = {sig: signal.signal(sig, _stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         run(request)
-    except KeyboardInterrupt as exc:
-        signum = getattr(exc, "signum", signal.SIGINT)
+    except (KeyboardInterrupt, Exception) as exc:
+        stop = _stop_behind(exc)
+        if stop is None:
+            raise
+        signum = getattr(stop, "signum", signal.SIGINT)
         print(
             f"dapo: evaluation stopped by {signal.Signals(signum).name}; the problems it "
             "finished are kept (problems.partial.jsonl in its output directory): run the same "
@@ -218,62 +234,6 @@ def _is_model(path: Path) -> bool:
     from dapo.models.hub import looks_like_hub_id
 
     return not path.exists() and "/" in str(path) and looks_like_hub_id(str(path))
-
-
-def _read_problems(path: Path) -> tuple[dict[str, dict[str, float]], dict[str, str]]:
-    """Each problem's metrics and ground truth (where its record has one), by uid."""
-    path = path / "problems.jsonl" if path.is_dir() else path
-    try:
-        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    except OSError as exc:
-        raise ValueError(f"--compare: cannot read {path}: {exc.strerror}") from None
-    out, truths = {}, {}
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue  # a blank line (an editor's last newline) holds no record
-        record = _record(line)
-        if record is None:
-            raise ValueError(
-                f"--compare: {path} line {i + 1} is not a dapo eval record (a uid, and metrics "
-                "whose values are finite numbers)"
-            )
-        out[record[0]] = record[1]
-        if record[2] is not None:
-            truths[record[0]] = record[2]
-    return out, truths
-
-
-def _same_problems(a: dict[str, str], b: dict[str, str]) -> None:
-    """Refuse to pair problems whose ground truths differ: two files may number their
-    problems alike (AIME's copies use 0-29 in different orders)."""
-    differ = sorted(uid for uid in a.keys() & b.keys() if a[uid] != b[uid])
-    if differ:
-        uid = differ[0]
-        raise ValueError(
-            f"--compare: {len(differ)} problems of the same uid have other ground truths in A "
-            f"and B (uid {uid}: {a[uid][:40]!r} vs {b[uid][:40]!r}): the evaluations are of "
-            "different data; compare two evaluations of one file"
-        )
-
-
-def _record(line: str) -> tuple[str, dict[str, float], str | None] | None:
-    """(uid, metrics) of one problems.jsonl line, or None for anything else. Files compared may
-    come from elsewhere: a 5000-digit int, nesting deeper than the parser recurses and a number
-    beyond a float's range are named as a bad line here, not met as a traceback later."""
-    try:
-        record = json.loads(line)
-    except (ValueError, RecursionError):
-        return None
-    if not isinstance(record, dict) or not isinstance(record.get("metrics"), dict):
-        return None
-    uid, metrics = record.get("uid"), record["metrics"]
-    from dapo.report.runs import is_number
-
-    if not isinstance(uid, str) or not all(is_number(v) for v in metrics.values()):
-        return None
-    truth = record.get("ground_truth")
-    truth = str(truth) if isinstance(truth, str | int) and not isinstance(truth, bool) else None
-    return uid, {str(k): float(v) for k, v in metrics.items()}, truth
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -310,8 +270,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         )
     else:
         _refuse_unused_flags(args)
-    (a, truths_a), (b, truths_b) = _read_problems(a_path), _read_problems(b_path)
-    _same_problems(truths_a, truths_b)
+    (a, truths_a), (b, truths_b) = read_problems(a_path), read_problems(b_path)
+    same_problems(truths_a, truths_b)
     common = a.keys() & b.keys()
     result = compare(a, b, resamples=args.resamples, seed=args.seed)
     print(f"A = {a_path}\nB = {b_path}\n{len(common)} problems in both", end="")
