@@ -53,6 +53,14 @@ LEFT_OUT = {
     "counters over runs test_async makes",
     "test_tool_close_r30.py": "the tool's helper processes closed at a run's end: the standard "
     "library's executor; the tool's model code: test_env",
+    "test_rundir_r22.py": "--overwrite, locks and names of run directories: dapo's own files "
+    "around the run test_end_to_end makes",
+    "test_rundir_r26.py": "a failed --overwrite start and a run directory in use: dapo's own "
+    "files and lock",
+    "test_tool_sandbox_warning.py": "which sandbox the tool runs in, said once: dapo's own "
+    "warning; the tool's model code: test_env",
+    "test_api_process_state.py": "threads, generators and bars put back after an API call: "
+    "torch's, Python's and numpy's state, not the floored libraries'",
 }
 """Test files that call the floored libraries but are not run on the floors, and why."""
 
