@@ -16,6 +16,7 @@ from pathlib import Path
 from dapo import __version__
 from dapo.reward.sandbox_runs import process_alive
 from dapo.run import manifest
+from dapo.run.checkpoint import CKPT_DIR
 from dapo.run.nofollow import fsync_dir, no_link
 
 TMP_PREFIX = ".%s.tmp-"
@@ -36,15 +37,31 @@ TEMPLATES_DIR = "additional_chat_templates"
 (``*.jinja``, as ``save_pretrained`` writes them)."""
 
 
-def prepare(out: Path, overwrite: bool) -> Path:
+def prepare(out: Path, overwrite: bool, run_dir: Path | None = None) -> Path:
     """The temporary directory the export is written into, beside ``out``; ``out`` checked
-    to be absent, or (``overwrite``) a directory ``dapo export`` wrote."""
+    to be absent, or (``overwrite``) a directory ``dapo export`` wrote, and outside the
+    checkpoints of ``run_dir`` (the run exported)."""
     no_link(out)
+    if run_dir is not None:
+        check_outside_checkpoints(out, run_dir)
     if out.exists() and not overwrite:
         raise FileExistsError(f"--out {out} exists; choose another or pass --overwrite")
     if out.exists():
         check_replaceable(out)
     return no_link(out.with_name(f"{TMP_PREFIX % out.name}{os.getpid()}"))
+
+
+def check_outside_checkpoints(out: Path, run_dir: Path) -> None:
+    """A ValueError unless ``out`` lies outside ``run_dir``'s checkpoints (links resolved):
+    a file there that a checkpoint's manifest does not list makes the checkpoint not whole,
+    and the next export or resume passes over it."""
+    root = Path(os.path.realpath(run_dir / CKPT_DIR))
+    if Path(os.path.realpath(out)).is_relative_to(root):
+        raise ValueError(
+            f"--out {out} is inside the run's {CKPT_DIR}/ ({root}): files written there make "
+            f"its checkpoint not whole (the next export or resume passes over it); give an "
+            f"--out outside {root}"
+        )
 
 
 def make_parents(out: Path) -> list[Path]:

@@ -96,7 +96,7 @@ def export(
         raise ValueError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     if base is not None and not merge:
         raise ValueError("--base names the model --merge merges into; add --merge")
-    ckpt, tmp = find_checkpoint(run_dir, step, log), prepare(out, overwrite)
+    ckpt, tmp = find_checkpoint(run_dir, step, log), prepare(out, overwrite, run_dir)
     log(f"export: checking {ckpt} against its manifest (SHA-256 of every file)")
     trainer = checkpoint.read_trainer_state(ckpt, digests=True)
     sharded = (ckpt / "state").is_dir()
@@ -217,11 +217,16 @@ def _write_lora(
     """A LoRA checkpoint's adapters as a peft adapter directory, or ``merge``d into the base
     (``base``, else the run's ``model.path``): (parameters, bytes, the dtype written, the
     fields of config.json the merge changes). A merge on a bfloat16 or float16 base is
-    float32 unless ``dtype`` says otherwise."""
+    float32 unless ``dtype`` says otherwise.
+
+    ``base`` replaces the whole reference, ``model.revision`` too: a directory has none, and
+    a Hub id is read at its default branch (``--base`` takes no revision; for another one,
+    ``hf download ID --revision REV --local-dir DIR`` and ``--base DIR``)."""
     cfg = adapters.run_config(run_dir)
     cfg = adapters.with_trained_settings(cfg, trainer["base_model"], ckpt, log)
     if base is not None:  # the base moved: its digest is checked as the run's would be
         cfg.model.path = os.path.abspath(base) if Path(base).exists() else base
+        cfg.model.revision = None  # the run's revision named a commit of its old path
     trained = adapters.trained_tensors(ckpt)
     if not merge:
         return (*_write_adapter(cfg, trained, tmp, dtype, log), dtype, {})

@@ -251,8 +251,11 @@ def import_gguf(source: str, out_dir: Path, *, log: Callable[[str], None] = prin
     started = time.perf_counter()
     path = resolve_source(source)
     check_source(path)
-    out_dir = Path(out_dir)
+    # Absolute: "." (an empty working directory) has itself as its parent, and the partial
+    # directory renamed into its place must be made beside it, not in it.
+    out_dir = Path(os.path.abspath(out_dir))
     check_out_dir(out_dir)
+    was_cwd = out_dir.is_dir() and os.path.samefile(out_dir, os.getcwd())
     check_extra()
     from dapo.models.policy import stop_token_ids
 
@@ -287,14 +290,17 @@ def import_gguf(source: str, out_dir: Path, *, log: Callable[[str], None] = prin
         shutil.rmtree(partial, ignore_errors=True)
     seconds = time.perf_counter() - started
     log(f"  wrote {out_dir} in {seconds:.1f} s (stop tokens {list(stops)})")
+    if was_cwd:  # the empty directory this process (and its shell) stood in was replaced
+        os.chdir(out_dir)
+        log(f"  {out_dir} was the working directory: `cd .` in your shell to see its files")
     return ImportSummary(out_dir, architecture, parameters, model.config.vocab_size, stops, seconds)
 
 
 def check_out_dir(out_dir: Path) -> None:
     """A ValueError naming ``out_dir`` unless it is absent or an empty directory, and not a
-    symbolic link: the import is renamed into place, which would replace a link (to an empty
-    directory: a NotADirectoryError after the conversion) instead of filling what it points
-    to."""
+    symbolic link or a mount point: the import is renamed into place, which would replace a
+    link (to an empty directory: a NotADirectoryError after the conversion) instead of
+    filling what it points to."""
     if out_dir.is_symlink():  # dapo.run.nofollow.no_link's test: dapo.run is no lower layer
         raise ValueError(
             f"{out_dir} is a symbolic link: dapo model import writes a new directory in its "
@@ -303,6 +309,12 @@ def check_out_dir(out_dir: Path) -> None:
         )
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ValueError(f"{out_dir}: already exists and is not empty; remove it or choose another")
+    if out_dir.exists() and os.path.ismount(out_dir):  # rmdir would fail after the conversion
+        raise ValueError(
+            f"{out_dir} is a mount point: dapo model import renames a new directory into "
+            f"OUT_DIR's place, which a mount point cannot be; give a directory inside it "
+            f"({out_dir / 'model'})"
+        )
 
 
 def _fresh_partial(out_dir: Path) -> Path:

@@ -46,8 +46,26 @@ def looks_like_hub_id(path: str) -> bool:
 
 
 def is_hub_id(path: str) -> bool:
-    """Whether a model path names a Hub model: no local directory, and shaped like an id."""
-    return not Path(path).expanduser().is_dir() and looks_like_hub_id(path)
+    """Whether a model path names a Hub model: nothing there locally (a file that is there,
+    ``model.gguf``, is a file, not an id), and shaped like an id."""
+    return not Path(path).expanduser().exists() and looks_like_hub_id(path)
+
+
+def file_refusal(path: str, setting: str = "model.path") -> str | None:
+    """Why ``path``, an existing file rather than a directory, is no model (None when it is
+    no file): a GGUF file is imported first, any other file's directory is the model."""
+    local = Path(path).expanduser()
+    if local.is_dir() or not local.exists():
+        return None
+    if local.suffix.lower() == ".gguf":
+        return (
+            f"{setting}={path} is a GGUF file, not a model directory: import it first, "
+            f"`dapo model import {path} OUT_DIR`, and give OUT_DIR"
+        )
+    fix = "give the directory that holds the model's config.json, weights and tokenizer"
+    if (local.parent / "config.json").is_file():
+        fix = f"give its directory, {setting}={local.parent}"
+    return f"{setting}={path} is a file, not a model directory: {fix}"
 
 
 def offline() -> bool:
@@ -76,6 +94,8 @@ def resolve(
     directory, else the snapshot of the Hub id ``path`` at ``revision`` (default ``main``) in
     the cache, downloaded first unless offline or not ``download``."""
     local = Path(path).expanduser()
+    if refusal := file_refusal(path, setting):
+        raise ValueError(refusal)
     if not is_hub_id(path):
         if revision:
             raise HubModelError(
@@ -171,6 +191,33 @@ def model_code_refusal(path: Path) -> str | None:
         f"model.path={path}: its model_type {shown} is unknown to transformers and dapo runs "
         "no model code (config.json's auto_map names code that came with the model); give a "
         "model of an architecture transformers has (a newer transformers may have this one)"
+    )
+
+
+def tokenizer_code_refusal(path: Path, setting: str = "model.path") -> str | None:
+    """Why the tokenizer in ``path`` loads only by running code that came with it: its
+    ``tokenizer_config.json`` maps ``AutoTokenizer`` to code of its own (``auto_map``), as
+    :func:`model_code_refusal` for the model; None when it maps none, or when its
+    ``tokenizer_class`` is one transformers has (then the map is not followed, and the load
+    failed for another reason)."""
+    try:
+        config = json.loads((path / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    auto = config.get("auto_map") if isinstance(config, dict) else None
+    if not isinstance(auto, dict) or "AutoTokenizer" not in auto:
+        return None
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+    kind = config.get("tokenizer_class")
+    if isinstance(kind, str) and any(tokenizer_class_from_name(k) for k in (kind, kind + "Fast")):
+        return None  # transformers' own class (as AutoTokenizer looks it up): not the code
+    shown = repr(kind) if isinstance(kind, str) and len(kind) <= 80 else "(none)"
+    return (
+        f"{setting}={path}: its tokenizer class {shown} is not one transformers has and dapo "
+        "runs no model code (tokenizer_config.json's auto_map names code that came with the "
+        "model); give a model whose tokenizer transformers has (a newer transformers may "
+        "have this one)"
     )
 
 

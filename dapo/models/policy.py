@@ -134,6 +134,8 @@ def tokenizer_from_dir(path: Path, *, setting: str = "model.path") -> Any:
     try:
         tokenizer = loader.from_pretrained(path, padding_side="left", trust_remote_code=False)
     except (OSError, ValueError, KeyError) as exc:
+        if refusal := hub.tokenizer_code_refusal(path, setting):  # not trust_remote_code
+            raise ValueError(refusal) from None
         raise ValueError(
             f"{setting}={path}: no usable tokenizer there ({str(exc).splitlines()[0]}); {fix}"
         ) from None
