@@ -49,7 +49,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="MODEL",
         help="with --merge: the base model to merge into, a directory or Hub id (default: the "
         "run's model.path); it must be the base the adapters were trained on (its weights' "
-        "SHA-256 is checked): for a base moved since the run",
+        "SHA-256 is checked): for a base moved since the run; it replaces model.revision "
+        "too (a Hub id is read at its default branch)",
     )
     export.add_argument("--overwrite", action="store_true", help="replace an earlier export in DIR")
     export.set_defaults(func=cmd_export)
