@@ -61,3 +61,27 @@ def test_a_stop_that_breaks_torchs_vmap_still_stops_with_the_resume_hint(monkeyp
         assert str(exc) == "a fault of its own"
     else:
         raise AssertionError("a fault was taken for a stop")
+
+
+def test_eval_with_a_runs_config_grades_with_the_runs_own_reward_function(tmp_path, capsys):
+    # Review r37a: --config's reward.function was dropped for the built-in verifier, silently
+    # (avg@k 0.062 for a run whose function scored 1.000), though --config "grades as the run
+    # does". The command's own flags still win.
+    from helpers import save_model
+
+    model = save_model(tmp_path / "m", "qwen2")
+    fn = tmp_path / "always.py"
+    fn.write_text("def score(response, ground_truth):\n    return {'score': 1.0, 'pred': 'x'}\n")
+    config = tmp_path / "run.yaml"
+    config.write_text(f"reward:\n  function: {fn}:score\n")
+    base = ["eval", str(model), "--data", "arith", "--k", "2", "--max-new-tokens", "4"]
+    base += ["--num-problems", "3", "--resamples", "50", "--config", str(config)]
+    assert main([*base, "--out", str(tmp_path / "run")]) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["metrics"]["avg@k"]["mean"] == 1.0
+    assert summary["protocol"]["reward_function"] == f"{fn}:score"
+    assert main([*base, "--reward-mode", "dapo", "--out", str(tmp_path / "flag")]) == 0
+    summary = json.loads((tmp_path / "flag" / "summary.json").read_text())
+    assert "reward_function" not in summary["protocol"]
+    assert summary["protocol"]["reward_mode"] == "dapo"
+    assert summary["metrics"]["avg@k"]["mean"] < 1.0  # 4 random tokens solve no sum

@@ -178,6 +178,15 @@ def run_config(req: EvalRequest) -> Any:
     return cfg
 
 
+def graded_as_the_run(req: EvalRequest, own_function: bool) -> None:
+    """``req`` graded as its ``--config``'s run graded: that run's ``reward.function`` or
+    ``reward.mode``, where neither the command (``--reward-function``, ``--reward-mode``) nor
+    the caller (``own_function``: a Python callable) names how to grade."""
+    graded = run_config(req).reward  # its refusals too (code inside a run directory)
+    if not (own_function or req.reward_function or req.reward_mode):
+        req.reward_function, req.reward_mode = graded.function, graded.mode
+
+
 def weightless_checkpoint_model(model: Path) -> str | None:
     """Why ``model`` is not a model to evaluate when it is the ``model/`` of a checkpoint
     written under torchrun: its config and tokenizer, the weights being DCP shards in the

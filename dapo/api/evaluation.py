@@ -20,6 +20,7 @@ from dapo.api.eval_inputs import (
     EvalRequest,
     check_sampling,
     data_options,
+    graded_as_the_run,
     problems_of,
     run_config,
     weightless_checkpoint_model,
@@ -106,7 +107,7 @@ def run(req: EvalRequest, *, reward_fn: Callable[..., Any] | None = None) -> Eva
     extra = _ids(req.stop_token_ids, "--stop-token-ids")
     before_batch = _progress(req, t0 := time.perf_counter())
     settings = run_config(req)
-    settings.reward.function = req.reward_function  # the command's (a config's grades no eval)
+    settings.reward.function = req.reward_function  # the command's, else --config's
     stops = engine_stops(stop_token_ids(model, tokenizer, extra), tokenizer, settings.env)
     engine = make_engine(req.engine, model, tokenizer, stops)
     episodes = runner_for(settings, engine, tokenizer)  # the run's env.class
@@ -156,8 +157,8 @@ def check_request(req: EvalRequest, reward_fn: Callable[..., Any] | None = None)
         raise ValueError(f"--threads must be >= 0 (0 = auto), got {req.threads}")
     if req.config and not Path(req.config).is_file():
         raise ValueError(f"--config {req.config}: no such file")
-    if req.config:
-        run_config(req)  # its refusals (code inside a run directory) before anything is written
+    if req.config:  # its refusals (code inside a run directory) before anything is written
+        graded_as_the_run(req, reward_fn is not None)
     _ids(req.stop_token_ids, "--stop-token-ids")  # refused before anything loads or is written
     if req.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         from dapo.rollout.vllm_engine import install_hint

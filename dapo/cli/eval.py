@@ -151,8 +151,9 @@ def _add_setting_args(ev: argparse.ArgumentParser) -> None:
         action=GivenOnce,
         help="a run's YAML (a recipe, a run's config.yaml): its arith section shapes --data "
         "arith, its env section (env.class) makes each sample an episode with the tool, and "
-        "its reward and code sections grade as the run does (reward.workers, timeout_s, "
-        "memory_mb, batch_timeout_s; code.*)",
+        "its reward and code sections grade as the run does (reward.function or reward.mode "
+        "where neither --reward-function nor --reward-mode is given; reward.workers, "
+        "timeout_s, memory_mb, batch_timeout_s; code.*)",
     )
     ev.add_argument(
         "--threads",
