@@ -20,6 +20,7 @@ module level: workers import this.
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib
 import importlib.util
@@ -115,7 +116,12 @@ def load_function(spec: str, key: str = "reward.function", fix: str = FIX) -> Ca
         module = sys.modules.get(module_name)
         if module is None:
             loader_spec = importlib.util.spec_from_file_location(module_name, path)
-            assert loader_spec is not None and loader_spec.loader is not None
+            if loader_spec is None or loader_spec.loader is None:  # no .py: no loader
+                raise ValueError(
+                    f"{key}={spec!r}: {path} is not a .py file, and Python imports a file "
+                    f"only by that name; rename it to {path.with_suffix('.py').name} and "
+                    f"give {key}={path.with_suffix('.py')}:{name}"
+                )
             module = importlib.util.module_from_spec(loader_spec)
             sys.modules[module_name] = module  # so that pickle and dataclasses find it
             try:
@@ -153,9 +159,15 @@ def check_spec(spec: str) -> str:
     path = spec_file(spec)
     try:
         fn = load_function(spec)
-    except ValueError:
+    except (ValueError, KeyboardInterrupt):
         raise
-    except Exception as exc:
+    except SystemExit as exc:  # not the run's end: a script's own exit, or its argparse's
+        raise ValueError(
+            f"reward.function={spec!r}: importing {path} called sys.exit({exc.code!r}) (a "
+            "script that parses its own command line?); keep a script's work under "
+            '`if __name__ == "__main__":`, so that importing the file only defines functions'
+        ) from exc
+    except BaseException as exc:
         raise ValueError(
             f"reward.function={spec!r}: importing {path} raised {type(exc).__name__}: {exc}"
         ) from exc
@@ -208,10 +220,73 @@ def spec_of(fn: Callable[..., Any]) -> str:
                 "processes cannot import; put it in a .py file and pass reward_fn from there "
                 "(or reward.function=PATH.py:NAME)"
             )
+        if not _binds_at_top_level(Path(file), qualname):
+            raise ValueError(
+                f"reward_fn={qualname} is not defined at the top level of {Path(file).resolve()}"
+                ": reward workers (and a resume) import that file as a module, where the "
+                'block under `if __name__ == "__main__":` does not run; define it with def '
+                'at the top level of the file, outside `if __name__ == "__main__":`'
+            )
         return f"{Path(file).resolve()}:{qualname}"
     if "." not in module and str(file).endswith(".py") and not _installed(Path(file).resolve()):
         return f"{Path(file).resolve()}:{qualname}"
     return f"{module}:{qualname}"
+
+
+def _binds_at_top_level(path: Path, name: str) -> bool:
+    """Whether the script ``path`` binds ``name`` when imported as a module (not run): at its
+    top level, or in a block there (an ``if``, a ``try``) other than its
+    ``if __name__ == "__main__":``. Read, not imported: importing a script may run its work.
+    A file that cannot be read or parsed is given the benefit of the doubt."""
+    try:
+        tree = ast.parse(path.read_bytes(), str(path))
+    except (OSError, SyntaxError, ValueError):
+        return True
+    return name in _bound_names(tree.body)
+
+
+def _bound_names(body: list[ast.stmt]) -> set[str]:
+    names: set[str] = set()
+    for node in body:
+        if isinstance(node, ast.If) and _is_main_guard(node.test):
+            names |= _bound_names(node.orelse)
+            continue
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names |= {(a.asname or a.name).partition(".")[0] for a in node.names}
+        else:
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.stmt):
+                    continue  # a nested block's statements: walked below
+                names |= {
+                    n.id
+                    for n in ast.walk(child)
+                    if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
+                }
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                block = getattr(node, field, None)
+                if isinstance(block, list):
+                    names |= _bound_names([*_handler_bodies(block)])
+    return names
+
+
+def _handler_bodies(block: list[Any]) -> list[ast.stmt]:
+    """``block``'s statements, the bodies of ``except`` handlers flattened into it."""
+    out: list[ast.stmt] = []
+    for node in block:
+        out.extend(node.body if isinstance(node, ast.ExceptHandler) else [node])
+    return out
+
+
+def _is_main_guard(test: ast.expr) -> bool:
+    """``__name__ == "__main__"`` (either way round)."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1):
+        return False
+    sides = [test.left, *test.comparators]
+    return isinstance(test.ops[0], ast.Eq) and {
+        (n.id if isinstance(n, ast.Name) else getattr(n, "value", None)) for n in sides
+    } == {"__name__", "__main__"}
 
 
 def _installed(path: Path) -> bool:

@@ -70,7 +70,9 @@ def plan_new_run(cfg: Config, *, overwrite: bool = False) -> NewRun:
     dapo created and nothing else. Changes nothing on disk, but for putting back an earlier
     run that an interrupted ``--overwrite`` start left aside (:mod:`dapo.run.asides`)."""
     name = cfg.run.name or f"{cfg.run.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = Path(cfg.run.out_dir).expanduser() / name
+    # Absolute from here on (joined, not resolved: a/.. after a link a is not .): a reward
+    # function that changes the working directory (reward.workers=0) moves no later write.
+    run_dir = Path.cwd() / Path(cfg.run.out_dir).expanduser() / name
     _check_place(cfg, run_dir)
     if not cfg.run.name:  # three seeds started in one second get three directories
         return NewRun(_free_name(run_dir), auto_name=run_dir)
@@ -310,7 +312,7 @@ def _put_back(plan: NewRun) -> None:
 def existing_run_dir(path: str | Path) -> Path:
     """The directory given to ``--resume``, checked to hold a run (an earlier run that an
     interrupted ``--overwrite`` left aside put back first)."""
-    run_dir = Path(path)
+    run_dir = Path.cwd() / path  # absolute, as a new run's is (plan_new_run)
     if run_dir.is_dir() and not run_dir.is_symlink():
         asides.put_back(run_dir)
     if not (run_dir / "config.yaml").is_file():
