@@ -66,7 +66,8 @@ def configurations(runs: Sequence[Run]) -> dict[str, list[Run]]:
 
 def mixed_seeds(runs: Sequence[Run]) -> list[str]:
     """One warning per configuration name whose runs' configs differ beyond ``train.seed``,
-    naming the runs and the fields: the mechanisms figure draws them apart, not averaged."""
+    naming it and (up to three of) the fields: the mechanisms figure draws them apart, not
+    averaged (its legend names each set's runs)."""
     warnings: dict[str, str] = {}
     for name, _, _, fields in _grouped(runs):
         if fields:
