@@ -33,8 +33,9 @@ it working (``tests/test_gpu_bench.py``). Per shape:
    again on the model cast to bf16 without autocast (a speed figure only: AdamW on bf16
    weights loses the paper's small updates; what a bf16 residual stream over float32 master
    weights would approach).
-3. **decode**: the native engine (``make_engine("dapo", ...)``) drawing 64 rows (4 prompts x
-   16) of 1,024 new tokens, EOS ignored; tokens/s after an untimed short warm-up. The prompts
+3. **decode**: the native engine (``make_engine("dapo", ...)``) drawing 64 and 256 rows (4
+   and 16 prompts x 16) of 1,024 new tokens, EOS ignored; tokens/s after an untimed warm-up
+   (the same rollout, once). The prompts
    come from the demo tokenizer (a small vocabulary: the model's 152k-row head still runs).
    With ``--profile``, each row count's graph path once more for 128 tokens under the
    profiler (``benchmarks/step_profile.py``), its step compiled but launched without graphs
@@ -555,7 +556,7 @@ def decode_run(
     compute: str,
     bandwidth: float,
 ) -> dict:
-    """One timed ``generate`` (EOS ignored) after a short untimed one: tokens/s against the
+    """One timed ``generate`` (EOS ignored) after the same one untimed: tokens/s against the
     bound that the copy ``bandwidth`` sets for the bytes each step must read."""
     options = dict(group_size=sizes.decode_group, seed=0, ignore_eos=True)
     t0 = time.perf_counter()

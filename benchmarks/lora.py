@@ -62,7 +62,7 @@ def train(name: str, overrides: list[str], model: str, out: Path, steps: int) ->
         if status:
             raise SystemExit(f"{name}: the run failed (status {status})")
         (run / "peak_rss.json").write_text(
-            json.dumps({"peak_rss_mb": usage.ru_maxrss / 1024, "wall_s": time.perf_counter() - t0})
+            json.dumps({"peak_rss_mib": usage.ru_maxrss / 1024, "wall_s": time.perf_counter() - t0})
         )
     return figures(run)
 
@@ -91,7 +91,7 @@ def figures(run: Path) -> dict:
         "step_s": median("perf/step_s"),
         "generate_s": median("perf/generate_s"),
         "train_s": median("perf/train_s"),
-        "peak_rss_mb": peak["peak_rss_mb"],
+        "peak_rss_mib": peak["peak_rss_mib"],
         "wall_s": peak["wall_s"],
         "trained_parameters": params,
         "optimizer_bytes": optim.stat().st_size,
@@ -106,13 +106,13 @@ def runs(args: argparse.Namespace) -> None:
     full = next((r for r in results if r["run"] == "full"), None)
     print(f"model {args.model}, recipe {RECIPE.name}, {args.steps} steps, one run each")
     head = f"{'run':>12} {'start':>6} {'end':>6} {'gain':>6} {'step s':>7} {'gen s':>6} "
-    print(head + f"{'train s':>7} {'peak MB':>8} {'trained':>10} {'optim MB':>9} {'vs full':>8}")
+    print(head + f"{'train s':>7} {'peak MiB':>8} {'trained':>10} {'optim MB':>9} {'vs full':>8}")
     for r in results:
         ratio = f"{full['optimizer_bytes'] / r['optimizer_bytes']:.0f}x" if full else "-"
         print(
             f"{r['run']:>12} {r['start']:>6.3f} {r['end']:>6.3f} {r['gain']:>+6.3f} "
             f"{r['step_s']:>7.1f} {r['generate_s']:>6.1f} {r['train_s']:>7.1f} "
-            f"{r['peak_rss_mb']:>8.0f} {r['trained_parameters']:>10,} "
+            f"{r['peak_rss_mib']:>8.0f} {r['trained_parameters']:>10,} "
             f"{r['optimizer_bytes'] / 2**20:>9.2f} {ratio:>8}"
         )
     if args.json:

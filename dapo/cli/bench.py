@@ -4,7 +4,9 @@ Runs W untimed steps, then N timed ones, of the configured training (the embedde
 default), writing nothing, and prints one JSON object: median seconds per step and per phase
 (generate, reward, logprobs = the pi_old / pi_ref forward passes, train, other) with shares,
 generated and trained tokens/s, padding in generation and in training micro-batches, and peak
-memory. ``--fixed-length`` ignores EOS so every response is max_new_tokens long, and turns
+memory (MiB). With train.async_staleness=k the steps are drawn ahead by a generator thread, as
+in ``dapo train``: the phases add trainer_idle (the trainer's wait), and generate and reward
+overlap the rest. ``--fixed-length`` ignores EOS so every response is max_new_tokens long, and turns
 dynamic sampling off: equal work for comparisons between systems. Train prompts that with
 rollout.max_new_tokens overrun the model's context are refused before the model loads, as by
 ``dapo train`` (data.on_long_prompt=skip drops them).

@@ -63,7 +63,18 @@ from dapo.training.state import (
 FAILED_CLOSE_S = 5.0
 """How long a failing run waits for the generator thread's round in flight."""
 
+
+def share_cores(cfg: Config, *, beside: bool) -> tuple[int, int | None]:
+    """The threads of a generator thread (half the cores: ``run.threads``, else torch's
+    count; one at least), and the trainer's beside it (the rest), or None for the trainer's
+    when ``beside`` is False: no generator thread runs in this process."""
+    cores = cfg.run.threads or torch.get_num_threads()
+    generator = max(1, cores // 2)
+    return generator, max(1, cores - generator) if beside else None
+
+
 if TYPE_CHECKING:
+    from dapo.config import Config
     from dapo.reward.pool import RewardPool
 
 

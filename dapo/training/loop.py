@@ -34,6 +34,7 @@ from dapo.run.threads import ThreadGovernor
 from dapo.training import resume as resume_checks
 from dapo.training.final_model import save_final
 from dapo.training.generator_ranks import rollout_source
+from dapo.training.generator_thread import share_cores
 from dapo.training.rollout_files import restore_ahead
 from dapo.training.sampling import DynamicSamplingExhausted
 from dapo.training.sources import InTurn, RolloutSource, StepRollouts
@@ -140,10 +141,8 @@ class _Loop:
         # of the cores; run.threads=0: threads follow the cores other processes leave free.
         self.source: RolloutSource = InTurn()
         self.restored: tuple[list[StepRollouts], tuple[int, int]] | None = None
-        cores = cfg.run.threads or torch.get_num_threads()
-        self.gen_threads = max(1, cores // 2)
-        beside = cfg.train.async_staleness and not roles.roles()  # a thread, not other ranks
-        most = max(1, cores - self.gen_threads) if beside else None
+        beside = bool(cfg.train.async_staleness) and not roles.roles()  # not other ranks
+        self.gen_threads, most = share_cores(cfg, beside=beside)
         if most and cfg.run.threads:
             torch.set_num_threads(most)
         self.threads = ThreadGovernor(most) if cfg.run.threads == 0 else None
