@@ -137,18 +137,42 @@ def test_a_resume_that_cannot_read_its_checkpoint_changes_nothing(tmp_path, refe
     data = bytearray((ckpt / "rng.json").read_bytes())
     data[-3] ^= 1  # a digit: the same size, still JSON, another digest
     (ckpt / "rng.json").write_bytes(bytes(data))
-    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    before = _file_bytes(run_dir)
     resumed = _start(tmp_path, "run", cache, "--resume", str(run_dir), "optim.lr=1e-5", "--force")
     code, _, err = _finish(resumed)
     assert code != 0 and "rng.json is not the file that was written" in err, err
-    after = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
-    changed = [
-        p.relative_to(run_dir)
-        for p in before.keys() | after.keys()
-        if before.get(p) != after.get(p)
-    ]
-    # Only the lock the resume held (its holder's pid) is dapo's to change.
-    assert [p for p in changed if p.name != ".dapo-lock"] == []  # config.yaml was rewritten
+    assert _changed(run_dir, before) == []  # config.yaml was rewritten
+
+
+def test_a_resume_refused_by_its_metrics_log_changes_nothing(tmp_path, reference):
+    """metrics.jsonl cut short since the checkpoint refuses the resume, which had written the
+    forced config.yaml (and kept the earlier as config.before-resume-1.yaml) first: the next
+    plain resume then trained with optim.lr=1e-5, never given without --force."""
+    ref, cache, _ = reference
+    run_dir = tmp_path / "run"
+    shutil.copytree(ref, run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    logged = metrics.read_bytes()
+    metrics.write_bytes(logged[: logged.rindex(b"\n", 0, -1) + 1])  # its last line dropped
+    before = _file_bytes(run_dir)
+    resumed = _start(tmp_path, "run", cache, "--resume", str(run_dir), "optim.lr=1e-5", "--force")
+    code, _, err = _finish(resumed)
+    cut = f"{metrics} is {metrics.stat().st_size} bytes but the checkpoint logged"
+    assert code != 0 and cut in err and "start the run again with --overwrite" in err, err
+    assert _changed(run_dir, before) == []  # config.yaml was rewritten
+    assert not list(run_dir.glob("config.before-resume-*"))
+
+
+def _file_bytes(run_dir: Path) -> dict[Path, bytes]:
+    return {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+
+
+def _changed(run_dir: Path, before: dict[Path, bytes]) -> list[Path]:
+    """The files under ``run_dir`` added, removed or changed since ``before``, but the lock
+    the resume held (its holder's pid): the only one that is dapo's to change."""
+    after = _file_bytes(run_dir)
+    changed = [p for p in before.keys() | after.keys() if before.get(p) != after.get(p)]
+    return sorted(p.relative_to(run_dir) for p in changed if p.name != ".dapo-lock")
 
 
 @pytest.mark.slow

@@ -237,7 +237,8 @@ class TrainConfig:
     save_every: int = 20
     """Checkpoint every this many steps, and always after the last; 0 = only after the last."""
     keep_checkpoints: int = 3
-    """How many of the newest checkpoints to keep; older ones are deleted once a newer is safe."""
+    """How many of the newest checkpoints to keep; older ones are deleted once a newer is safe
+    (one holding a file dapo did not write is kept, with a warning naming it)."""
     max_consecutive_skips: int = 10
     """Stop after this many updates in a row skipped for a non-finite loss or gradient norm."""
 

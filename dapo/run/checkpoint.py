@@ -43,6 +43,7 @@ from dapo.run.launcher import nonfinite_refusal
 from dapo.run.manifest import verify  # also checkpoint.verify, as callers have named it
 from dapo.run.model_files import CheckpointError
 from dapo.run.nofollow import fsync_dir, no_link, write_atomic
+from dapo.run.own_files import CKPT_DIR, LATEST, prunable  # also checkpoint.CKPT_DIR
 from dapo.run.rng_state import capture_rng, restore_rng  # also checkpoint.*, as callers name them
 from dapo.run.trainer_file import checked_trainer
 from dapo.run.write_failures import export_failed, going_on, write_failure  # also checkpoint.*
@@ -50,8 +51,6 @@ from dapo.run.write_failures import export_failed, going_on, write_failure  # al
 FORMAT_VERSION = 2
 """2: nothing pickled (the optimizer's state and the generators' as safetensors and JSON, DCP
 shards as safetensors) and a SHA-256 per file in the manifest; 1: dapo before commit 96772cf."""
-CKPT_DIR = "checkpoints"
-LATEST = "latest"
 _STEP_RE = re.compile(r"^step_(\d{6,})$")
 
 
@@ -175,13 +174,14 @@ def publish(tmp: Path, final: Path, step: int, digests: dict[str, str] | None = 
 
 
 def prune(root: Path, *, keep: int, protect: str) -> None:
-    """Delete what precedes the newest ``keep`` complete checkpoints, and stale temporaries."""
+    """Delete what precedes the newest ``keep`` complete checkpoints (each only when it holds
+    nothing but what its manifest lists: :func:`own_files.prunable`), and stale temporaries."""
     steps = step_dirs(root)
     complete = [i for i, d in enumerate(steps) if d.name == protect or verify(d) is None]
     for old in steps[: complete[-keep] if len(complete) >= keep else 0]:
-        if old.name != protect:
+        if old.name != protect and prunable(old):
             shutil.rmtree(old, ignore_errors=True)
-    for stale in root.glob(".tmp-*"):
+    for stale in root.glob(".tmp-step_*"):  # a save's, as save names them; nothing else
         shutil.rmtree(stale, ignore_errors=True)
 
 

@@ -134,9 +134,10 @@ class MetricsLogger:
         named = f"{target} ({what})" if what else str(target)
         return checkpoint.CheckpointError(checkpoint.write_failed(self.path.parent, 0, exc, named))
 
-    def truncate(self, size: int) -> None:
-        """Cut the log back to ``size`` bytes (a checkpoint's offset): steps logged after that
-        checkpoint, and a line half-written by a crash, are dropped before the run re-does them."""
+    def check_offset(self, size: int) -> None:
+        """Refuse a log that :meth:`truncate` cannot cut back to ``size`` bytes (shorter, or
+        not a line's end there), changing nothing: a resume checks it before it writes the
+        run's config.yaml, so that a refused resume leaves the run as it was."""
         actual = os.fstat(self._file.fileno()).st_size  # the file opened, not what the path is now
         if actual < size:
             raise ValueError(
@@ -148,6 +149,11 @@ class MetricsLogger:
                 f"{self.path}: byte {size} is not the end of a line; the file was edited since "
                 "the checkpoint, restore it or start again with --overwrite"
             )
+
+    def truncate(self, size: int) -> None:
+        """Cut the log back to ``size`` bytes (a checkpoint's offset): steps logged after that
+        checkpoint, and a line half-written by a crash, are dropped before the run re-does them."""
+        self.check_offset(size)
         self._file.truncate(size)
         self._file.seek(size)
 
@@ -195,6 +201,9 @@ class NullLogger:
 
     def sync(self) -> int:
         return 0
+
+    def check_offset(self, size: int) -> None:
+        """Nothing: rank 0 checks the log."""
 
     def truncate(self, size: int) -> None:
         """Nothing: rank 0 cuts the log back."""

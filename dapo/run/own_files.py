@@ -15,13 +15,18 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from dapo.run import manifest
-from dapo.run.checkpoint import CKPT_DIR, LATEST
 from dapo.run.lock import LOCK_NAME
 
+CKPT_DIR = "checkpoints"
+"""The run directory's checkpoints (:mod:`dapo.run.checkpoint`, which prunes with this module)."""
+LATEST = "latest"
+"""The file in ``checkpoints/`` naming the newest checkpoint."""
 MARK = ".dapo-run"
 """Written when dapo creates a run directory: --overwrite deletes nothing without it."""
 PROBE = ".write-test"
@@ -112,6 +117,36 @@ def check_replaceable(run_dir: Path) -> None:
             f"--overwrite: {run_dir} holds files dapo did not write: {listing(foreign)}. Move "
             "them out of it first (dapo deletes only what it wrote), or pick another run.name"
         )
+
+
+_kept_steps: set[Path] = set()
+"""The checkpoints pruning kept for what dapo did not write in them, warned of once each."""
+
+
+def prunable(step_dir: Path) -> bool:
+    """Whether pruning may delete the checkpoint ``step_dir``: it holds only what its manifest
+    lists (as ``--overwrite`` checks it). A link, or a file or directory a user put in it, is
+    not dapo's to delete: the checkpoint is kept, with a warning (once a process) naming it."""
+    why = None
+    if step_dir.is_symlink():  # rmtree refuses a link anyway: named, not silently kept
+        why = "is a link, which dapo never writes"
+    else:
+        try:
+            foreign = _Walk(step_dir, WALK_LIMIT).check_step(str(step_dir))
+            why = foreign and f"holds files dapo did not write (the first: {foreign})"
+        except (TooManyEntries, OSError) as exc:  # not checked whole: not deleted
+            why = f"could not be checked for files dapo did not write ({exc})"
+    if why is None:
+        return True
+    if step_dir not in _kept_steps:
+        _kept_steps.add(step_dir)
+        print(
+            f"dapo: warning: {step_dir} {why}; it was kept, not pruned (train.keep_checkpoints "
+            "deletes only what dapo wrote). Move out what is yours and delete the rest "
+            f"yourself: rm -rf {shlex.quote(str(step_dir))}",
+            file=sys.stderr,
+        )
+    return False
 
 
 def listing(names: list[str], most: int = 8) -> str:

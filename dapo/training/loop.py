@@ -64,8 +64,9 @@ def fit(
     given must be the starting policy: it is the KL reference) and ``metrics.jsonl`` is cut back
     to what that checkpoint had logged, so no step is missing or logged twice. ``reward_fn``
     is the function that ``reward.function`` names, when it was given in Python. ``on_resume``
-    runs once the checkpoint is read, before anything in ``run_dir`` changes: a checkpoint that
-    cannot be read leaves the run as it was (rank 0 writes the resumed config.yaml there)."""
+    runs once the checkpoint is read and metrics.jsonl checked, before anything in ``run_dir``
+    changes: a checkpoint that cannot be read, or a log cut or edited since, leaves the run as
+    it was (rank 0 writes the resumed config.yaml there)."""
     stream = stream or sys.stdout
     run_dir = Path(run_dir)
     state = build_state(cfg, model, tokenizer, train_problems)
@@ -306,6 +307,8 @@ class _Loop:
         k = state.cfg.train.async_staleness
         consumed = bool(k or roles.roles())
         self.restored = restore_ahead(info, ckpt, step=state.step, staleness=k, consumed=consumed)
+        # Before config.yaml is written: a metrics.jsonl cut or edited since refuses the resume.
+        self.logger.check_offset(info["metrics_bytes"])
         if self.on_resume is not None:
             self.on_resume()
         self.val_start, self.val_last = info["val_start"], info["val_last"]
