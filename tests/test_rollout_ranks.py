@@ -1,8 +1,8 @@
 """Ranks that only generate (``dist.rollout_ranks``): 2 gloo ranks, one trainer and one
 generator, give the one-process run of the same schedule (bit for bit at k = 1, the samples
 and decisions at k = 0, where the roles take turns), and 2 generators its samples; a
-checkpoint resumes exactly, under torchrun or in one process, and after kill -9; bad settings
-are refused before any model loads."""
+checkpoint resumes exactly, under torchrun or in one process, and after kill -9; a failed
+draw ends the run as in one process; bad settings are refused before any model loads."""
 
 from __future__ import annotations
 
@@ -366,14 +366,21 @@ def test_a_failing_run_stops_its_source_without_waiting_on_the_generators():
     """On an exception the loop closes its source with failed=True: the trainers then wait
     for nothing from the generators (no rollouts drained, no broadcast finished): their exit
     makes torchrun stop the job. An object with none of the source's parts stands in: any
-    wait would touch one and raise."""
+    wait would touch one and raise. Generators that sent a failed draw wait for the stop,
+    which a run failing on that draw sends them (ended well, they add no error)."""
     from types import SimpleNamespace
 
     from dapo.training.generator_ranks import GeneratorRanks
 
-    GeneratorRanks.close(SimpleNamespace(), failed=True)
+    GeneratorRanks.close(SimpleNamespace(failure=None), failed=True)
     with pytest.raises(AttributeError):
-        GeneratorRanks.close(SimpleNamespace())  # a run that ends well stops them first
+        GeneratorRanks.close(SimpleNamespace(failure=None))  # a run that ends well stops them
+    stopped = []
+    failed = SimpleNamespace(failure={"type": "DynamicSamplingExhausted"})
+    failed._stop, failed._catch_up = lambda: stopped.append("stop"), lambda: None
+    failed.sender = SimpleNamespace(finish=lambda: stopped.append("finish"))
+    GeneratorRanks.close(failed, failed=True)
+    assert stopped == ["stop", "finish"]
 
 
 @pytest.mark.parametrize("signals", [1, 2], ids=["stopped-after-a-save", "step-aborted"])
@@ -465,25 +472,60 @@ def test_a_stop_signal_to_one_rank_stops_the_job_after_a_save(
     assert seconds < 25, seconds
 
 
-def test_a_failing_generator_rank_ends_the_job_within_seconds(demo_cache, tmp_path):
-    """The generator rank's own error (dynamic sampling giving up): it printed the error,
-    then its exit waited in the destructor of its process groups for the weights receive it
-    had posted, and the trainer for its rollouts, each for dist.wait_timeout_s (2 hours)."""
-    args = ["dist.rollout_ranks=1", "sampling.on_max_rounds=error", "sampling.max_rounds=1"]
-    args += ["train.steps=4", "run.name=failed", f"embedded.cache_dir={demo_cache}"]
-    proc = dapo_train(
-        2, *TORCHRUN_DEMO, *args, "dist.wait_timeout_s=300", out_dir=tmp_path, wait=False
-    )
+FAILING = ["sampling.on_max_rounds=error", "sampling.max_rounds=3", "train.steps=4"]
+"""Dynamic sampling gives up on a step after the first checkpoints: step 3 (from 0: 2) at
+k = 0, step 4 at k = 1, the same in one process and on a generator rank."""
+
+
+def _failing_run(ranks: int, out: Path, name: str, *args: str) -> tuple[str, list, str]:
+    """A run of ``FAILING`` ended by its draw's error: standard error, each checkpoint with
+    the steps it holds drawn ahead, and the error's line. ``args`` name the model's cache."""
+    args = (*TORCHRUN_DEMO, *FAILING, *args, f"run.name={name}")
+    proc = dapo_train(ranks, *args, "dist.wait_timeout_s=300", out_dir=out, wait=False)
     try:
         _, err = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:
         subprocess.run(["pkill", "-KILL", "-P", str(proc.pid)], check=False)
         proc.kill()
         pytest.fail("the job was still running 120 s after it started")
-    assert "dapo: rank 1 of 2 failed:\ndapo: error: dynamic sampling kept" in err, err[-3000:]
-    assert proc.returncode != 0
-    reported = err.index("rank 1 of 2 failed")
-    assert "forcefully exiting" not in err[reported:], err[-3000:]  # torchrun's SIGKILL
+    assert proc.returncode == 1, err[-3000:]
+    saved = []
+    for ckpt in sorted((out / name / "checkpoints").glob("step_*")):
+        info = json.loads((ckpt / "trainer.json").read_text())
+        saved.append((ckpt.name, [r["step"] for r in info.get("ahead", {}).get("rollouts", [])]))
+    line = next(x for x in err.splitlines() if x.startswith("dapo: error: "))
+    return err, saved, line
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_a_failed_draw_on_a_generator_rank_ends_the_run_as_in_one_process(demo_cache, tmp_path, k):
+    """Dynamic sampling giving up on a generator rank: the trainer saves the checkpoints of
+    the steps before (with the steps drawn ahead up to the failed one), then stops on the
+    same error and resume hint as the one-process run (drawing in turn at k = 0, a generator
+    thread at k = 1), and the generator ends without an error of its own. The generator
+    rank exited on the error, the trainer failed on gloo's "Connection closed by peer" and
+    saved nothing after it (at k = 0 a step trained and logged was not saved)."""
+    out, same = tmp_path, [f"train.async_staleness={k}", f"embedded.cache_dir={demo_cache}"]
+    _, one_saved, one_line = _failing_run(0, out, "one", *same)
+    err, saved, line = _failing_run(2, out, "ranks", *same, "dist.rollout_ranks=1")
+    # Each save holds the steps drawn ahead of it (at k = 0 the generator rank's next step,
+    # drawn as the trainer saves; drawn in turn, none), up to the failed one.
+    if k == 0:  # step 3 failed
+        assert saved == [("step_000001", [1]), ("step_000002", [])]
+    else:  # step 4 failed
+        assert saved == [("step_000001", [1, 2]), ("step_000002", [2]), ("step_000003", [])]
+    assert [name for name, _ in one_saved] == [name for name, _ in saved]
+    assert k == 0 or one_saved == saved  # the generator thread's, step for step
+    kept, _, hint = line.partition(" The run directory is intact; ")
+    assert kept.startswith("dapo: error: dynamic sampling kept ") and kept in one_line
+    resume = f"torchrun --nproc-per-node 2 -m dapo train --resume {out / 'ranks'}"
+    assert hint == (
+        f"resume from its last checkpoint with a changed config: {resume} "
+        "sampling.max_rounds=<more> --force"
+    )
+    assert "dapo: rank 0 of 2 failed:" in err and "rank 1 of 2 failed" not in err, err[-3000:]
+    assert "Connection closed by peer" not in err, err[-3000:]
+    assert "forcefully exiting" not in err, err[-3000:]  # torchrun's SIGKILL
 
 
 def test_a_rank_leaving_at_once_removes_the_vllm_engines_directory(tmp_path):

@@ -81,7 +81,16 @@ class GracefulStop:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        if self.signum and kind is not None and not issubclass(kind, (StepAborted, RunStopped)):
+            # The first signal promised a save, which this failure cut short (under torchrun
+            # the signal is often torchrun's own, sent because another rank failed).
+            print(
+                f"{self.name} was received, but the run failed before it could stop after a "
+                "save (its error follows): a resume starts from the last checkpoint written",
+                file=self.stream,
+                flush=True,
+            )

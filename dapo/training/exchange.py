@@ -9,19 +9,28 @@ keeps its own groups whole. Once the step's groups are chosen, the mini-batch pl
 its tokens and sampler log-probs travel once, from the rank that generated it to the ranks
 that train it (:func:`dapo.dist.exchange`); nothing else moves. In one process nothing
 changes: groups stay whole and there is nothing to send.
+
+Between generator ranks and trainers (``dist.rollout_ranks``) whole steps travel
+(:mod:`dapo.training.generator_ranks`); what goes wrong there is said here: a step whose draw
+failed travels as its error (:func:`failure`), which the trainers raise when they reach that
+step (:func:`failed_draw`), and a generator that dies or stalls is named in the trainers'
+error (:func:`receive_step`).
 """
 
 from __future__ import annotations
 
+import sys
+import traceback
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dapo import dist
 from dapo.data.batch import Episode, partition_by_tokens, split_minibatches
+from dapo.dist import roles
 from dapo.run.seeding import derive_seed
-from dapo.training.sampling import Group
+from dapo.training.sampling import DynamicSamplingExhausted, Group
 
 if TYPE_CHECKING:
     from dapo.config import TrainConfig
@@ -96,3 +105,67 @@ def deliver(groups: list[Group], local: LocalGroups, plan: list[MiniBatch]) -> l
     for k, whole in kept_here + dist.exchange(outgoing):
         episodes[k] = whole
     return episodes
+
+
+# ---------------------------------------------------------- generator ranks and trainers
+
+
+class GeneratorRankError(RuntimeError):
+    """A generator rank failed, died or stalled: the trainers' error, naming the rank and the
+    step whose rollouts they awaited."""
+
+
+REBUILT: dict[str, type[Exception]] = {
+    "DynamicSamplingExhausted": DynamicSamplingExhausted,
+    "ValueError": ValueError,
+}
+"""The errors of a failed draw that the trainers raise as the generator thread's trainer
+would, by type and text: their text names the fix, and ``fit`` (the resume) and the CLI (one
+line) handle them by type. Any other is a :class:`GeneratorRankError`."""
+
+
+def failure(exc: Exception, step: int) -> dict[str, Any]:
+    """What the first generator sends in the place of step ``step`` (from 0), whose draw
+    raised ``exc``: its type, text and this rank. An error the trainers do not raise by its
+    type (``REBUILT``) leaves its traceback here, in this rank's log."""
+    kind = type(exc).__name__
+    if kind not in REBUILT:
+        print(
+            f"dapo: generator rank {dist.global_rank()}: drawing step {step + 1} failed; the "
+            "trainers raise it when they reach that step:",
+            file=sys.stderr,
+        )
+        traceback.print_exc()
+    return {"type": kind, "message": str(exc), "rank": dist.global_rank(), "step": step}
+
+
+def failed_draw(sent: dict[str, Any]) -> Exception:
+    """The error of step ``sent["step"]``'s failed draw (what :func:`failure` sent) as the
+    trainers raise it when they take that step."""
+    rebuilt = REBUILT.get(sent["type"])
+    if rebuilt is not None:
+        return rebuilt(sent["message"])
+    return GeneratorRankError(
+        f"generator rank {sent['rank']} failed drawing the rollouts of step {sent['step'] + 1}: "
+        f"{sent['type']}: {sent['message']} (its traceback is in that rank's log)"
+    )
+
+
+def receive_step(source: int, step: int, wait_timeout_s: float) -> torch.Tensor:
+    """The message of step ``step`` (from 0) from generator rank ``source``; a receive that
+    fails (the rank died, or sent nothing for ``dist.wait_timeout_s``) raises a
+    :class:`GeneratorRankError` naming the rank, the step and the setting (chained from the
+    gloo error, which the traceback shows above it)."""
+    try:
+        return roles.recv_bytes(source)
+    except RuntimeError as exc:
+        why = (
+            "none came within dist.wait_timeout_s"
+            if "timed out" in str(exc).lower()
+            else "its connection closed (the rank ended, failed or was killed)"
+        )
+        raise GeneratorRankError(
+            f"generator rank {source} sent no rollouts for step {step + 1}: {why}. Look for "
+            "that rank's own error in the job's log; if it was still drawing, raise "
+            f"dist.wait_timeout_s (now {wait_timeout_s:g} s)"
+        ) from exc

@@ -18,6 +18,11 @@ run repeats itself and a resumed run continues exactly; at k = 0 the two roles t
 - **Checkpoints.** Before a save at step s the trainers take every step the generators can
   draw (through s + k) and save them with the generators' sampler position, as the
   generator thread does; a resumed run tells the generators where to go on.
+- **Failures.** A step whose draw fails is sent as its error (type and text) with the
+  sampler's position before it, and the generators wait for the trainers' stop: as with the
+  generator thread, a save before that step keeps the steps drawn until then, and the
+  trainers raise the error when they take the step. A generator that dies or stalls is
+  named in the trainers' error (both in :mod:`dapo.training.exchange`).
 
 :func:`rollout_source` builds the run's source: these ranks, a generator thread
 (:mod:`dapo.training.generator_thread`) or drawing in turn (``InTurn``); the loop calls it.
@@ -44,9 +49,9 @@ from dapo.models.policy import DTYPES, compute_device, stop_token_ids
 from dapo.reward.pool import RewardPool
 from dapo.rollout import make_engine
 from dapo.rollout.base import close_engine
-from dapo.run.interrupt import GracefulStop
+from dapo.run.interrupt import GracefulStop, StepAborted
 from dapo.training.copies import frozen_dtype
-from dapo.training.exchange import LocalGroups, MiniBatch
+from dapo.training.exchange import LocalGroups, MiniBatch, failed_draw, failure, receive_step
 from dapo.training.generator_thread import GeneratorThread
 from dapo.training.rollout_files import decode, encode, rollouts_to_files
 from dapo.training.rounds import Drawer, draw_step
@@ -101,6 +106,7 @@ class GeneratorRanks:
             steps, self.prior = restored
             self.ready = {s.step: s for s in steps}
         self.received = state.step + len(self.ready) - 1  # the newest step the trainers have
+        self.failure: dict[str, Any] | None = None  # a failed draw's error (failed_draw)
         self.sent: int | None = None  # the newest weights sent
         self.stopped = False
         self.signal_received = 0
@@ -122,9 +128,13 @@ class GeneratorRanks:
         self.sent = version
 
     def _receive(self) -> None:
-        drawn, extra = decode(roles.recv_bytes(self.source))
-        self.ready[drawn.step] = drawn
-        self.received = drawn.step
+        wait_s = self.state.cfg.dist.wait_timeout_s
+        drawn, extra = decode(receive_step(self.source, self.received + 1, wait_s))
+        if "failed" in extra:  # the generators draw no further: the error waits for its step
+            self.failure = extra["failed"]
+        else:
+            self.ready[drawn.step] = drawn
+            self.received = drawn.step
         self.state.sampler.load_state_dict(extra["sampler"])
         self.prior = tuple(extra["prior"])
         signum = int(extra.get("signal", 0))
@@ -138,13 +148,17 @@ class GeneratorRanks:
         self.signal_received = self.signal_received or signum
 
     def _catch_up(self) -> None:
-        """Receive every step the generators draw with the weights sent so far."""
-        while self.received < self._drawn_through():
+        """Receive every step the generators draw with the weights sent so far, or up to
+        the step whose draw failed."""
+        while self.failure is None and self.received < self._drawn_through():
             self._receive()
 
     def take(self, state: TrainState) -> StepRollouts:
-        """The rollouts of step ``state.step``, once received."""
+        """The rollouts of step ``state.step``, once received; the error of its draw, if
+        it failed."""
         while state.step not in self.ready:
+            if self.failure is not None:  # steps are sent in order: this is the failed one
+                raise failed_draw(self.failure)
             self._receive()
         drawn = self.ready.pop(state.step)
         drawn.sampler_is_policy = self.on_policy
@@ -184,15 +198,17 @@ class GeneratorRanks:
 
     def settle(self, state: TrainState) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """Before a save at step ``state.step``: every step the generators can draw (through
-        step + k), as (JSON, tensors) for the checkpoint."""
+        step + k, or up to the step whose draw failed), as (JSON, tensors) for the
+        checkpoint."""
         self._catch_up()
         meta, tensors = rollouts_to_files([self.ready[t] for t in sorted(self.ready)])
         return {"prior": list(self.prior), "rollouts": meta}, tensors
 
     def close(self, *, failed: bool = False) -> None:
         """Stop the generators: the stop signal (unless sent), then take what they still
-        draw. A failing run waits for nothing: its exit makes torchrun stop the job."""
-        if failed:
+        draw. A failing run waits for nothing: its exit makes torchrun stop the job; but
+        generators that sent a failed draw wait for the stop, which lets them end well."""
+        if failed and self.failure is None:
             return
         self._stop()
         self._catch_up()
@@ -262,19 +278,19 @@ def serve(
 ) -> None:
     """A generator rank's whole run: ``drawer`` holds its frozen model (in the dtype the
     trainers send), engine, reward pool and prompt sampler; it draws steps until the
-    trainers stop it. ``staleness``, ``steps``: ``train.async_staleness``, ``train.steps``;
-    ``stop``: the stop signal this rank (or another generator) received is sent on."""
+    trainers stop it, or until a draw fails (sent in the step's place, then the stop waited
+    for). ``staleness``, ``steps``: ``train.async_staleness``, ``train.steps``; ``stop``: the
+    stop signal this rank (or another generator) received is sent on."""
     k, limit = staleness, steps
     start = roles.broadcast_json(None)
     drawer.sampler.load_state_dict(start["sampler"])
     prior = tuple(start["prior"])
-    trainers = roles.roles().trainers
-    sends = dist.global_rank() == roles.roles().first_generator
+    outbox = _Outbox()
     moving = lora.moving_names(drawer.model)  # with LoRA only the adapters move
     # Posted now, and again after each version is taken: the trainers' broadcast is done
     # while this rank draws (weight_sync: nothing waits on a GPU).
     weights = weight_sync.Receiver(drawer.model, device, moving)
-    version, pending = -1, []
+    version = -1
     step = int(start["next"])
     while step < limit:
         t0 = time.perf_counter()
@@ -282,34 +298,73 @@ def serve(
         while version < max(0, step - k):
             version = weights.take()
             if version == weight_sync.STOP:
-                return roles.wait_sent(pending)
+                return outbox.wait()
         if version != had:  # an engine with weights of its own (vllm) loads the new ones
             drawer.engine.sync_weights(drawer.model)
         idle = time.perf_counter() - t0
-        drawer.timers = {}
-        t1 = time.perf_counter()
-        local = LocalGroups()
-        result = draw_step(drawer, step=step, version=version, prior=prior, local=local)
-        prior = (result.groups_mixed, result.prompts_drawn)
-        result = _whole(result, local)
-        signum = (stop.signum if stop else None) or 0
-        if dist.world_size() > 1:
-            drawer.timers["gen_slots"] = dist.all_reduce_sum(drawer.timers.get("gen_slots", 0.0))
-            signum = dist.all_reduce_max(signum)  # a signal to any generator
-        drawn = StepRollouts(
-            step, version, result, dict(drawer.timers), time.perf_counter() - t1, idle
-        )
-        if sends:
-            extra = {"sampler": drawer.sampler.state_dict(), "prior": list(prior)}
-            extra["signal"] = signum
-            message = encode(drawn, extra)
-            roles.release_sent(pending)
-            for dst in range(trainers):
-                roles.send_bytes(message, dst, pending)
+        cursor = drawer.sampler.state_dict()
+        try:
+            drawn, after, signum = _draw(drawer, step, version, prior, idle, stop)
+        except StepAborted:  # a second stop signal stops this rank
+            raise
+        except Exception as exc:
+            # Its prompts go back, as the generator thread's do: a save before this step
+            # holds the position a resumed run draws it from again.
+            drawer.sampler.load_state_dict(cursor)
+            empty = StepRollouts(step, version, SamplingResult(groups=[]), {}, 0.0, idle)
+            failed = {"failed": failure(exc, step), "sampler": cursor, "prior": list(prior)}
+            outbox.post(empty, {**failed, "signal": (stop.signum if stop else None) or 0})
+            break
+        prior = after
+        extra = {"sampler": drawer.sampler.state_dict(), "prior": list(prior)}
+        outbox.post(drawn, {**extra, "signal": signum})
         step += 1
     while weights.take() != weight_sync.STOP:
-        pass  # weights no step needs (a trainer past the limit): taken, unused
-    roles.wait_sent(pending)
+        pass  # weights no step needs (a trainer past the limit, or a failed draw): unused
+    outbox.wait()
+
+
+class _Outbox:
+    """The messages the first generator sends every trainer (the others send none)."""
+
+    def __init__(self) -> None:
+        self.trainers = roles.roles().trainers
+        self.sends = dist.global_rank() == roles.roles().first_generator
+        self.pending: list = []
+
+    def post(self, drawn: StepRollouts, extra: dict[str, Any]) -> None:
+        if self.sends:
+            message = encode(drawn, extra)
+            roles.release_sent(self.pending)
+            for dst in range(self.trainers):
+                roles.send_bytes(message, dst, self.pending)
+
+    def wait(self) -> None:
+        roles.wait_sent(self.pending)
+
+
+def _draw(
+    drawer: Drawer,
+    step: int,
+    version: int,
+    prior: tuple[int, int],
+    idle: float,
+    stop: GracefulStop | None,
+) -> tuple[StepRollouts, tuple[int, int], int]:
+    """Step ``step``'s rollouts (``idle``: the seconds this rank waited for its weights), the
+    kept fraction after it, and the stop signal any generator received (0: none)."""
+    drawer.timers = {}
+    t0 = time.perf_counter()
+    local = LocalGroups()
+    result = draw_step(drawer, step=step, version=version, prior=prior, local=local)
+    prior = (result.groups_mixed, result.prompts_drawn)
+    result = _whole(result, local)
+    signum = (stop.signum if stop else None) or 0
+    if dist.world_size() > 1:
+        drawer.timers["gen_slots"] = dist.all_reduce_sum(drawer.timers.get("gen_slots", 0.0))
+        signum = dist.all_reduce_max(signum)  # a signal to any generator
+    seconds = time.perf_counter() - t0
+    return StepRollouts(step, version, result, dict(drawer.timers), seconds, idle), prior, signum
 
 
 def _whole(result: SamplingResult, local: LocalGroups) -> SamplingResult:
