@@ -84,7 +84,7 @@ def test_one_trace_serves_every_layer_width_batch_and_rollout(monkeypatch):
     assert sizes and min(sizes) == 2 and set(sizes) <= {8, 4, 2}
     run(model, compile=counter, ids_mask=(ids[:2, 2:], mask[:2, 2:]), new_tokens=33, group=3)
     run(model, compile=counter, new_tokens=5, stops=[], ignore_eos=True)
-    assert counter.frame_count == 2  # step_inputs and layer_step, once each
+    assert counter.frame_count == 3  # step_inputs, layer_step and block_masses, once each
 
 
 def test_no_graph_break():
@@ -178,7 +178,7 @@ def test_the_engine_hands_on_its_mode_and_width_step(monkeypatch):
     engine.compile_mode, engine.width_step = "max-autotune-no-cudagraphs", 16
     varied = engine.generate(["1 + 2"], group_size=2, max_new_tokens=20, seed=3)
     assert handed == [(None, None), ("max-autotune-no-cudagraphs", 16)]
-    assert modes == [None, None, "max-autotune-no-cudagraphs", "max-autotune-no-cudagraphs"]
+    assert modes == [None] * 3 + ["max-autotune-no-cudagraphs"] * 3
     assert plain.texts == varied.texts
     torch.testing.assert_close(varied.logprobs_BT, plain.logprobs_BT, rtol=0, atol=1e-6)
 

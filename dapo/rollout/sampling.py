@@ -4,15 +4,30 @@ Shared by the native engine's eager loop (:mod:`dapo.rollout.native`) and its CU
 (:mod:`dapo.rollout.static_decode`), so both draw the same token from the same logits and
 uniform number. Nothing here reads a value on the host except the optional finiteness check.
 
+The CUDA-graph path draws in two levels (``by_blocks``: the block of :func:`block_tokens`
+tokens, then the token within it). Without top-p it reads the float32 logits once
+(:mod:`dapo.rollout.block_draw`): a step's draw is memory-bound, and the float64 softmax of
+every row that the other ways build first moves ~5 times the logits' bytes (measured on an
+H200, 256 rows of a 152k vocabulary: ~1 ms of a 5.2 ms step).
+
 Shapes: A = rows, V = vocabulary, K = blocks of :func:`block_tokens` tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+
+from dapo.rollout.block_draw import (
+    block_masses,
+    block_tokens,
+    compiled_masses,
+    draw_by_blocks,
+    pick_block,
+    pick_within,
+)
 
 # Rows of a [rows, V] float64 CDF built at once: 2**24 elements, 128 MiB per array (a few
 # such arrays, more with top-p's sort), so a 152k vocabulary never needs float64 copies of
@@ -51,23 +66,6 @@ def sampling_probs(logits_AV: torch.Tensor, *, top_p: float = 1.0):
     return probs_AV, order_AV
 
 
-BLOCK_TOKENS = 256
-"""Most tokens per block of the two-level inversion (:func:`invert_by_blocks`)."""
-
-
-def block_tokens(vocab: int) -> int:
-    """Tokens per block for a vocabulary of ``vocab``: the largest power of two from 64 to
-    ``BLOCK_TOKENS`` that divides it (Qwen2.5's and Qwen3's 151,936 tokens: 128; Llama 3's
-    128,256 and SmolLM2's 49,152: 256), so that the blocks are a view of the probabilities;
-    ``BLOCK_TOKENS`` when none does (the vocabulary is then padded)."""
-    block = BLOCK_TOKENS
-    while block >= 64:
-        if vocab % block == 0:
-            return block
-        block //= 2
-    return BLOCK_TOKENS
-
-
 def invert_by_blocks(probs_AV: torch.Tensor, u_A: torch.Tensor) -> torch.Tensor:
     """The token whose interval of the running sum of ``probs`` holds ``u`` x (total mass),
     found in two levels: the block of :func:`block_tokens` tokens (from the blocks' masses
@@ -86,27 +84,10 @@ def invert_by_blocks(probs_AV: torch.Tensor, u_A: torch.Tensor) -> torch.Tensor:
     if vocab % block:  # a copy of every probability: a vocabulary no block size divides
         probs_AV = F.pad(probs_AV, (0, block - vocab % block))
     blocks_AKB = probs_AV.view(rows, -1, block)
-    mass_AK = blocks_AKB.sum(dim=-1)
-    cdf_AK = mass_AK.cumsum(dim=-1)
-    target_A1 = u_A.double()[:, None] * cdf_AK[:, -1:]
-    target_A1 = torch.minimum(target_A1, _just_below(cdf_AK[:, -1:]))
-    # right=True: the first block whose running sum exceeds the target (it has mass). The
-    # clamps only act on a row of NaN logits (no target is below a NaN sum): its token is
-    # then any valid index, not one past the end, which on CUDA would be a device-side
-    # assert where the caller means to raise FloatingPointError at its next check.
-    block_A1 = torch.searchsorted(cdf_AK, target_A1, right=True).clamp_(max=cdf_AK.shape[1] - 1)
-    before_A1 = cdf_AK.gather(1, block_A1) - mass_AK.gather(1, block_A1)
+    block_A1, inner_A1 = pick_block(blocks_AKB.sum(dim=-1), u_A)
     within_AB = blocks_AKB.gather(1, block_A1[:, :, None].expand(-1, 1, block))[:, 0]
-    within_cdf_AB = within_AB.cumsum(dim=-1)
-    inner_A1 = (target_A1 - before_A1).clamp(min=0.0)
-    inner_A1 = torch.minimum(inner_A1, _just_below(within_cdf_AB[:, -1:]))
-    token_A1 = torch.searchsorted(within_cdf_AB, inner_A1, right=True)
+    token_A1 = pick_within(within_AB, inner_A1)
     return (block_A1 * block + token_A1)[:, 0].clamp_(max=vocab - 1)
-
-
-def _just_below(x: torch.Tensor) -> torch.Tensor:
-    """The largest float below each (positive) element."""
-    return torch.nextafter(x, torch.zeros_like(x))
 
 
 def sample_from_logits(
@@ -116,6 +97,8 @@ def sample_from_logits(
     top_p: float = 1.0,
     check: bool = True,
     by_blocks: bool = False,
+    compile: str | Callable | None = None,
+    compile_mode: str | None = None,
 ):
     """Token drawn from softmax(logits) (restricted to the top-p nucleus) by inverse CDF of ``u``.
 
@@ -124,16 +107,25 @@ def sample_from_logits(
     depends only on its logits and ``u[a]``. Rows go through in blocks, so memory is bounded
     by ``CDF_CHUNK_ELEMENTS`` whatever the batch. ``check=False`` leaves out the test for
     NaN and +inf logits (a read on the host: the CUDA-graph path tests on the device).
-    ``by_blocks`` finds the token in two levels (:func:`invert_by_blocks`: fewer bytes, more
-    kernels; the CUDA-graph path's choice) instead of one running sum over the vocabulary
-    (fewer kernels: the eager loop's, and faster on a CPU).
+    ``by_blocks`` finds the token in two levels (fewer bytes, more kernels; the CUDA-graph
+    path's choice) instead of one running sum over the vocabulary (fewer kernels: the eager
+    loop's, and faster on a CPU): without top-p from the logits' block masses
+    (:func:`dapo.rollout.block_draw.draw_by_blocks`), with ``compile`` (a ``torch.compile``
+    backend, in ``compile_mode``) with the masses' pass compiled, for all rows at once;
+    with top-p from the float64 probabilities (:func:`invert_by_blocks`).
     """
     if check:
         check_finite(logits_AV)
     vocab = logits_AV.shape[-1]
-    rows = max(1, CDF_CHUNK_ELEMENTS // vocab)
+    from_logits = by_blocks and top_p == 1.0
+    whole = from_logits and compile is not None  # compiled: no float64 [rows, V] temporary
+    rows = max(1, len(logits_AV) if whole else CDF_CHUNK_ELEMENTS // vocab)
+    masses = compiled_masses(compile, compile_mode) if whole else block_masses
     out = []
     for logits_block, u_block in zip(logits_AV.split(rows), u_A.split(rows), strict=True):
+        if from_logits:
+            out.append(draw_by_blocks(logits_block, u_block, masses))
+            continue
         probs_AV, order_AV = sampling_probs(logits_block, top_p=top_p)
         if by_blocks:
             idx_A = invert_by_blocks(probs_AV, u_block)
@@ -166,10 +158,13 @@ def draw_tokens(
     masked_tokens: torch.Tensor | None,
     check: bool = True,
     by_blocks: bool = False,
+    compile: str | Callable | None = None,
+    compile_mode: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each running row's next token and its log-prob under the temperature-scaled policy
     (before top-p, and with ``masked_tokens`` unmasked: the policy's own probability).
-    ``check``: NaN or +inf logits raise ``FloatingPointError``, greedy or sampled."""
+    ``check``: NaN or +inf logits raise ``FloatingPointError``, greedy or sampled;
+    ``by_blocks``, ``compile`` and ``compile_mode``: :func:`sample_from_logits`'s."""
     # Dividing by 1 changes nothing: skipped, a pass over [A, V] less a step. Greedy rows
     # record their log-prob at the temperature too (as the hf engine does), unless it is <= 0.
     scale = temperature != 1.0 and temperature > 0
@@ -185,7 +180,15 @@ def draw_tokens(
             check_finite(policy_AV)
         token_A = policy_AV.argmax(dim=-1)
     else:
-        token_A = sample_from_logits(policy_AV, u_A, top_p=top_p, check=check, by_blocks=by_blocks)
+        token_A = sample_from_logits(
+            policy_AV,
+            u_A,
+            top_p=top_p,
+            check=check,
+            by_blocks=by_blocks,
+            compile=compile,
+            compile_mode=compile_mode,
+        )
     logp_A = (scaled_AV.gather(1, token_A[:, None]) - logz_A1).squeeze(1)
     return token_A, logp_A
 

@@ -19,7 +19,8 @@ the time goes to launching kernels. Here the host only counts steps:
 - on CUDA each (batch size, width) step is captured once as a CUDA graph, right after the
   same step ran eagerly, and replayed from then on;
 - with ``compile`` (``rollout.compile_step``) the step's layer is a compiled function
-  (:class:`~dapo.rollout.decoder_step.DecoderStep`) traced once for all sizes: so that no
+  (:class:`~dapo.rollout.decoder_step.DecoderStep`), as is the draw's pass over the logits
+  (:func:`~dapo.rollout.block_draw.block_masses`), each traced once for all sizes: so that no
   size is traced as a constant, the batch never shrinks below 2 rows and the cache holds
   ``SPARE_COLUMNS`` beyond the widest attention.
 
@@ -175,14 +176,10 @@ def static_decode(
         model, state, prompt_ids_nP, prompt_mask_nP, group_size, compute_dtype, prefix
     )
     stops = torch.tensor(list(stop_token_ids), dtype=torch.long, device=device)
-    draw = dict(
-        temperature=temperature,
-        top_p=top_p,
-        greedy=greedy,
-        masked_tokens=stops if ignore_eos else None,
-        check=False,
-        by_blocks=True,
-    )
+    masked = stops if ignore_eos else None
+    draw = dict(temperature=temperature, top_p=top_p, greedy=greedy, masked_tokens=masked)
+    # The draw's pass over the logits is compiled as the step is: fused, traced once.
+    draw.update(check=False, by_blocks=True, compile=compile, compile_mode=compile_mode)
     decoding = Decoding(step, state, draw, stops=None if ignore_eos else stops, pad=pad_token_id)
     decoding.park = None if parking is None or ignore_eos else parking.stops
     uniforms = Uniforms(seed, num_prompts=prompt_ids_nP.shape[0], group_size=group_size)
