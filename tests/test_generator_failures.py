@@ -17,7 +17,13 @@ import torch
 from dapo.dist import roles
 from dapo.run.interrupt import GracefulStop, RunStopped, StepAborted
 from dapo.training import exchange
-from dapo.training.exchange import GeneratorRankError, failed_draw, failure, receive_step
+from dapo.training.exchange import (
+    GeneratorRankError,
+    failed_draw,
+    failure,
+    lost_peer,
+    receive_step,
+)
 from dapo.training.rollout_files import decode, encode
 from dapo.training.sampling import DynamicSamplingExhausted, SamplingResult
 from dapo.training.sources import StepRollouts
@@ -56,10 +62,35 @@ def test_a_lost_generator_rank_is_named_with_the_step_and_the_setting(monkeypatc
     assert asked == [2]
     assert str(raised.value) == (
         f"generator rank 2 sent no rollouts for step 4: {why}. Look for that rank's own "
-        "error in the job's log; if it was still drawing, raise dist.wait_timeout_s (now 20 s)"
+        "error in the job's log, if a rank wrote one; if they were still drawing, raise "
+        "dist.wait_timeout_s (now 20 s)"
     )
     assert isinstance(raised.value.__cause__, RuntimeError)
     assert str(raised.value.__cause__) == said
+    # With 3 generators the first sends for them all: the one lost may be any (review r39).
+    with pytest.raises(GeneratorRankError) as raised:
+        receive_step(2, 3, 20.0, generators=3)
+    assert str(raised.value).startswith(
+        f"generator ranks 2-4 (rank 2 sends for them all) sent no rollouts for step 4: {why}. "
+        "Look for those ranks' own errors in the job's log, if a rank wrote one;"
+    )
+
+
+@pytest.mark.parametrize(
+    ("exc", "lost"),
+    [
+        (RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error"), True),
+        (RuntimeError("[../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting"), True),
+        (torch.distributed.DistBackendError("NCCL communicator was aborted"), True),
+        (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), False),
+        (DynamicSamplingExhausted("dynamic sampling: 3 of 8 groups after 1 rounds"), False),
+        (ValueError("sampling.max_rounds must be at least 1"), False),
+    ],
+)
+def test_a_lost_peer_is_told_from_a_failed_draw(exc, lost):
+    """A generator whose collective with another generator fails re-raises (its traceback
+    names the peer) instead of sending the trainers a failed draw (review r39)."""
+    assert lost_peer(exc) is lost
 
 
 def test_a_received_step_is_passed_on_as_it_came(monkeypatch):

@@ -151,11 +151,14 @@ def failed_draw(sent: dict[str, Any]) -> Exception:
     )
 
 
-def receive_step(source: int, step: int, wait_timeout_s: float) -> torch.Tensor:
-    """The message of step ``step`` (from 0) from generator rank ``source``; a receive that
-    fails (the rank died, or sent nothing for ``dist.wait_timeout_s``) raises a
-    :class:`GeneratorRankError` naming the rank, the step and the setting (chained from the
-    gloo error, which the traceback shows above it)."""
+def receive_step(
+    source: int, step: int, wait_timeout_s: float, generators: int = 1
+) -> torch.Tensor:
+    """The message of step ``step`` (from 0) from generator rank ``source``, the first of
+    ``generators``, which sends for them all; a receive that fails (a generator died, or
+    none was sent for ``dist.wait_timeout_s``) raises a :class:`GeneratorRankError` naming
+    the generator ranks, the step and the setting (chained from the gloo error, which the
+    traceback shows above it)."""
     try:
         return roles.recv_bytes(source)
     except RuntimeError as exc:
@@ -164,8 +167,22 @@ def receive_step(source: int, step: int, wait_timeout_s: float) -> torch.Tensor:
             if "timed out" in str(exc).lower()
             else "its connection closed (the rank ended, failed or was killed)"
         )
+        who, whose = f"generator rank {source}", "that rank's own error"
+        if generators > 1:  # any of them may be the one lost: the first one waits on it too
+            last = source + generators - 1
+            who = f"generator ranks {source}-{last} (rank {source} sends for them all)"
+            whose = "those ranks' own errors"
         raise GeneratorRankError(
-            f"generator rank {source} sent no rollouts for step {step + 1}: {why}. Look for "
-            "that rank's own error in the job's log; if it was still drawing, raise "
+            f"{who} sent no rollouts for step {step + 1}: {why}. Look for {whose} in the "
+            "job's log, if a rank wrote one; if they were still drawing, raise "
             f"dist.wait_timeout_s (now {wait_timeout_s:g} s)"
         ) from exc
+
+
+def lost_peer(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective's failure (another rank died or stalled), not a failed
+    draw: gloo raises a plain RuntimeError naming its own source file, NCCL and the store
+    ``torch.distributed``'s errors."""
+    if isinstance(exc, torch.distributed.DistError):
+        return True
+    return type(exc) is RuntimeError and "gloo" in str(exc).lower()

@@ -51,7 +51,14 @@ from dapo.rollout import make_engine
 from dapo.rollout.base import close_engine
 from dapo.run.interrupt import GracefulStop, StepAborted
 from dapo.training.copies import frozen_dtype
-from dapo.training.exchange import LocalGroups, MiniBatch, failed_draw, failure, receive_step
+from dapo.training.exchange import (
+    LocalGroups,
+    MiniBatch,
+    failed_draw,
+    failure,
+    lost_peer,
+    receive_step,
+)
 from dapo.training.generator_thread import GeneratorThread
 from dapo.training.rollout_files import decode, encode, rollouts_to_files
 from dapo.training.rounds import Drawer, draw_step
@@ -129,7 +136,8 @@ class GeneratorRanks:
 
     def _receive(self) -> None:
         wait_s = self.state.cfg.dist.wait_timeout_s
-        drawn, extra = decode(receive_step(self.source, self.received + 1, wait_s))
+        generators = roles.roles().generators
+        drawn, extra = decode(receive_step(self.source, self.received + 1, wait_s, generators))
         if "failed" in extra:  # the generators draw no further: the error waits for its step
             self.failure = extra["failed"]
         else:
@@ -308,6 +316,8 @@ def serve(
         except StepAborted:  # a second stop signal stops this rank
             raise
         except Exception as exc:
+            if lost_peer(exc):  # another generator is gone: not this step's draw failing
+                raise
             # Its prompts go back, as the generator thread's do: a save before this step
             # holds the position a resumed run draws it from again.
             drawer.sampler.load_state_dict(cursor)
