@@ -21,7 +21,6 @@ from dapo.training.exchange import (
     GeneratorRankError,
     failed_draw,
     failure,
-    lost_peer,
     receive_step,
 )
 from dapo.training.rollout_files import decode, encode
@@ -90,7 +89,7 @@ def test_a_lost_generator_rank_is_named_with_the_step_and_the_setting(monkeypatc
 def test_a_lost_peer_is_told_from_a_failed_draw(exc, lost):
     """A generator whose collective with another generator fails re-raises (its traceback
     names the peer) instead of sending the trainers a failed draw (review r39)."""
-    assert lost_peer(exc) is lost
+    assert roles.lost_peer(exc) is lost
 
 
 def test_a_received_step_is_passed_on_as_it_came(monkeypatch):

@@ -168,3 +168,12 @@ def forget() -> None:
     """Drop the roles (the job's process group is being destroyed)."""
     global _roles, _sync, _rollouts
     _roles = _sync = _rollouts = None
+
+
+def lost_peer(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective's failure (another rank died or stalled), not a failed
+    draw: gloo raises a plain RuntimeError naming its own source file, NCCL and the store
+    ``torch.distributed``'s errors."""
+    if isinstance(exc, torch_dist.DistError):
+        return True
+    return type(exc) is RuntimeError and "gloo" in str(exc).lower()

@@ -177,12 +177,3 @@ def receive_step(
             "job's log, if a rank wrote one; if they were still drawing, raise "
             f"dist.wait_timeout_s (now {wait_timeout_s:g} s)"
         ) from exc
-
-
-def lost_peer(exc: BaseException) -> bool:
-    """Whether ``exc`` is a collective's failure (another rank died or stalled), not a failed
-    draw: gloo raises a plain RuntimeError naming its own source file, NCCL and the store
-    ``torch.distributed``'s errors."""
-    if isinstance(exc, torch.distributed.DistError):
-        return True
-    return type(exc) is RuntimeError and "gloo" in str(exc).lower()

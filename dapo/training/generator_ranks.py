@@ -56,7 +56,6 @@ from dapo.training.exchange import (
     MiniBatch,
     failed_draw,
     failure,
-    lost_peer,
     receive_step,
 )
 from dapo.training.generator_thread import GeneratorThread
@@ -316,7 +315,7 @@ def serve(
         except StepAborted:  # a second stop signal stops this rank
             raise
         except Exception as exc:
-            if lost_peer(exc):  # another generator is gone: not this step's draw failing
+            if roles.lost_peer(exc):  # another generator is gone: not this step's draw failing
                 raise
             # Its prompts go back, as the generator thread's do: a save before this step
             # holds the position a resumed run draws it from again.
