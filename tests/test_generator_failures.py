@@ -7,6 +7,7 @@ torchrun are in test_rollout_ranks.py."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
 from contextlib import nullcontext
@@ -183,3 +184,25 @@ def test_a_failure_after_a_stop_signal_takes_back_the_save_it_promised(signalled
     assert stream.getvalue().startswith(f"\n{announced}") == signalled
     assert stream.getvalue().endswith(NOTE) == noted
     assert stream.getvalue().count("was received, but") == noted
+
+
+def test_a_message_of_no_episode_carries_no_tensor_in_its_safetensors_part():
+    """A failed draw's message is a step of no episode: its tensors have no element, which
+    safetensors 0.4.3 (the floor) cannot read back from bytes; they travel in the JSON."""
+    from safetensors.torch import load as st_load
+
+    from dapo.training.rollout_files import EMPTY_TENSORS
+
+    empty = StepRollouts(4, 3, SamplingResult(groups=[]), {}, 0.0, 0.0)
+    data = encode(empty, {"prior": [1, 2]}).numpy().tobytes()
+    n = int.from_bytes(data[:8], "little")
+    assert st_load(data[8 + n :]) == {}
+    named = json.loads(data[8 : 8 + n])[EMPTY_TENSORS]
+    assert named["prompt_ids_lengths"] == ["int64", [0]]
+    assert len(named) == 6
+    back, extra = decode(encode(empty, {"prior": [1, 2]}))
+    assert (back.step, back.version, back.result.groups, extra) == (4, 3, [], {"prior": [1, 2]})
+    forged = data[8 : 8 + n].replace(b'"int64", [0]', b'"int64", [3]')
+    buffer = bytearray(len(forged).to_bytes(8, "little") + forged + data[8 + n :])
+    with pytest.raises(ValueError, match="tensor 'prompt_ids_lengths' is not empty"):
+        decode(torch.frombuffer(buffer, dtype=torch.uint8))

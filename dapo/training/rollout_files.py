@@ -165,12 +165,21 @@ def _checked_fields(fields: dict, n: int) -> dict[str, Any]:
     return out
 
 
+EMPTY_TENSORS = "empty_tensors"
+"""The key of a message's JSON naming its tensors of no element, (dtype, shape) by name: they
+travel there, not in the safetensors part, which safetensors 0.4.3 (the floor) cannot read back
+(``torch.frombuffer`` of no byte raises). A failed draw's message has only such tensors."""
+
+
 def encode(drawn: StepRollouts, extra: dict[str, Any]) -> torch.Tensor:
     """A step's rollouts and ``extra`` (JSON) as bytes: 8 bytes of JSON length, the JSON,
-    then the tensors in safetensors."""
+    then the tensors in safetensors (those of no element in the JSON: ``EMPTY_TENSORS``)."""
     meta, tensors = rollouts_to_files([drawn])
-    text = json.dumps({"rollouts": meta, **extra}).encode()
-    blob = st_save({k: v.detach().cpu().contiguous() for k, v in tensors.items()})
+    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    empty = {k: [str(v.dtype).removeprefix("torch."), list(v.shape)] for k, v in tensors.items()}
+    empty = {k: v for k, v in empty.items() if tensors[k].numel() == 0}
+    text = json.dumps({"rollouts": meta, EMPTY_TENSORS: empty, **extra}).encode()
+    blob = st_save({k: v for k, v in tensors.items() if k not in empty})
     head = len(text).to_bytes(8, "little")
     return torch.frombuffer(bytearray(head + text + blob), dtype=torch.uint8)
 
@@ -180,7 +189,13 @@ def decode(buffer: torch.Tensor) -> tuple[StepRollouts, dict[str, Any]]:
     data = buffer.numpy().tobytes()
     n = int.from_bytes(data[:8], "little")
     message = json.loads(data[8 : 8 + n])
-    (drawn,) = rollouts_from_files(message.pop("rollouts"), st_load(data[8 + n :]), "a message")
+    tensors = st_load(data[8 + n :])
+    for name, (dtype, shape) in message.pop(EMPTY_TENSORS, {}).items():
+        kind = getattr(torch, str(dtype), None)
+        if not isinstance(kind, torch.dtype) or 0 not in shape:
+            raise ValueError(f"a message: tensor {name!r} is not empty ({dtype}, {shape})")
+        tensors[name] = torch.empty(shape, dtype=kind)
+    (drawn,) = rollouts_from_files(message.pop("rollouts"), tensors, "a message")
     return drawn, message
 
 
