@@ -532,11 +532,11 @@ def test_a_rank_leaving_at_once_removes_the_vllm_engines_directory(tmp_path):
     """os._exit runs no finalizer: the engine's directory (its config and LoRA adapters)
     stayed in /tmp, one per failed rank."""
     from dapo import cli
-    from dapo.rollout import vllm_engine
+    from dapo.rollout import vllm_process
 
     engine_dir = tmp_path / "dapo-vllm-x"
     (engine_dir / "adapter-1").mkdir(parents=True)
     (engine_dir / "config.json").write_text("{}")
-    vllm_engine.TEMPORARY_DIRS.add(str(engine_dir))
+    vllm_process.TEMPORARY_DIRS.add(str(engine_dir))
     cli.before_exit()
-    assert not engine_dir.exists() and str(engine_dir) not in vllm_engine.TEMPORARY_DIRS
+    assert not engine_dir.exists() and str(engine_dir) not in vllm_process.TEMPORARY_DIRS

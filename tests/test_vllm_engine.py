@@ -273,8 +273,9 @@ def _tensor_parallel_rank(rank: int, port: int, out: Path) -> None:
         return {n: tuple(p.shape) for n, p in worker.model_runner.model.named_parameters()}
 
     (shapes,) = engine.llm.collective_rpc(held)
+    released = engine.shared_memory_released
     torch.save(
-        {"greedy": vars(ro), "sampled": vars(sampled), "shapes": shapes},
+        {"greedy": vars(ro), "sampled": vars(sampled), "shapes": shapes, "released": released},
         out / f"rank{rank}.pt",
     )
     engine.close()
@@ -287,6 +288,12 @@ def test_tensor_parallel_engine_splits_the_weights_and_samples_as_one(tmp_path, 
     are the native engine's and log-probs a float32 forward pass's (within 1e-4)."""
     spawn_ranks(_tensor_parallel_rank, tmp_path)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    # Each rank removed the name of its shared-memory segment once the engine had started, so
+    # ranks that end by os._exit (as spawn_ranks's do) leave none for the next run to trip on.
+    released = [r["released"] for r in ranks]
+    assert [len(names) for names in released] == [1, 1]
+    assert all(names[0].endswith(f"-cpushm_{r}") for r, names in enumerate(released))
+    assert not [n for (n,) in released if Path("/dev/shm", n.lstrip("/")).exists()]
     model = tiny_qwen2(tokenizer, TP_SPEC, seed=0).eval()
     for name in ("greedy", "sampled"):
         a, b = ranks[0][name], ranks[1][name]

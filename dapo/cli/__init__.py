@@ -206,9 +206,9 @@ def launched() -> bool:
 def before_exit() -> None:
     """What a rank leaving with ``os._exit`` does first, as no finalizer will: the vllm
     engine's temporary directory (its config and LoRA adapters) removed."""
-    engine = sys.modules.get("dapo.rollout.vllm_engine")
-    if engine is not None:
-        engine.remove_temporary_dirs()
+    vllm_process = sys.modules.get("dapo.rollout.vllm_process")
+    if vllm_process is not None:
+        vllm_process.remove_temporary_dirs()
 
 
 def failed(code: int) -> int:

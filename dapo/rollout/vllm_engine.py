@@ -57,7 +57,6 @@ Shapes: see :mod:`dapo.rollout.base`.
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 import time
 import weakref
@@ -121,18 +120,6 @@ def install_hint(setting: str = "rollout.engine=vllm") -> str:
     )
 
 
-TEMPORARY_DIRS: set[str] = set()
-"""Every engine's temporary directory (its config.json, LoRA adapters) not yet removed."""
-
-
-def remove_temporary_dirs(*dirs: str) -> None:
-    """Remove ``dirs`` (default: every engine's), as an engine's finalizer does: also called
-    by a rank that leaves with ``os._exit``, which runs no finalizer."""
-    for path in dirs or tuple(TEMPORARY_DIRS):
-        shutil.rmtree(path, ignore_errors=True)
-        TEMPORARY_DIRS.discard(path)
-
-
 class VLLMEngine:
     """Samples with a colocated vLLM engine; see the module docstring. It computes in
     ``compute_dtype`` (default: the model's); the keyword options are the run's ``vllm``
@@ -179,8 +166,8 @@ class VLLMEngine:
         """Bytes of the tensors the last :meth:`sync_weights` handed to vLLM."""
         # config.json is all vLLM reads: it starts with dummy weights and takes ours below.
         self._dir = tempfile.mkdtemp(prefix="dapo-vllm-")
-        TEMPORARY_DIRS.add(self._dir)
-        weakref.finalize(self, remove_temporary_dirs, self._dir)
+        vllm_process.TEMPORARY_DIRS.add(self._dir)
+        weakref.finalize(self, vllm_process.remove_temporary_dirs, self._dir)
         model.config.save_pretrained(self._dir)
         self.adapters = vllm_lora.AdapterSlot(model, self._dir) if lora.enabled(model) else None
         """The LoRA adapter vLLM serves, when the policy has adapters."""
@@ -193,10 +180,21 @@ class VLLMEngine:
             sleep=sleep,
         )
         kwargs.update(vllm_lora.llm_options(model))
+        self.shared_memory_released = self._start(vllm, kwargs)
+        """Names of the CPU tensor-parallel group's shared memory this rank removed once the
+        engine started (:func:`dapo.rollout.vllm_process.release_shared_memory`)."""
+        self.sync_weights(model)
+
+    def _start(self, vllm: Any, kwargs: dict[str, Any]) -> list[str]:
+        """Start vLLM in this process with ``kwargs``, leaving the process as it was; returns
+        the names of shared memory removed once it started (CPU tensor parallelism)."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         with vllm_process.state_kept(), vllm_process.on_device(self.device):
-            self.llm = vllm.LLM(**kwargs)
-        self.sync_weights(model)
+            with vllm_process.shared_memory_checked():
+                self.llm = vllm.LLM(**kwargs)
+        if self.tp_size > 1 and not self.on_gpu:
+            return vllm_process.release_shared_memory()
+        return []
 
     def _llm_options(
         self,

@@ -1,16 +1,42 @@
 """What starting vLLM in the training process does to the process, undone: its global random
-generators and thread control (:func:`state_kept`), and the current CUDA device
-(:func:`on_device`), which its worker sets from ``LOCAL_RANK``."""
+generators and thread control (:func:`state_kept`), the current CUDA device
+(:func:`on_device`), which its worker sets from ``LOCAL_RANK``, the named shared memory of
+its CPU tensor-parallel groups (:func:`release_shared_memory`, :func:`shared_memory_checked`),
+and the engines' temporary directories (:func:`remove_temporary_dirs`).
+
+vLLM's CPU build gives each rank of a tensor-parallel group a POSIX shared-memory segment
+named after the group, the same name in every run under torchrun (its external launcher
+initializes from ``env://``), and removes the name only when the process exits normally. A
+rank killed (``kill -9``, a crash) or ended by ``os._exit`` left it behind, and the next run's
+engine on that machine then failed to start ("create shm in SHMManager failed. errno: 17").
+Once every rank of a group has mapped the segments, the names are no longer needed (a mapping
+outlives its name), so each rank removes its own right after the engine starts.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import random
+import shutil
 from collections.abc import Iterator
 
 import numpy as np
 import torch
+
+SHM_DIR = "/dev/shm"
+"""Where Linux shows POSIX shared memory as files."""
+TEMPORARY_DIRS: set[str] = set()
+"""Every engine's temporary directory (its config.json, LoRA adapters) not yet removed."""
+
+
+def remove_temporary_dirs(*dirs: str) -> None:
+    """Remove ``dirs`` (default: every engine's), as an engine's finalizer does: also called
+    by a rank that leaves with ``os._exit``, which runs no finalizer."""
+    for path in dirs or tuple(TEMPORARY_DIRS):
+        shutil.rmtree(path, ignore_errors=True)
+        TEMPORARY_DIRS.discard(path)
 
 
 @contextlib.contextmanager
@@ -54,3 +80,47 @@ def on_device(device: torch.device) -> Iterator[None]:
             f"after vLLM started, the current CUDA device is cuda:{torch.cuda.current_device()}, "
             f"not this rank's {device}"
         )
+
+
+def release_shared_memory() -> list[str]:
+    """Remove the names of this rank's shared-memory segments in vLLM's CPU tensor-parallel
+    and pipeline groups (see the module docstring); the segments stay mapped and in use.
+    Returns the names removed (none on GPUs, whose groups use NCCL). Call it after the
+    engine has started: vLLM's start ends with a barrier once every rank has mapped them."""
+    import _posixshmem  # POSIX shared memory, as multiprocessing.shared_memory uses it
+
+    from vllm.distributed import parallel_state
+
+    removed = []
+    for group in (parallel_state.get_tp_group(), parallel_state.get_pp_group()):
+        communicator = getattr(group, "device_communicator", None)
+        name = getattr(getattr(communicator, "dist_module", None), "group_name", None)
+        if name is None:
+            continue
+        segment = f"{name}_{communicator.rank}"
+        try:
+            _posixshmem.shm_unlink(segment)
+        except FileNotFoundError:
+            continue
+        removed.append(segment)
+    return removed
+
+
+@contextlib.contextmanager
+def shared_memory_checked(shm_dir: str = SHM_DIR) -> Iterator[None]:
+    """Start vLLM with its failure to create a tensor-parallel group's shared memory (a
+    segment of that name exists) explained: which files hold the names, and the fix."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "create shm in SHMManager failed. errno: 17" not in str(e):
+            raise
+        stale = sorted(glob.glob(os.path.join(glob.escape(shm_dir), "*cpushm_*")))
+        raise RuntimeError(
+            "vLLM's CPU tensor-parallel workers could not create their shared memory: a "
+            "segment of the same name exists, left by a vLLM process that did not end normally "
+            "(killed, or by os._exit) or held by another vLLM run starting on this machine "
+            f"right now. Under torchrun vLLM gives it the same name in every run. Segments "
+            f"found: {', '.join(stale) or f'none left in {shm_dir}'}. If no other vLLM runs "
+            "on this machine, remove them (rm those files) and start again."
+        ) from e
