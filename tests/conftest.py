@@ -42,6 +42,18 @@ def _few_threads():
     torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 
+@pytest.fixture
+def fresh_traces():
+    """The test traces from nothing: dynamo keeps a few traces per function and counts graph
+    breaks for the whole process. Files that compile use it for every test (``pytestmark``)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.fixture(scope="session")
 def demo_cache(tmp_path_factory) -> Path:
     """One cache of the embedded demo model for the session (``embedded.cache_dir``), shared

@@ -15,13 +15,7 @@ from dapo.rollout import block_draw, sampling, static_decode
 WAYS = {"eager": None, "inductor": "inductor"}
 
 
-@pytest.fixture(autouse=True)
-def fresh_traces():
-    """Each test traces from nothing: dynamo keeps a few traces per function, shared by the
-    whole process."""
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_traces")
 
 
 def from_probabilities(logits_AV: torch.Tensor, u_A: torch.Tensor) -> torch.Tensor:

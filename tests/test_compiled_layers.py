@@ -25,12 +25,7 @@ from tests.test_packing import gradients, groups
 FAST = "aot_eager"
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_traces")
 
 
 def graphs() -> int:

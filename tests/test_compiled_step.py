@@ -19,14 +19,7 @@ from dapo.models.demo import build_tokenizer
 from dapo.rollout import make_engine, native, static_decode
 from dapo.rollout.decoder_step import DecoderStep, layer_step, step_inputs, unsupported_reason
 
-
-@pytest.fixture(autouse=True)
-def fresh_traces():
-    """Each test traces from nothing: dynamo keeps a few traces per function, shared by the
-    whole process."""
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_traces")
 
 
 def run(model, *, compile=None, ids_mask=None, new_tokens: int = 40, group: int = 4, **options):
