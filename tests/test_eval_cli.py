@@ -432,6 +432,27 @@ def test_compare_names_a_hostile_line_instead_of_a_traceback(tmp_path, capsys):
         )
 
 
+def test_compare_names_a_gguf_file_and_a_file_of_no_record(tmp_path, capsys):
+    """A GGUF file given as a side was read as an evaluation ("not a dapo eval record", or
+    "share no problems (0 vs 0 uids)" when empty); so was a file of blank lines."""
+    a = _records(tmp_path / "a.jsonl", [0.5] * 3)
+    gguf = tmp_path / "SmolLM2.Q4_1.gguf"
+    gguf.write_bytes(b"GGUF\x03\x00\x00\x00")
+    for sides in ([str(gguf), str(a)], [str(a), str(gguf), "--data", "arith"]):
+        assert main(["eval", "--compare", *sides]) == 2
+        assert capsys.readouterr().err == (
+            f"dapo: error: --compare: {gguf} is a GGUF file, not a model directory: import it "
+            f"first, `dapo model import {gguf} OUT_DIR`, and compare OUT_DIR (with --data)\n"
+        )
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("\n\n")
+    assert main(["eval", "--compare", str(a), str(blank)]) == 2
+    assert capsys.readouterr().err == (
+        f"dapo: error: --compare: {blank} holds no dapo eval record (one JSON line per problem, "
+        "as dapo eval writes problems.jsonl)\n"
+    )
+
+
 def test_compare_says_where_the_two_protocols_differ(tmp_path, capsys):
     """maj@k of k = 4 against k = 32, or two temperatures, are not one measure: the table
     printed them side by side without a word. Each side's summary.json is read."""

@@ -37,7 +37,23 @@ def read_problems(path: Path) -> tuple[dict[str, dict[str, float]], dict[str, st
         out[record[0]] = record[1]
         if record[2] is not None:
             truths[record[0]] = record[2]
+    if not out:
+        raise ValueError(
+            f"--compare: {path} holds no dapo eval record (one JSON line per problem, as dapo "
+            "eval writes problems.jsonl)"
+        )
     return out, truths
+
+
+def refuse_model_files(*paths: Path) -> None:
+    """Refuse a GGUF file as a side of ``--compare``: it is a model, but one that dapo reads
+    only once imported (read as an evaluation, its bytes were "not a dapo eval record")."""
+    for path in paths:
+        if path.suffix.lower() == ".gguf" and path.is_file():
+            raise ValueError(
+                f"--compare: {path} is a GGUF file, not a model directory: import it first, "
+                f"`dapo model import {path} OUT_DIR`, and compare OUT_DIR (with --data)"
+            )
 
 
 def same_problems(a: dict[str, str], b: dict[str, str]) -> None:

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dapo.cli.compare_files import read_problems, same_problems
+from dapo.cli.compare_files import read_problems, refuse_model_files, same_problems
 from dapo.cli.data import add_format_args
 from dapo.cli.flags import GivenOnce
 
@@ -248,6 +248,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
             f"--compare A B compares two evaluations or models; MODEL ({args.model}) would not "
             "be used: drop it, or give it as A or B"
         )
+    refuse_model_files(a_path, b_path)
     if _is_model(a_path) or _is_model(b_path):
         # Two models (or a model and a saved evaluation): evaluate each model first, with the
         # same data, k and seed, so that both sides see the same problems.
