@@ -239,7 +239,7 @@ def test_a_lock_file_that_is_a_link_is_refused_and_its_target_kept(tmp_path, vic
 
 
 def test_the_write_probe_and_atomic_writes_never_follow_a_link(tmp_path, victim):
-    from dapo.run import nofollow, rundir
+    from dapo.run import final_files, nofollow, rundir
 
     run = tmp_path / "run"
     _linked(run, f".write-test-{os.getpid()}", victim)  # the probe is the process's own
@@ -247,7 +247,7 @@ def test_the_write_probe_and_atomic_writes_never_follow_a_link(tmp_path, victim)
         rundir.check_writable(run)
     _linked(run, ".summary.json.tmp", victim)  # the temporary of an atomic write
     with pytest.raises(ValueError, match=r"\.summary\.json\.tmp is a symbolic link"):
-        rundir.write_summary(run, {"steps": 1})
+        final_files.write_summary(run, {"steps": 1})
     _linked(run, "samples.jsonl", victim)  # the file itself
     with pytest.raises(ValueError, match=r"samples\.jsonl is a symbolic link"):
         nofollow.write_atomic(run / "samples.jsonl", "{}\n")

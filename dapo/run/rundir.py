@@ -19,7 +19,7 @@ import shutil
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dapo.config import Config, dump_yaml
@@ -63,6 +63,7 @@ class NewRun:
     lock: RunLock | None = None
     created: bool = False  # this process made the directory (else it was there, empty)
     auto_name: Path | None = None  # taken meanwhile, the next free -2, -3... after it is used
+    made_parents: list[Path] = field(default_factory=list)  # run.out_dir etc., deepest first
 
 
 def plan_new_run(cfg: Config, *, overwrite: bool = False) -> NewRun:
@@ -180,14 +181,14 @@ def _claim(plan: NewRun) -> None:
     """Make the run directory (or take the empty one there) and lock it at once: of two
     starts of one name, the one holding the lock goes on, the other is told who holds it.
     The lock is taken before anything is written there, and nothing is removed without it."""
-    try:
-        plan.path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise _not_created(plan.path, exc) from exc
+    _make_parents(plan)
     for _ in range(NAME_TRIES):
         try:
             plan.path.mkdir()
             plan.created = True
+        except FileNotFoundError:  # a start that failed there removed run.out_dir, its own
+            _make_parents(plan)
+            continue
         except FileExistsError:
             if plan.auto_name is not None:  # another run took the name first: the next number
                 plan.path = _free_name(plan.auto_name, after=plan.path)
@@ -214,6 +215,20 @@ def _claim(plan: NewRun) -> None:
             )
         return
     raise ValueError(f"run directory {plan.path} kept disappearing; try again")
+
+
+def _make_parents(plan: NewRun) -> None:
+    """Make the directories the run goes in (run.out_dir), noting those this start made: a
+    start that fails removes them again when they are empty."""
+    missing, parent = [], plan.path.parent
+    while not parent.exists() and parent != parent.parent:
+        missing.append(parent)
+        parent = parent.parent
+    try:
+        plan.path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _not_created(plan.path, exc) from exc
+    plan.made_parents = missing
 
 
 def _not_created(run_dir: Path, exc: OSError) -> ValueError:
@@ -256,7 +271,8 @@ def finish_replacing(plan: NewRun) -> None:
 
 def undo_new_run(plan: NewRun) -> None:
     """The new run failed before it started: remove what it wrote (its directory, when it
-    made it) and put the run it replaced back. A directory it found stays, and nothing is
+    made it, and run.out_dir, when it made that and it is empty) and put the run it replaced
+    back. A directory it found stays, and nothing is
     removed from a directory whose lock it did not hold (two runs started at once under one
     name: the other holds it). Its directory is renamed away and the earlier run put back
     while the lock is held, and only then removed: a start of that name let in before could
@@ -280,6 +296,11 @@ def undo_new_run(plan: NewRun) -> None:
             plan.lock = None
     if aborted is not None:
         shutil.rmtree(aborted)
+    for parent in plan.made_parents if plan.created else ():
+        try:  # only while empty: another run may have started in it meanwhile
+            parent.rmdir()
+        except OSError:
+            break
 
 
 def _holds_only_own(run_dir: Path) -> bool:
@@ -372,25 +393,3 @@ def write_config(run_dir: Path, cfg: Config) -> None:
         with open_binary(run_dir / f"config.before-resume-{k}.yaml", exclusive=True) as f:
             f.write(path.read_bytes())
     write_atomic(path, text)
-
-
-def write_summary(run_dir: Path, summary: dict[str, float]) -> None:
-    """``summary.json``: the run's steps, held-out accuracy at start and end, and time."""
-    write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
-
-
-def write_samples(run_dir: Path, step: int, samples: list[dict]) -> None:
-    """``samples.jsonl``: a few responses of the final evaluation, for ``dapo report``."""
-    text = "".join(json.dumps({"step": step, **x}) + "\n" for x in samples)
-    write_atomic(run_dir / "samples.jsonl", text)
-
-
-def write_val_problems(run_dir: Path, step: int, records: list[dict]) -> None:
-    """``val_problems.json``: each held-out problem's accuracy (the mean correctness of its k
-    samples) at the final evaluation, by uid, so that runs can be compared problem by problem."""
-    doc = {
-        "step": step,
-        "uid": [r["uid"] for r in records],
-        "accuracy": [sum(r["correct"]) / len(r["correct"]) for r in records],
-    }
-    write_atomic(run_dir / "val_problems.json", json.dumps(doc) + "\n")
