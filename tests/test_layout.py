@@ -55,8 +55,9 @@ PACKAGE = "dapo"
 # tokenizer) sits with the commands while the rest of dapo.data is at the bottom. Every
 # module of the package must be placed. docs/architecture.md shows the same table.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    # maths, problems and batches, collectives; install hints for the optional extras
-    ("dapo.algo", "dapo.data", "dapo.dist", "dapo.extras"),
+    # maths, problems and batches, collectives; install hints for the optional extras; the
+    # exception of a kind behind another
+    ("dapo.algo", "dapo.data", "dapo.dist", "dapo.exception_chain", "dapo.extras"),
     ("dapo.reward",),  # tasks (verifiers), the worker pool; no torch
     # typed sections, presets, YAML and overrides; environments (tools in episodes); no torch
     ("dapo.config", "dapo.env"),

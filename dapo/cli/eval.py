@@ -191,13 +191,9 @@ def _stop_behind(exc: BaseException) -> KeyboardInterrupt | None:
     """The stop ``exc`` is, or that it was raised while handling: a stop raised inside torch's
     vmap (transformers 4.x builds its masks with it) breaks functorch's layer stack, whose
     clean-up then fails with an internal assert in its place."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, KeyboardInterrupt):
-            return exc
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return None
+    from dapo.exception_chain import found_in_chain
+
+    return found_in_chain(exc, KeyboardInterrupt)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

@@ -13,21 +13,13 @@ from pathlib import Path
 
 import torch
 
+from dapo.exception_chain import found_in_chain
+
 
 def refused_pickle(exc: BaseException) -> bool:
     """Whether ``exc`` is, or was raised while handling, torch's safe loader refusing a
     pickle: transformers 5 lets the UnpicklingError through, 4.x raises an OSError from it."""
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        if isinstance(e, pickle.UnpicklingError):
-            return True
-        seen.add(id(e))
-        todo += [e.__cause__, e.__context__]
-    return False
+    return found_in_chain(exc, pickle.UnpicklingError) is not None
 
 
 def refused_by_torch(file: Path) -> bool:
