@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -165,3 +166,18 @@ def test_the_report_command_and_page_say_which_seeds_differ(tmp_path, capsys):
     shown = warning.replace("<N>", "&lt;N&gt;")
     assert f'<p class="warn">{shown}' in page
     assert page.index('alt="mechanisms"') < page.index(shown)
+
+
+def test_each_step_s_last_line_is_computed_once_and_again_after_the_rows_change():
+    """A report asked for each run's last line per step some 40 times, each a pass over every
+    line and a sort: 12 of the 20 s a 200 MB metrics.jsonl took."""
+    from dapo.report.runs import Run, last_rows
+
+    run = Run("r", Path("r"), rows=[{"step": 2, "a": 1.0}, {"step": 1, "a": 2.0}])
+    first = last_rows(run)
+    assert first == {1.0: {"step": 1, "a": 2.0}, 2.0: {"step": 2, "a": 1.0}}
+    assert list(first) == [1.0, 2.0] and last_rows(run) is first
+    run.rows.append({"step": 2, "a": 3.0})  # a resumed step logged again: the later line stands
+    assert last_rows(run) == {1.0: {"step": 1, "a": 2.0}, 2.0: {"step": 2, "a": 3.0}}
+    run.rows = [{"step": 5}]
+    assert last_rows(run) == {5.0: {"step": 5}}
