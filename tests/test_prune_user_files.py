@@ -41,7 +41,7 @@ def test_pruning_keeps_a_checkpoint_holding_a_users_file(tmp_path, tokenizer, ca
     err = capsys.readouterr().err
     assert err.count("dapo: warning:") == 1, err
     assert (
-        f"dapo: warning: {root / 'step_000001'} holds files dapo did not write (the first: "
+        f"dapo: warning: {root / 'step_000001'} holds files dapo did not write ("
         "model/notes.txt); it was kept, not pruned (train.keep_checkpoints deletes only what "
         "dapo wrote)"
     ) in err

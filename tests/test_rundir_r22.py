@@ -106,6 +106,32 @@ def test_overwrite_of_the_reviewers_run_keeps_every_user_file(tmp_path, capsys, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]  # the earlier run is gone
 
 
+def test_overwrite_names_every_user_file_in_one_refusal(tmp_path):
+    """It named one place per attempt (a top-level file, else the first file deeper): a run
+    holding files of the user's in three places took three refused starts to list them."""
+    run = _finished_run(tmp_path)
+    planted = [
+        "notes.txt",
+        "model/NOTES.md",
+        "checkpoints/best-by-hand/w.bin",
+        "checkpoints/step_000001/extra.txt",
+        "tensorboard/mine.txt",
+    ]
+    for rel in planted:
+        (run / rel).parent.mkdir(parents=True, exist_ok=True)
+        (run / rel).write_text("mine")
+    with pytest.raises(ValueError) as refused:
+        rundir.plan_new_run(_cfg(tmp_path), overwrite=True)
+    named = [
+        "checkpoints/best-by-hand",  # a directory of the user's: named, not looked into
+        "checkpoints/step_000001/extra.txt",
+        "model/NOTES.md",
+        "notes.txt",
+        "tensorboard/mine.txt",
+    ]
+    assert f"holds files dapo did not write: {', '.join(named)}. Move them" in str(refused.value)
+
+
 def test_a_link_in_a_run_is_not_dapo_s_and_is_refused(tmp_path, no_training):
     run = _finished_run(tmp_path)
     (run / "model" / "tokenizer.model").symlink_to(tmp_path / "elsewhere")

@@ -85,25 +85,22 @@ def is_probe(name: str) -> bool:
 
 
 def foreign_entries(run_dir: Path, limit: int | None = None) -> list[str]:
-    """What under ``run_dir`` dapo did not write, by path relative to it: every top-level
-    entry that is not its own, else the first deeper one; [] when all is dapo's. Raises
-    :class:`TooManyEntries` past ``limit`` entries (:data:`WALK_LIMIT`)."""
+    """What under ``run_dir`` dapo did not write, by path relative to it, all of it at once
+    (a directory of the user's as one entry, not what it holds); [] when all is dapo's.
+    Raises :class:`TooManyEntries` past ``limit`` entries (:data:`WALK_LIMIT`)."""
     walk = _Walk(Path(run_dir), WALK_LIMIT if limit is None else limit)
     top = walk.entries(walk.root)
     foreign = [e.name for e in top if e.is_symlink() or not is_own_entry(e.name)]
-    if foreign:
-        return foreign
     # The checkpoints first: their manifests name the tokenizer's files, which model/ holds too.
     for entry in sorted(top, key=lambda e: e.name != CKPT_DIR):
-        found = walk.check_top(entry)
-        if found is not None:
-            return [found]
-    return []
+        if not entry.is_symlink() and is_own_entry(entry.name):
+            foreign += walk.check_top(entry)
+    return sorted(foreign)
 
 
 def check_replaceable(run_dir: Path) -> None:
     """Refuse to delete ``run_dir`` unless everything in it is dapo's (checked in depth:
-    :mod:`dapo.run.own_files`), naming the first thing that is not and the fix."""
+    :mod:`dapo.run.own_files`), naming what is not (all of it) and the fix."""
     try:
         foreign = foreign_entries(run_dir)
     except TooManyEntries as exc:
@@ -133,7 +130,7 @@ def prunable(step_dir: Path) -> bool:
     else:
         try:
             foreign = _Walk(step_dir, WALK_LIMIT).check_step(str(step_dir))
-            why = foreign and f"holds files dapo did not write (the first: {foreign})"
+            why = f"holds files dapo did not write ({listing(foreign)})" if foreign else None
         except (TooManyEntries, OSError) as exc:  # not checked whole: not deleted
             why = f"could not be checked for files dapo did not write ({exc})"
     if why is None:
@@ -175,10 +172,10 @@ class _Walk:
     def rel(self, path: str) -> str:
         return os.path.relpath(path, self.root)
 
-    def check_top(self, entry: os.DirEntry) -> str | None:
-        """The first foreign path under the top-level entry ``entry`` (one of dapo's names)."""
+    def check_top(self, entry: os.DirEntry) -> list[str]:
+        """The foreign paths under the top-level entry ``entry`` (one of dapo's names)."""
         if not entry.is_dir(follow_symlinks=False):
-            return None  # a file of dapo's name: its own
+            return []  # a file of dapo's name: its own
         if entry.name == CKPT_DIR:
             return self.check_checkpoints(entry.path)
         if entry.name == "model":
@@ -187,25 +184,24 @@ class _Walk:
             return self.check_tree(entry.path, lambda rel, is_dir: rel.startswith(_EVENTS))
         if entry.name.endswith(".tmp"):  # a write of dapo's cut short (.model.tmp): counted
             return self.check_tree(entry.path, lambda rel, is_dir: True)
-        return None  # wandb/, report/: their writers' own layouts
+        return []  # wandb/, report/: their writers' own layouts
 
-    def check_checkpoints(self, path: str) -> str | None:
+    def check_checkpoints(self, path: str) -> list[str]:
+        found = []
         for entry in self.entries(path):
             if entry.is_symlink():
-                return self.rel(entry.path)
-            if entry.name in (LATEST, f".{LATEST}.tmp") and entry.is_file():
+                found.append(self.rel(entry.path))
+            elif entry.name in (LATEST, f".{LATEST}.tmp") and entry.is_file():
                 continue
-            if entry.name.startswith(".tmp-step_") and entry.is_dir():
-                found = self.check_tree(entry.path, lambda rel, is_dir: True)  # a save's
+            elif entry.name.startswith(".tmp-step_") and entry.is_dir():
+                found += self.check_tree(entry.path, lambda rel, is_dir: True)  # a save's
             elif _STEP.match(entry.name) and entry.is_dir():
-                found = self.check_step(entry.path)
+                found += self.check_step(entry.path)
             else:
-                found = self.rel(entry.path)
-            if found is not None:
-                return found
-        return None
+                found.append(self.rel(entry.path))
+        return found
 
-    def check_step(self, path: str) -> str | None:
+    def check_step(self, path: str) -> list[str]:
         """A checkpoint holds what its manifest lists (without one: the names it may hold)."""
         files = manifest.manifest_files(Path(path))
         if isinstance(files, str):
@@ -225,16 +221,16 @@ class _Walk:
             return rel.count("/") == 1 and rel.endswith(".jinja")
         return rel in MODEL_FILES or bool(_WEIGHTS.match(rel))
 
-    def check_tree(self, path: str, allows: Callable[[str, bool], bool]) -> str | None:
-        """The first entry under ``path`` that ``allows(relative path, is a directory)``
-        refuses, or a link; None when there is none."""
-        stack = [path]
+    def check_tree(self, path: str, allows: Callable[[str, bool], bool]) -> list[str]:
+        """The entries under ``path`` that ``allows(relative path, is a directory)`` refuses,
+        and links (neither looked into)."""
+        stack, found = [path], []
         while stack:
             for entry in self.entries(stack.pop()):
                 rel = os.path.relpath(entry.path, path)
                 is_dir = entry.is_dir(follow_symlinks=False)
                 if entry.is_symlink() or not allows(rel, is_dir):
-                    return self.rel(entry.path)
-                if is_dir:
+                    found.append(self.rel(entry.path))
+                elif is_dir:
                     stack.append(entry.path)
-        return None
+        return found
