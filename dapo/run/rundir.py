@@ -218,17 +218,21 @@ def _claim(plan: NewRun) -> None:
 
 
 def _make_parents(plan: NewRun) -> None:
-    """Make the directories the run goes in (run.out_dir), noting those this start made: a
-    start that fails removes them again when they are empty."""
-    missing, parent = [], plan.path.parent
-    while not parent.exists() and parent != parent.parent:
-        missing.append(parent)
-        parent = parent.parent
-    try:
-        plan.path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise _not_created(plan.path, exc) from exc
-    plan.made_parents = missing
+    """Make the directories the run goes in (run.out_dir), top down, noting each that this
+    start's own mkdir made (deepest first; not one it found, nor one another process made
+    meanwhile): a start that fails removes them again while they are empty."""
+    parent = plan.path.parent
+    for path in (*reversed(parent.parents), parent):  # unresolved: a/../b is a, then b
+        if path.is_dir():
+            continue
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise _not_created(plan.path, exc) from exc
+        if path not in plan.made_parents:
+            plan.made_parents.insert(0, path)
 
 
 def _not_created(run_dir: Path, exc: OSError) -> ValueError:
@@ -296,7 +300,7 @@ def undo_new_run(plan: NewRun) -> None:
             plan.lock = None
     if aborted is not None:
         shutil.rmtree(aborted)
-    for parent in plan.made_parents if plan.created else ():
+    for parent in plan.made_parents:
         try:  # only while empty: another run may have started in it meanwhile
             parent.rmdir()
         except OSError:
