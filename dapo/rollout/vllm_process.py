@@ -19,6 +19,7 @@ import contextlib
 import glob
 import os
 import random
+import shlex
 import shutil
 from collections.abc import Iterator
 
@@ -87,12 +88,16 @@ def release_shared_memory() -> list[str]:
     and pipeline groups (see the module docstring); the segments stay mapped and in use.
     Returns the names removed (none on GPUs, whose groups use NCCL). Call it after the
     engine has started: vLLM's start ends with a barrier once every rank has mapped them."""
-    import _posixshmem  # POSIX shared memory, as multiprocessing.shared_memory uses it
+    try:
+        import _posixshmem  # POSIX shared memory, as multiprocessing.shared_memory uses it
 
-    from vllm.distributed import parallel_state
+        from vllm.distributed import parallel_state
 
+        groups = (parallel_state.get_tp_group(), parallel_state.get_pp_group())
+    except (ImportError, AttributeError, AssertionError):  # another vLLM: its names stay
+        return []
     removed = []
-    for group in (parallel_state.get_tp_group(), parallel_state.get_pp_group()):
+    for group in groups:
         communicator = getattr(group, "device_communicator", None)
         name = getattr(getattr(communicator, "dist_module", None), "group_name", None)
         if name is None:
@@ -108,19 +113,29 @@ def release_shared_memory() -> list[str]:
 
 @contextlib.contextmanager
 def shared_memory_checked(shm_dir: str = SHM_DIR) -> Iterator[None]:
-    """Start vLLM with its failure to create a tensor-parallel group's shared memory (a
-    segment of that name exists) explained: which files hold the names, and the fix."""
+    """Start vLLM with its failures to set up a tensor-parallel group's shared memory
+    explained: a segment of that name exists already (which of this user's files hold such
+    names, and the command that removes them), or one was removed while the group started."""
     try:
         yield
     except RuntimeError as e:
+        if "open shm in SHMManager failed. errno: 2" in str(e):
+            raise RuntimeError(
+                "vLLM's CPU tensor-parallel workers lost a segment of their shared memory "
+                "while they started: a vLLM run on this machine ended at that moment (vLLM "
+                "removes the names of its group's segments as it exits, and under torchrun "
+                "names them the same in every run). Start again."
+            ) from e
         if "create shm in SHMManager failed. errno: 17" not in str(e):
             raise
-        stale = sorted(glob.glob(os.path.join(glob.escape(shm_dir), "*cpushm_*")))
+        pattern = os.path.join(glob.escape(shm_dir), "*cpushm_*")
+        stale = sorted(f for f in glob.glob(pattern) if os.stat(f).st_uid == os.getuid())
+        remove = f" (rm -- {' '.join(shlex.quote(f) for f in stale)})" if stale else ""
         raise RuntimeError(
             "vLLM's CPU tensor-parallel workers could not create their shared memory: a "
             "segment of the same name exists, left by a vLLM process that did not end normally "
             "(killed, or by os._exit) or held by another vLLM run starting on this machine "
             f"right now. Under torchrun vLLM gives it the same name in every run. Segments "
-            f"found: {', '.join(stale) or f'none left in {shm_dir}'}. If no other vLLM runs "
-            "on this machine, remove them (rm those files) and start again."
+            f"found: {', '.join(stale) or f'none of yours in {shm_dir}'}. If no other vLLM "
+            f"runs on this machine, remove them{remove} and start again."
         ) from e
