@@ -32,9 +32,9 @@ class Run:
     skipped: int = 0
     summary: dict[str, Any] = field(default_factory=dict)
     samples: list[Any] = field(default_factory=list)
-    _by_step: tuple[tuple[int, int], dict] | None = field(
+    _by_step: tuple[list, int, dict] | None = field(
         default=None, init=False, repr=False, compare=False
-    )  # last_rows's answer, and the rows it was computed from (their identity and count)
+    )  # the rows last_rows read (the list itself, and its length then) and its answer
 
     @property
     def last_step(self) -> int | None:
@@ -280,14 +280,14 @@ def last_rows(run: Run) -> dict[float, dict[str, Any]]:
     reached logs that step twice (docs/guides/resume-and-failures.md), and the later line is
     the one that stands. Computed once per run and shared (read it, do not change it): a
     report asks for it some 40 times, 12 of the 20 s a log of 200 MB took."""
-    key = (id(run.rows), len(run.rows))
-    if run._by_step is None or run._by_step[0] != key:
+    cached = run._by_step
+    if cached is None or cached[0] is not run.rows or cached[1] != len(run.rows):
         rows: dict[float, dict[str, Any]] = {}
         for row in run.rows:
             if is_number(row.get("step")):
                 rows[float(row["step"])] = row
-        run._by_step = key, dict(sorted(rows.items()))
-    return run._by_step[1]
+        cached = run._by_step = run.rows, len(run.rows), dict(sorted(rows.items()))
+    return cached[2]
 
 
 def kept_frac(row: dict[str, Any]) -> float | None:
