@@ -146,6 +146,10 @@ def test_the_walk_is_bounded(tmp_path, monkeypatch):
     monkeypatch.setattr(own_files, "WALK_LIMIT", 20)
     with pytest.raises(ValueError, match=r"holds more than 20 entries, more than dapo checks"):
         rundir.plan_new_run(_cfg(tmp_path), overwrite=True)
+    (run / "notes.txt").write_text("mine")  # named even so: the top level was listed whole
+    with pytest.raises(ValueError, match=r"holds files dapo did not write: notes.txt\. Move"):
+        rundir.plan_new_run(_cfg(tmp_path), overwrite=True)
+    (run / "notes.txt").unlink()
     monkeypatch.setattr(own_files, "WALK_LIMIT", 1000)
     assert rundir.plan_new_run(_cfg(tmp_path), overwrite=True).replaces
 
