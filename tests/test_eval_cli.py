@@ -444,6 +444,10 @@ def test_compare_names_a_gguf_file_and_a_file_of_no_record(tmp_path, capsys):
             f"dapo: error: --compare: {gguf} is a GGUF file, not a model directory: import it "
             f"first, `dapo model import {gguf} OUT_DIR`, and compare OUT_DIR (with --data)\n"
         )
+    renamed = tmp_path / "my model.bin"  # a GGUF file by its first bytes; a quoted path
+    renamed.write_bytes(gguf.read_bytes())
+    assert main(["eval", "--compare", str(a), str(renamed)]) == 2
+    assert f"`dapo model import '{renamed}' OUT_DIR`" in capsys.readouterr().err
     blank = tmp_path / "blank.jsonl"
     blank.write_text("\n\n")
     assert main(["eval", "--compare", str(a), str(blank)]) == 2

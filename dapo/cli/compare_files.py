@@ -5,6 +5,7 @@ such records is named by file and line, not met as a traceback later."""
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 
@@ -46,14 +47,24 @@ def read_problems(path: Path) -> tuple[dict[str, dict[str, float]], dict[str, st
 
 
 def refuse_model_files(*paths: Path) -> None:
-    """Refuse a GGUF file as a side of ``--compare``: it is a model, but one that dapo reads
-    only once imported (read as an evaluation, its bytes were "not a dapo eval record")."""
+    """Refuse a GGUF file (by its name or its first bytes) as a side of ``--compare``: it is a
+    model, but one that dapo reads only once imported (read as an evaluation, its bytes were
+    "not a dapo eval record")."""
     for path in paths:
-        if path.suffix.lower() == ".gguf" and path.is_file():
+        if path.is_file() and (path.suffix.lower() == ".gguf" or _starts_gguf(path)):
             raise ValueError(
                 f"--compare: {path} is a GGUF file, not a model directory: import it first, "
-                f"`dapo model import {path} OUT_DIR`, and compare OUT_DIR (with --data)"
+                f"`dapo model import {shlex.quote(str(path))} OUT_DIR`, and compare OUT_DIR "
+                "(with --data)"
             )
+
+
+def _starts_gguf(path: Path) -> bool:
+    try:
+        with path.open("rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False  # read_problems names what cannot be read
 
 
 def same_problems(a: dict[str, str], b: dict[str, str]) -> None:
