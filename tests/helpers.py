@@ -207,11 +207,16 @@ def _ends_at_once(rank: int, fn, port: int, *args) -> None:
     """``fn(rank, port, *args)``, then the process ends without running C++ destructors: at
     interpreter exit a rank's gloo threads were sometimes destroyed still joinable, and the
     rank died of SIGABRT ("terminate called without an active exception") after its test had
-    passed (seen under load in CI, 2026-12-04). What ``fn`` raises still reaches the parent."""
+    passed (seen under load in CI, 2026-12-04). What ``fn`` raises still reaches the parent.
+    It first removes what finalizers would have, as dapo's own ranks do before ``os._exit``
+    (a vLLM engine's temporary directory)."""
     import os
     import sys
 
+    from dapo.cli import before_exit
+
     fn(rank, port, *args)
+    before_exit()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -257,6 +257,7 @@ def _tensor_parallel_rank(rank: int, port: int, out: Path) -> None:
     size 2 across both ranks loaded from the shards; saves what it generated and held."""
     from dapo import dist
     from dapo.dist import fsdp
+    from dapo.rollout import vllm_process
     from dapo.rollout.vllm_engine import VLLMEngine
 
     env = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": 2, "MASTER_PORT": port}
@@ -273,11 +274,10 @@ def _tensor_parallel_rank(rank: int, port: int, out: Path) -> None:
         return {n: tuple(p.shape) for n, p in worker.model_runner.model.named_parameters()}
 
     (shapes,) = engine.llm.collective_rpc(held)
-    released = engine.shared_memory_released
-    torch.save(
-        {"greedy": vars(ro), "sampled": vars(sampled), "shapes": shapes, "released": released},
-        out / f"rank{rank}.pt",
-    )
+    dirs = sorted(vllm_process.TEMPORARY_DIRS)  # the engine's, removed by the rank's end
+    saved = dict(greedy=vars(ro), sampled=vars(sampled), shapes=shapes, engine_dirs=dirs)
+    saved["released"] = engine.shared_memory_released
+    torch.save(saved, out / f"rank{rank}.pt")
     engine.close()
 
 
@@ -294,6 +294,8 @@ def test_tensor_parallel_engine_splits_the_weights_and_samples_as_one(tmp_path, 
     assert [len(names) for names in released] == [1, 1]
     assert all(names[0].endswith(f"-cpushm_{r}") for r, names in enumerate(released))
     assert not [n for (n,) in released if Path("/dev/shm", n.lstrip("/")).exists()]
+    assert [len(r["engine_dirs"]) for r in ranks] == [1, 1]
+    assert not [d for r in ranks for d in r["engine_dirs"] if Path(d).exists()]  # nor in /tmp
     model = tiny_qwen2(tokenizer, TP_SPEC, seed=0).eval()
     for name in ("greedy", "sampled"):
         a, b = ranks[0][name], ranks[1][name]
