@@ -77,6 +77,17 @@ def test_yaml_file_starts_from_paper_by_default(tmp_path):
     [
         ("optim.lrr=1", "unknown config key 'optim.lrr'; optim has"),
         ("optimizer.lr=1", "sections are"),
+        (
+            "optim.lrr=1",
+            "optim has beta1, beta2, grad_clip, lr, warmup_steps, weight_decay. Did "
+            "you mean optim.lr?",
+        ),
+        ("trian.steps=3", "arith, code. Did you mean train?"),
+        (
+            "model.lora.rnak=8",
+            "model.lora has alpha, dropout, merged_sampling, rank, target_modules. Did you "
+            "mean model.lora.rank?",
+        ),
         ("optim.lr=fast", "optim.lr: expected float"),
         ("train.steps=1.5", "train.steps: expected int"),
         ("algo.dynamic=true", "unknown config key 'algo.dynamic'"),

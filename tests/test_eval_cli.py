@@ -432,7 +432,7 @@ def test_compare_names_a_hostile_line_instead_of_a_traceback(tmp_path, capsys):
         )
 
 
-def test_compare_names_a_gguf_file_and_a_file_of_no_record(tmp_path, capsys):
+def test_compare_names_a_gguf_file_and_a_file_of_no_record(tmp_path, capsys, monkeypatch):
     """A GGUF file given as a side was read as an evaluation ("not a dapo eval record", or
     "share no problems (0 vs 0 uids)" when empty); so was a file of blank lines."""
     a = _records(tmp_path / "a.jsonl", [0.5] * 3)
@@ -448,6 +448,12 @@ def test_compare_names_a_gguf_file_and_a_file_of_no_record(tmp_path, capsys):
     renamed.write_bytes(gguf.read_bytes())
     assert main(["eval", "--compare", str(a), str(renamed)]) == 2
     assert f"`dapo model import '{renamed}' OUT_DIR`" in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)  # evals/nothere: mistyped, and shaped like a Hub id
+    assert main(["eval", "--compare", str(a), "evals/nothere"]) == 2
+    assert capsys.readouterr().err == (
+        "dapo: error: --compare with a model directory needs --data FILE (or arith); "
+        "evals/nothere is no local path, so it was read as a Hub model id\n"
+    )
     blank = tmp_path / "blank.jsonl"
     blank.write_text("\n\n")
     assert main(["eval", "--compare", str(a), str(blank)]) == 2

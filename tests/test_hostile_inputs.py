@@ -239,7 +239,7 @@ def test_a_lock_file_that_is_a_link_is_refused_and_its_target_kept(tmp_path, vic
 
 
 def test_the_write_probe_and_atomic_writes_never_follow_a_link(tmp_path, victim):
-    from dapo.run import final_files, nofollow, rundir
+    from dapo.run import nofollow, run_files, rundir
 
     run = tmp_path / "run"
     _linked(run, f".write-test-{os.getpid()}", victim)  # the probe is the process's own
@@ -247,7 +247,7 @@ def test_the_write_probe_and_atomic_writes_never_follow_a_link(tmp_path, victim)
         rundir.check_writable(run)
     _linked(run, ".summary.json.tmp", victim)  # the temporary of an atomic write
     with pytest.raises(ValueError, match=r"\.summary\.json\.tmp is a symbolic link"):
-        final_files.write_summary(run, {"steps": 1})
+        run_files.write_summary(run, {"steps": 1})
     _linked(run, "samples.jsonl", victim)  # the file itself
     with pytest.raises(ValueError, match=r"samples\.jsonl is a symbolic link"):
         nofollow.write_atomic(run / "samples.jsonl", "{}\n")
@@ -256,13 +256,13 @@ def test_the_write_probe_and_atomic_writes_never_follow_a_link(tmp_path, victim)
 
 def test_a_config_copy_never_lands_behind_a_dangling_link(tmp_path):
     from dapo.config import load_config
-    from dapo.run import rundir
+    from dapo.run import run_files
 
     run, target = tmp_path / "run", tmp_path / "created-elsewhere.yaml"
     run.mkdir()
     (run / "config.yaml").write_text("old: config\n")
     _linked(run, "config.before-resume-1.yaml", target)  # dangling: exists() says False
-    rundir.write_config(run, load_config(None, []))
+    run_files.write_config(run, load_config(None, []))
     assert not target.exists()
     assert (run / "config.before-resume-2.yaml").read_text() == "old: config\n"
 

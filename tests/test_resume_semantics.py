@@ -21,7 +21,7 @@ from dapo.config import RESUME_SAFE_FIELDS, apply_overrides, load_config
 from dapo.config.loading import RESUME_INEXACT_FIELDS
 from dapo.models.demo import TinyModelSpec, build_tokenizer, tiny_qwen2
 from dapo.reward.tasks import arith
-from dapo.run import checkpoint, launcher, rundir
+from dapo.run import checkpoint, launcher, run_files
 from dapo.training import loop
 from dapo.training import resume as resume_checks
 from dapo.training.resume import check_resume
@@ -83,7 +83,7 @@ def runs(tmp_path_factory):
         cfg = load_config(None, [*SMALL, f"eval.every={every}", *where])
         run_dir = root / name
         run_dir.mkdir()
-        rundir.write_config(run_dir, cfg)
+        run_files.write_config(run_dir, cfg)
         _fit(cfg, start, run_dir, data, resume=False)
         made[name] = (cfg, run_dir)
     return made, start, data

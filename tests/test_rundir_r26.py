@@ -18,7 +18,7 @@ from helpers import Started, run_tree
 
 from dapo import cli
 from dapo.config import load_config
-from dapo.run import asides, rundir
+from dapo.run import asides, run_files, rundir
 from dapo.run.lock import RunLock, in_use_by
 
 
@@ -73,9 +73,9 @@ def test_the_earlier_run_is_back_before_the_lock_goes(tmp_path, capsys):
 
     lock.release = release_then_race
     rundir.undo_new_run(plan)
-    assert refused == [
-        f"run directory {run} already holds a run; continue it with "
-        f"`dapo train --resume {run}`, replace it with --overwrite, or pick another run.name"
+    assert refused == [  # _a_run's checkpoint is a name alone: nothing to resume
+        f"run directory {run} already holds a run; it stopped before its first checkpoint: "
+        "start it again with --overwrite, or pick another run.name"
     ]
     assert run_tree(run) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
@@ -163,8 +163,8 @@ def test_a_start_where_a_run_is_running_is_told_who_runs_there(tmp_path, overwri
         with pytest.raises(ValueError) as refused:
             rundir.plan_new_run(_cfg(tmp_path), overwrite=overwrite)
         assert str(refused.value) == _in_use_text(run)
-    with pytest.raises(FileExistsError, match="already holds a run; continue it with"):
-        rundir.plan_new_run(_cfg(tmp_path))  # once it is over
+    with pytest.raises(FileExistsError, match="already holds a run; it stopped before its"):
+        rundir.plan_new_run(_cfg(tmp_path))  # once it is over (no checkpoint to resume)
 
 
 def test_the_command_line_says_it_is_in_use(tmp_path, capsys):
@@ -173,3 +173,21 @@ def test_the_command_line_says_it_is_in_use(tmp_path, capsys):
         for dry in ([], ["--dry-run"]):
             assert cli.main(["train", f"run.out_dir={tmp_path}", "run.name=r", *dry]) == 2
             assert f"dapo: error: {_in_use_text(run)}\n" in capsys.readouterr().err
+
+
+def test_a_resume_of_a_run_going_on_before_its_first_checkpoint_is_told_it_is_in_use(
+    tmp_path, capsys
+):
+    """It was told the run "stopped before its first one; start it again with --overwrite"
+    while that run was still going (found by an exploratory session, 2026-12-04)."""
+    run = _a_run(tmp_path)
+    shutil.rmtree(run / "checkpoints")  # going on, not yet saved
+    run_files.write_config(run, _cfg(tmp_path))  # the demo's, as its start wrote it
+    with RunLock(run):
+        assert cli.main(["train", "--resume", str(run)]) == 2
+        assert f"dapo: error: {_in_use_text(run)}\n" in capsys.readouterr().err
+    assert cli.main(["train", "--resume", str(run)]) == 2  # it ended: nothing to resume
+    assert (
+        f"dapo: error: --resume {run}: no complete checkpoint there: it stopped before its "
+        "first one; start it again with --overwrite\n"
+    ) in capsys.readouterr().err

@@ -195,7 +195,7 @@ def _train(
 
     from dapo import dist
     from dapo.models import policy
-    from dapo.run import rundir
+    from dapo.run import run_files, rundir
     from dapo.run.determinism import make_deterministic
     from dapo.training.loop import fit
 
@@ -217,7 +217,7 @@ def _train(
         torch.manual_seed(cfg.train.seed)
         _print_plan(cfg, data)
         print(f"run directory: {run_dir}")
-        write_config = functools.partial(rundir.write_config, run_dir, cfg)
+        write_config = functools.partial(run_files.write_config, run_dir, cfg)
         if dist.is_main() and not resume_dir:  # a resume's, once its checkpoint is read
             write_config()
         # A resume starts from the same policy (the KL reference), then loads its checkpoint.
@@ -273,11 +273,10 @@ def check_same_config(cfg: Config) -> None:
 def _checked_run_dir(
     cfg: Config, resume_dir: Path | None, overwrite: bool, data: RunData, prompt_tokens: int
 ) -> RunSpace | None:
-    """What a dry run can tell of the run directory without changing anything: a new run's
-    would be refused, or a resumed one has no checkpoint, a link where its checkpoints are, a
-    checkpoint altered since it was written or whose trainer.json lacks a key resuming reads,
-    overrides or ``data`` it refuses (dapo.training.resume), or no room. A new run's room
-    (``prompt_tokens``: its longest prompt) is returned for the dry run's line."""
+    """What can be told of the run directory without changing anything: a new run's would be
+    refused; a resumed one is running, has no checkpoint (or a link, an altered one, one that
+    resuming cannot read), is refused ``data`` or overrides (dapo.training.resume), or lacks
+    room. A new run's room (``prompt_tokens``: its longest prompt) is returned."""
     from dapo import dist
     from dapo.run import checkpoint, disk_space, rundir, save_sizes, trainer_file
     from dapo.training import resume
@@ -289,6 +288,7 @@ def _checked_run_dir(
         return _check_new_run_space(cfg, plan.path, data, freed, prompt_tokens)
     found = checkpoint.find_latest(resume_dir)
     if found is None:
+        rundir.refuse_if_running(resume_dir)  # before its first checkpoint: it did not stop
         why = checkpoint.unreadable(resume_dir)
         raise ValueError(
             f"--resume {resume_dir}: no complete checkpoint there: "

@@ -67,6 +67,15 @@ def _starts_gguf(path: Path) -> bool:
         return False  # read_problems names what cannot be read
 
 
+def data_needed(*paths: Path) -> ValueError:
+    """The refusal of models to compare without ``--data``; a side that is no local path was
+    read as a Hub model id, which a mistyped evaluation's path (``evals/nothere``) looks
+    like: named."""
+    missing = [p for p in paths if not p.exists() and str(p) != "embedded"]
+    hub = f"; {missing[0]} is no local path, so it was read as a Hub model id" if missing else ""
+    return ValueError(f"--compare with a model directory needs --data FILE (or arith){hub}")
+
+
 def same_problems(a: dict[str, str], b: dict[str, str]) -> None:
     """Refuse to pair problems whose ground truths differ: two files may number their
     problems alike (AIME's copies use 0-29 in different orders)."""

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dapo.cli.compare_files import read_problems, refuse_model_files, same_problems
+from dapo.cli.compare_files import data_needed, read_problems, refuse_model_files, same_problems
 from dapo.cli.data import add_format_args
 from dapo.cli.flags import GivenOnce
 
@@ -249,7 +249,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         # Two models (or a model and a saved evaluation): evaluate each model first, with the
         # same data, k and seed, so that both sides see the same problems.
         if not args.data:
-            raise ValueError("--compare with a model directory needs --data FILE (or arith)")
+            raise data_needed(a_path, b_path)
         ones = {}
         for side, path in (("A", a_path), ("B", b_path)):
             if _is_model(path):

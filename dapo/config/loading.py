@@ -23,7 +23,7 @@ import yaml
 from dapo.config import presets
 from dapo.config.file_values import file_number
 from dapo.config.moved import MOVED_KEYS
-from dapo.config.sections import Config, attr_of, field_types, is_subsection, leaves
+from dapo.config.sections import Config, attr_of, did_you_mean, field_types, is_subsection, leaves
 from dapo.config.validation import config_errors, invalid_config, validate
 from dapo.config.validation import config_warnings as config_warnings
 from dapo.config.yaml_files import WrittenNumber, clipped_repr, read_override_value, read_yaml_file
@@ -119,13 +119,15 @@ def set_value(cfg: Config, dotted: str, value: Any, text: str | None = None) -> 
     shown = clipped_repr(dotted)  # a YAML file's key may be megabytes long
     sections = [f.name for f in dataclasses.fields(cfg)]
     if section_name not in sections or not rest:
-        raise ValueError(f"unknown config key {shown}; sections are {', '.join(sections)}")
+        guess = did_you_mean(section_name, sections, "")
+        raise ValueError(f"unknown config key {shown}; sections are {', '.join(sections)}{guess}")
     owner, where = getattr(cfg, section_name), section_name
     names = rest.split(".")
     for i, name in enumerate(names):
         types_ = field_types(owner)
         if name not in types_:
-            raise ValueError(f"unknown config key {shown}; {where} has {', '.join(sorted(types_))}")
+            listed, guess = ", ".join(sorted(types_)), did_you_mean(name, types_, f"{where}.")
+            raise ValueError(f"unknown config key {shown}; {where} has {listed}{guess}")
         typ, last = types_[name], i == len(names) - 1
         if not is_subsection(typ):
             if not last:

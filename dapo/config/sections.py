@@ -12,9 +12,11 @@ and where).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import keyword
 import typing
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,3 +127,10 @@ def leaves(section: Any, prefix: str = "") -> dict[str, Any]:
 def choices(section: type, name: str) -> tuple[str, ...]:
     """The values a ``Literal``-typed field allows: ``choices(RolloutConfig, "engine")``."""
     return typing.get_args(typing.get_type_hints(section)[name])
+
+
+def did_you_mean(name: str, known: Iterable[str], prefix: str = "") -> str:
+    """ ". Did you mean PREFIX+NAME?" for the known name closest to a misspelt ``name`` (a
+    short one: a file's key may be megabytes, and comparing it would take minutes), or ""."""
+    close = difflib.get_close_matches(name, list(known), n=1) if len(name) <= 64 else []
+    return f". Did you mean {prefix}{close[0]}?" if close else ""

@@ -22,11 +22,11 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dapo.config import Config, dump_yaml
+from dapo.config import Config
 from dapo.run import asides
-from dapo.run.checkpoint import CKPT_DIR
+from dapo.run.checkpoint import CKPT_DIR, find_latest
 from dapo.run.lock import RunLock, in_use_by, in_use_error
-from dapo.run.nofollow import LinkRefused, no_link, open_binary, write_atomic
+from dapo.run.nofollow import LinkRefused, open_binary, write_atomic
 from dapo.run.own_files import (
     MARK,
     PROBE,
@@ -82,9 +82,7 @@ def plan_new_run(cfg: Config, *, overwrite: bool = False) -> NewRun:
     if not entries:
         return NewRun(run_dir)
     if asides.only_a_start(run_dir, config=False):
-        holder = in_use_by(run_dir)
-        if holder is not None:  # another run is starting there
-            raise in_use_error(run_dir, holder)
+        refuse_if_running(run_dir)  # another run is starting there
         if MARK not in entries:  # a start that died before it marked it: empty to a new run
             return NewRun(run_dir)
         if not overwrite:
@@ -98,13 +96,13 @@ def plan_new_run(cfg: Config, *, overwrite: bool = False) -> NewRun:
             f"run directory {run_dir} is not empty and holds no dapo run; choose another "
             "run.name or run.out_dir (dapo never deletes what it did not write)"
         )
-    holder = in_use_by(run_dir)
-    if holder is not None:  # its run is running: no resume or overwrite can be offered
-        raise in_use_error(run_dir, holder)
+    refuse_if_running(run_dir)  # no resume or overwrite can be offered
     if not overwrite:
+        go_on = f"continue it with `{resume_text(run_dir)}`, replace it with --overwrite"
+        if not _resumable(run_dir):
+            go_on = "it stopped before its first checkpoint: start it again with --overwrite"
         raise FileExistsError(
-            f"run directory {run_dir} already holds a run; continue it with "
-            f"`{resume_text(run_dir)}`, replace it with --overwrite, or pick another run.name"
+            f"run directory {run_dir} already holds a run; {go_on}, or pick another run.name"
         )
     if not (run_dir / MARK).is_file():
         raise ValueError(
@@ -115,6 +113,22 @@ def plan_new_run(cfg: Config, *, overwrite: bool = False) -> NewRun:
         )
     check_replaceable(run_dir)
     return NewRun(run_dir, replaces=True)
+
+
+def refuse_if_running(run_dir: Path) -> None:
+    """Refuse ``run_dir`` while a run holds its lock, naming the process."""
+    holder = in_use_by(run_dir)
+    if holder is not None:
+        raise in_use_error(run_dir, holder)
+
+
+def _resumable(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds a checkpoint to resume (a link in the checkpoints' place
+    counts: ``--resume`` names it)."""
+    try:
+        return find_latest(run_dir) is not None
+    except ValueError:
+        return True
 
 
 def _check_place(cfg: Config, run_dir: Path) -> None:
@@ -342,9 +356,7 @@ def existing_run_dir(path: str | Path) -> Path:
         asides.put_back(run_dir)
     if not (run_dir / "config.yaml").is_file():
         if run_dir.is_dir() and (run_dir / MARK).is_file() and asides.only_a_start(run_dir):
-            holder = in_use_by(run_dir)
-            if holder is not None:
-                raise in_use_error(run_dir, holder)
+            refuse_if_running(run_dir)
             raise ValueError(
                 f"--resume {run_dir}: it holds only a start that was interrupted before it "
                 "wrote its config.yaml: there is no run to resume; start it again with the "
@@ -383,17 +395,3 @@ def _not_writable(run_dir: Path, exc: OSError, *, new: bool) -> ValueError:
             f"the copy: cp -a {shlex.quote(str(run_dir))} COPY && dapo train --resume COPY"
         )
     return ValueError(f"run directory {run_dir} is not writable ({exc.strerror}); {fix}")
-
-
-def write_config(run_dir: Path, cfg: Config) -> None:
-    """Write ``config.yaml``; a different one already there (a forced resume) is kept aside."""
-    path = no_link(run_dir / "config.yaml")
-    text = dump_yaml(cfg)
-    if path.is_file() and path.read_text() != text:
-        k = 1
-        while os.path.lexists(run_dir / f"config.before-resume-{k}.yaml"):  # links count
-            k += 1
-        # A copy, not a move: killed right here, the run must still have a config.yaml.
-        with open_binary(run_dir / f"config.before-resume-{k}.yaml", exclusive=True) as f:
-            f.write(path.read_bytes())
-    write_atomic(path, text)

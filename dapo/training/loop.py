@@ -25,7 +25,7 @@ from dapo.eval.evaluate import evaluate
 from dapo.eval.metrics import pick_samples
 from dapo.reward.pool import RewardPool
 from dapo.rollout.base import close_engine
-from dapo.run import checkpoint, final_files, launcher, model_files, sharded_checkpoint
+from dapo.run import checkpoint, launcher, model_files, run_files, sharded_checkpoint
 from dapo.run.interrupt import GracefulStop, RunStopped, StepAborted, stopped_after
 from dapo.run.metrics import MetricsLogger, NullLogger, open_wandb
 from dapo.run.progress import LiveProgress
@@ -231,8 +231,8 @@ class _Loop:
     def write_records(self) -> None:
         """The final evaluation's samples.jsonl (dapo report) and val_problems.json (dapo
         ablate), before the final checkpoint: a run killed after it resumes with both."""
-        final_files.write_samples(self.run_dir, self.state.step, pick_samples(self.records))
-        final_files.write_val_problems(self.run_dir, self.state.step, self.records)
+        run_files.write_samples(self.run_dir, self.state.step, pick_samples(self.records))
+        run_files.write_val_problems(self.run_dir, self.state.step, self.records)
 
     def budget_spent(self) -> bool:
         """Whether ``train.max_gen_tokens`` or ``train.max_seconds`` is reached (on any rank:
@@ -374,7 +374,7 @@ class _Loop:
             summary["warnings"] = self.warnings
         if not dist.is_main():
             return summary
-        final_files.write_summary(run_dir, summary)
+        run_files.write_summary(run_dir, summary)
         start, end = summary["val/accuracy_start"], summary["val/accuracy_end"]
         spent = (
             f" ({self.spent['gen_tokens']:,.0f} tokens generated, "
