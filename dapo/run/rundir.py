@@ -100,7 +100,7 @@ def plan_new_run(cfg: Config, *, overwrite: bool = False) -> NewRun:
     if not overwrite:
         go_on = f"continue it with `{resume_text(run_dir)}`, replace it with --overwrite"
         if not _resumable(run_dir):
-            go_on = "it stopped before its first checkpoint: start it again with --overwrite"
+            go_on = "it has no complete checkpoint to resume: start it again with --overwrite"
         raise FileExistsError(
             f"run directory {run_dir} already holds a run; {go_on}, or pick another run.name"
         )
