@@ -73,9 +73,9 @@ def test_the_earlier_run_is_back_before_the_lock_goes(tmp_path, capsys):
 
     lock.release = release_then_race
     rundir.undo_new_run(plan)
-    assert refused == [  # _a_run's checkpoint is a name alone: nothing to resume
-        f"run directory {run} already holds a run; it has no complete checkpoint to resume: "
-        "start it again with --overwrite, or pick another run.name"
+    assert refused == [
+        f"run directory {run} already holds a run; continue it with "
+        f"`dapo train --resume {run}`, replace it with --overwrite, or pick another run.name"
     ]
     assert run_tree(run) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
@@ -163,8 +163,8 @@ def test_a_start_where_a_run_is_running_is_told_who_runs_there(tmp_path, overwri
         with pytest.raises(ValueError) as refused:
             rundir.plan_new_run(_cfg(tmp_path), overwrite=overwrite)
         assert str(refused.value) == _in_use_text(run)
-    with pytest.raises(FileExistsError, match="already holds a run; it has no complete checkpoint"):
-        rundir.plan_new_run(_cfg(tmp_path))  # once it is over (no checkpoint to resume)
+    with pytest.raises(FileExistsError, match="already holds a run; continue it with"):
+        rundir.plan_new_run(_cfg(tmp_path))  # once it is over
 
 
 def test_the_command_line_says_it_is_in_use(tmp_path, capsys):

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from dapo.config import Config
 from dapo.run import asides
-from dapo.run.checkpoint import CKPT_DIR, find_latest
+from dapo.run.checkpoint import CKPT_DIR
 from dapo.run.lock import RunLock, in_use_by, in_use_error
 from dapo.run.nofollow import LinkRefused, open_binary, write_atomic
 from dapo.run.own_files import (
@@ -98,11 +98,9 @@ def plan_new_run(cfg: Config, *, overwrite: bool = False) -> NewRun:
         )
     refuse_if_running(run_dir)  # no resume or overwrite can be offered
     if not overwrite:
-        go_on = f"continue it with `{resume_text(run_dir)}`, replace it with --overwrite"
-        if not _resumable(run_dir):
-            go_on = "it has no complete checkpoint to resume: start it again with --overwrite"
         raise FileExistsError(
-            f"run directory {run_dir} already holds a run; {go_on}, or pick another run.name"
+            f"run directory {run_dir} already holds a run; continue it with "
+            f"`{resume_text(run_dir)}`, replace it with --overwrite, or pick another run.name"
         )
     if not (run_dir / MARK).is_file():
         raise ValueError(
@@ -120,15 +118,6 @@ def refuse_if_running(run_dir: Path) -> None:
     holder = in_use_by(run_dir)
     if holder is not None:
         raise in_use_error(run_dir, holder)
-
-
-def _resumable(run_dir: Path) -> bool:
-    """Whether ``run_dir`` holds a checkpoint to resume (a link in the checkpoints' place
-    counts: ``--resume`` names it)."""
-    try:
-        return find_latest(run_dir) is not None
-    except ValueError:
-        return True
 
 
 def _check_place(cfg: Config, run_dir: Path) -> None:
